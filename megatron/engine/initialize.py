@@ -1,0 +1,60 @@
+"""``deepspeed.initialize`` on our topology: the pipeline module, the client optimizer, the config.
+
+    engine = build_engine(model_config, state, ds_config, optimizer_settings, ...)
+    loss = engine.train_batch(data_iterator)
+
+The returned object is DeepSpeed's ``PipelineEngine`` (also for a single stage, so there is one code
+path): in bf16 with ``zero_optimization.stage`` 0/1 and fp32 gradient accumulation its optimizer
+is ``BF16_Optimizer`` (BLOOM's path); in fp32 the client optimizer wrapped by our grad-norm clipper.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+from typing import Optional
+
+import deepspeed
+import torch.distributed as dist
+
+from megatron.config import ModelConfig
+from megatron.engine.cpu import avoid_cpu_jit_builds
+from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
+from megatron.engine.pipeline import build_pipeline_module
+from megatron.parallel.random import RNGStatesTracker
+from megatron.parallel.state import ParallelState
+
+logger = logging.getLogger(__name__)
+
+
+def init_deepspeed_comm(backend: str, timeout_s: float = 600.0) -> None:
+    """Let ``deepspeed.comm`` wrap the already initialized torch.distributed default group."""
+    avoid_cpu_jit_builds()
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, dist_init_required=False,
+                               timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def build_engine(model_config: ModelConfig, state: ParallelState, ds_config: dict, *,
+                 optimizer: str = "adam", lr: float, weight_decay: float = 0.0, adam_beta1: float = 0.9,
+                 adam_beta2: float = 0.999, adam_eps: float = 1e-8, clip_grad: float = 0.0,
+                 partition_method: str = "type:transformer", checkpoint_activations: bool = False,
+                 checkpoint_num_layers: int = 1, tracker: Optional[RNGStatesTracker] = None):
+    """Build this rank's pipeline stage and hand it to ``deepspeed.initialize``; return the engine."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialized before build_engine")
+    module = build_pipeline_module(model_config, state, partition_method=partition_method,
+                                   checkpoint_activations=checkpoint_activations,
+                                   checkpoint_num_layers=checkpoint_num_layers, tracker=tracker)
+    client = build_client_optimizer(module, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
+                                    adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps)
+    config = copy.deepcopy(ds_config)
+    mixed = config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled")
+    if not mixed:
+        # fp32: DeepSpeed's own clipping miscounts replicated parameters on later pipeline stages
+        # (see megatron.engine.optimizer); clip with our norm instead.
+        clip_grad = config.pop("gradient_clipping", clip_grad) or clip_grad
+        client = GradNormClippingOptimizer(client, clip_grad=clip_grad, tp_rank=state.tp_rank,
+                                           model_group=state.model_group)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
+    return engine

@@ -1,0 +1,119 @@
+"""The client optimizer DeepSpeed wraps: AdamW (or SGD) over two parameter groups.
+
+No weight decay on biases and norm weights (Megatron's rule: every 1-D parameter), weight decay on
+the rest. DeepSpeed gets this torch optimizer as its client optimizer, so it never JIT-builds its
+CPU FusedAdam; in bf16 it is wrapped by DeepSpeed's ``BF16_Optimizer`` (fp32 master weights,
+ZeRO-1 partitioned across DP), which computes the grad norm and clips by itself.
+
+In fp32 without ZeRO, DeepSpeed's own clipping counts TP-replicated parameters only on the
+rank of model-parallel index 0, which on a pipeline means stage 0: layer norms of later stages
+would be missing from the norm. :class:`GradNormClippingOptimizer` replaces it with the norm
+computed over our groups: every parameter once, across tensor- and pipeline-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.parallel.utils import param_is_tensor_parallel
+
+
+def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: decayed weight matrices, and undecayed biases / norm weights (all 1-D params)."""
+    decay, no_decay = [], []
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [g for g in groups if g["params"]]
+
+
+def build_client_optimizer(module: torch.nn.Module, *, optimizer: str, lr: float, weight_decay: float,
+                           adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
+                           sgd_momentum: float = 0.9) -> torch.optim.Optimizer:
+    groups = param_groups(module, weight_decay)
+    if optimizer == "adam":
+        # Megatron's "adam" is AdamW (decoupled weight decay). foreach: fast on CPU and GPU alike.
+        return torch.optim.AdamW(groups, lr=lr, betas=(adam_beta1, adam_beta2), eps=adam_eps,
+                                 weight_decay=weight_decay, foreach=True)
+    if optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=sgd_momentum, weight_decay=weight_decay)
+    raise ValueError(f"--optimizer {optimizer!r} is not one of adam, sgd")
+
+
+def _counted_once(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this rank's copy of ``param`` enters the global norm (each parameter exactly once)."""
+    if getattr(param, "ds_pipe_replicated", False):  # the tied embedding's second copy (last stage)
+        return False
+    return tp_rank == 0 or param_is_tensor_parallel(param)
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], *, tp_rank: int, model_group) -> float:
+    """L2 norm of all gradients of the model replica (summed over its TP x PP ranks)."""
+    grads = [p.grad for p in params if p.grad is not None and _counted_once(p, tp_rank)]
+    if grads:
+        squares = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]).square().sum()
+    else:
+        squares = torch.zeros((), dtype=torch.float32)
+    if model_group is not None:
+        dist.all_reduce(squares, group=model_group)
+    return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float("inf")
+
+
+class GradNormClippingOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer: computes the global grad norm, skips the step if it is not finite,
+    clips to ``clip_grad`` (0 disables), then steps. DeepSpeed reads ``_global_grad_norm`` and
+    ``overflow`` after each step, so its skipped-step count and grad-norm report use ours."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, clip_grad: float, tp_rank: int, model_group):
+        self.optimizer = optimizer
+        self.clip_grad = clip_grad
+        self.tp_rank = tp_rank
+        self.model_group = model_group
+        self._global_grad_norm: Optional[float] = None
+        self.overflow = False
+
+    # Present the wrapped optimizer's state so DeepSpeed and schedulers see the real groups.
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+
+    def _params(self):
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = self._params()
+        norm = global_grad_norm(params, tp_rank=self.tp_rank, model_group=self.model_group)
+        self._global_grad_norm = norm
+        self.overflow = not math.isfinite(norm)
+        if self.overflow:
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            scale = self.clip_grad / (norm + 1e-6)
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
+        return self.optimizer.step(closure)

@@ -1,0 +1,125 @@
+"""The GPT/BLOOM model as a DeepSpeed ``PipelineModule``, built from the model's own modules.
+
+There is one network, in ``megatron.model``; this file only lists its modules as pipeline layers:
+
+    TiedLayerSpec("embed", EmbeddingPipe)        (input_ids, position_ids) -> hidden [s, b, h]
+    LayerSpec(TransformerLayer) x num_layers     hidden -> hidden
+    LayerSpec(FinalLayerNorm)                    hidden -> hidden
+    TiedLayerSpec("embed", EmbeddingPipe, forward_fn=lm_head_forward)
+                                                 hidden -> vocab-parallel logits [s, b, vp]
+    loss_fn = GPTLossFn                          (logits, (labels, loss_mask)) -> scalar
+
+The word embedding lives on the first and the last stage (DeepSpeed keeps the two copies tied and
+all-reduces their gradients). Every module initializes from (seed, its own identity) only, so a
+stage holding layers 4..7 starts exactly as the same layers of a single-stage model.
+
+``--pp-partition-method``: DeepSpeed's own methods. ``type:transformer`` balances the transformer
+layers (regex on class names, case-insensitive); ``type:transformer|embedding`` counts the two
+embeddings as layers too (BLOOM-176B's setting); ``parameters`` balances parameter counts;
+``uniform`` balances the number of specs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from megatron.config import ModelConfig
+from megatron.model import EmbeddingLayer, FinalLayerNorm, TransformerLayer, gpt_loss
+from megatron.parallel.random import RNGStatesTracker
+from megatron.parallel.state import ParallelState
+
+PARTITION_METHODS = ("type:transformer", "type:transformer|embedding", "parameters", "uniform")
+
+
+class EmbeddingPipe(EmbeddingLayer):
+    """The embedding as a pipeline layer: takes the (input_ids, position_ids) tuple DeepSpeed passes."""
+
+    def forward(self, inputs):
+        input_ids, position_ids = inputs
+        return super().forward(input_ids, position_ids)  # [s, b, h]
+
+
+def lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """The tied output head on the last stage: hidden [s, b, h] -> logits [s, b, vp]."""
+    return embedding.lm_logits(hidden)
+
+
+class GPTLossFn:
+    """Pipeline loss: masked mean of the vocab-parallel cross-entropy over the micro-batch."""
+
+    def __init__(self, tp_group):
+        self.tp_group = tp_group
+
+    def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
+        target, loss_mask = labels
+        return gpt_loss(logits, target, loss_mask, self.tp_group)
+
+
+def tracked_checkpoint_func(tracker: Optional[RNGStatesTracker]):
+    """An activation-checkpoint function that replays dropout exactly on recomputation.
+
+    torch's non-reentrant checkpoint restores the default generators before recomputing; the
+    tensor-parallel RNG tracker keeps its own states, so those are saved at the first forward
+    and swapped back in for the recomputation (then restored), making the recomputed dropout
+    masks equal to the original ones.
+    """
+
+    def checkpoint(function, *args):
+        saved = tracker.get_states() if tracker is not None else None
+        calls = {"n": 0}
+
+        def run(*inner):
+            calls["n"] += 1
+            if calls["n"] == 1 or tracker is None:
+                return function(*inner)
+            after = tracker.get_states()
+            tracker.set_states(saved)
+            try:
+                return function(*inner)
+            finally:
+                tracker.set_states(after)
+
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+
+    return checkpoint
+
+
+def layer_specs(config: ModelConfig, state: ParallelState, tracker: Optional[RNGStatesTracker]) -> list:
+    """The ordered pipeline layers of the model (see the module docstring)."""
+    embed_kwargs = dict(tp_group=state.tp_group)
+    specs = [TiedLayerSpec("embed", EmbeddingPipe, config, tied_weight_attr="word_embeddings.weight",
+                           **embed_kwargs)]
+    specs += [LayerSpec(TransformerLayer, config, tp_group=state.tp_group, layer_number=i, rng_tracker=tracker)
+              for i in range(config.num_layers)]
+    specs.append(LayerSpec(FinalLayerNorm, config))
+    specs.append(TiedLayerSpec("embed", EmbeddingPipe, config, forward_fn=lm_head_forward,
+                               tied_weight_attr="word_embeddings.weight", **embed_kwargs))
+    return specs
+
+
+def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partition_method: str = "type:transformer",
+                          checkpoint_activations: bool = False, checkpoint_num_layers: int = 1,
+                          tracker: Optional[RNGStatesTracker] = None) -> PipelineModule:
+    """The model's stage for this rank, on a topology identical to ``state``'s layout."""
+    if partition_method not in PARTITION_METHODS:
+        raise ValueError(f"--pp-partition-method {partition_method!r} is not one of {', '.join(PARTITION_METHODS)}")
+    if partition_method == "type:transformer" and config.num_layers < state.pp_size:
+        raise ValueError(f"--num-layers {config.num_layers} is smaller than --pipeline-model-parallel-size "
+                         f"{state.pp_size}: every stage needs at least one transformer layer")
+    topology = PipeModelDataParallelTopology(num_pp=state.pp_size, num_mp=state.tp_size, num_dp=state.dp_size)
+    assert topology.get_rank(pipe=state.pp_rank, data=state.dp_rank, model=state.tp_rank) == dist.get_rank()
+    return PipelineModule(
+        layers=layer_specs(config, state, tracker),
+        topology=topology,
+        loss_fn=GPTLossFn(state.tp_group),
+        partition_method=partition_method,
+        activation_checkpoint_interval=checkpoint_num_layers if checkpoint_activations else 0,
+        activation_checkpoint_func=tracked_checkpoint_func(tracker),
+        checkpointable_layers=["TransformerLayer"],
+        seed_layers=False,
+    )

@@ -1,0 +1,62 @@
+"""Leaving cleanly: SIGTERM (what SLURM sends before a time limit or on preemption), the kill-switch
+file, ``--exit-duration-in-mins`` and ``--exit-interval``.
+
+Each rank notices these on its own and possibly at different iterations (a signal reaches ranks
+at different moments), so the decision is agreed with one all-reduce (MAX) per iteration: every
+rank stops after the same iteration, saves, and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+REASONS = ("", "exit-interval", "exit-duration", "kill-switch", "signal")
+
+
+class ExitMonitor:
+    """Watches the exit conditions; ``check(iteration)`` returns the agreed reason or ''."""
+
+    def __init__(self, *, exit_interval: Optional[int] = None, exit_duration_in_mins: Optional[float] = None,
+                 kill_switch_path: Optional[str] = None, start_time: Optional[float] = None,
+                 signals=(signal.SIGTERM,)):
+        self.exit_interval = exit_interval
+        self.exit_duration_in_mins = exit_duration_in_mins
+        self.kill_switch_path = kill_switch_path
+        self.start_time = time.time() if start_time is None else start_time
+        self.received_signal: Optional[int] = None
+        self._previous = {}
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame):  # noqa: ARG002 - signal handler signature
+        self.received_signal = signum
+
+    def restore_signal_handlers(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def local_reason(self, iteration: int) -> int:
+        if self.received_signal is not None:
+            return REASONS.index("signal")
+        if self.kill_switch_path and os.path.exists(self.kill_switch_path):
+            return REASONS.index("kill-switch")
+        if self.exit_duration_in_mins and (time.time() - self.start_time) / 60.0 > self.exit_duration_in_mins:
+            return REASONS.index("exit-duration")
+        if self.exit_interval and iteration % self.exit_interval == 0:
+            return REASONS.index("exit-interval")
+        return 0
+
+    def check(self, iteration: int) -> str:
+        code = torch.tensor([self.local_reason(iteration)], dtype=torch.int64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_backend() == "nccl":
+                code = code.cuda()
+            dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        return REASONS[int(code.item())]

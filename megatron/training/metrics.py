@@ -1,0 +1,88 @@
+"""What a training run reports: the log line, tensorboard scalars (Megatron-DeepSpeed's tag
+names, so existing dashboards keep working) and the TFLOPs estimate.
+
+Only the last rank writes (it holds the loss after the pipeline); the others pass ``writer=None``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from megatron.config import ModelConfig
+
+
+def model_flops_per_iteration(config: ModelConfig, global_batch_size: int, checkpoint_activations: bool) -> float:
+    """Megatron's FLOPs per iteration (its "TFLOPs" formula), counting the recomputed forward
+    when activations are checkpointed:  24 * c * B * s * L * h^2 * (1 + s / (6h) + V / (16 L h)),
+    with c = 4 (forward + recompute + backward) with checkpointing, else 3."""
+    s, L, h, V = config.seq_length, config.num_layers, config.hidden_size, config.padded_vocab_size
+    c = 4 if checkpoint_activations else 3
+    return 24 * c * global_batch_size * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def scalar_tags(prefix: str, name: str) -> tuple[str, str, str]:
+    """(vs iteration, vs samples, vs tokens) tag names, e.g. 'lm-loss-training/lm loss vs samples'."""
+    return f"{prefix}/{name}", f"{prefix}/{name} vs samples", f"{prefix}/{name} vs tokens"
+
+
+class TrainingLogger:
+    """Formats the per-interval log line and writes tensorboard scalars."""
+
+    def __init__(self, writer=None, *, log_timers: bool = False, log_batch_size: bool = False,
+                 log_validation_ppl: bool = False, print_fn=print):
+        self.writer = writer
+        self.log_timers = log_timers
+        self.log_batch_size = log_batch_size
+        self.log_validation_ppl = log_validation_ppl
+        self.print_fn = print_fn
+
+    def _add(self, prefix: str, name: str, value: float, iteration: int, samples: int,
+             tokens: Optional[int] = None) -> None:
+        if self.writer is None:
+            return
+        vs_iter, vs_samples, vs_tokens = scalar_tags(prefix, name)
+        self.writer.add_scalar(vs_iter, value, iteration)
+        self.writer.add_scalar(vs_samples, value, samples)
+        if tokens is not None:
+            self.writer.add_scalar(vs_tokens, value, tokens)
+
+    def training(self, *, iteration: int, train_iters: int, consumed_samples: int, consumed_tokens: int,
+                 elapsed_ms_per_iter: float, lr: float, global_batch_size: int, loss: float,
+                 grad_norm: Optional[float], skipped: int, nan_iters: int, seq_length: int,
+                 tflops_per_gpu: float, world_size: int) -> str:
+        samples_per_s = global_batch_size / (elapsed_ms_per_iter / 1000.0) if elapsed_ms_per_iter > 0 else 0.0
+        tokens_per_s = samples_per_s * seq_length
+        line = (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:12d} | "
+                f"consumed tokens: {consumed_tokens:14d} | elapsed time per iteration (ms): {elapsed_ms_per_iter:.1f} | "
+                f"learning rate: {lr:.3E} | global batch size: {global_batch_size:5d} | lm loss: {loss:.6E} | "
+                f"grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f} | "
+                f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan_iters:3d} | "
+                f"samples per second: {samples_per_s:.3f} | tokens per second: {tokens_per_s:.1f} | "
+                f"TFLOPs: {tflops_per_gpu:.2f} |")
+        self.print_fn(line, flush=True)
+        self._add("lm-loss-training", "lm loss", loss, iteration, consumed_samples, consumed_tokens)
+        self._add("learning-rate", "learning-rate", lr, iteration, consumed_samples, consumed_tokens)
+        if self.log_batch_size:
+            self._add("batch-size", "batch-size", global_batch_size, iteration, consumed_samples, consumed_tokens)
+        if grad_norm is not None and math.isfinite(grad_norm):
+            self._add("grad-norm", "grad-norm", grad_norm, iteration, consumed_samples, consumed_tokens)
+        if self.log_timers and self.writer is not None:
+            self.writer.add_scalar("iteration-time/iteration-time", elapsed_ms_per_iter / 1000.0, iteration)
+            self.writer.add_scalar("iteration-time/samples per second", samples_per_s, iteration)
+            self.writer.add_scalar("iteration-time/tokens per second", tokens_per_s, iteration)
+            self.writer.add_scalar("iteration-time/TFLOPs per gpu", tflops_per_gpu, iteration)
+        return line
+
+    def validation(self, *, name: Optional[str], loss: float, iteration: int, consumed_samples: int,
+                   consumed_tokens: int, test: bool = False) -> str:
+        kind = "test" if test else "validation"
+        ppl = math.exp(min(20.0, loss))
+        label = f"{name} " if name else ""
+        line = f" {kind} loss at iteration {iteration} | {label}lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+        self.print_fn("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
+        prefix = f"lm-loss-validation/{name}" if name else "lm-loss-validation"
+        self._add(prefix, f"lm loss {kind}", loss, iteration, consumed_samples, consumed_tokens)
+        if self.log_validation_ppl:
+            self._add(prefix, f"lm loss {kind} ppl", ppl, iteration, consumed_samples, consumed_tokens)
+        return line
