@@ -175,6 +175,8 @@ class GPTDataset:
             "name": self.name,
             "data_prefix": os.path.abspath(self.data_prefix),
             "num_sequences": int(len(self.indexed_dataset.sizes)),
+            # A regenerated dataset under the same prefix must not reuse a stale index.
+            "sizes_sha256": hashlib.sha256(memoryview(np.ascontiguousarray(self.indexed_dataset.sizes))).hexdigest(),
             "documents_sha256": hashlib.sha256(np.ascontiguousarray(documents).tobytes()).hexdigest(),
             "documents_range": [int(documents[0]), int(documents[-1]) + 1, int(len(documents))],
             "num_samples": int(self.num_samples),

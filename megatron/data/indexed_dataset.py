@@ -316,7 +316,11 @@ class MMapIndexedDatasetBuilder:
 
     def merge_file_(self, other_prefix: str | os.PathLike) -> None:
         """Append every sequence and document of another (validated) dataset."""
-        other = _Index(index_file_path(other_prefix), os.path.getsize(data_file_path(other_prefix)))
+        try:
+            other_bin_size = os.path.getsize(data_file_path(other_prefix))
+        except OSError as e:
+            raise IndexedDatasetError(f"cannot read data file {data_file_path(other_prefix)}: {e}") from None
+        other = _Index(index_file_path(other_prefix), other_bin_size)
         if other.dtype != self.dtype:
             raise ValueError(
                 f"cannot merge {other_prefix} (dtype {other.dtype}) into a {self.dtype} dataset; "

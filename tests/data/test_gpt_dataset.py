@@ -150,6 +150,9 @@ def test_index_cache_reused_and_rebuilt(synthetic, tmp_path):
         assert GPTDataset(**{**args, **change}).built_index is False, change  # and reused next time
     assert cache_state(paths) == before
     assert not any(".tmp-" in name for name in os.listdir(tmp_path / "cache"))
+    # The same prefix regenerated with other documents (same count) must not reuse the old index.
+    _, regenerated = make_dataset(prefix, num_docs=40, seed=99)
+    assert GPTDataset(**{**args, "indexed_dataset": regenerated}).built_index
 
 
 def test_one_rank_builds_others_wait(synthetic, tmp_path):
@@ -203,3 +206,23 @@ def test_blended_and_weighted_split_groups(synthetic, tmp_path):
     assert set(np.asarray(valid["VALID_A"].doc_idx).tolist()) == set(range(32, 40))
     with pytest.raises(ValueError, match="takes one group"):
         build_weighted_split_datasets([f"A: 1 0:1 {prefix_a}", f"B: 1 0:1 {prefix_a}"], [], [], [1, 0, 0], 8, 1)
+
+
+def _build_on_rank_zero(rank, world_size, prefix, cache_dir):
+    import time
+
+    if rank == 0:
+        time.sleep(0.5)  # rank 1 reaches the cache first: it must wait for rank 0, not fail or build
+    indexed = MMapIndexedDataset(prefix)
+    ds = GPTDataset("train", prefix, np.arange(40), indexed, 25, 8, 11, cache_dir=cache_dir)
+    return ds.built_index, np.asarray(ds.shuffle_idx).tolist()
+
+
+@pytest.mark.multiprocess
+def test_torch_distributed_default_rank_zero_builds(synthetic, tmp_path):
+    from megatron.testing.distributed import run_distributed
+
+    prefix, _ = synthetic
+    results = run_distributed(_build_on_rank_zero, world_size=2, args=(prefix, str(tmp_path)), timeout=120)
+    assert [built for built, _ in results] == [True, False]
+    assert results[0][1] == results[1][1]
