@@ -1,0 +1,1 @@
+"""Command-line entry points (flags -> config -> library call); importable so tests can call ``main(argv)``."""
