@@ -20,8 +20,11 @@ hash of everything that changes them; each file is written to a temporary name a
 One rank builds, the others wait (``build`` / ``barrier`` arguments): the caller decides which
 rank builds (default: global rank 0 when torch.distributed is initialized, else this process),
 and all ranks call ``barrier()`` exactly once, the builder after writing, the others before
-loading. On a cluster without a shared filesystem, pass ``build=(local_rank == 0)`` and a
-node-local barrier.
+loading. The default barrier is the global ``torch.distributed.barrier()``, so it needs EVERY
+rank to construct the dataset; where only some ranks do (Megatron builds data on tensor-parallel
+rank 0 only), pass ``build`` and a ``barrier`` over exactly those ranks, e.g.
+``lambda: dist.barrier(group=g)``. On a cluster without a shared filesystem, pass
+``build=(local_rank == 0)`` and a node-local barrier.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from typing import Callable
 
@@ -112,11 +116,9 @@ def _default_build_and_barrier(build: bool | None, barrier: Callable[[], None] |
     """Global rank 0 builds when torch.distributed is initialized; otherwise this process builds."""
     if build is not None:
         return build, barrier
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return True, barrier
-    if dist.is_available() and dist.is_initialized():
+    # Without torch imported no process group can exist; do not pay torch's import for nothing.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0, barrier if barrier is not None else dist.barrier
     return True, barrier
 
