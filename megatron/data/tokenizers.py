@@ -216,6 +216,11 @@ class PretrainedFromHF(_FastTokenizer):
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        # transformers 5 can "load" a directory whose vocabulary files it does not understand as an
+        # empty tokenizer that encodes everything to []: refuse it instead of writing empty data.
+        if len(hf) < 2 or not hf("probe text", add_special_tokens=False)["input_ids"]:
+            raise ValueError(f"transformers loaded {str(path)!r} as an empty tokenizer (vocabulary "
+                             f"{len(hf)}); save it with a tokenizer.json (tokenizers.Tokenizer.save)")
         if hf.eos_token_id is None:
             raise ValueError(f"tokenizer at {str(path)!r} has no eos token; set one (it ends documents)")
         self._hf = hf

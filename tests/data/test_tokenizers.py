@@ -72,6 +72,30 @@ def test_trained_bpe_loads_as_gpt2_and_from_local_dir(tmp_path):
         assert from_dir.detokenize(ids) == text
 
 
+def test_pretrained_from_hf_directory_without_tokenizer_json_goes_through_transformers(tmp_path):
+    # transformers converts a Llama tokenizer.model as a BPE model: train one of that type.
+    files = train_sentencepiece_tokenizer(TINY_TEXT, 400, tmp_path / "spm", model_type="bpe")
+    local = tmp_path / "llama-style"
+    local.mkdir()
+    (local / "tokenizer.model").write_bytes(open(files["tokenizer_model"], "rb").read())
+    (local / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "eos_token": "</s>", "bos_token": "<s>", "unk_token": "<unk>"}))
+    via_transformers = PretrainedFromHF(local)
+    direct = SentencePieceTokenizer(files["tokenizer_model"])
+    assert via_transformers.eod == direct.eod == 2
+    for text in TINY_TEXT[:4]:
+        assert via_transformers.tokenize(text) == direct.tokenize(text)  # no BOS added
+        assert via_transformers.detokenize(direct.tokenize(text)) == text
+    assert via_transformers.tokenize_batch(TINY_TEXT[:2]) == direct.tokenize_batch(TINY_TEXT[:2])
+
+
+def test_pretrained_from_hf_refuses_a_directory_transformers_loads_empty(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer",
+                                                                "eos_token": "<|endoftext|>"}))
+    with pytest.raises(ValueError, match="empty tokenizer"):
+        PretrainedFromHF(tmp_path)
+
+
 def test_pretrained_from_hf_refuses_hub_names():
     with pytest.raises(ValueError, match="must be a local path"):
         PretrainedFromHF("bigscience/bloom-560m")
