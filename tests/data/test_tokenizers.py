@@ -133,3 +133,21 @@ def test_pad_vocab_size_to_exact_size_and_its_errors():
         pad_vocab_size(5000, 128, 2, pad_vocab_size_to=5001)
     with pytest.raises(ValueError, match="positive"):
         pad_vocab_size(5000, 128, 0)
+
+
+@pytest.mark.parametrize("kind, flag", [("bpe", "tokenizer_name_or_path"), ("sentencepiece", "tokenizer_model")])
+def test_train_tokenizer_tool_output_loads(tmp_path, kind, flag):
+    from tools import train_tokenizer
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"text": t, "title": "t"}) + "\n" for t in TINY_TEXT))
+    out = tmp_path / "out"
+    assert train_tokenizer.main(["--input", str(path), "--type", kind, "--vocab-size", "400",
+                                 "--output-dir", str(out)]) == 0
+    location = out if kind == "bpe" else out / "tokenizer.model"
+    tokenizer = build_tokenizer("PretrainedFromHF" if kind == "bpe" else "SentencePieceTokenizer", **{flag: location})
+    assert tokenizer.detokenize(tokenizer.tokenize(TINY_TEXT[1])) == TINY_TEXT[1]
+    assert tokenizer.eod == (0 if kind == "bpe" else 2)
+    if kind == "bpe":
+        gpt2 = GPT2BPETokenizer(out / "vocab.json", out / "merges.txt")
+        assert gpt2.tokenize(TINY_TEXT[2]) == tokenizer.tokenize(TINY_TEXT[2])
