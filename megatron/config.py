@@ -8,6 +8,7 @@ raises ``ValueError`` naming the values and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi")
@@ -85,3 +86,512 @@ class ModelConfig:
             raise ValueError(f"original vocabulary size {self.original_vocab_size} is larger than the padded "
                              f"size {self.padded_vocab_size}")
         return self
+
+
+# ---------------------------------------------------------------------------------------------
+# The run: how the model is laid out over processes, optimized, fed, logged, saved and stopped.
+# Built from the command line by ``megatron.arguments.build_run_config``; each ``validate()``
+# checks what its own fields can check, ``RunConfig.validate()`` the rules that span several.
+# ---------------------------------------------------------------------------------------------
+
+PARTITION_METHODS = ("type:transformer", "type:transformer|embedding", "parameters", "uniform")
+DISTRIBUTED_BACKENDS = ("nccl", "gloo", "ccl")
+LR_DECAY_STYLES = ("linear", "cosine", "constant")
+OPTIMIZERS = ("adam", "sgd")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "PretrainedFromHF")
+DATA_IMPLS = ("mmap", "infer")   # Megatron's "lazy" and "cached" formats are not read by this project
+
+
+def _positive(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the world's processes are laid out: world = TP x PP x DP (DeepSpeed's topology order)."""
+
+    tensor_model_parallel_size: int = 1    # ranks that split each layer's matrices (whole heads each)
+    pipeline_model_parallel_size: int = 1  # pipeline stages; each holds a contiguous run of layers
+    data_parallel_size: int = 1            # derived: world_size // (TP * PP), never given directly
+    pp_partition_method: str = "type:transformer"  # DeepSpeed PipelineModule partition_method, one of PARTITION_METHODS
+    distributed_backend: str = "gloo"      # torch.distributed backend: nccl | gloo | ccl
+    sequence_parallel: bool = False        # Megatron-LM's sequence parallelism; not implemented, must stay False
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+
+    def validate(self) -> "ParallelConfig":
+        _positive("--tensor-model-parallel-size", self.tensor_model_parallel_size)
+        _positive("--pipeline-model-parallel-size", self.pipeline_model_parallel_size)
+        _positive("data-parallel size", self.data_parallel_size)
+        if self.pp_partition_method not in PARTITION_METHODS:
+            raise ValueError(f"--pp-partition-method {self.pp_partition_method!r} is not one of "
+                             f"{', '.join(PARTITION_METHODS)}")
+        if self.distributed_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(f"--distributed-backend {self.distributed_backend!r} is not one of "
+                             f"{', '.join(DISTRIBUTED_BACKENDS)}")
+        if self.sequence_parallel:
+            raise ValueError("sequence parallelism is not implemented; leave sequence_parallel False")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """The client optimizer handed to DeepSpeed (torch AdamW or SGD), and gradient clipping."""
+
+    optimizer: str = "adam"        # adam (decoupled weight decay, i.e. AdamW, as Megatron's Adam) | sgd
+    lr: float = 1e-4               # peak learning rate, reached at the end of warmup
+    min_lr: float = 0.0            # floor of the decay; held after the decay ends
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9      # sgd only
+    weight_decay: float = 0.01     # not applied to biases and norms (megatron.engine.optimizer)
+    clip_grad: float = 1.0         # max global L2 norm of the gradients; 0 disables clipping
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return (self.adam_beta1, self.adam_beta2)
+
+    def validate(self) -> "OptimizerConfig":
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} must be between 0 and --lr {self.lr}; lower --min-lr")
+        for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if not self.adam_eps > 0:
+            raise ValueError(f"--adam-eps must be positive, got {self.adam_eps}")
+        if self.weight_decay < 0 or self.clip_grad < 0:
+            raise ValueError(f"--weight-decay {self.weight_decay} and --clip-grad {self.clip_grad} must be >= 0")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class LRScheduleConfig:
+    """Megatron's AnnealingLR: linear warmup 0 -> lr, then decay to min_lr, then min_lr.
+
+    Exactly one unit is used, chosen by the run: iterations with --train-iters, samples with
+    --train-samples. As in Megatron the scheduler always counts consumed samples: iteration
+    values are multiplied by the global batch size (see ``RunConfig.lr_schedule_in_samples``).
+    """
+
+    lr_decay_style: str = "linear"          # linear | cosine | constant (constant: lr after warmup, forever)
+    lr_decay_iters: Optional[int] = None    # iteration-based decay length; None: --train-iters
+    lr_decay_samples: Optional[int] = None  # sample-based decay length; None: --train-samples
+    lr_warmup_iters: int = 0                # iteration-based warmup length
+    lr_warmup_samples: int = 0              # sample-based warmup length
+    lr_warmup_fraction: Optional[float] = None  # warmup as a fraction of the decay length (either unit)
+    override_lr_scheduler: bool = False     # on resume, keep these values over the checkpoint's
+    use_checkpoint_lr_scheduler: bool = False  # on resume, take the checkpoint's values over these
+
+    def validate(self) -> "LRScheduleConfig":
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style {self.lr_decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}")
+        _positive("--lr-decay-iters", self.lr_decay_iters, allow_none=True)
+        _positive("--lr-decay-samples", self.lr_decay_samples, allow_none=True)
+        if self.lr_warmup_iters < 0 or self.lr_warmup_samples < 0:
+            raise ValueError(f"--lr-warmup-iters {self.lr_warmup_iters} and --lr-warmup-samples "
+                             f"{self.lr_warmup_samples} must be >= 0")
+        if self.lr_warmup_fraction is not None:
+            if not 0 <= self.lr_warmup_fraction < 1:
+                raise ValueError(f"--lr-warmup-fraction must be in [0, 1), got {self.lr_warmup_fraction}")
+            if self.lr_warmup_iters or self.lr_warmup_samples:
+                raise ValueError("give one of --lr-warmup-fraction, --lr-warmup-iters, --lr-warmup-samples; got "
+                                 f"fraction {self.lr_warmup_fraction}, iters {self.lr_warmup_iters}, "
+                                 f"samples {self.lr_warmup_samples}")
+        if self.override_lr_scheduler and self.use_checkpoint_lr_scheduler:
+            raise ValueError("--override-lr-scheduler and --use-checkpoint-lr-scheduler contradict each other; "
+                             "pass one")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+    """Batch sizes in samples (sequences). global = micro x DP x number of micro-batches."""
+
+    micro_batch_size: int = 1              # sequences per rank per forward/backward
+    global_batch_size: int = 1             # sequences per optimizer step (after any rampup)
+    rampup_batch_size: Optional[tuple[int, int, int]] = None  # (start, increment, ramp samples): Megatron's rampup
+
+    def num_micro_batches(self, data_parallel_size: int) -> int:
+        """Micro-batches per step at the full global batch size."""
+        return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
+
+    def validate(self, data_parallel_size: int = 1) -> "BatchConfig":
+        _positive("--micro-batch-size", self.micro_batch_size)
+        _positive("--global-batch-size", self.global_batch_size)
+        unit = self.micro_batch_size * data_parallel_size
+        if self.global_batch_size % unit:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple of --micro-batch-size "
+                             f"{self.micro_batch_size} x data-parallel size {data_parallel_size} = {unit}; "
+                             f"use a multiple of {unit}")
+        if self.rampup_batch_size is not None:
+            check_rampup_batch_size(self.rampup_batch_size, self.global_batch_size, self.micro_batch_size,
+                                    data_parallel_size)
+        return self
+
+
+def check_rampup_batch_size(rampup: tuple[int, int, int], global_batch_size: int, micro_batch_size: int,
+                            data_parallel_size: int) -> None:
+    """Megatron's rampup rules: every batch size on the way, start included, is a multiple of micro x DP."""
+    if len(rampup) != 3:
+        raise ValueError(f"--rampup-batch-size takes 3 values (START INCREMENT RAMPUP_SAMPLES), got {rampup!r}")
+    start, increment, ramp_samples = rampup
+    unit = micro_batch_size * data_parallel_size
+    if start < 1 or increment < 1 or ramp_samples < 0:
+        raise ValueError(f"--rampup-batch-size {start} {increment} {ramp_samples}: START and INCREMENT must be "
+                         f"positive and RAMPUP_SAMPLES >= 0")
+    if start >= global_batch_size:
+        raise ValueError(f"--rampup-batch-size start {start} must be smaller than --global-batch-size "
+                         f"{global_batch_size}; drop --rampup-batch-size for a constant batch size")
+    for name, value in (("start", start), ("increment", increment)):
+        if value % unit:
+            raise ValueError(f"--rampup-batch-size {name} {value} is not a multiple of --micro-batch-size "
+                             f"{micro_batch_size} x data-parallel size {data_parallel_size} = {unit}: the "
+                             f"batch sizes during rampup could not be split into micro-batches")
+    if (global_batch_size - start) % increment:
+        raise ValueError(f"--global-batch-size {global_batch_size} minus the rampup start {start} = "
+                         f"{global_batch_size - start} is not a multiple of the increment {increment}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """Parameter dtype and loss scaling; ZeRO stage of the DeepSpeed optimizer wrapper."""
+
+    bf16: bool = False                     # bf16 parameters, fp32 master weights and gradient accumulation
+    fp16: bool = False                     # fp16 parameters with loss scaling
+    loss_scale: Optional[float] = None     # fp16 static loss scale; None (or 0): dynamic scaling
+    # fp16 dynamic scaling; None: the DeepSpeed JSON's value, else DeepSpeed's defaults below
+    initial_loss_scale: Optional[float] = None  # starting scale, a power of 2 (default 2**16)
+    min_loss_scale: Optional[float] = None      # floor (default 1)
+    loss_scale_window: Optional[int] = None     # steps without overflow before the scale doubles (default 1000)
+    hysteresis: Optional[int] = None            # overflows tolerated before the scale halves (default 2)
+    zero_stage: int = 1                    # DeepSpeed ZeRO stage, 0 or 1 (the pipeline engine refuses 2 and 3);
+                                           # parse_args' default: the JSON's, else 1 with bf16, 0 otherwise
+
+    @property
+    def params_dtype(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    def validate(self) -> "PrecisionConfig":
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are both set; pick one")
+        if self.loss_scale is not None and self.loss_scale < 0:
+            raise ValueError(f"--loss-scale must be >= 0 (0: dynamic), got {self.loss_scale}")
+        if self.initial_loss_scale is not None:
+            power = math.log2(self.initial_loss_scale) if self.initial_loss_scale > 0 else 0.5
+            if power != int(power):
+                raise ValueError(f"--initial-loss-scale {self.initial_loss_scale} must be a power of 2 "
+                                 f"(DeepSpeed takes its exponent); e.g. {2 ** max(0, round(power))}")
+        if self.zero_stage not in (0, 1):
+            raise ValueError(f"--zero-stage {self.zero_stage} is not supported: DeepSpeed's pipeline engine (used "
+                             f"for every run here) accepts ZeRO stages 0 and 1 only")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSplit:
+    """One dataset of a weighted-split group: blend ``weight`` of documents [start, end) of ``prefix``."""
+
+    weight: float
+    start: float       # fraction of the dataset's documents, 0 <= start < end <= 1
+    end: float
+    prefix: str        # path without .bin / .idx
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetGroup:
+    """A named blend (``"NAME: W START:END PATH, ..."``); each validation group is evaluated on its own."""
+
+    name: str
+    datasets: tuple[DatasetSplit, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from. Two exclusive modes, as in Megatron-DeepSpeed:
+
+    1. ``data_path`` + ``split``: one blend split into train/valid/test by document ranges;
+    2. weighted split groups: one train group, any number of valid and test groups.
+    """
+
+    data_path: tuple[tuple[float, str], ...] = ()   # (weight, prefix) pairs; a single prefix has weight 1.0
+    split: Optional[str] = None                     # "969, 30, 1"-style proportions (mode 1 only)
+    train_weighted_split_groups: tuple[DatasetGroup, ...] = ()
+    valid_weighted_split_groups: tuple[DatasetGroup, ...] = ()
+    test_weighted_split_groups: tuple[DatasetGroup, ...] = ()
+    data_impl: str = "mmap"                         # only Megatron's mmap format is read
+    seq_length: int = 1024                          # tokens per sample
+    num_workers: int = 2                            # DataLoader workers for training
+    valid_num_workers: int = 2                      # DataLoader workers for validation and test
+    tokenizer_type: Optional[str] = None            # GPT2BPETokenizer | SentencePieceTokenizer | PretrainedFromHF
+    tokenizer_name_or_path: Optional[str] = None    # PretrainedFromHF: a local tokenizer.json or directory
+    vocab_file: Optional[str] = None                # GPT2BPETokenizer: vocab.json
+    merge_file: Optional[str] = None                # GPT2BPETokenizer: merges.txt
+    tokenizer_model: Optional[str] = None           # SentencePieceTokenizer: the .model file
+    make_vocab_size_divisible_by: int = 128         # padding multiple (times TP) of the embedding rows
+    pad_vocab_size_to: Optional[int] = None         # exact padded size instead (BLOOM: 250880)
+    seed: int = 1234                                # sample-index shuffling seed
+
+    @property
+    def uses_weighted_splits(self) -> bool:
+        return bool(self.train_weighted_split_groups or self.valid_weighted_split_groups
+                    or self.test_weighted_split_groups)
+
+    @property
+    def split_fractions(self) -> tuple[float, float, float]:
+        """(train, valid, test) fractions of ``split``; Megatron pads missing parts with 0."""
+        parts = [float(p) for p in (self.split or "969, 30, 1").replace("/", ",").split(",") if p.strip()]
+        parts = (parts + [0.0, 0.0, 0.0])[:3]
+        total = sum(parts)
+        return tuple(p / total for p in parts)  # type: ignore[return-value]
+
+    @property
+    def has_validation_data(self) -> bool:
+        if self.uses_weighted_splits:
+            return bool(self.valid_weighted_split_groups)
+        return bool(self.data_path) and self.split_fractions[1] > 0
+
+    def validate(self) -> "DataConfig":
+        if self.data_path and self.uses_weighted_splits:
+            raise ValueError("--data-path and --(train|valid|test)-weighted-split-paths are exclusive ways to "
+                             "name the data; pass one of them")
+        if not self.data_path and not self.train_weighted_split_groups:
+            raise ValueError("no training data: pass --data-path PREFIX (or WEIGHT PREFIX ...) or "
+                             "--train-weighted-split-paths(-path)")
+        if self.uses_weighted_splits and self.split is not None:
+            raise ValueError(f"--split {self.split!r} applies to --data-path only; the weighted split paths "
+                             "carry their own START:END ranges")
+        if len(self.train_weighted_split_groups) > 1:
+            raise ValueError(f"--train-weighted-split-paths takes exactly one group, got "
+                             f"{len(self.train_weighted_split_groups)}")
+        if self.split is not None:
+            try:
+                fractions = self.split_fractions
+            except (ValueError, ZeroDivisionError):
+                raise ValueError(f"--split {self.split!r} must be up to three non-negative numbers with a "
+                                 "positive sum, e.g. '969, 30, 1'") from None
+            if min(fractions) < 0:
+                raise ValueError(f"--split {self.split!r} has a negative part")
+        if self.data_impl not in DATA_IMPLS:
+            raise ValueError(f"--data-impl {self.data_impl!r} is not supported: this project reads Megatron's "
+                             f"mmap format only (pass --data-impl mmap; convert with tools/preprocess_data.py)")
+        _positive("--seq-length", self.seq_length)
+        if self.num_workers < 0 or self.valid_num_workers < 0:
+            raise ValueError(f"--num-workers {self.num_workers} and --valid-num-workers "
+                             f"{self.valid_num_workers} must be >= 0")
+        self._validate_tokenizer()
+        return self
+
+    def _validate_tokenizer(self) -> None:
+        if self.tokenizer_type not in TOKENIZER_TYPES:
+            raise ValueError(f"--tokenizer-type {self.tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+        needed = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",),
+                  "PretrainedFromHF": ("tokenizer_name_or_path",)}[self.tokenizer_type]
+        for name in needed:
+            if getattr(self, name) is None:
+                raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs --{name.replace('_', '-')}")
+        _positive("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by)
+        _positive("--pad-vocab-size-to", self.pad_vocab_size_to, allow_none=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    """How long to train, when to evaluate, and per-step behaviour of the loop."""
+
+    train_iters: Optional[int] = None      # iteration-based run length (exclusive with train_samples)
+    train_samples: Optional[int] = None    # sample-based run length (needed for batch-size rampup)
+    eval_interval: int = 1000              # iterations between evaluations
+    eval_iters: int = 100                  # iterations per evaluation (per validation group); 0 disables it
+    skip_train_iteration_range: tuple[tuple[int, int], ...] = ()  # inclusive [start, end] ranges, merged, sorted
+    seed: int = 1234                       # python / numpy / torch seeds (per rank offsets are the loop's business)
+    checkpoint_activations: bool = False   # recompute each layer's activations in the backward pass
+    checkpoint_num_layers: int = 1         # layers per checkpointed chunk
+    deepspeed_activation_checkpointing: bool = False  # use DeepSpeed's checkpointing (only with checkpoint_activations)
+    sync_tp_duplicated_parameters: bool = False  # average TP-replicated parameters (norms, biases) every step
+    max_nonfinite_steps: Optional[int] = None    # stop after this many consecutive NaN/inf losses; None: never
+
+    @property
+    def sample_based(self) -> bool:
+        return self.train_samples is not None
+
+    def validate(self) -> "TrainingConfig":
+        if (self.train_iters is None) == (self.train_samples is None):
+            raise ValueError(f"give exactly one of --train-iters and --train-samples (got train_iters="
+                             f"{self.train_iters}, train_samples={self.train_samples})")
+        _positive("--train-iters", self.train_iters, allow_none=True)
+        _positive("--train-samples", self.train_samples, allow_none=True)
+        _positive("--eval-interval", self.eval_interval)
+        if self.eval_iters < 0:
+            raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
+        _positive("--checkpoint-num-layers", self.checkpoint_num_layers)
+        _positive("--max-nonfinite-steps", self.max_nonfinite_steps, allow_none=True)
+        for start, end in self.skip_train_iteration_range:
+            if not 1 <= start <= end:
+                raise ValueError(f"--skip-train-iteration-range {start}-{end}: need 1 <= START <= END")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """What is reported, how often, and where (stdout and TensorBoard)."""
+
+    log_interval: int = 100                # iterations between log lines
+    tensorboard_dir: Optional[str] = None  # None: no TensorBoard
+    tensorboard_queue_size: int = 1000     # events queued before SummaryWriter flushes (its max_queue)
+    tensorboard_log_interval: int = 1      # iterations between TensorBoard scalars
+    log_timers_to_tensorboard: bool = False
+    log_batch_size_to_tensorboard: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    peak_tflops: Optional[float] = None    # device peak TFLOP/s for utilization (MFU); None: the loop's own guess
+
+    def validate(self) -> "LoggingConfig":
+        _positive("--log-interval", self.log_interval)
+        _positive("--tensorboard-queue-size", self.tensorboard_queue_size)
+        _positive("--tensorboard-log-interval", self.tensorboard_log_interval)
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"--peak-tflops must be positive, got {self.peak_tflops}")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save: Optional[str] = None             # directory to save to; None: never save
+    load: Optional[str] = None             # directory to resume from (its 'latest' tag); None: start fresh
+    save_interval: Optional[int] = None    # iterations between saves (required with save)
+    universal_checkpoint: bool = False     # load a universal checkpoint (ds_to_universal), any TP/PP/DP
+    no_load_optim: bool = False            # load weights but not the optimizer state
+    no_load_rng: bool = False              # do not restore the RNG states
+    finetune: bool = False                 # load weights only; iteration and consumed samples restart at 0
+    keep_last_n_checkpoints: Optional[int] = None  # delete older saved checkpoints; None: keep all
+
+    def validate(self) -> "CheckpointConfig":
+        if self.save is not None and self.save_interval is None:
+            raise ValueError(f"--save {self.save!r} needs --save-interval (iterations between checkpoints)")
+        _positive("--save-interval", self.save_interval, allow_none=True)
+        _positive("--keep-last-n-checkpoints", self.keep_last_n_checkpoints, allow_none=True)
+        for flag, on in (("--universal-checkpoint", self.universal_checkpoint), ("--finetune", self.finetune)):
+            if on and self.load is None:
+                raise ValueError(f"{flag} loads a checkpoint: pass --load DIR")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitConfig:
+    """Conditions that end the run cleanly (after saving, when --save is set)."""
+
+    exit_interval: Optional[int] = None           # exit after the iteration divisible by this
+    exit_duration_in_mins: Optional[float] = None # exit once this many minutes have passed since start
+    kill_switch_path: Optional[str] = None        # exit when this file appears
+
+    def validate(self) -> "ExitConfig":
+        _positive("--exit-interval", self.exit_interval, allow_none=True)
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
+            raise ValueError(f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a pretraining run needs, validated before any process group starts.
+
+    ``model.padded_vocab_size`` is None until the tokenizer is known; ``with_vocab_size`` fills it
+    (``megatron.arguments.resolve_vocab_size`` builds the tokenizer and pads as Megatron does).
+    """
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    lr_schedule: LRScheduleConfig
+    batch: BatchConfig
+    precision: PrecisionConfig
+    data: DataConfig
+    training: TrainingConfig
+    logging: LoggingConfig
+    checkpoint: CheckpointConfig
+    exit: ExitConfig
+    deepspeed_config: Optional[str] = None  # path of the user's --deepspeed_config JSON, if any
+    # that JSON's content, merged by megatron.engine.ds_config.build_deepspeed_config
+    deepspeed_user_config: Optional[dict] = dataclasses.field(default=None, hash=False)
+    startup_warnings: tuple[str, ...] = ()  # settings accepted but without effect here: log them at startup
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    def lr_schedule_in_samples(self) -> tuple[float, int]:
+        """(warmup, decay) lengths in consumed samples, as Megatron's get_learning_rate_scheduler computes them."""
+        s, t = self.lr_schedule, self.training
+        if t.sample_based:
+            decay = s.lr_decay_samples if s.lr_decay_samples is not None else t.train_samples
+            warmup = s.lr_warmup_samples
+        else:
+            gbs = self.batch.global_batch_size
+            decay = (s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters) * gbs
+            warmup = s.lr_warmup_iters * gbs
+        if s.lr_warmup_fraction is not None:
+            warmup = s.lr_warmup_fraction * decay
+        return warmup, decay
+
+    def with_vocab_size(self, original_vocab_size: int, padded_vocab_size: int) -> "RunConfig":
+        model = dataclasses.replace(self.model, original_vocab_size=original_vocab_size,
+                                    padded_vocab_size=padded_vocab_size)
+        return dataclasses.replace(self, model=model).validate()
+
+    def validate(self) -> "RunConfig":
+        for part in (self.parallel, self.optimizer, self.lr_schedule, self.precision, self.data, self.training,
+                     self.logging, self.checkpoint, self.exit):
+            part.validate()
+        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
+        model = self.model
+        if model.padded_vocab_size is None:  # not known yet: check everything else with a stand-in
+            model = dataclasses.replace(model, padded_vocab_size=tp)
+        model.validate(tp)
+        self.batch.validate(self.parallel.data_parallel_size)
+        self._validate_pipeline(pp)
+        self._validate_schedule()
+        if self.model.seq_length != self.data.seq_length:
+            raise ValueError(f"model seq_length {self.model.seq_length} != data seq_length {self.data.seq_length}")
+        if self.training.eval_iters > 0 and not self.data.has_validation_data:
+            raise ValueError(f"--eval-iters {self.training.eval_iters} asks for evaluation every "
+                             f"{self.training.eval_interval} iterations, but there is no validation data (no "
+                             f"--valid-weighted-split-paths, or a --split without a validation part); pass "
+                             f"validation data or --eval-iters 0")
+        return self
+
+    def _validate_pipeline(self, pp: int) -> None:
+        method = self.parallel.pp_partition_method
+        # type:transformer|embedding also balances the tied embedding (first and last stage) as layers
+        items = self.model.num_layers + (2 if method == "type:transformer|embedding" else 0)
+        if items < pp:
+            raise ValueError(f"--num-layers {self.model.num_layers} gives {items} layers to partition with "
+                             f"--pp-partition-method {method}, fewer than --pipeline-model-parallel-size {pp}: "
+                             f"every stage needs at least one; use fewer stages or more layers")
+
+    def _validate_schedule(self) -> None:
+        s, t = self.lr_schedule, self.training
+        if t.sample_based:
+            wrong = {"--lr-decay-iters": s.lr_decay_iters, "--lr-warmup-iters": s.lr_warmup_iters or None}
+            mode, fix = "sample-based (--train-samples)", "the -samples variants"
+        else:
+            wrong = {"--lr-decay-samples": s.lr_decay_samples, "--lr-warmup-samples": s.lr_warmup_samples or None,
+                     "--rampup-batch-size": self.batch.rampup_batch_size}
+            mode, fix = "iteration-based (--train-iters)", "the -iters variants, and no --rampup-batch-size"
+        for flag, value in wrong.items():
+            if value is not None:
+                raise ValueError(f"{flag} {value} does not fit {mode} training; use {fix} "
+                                 f"(Megatron: rampup needs --train-samples)")
+        warmup, decay = self.lr_schedule_in_samples()
+        if warmup >= decay:
+            raise ValueError(f"learning-rate warmup ({warmup:g} samples) is not shorter than the decay "
+                             f"({decay} samples, warmup included); shorten the warmup or lengthen the decay")

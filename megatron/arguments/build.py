@@ -1,0 +1,66 @@
+"""``build_run_config``: a parsed Namespace -> a validated ``RunConfig``; ``resolve_vocab_size`` fills the vocab."""
+
+from __future__ import annotations
+
+from megatron.config import (BatchConfig, CheckpointConfig, DataConfig, ExitConfig, LoggingConfig, LRScheduleConfig,
+                             ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig)
+
+
+def _pick(cls, args, **extra):
+    """``cls`` filled from same-named attributes of ``args`` (flag names are field names), plus ``extra``."""
+    names = [f.name for f in cls.__dataclass_fields__.values() if f.name not in extra]
+    return cls(**{name: getattr(args, name) for name in names}, **extra)
+
+
+def build_run_config(args) -> RunConfig:
+    """The ``RunConfig`` of ``parse_args``' result; every rule of ``RunConfig.validate`` and the DeepSpeed
+    JSON merge are checked. ``model.padded_vocab_size`` stays None until ``resolve_vocab_size``."""
+    params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    model = ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        padded_vocab_size=None, seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        ffn_hidden_size=args.ffn_hidden_size, position_embedding_type=args.position_embedding_type,
+        embed_layernorm=args.embed_layernorm, layernorm_epsilon=args.layernorm_epsilon,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, params_dtype=params_dtype, seed=args.seed)
+    rampup = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
+    config = RunConfig(
+        model=model,
+        parallel=_pick(ParallelConfig, args, sequence_parallel=False),
+        optimizer=_pick(OptimizerConfig, args),
+        lr_schedule=_pick(LRScheduleConfig, args),
+        batch=_pick(BatchConfig, args, rampup_batch_size=rampup),
+        precision=_pick(PrecisionConfig, args),
+        data=_pick(DataConfig, args, data_path=args.data_path_pairs,
+                   train_weighted_split_groups=args.train_weighted_split_groups,
+                   valid_weighted_split_groups=args.valid_weighted_split_groups,
+                   test_weighted_split_groups=args.test_weighted_split_groups),
+        training=_pick(TrainingConfig, args),
+        logging=_pick(LoggingConfig, args),
+        checkpoint=_pick(CheckpointConfig, args),
+        exit=_pick(ExitConfig, args),
+        deepspeed_config=args.deepspeed_config,
+        deepspeed_user_config=args.deepspeed_user_config,
+        startup_warnings=tuple(args.startup_warnings),
+    ).validate()
+    from megatron.engine.ds_config import build_deepspeed_config  # pure dict logic, no deepspeed import
+
+    build_deepspeed_config(config, config.deepspeed_user_config)  # a JSON contradicting the flags fails here
+    return config
+
+
+def resolve_vocab_size(run_config: RunConfig, tokenizer=None) -> RunConfig:
+    """``run_config`` with the tokenizer's vocabulary and Megatron's padded size filled in.
+
+    ``tokenizer`` defaults to the one the data flags name (``megatron.data.tokenizers``).
+    """
+    from megatron.data.tokenizers import build_tokenizer, pad_vocab_size
+
+    d = run_config.data
+    if tokenizer is None:
+        tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                                    tokenizer_model=d.tokenizer_model,
+                                    tokenizer_name_or_path=d.tokenizer_name_or_path)
+    padded = pad_vocab_size(tokenizer.vocab_size, d.make_vocab_size_divisible_by,
+                            run_config.parallel.tensor_model_parallel_size, d.pad_vocab_size_to)
+    return run_config.with_vocab_size(tokenizer.vocab_size, padded)

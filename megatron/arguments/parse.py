@@ -1,0 +1,200 @@
+"""``parse_args``: flags -> a checked ``argparse.Namespace``, with Megatron's derived values.
+
+Checks here are the ones that need the environment or the file system (world size, data prefixes,
+tokenizer files, the DeepSpeed JSON); the rest live in ``megatron.config``'s ``validate()``
+methods, run by ``build_run_config`` which ``parse_args`` calls before returning. Nothing the user
+asked for is changed: a contradiction is a ValueError naming the numbers, a setting with no effect
+here is kept and reported once in the startup log (and in ``args.startup_warnings``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Optional, Sequence
+
+from megatron.arguments.data_paths import missing_prefixes, parse_data_path, parse_weighted_split
+from megatron.arguments.parser import build_parser
+
+logger = logging.getLogger("megatron.arguments")
+
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr",
+            "tokenizer_type")
+FP16_ONLY = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+
+
+def world_size_from_env(env=None) -> int:
+    """WORLD_SIZE (torchrun, the DeepSpeed launcher), else SLURM_NTASKS (``srun`` one task per device), else 1.
+
+    Under ``srun ... torchrun`` (BLOOM's scripts: one SLURM task per node) torchrun sets WORLD_SIZE,
+    which wins over SLURM_NTASKS (the number of nodes there).
+    """
+    env = os.environ if env is None else env
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if env.get(name):
+            try:
+                return int(env[name])
+            except ValueError:
+                raise ValueError(f"environment variable {name}={env[name]!r} is not an integer") from None
+    return 1
+
+
+def rank_from_env(env=None) -> int:
+    env = os.environ if env is None else env
+    return int(env.get("RANK") or env.get("SLURM_PROCID") or 0)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None):
+    """Parse ``argv`` (default ``sys.argv[1:]``) for a job of ``world_size`` processes (default: from the env).
+
+    Returns the Namespace with derived values added: ``world_size``, ``rank``, ``data_parallel_size``,
+    ``data_path_pairs``, ``{train,valid,test}_weighted_split_groups``, ``deepspeed_user_config``,
+    ``skip_train_iteration_range`` (merged (start, end) tuples) and ``startup_warnings``. The padded
+    vocabulary size is NOT here: it needs the tokenizer (see ``resolve_vocab_size``).
+    Raises ValueError for any impossible configuration, before any process group exists.
+    """
+    args = build_parser().parse_args(argv)
+    args.world_size = world_size if world_size is not None else world_size_from_env()
+    args.rank = rank_from_env()
+    if os.environ.get("LOCAL_RANK"):
+        args.local_rank = int(os.environ["LOCAL_RANK"])
+    _check_required(args)
+    _derive_parallel(args)
+    if args.global_batch_size is None:  # Megatron's default: one micro-batch per step
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if _cuda_available() else "gloo"
+    args.skip_train_iteration_range = merge_skip_ranges(args.skip_train_iteration_range)
+    _parse_data(args)
+    _check_files(args)
+    args.deepspeed_user_config = _load_deepspeed_json(args.deepspeed_config)
+    if args.zero_stage is None:
+        stage = (args.deepspeed_user_config or {}).get("zero_optimization", {}).get("stage")
+        # bf16: ZeRO-1 partitions BF16_Optimizer's fp32 master weights over DP. fp32/fp16: stage 0, as a
+        # ZeRO wrapper refuses the fp32 path's grad-norm-clipping client optimizer (megatron.engine.optimizer)
+        args.zero_stage = int(stage) if stage is not None else (1 if args.bf16 else 0)
+    args.startup_warnings = tuple(_no_effect_warnings(args))
+    from megatron.arguments.build import build_run_config  # validates every rule in megatron.config
+
+    build_run_config(args)
+    if args.rank == 0:
+        for message in args.startup_warnings:
+            logger.warning(message)
+    return args
+
+
+def _check_required(args) -> None:
+    missing = [f"--{name.replace('_', '-')}" for name in REQUIRED if getattr(args, name) is None]
+    if missing:
+        raise ValueError(f"missing required flag(s): {', '.join(missing)}")
+
+
+def _derive_parallel(args) -> None:
+    tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
+    if tp < 1 or pp < 1 or world < 1:
+        raise ValueError(f"world size {world}, --tensor-model-parallel-size {tp} and "
+                         f"--pipeline-model-parallel-size {pp} must be positive")
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
+                         f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
+                         f"processes or change TP/PP")
+    args.data_parallel_size = world // (tp * pp)
+
+
+def merge_skip_ranges(ranges: Optional[Sequence[str]]) -> tuple[tuple[int, int], ...]:
+    """``["101-200", "150-300", "5-6"]`` -> ``((5, 6), (101, 300))``, as Megatron-DeepSpeed merges them."""
+    parsed = []
+    for text in ranges or ():
+        parts = text.split("-")
+        try:
+            start, end = (int(x) for x in parts)
+        except ValueError:
+            raise ValueError(f"--skip-train-iteration-range {text!r} is not START-END (two integers)") from None
+        if end < start:
+            raise ValueError(f"--skip-train-iteration-range {text!r}: END {end} is before START {start}")
+        parsed.append((start, end))
+    merged: list[list[int]] = []
+    for start, end in sorted(parsed):
+        if merged and merged[-1][1] >= start:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return tuple((s, e) for s, e in merged)
+
+
+def _parse_data(args) -> None:
+    args.data_path_pairs = parse_data_path(args.data_path)
+    for split in ("train", "valid", "test"):
+        groups = parse_weighted_split(getattr(args, f"{split}_weighted_split_paths"),
+                                      getattr(args, f"{split}_weighted_split_paths_path"), split)
+        setattr(args, f"{split}_weighted_split_groups", groups)
+    weighted = args.train_weighted_split_groups or args.valid_weighted_split_groups or args.test_weighted_split_groups
+    if args.data_path_pairs and args.split is None and not weighted:
+        args.split = "969, 30, 1"  # Megatron's default, for mode 1 only
+
+
+def data_prefixes(args) -> list[str]:
+    prefixes = [prefix for _, prefix in args.data_path_pairs]
+    for split in ("train", "valid", "test"):
+        for group in getattr(args, f"{split}_weighted_split_groups"):
+            prefixes += [d.prefix for d in group.datasets]
+    return prefixes
+
+
+def _check_files(args) -> None:
+    missing = missing_prefixes(data_prefixes(args))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"data files not found: {shown}; each prefix needs PREFIX.bin and PREFIX.idx "
+                         "(build them with tools/preprocess_data.py)")
+    files = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",),
+             "PretrainedFromHF": ("tokenizer_name_or_path",)}.get(args.tokenizer_type, ())
+    for name in files:
+        path = getattr(args, name)
+        if path is not None and not os.path.exists(path):
+            raise ValueError(f"--{name.replace('_', '-')} {path!r}: no such file or directory"
+                             + (" (a hub name is not downloaded: save the tokenizer to disk and pass its "
+                                "path)" if name == "tokenizer_name_or_path" else ""))
+
+
+def _load_deepspeed_json(path: Optional[str]) -> Optional[dict]:
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        raise ValueError(f"--deepspeed_config {path!r}: no such file")
+    with open(path, encoding="utf-8") as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--deepspeed_config {path!r} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--deepspeed_config {path!r} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _no_effect_warnings(args) -> list[str]:
+    """Settings that are accepted but change nothing in this run."""
+    out = []
+    if args.abort_on_unmet_fused_kernel_constraints:
+        out.append("--abort-on-unmet-fused-kernel-constraints is ignored: there are no CUDA fused kernels here "
+                   "(torch's own kernels have no constraints to meet)")
+    if not args.fp16:
+        given = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in FP16_ONLY if getattr(args, n) is not None]
+        if given:
+            out.append(f"{', '.join(given)} ignored: loss scaling applies to --fp16 only")
+    if args.max_position_embeddings is not None and args.position_embedding_type != "absolute":
+        out.append(f"--max-position-embeddings {args.max_position_embeddings} has no effect with "
+                   f"--position-embedding-type {args.position_embedding_type} (no learned positions)")
+    if args.deepspeed_activation_checkpointing and not args.checkpoint_activations:
+        out.append("--deepspeed-activation-checkpointing has no effect without --checkpoint-activations")
+    if args.distributed_backend == "nccl" and not _cuda_available():
+        out.append("--distributed-backend nccl but CUDA is not available on this machine: the process group "
+                   "cannot start here (use gloo on CPU)")
+    return out
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,270 @@
+"""The command line: Megatron-DeepSpeed's flag names and meanings, grouped as ``--help`` shows them.
+
+Every flag has help text; ``tools/gen_flags_doc.py`` turns this parser into ``docs/flags.md``.
+Flags that are accepted for compatibility but change nothing here say so in their help, and
+``parse_args`` logs a warning once when they are set.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.config import (DATA_IMPLS, DISTRIBUTED_BACKENDS, LR_DECAY_STYLES, OPTIMIZERS, PARTITION_METHODS,
+                             POSITION_EMBEDDING_TYPES, TOKENIZER_TYPES)
+
+# Flags whose meaning is "no effect here" (see parse_args' startup warnings).
+NO_EFFECT_FLAGS = ("abort_on_unmet_fused_kernel_constraints",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py", allow_abbrev=False,
+        description="Pretrain a GPT/BLOOM model. Flag names and meanings follow Megatron-DeepSpeed.")
+    for add in (_model, _parallelism, _data, _tokenizer, _training, _learning_rate, _regularization,
+                _mixed_precision, _checkpointing, _logging, _exit, _deepspeed):
+        add(parser)
+    return parser
+
+
+def _model(parser):
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers (required).")
+    g.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size (required).")
+    g.add_argument("--num-attention-heads", type=int, default=None,
+                   help="Number of attention heads (required); must divide --hidden-size and be divisible by "
+                        "--tensor-model-parallel-size.")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="Hidden size of the MLP. Default: 4 x --hidden-size.")
+    g.add_argument("--seq-length", type=int, default=None, help="Tokens per training sample (required).")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="Rows of the learned position embedding (absolute positions only); must be >= "
+                        "--seq-length. Default: --seq-length. Has no effect with rotary or alibi (a warning says so).")
+    g.add_argument("--position-embedding-type", default="absolute", choices=POSITION_EMBEDDING_TYPES,
+                   help="Position encoding: learned absolute positions, rotary, or ALiBi biases (BLOOM).")
+    g.add_argument("--embed-layernorm", action="store_true",
+                   help="Apply a LayerNorm right after the word embedding (BLOOM).")
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="LayerNorm epsilon.")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="Standard deviation of the normal weight initialization; output projections use "
+                        "std / sqrt(2 x num-layers).")
+    g.add_argument("--abort-on-unmet-fused-kernel-constraints", action="store_true",
+                   help="Megatron-DeepSpeed: abort when a CUDA fused softmax kernel cannot be used. Accepted and "
+                        "ignored here: this project uses torch's own kernels, which have no such constraints "
+                        "(a warning is logged at startup).")
+
+
+def _parallelism(parser):
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Degree of tensor model parallelism.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="Number of pipeline stages. Data-parallel size = world size / (TP x PP); the world "
+                        "size must be a multiple of TP x PP.")
+    g.add_argument("--pp-partition-method", default="type:transformer", metavar="{" + ",".join(PARTITION_METHODS) + "}",
+                   help="How DeepSpeed splits the layers over pipeline stages: 'type:transformer' balances "
+                        "transformer layers; 'type:transformer|embedding' also counts the tied embedding on the "
+                        "first and last stage as a layer (BLOOM); 'parameters' balances parameter counts; "
+                        "'uniform' balances layer counts.")
+    g.add_argument("--distributed-backend", default=None, choices=DISTRIBUTED_BACKENDS,
+                   help="torch.distributed backend. Default: nccl if CUDA is available, else gloo.")
+    g.add_argument("--sync-tp-duplicated-parameters", action="store_true",
+                   help="Average the parameters replicated over tensor-parallel ranks (layer norms, row-parallel "
+                        "biases) every step so they cannot drift apart (BLOOM).")
+    g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                   help="Local rank, passed by the DeepSpeed launcher. The LOCAL_RANK environment variable wins "
+                        "when both are set.")
+
+
+def _data(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Data mode 1: one dataset prefix (path without .bin/.idx), or WEIGHT PREFIX pairs to "
+                        "blend, e.g. '0.3 A 0.7 B'. Exclusive with the weighted split paths.")
+    g.add_argument("--split", default=None,
+                   help="Data mode 1: train, validation, test proportions of --data-path, e.g. '969, 30, 1' "
+                        "(the default).")
+    for split, extra in (("train", "exactly ONE group"), ("valid", "one or more groups, each evaluated on its own"),
+                         ("test", "one or more groups")):
+        g.add_argument(f"--{split}-weighted-split-paths", nargs="*", default=None,
+                       help=f"Data mode 2, {split} data: {extra}, each a quoted string "
+                            f"'NAME: WEIGHT START:END PREFIX, WEIGHT START:END PREFIX' blending documents "
+                            f"[START, END) (fractions) of each prefix.")
+        g.add_argument(f"--{split}-weighted-split-paths-path", default=None,
+                       help=f"A file holding the --{split}-weighted-split-paths groups on one line, each "
+                            f"between double quotes (as BigScience's load_ratios_meg_ds_format.py writes it).")
+    g.add_argument("--data-impl", default="mmap", choices=("lazy", "cached") + DATA_IMPLS,
+                   help="Indexed dataset format. Only Megatron's 'mmap' format is read ('infer' finds it); "
+                        "'lazy' and 'cached' are refused with an error.")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes for training.")
+    g.add_argument("--valid-num-workers", type=int, default=2,
+                   help="DataLoader worker processes for validation and test.")
+
+
+def _tokenizer(parser):
+    g = parser.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, help="Tokenizer (required).")
+    g.add_argument("--tokenizer-name-or-path", default=None,
+                   help="PretrainedFromHF: a local tokenizer.json or a directory holding a saved tokenizer "
+                        "(nothing is downloaded).")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: the vocab.json file.")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: the merges.txt file.")
+    g.add_argument("--tokenizer-model", default=None, help="SentencePieceTokenizer: the .model file.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the embedding rows to a multiple of this value times the tensor-parallel size.")
+    g.add_argument("--pad-vocab-size-to", type=int, default=None,
+                   help="Pad the embedding rows to exactly this many (BLOOM: 250880) instead; must be at least "
+                        "the tokenizer's vocabulary and divisible by the tensor-parallel size. Replaces "
+                        "--make-vocab-size-divisible-by.")
+
+
+def _training(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None,
+                   help="Samples per rank per forward/backward pass (required).")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples per optimizer step; a multiple of micro-batch size x data-parallel size. "
+                        "Default: micro-batch size x data-parallel size (one micro-batch per step).")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCREMENT", "RAMPUP_SAMPLES"),
+                   help="Grow the global batch from START by INCREMENT, spreading the increments evenly over "
+                        "RAMPUP_SAMPLES samples, up to --global-batch-size (needs --train-samples). BLOOM: "
+                        "192 16 9_765_625.")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="Samples to train on over all runs (sample-based training). Give this or --train-iters.")
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="Iterations to train over all runs (iteration-based training). Give this or "
+                        "--train-samples.")
+    g.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
+                   help="Optimizer: adam (with decoupled weight decay, as Megatron's) or sgd.")
+    g.add_argument("--seed", type=int, default=1234, help="Random seed for initialization, dropout and data order.")
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="Recompute activations in the backward pass instead of storing them.")
+    g.add_argument("--checkpoint-num-layers", type=int, default=1,
+                   help="Transformer layers per activation-checkpointed chunk.")
+    g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="Iterations per evaluation (per validation group); 0 disables evaluation.")
+    g.add_argument("--skip-train-iteration-range", nargs="+", default=None, metavar="START-END",
+                   help="Iterations to skip (their data is consumed, no update is made), as inclusive "
+                        "START-END ranges, e.g. 101-200 251-300; overlapping ranges are merged.")
+    g.add_argument("--max-nonfinite-steps", type=int, default=None,
+                   help="Stop the run (after saving) once this many CONSECUTIVE steps had a NaN or infinite "
+                        "loss. Default: never stop for this reason. New in this project.")
+
+
+def _learning_rate(parser):
+    g = parser.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, default=None,
+                   help="Peak learning rate, reached at the end of warmup (required).")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at and after the end of the decay.")
+    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES,
+                   help="Decay from --lr to --min-lr after warmup; 'constant' keeps --lr.")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="Samples over which to decay (warmup included). Default: --train-samples.")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="Iterations over which to decay (warmup included). Default: --train-iters.")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="Samples of linear warmup from 0 (sample-based training).")
+    g.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="Iterations of linear warmup from 0 (iteration-based training).")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="Warmup as a fraction of the decay length; exclusive with --lr-warmup-samples/-iters.")
+    g.add_argument("--override-lr-scheduler", action="store_true",
+                   help="On resume, use these flags' schedule rather than the checkpoint's.")
+    g.add_argument("--use-checkpoint-lr-scheduler", action="store_true",
+                   help="On resume, use the checkpoint's schedule rather than these flags'. Without either flag "
+                        "a difference is an error.")
+
+
+def _regularization(parser):
+    g = parser.add_argument_group("regularization")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="Clip gradients to this global L2 norm; 0 disables clipping.")
+    g.add_argument("--weight-decay", type=float, default=0.01,
+                   help="Decoupled weight decay (not applied to biases and norms).")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout on hidden states.")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum (--optimizer sgd).")
+
+
+def _mixed_precision(parser):
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters with fp32 master weights and fp32 gradient accumulation (DeepSpeed's "
+                        "BF16_Optimizer, BLOOM's path).")
+    g.add_argument("--fp16", action="store_true", help="fp16 parameters with loss scaling.")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="fp16: static loss scale; unset or 0: dynamic loss scaling. Ignored (with a warning) "
+                        "without --fp16.")
+    g.add_argument("--initial-loss-scale", type=float, default=None,
+                   help="fp16 dynamic scaling: initial scale, a power of 2. Default: the DeepSpeed JSON's "
+                        "initial_scale_power, else DeepSpeed's 2**16 (what Megatron-DeepSpeed runs got).")
+    g.add_argument("--min-loss-scale", type=float, default=None,
+                   help="fp16 dynamic scaling: lowest scale. Default: the DeepSpeed JSON's, else 1.")
+    g.add_argument("--loss-scale-window", type=int, default=None,
+                   help="fp16 dynamic scaling: steps without overflow before the scale grows. Default: the "
+                        "DeepSpeed JSON's, else 1000.")
+    g.add_argument("--hysteresis", type=int, default=None,
+                   help="fp16 dynamic scaling: overflows tolerated before the scale shrinks. Default: the "
+                        "DeepSpeed JSON's, else 2.")
+
+
+def _checkpointing(parser):
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="Directory to save checkpoints to (needs --save-interval).")
+    g.add_argument("--load", default=None, help="Directory to resume from (its 'latest' checkpoint), if any.")
+    g.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoint saves.")
+    g.add_argument("--no-load-optim", action="store_true", help="Do not load the optimizer state when resuming.")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not load the RNG states when resuming.")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load only the weights; iteration count and consumed samples restart at 0.")
+    g.add_argument("--universal-checkpoint", action="store_true",
+                   help="--load holds a universal checkpoint (DeepSpeed's ds_to_universal), loadable into "
+                        "any TP/PP/DP layout.")
+    g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
+                   help="After each save, delete all but the newest N checkpoints. Default: keep all. "
+                        "New in this project.")
+
+
+def _logging(parser):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard events here.")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="TensorBoard events held in memory before a flush to disk.")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="Iterations between TensorBoard scalars.")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true", help="Also write the timers to TensorBoard.")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true",
+                   help="Also write the global batch size to TensorBoard.")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="Also write validation perplexity to TensorBoard.")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="Peak TFLOP/s of one device, for the model-FLOPs utilization that is logged. Default: "
+                        "the training loop's own estimate for the device. New in this project.")
+
+
+def _exit(parser):
+    g = parser.add_argument_group("exit")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Save and exit after the first iteration divisible by this.")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="Save and exit once the run has lasted this many minutes.")
+    g.add_argument("--kill-switch-path", default=None, help="Save and exit as soon as this file exists.")
+
+
+def _deepspeed(parser):
+    g = parser.add_argument_group("deepspeed")
+    g.add_argument("--deepspeed", action="store_true",
+                   help="Accepted for Megatron-DeepSpeed compatibility: DeepSpeed is always the engine here.")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
+                   help="A DeepSpeed JSON merged into the config built from these flags; a key that contradicts "
+                        "a flag is an error, other keys are kept. It must not hold optimizer or scheduler "
+                        "sections.")
+    g.add_argument("--zero-stage", type=int, default=None,
+                   help="DeepSpeed ZeRO stage, 0 or 1 (the pipeline engine refuses 2 and 3). Default: the "
+                        "DeepSpeed JSON's stage, else 1 with --bf16 and 0 otherwise.")
+    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                   help="With --checkpoint-activations, recompute through DeepSpeed's activation checkpointing "
+                        "(adds its activation_checkpointing config section).")

@@ -1,0 +1,142 @@
+"""The DeepSpeed config dict, built from the run's flags and merged with the user's --deepspeed_config JSON.
+
+Pure dict logic; must not import deepspeed (it runs during argument validation, before any process).
+
+Keys derived from flags (a user JSON value that differs is a ValueError naming key, JSON value, flag):
+
+====================================================  ===========================================
+key                                                   flag
+====================================================  ===========================================
+train_batch_size                                      --global-batch-size (the final size; during a
+                                                      rampup the loop calls set_train_batch_size)
+train_micro_batch_size_per_gpu                        --micro-batch-size
+gradient_accumulation_steps                           global / (micro x data-parallel size)
+gradient_clipping                                     --clip-grad
+bf16.enabled / fp16.enabled                           --bf16 / --fp16 (fp32: both false)
+data_types.grad_accum_dtype = "fp32" (bf16 only)      --bf16: with zero_optimization.stage 0 or 1 this
+                                                      selects DeepSpeed's BF16_Optimizer (BLOOM's path)
+zero_optimization.stage                               --zero-stage
+fp16.loss_scale                                       --loss-scale (0: dynamic), when given
+fp16.initial_scale_power                              log2(--initial-loss-scale), when given
+fp16.min_loss_scale / loss_scale_window / hysteresis  --min-loss-scale / --loss-scale-window /
+                                                      --hysteresis, when given
+====================================================  ===========================================
+
+Defaults that a user JSON may change freely: ``steps_per_print`` (large: the loop logs itself),
+``wall_clock_breakdown`` false, fp16's dynamic-scaling values for flags not given (DeepSpeed's own,
+which Megatron-DeepSpeed runs got: scale 2**16, min 1, window 1000, hysteresis 2), and with
+--deepspeed-activation-checkpointing an
+``activation_checkpointing`` section (no partitioning, no CPU offload, number_checkpoints =
+--num-layers, as Megatron-DeepSpeed configured it). Other user keys are kept as they are.
+
+Never emitted, and refused in the JSON: ``optimizer`` and ``scheduler``. The client passes a torch
+optimizer and runs the learning-rate schedule itself (megatron.training.lr_schedule), which also
+avoids DeepSpeed's JIT FusedAdam build on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Optional
+
+STEPS_PER_PRINT = 10 ** 9  # DeepSpeed's own step log would duplicate ours
+REFUSED_SECTIONS = {"optimizer": "the optimizer comes from --optimizer, --lr, --adam-* and --weight-decay",
+                    "scheduler": "the learning-rate schedule comes from the --lr-* flags"}
+
+
+def build_deepspeed_config(run_config, user_config: Optional[dict] = None) -> dict:
+    """The config for ``deepspeed.initialize``: defaults < the user's JSON < values derived from flags."""
+    user = copy.deepcopy(user_config or {})
+    if not isinstance(user, dict):
+        raise ValueError(f"the DeepSpeed config must be a JSON object, got {type(user).__name__}")
+    for section, why in REFUSED_SECTIONS.items():
+        if section in user:
+            raise ValueError(f"the DeepSpeed config has a '{section}' section; remove it: {why}")
+    if "bfloat16" in user:  # DeepSpeed's older spelling of the bf16 section
+        if "bf16" in user:
+            raise ValueError("the DeepSpeed config has both 'bf16' and 'bfloat16' sections; keep one")
+        user["bf16"] = user.pop("bfloat16")
+    derived = _derived(run_config)
+    for path, value, flag in derived:
+        present, user_value = _lookup(user, path)
+        if present and not _same(user_value, value):
+            raise ValueError(f"DeepSpeed config key {'.'.join(path)} = {user_value!r} (from "
+                             f"{run_config.deepspeed_config or 'the user config'}) contradicts {flag}, which "
+                             f"gives {value!r}; change the JSON or the flag so they agree")
+    config = _merge(_defaults(run_config), user)
+    for path, value, _ in derived:
+        _assign(config, path, value)
+    return config
+
+
+def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
+    b, p, dp = rc.batch, rc.precision, rc.parallel.data_parallel_size
+    gas = b.global_batch_size // (b.micro_batch_size * dp)
+    out = [
+        (("train_batch_size",), b.global_batch_size, f"--global-batch-size {b.global_batch_size}"),
+        (("train_micro_batch_size_per_gpu",), b.micro_batch_size, f"--micro-batch-size {b.micro_batch_size}"),
+        (("gradient_accumulation_steps",), gas,
+         f"--global-batch-size {b.global_batch_size} / (--micro-batch-size {b.micro_batch_size} x data-parallel "
+         f"size {dp})"),
+        (("gradient_clipping",), rc.optimizer.clip_grad, f"--clip-grad {rc.optimizer.clip_grad}"),
+        (("bf16", "enabled"), p.bf16, "--bf16" if p.bf16 else "the absence of --bf16"),
+        (("fp16", "enabled"), p.fp16, "--fp16" if p.fp16 else "the absence of --fp16"),
+        (("zero_optimization", "stage"), p.zero_stage, f"--zero-stage {p.zero_stage}"),
+    ]
+    if p.bf16:
+        # Megatron accumulates bf16 gradients in fp32; DeepSpeed then picks BF16_Optimizer
+        out.append((("data_types", "grad_accum_dtype"), "fp32", "--bf16 (gradients accumulate in fp32)"))
+    if p.fp16:
+        power = None if p.initial_loss_scale is None else int(math.log2(p.initial_loss_scale))
+        scaling = {"loss_scale": p.loss_scale, "min_loss_scale": p.min_loss_scale,
+                   "loss_scale_window": p.loss_scale_window, "hysteresis": p.hysteresis, "initial_scale_power": power}
+        flags = {"loss_scale": "--loss-scale", "min_loss_scale": "--min-loss-scale",
+                 "loss_scale_window": "--loss-scale-window", "hysteresis": "--hysteresis",
+                 "initial_scale_power": f"--initial-loss-scale {p.initial_loss_scale} (2 to the power)"}
+        out += [(("fp16", key), value, f"{flags[key]} {value}" if key != "initial_scale_power" else flags[key])
+                for key, value in scaling.items() if value is not None]
+    return out
+
+
+def _defaults(rc) -> dict:
+    config: dict = {"steps_per_print": STEPS_PER_PRINT, "wall_clock_breakdown": False}
+    if rc.precision.fp16:
+        config["fp16"] = {"loss_scale": 0, "initial_scale_power": 16, "min_loss_scale": 1,
+                          "loss_scale_window": 1000, "hysteresis": 2}
+    if rc.training.deepspeed_activation_checkpointing:
+        config["activation_checkpointing"] = {
+            "partition_activations": False, "contiguous_memory_optimization": False, "cpu_checkpointing": False,
+            "number_checkpoints": rc.model.num_layers, "synchronize_checkpoint_boundary": False, "profile": False}
+    return config
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or (isinstance(a, bool) and isinstance(b, bool) and a == b)
+    return a == b
+
+
+def _lookup(config: dict, path: tuple[str, ...]) -> tuple[bool, Any]:
+    node: Any = config
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def _assign(config: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        config = config.setdefault(key, {})
+    config[path[-1]] = value
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

@@ -1,0 +1,109 @@
+"""Learning-rate schedule: Megatron's AnnealingLR.
+
+Linear warmup from 0 to ``max_lr`` over ``warmup_steps``, then ``linear`` / ``cosine`` decay to
+``min_lr`` at ``decay_steps`` (the decay length counts the warmup, as in Megatron), then ``min_lr``;
+``constant`` holds ``max_lr`` after warmup. A "step" is whatever ``step(increment)`` counts: the
+loop passes the samples of each optimizer step (the current global batch), and the lengths come
+in samples from ``RunConfig.lr_schedule_in_samples`` (iteration flags x global batch size, exactly
+as Megatron converts them), so sample- and iteration-based runs share one code path.
+
+The rate is written into every optimizer param group, times the group's ``lr_mult`` if it has one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from megatron.config import LR_DECAY_STYLES
+
+_CHECKED_KEYS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+
+
+class LRScheduler:
+    def __init__(self, optimizer, *, max_lr: float, min_lr: float, warmup_steps: float, decay_steps: float,
+                 decay_style: str, use_checkpoint_lr_scheduler: bool = False, override_lr_scheduler: bool = False):
+        if decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"decay style {decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}")
+        if not 0.0 <= min_lr <= max_lr:
+            raise ValueError(f"need 0 <= min_lr ({min_lr}) <= max_lr ({max_lr})")
+        if not 0 <= warmup_steps < decay_steps:
+            raise ValueError(f"need 0 <= warmup_steps ({warmup_steps}) < decay_steps ({decay_steps})")
+        if use_checkpoint_lr_scheduler and override_lr_scheduler:
+            raise ValueError("use_checkpoint_lr_scheduler and override_lr_scheduler contradict each other")
+        self.optimizer = optimizer
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.warmup_steps = warmup_steps
+        self.decay_steps = decay_steps
+        self.decay_style = decay_style
+        self.use_checkpoint_lr_scheduler = use_checkpoint_lr_scheduler
+        self.override_lr_scheduler = override_lr_scheduler
+        self.num_steps = 0
+        self.step(0)
+
+    @classmethod
+    def from_run_config(cls, optimizer, run_config) -> "LRScheduler":
+        """The schedule of a ``RunConfig``, counted in consumed samples."""
+        warmup, decay = run_config.lr_schedule_in_samples()
+        s = run_config.lr_schedule
+        return cls(optimizer, max_lr=run_config.optimizer.lr, min_lr=run_config.optimizer.min_lr,
+                   warmup_steps=warmup, decay_steps=decay, decay_style=s.lr_decay_style,
+                   use_checkpoint_lr_scheduler=s.use_checkpoint_lr_scheduler,
+                   override_lr_scheduler=s.override_lr_scheduler)
+
+    def get_lr(self) -> float:
+        """The rate after ``num_steps`` steps."""
+        if self.warmup_steps > 0 and self.num_steps <= self.warmup_steps:
+            return self.max_lr * float(self.num_steps) / float(self.warmup_steps)
+        if self.decay_style == "constant":
+            return self.max_lr
+        if self.num_steps > self.decay_steps:
+            return self.min_lr
+        decay_ratio = float(self.num_steps - self.warmup_steps) / float(self.decay_steps - self.warmup_steps)
+        assert 0.0 <= decay_ratio <= 1.0, decay_ratio
+        if self.decay_style == "linear":
+            coeff = 1.0 - decay_ratio
+        else:  # cosine: half a period from max_lr down to min_lr
+            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int = 1) -> float:
+        """Advance by ``increment`` (samples of the step just taken) and set the rate on the optimizer."""
+        self.num_steps += increment
+        lr = self.get_lr()
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr * group.get("lr_mult", 1.0)
+        return lr
+
+    def state_dict(self) -> dict:
+        """Megatron's AnnealingLR keys, so checkpoints carry the same fields."""
+        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
+                "decay_steps": self.decay_steps, "decay_style": self.decay_style, "num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the step count; the schedule's shape follows Megatron's resume rules.
+
+        By default the checkpoint's shape must equal this one (a ValueError names the difference);
+        ``override_lr_scheduler`` keeps this object's values, ``use_checkpoint_lr_scheduler`` takes
+        the checkpoint's.
+        """
+        for key in _CHECKED_KEYS:
+            saved = state.get(key, _legacy(state, key))
+            if saved is None or self.override_lr_scheduler:
+                continue
+            if self.use_checkpoint_lr_scheduler:
+                setattr(self, key, saved)
+            elif saved != getattr(self, key):
+                raise ValueError(f"learning-rate schedule {key}: checkpoint has {saved!r}, the flags give "
+                                 f"{getattr(self, key)!r}; pass --override-lr-scheduler to keep the flags or "
+                                 f"--use-checkpoint-lr-scheduler to keep the checkpoint's")
+        self.num_steps = state.get("num_steps", state.get("num_iters", 0))
+        self.step(0)
+
+
+def _legacy(state: dict, key: str) -> Optional[object]:
+    """Names older Megatron checkpoints used for the same values."""
+    legacy = {"max_lr": "start_lr", "warmup_steps": "warmup_iter", "decay_steps": "end_iter"}
+    return state.get(legacy.get(key, ""))

@@ -1,0 +1,132 @@
+"""The DeepSpeed config built from the flags, merged with a user JSON: derived keys, kept keys, conflicts."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron.config import (BatchConfig, CheckpointConfig, DataConfig, ExitConfig, LoggingConfig, LRScheduleConfig,
+                             ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig)
+from megatron.engine.ds_config import STEPS_PER_PRINT, build_deepspeed_config
+
+
+def run_config(precision=None, batch=None, dp=2, clip_grad=1.0, activation_checkpointing=False) -> RunConfig:
+    """A tiny run built straight from the dataclasses (no command line)."""
+    return RunConfig(
+        model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128, seq_length=32),
+        parallel=ParallelConfig(data_parallel_size=dp),
+        optimizer=OptimizerConfig(clip_grad=clip_grad),
+        lr_schedule=LRScheduleConfig(),
+        batch=batch or BatchConfig(micro_batch_size=2, global_batch_size=16),
+        precision=precision or PrecisionConfig(bf16=True, zero_stage=1),
+        data=DataConfig(data_path=((1.0, "a"),), seq_length=32, tokenizer_type="GPT2BPETokenizer"),
+        training=TrainingConfig(train_iters=10, checkpoint_activations=activation_checkpointing,
+                                deepspeed_activation_checkpointing=activation_checkpointing),
+        logging=LoggingConfig(), checkpoint=CheckpointConfig(), exit=ExitConfig())
+
+
+def test_bf16_gives_the_bf16_optimizer_path_and_no_optimizer_section():
+    ds = build_deepspeed_config(run_config())
+    assert ds == {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+                  "gradient_clipping": 1.0, "bf16": {"enabled": True}, "fp16": {"enabled": False},
+                  "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"},
+                  "steps_per_print": STEPS_PER_PRINT, "wall_clock_breakdown": False}
+
+
+def test_fp32_has_neither_mixed_precision_nor_fp32_accumulation_override():
+    ds = build_deepspeed_config(run_config(PrecisionConfig(zero_stage=0)))
+    assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
+    assert "data_types" not in ds and ds["zero_optimization"] == {"stage": 0}
+
+
+def test_fp16_dynamic_loss_scaling_defaults_and_flags():
+    ds = build_deepspeed_config(run_config(PrecisionConfig(fp16=True, zero_stage=0)))
+    assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "min_loss_scale": 1,
+                          "loss_scale_window": 1000, "hysteresis": 2}
+    ds = build_deepspeed_config(run_config(PrecisionConfig(fp16=True, initial_loss_scale=4096, loss_scale=0,
+                                                           hysteresis=4, zero_stage=0)))
+    assert (ds["fp16"]["initial_scale_power"], ds["fp16"]["loss_scale"], ds["fp16"]["hysteresis"]) == (12, 0, 4)
+    static = build_deepspeed_config(run_config(PrecisionConfig(fp16=True, loss_scale=128.0, zero_stage=0)))
+    assert static["fp16"]["loss_scale"] == 128.0
+
+
+def test_user_values_for_keys_no_flag_covers_are_kept():
+    user = {"steps_per_print": 2000, "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8},
+            "fp16": {"enabled": False, "loss_scale_window": 500}, "train_batch_size": 16,
+            "comms_logger": {"enabled": True}}
+    ds = build_deepspeed_config(run_config(), user)
+    assert ds["steps_per_print"] == 2000 and ds["comms_logger"] == {"enabled": True}
+    assert ds["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 5e8}
+    assert ds["fp16"] == {"enabled": False, "loss_scale_window": 500}
+    assert user["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 5e8}  # the caller's dict is untouched
+
+
+def test_fp16_json_scaling_kept_when_the_flag_is_not_given():
+    fp16 = run_config(PrecisionConfig(fp16=True, zero_stage=0))
+    ds = build_deepspeed_config(fp16, {"fp16": {"enabled": True, "initial_scale_power": 12}})
+    assert ds["fp16"]["initial_scale_power"] == 12
+    given = run_config(PrecisionConfig(fp16=True, initial_loss_scale=2.0 ** 16, zero_stage=0))
+    with pytest.raises(ValueError, match=r"fp16.initial_scale_power = 12 .* contradicts --initial-loss-scale 65536"):
+        build_deepspeed_config(given, {"fp16": {"initial_scale_power": 12}})
+
+
+@pytest.mark.parametrize("user,words", [
+    ({"train_micro_batch_size_per_gpu": 4}, "train_micro_batch_size_per_gpu = 4 (from the user config) "
+                                            "contradicts --micro-batch-size 2, which gives 2"),
+    ({"train_batch_size": 32}, "contradicts --global-batch-size 16"),
+    ({"gradient_accumulation_steps": 8}, "gradient_accumulation_steps = 8"),
+    ({"gradient_clipping": 0.5}, "gradient_clipping = 0.5 (from the user config) contradicts --clip-grad 1.0"),
+    ({"bf16": {"enabled": False}}, "bf16.enabled = False"),
+    ({"bfloat16": {"enabled": False}}, "bf16.enabled = False"),
+    ({"fp16": {"enabled": True}}, "fp16.enabled = True (from the user config) contradicts the absence of --fp16"),
+    ({"zero_optimization": {"stage": 0}}, "zero_optimization.stage = 0 (from the user config) contradicts "
+                                          "--zero-stage 1"),
+    ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype = 'bf16'"),
+    ({"optimizer": {"type": "AdamW"}}, "'optimizer' section; remove it"),
+    ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' section; remove it"),
+])
+def test_contradictions_name_the_key_the_json_value_and_the_flag(user, words):
+    with pytest.raises(ValueError) as info:
+        build_deepspeed_config(run_config(), user)
+    assert words in str(info.value)
+
+
+def test_activation_checkpointing_section():
+    ds = build_deepspeed_config(run_config(activation_checkpointing=True),
+                                {"activation_checkpointing": {"cpu_checkpointing": True}})
+    assert ds["activation_checkpointing"]["number_checkpoints"] == 2
+    assert ds["activation_checkpointing"]["cpu_checkpointing"] is True
+    assert "activation_checkpointing" not in build_deepspeed_config(run_config())
+
+
+def test_gradient_accumulation_follows_the_final_global_batch_during_rampup():
+    batch = BatchConfig(micro_batch_size=2, global_batch_size=2048, rampup_batch_size=(192, 16, 9_765_625))
+    ds = build_deepspeed_config(run_config(batch=batch, dp=8))
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (2048, 128)
+
+
+def test_module_does_not_import_deepspeed():
+    code = "import sys, megatron.engine.ds_config; assert 'deepspeed' not in sys.modules, 'deepspeed imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("precision", [
+    PrecisionConfig(bf16=True, zero_stage=1), PrecisionConfig(bf16=True, zero_stage=0),
+    PrecisionConfig(fp16=True, initial_loss_scale=4096, zero_stage=0), PrecisionConfig(zero_stage=0)],
+    ids=["bf16-z1", "bf16-z0", "fp16", "fp32"])
+def test_deepspeed_accepts_the_config(precision):
+    """DeepSpeed's own config parser reads what we build (one process: data-parallel size 1)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ds = build_deepspeed_config(run_config(precision, dp=1, activation_checkpointing=True))
+    parsed = DeepSpeedConfig(ds)
+    assert (parsed.train_batch_size, parsed.gradient_accumulation_steps) == (16, 8)
+    assert (parsed.bfloat16_config.enabled, parsed.float16_config.enabled) == (precision.bf16, precision.fp16)
+    assert parsed.zero_optimization_stage == precision.zero_stage
+    assert parsed.optimizer_name is None and parsed.scheduler_name is None
+    if precision.bf16:
+        assert str(parsed.grad_accum_dtype) in ("fp32", "torch.float32")
+    if precision.fp16:
+        assert parsed.float16_config.initial_scale_power == 12
