@@ -21,6 +21,48 @@ def model_flops_per_iteration(config: ModelConfig, global_batch_size: int, check
     return 24 * c * global_batch_size * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
+# Dense bf16 tensor-core peak per device, TFLOP/s (datasheet values; sparsity not counted). MFU is
+# model FLOPs (no recomputation) / (time * peak); HFU counts the recomputed forward too.
+PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
+
+
+def peak_tflops_for_device(device_name: Optional[str], override: Optional[float] = None) -> Optional[float]:
+    """The peak TFLOP/s of one device: ``override`` (--peak-tflops) if given, else looked up from
+    its name (e.g. torch.cuda.get_device_name(): 'NVIDIA A100-SXM4-80GB'); None when unknown (CPU)."""
+    if override:
+        return float(override)
+    if not device_name:
+        return None
+    upper = device_name.upper()
+    for key, peak in PEAK_BF16_TFLOPS.items():
+        if key in upper:
+            return peak
+    return None
+
+
+def current_device_name() -> Optional[str]:
+    """The CUDA device's name, or None on CPU (no MFU there: no meaningful peak)."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def throughput_metrics(config: ModelConfig, global_batch_size: int, checkpoint_activations: bool,
+                       elapsed_s_per_iter: float, world_size: int, peak_tflops: Optional[float]) -> dict:
+    """Per-GPU model TFLOP/s (no recomputation), hardware TFLOP/s (with it) and, when the peak is
+    known, MFU and HFU. ``tflops_per_gpu`` is the hardware figure, the one Megatron logs as TFLOPs."""
+    if elapsed_s_per_iter <= 0:
+        raise ValueError(f"elapsed time per iteration must be positive, got {elapsed_s_per_iter}")
+    per_gpu = elapsed_s_per_iter * world_size * 1e12
+    model = model_flops_per_iteration(config, global_batch_size, False) / per_gpu
+    hardware = model_flops_per_iteration(config, global_batch_size, checkpoint_activations) / per_gpu
+    out = {"model_tflops_per_gpu": model, "hardware_tflops_per_gpu": hardware, "tflops_per_gpu": hardware,
+           "mfu": None, "hfu": None}
+    if peak_tflops:
+        out.update(mfu=model / peak_tflops, hfu=hardware / peak_tflops)
+    return out
+
+
 def scalar_tags(prefix: str, name: str) -> tuple[str, str, str]:
     """(vs iteration, vs samples, vs tokens) tag names, e.g. 'lm-loss-training/lm loss vs samples'."""
     return f"{prefix}/{name}", f"{prefix}/{name} vs samples", f"{prefix}/{name} vs tokens"
@@ -50,7 +92,8 @@ class TrainingLogger:
     def training(self, *, iteration: int, train_iters: int, consumed_samples: int, consumed_tokens: int,
                  elapsed_ms_per_iter: float, lr: float, global_batch_size: int, loss: float,
                  grad_norm: Optional[float], skipped: int, nan_iters: int, seq_length: int,
-                 tflops_per_gpu: float, world_size: int) -> str:
+                 tflops_per_gpu: float, world_size: int, model_tflops_per_gpu: Optional[float] = None,
+                 mfu: Optional[float] = None) -> str:
         samples_per_s = global_batch_size / (elapsed_ms_per_iter / 1000.0) if elapsed_ms_per_iter > 0 else 0.0
         tokens_per_s = samples_per_s * seq_length
         line = (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:12d} | "
@@ -60,6 +103,10 @@ class TrainingLogger:
                 f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan_iters:3d} | "
                 f"samples per second: {samples_per_s:.3f} | tokens per second: {tokens_per_s:.1f} | "
                 f"TFLOPs: {tflops_per_gpu:.2f} |")
+        if model_tflops_per_gpu is not None:  # without recomputation (TFLOPs above counts it)
+            line += f" model TFLOPs: {model_tflops_per_gpu:.2f} |"
+        if mfu is not None:
+            line += f" MFU: {100 * mfu:.1f}% |"
         self.print_fn(line, flush=True)
         self._add("lm-loss-training", "lm loss", loss, iteration, consumed_samples, consumed_tokens)
         self._add("learning-rate", "learning-rate", lr, iteration, consumed_samples, consumed_tokens)
@@ -72,6 +119,8 @@ class TrainingLogger:
             self.writer.add_scalar("iteration-time/samples per second", samples_per_s, iteration)
             self.writer.add_scalar("iteration-time/tokens per second", tokens_per_s, iteration)
             self.writer.add_scalar("iteration-time/TFLOPs per gpu", tflops_per_gpu, iteration)
+            if mfu is not None:
+                self.writer.add_scalar("iteration-time/MFU", mfu, iteration)
         return line
 
     def validation(self, *, name: Optional[str], loss: float, iteration: int, consumed_samples: int,

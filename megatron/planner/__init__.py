@@ -1,0 +1,21 @@
+"""Planning and accounting for parallel layouts: what fits, how fast it should run, what it sends.
+
+    specs.py        GPU types, cluster fabrics (documented constants) and named BLOOM sizes
+    memory.py       bytes per rank: weights, gradients, optimizer state (per DeepSpeed optimizer),
+                    activations (Korthikanti et al. 2022), 1F1B in-flight micro-batches
+    performance.py  step time from a compute + communication model, TFLOPs, MFU
+    search.py       enumerate (TP, PP, DP, micro-batch, recompute, ZeRO) layouts, rank them
+    comm_count.py   the analytic count of collectives / p2p in one step, and a recorder that
+                    counts the real ones (wrapping torch.distributed) to compare with
+
+Pure arithmetic on plain dataclasses: nothing here imports deepspeed, and torch only inside
+``comm_count.CollectiveRecorder``. Used by tools/plan_parallelism.py and benchmarks/.
+"""
+
+from megatron.planner.memory import MemoryEstimate, estimate_memory, stage_param_counts
+from megatron.planner.performance import StepEstimate, estimate_step
+from megatron.planner.search import Layout, Plan, plan_layouts
+from megatron.planner.specs import BLOOM_SIZES, CLUSTERS, GPUS, ClusterSpec, GPUSpec, ModelShape
+
+__all__ = ["BLOOM_SIZES", "CLUSTERS", "GPUS", "ClusterSpec", "GPUSpec", "Layout", "MemoryEstimate", "ModelShape",
+           "Plan", "StepEstimate", "estimate_memory", "estimate_step", "plan_layouts", "stage_param_counts"]

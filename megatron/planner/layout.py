@@ -1,0 +1,55 @@
+"""One candidate parallel layout and how it splits the model's layers over pipeline stages."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.planner.specs import ModelShape
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    recompute: bool = True              # full activation checkpointing of every transformer layer
+    zero_stage: int = 1                 # 1: fp32 masters + Adam states sharded over DP; 0: replicated
+    precision: str = "bf16"             # bf16 (BF16_Optimizer, fp32 grad accumulation) | fp32
+    partition_method: str = "type:transformer"  # or "type:transformer|embedding" (BLOOM-176B)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def num_micro_batches(self, global_batch_size: int) -> int:
+        per_step = self.micro_batch_size * self.dp
+        if global_batch_size % per_step:
+            raise ValueError(f"global batch {global_batch_size} is not divisible by micro-batch "
+                             f"{self.micro_batch_size} x DP {self.dp}")
+        return global_batch_size // per_step
+
+    def short(self) -> str:
+        return (f"TP={self.tp} PP={self.pp} DP={self.dp} MBS={self.micro_batch_size} "
+                f"{'recompute' if self.recompute else 'no-recompute'} ZeRO-{self.zero_stage} {self.precision}")
+
+
+def layers_per_stage(model: ModelShape, pp: int, partition_method: str = "type:transformer") -> list[int]:
+    """Transformer layers on each stage, as DeepSpeed's ``partition_balanced`` assigns them.
+
+    Checked against deepspeed 0.19.8: with 'type:transformer' the first L % p stages get one layer
+    more (70 layers on 12 stages: 6 x 10, then 5, 5); with 'type:transformer|embedding' the two
+    embeddings count as layers of the first and last stage (70 on 12: 5, 6 x 10, 5).
+    """
+    if partition_method == "type:transformer|embedding":
+        units = model.num_layers + 2
+        base, extra = divmod(units, pp)
+        counts = [base + (1 if i < extra else 0) for i in range(pp)]
+        counts[0] -= 1
+        counts[-1] -= 1
+    else:
+        base, extra = divmod(model.num_layers, pp)
+        counts = [base + (1 if i < extra else 0) for i in range(pp)]
+    if min(counts) < 1 or sum(counts) != model.num_layers:
+        raise ValueError(f"{model.num_layers} layers cannot fill {pp} pipeline stages ({counts})")
+    return counts

@@ -1,0 +1,122 @@
+"""Measure on a live DeepSpeed engine what the planner predicts: bytes per rank of parameters,
+gradients and optimizer state, and the collectives of one training step.
+
+Unlike the rest of megatron.planner this imports torch (and, inside the functions, the training
+package); benchmarks/ and tests/ use it, the planner's arithmetic does not.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.planner.specs import ModelShape
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def engine_static_bytes(engine) -> dict[str, int]:
+    """Bytes this rank holds in weights, the modules' .grad, BF16_Optimizer's fp32 gradient buffer,
+    fp32 masters and Adam states, read from the engine's module and optimizer."""
+    import torch
+
+    opt = engine.optimizer
+    params = [p for p in engine.module.parameters()]
+    if hasattr(opt, "bf16_groups_flat"):  # BF16_Optimizer: flat (padded) buffers back the parameters
+        inner = opt.optimizer
+        return {"weights": _nbytes(opt.bf16_groups_flat), "grads": _nbytes(p.grad for p in params),
+                "grad_buffer": _nbytes(opt.fp32_groups_gradients_flat),
+                "master": _nbytes(opt.fp32_groups_flat_partition),
+                "adam": _nbytes(t for st in inner.state.values() for t in st.values()
+                                if torch.is_tensor(t) and t.dim() > 0)}
+    inner = getattr(opt, "optimizer", opt)
+    return {"weights": _nbytes(params), "grads": _nbytes(p.grad for p in params), "grad_buffer": 0, "master": 0,
+            "adam": _nbytes(t for st in inner.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)}
+
+
+def optimizer_group_numels(engine) -> list[int]:
+    """This rank's parameter count per optimizer group (decay, no-decay), unpadded."""
+    opt = engine.optimizer
+    if hasattr(opt, "bf16_groups"):
+        return [sum(p.numel() for p in group) for group in opt.bf16_groups]
+    inner = getattr(opt, "optimizer", opt)
+    return [sum(p.numel() for p in g["params"]) for g in inner.param_groups]
+
+
+def model_shape_of(config) -> ModelShape:
+    """The planner's ModelShape for a megatron ModelConfig."""
+    return ModelShape(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                      num_attention_heads=config.num_attention_heads, vocab_size=config.padded_vocab_size,
+                      ffn_hidden_size=config.ffn_hidden_size, embed_layernorm=config.embed_layernorm,
+                      learned_positions=config.max_positions if config.position_embedding_type == "absolute" else 0)
+
+
+def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: Optional[int] = None) -> dict:
+    """Train ``argv`` with pretrain() in this (already joined) process; record the collectives of the
+    ``record_call``-th ``train_batch`` (later calls: no one-off metadata sends); return per-rank facts."""
+    import torch.distributed as dist
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.parallel.state import group_layout
+    from megatron.planner.comm_count import CollectiveRecorder
+    from megatron.training.pretrain import pretrain
+
+    rc = resolve_vocab_size(build_run_config(parse_args(argv, world_size=world_size)))
+    p = rc.parallel
+    layout = group_layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                          world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size))
+    original = PipelineEngine.train_batch
+    calls = {"n": 0}
+    with CollectiveRecorder(layout) as recorder:
+        def train_batch(self, *args, **kwargs):
+            calls["n"] += 1
+            recorder.active = calls["n"] == record_call
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                recorder.active = False
+
+        PipelineEngine.train_batch = train_batch
+        try:
+            result = pretrain(rc)
+        finally:
+            PipelineEngine.train_batch = original
+    engine = result.engine
+    stage_layers = sum(1 for m in engine.module.modules() if type(m).__name__ == "TransformerLayer")
+    return {"rank": dist.get_rank(), "summary": {f"{a}/{o}": v for (a, o), v in recorder.summary().items()},
+            "records": [(r.op, r.axis, r.ranks, r.numel, r.nbytes) for r in recorder.records],
+            "group_numels": optimizer_group_numels(engine), "stage_layers": stage_layers,
+            "static_bytes": engine_static_bytes(engine), "losses": [h.loss for h in result.history],
+            "optimizer": type(engine.optimizer).__name__,
+            "config": {"seq_length": rc.data.seq_length, "micro_batch_size": rc.batch.micro_batch_size,
+                       "global_batch_size": rc.batch.global_batch_size, "hidden_size": rc.model.hidden_size,
+                       "num_layers": rc.model.num_layers, "num_attention_heads": rc.model.num_attention_heads,
+                       "padded_vocab_size": rc.model.padded_vocab_size, "bf16": rc.precision.bf16,
+                       "zero_stage": rc.precision.zero_stage, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                       "checkpoint_activations": rc.training.checkpoint_activations}}
+
+
+def predicted_static_bytes(result: dict) -> dict[str, float]:
+    """The planner's resident bytes (weights, fp32 grads, masters, Adam) for the rank ``result``
+    (a run_recorded() return value) describes."""
+    from megatron.parallel.state import group_layout
+    from megatron.planner.layout import Layout
+    from megatron.planner.memory import RESIDENT, stage_param_counts, static_bytes
+    from megatron.planner.specs import ModelShape
+
+    c = result["config"]
+    model = ModelShape(c["num_layers"], c["hidden_size"], c["num_attention_heads"], c["padded_vocab_size"])
+    layout = Layout(c["tp"], c["pp"], c["dp"], c["micro_batch_size"], c["checkpoint_activations"],
+                    1 if c["bf16"] else 0, "bf16" if c["bf16"] else "fp32")
+    pp_rank = group_layout(c["tp"], c["pp"], c["dp"]).coords(result["rank"])[0]
+    n = stage_param_counts(model, layout)[pp_rank]
+    return {k: v for k, v in static_bytes(n, layout).items() if k in RESIDENT}
+
+
+def measured_resident_bytes(result: dict) -> dict[str, float]:
+    """The RESIDENT components of run_recorded()'s engine_static_bytes (read after the step, when
+    the modules' .grad have been freed)."""
+    s = result["static_bytes"]
+    return {"weights": s["weights"], "grad_buffer": s["grad_buffer"], "master": s["master"], "adam": s["adam"]}

@@ -1,0 +1,123 @@
+"""Bytes per GPU of one pipeline stage: parameters, gradients, optimizer state, activations.
+
+Static memory, N = parameters held by the rank (its TP shard of its stage; the tied word embedding
+is on the first AND the last stage when PP > 1), d = DP size. What DeepSpeed 0.19.8 allocates:
+
+  bf16 (BF16_Optimizer, the BLOOM path; DeepSpeed ZeRO "stage 0" and "1" both give it):
+      bf16 weights 2N + fp32 gradient accumulation buffer 4N (the WHOLE stage, not sharded)
+      + fp32 master 4N/d + Adam exp_avg, exp_avg_sq 8N/d, resident all the time, + the bf16 .grad
+      2N from the first backward until the optimizer step frees it: 8N + 12N/d bytes at the peak.  ``zero_stage=0`` in the planner means a replicated optimizer: 8N + 12N.
+  fp32 (client AdamW, no ZeRO): weights 4N + Adam 8N resident + .grad 4N during the step = 16N.
+
+Each optimizer group's flat buffer is padded to a multiple of 2d elements (ignored: < 2d * 2 groups).
+
+Activations, bf16, per transformer layer and micro-batch, without sequence parallelism
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2):
+
+      s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes          (34 + 5as/h at t = 1)
+
+  the 5as/h term is the materialized attention scores/softmax/dropout mask; with full recomputation
+  a layer keeps only its input, 2*s*b*h bytes, and one layer's full set is alive while it is
+  recomputed and back-propagated. Under 1F1B (non-interleaved) stage i holds min(p - i, m)
+  micro-batches in flight, so the first stage holds p of them. The first stage also keeps the
+  embedding dropout mask (s*b*h bytes per micro-batch); the last stage the logits of one
+  micro-batch: bf16 logits + fp32 copy for the loss + fp32 gradient = 10*s*b*V/t bytes.
+The layer being back-propagated adds its activation gradients (~ one layer's set) and, with
+recomputation, its recomputed activations. Runtime overhead (CUDA context, NCCL buffers): a flat
+RUNTIME_OVERHEAD. A layout fits when the total is at most MEMORY_HEADROOM of the GPU's memory (the
+caching allocator's fragmentation and short-lived buffers this model does not itemize).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.planner.layout import Layout, layers_per_stage
+from megatron.planner.specs import GiB, ModelShape
+
+RUNTIME_OVERHEAD = 3 * GiB   # assumption, not measured here: CUDA context ~0.5-1 GiB + NCCL buffers + workspaces
+MEMORY_HEADROOM = 0.9        # rule of thumb: plan for 90% of the device, the rest goes to fragmentation
+
+
+def stage_param_counts(model: ModelShape, layout: Layout) -> list[int]:
+    """Parameters held by one TP rank of each pipeline stage."""
+    h, t = model.hidden_size, layout.tp
+    counts = layers_per_stage(model, layout.pp, layout.partition_method)
+    embedding = model.vocab_size * h // t + model.learned_positions * h + (2 * h if model.embed_layernorm else 0)
+    head = model.vocab_size * h // t  # the output head, vocab-parallel like the embedding
+    out = []
+    for i, n_layers in enumerate(counts):
+        n = n_layers * model.layer_params(t)
+        if i == 0:
+            n += embedding
+        if i == layout.pp - 1:
+            n += 2 * h  # final LayerNorm
+            if layout.pp > 1 or not model.tied_embeddings:
+                n += head  # the tied copy of the word embedding (or an untied head)
+        out.append(n)
+    return out
+
+
+RESIDENT = ("weights", "grad_buffer", "master", "adam")  # allocated at start-up, alive between steps
+
+
+def static_bytes(num_params: int, layout: Layout) -> dict[str, float]:
+    """Weights, gradients and optimizer state of one rank holding ``num_params`` parameters
+    (``grads``, the modules' .grad, live only from the first backward to the optimizer step, which
+    frees them; the other components are RESIDENT)."""
+    n, shard = num_params, (layout.dp if layout.zero_stage >= 1 else 1)
+    if layout.precision == "bf16":
+        return {"weights": 2 * n, "grad_buffer": 4 * n, "master": 4 * n / shard, "adam": 8 * n / shard,
+                "grads": 2 * n}
+    if layout.precision == "fp32":
+        return {"weights": 4 * n, "grad_buffer": 0.0, "master": 0.0, "adam": 8 * n / shard, "grads": 4 * n}
+    raise ValueError(f"precision {layout.precision!r} is not bf16 or fp32")
+
+
+def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int) -> float:
+    """One layer, one micro-batch, everything kept for backward (Korthikanti eq. 2, bf16)."""
+    s, b, h, a, t = seq_length, layout.micro_batch_size, model.hidden_size, model.num_attention_heads, layout.tp
+    ffn_scale = model.ffn / (4 * h)  # the 24/t term is mostly the MLP (16 of 24 at ffn = 4h)
+    return s * b * h * (10 + (8 + 16 * ffn_scale) / t + 5 * a * s / (h * t))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    per_stage: list[dict[str, float]]   # component -> bytes, one dict per pipeline stage
+
+    @property
+    def totals(self) -> list[float]:
+        return [sum(stage.values()) for stage in self.per_stage]
+
+    @property
+    def peak(self) -> float:
+        return max(self.totals)
+
+    @property
+    def peak_stage(self) -> int:
+        totals = self.totals
+        return totals.index(max(totals))
+
+
+def estimate_memory(model: ModelShape, layout: Layout, seq_length: int, global_batch_size: int) -> MemoryEstimate:
+    s, b, h, t = seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
+    m = layout.num_micro_batches(global_batch_size)
+    layers = layers_per_stage(model, layout.pp, layout.partition_method)
+    full_layer = layer_activation_bytes(model, layout, seq_length)
+    stages = []
+    for i, n_params in enumerate(stage_param_counts(model, layout)):
+        in_flight = min(layout.pp - i, m)
+        # + the layer being back-propagated: its activation gradients (about one layer's set), and
+        # with recomputation also its recomputed activations.
+        if layout.recompute:
+            act = in_flight * layers[i] * 2 * s * b * h + 2 * full_layer
+        else:
+            act = in_flight * layers[i] * full_layer + full_layer
+        if i == 0:
+            act += in_flight * s * b * h  # embedding dropout mask (1 byte per element)
+        if i == layout.pp - 1:
+            act += 10 * s * b * model.vocab_size / t
+        stage = dict(static_bytes(n_params, layout))
+        stage.update(activations=act, overhead=RUNTIME_OVERHEAD)
+        stages.append(stage)
+    return MemoryEstimate(stages)

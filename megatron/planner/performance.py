@@ -1,0 +1,163 @@
+"""Step time of one layout from a compute + communication model, and the TFLOPs it implies.
+
+Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
+
+  matmul      FLOPs / (peak * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)), rows = b*s.
+              Per layer forward 24*b*s*h^2 (dense, ffn = 4h) at that rate plus 4*b*s^2*h (attention
+              scores and context) at ATTENTION_EFFICIENCY of peak; backward = 2 x forward;
+              recomputation adds one forward. The last stage adds the logits, 2*b*s*h*V x 3.
+              All divided by t.
+  elementwise the activation bytes of Korthikanti's formula moved ELEMENTWISE_PASSES times
+              through HBM (layer norms, GeLU, bias, dropout, softmax; +1 pass with recompute).
+  TP          all-reduce of s*b*h bf16 values: 2 in forward, 2 in backward per layer (+2 with
+              recompute), and 1 + 1 for the embedding and the output head:
+              2(t-1)/t * bytes / busbw + latency, busbw = NVLink inside a node.
+  PP          one activation forward and one gradient backward of s*b*h bf16 per micro-batch; with
+              TP > 1 DeepSpeed sends 1/t of it and all-gathers it over the TP group (3 per slot).
+  grad accum  BF16_Optimizer adds the bf16 .grad into the fp32 buffer after every micro-batch
+              (read 2N + read/write 8N bytes) and zeroes the bf16 grads (2N).
+
+Step = (m + p - 1) * slot + DP + tied embedding + optimizer, where slot is the slowest stage's
+micro-batch time (1F1B: m micro-batches plus p-1 slots of fill and drain; bubble (p-1)/m).
+  DP          BF16_Optimizer all-reduces the fp32 gradient buffer cast to bf16, DeepSpeed's default
+              communication_data_type (2N bytes: 2(d-1)/d * 2N / bw),
+              then all-gathers the updated bf16 weights from their DP owners ((d-1)/d * 2N / bw).
+              DeepSpeed's pipeline engine does both after the last micro-batch: no overlap.
+  tied emb.   fp32 gradient of the word embedding all-reduced between the first and last stage.
+  optimizer   Adam over N/d fp32 values: ~32 bytes each through HBM, plus the grad-norm read.
+
+Constants are named below; which were chosen how is in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.planner.layout import Layout, layers_per_stage
+from megatron.planner.memory import layer_activation_bytes, stage_param_counts
+from megatron.planner.specs import ClusterSpec, GPUSpec, ModelShape
+
+GEMM_EFFICIENCY = 0.75       # large bf16 GEMMs reach ~75% of the dense peak (cuBLAS, A100 and H100)
+GEMM_HALF_ROWS = 128         # rows (b*s) at which a GEMM runs at half of that: small micro-batches lose
+ATTENTION_EFFICIENCY = 0.40  # batched score/context matmuls with the ALiBi bias and softmax around them
+ELEMENTWISE_PASSES = 3.0     # HBM passes over the activation bytes per forward + backward
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    step_s: float
+    slot_s: float                 # slowest stage, one micro-batch forward + backward (+ recompute)
+    bubble_s: float
+    components_s: dict            # where a step's time goes (summed over the step, slowest stage)
+    model_flops: float            # per step, without recomputation (Megatron formula, c = 3)
+    hardware_flops: float         # per step, counting the recomputed forward (c = 4 with recompute)
+    num_gpus: int
+    tokens_per_step: int
+    peak_tflops: float
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_s / self.num_gpus / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        return self.hardware_flops / self.step_s / self.num_gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_tflops_per_gpu / self.peak_tflops
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+
+def megatron_flops(model: ModelShape, global_batch_size: int, seq_length: int, recompute: bool) -> float:
+    """24 c B s L h^2 (1 + s/(6h) + V/(16 L h)), c = 4 with recomputation else 3 (ffn = 4h)."""
+    s, L, h, V = seq_length, model.num_layers, model.hidden_size, model.vocab_size
+    c = 4 if recompute else 3
+    return 24 * c * global_batch_size * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def _allreduce_s(num_bytes: float, ranks: int, busbw_gbps: float, latency_us: float) -> float:
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * num_bytes / (busbw_gbps * 1e9) + latency_us * 1e-6
+
+
+def _allgather_s(num_bytes: float, ranks: int, busbw_gbps: float, latency_us: float) -> float:
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) / ranks * num_bytes / (busbw_gbps * 1e9) + latency_us * 1e-6
+
+
+def _bandwidths(layout: Layout, gpu: GPUSpec, cluster: ClusterSpec) -> tuple[float, float, float]:
+    """(TP, DP, PP) bus bandwidths in GB/s: NVLink while the group fits in a node (TP innermost,
+    then DP, then PP in DeepSpeed's rank order), else the inter-node bandwidth its ring gets."""
+    node, inter, nv = cluster.gpus_per_node, cluster.inter_node_gbps, gpu.nvlink_busbw_gbps
+    tp_bw = nv if layout.tp <= node else inter
+    # A ring over nodes crosses each node once per group: the node's NICs are shared by the
+    # node // (members on the node) groups, so a group gets inter * members-per-node.
+    dp_members_per_node = max(1, min(layout.dp, node // layout.tp))
+    dp_bw = nv if layout.tp * layout.dp <= node else inter * dp_members_per_node
+    pp_bw = nv if layout.tp * layout.dp * layout.pp <= node else inter
+    return tp_bw, dp_bw, pp_bw
+
+
+def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
+                n_layers: int, n_params: int, first: bool, last: bool, tp_bw: float) -> dict:
+    s, b, h, t, V = seq_length, layout.micro_batch_size, model.hidden_size, layout.tp, model.vocab_size
+    passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
+    rows = b * s
+    gemm_rate = gpu.peak_bf16_tflops * 1e12 * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)
+    attn_rate = gpu.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY
+    dense = 2 * b * s * h * (3 * h + h + 2 * model.ffn) * passes / t  # qkv, dense, two MLP matmuls
+    attn = 4 * b * s * s * h * passes / t
+    matmul = n_layers * (dense / gemm_rate + attn / attn_rate)
+    if last:
+        matmul += 2 * b * s * h * V * 3 / t / gemm_rate
+    elementwise = n_layers * layer_activation_bytes(model, layout, seq_length) * (
+        ELEMENTWISE_PASSES + (1 if layout.recompute else 0)) / (gpu.hbm_gbps * 1e9)
+    calls = n_layers * (6 if layout.recompute else 4) + (1 if first else 0) + (1 if last else 0)
+    tp = calls * _allreduce_s(2 * s * b * h, t, tp_bw, cluster.collective_latency_us)
+    accum = (12 * n_params if layout.precision == "bf16" else 0) / (gpu.hbm_gbps * 1e9)
+    return {"matmul": matmul, "elementwise": elementwise, "tp_comm": tp, "grad_accum": accum}
+
+
+def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
+                  global_batch_size: int) -> StepEstimate:
+    m = layout.num_micro_batches(global_batch_size)
+    tp_bw, dp_bw, pp_bw = _bandwidths(layout, gpu, cluster)
+    layers = layers_per_stage(model, layout.pp, layout.partition_method)
+    params = stage_param_counts(model, layout)
+    slots = [_stage_slot(model, layout, gpu, cluster, seq_length, layers[i], params[i], i == 0,
+                         i == layout.pp - 1, tp_bw) for i in range(layout.pp)]
+    slowest = max(range(layout.pp), key=lambda i: sum(slots[i].values()))
+    slot = dict(slots[slowest])
+    if layout.pp > 1:
+        # DeepSpeed sends 1/t of the activation (pipe_partitioned) and all-gathers it over the TP group
+        act_bytes = 2 * seq_length * layout.micro_batch_size * model.hidden_size
+        slot["pp_comm"] = 2 * (act_bytes / layout.tp / (pp_bw * 1e9) + cluster.p2p_latency_us * 1e-6)
+        slot["pp_comm"] += 3 * _allgather_s(act_bytes, layout.tp, tp_bw, cluster.collective_latency_us)
+    slot_s = sum(slot.values())
+    n = max(params)
+    bytes_grad = 2 if layout.precision == "bf16" else 4  # DeepSpeed casts to communication_data_type (bf16)
+    dp = _allreduce_s(bytes_grad * n, layout.dp, dp_bw, cluster.collective_latency_us)
+    if layout.precision == "bf16" and layout.zero_stage >= 1:
+        dp += _allgather_s(2 * n, layout.dp, dp_bw, cluster.collective_latency_us)
+    tied = 0.0
+    if layout.pp > 1 and model.tied_embeddings:
+        tied = _allreduce_s(4 * model.vocab_size * model.hidden_size / layout.tp, 2, cluster.inter_node_gbps,
+                            cluster.collective_latency_us)
+    shard = layout.dp if layout.zero_stage >= 1 else 1
+    optimizer = (32 * n / shard + 4 * n) / (gpu.hbm_gbps * 1e9)
+    pipe = (m + layout.pp - 1) * slot_s
+    components = {k: v * (m + layout.pp - 1) for k, v in slot.items()}
+    components.update(dp_comm=dp, tied_embedding=tied, optimizer=optimizer)
+    step = pipe + dp + tied + optimizer
+    return StepEstimate(
+        step_s=step, slot_s=slot_s, bubble_s=(layout.pp - 1) * slot_s, components_s=components,
+        model_flops=megatron_flops(model, global_batch_size, seq_length, False),
+        hardware_flops=megatron_flops(model, global_batch_size, seq_length, layout.recompute),
+        num_gpus=layout.world_size, tokens_per_step=global_batch_size * seq_length,
+        peak_tflops=gpu.peak_bf16_tflops)

@@ -1,0 +1,61 @@
+"""Collective counting: attribution to axes, the analytic formula, and one measured step."""
+
+import pytest
+
+from megatron.parallel.state import group_layout
+from megatron.planner.comm_count import StepShape, analytic_step_counts, classify, compare
+from megatron.testing import run_distributed
+from tests.training.conftest import tiny_argv
+
+
+def test_classify_uses_the_layout_groups():
+    lay = group_layout(2, 2, 2)  # rank = (pp * 2 + dp) * 2 + tp
+    assert classify("all_reduce", (0, 1), lay) == "tp"
+    assert classify("all_reduce", (0, 2), lay) == "dp"
+    assert classify("send", (1, 5), lay) == "pp"
+    assert classify("send", (0, 3), lay) == "other"
+    # PP = 2: the embedding group is the pipeline group; all-reduce = tied embedding, broadcast = loss
+    assert classify("all_reduce", (0, 4), lay) == "embedding"
+    assert classify("broadcast", (0, 4), lay) == "pp"
+    assert classify("all_reduce", (0, 1, 4, 5), lay) == "model"
+    assert classify("barrier", tuple(range(8)), lay) == "world"
+
+
+def test_analytic_counts_follow_the_formula():
+    lay = group_layout(2, 2, 2)
+    shape = StepShape(seq_length=32, micro_batch_size=2, hidden_size=64, padded_vocab_size=512,
+                      num_micro_batches=3)
+    first = analytic_step_counts(shape, lay, 0, num_layers_on_stage=4, optimizer_group_numels=[1000, 10])
+    act = 32 * 2 * 64 * 2
+    # 4 per layer + the embedding's, per micro-batch
+    assert first[("tp", "all_reduce")] == {"calls": 3 * 17, "bytes": 3 * 17 * act}
+    assert first[("pp", "send")] == {"calls": 6, "bytes": 3 * (act // 2 + 9 * 8)}
+    assert first[("dp", "all_reduce")] == {"calls": 1, "bytes": 2 * (1000 + 12)}  # 10 padded to 4 * 3
+    recompute = analytic_step_counts(StepShape(32, 2, 64, 512, 3, recompute=True), lay, 0, 4, [1000, 10])
+    assert recompute[("tp", "all_reduce")]["calls"] == 3 * (4 * 6 + 1)
+    assert compare(first, first)["tp"]["bytes_ratio"] == 1.0
+
+
+def _run(rank, world_size, argv):
+    from megatron.planner.measure import run_recorded
+
+    return run_recorded(argv, world_size)
+
+
+@pytest.mark.multiprocess
+def test_measured_step_equals_analytic_count(tiny_corpus):
+    """(TP, PP, DP) = (2, 2, 1), bf16: every axis's calls and bytes equal the formula."""
+    argv = tiny_argv(tiny_corpus, train_iters=2, lr_warmup_iters=1) + [
+        "--bf16", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    results = run_distributed(_run, world_size=4, args=(argv,), timeout=600)
+    for r in results:
+        c = r["config"]
+        lay = group_layout(c["tp"], c["pp"], c["dp"])
+        shape = StepShape(c["seq_length"], c["micro_batch_size"], c["hidden_size"], c["padded_vocab_size"],
+                          c["global_batch_size"] // (c["micro_batch_size"] * c["dp"]))
+        analytic = analytic_step_counts(shape, lay, r["rank"], r["stage_layers"], r["group_numels"])
+        measured = {tuple(k.split("/")): v for k, v in r["summary"].items()}
+        for key in set(analytic) | set(measured):
+            m, a = measured.get(key, {}), analytic.get(key, {})
+            assert (m.get("calls"), m.get("bytes")) == (a.get("calls"), a.get("bytes")), \
+                f"rank {r['rank']} {key}: measured {m}, analytic {a}"

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""List the parallel layouts that fit a model on a cluster, fastest first (see docs/performance.md).
+
+    python tools/plan_parallelism.py --model 176B --num-gpus 384 --gpu A100-80GB \
+        --cluster jean-zay-a100 --seq-length 2048 --global-batch-size 2048 --top 5
+    python tools/plan_parallelism.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
+        --num-gpus 8 --gpu H100-80GB --global-batch-size 512 --json
+
+Memory per GPU (weights, gradients, optimizer state, activations, overhead) and step time
+(compute, TP / PP / DP communication, bubble) come from megatron.planner; every constant is
+named there and explained in docs/performance.md. Estimates, not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.planner import BLOOM_SIZES, CLUSTERS, GPUS, ModelShape, plan_layouts  # noqa: E402
+from megatron.planner.specs import DEFAULT_CLUSTER, GiB  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(BLOOM_SIZES), help="a named BLOOM size (its real hyper-parameters)")
+    p.add_argument("--num-layers", type=int)
+    p.add_argument("--hidden-size", type=int)
+    p.add_argument("--num-attention-heads", type=int)
+    p.add_argument("--ffn-hidden-size", type=int)
+    p.add_argument("--padded-vocab-size", type=int, default=250880)
+    p.add_argument("--num-gpus", type=int, required=True)
+    p.add_argument("--gpu", choices=sorted(GPUS), default="A100-80GB")
+    p.add_argument("--gpu-memory-gib", type=float, help="override the GPU's memory")
+    p.add_argument("--cluster", choices=sorted(CLUSTERS), help="fabric preset (default: DGX of the GPU type)")
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--inter-node-gbps", type=float, help="achievable per-GPU inter-node bus bandwidth, GB/s")
+    p.add_argument("--intra-node-gbps", type=float, help="achievable NVLink all-reduce bus bandwidth, GB/s")
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--global-batch-size", type=int, required=True)
+    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--pp-partition-method", default="type:transformer",
+                   choices=["type:transformer", "type:transformer|embedding"])
+    p.add_argument("--recompute", choices=["auto", "yes", "no"], default="auto",
+                   help="activation checkpointing: try both (auto) or fix it")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--show-infeasible", action="store_true", help="also list layouts that do not fit")
+    p.add_argument("--json", action="store_true", help="print the rows as one JSON document")
+    return p.parse_args(argv)
+
+
+def model_from_args(args) -> ModelShape:
+    if args.model:
+        return BLOOM_SIZES[args.model]
+    missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads") if getattr(args, f) is None]
+    if missing:
+        raise SystemExit(f"give --model or all of --num-layers --hidden-size --num-attention-heads (missing {missing})")
+    return ModelShape(args.num_layers, args.hidden_size, args.num_attention_heads, args.padded_vocab_size,
+                      args.ffn_hidden_size)
+
+
+def hardware_from_args(args):
+    gpu = GPUS[args.gpu]
+    if args.gpu_memory_gib:
+        gpu = dataclasses.replace(gpu, memory_bytes=int(args.gpu_memory_gib * GiB))
+    if args.intra_node_gbps:
+        gpu = dataclasses.replace(gpu, nvlink_busbw_gbps=args.intra_node_gbps)
+    cluster = CLUSTERS[args.cluster or DEFAULT_CLUSTER[args.gpu]]
+    if args.gpus_per_node:
+        cluster = dataclasses.replace(cluster, gpus_per_node=args.gpus_per_node)
+    if args.inter_node_gbps:
+        cluster = dataclasses.replace(cluster, inter_node_gbps=args.inter_node_gbps)
+    return gpu, cluster
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {'MBS':>3} {'m':>5} {'recomp':>6} {'ZeRO':>4} "
+            f"{'mem GiB':>8} {'step s':>8} {'TFLOPs hw':>9} {'TFLOPs mdl':>10} {'MFU':>6} {'bubble':>6} {'tokens/s':>10}")
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['micro_batch_size']:>3} "
+                     f"{r['num_micro_batches']:>5} {'yes' if r['recompute'] else 'no':>6} {r['zero_stage']:>4} "
+                     f"{r['memory_gib']:>8.1f} {r['step_s']:>8.2f} {r['hardware_tflops_per_gpu']:>9.1f} "
+                     f"{r['model_tflops_per_gpu']:>10.1f} {r['mfu']:>6.3f} {r['bubble_fraction']:>6.3f} "
+                     f"{r['tokens_per_s']:>10.0f}" + ("" if r["fits"] else "  (does not fit)"))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model = model_from_args(args)
+    gpu, cluster = hardware_from_args(args)
+    plans = plan_layouts(model, gpu, cluster, args.num_gpus, args.seq_length, args.global_batch_size,
+                         micro_batch_sizes=args.micro_batch_sizes, partition_method=args.pp_partition_method,
+                         recompute={"auto": (True, False), "yes": (True,), "no": (False,)}[args.recompute],
+                         include_infeasible=args.show_infeasible)
+    rows = [p.row() for p in plans[:args.top]]
+    if args.json:
+        print(json.dumps({"model": dataclasses.asdict(model), "gpu": dataclasses.asdict(gpu),
+                          "cluster": dataclasses.asdict(cluster), "num_gpus": args.num_gpus,
+                          "seq_length": args.seq_length, "global_batch_size": args.global_batch_size,
+                          "num_feasible": sum(p.fits for p in plans), "layouts": rows}))
+    else:
+        print(f"{model.total_params() / 1e9:.1f}B parameters on {args.num_gpus} x {gpu.name} ({cluster.name}), "
+              f"seq {args.seq_length}, global batch {args.global_batch_size}: "
+              f"{sum(p.fits for p in plans)} layouts fit")
+        print(format_table(rows))
+    if not any(p.fits for p in plans):
+        print("no layout fits: more GPUs, a smaller micro-batch or a smaller global batch", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
