@@ -1,0 +1,34 @@
+"""GPT / BLOOM model math, tensor-parallel, sequence-first [s, b, h].
+
+    EmbeddingLayer     token ids -> [s, b, h]; learned positions, BLOOM's embedding LayerNorm;
+                       ``lm_logits`` is the tied output head -> vocab-parallel [s, b, vp]
+    TransformerLayer   pre-LN attention (fused per-head QKV; ALiBi / rotary / none) + GeLU MLP
+    FinalLayerNorm     the LayerNorm before the head
+    GPTModel           the three composed on one pipeline stage; ``gpt_loss`` the masked mean loss
+    KVCache            per-layer keys / values for incremental decoding
+    tp_parameters      which parameters are replicated / row- / vocab-parallel; TP sync
+    hf_bloom           weight and config mapping to and from transformers' Bloom
+
+Each module is built from a ``ModelConfig`` and an explicit tensor-parallel group and takes simple
+tensors, so a pipeline engine can stage them one by one. Initial weights depend only on
+(config.seed, parameter name): a pipeline stage, or a different TP size, starts identical.
+
+Imports torch, megatron.config and megatron.parallel only: never deepspeed, global arguments or
+environment variables.
+
+Shape letters: s sequence, b micro-batch, h hidden, np heads per partition, hn head dim,
+hp = np * hn, v / vp vocabulary (per partition).
+"""
+
+from megatron.model.attention import KVCache, SelfAttention
+from megatron.model.embedding import EmbeddingLayer
+from megatron.model.gpt import GPTModel, gpt_loss, per_token_loss
+from megatron.model.tp_parameters import (ROW_PARALLEL_PARAMETER_PATTERNS, TP_REPLICATED_PARAMETER_PATTERNS,
+                                          VOCABULARY_PARAMETER_PATTERNS, sync_tp_duplicated_parameters,
+                                          tp_duplicated_parameters)
+from megatron.model.transformer import FinalLayerNorm, ParallelMLP, TransformerLayer
+
+__all__ = ["EmbeddingLayer", "TransformerLayer", "FinalLayerNorm", "GPTModel", "gpt_loss", "per_token_loss",
+           "KVCache", "SelfAttention", "ParallelMLP", "TP_REPLICATED_PARAMETER_PATTERNS",
+           "ROW_PARALLEL_PARAMETER_PATTERNS", "VOCABULARY_PARAMETER_PATTERNS",
+           "sync_tp_duplicated_parameters", "tp_duplicated_parameters"]

@@ -1,0 +1,148 @@
+"""Tensor-parallel causal self-attention with a fused, per-head interleaved QKV projection.
+
+    qkv = x @ W_qkv (column-parallel: each TP rank holds np = heads / tp whole heads)
+    attention per head with causal masking and ALiBi / rotary / no position information
+    out = context @ W_dense (row-parallel: partial sums all-reduced over the TP group)
+
+The fused weight's rows are ordered [heads, 3, hn] (BLOOM's and transformers' Bloom layout), so
+rank r's rows [r * np * 3 * hn, (r + 1) * np * 3 * hn) are exactly its heads' q, k and v: TP
+slicing, DeepSpeed's universal-checkpoint dim-0 merging and transformers' layout all agree.
+
+Shape letters: s sequence (sq queries, sk keys incl. cached ones), b micro-batch, h hidden,
+np heads per partition, hn head dim, hp = np * hn, v / vp vocabulary (per partition).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.initialization import normal_init, output_layer_std
+from megatron.model.positional import alibi_bias, alibi_slopes_for_rank, apply_rotary, rotary_cos_sin
+from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.parallel.state import group_rank, group_size
+
+__all__ = ["KVCache", "SelfAttention"]
+
+
+class KVCache:
+    """Keys and values one attention layer has seen, for incremental (token by token) decoding.
+
+    Create one per layer (``GPTModel.new_kv_caches()``) and pass it to every forward of that layer.
+    ``length`` is the number of positions already cached, i.e. the absolute position of the next
+    token; ALiBi and rotary use it so that decoding step by step equals one full forward.
+    """
+
+    def __init__(self) -> None:
+        self.key: Optional[torch.Tensor] = None    # [sk, b, np, hn]
+        self.value: Optional[torch.Tensor] = None  # [sk, b, np, hn]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.key is None else self.key.shape[0]
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add this step's keys and values [sq, b, np, hn]; return all of them [sk, b, np, hn]."""
+        if self.key is None:
+            self.key, self.value = key, value
+        else:
+            if key.shape[1:] != self.key.shape[1:]:
+                raise ValueError(f"KV cache holds [sk, b, np, hn] = {list(self.key.shape)} but got keys "
+                                 f"{list(key.shape)}; use a fresh cache for a new batch")
+            self.key = torch.cat((self.key, key), dim=0)  # [sk, b, np, hn]
+            self.value = torch.cat((self.value, value), dim=0)  # [sk, b, np, hn]
+        return self.key, self.value
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention, heads split across the tensor-parallel group.
+
+    Args:
+        config: the model configuration (sizes, position type, dropout, init std, seed).
+        tp_group: the tensor-parallel process group (None: one rank).
+        layer_number: this layer's 0-based index in the whole model (names its init streams).
+        rng_tracker: a ``RNGStatesTracker``; attention dropout runs inside its
+            'model-parallel-rng' fork so that it differs across TP ranks (each holds other heads).
+    """
+
+    def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, rng_tracker=None):
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        self.rng_tracker = rng_tracker
+        tp_size = group_size(tp_group)
+        self.num_heads_per_partition = config.num_attention_heads // tp_size  # np
+        self.head_dim = config.head_dim  # hn
+        prefix = f"layers.{layer_number}.self_attention"
+        self.query_key_value = ColumnParallelLinear(
+            config.hidden_size, 3 * config.hidden_size, tp_group=tp_group, bias=True, gather_output=False,
+            init_method=normal_init(config.init_method_std, config.seed, f"{prefix}.query_key_value.weight"))
+        self.dense = RowParallelLinear(
+            config.hidden_size, config.hidden_size, tp_group=tp_group, bias=True, input_is_parallel=True,
+            init_method=normal_init(output_layer_std(config), config.seed, f"{prefix}.dense.weight"))
+        if config.position_embedding_type == "alibi":
+            # Not a buffer: it must stay fp32 when the module is cast to bf16, and it is not state.
+            self._alibi_slopes = alibi_slopes_for_rank(config.num_attention_heads, group_rank(tp_group), tp_size)
+
+    @property
+    def alibi_slopes(self) -> Optional[torch.Tensor]:
+        """This rank's ALiBi slopes [np] (fp32), or None when ALiBi is not used."""
+        return getattr(self, "_alibi_slopes", None)
+
+    def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """hidden [sq, b, h] (already layer-normed) -> attention output [sq, b, h] (bias added)."""
+        sq, b, _ = hidden.shape
+        np_, hn = self.num_heads_per_partition, self.head_dim
+        offset = 0 if kv_cache is None else kv_cache.length
+        mixed, _ = self.query_key_value(hidden)  # [sq, b, np * 3 * hn]
+        mixed = mixed.view(sq, b, np_, 3, hn)  # [sq, b, np, 3, hn]
+        query, key, value = mixed.unbind(dim=3)  # 3 x [sq, b, np, hn]
+
+        positions = torch.arange(offset, offset + sq, device=hidden.device)  # [sq]
+        if self.config.position_embedding_type == "rotary":
+            cos, sin = rotary_cos_sin(positions, hn, self.config.rotary_base)  # 2 x [sq, hn]
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        if kv_cache is not None:
+            key, value = kv_cache.append(key, value)  # 2 x [sk, b, np, hn]
+        sk = key.shape[0]
+
+        # SDPA wants [b, np, s, hn]. Its fused kernels accumulate the softmax in fp32.
+        query = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+        key = key.permute(1, 2, 0, 3)  # [b, np, sk, hn]
+        value = value.permute(1, 2, 0, 3)  # [b, np, sk, hn]
+        mask = self._attention_mask(positions, sk, query.dtype)
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        with self._dropout_rng(dropout_p):
+            context = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, dropout_p=dropout_p,
+                is_causal=mask is None and sq > 1, scale=1.0 / math.sqrt(hn))  # [b, np, sq, hn]
+        context = context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, hp]
+        output, _ = self.dense(context)  # [sq, b, h]
+        return output
+
+    def _attention_mask(self, query_positions: torch.Tensor, sk: int, dtype: torch.dtype
+                        ) -> Optional[torch.Tensor]:
+        """The additive bias [np, sq, sk], a boolean mask [sq, sk], or None for SDPA's is_causal.
+
+        is_causal aligns queries with the FIRST keys, which is wrong once cached keys precede the
+        queries; then (and for ALiBi, which needs a bias anyway) the mask is built explicitly.
+        """
+        sq = query_positions.shape[0]
+        key_positions = torch.arange(sk, device=query_positions.device)  # [sk]
+        if self.alibi_slopes is not None:
+            slopes = self.alibi_slopes.to(query_positions.device)
+            return alibi_bias(slopes, query_positions, key_positions).to(dtype)  # [np, sq, sk]
+        if sq == sk or sq == 1:
+            return None  # is_causal, or one new token that may see every cached key
+        return key_positions[None, :] <= query_positions[:, None]  # [sq, sk], True = attend
+
+    def _dropout_rng(self, dropout_p: float):
+        if dropout_p > 0.0 and self.rng_tracker is not None:
+            return self.rng_tracker.fork()
+        return contextlib.nullcontext()

@@ -1,0 +1,85 @@
+"""Input embedding (vocab-parallel words, optional learned positions and LayerNorm) and the tied head.
+
+    x = dropout(LN?(E_word[ids] + E_pos[positions]?))      [b, s] -> [s, b, h]
+    logits = y @ E_word^T                                 [s, b, h] -> [s, b, vp]
+
+The word embedding is split along the vocabulary: rank r holds rows [r * vp, (r + 1) * vp). The
+output head reuses that same weight (tied), so its logits are vocab-parallel too.
+
+Shape letters: s sequence, b micro-batch, h hidden, np heads per partition, hn head dim,
+hp = np * hn, v / vp vocabulary (per partition).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.initialization import normal_init, params_torch_dtype
+from megatron.parallel.layers import VocabParallelEmbedding
+from megatron.parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.parallel.state import group_size
+
+__all__ = ["EmbeddingLayer"]
+
+
+class EmbeddingLayer(nn.Module):
+    """Token ids -> hidden states [s, b, h]; also the tied output head (:meth:`lm_logits`).
+
+    Args:
+        config: the model configuration. Learned positions exist when
+            ``position_embedding_type == 'absolute'``; ``embed_layernorm`` adds BLOOM's LayerNorm;
+            ``hidden_dropout`` is the embedding dropout.
+        tp_group: the tensor-parallel process group (None: one rank).
+
+    Parameters: ``word_embeddings.weight`` [vp, h] (vocab-parallel), ``position_embeddings.weight``
+    [max_positions, h] and ``embed_layernorm.{weight,bias}`` (both replicated across TP).
+    """
+
+    def __init__(self, config: ModelConfig, tp_group=None):
+        super().__init__()
+        config.validate(group_size(tp_group))
+        self.tp_group = tp_group
+        self.dropout = config.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size, config.hidden_size, tp_group=tp_group,
+            init_method=normal_init(config.init_method_std, config.seed, "embedding.word_embeddings.weight"))
+        self.position_embeddings = None
+        if config.position_embedding_type == "absolute":
+            self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size)
+            normal_init(config.init_method_std, config.seed, "embedding.position_embeddings.weight")(
+                self.position_embeddings.weight)
+        self.embed_layernorm = None
+        if config.embed_layernorm:
+            self.embed_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.to(params_torch_dtype(config))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids [b, s] (and position_ids [b, s], learned positions only) -> [s, b, h].
+
+        position_ids defaults to 0 .. s-1; pass offset positions when decoding with a KV cache.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [b, s], got shape {list(input_ids.shape)}")
+        embeddings = self.word_embeddings(input_ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]  # [1, s]
+            embeddings = embeddings + self.position_embeddings(position_ids)  # [b, s, h]
+        embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.embed_layernorm is not None:
+            embeddings = self.embed_layernorm(embeddings)
+        return F.dropout(embeddings, p=self.dropout, training=self.training)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [s, b, h] -> vocab-parallel logits [s, b, vp] with the tied word embedding.
+
+        copy_to (forward identity, backward all-reduce) gives every rank the full gradient of the
+        replicated hidden state, since each rank's logits depend on it through its own rows.
+        """
+        hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)  # [s, b, h]
+        return F.linear(hidden, self.word_embeddings.weight)  # [s, b, vp]

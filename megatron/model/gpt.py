@@ -1,0 +1,113 @@
+"""GPTModel: embedding -> transformer layers -> final LayerNorm -> tied head, on one pipeline stage.
+
+The same modules (EmbeddingLayer, TransformerLayer, FinalLayerNorm) are what a pipeline engine
+stages one by one; this class only composes them for a single stage and adds the loss.
+
+Shape letters: s sequence, b micro-batch, h hidden, np heads per partition, hn head dim,
+hp = np * hn, v / vp vocabulary (per partition).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.attention import KVCache
+from megatron.model.embedding import EmbeddingLayer
+from megatron.model.transformer import FinalLayerNorm, TransformerLayer
+from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.parallel.state import ParallelState
+
+__all__ = ["GPTModel", "gpt_loss", "per_token_loss"]
+
+
+def per_token_loss(logits_parallel: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Cross-entropy of each token: logits [s, b, vp] (vocab-parallel), labels [b, s] -> loss [b, s].
+
+    The loss is fp32 whatever the logits' dtype: vocab_parallel_cross_entropy does its softmax in
+    fp32 (over tens of thousands of entries bf16 would lose most of the precision).
+    """
+    if labels.shape != logits_parallel.shape[1::-1]:
+        raise ValueError(f"labels must be [b, s] = {list(logits_parallel.shape[1::-1])} for logits "
+                         f"[s, b, vp] = {list(logits_parallel.shape)}, got {list(labels.shape)}")
+    target = labels.transpose(0, 1)  # [s, b]
+    loss = vocab_parallel_cross_entropy(logits_parallel, target, tp_group)  # [s, b]
+    return loss.transpose(0, 1)  # [b, s]
+
+
+def gpt_loss(logits_parallel: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+             tp_group=None) -> torch.Tensor:
+    """Megatron's language-model loss: sum(loss * mask) / sum(mask), a scalar (fp32).
+
+    logits_parallel [s, b, vp] (vocab-parallel), labels [b, s], loss_mask [b, s] (1 = count the token).
+    Usable as a pipeline loss_fn once ``tp_group`` is bound (e.g. with functools.partial).
+    """
+    loss = per_token_loss(logits_parallel, labels, tp_group)  # [b, s]
+    if loss_mask.shape != loss.shape:
+        raise ValueError(f"loss_mask must be [b, s] = {list(loss.shape)}, got {list(loss_mask.shape)}")
+    mask = loss_mask.to(torch.float32)
+    # clamp: a micro-batch with nothing to count gives 0, not NaN.
+    return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+class GPTModel(nn.Module):
+    """A GPT / BLOOM decoder on a single pipeline stage, tensor-parallel over ``parallel_state.tp_group``.
+
+    Args:
+        config: the model configuration.
+        parallel_state: this rank's groups (``ParallelState.single()`` for one process). Only the
+            tensor-parallel group is used; pipeline parallelism stages the same modules elsewhere.
+        rng_tracker: optional ``RNGStatesTracker`` for attention dropout inside the TP region.
+
+    Parameter names: ``embedding.word_embeddings.weight``, ``embedding.position_embeddings.weight``,
+    ``embedding.embed_layernorm.*``, ``layers.{i}.input_layernorm.*``,
+    ``layers.{i}.self_attention.query_key_value.*``, ``layers.{i}.self_attention.dense.*``,
+    ``layers.{i}.post_attention_layernorm.*``, ``layers.{i}.mlp.dense_h_to_4h.*``,
+    ``layers.{i}.mlp.dense_4h_to_h.*``, ``final_layernorm.*``.
+    """
+
+    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, rng_tracker=None):
+        super().__init__()
+        parallel_state = parallel_state if parallel_state is not None else ParallelState.single()
+        config.validate(parallel_state.tp_size)
+        self.config = config
+        self.tp_group = parallel_state.tp_group
+        self.embedding = EmbeddingLayer(config, self.tp_group)
+        self.layers = nn.ModuleList(TransformerLayer(config, self.tp_group, i, rng_tracker)
+                                    for i in range(config.num_layers))
+        self.final_layernorm = FinalLayerNorm(config)
+
+    def new_kv_caches(self) -> list[KVCache]:
+        """One empty KV cache per layer, for :meth:`forward`'s ``kv_caches``."""
+        return [KVCache() for _ in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
+                kv_caches: Optional[Sequence[KVCache]] = None) -> torch.Tensor:
+        """input_ids [b, s] -> logits [s, b, vp] (vocab-parallel) when ``labels`` is None;
+        with labels [b, s]: the per-token loss [b, s], or with loss_mask [b, s] too, gpt_loss (scalar).
+
+        kv_caches: from :meth:`new_kv_caches`, reused across calls to decode incrementally; the
+        positions of the new tokens then continue after the cached ones (position_ids, if None,
+        too).
+        """
+        if kv_caches is not None and len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        if position_ids is None and kv_caches is not None and kv_caches[0].length > 0:
+            start = kv_caches[0].length
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None, :]
+        hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, None if kv_caches is None else kv_caches[i])  # [s, b, h]
+        hidden = self.final_layernorm(hidden)  # [s, b, h]
+        logits = self.embedding.lm_logits(hidden)  # [s, b, vp]
+        if labels is None:
+            if loss_mask is not None:
+                raise ValueError("loss_mask was given without labels")
+            return logits
+        if loss_mask is None:
+            return per_token_loss(logits, labels, self.tp_group)
+        return gpt_loss(logits, labels, loss_mask, self.tp_group)

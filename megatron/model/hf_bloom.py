@@ -1,0 +1,153 @@
+"""Map full (TP=1) weights and configs between GPTModel and transformers' Bloom.
+
+The layouts agree tensor for tensor, QKV included (rows ordered [heads, 3, hn] on both sides), so
+the mapping is only a renaming, plus padding / trimming of the vocabulary rows. The output head is
+tied: transformers' ``lm_head.weight`` is the word embedding.
+
+    ours = bloom_state_dict_to_ours(hf_model.state_dict(), config)   # -> GPTModel.load_state_dict
+    hf = ours_to_bloom_state_dict(model.state_dict(), vocab_size)     # -> BloomForCausalLM.load_state_dict
+
+Nothing here imports transformers; the config helpers take / return plain attribute holders.
+
+Shape letters: s sequence, b micro-batch, h hidden, np heads per partition, hn head dim,
+hp = np * hn, v / vp vocabulary (per partition).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+
+from megatron.config import ModelConfig
+
+__all__ = ["bloom_state_dict_to_ours", "ours_to_bloom_state_dict", "model_config_from_bloom",
+           "bloom_config_kwargs"]
+
+# (transformers' Bloom name, our GPTModel name); "{i}" is the layer index.
+_LAYER_NAMES = [
+    ("h.{i}.input_layernorm.{p}", "layers.{i}.input_layernorm.{p}"),
+    ("h.{i}.self_attention.query_key_value.{p}", "layers.{i}.self_attention.query_key_value.{p}"),
+    ("h.{i}.self_attention.dense.{p}", "layers.{i}.self_attention.dense.{p}"),
+    ("h.{i}.post_attention_layernorm.{p}", "layers.{i}.post_attention_layernorm.{p}"),
+    ("h.{i}.mlp.dense_h_to_4h.{p}", "layers.{i}.mlp.dense_h_to_4h.{p}"),
+    ("h.{i}.mlp.dense_4h_to_h.{p}", "layers.{i}.mlp.dense_4h_to_h.{p}"),
+]
+_GLOBAL_NAMES = [
+    ("word_embeddings.weight", "embedding.word_embeddings.weight"),
+    ("word_embeddings_layernorm.weight", "embedding.embed_layernorm.weight"),
+    ("word_embeddings_layernorm.bias", "embedding.embed_layernorm.bias"),
+    ("ln_f.weight", "final_layernorm.weight"),
+    ("ln_f.bias", "final_layernorm.bias"),
+]
+
+
+def _name_pairs(num_layers: int) -> list[tuple[str, str]]:
+    pairs = list(_GLOBAL_NAMES)
+    for i in range(num_layers):
+        for hf, ours in _LAYER_NAMES:
+            for p in ("weight", "bias"):
+                pairs.append((hf.format(i=i, p=p), ours.format(i=i, p=p)))
+    return pairs
+
+
+def _num_layers(names, pattern: str) -> int:
+    indices = {int(m.group(1)) for name in names if (m := re.match(pattern, name))}
+    if indices != set(range(len(indices))):
+        raise ValueError(f"layer indices {sorted(indices)} are not 0 .. n-1")
+    return len(indices)
+
+
+def bloom_state_dict_to_ours(bloom_state: dict[str, torch.Tensor], config: ModelConfig
+                             ) -> dict[str, torch.Tensor]:
+    """A transformers ``BloomForCausalLM`` / ``BloomModel`` state dict -> a TP=1 GPTModel state dict.
+
+    The word embedding is zero-padded to ``config.padded_vocab_size`` rows. A separate
+    ``lm_head.weight`` must equal the word embedding (our head is tied).
+    """
+    state = {name.removeprefix("transformer."): tensor for name, tensor in bloom_state.items()}
+    lm_head = state.pop("lm_head.weight", None)
+    num_layers = _num_layers(state, r"h\.(\d+)\.")
+    if num_layers != config.num_layers:
+        raise ValueError(f"the Bloom state dict has {num_layers} layers, the config num_layers {config.num_layers}")
+    pairs = _name_pairs(num_layers)
+    missing = [hf for hf, _ in pairs if hf not in state]
+    unknown = sorted(set(state) - {hf for hf, _ in pairs})
+    if missing or unknown:
+        raise ValueError(f"not a Bloom state dict we can map: missing {missing}, unexpected {unknown}")
+    ours = {mine: state[hf] for hf, mine in pairs}
+
+    words = ours["embedding.word_embeddings.weight"]  # [v, h]
+    if lm_head is not None and not torch.equal(lm_head, words):
+        raise ValueError("lm_head.weight differs from word_embeddings.weight; GPTModel ties them")
+    vocab_size, padded = words.shape[0], config.padded_vocab_size
+    if vocab_size > padded:
+        raise ValueError(f"the Bloom vocabulary has {vocab_size} rows, more than padded_vocab_size {padded}")
+    if vocab_size < padded:
+        padding = words.new_zeros(padded - vocab_size, words.shape[1])  # [padded - v, h]
+        ours["embedding.word_embeddings.weight"] = torch.cat((words, padding), dim=0)  # [padded, h]
+    return ours
+
+
+def ours_to_bloom_state_dict(state: dict[str, torch.Tensor], vocab_size: Optional[int] = None,
+                             with_lm_head: bool = True) -> dict[str, torch.Tensor]:
+    """A TP=1 GPTModel state dict -> a transformers ``BloomForCausalLM`` state dict.
+
+    vocab_size: keep only the first rows of the word embedding (drop our padding); default all.
+    with_lm_head: also emit ``lm_head.weight`` (the tied word embedding).
+    """
+    unsupported = [name for name in state if "position_embeddings" in name]
+    if unsupported:
+        raise ValueError(f"Bloom has no learned positions (ALiBi only), but the state dict has {unsupported}")
+    num_layers = _num_layers(state, r"layers\.(\d+)\.")
+    pairs = _name_pairs(num_layers)
+    missing = [mine for _, mine in pairs if mine not in state]
+    if missing:
+        raise ValueError(f"not a GPTModel state dict with embed_layernorm: missing {missing}")
+    bloom = {"transformer." + hf: state[mine] for hf, mine in pairs}
+    words = bloom["transformer.word_embeddings.weight"]  # [padded, h]
+    if vocab_size is not None:
+        if vocab_size > words.shape[0]:
+            raise ValueError(f"vocab_size {vocab_size} is larger than the {words.shape[0]} embedding rows")
+        bloom["transformer.word_embeddings.weight"] = words = words[:vocab_size]  # [v, h]
+    if with_lm_head:
+        bloom["lm_head.weight"] = words
+    return bloom
+
+
+def model_config_from_bloom(bloom_config: Any, seq_length: int, **overrides) -> ModelConfig:
+    """A ModelConfig for a transformers ``BloomConfig`` (ALiBi, embedding LayerNorm, ffn = 4h).
+
+    seq_length: the training / inference length (Bloom's config does not record one).
+    overrides: any other ModelConfig field, e.g. padded_vocab_size or params_dtype.
+    """
+    if getattr(bloom_config, "apply_residual_connection_post_layernorm", False):
+        raise ValueError("apply_residual_connection_post_layernorm=True is not supported (pre-LN residual only)")
+    fields = dict(num_layers=bloom_config.n_layer, hidden_size=bloom_config.hidden_size,
+                  num_attention_heads=bloom_config.n_head, padded_vocab_size=bloom_config.vocab_size,
+                  seq_length=seq_length, position_embedding_type="alibi", embed_layernorm=True,
+                  layernorm_epsilon=bloom_config.layer_norm_epsilon,
+                  hidden_dropout=bloom_config.hidden_dropout, attention_dropout=bloom_config.attention_dropout,
+                  init_method_std=bloom_config.initializer_range)
+    fields.update(overrides)
+    return ModelConfig(**fields).validate()
+
+
+def bloom_config_kwargs(config: ModelConfig, vocab_size: Optional[int] = None) -> dict[str, Any]:
+    """Keyword arguments for ``transformers.BloomConfig`` describing ``config``.
+
+    vocab_size: the exported vocabulary (default: original_vocab_size, else padded_vocab_size).
+    """
+    if config.position_embedding_type != "alibi" or not config.embed_layernorm:
+        raise ValueError(f"Bloom means ALiBi with an embedding LayerNorm, got position_embedding_type "
+                         f"{config.position_embedding_type!r} and embed_layernorm {config.embed_layernorm}")
+    if config.ffn_size != 4 * config.hidden_size:
+        raise ValueError(f"Bloom's MLP is 4 * hidden = {4 * config.hidden_size} wide, got ffn size {config.ffn_size}")
+    if vocab_size is None:
+        vocab_size = config.original_vocab_size or config.padded_vocab_size
+    return dict(vocab_size=vocab_size, hidden_size=config.hidden_size, n_layer=config.num_layers,
+                n_head=config.num_attention_heads, layer_norm_epsilon=config.layernorm_epsilon,
+                initializer_range=config.init_method_std, hidden_dropout=config.hidden_dropout,
+                attention_dropout=config.attention_dropout, apply_residual_connection_post_layernorm=False,
+                tie_word_embeddings=True)
