@@ -28,13 +28,19 @@ $(STAMP): setup.py requirements.txt
 	$(PIP) install --quiet --no-build-isolation -e ".[test]"
 	touch $(STAMP)
 
-pretrain: $(STAMP)
-	$(PY) -m megatron.quickstart
+# The C++ data helpers are rebuilt in place whenever their source changes.
+EXT := megatron/data/.helpers.built
+$(EXT): megatron/data/helpers.cpp $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+	touch $(EXT)
 
-test: $(STAMP)
+pretrain: $(STAMP) $(EXT)
+	PYTHON=$(PY) examples/pretrain_tiny_bloom_cpu.sh
+
+test: $(STAMP) $(EXT)
 	$(PY) -m pytest tests
 
-test-quick: $(STAMP)
+test-quick: $(STAMP) $(EXT)
 	$(PY) -m pytest tests -m "not multiprocess"
 
 clean-venv:

@@ -4,8 +4,10 @@
     loss = engine.train_batch(data_iterator)
 
 The returned object is DeepSpeed's ``PipelineEngine`` (also for a single stage, so there is one code
-path): in bf16 with ``zero_optimization.stage`` 0/1 and fp32 gradient accumulation its optimizer
-is ``BF16_Optimizer`` (BLOOM's path); in fp32 the client optimizer wrapped by our grad-norm clipper.
+path). Its optimizer: in bf16 with ``zero_optimization.stage`` 0/1 and fp32 gradient accumulation,
+``BF16_Optimizer`` (BLOOM's path); in fp32 with ZeRO-1, ``DeepSpeedZeroOptimizer`` (its grad norm
+counts replicated parameters on TP rank 0 of every stage, correctly); in fp32 without ZeRO, the
+client optimizer wrapped by our grad-norm clipper (DeepSpeed's plain clipping would miscount).
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ def build_engine(model_config: ModelConfig, state: ParallelState, ds_config: dic
                                     adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps)
     config = copy.deepcopy(ds_config)
     mixed = config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled")
-    if not mixed:
+    zero = config.get("zero_optimization", {}).get("stage", 0)
+    if not mixed and not zero:
         # fp32: DeepSpeed's own clipping miscounts replicated parameters on later pipeline stages
-        # (see megatron.engine.optimizer); clip with our norm instead.
-        clip_grad = config.pop("gradient_clipping", clip_grad) or clip_grad
+        # (see megatron.engine.optimizer); clip with our norm instead. 0 must be explicit: DeepSpeed's
+        # default for a missing gradient_clipping is 1.0.
+        config["gradient_clipping"] = 0.0
         client = GradNormClippingOptimizer(client, clip_grad=clip_grad, tp_rank=state.tp_rank,
                                            model_group=state.model_group)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)

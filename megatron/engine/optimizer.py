@@ -117,3 +117,30 @@ class GradNormClippingOptimizer(torch.optim.Optimizer):
             scale = self.clip_grad / (norm + 1e-6)
             torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
         return self.optimizer.step(closure)
+
+
+def sync_tp_duplicated(module: torch.nn.Module, tp_group) -> None:
+    """``--sync-tp-duplicated-parameters``: average the TP-replicated parameters across the TP group,
+    in the module AND in the optimizer's fp32 master copies (``BF16_Optimizer`` keeps one fragment
+    of each parameter per DP rank; the fragments of a replicated parameter line up across TP ranks
+    because every TP rank of a stage has the same parameter shapes, hence the same flat layout)."""
+    from megatron.model.tp_parameters import sync_tp_duplicated_parameters, tp_duplicated_parameters
+    from megatron.parallel.state import group_size
+
+    if group_size(tp_group) == 1:
+        return
+    sync_tp_duplicated_parameters(module, tp_group)
+    masters = []
+    for _, param in tp_duplicated_parameters(module):
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is not None:
+            masters.append(mapping.get_hp_fragment())
+    if masters:
+        with torch.no_grad():
+            flat = torch.cat([m.detach().reshape(-1) for m in masters])
+            dist.all_reduce(flat, group=tp_group)
+            flat /= group_size(tp_group)
+            offset = 0
+            for m in masters:
+                m.copy_(flat[offset:offset + m.numel()].view_as(m))
+                offset += m.numel()

@@ -5,7 +5,7 @@ There is one network, in ``megatron.model``; this file only lists its modules as
     TiedLayerSpec("embed", EmbeddingPipe)        (input_ids, position_ids) -> hidden [s, b, h]
     LayerSpec(TransformerLayer) x num_layers     hidden -> hidden
     LayerSpec(FinalLayerNorm)                    hidden -> hidden
-    TiedLayerSpec("embed", EmbeddingPipe, forward_fn=lm_head_forward)
+    TiedLayerSpec("embed", LMHeadPipe, forward_fn=lm_head_forward)
                                                  hidden -> vocab-parallel logits [s, b, vp]
     loss_fn = GPTLossFn                          (logits, (labels, loss_mask)) -> scalar
 
@@ -44,7 +44,21 @@ class EmbeddingPipe(EmbeddingLayer):
         return super().forward(input_ids, position_ids)  # [s, b, h]
 
 
-def lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+class LMHeadPipe(EmbeddingLayer):
+    """The tied output head's module on the last stage: the word embedding only.
+
+    Positions and the embedding LayerNorm are used on the first stage alone; a copy on the last
+    stage would never train, and checkpoint tools would meet two different tensors of one name.
+    (With a single stage, DeepSpeed builds the tied module once, from the first spec: EmbeddingPipe.)
+    """
+
+    def __init__(self, config: ModelConfig, tp_group=None):
+        super().__init__(config, tp_group)
+        self.position_embeddings = None
+        self.embed_layernorm = None
+
+
+def lm_head_forward(embedding: EmbeddingLayer, hidden: torch.Tensor) -> torch.Tensor:
     """The tied output head on the last stage: hidden [s, b, h] -> logits [s, b, vp]."""
     return embedding.lm_logits(hidden)
 
@@ -97,7 +111,7 @@ def layer_specs(config: ModelConfig, state: ParallelState, tracker: Optional[RNG
     specs += [LayerSpec(TransformerLayer, config, tp_group=state.tp_group, layer_number=i, rng_tracker=tracker)
               for i in range(config.num_layers)]
     specs.append(LayerSpec(FinalLayerNorm, config))
-    specs.append(TiedLayerSpec("embed", EmbeddingPipe, config, forward_fn=lm_head_forward,
+    specs.append(TiedLayerSpec("embed", LMHeadPipe, config, forward_fn=lm_head_forward,
                                tied_weight_attr="word_embeddings.weight", **embed_kwargs))
     return specs
 

@@ -3,7 +3,7 @@
     results = run_distributed(fn, world_size=4, args=(x,))   # fn(rank, world_size, *args) per rank
 
 Each child initializes the default process group on a free loopback port with a bounded timeout,
-calls ``fn`` and sends back its (picklable) return value. A failing rank's traceback is re-raised
+calls ``fn`` and sends back its return value (picklable; tensors in it arrive as lists). A failing rank's traceback is re-raised
 in the parent as :class:`DistributedTestError` naming the rank; a hang is killed after ``timeout``.
 The default group (and anything ``fn`` left) is destroyed in ``finally`` so a child never lingers.
 
@@ -34,9 +34,28 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
+def _plain(value):
+    """Tensors in a result become lists: a tensor sent back through the queue would be shared memory
+    of a process that has exited by the time the parent reads it."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
 def _child(fn, rank, world_size, port, backend, init_timeout_s, env, args, kwargs, queue):
+    import torch
     import torch.distributed as dist
 
+    # A forked child inherits the parent's OpenMP thread pool in a state it cannot use: once the parent
+    # has run a multithreaded op, the child's first matmul can wait forever. One thread per rank also
+    # suits several ranks sharing a few cores.
+    torch.set_num_threads(1)
     os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -46,7 +65,7 @@ def _child(fn, rank, world_size, port, backend, init_timeout_s, env, args, kwarg
                                 init_method=f"tcp://127.0.0.1:{port}",
                                 timeout=datetime.timedelta(seconds=init_timeout_s))
         result = fn(rank, world_size, *args, **kwargs)
-        queue.put((rank, True, result))
+        queue.put((rank, True, _plain(result)))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -87,6 +106,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
             if not queue.empty():
                 rank, ok, payload = queue.get()
                 (results if ok else failures)[rank] = payload
+                if not ok:
+                    # The other ranks are probably blocked in a collective with the failed one.
+                    deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=10))
                 continue
             dead = [r for r, p in enumerate(procs)
                     if not p.is_alive() and r not in results and r not in failures]

@@ -1,0 +1,72 @@
+"""The run's datasets and data iterators, from its ``DataConfig`` (Megatron's sample counts).
+
+    train samples = --train-samples, or --train-iters x global batch
+    valid samples = eval_iters x global batch x (train_iters // eval_interval + 1)   (per group)
+    test samples  = eval_iters x global batch
+
+Every rank builds the datasets (each rank of a stage reads the samples of its data-parallel
+slice itself); global rank 0 builds missing index files while the others wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron.config import DatasetGroup, RunConfig
+from megatron.data.dataset_utils import WeightedSplitEntry, WeightedSplitGroup
+from megatron.data.gpt_dataset import build_group_dataset, build_train_valid_test_datasets
+from megatron.data.samplers import build_pretraining_data_loader
+from megatron.training.batches import MicroBatchIterator
+
+
+@dataclasses.dataclass
+class RunDatasets:
+    train: object
+    valid: dict[str, object]   # name ('' for the plain --data-path split) -> dataset
+    test: dict[str, object]
+
+
+def train_iters_estimate(rc: RunConfig) -> int:
+    t = rc.training
+    if t.train_iters is not None:
+        return t.train_iters
+    return t.train_samples // rc.batch.global_batch_size
+
+
+def num_samples(rc: RunConfig) -> tuple[int, int, int]:
+    t, gbs = rc.training, rc.batch.global_batch_size
+    train = t.train_samples if t.train_samples is not None else t.train_iters * gbs
+    evals = train_iters_estimate(rc) // t.eval_interval + 1 if t.eval_interval else 1
+    return train, t.eval_iters * gbs * evals, t.eval_iters * gbs
+
+
+def _as_data_group(group: DatasetGroup) -> WeightedSplitGroup:
+    return WeightedSplitGroup(group.name, tuple(WeightedSplitEntry(s.weight, s.start, s.end, s.prefix)
+                                                for s in group.datasets))
+
+
+def build_datasets(rc: RunConfig, cache_dir: Optional[str] = None) -> RunDatasets:
+    d = rc.data
+    n_train, n_valid, n_test = num_samples(rc)
+    common = dict(seq_length=d.seq_length, seed=d.seed, cache_dir=cache_dir)
+    if d.uses_weighted_splits:
+        train = None
+        if d.train_weighted_split_groups and n_train > 0:
+            train = build_group_dataset(_as_data_group(d.train_weighted_split_groups[0]), "train", n_train, **common)
+        valid = {g.name: build_group_dataset(_as_data_group(g), "valid", n_valid, **common)
+                 for g in d.valid_weighted_split_groups} if n_valid > 0 else {}
+        test = {g.name: build_group_dataset(_as_data_group(g), "test", n_test, **common)
+                for g in d.test_weighted_split_groups} if n_test > 0 else {}
+        return RunDatasets(train, valid, test)
+    data_path = [str(x) for pair in d.data_path for x in pair] if len(d.data_path) > 1 else [d.data_path[0][1]]
+    train, valid, test = build_train_valid_test_datasets(data_path, d.split or "969,30,1",
+                                                         (n_train, n_valid, n_test), **common)
+    return RunDatasets(train, {"": valid} if valid is not None else {}, {"": test} if test is not None else {})
+
+
+def micro_batch_iterator(dataset, rc: RunConfig, *, consumed_samples: int, dp_rank: int, dp_size: int,
+                         num_workers: int, eod_token: Optional[int] = None) -> MicroBatchIterator:
+    loader = build_pretraining_data_loader(dataset, consumed_samples, rc.batch.micro_batch_size, dp_rank, dp_size,
+                                           num_workers=num_workers)
+    return MicroBatchIterator(loader, eod_token=eod_token)

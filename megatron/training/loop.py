@@ -1,0 +1,196 @@
+"""The training loop: one DeepSpeed pipeline step per iteration, evaluation, logging, exits, saves.
+
+    trainer = Trainer(rc, engine, state, ...)
+    reason = trainer.train()        # '' when --train-iters / --train-samples is reached
+
+Per iteration: update the global batch (rampup; DeepSpeed is told), skip the data of iterations
+in --skip-train-iteration-range, run ``engine.train_batch`` (forward, backward, gradient
+reductions and the optimizer step inside DeepSpeed), advance the learning rate by the samples
+consumed, average TP-duplicated parameters if asked, count skipped and non-finite steps, log,
+evaluate, save, and check the exit conditions (agreed across ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Optional
+
+import torch
+
+from megatron.config import RunConfig
+from megatron.training.exit import ExitMonitor
+from megatron.training.metrics import TrainingLogger, model_flops_per_iteration
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive iterations had a non-finite loss or gradient norm."""
+
+
+@dataclasses.dataclass
+class Progress:
+    """What a resume needs to continue exactly where the run stopped (saved in the checkpoint)."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    skipped_iterations: int = 0
+    nonfinite_iterations: int = 0
+
+
+@dataclasses.dataclass
+class IterationRecord:
+    iteration: int
+    loss: float
+    grad_norm: Optional[float]
+    lr: float
+    global_batch_size: int
+    skipped: bool
+
+
+class Trainer:
+    def __init__(self, rc: RunConfig, engine, *, lr_scheduler, microbatches, train_iterator, valid_iterators,
+                 logger: TrainingLogger, exit_monitor: ExitMonitor, progress: Progress,
+                 save_fn: Optional[Callable[[Progress], None]] = None,
+                 sync_fn: Optional[Callable[[], None]] = None, world_size: int = 1):
+        self.rc = rc
+        self.engine = engine
+        self.lr_scheduler = lr_scheduler
+        self.microbatches = microbatches
+        self.train_iterator = train_iterator
+        self.valid_iterators = valid_iterators
+        self.logger = logger
+        self.exit_monitor = exit_monitor
+        self.progress = progress
+        self.save_fn = save_fn
+        self.sync_fn = sync_fn
+        self.world_size = world_size
+        self.history: list[IterationRecord] = []
+        self._consecutive_nonfinite = 0
+
+    # ---- schedule ---------------------------------------------------------------------------
+    def _done(self) -> bool:
+        t, p = self.rc.training, self.progress
+        if t.train_iters is not None:
+            return p.iteration >= t.train_iters
+        return p.consumed_samples >= t.train_samples
+
+    def _total_iters(self) -> int:
+        t = self.rc.training
+        return t.train_iters if t.train_iters is not None else t.train_samples // self.rc.batch.global_batch_size
+
+    def _in_skip_range(self, iteration: int) -> bool:
+        return any(start <= iteration <= end for start, end in self.rc.training.skip_train_iteration_range)
+
+    def _set_batch_size(self) -> int:
+        self.microbatches.update(self.progress.consumed_samples)
+        gbs = self.microbatches.get_current_global_batch_size()
+        if gbs != self.engine.train_batch_size():
+            self.engine.set_train_batch_size(gbs)
+        return gbs
+
+    # ---- one iteration ----------------------------------------------------------------------
+    def _skip_data(self, gbs: int) -> None:
+        """Consume this iteration's micro-batches without training on them (Megatron's skip)."""
+        for _ in range(self.microbatches.get()):
+            next(self.train_iterator)
+
+    def train_step(self) -> IterationRecord:
+        gbs = self._set_batch_size()
+        iteration = self.progress.iteration + 1
+        if self._in_skip_range(iteration):
+            self._skip_data(gbs)
+            self.lr_scheduler.step(gbs)  # the schedule follows consumed samples, trained on or not
+            record = IterationRecord(iteration, float("nan"), None, self.lr_scheduler.get_lr(), gbs, True)
+        else:
+            loss = self.engine.train_batch(self.train_iterator)
+            loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)
+            applied = self.engine.was_step_applied()
+            grad_norm = self.engine.get_global_grad_norm()
+            grad_norm = float(grad_norm) if grad_norm is not None else None
+            if applied:
+                self.lr_scheduler.step(gbs)
+                if self.sync_fn is not None:
+                    self.sync_fn()
+            record = IterationRecord(iteration, loss, grad_norm, self.lr_scheduler.get_lr(), gbs, not applied)
+            self._count_nonfinite(record)
+        self.progress.iteration = iteration
+        self.progress.consumed_samples += gbs
+        self.progress.consumed_tokens += gbs * self.rc.data.seq_length
+        self.history.append(record)
+        return record
+
+    def _count_nonfinite(self, record: IterationRecord) -> None:
+        finite = math.isfinite(record.loss) and (record.grad_norm is None or math.isfinite(record.grad_norm))
+        if record.skipped:
+            self.progress.skipped_iterations += 1
+        if finite:
+            self._consecutive_nonfinite = 0
+            return
+        self.progress.nonfinite_iterations += 1
+        self._consecutive_nonfinite += 1
+        limit = self.rc.training.max_nonfinite_steps
+        if limit is not None and self._consecutive_nonfinite >= limit:
+            raise NonFiniteLossError(
+                f"iteration {record.iteration}: {self._consecutive_nonfinite} consecutive iterations with a non-finite "
+                f"loss or gradient norm (loss {record.loss}, grad norm {record.grad_norm}); stopping "
+                f"(--max-nonfinite-steps {limit}). Lower --lr, check the data, or resume from an earlier checkpoint.")
+
+    # ---- evaluation -------------------------------------------------------------------------
+    def evaluate(self, iterators: dict, test: bool = False) -> dict[str, float]:
+        results = {}
+        self.engine.eval()
+        for name, iterator in iterators.items():
+            losses = [float(self.engine.eval_batch(iterator).item()) for _ in range(self.rc.training.eval_iters)]
+            results[name] = sum(losses) / len(losses)
+            self.logger.validation(name=name or None, loss=results[name], iteration=self.progress.iteration,
+                                   consumed_samples=self.progress.consumed_samples,
+                                   consumed_tokens=self.progress.consumed_tokens, test=test)
+        self.engine.train()
+        return results
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _log(self, records: list[IterationRecord], elapsed_s: float) -> None:
+        last = records[-1]
+        trained = [r for r in records if math.isfinite(r.loss)]
+        loss = sum(r.loss for r in trained) / len(trained) if trained else float("nan")
+        ms = 1000.0 * elapsed_s / len(records)
+        flops = model_flops_per_iteration(self.rc.model, last.global_batch_size,
+                                          self.rc.training.checkpoint_activations)
+        tflops = flops / (ms / 1000.0) / self.world_size / 1e12 if ms > 0 else 0.0
+        self.logger.training(iteration=last.iteration, train_iters=self._total_iters(),
+                             consumed_samples=self.progress.consumed_samples,
+                             consumed_tokens=self.progress.consumed_tokens, elapsed_ms_per_iter=ms, lr=last.lr,
+                             global_batch_size=last.global_batch_size, loss=loss, grad_norm=last.grad_norm,
+                             skipped=self.progress.skipped_iterations, nan_iters=self.progress.nonfinite_iterations,
+                             seq_length=self.rc.data.seq_length, tflops_per_gpu=tflops, world_size=self.world_size)
+
+    def train(self) -> str:
+        """Train until the end of the schedule or an exit condition; return the exit reason ('' at the end)."""
+        log_interval = self.rc.logging.log_interval
+        ckpt, t = self.rc.checkpoint, self.rc.training
+        pending: list[IterationRecord] = []
+        window_start = time.time()
+        self.engine.train()
+        while not self._done():
+            pending.append(self.train_step())
+            it = self.progress.iteration
+            if it % log_interval == 0:
+                self._log(pending, time.time() - window_start)
+                pending, window_start = [], time.time()
+            if t.eval_interval and t.eval_iters and it % t.eval_interval == 0 and self.valid_iterators:
+                self.evaluate(self.valid_iterators)
+                window_start = time.time()
+            saved = False
+            if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0 and self.save_fn is not None:
+                self.save_fn(self.progress)
+                saved = True
+            reason = self.exit_monitor.check(it)
+            if reason:
+                if ckpt.save and not saved and self.save_fn is not None:
+                    self.save_fn(self.progress)
+                return reason
+        if ckpt.save and self.save_fn is not None and not (ckpt.save_interval and self.progress.iteration % ckpt.save_interval == 0):
+            self.save_fn(self.progress)
+        return ""

@@ -1,0 +1,181 @@
+"""``pretrain(run_config)``: everything between the parsed flags and the trained model.
+
+1. join the process group (torchrun, the DeepSpeed launcher or srun) and build ``ParallelState``;
+2. seed python / numpy / torch (+100 per pipeline stage, as Megatron) and the TP RNG tracker;
+3. build the datasets and this rank's iterators (data-parallel slice, from the consumed samples);
+4. build the DeepSpeed pipeline engine from the DeepSpeed config the flags give;
+5. resume from ``--load`` if it holds a checkpoint; 6. train; 7. test; save on the way out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.config import RunConfig
+from megatron.engine.ds_config import build_deepspeed_config
+from megatron.engine.initialize import build_engine, init_deepspeed_comm
+from megatron.engine.optimizer import sync_tp_duplicated
+from megatron.engine.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
+from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
+from megatron.parallel.state import ParallelState
+from megatron.training import checkpointing
+from megatron.training.data import build_datasets, micro_batch_iterator
+from megatron.training.distributed import init_process_group
+from megatron.training.exit import ExitMonitor
+from megatron.training.loop import Progress, Trainer
+from megatron.training.lr_schedule import LRScheduler
+from megatron.training.metrics import TrainingLogger
+from megatron.training.microbatches import build_num_microbatches_calculator
+
+
+@dataclasses.dataclass
+class PretrainResult:
+    exit_reason: str           # '' (schedule finished), 'signal', 'kill-switch', 'exit-duration', 'exit-interval'
+    progress: Progress
+    history: list              # IterationRecord per iteration run in this process
+    valid: dict[str, float]
+    test: dict[str, float]
+    engine: object = None      # the DeepSpeed engine (for inspection by tests and tools)
+
+
+def print_rank_0(*args, **kwargs) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def set_seeds(seed: int, state: ParallelState) -> RNGStatesTracker:
+    """Megatron's seeding: one seed per pipeline stage, equal across TP and DP ranks; TP-distinct tracker."""
+    stage_seed = seed + 100 * state.pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    return model_parallel_rng_seed(stage_seed, state.tp_rank, RNGStatesTracker())
+
+
+def _tensorboard_writer(rc: RunConfig, is_last_rank: bool):
+    if not rc.logging.tensorboard_dir or not is_last_rank:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=rc.logging.tensorboard_dir, max_queue=rc.logging.tensorboard_queue_size)
+
+
+def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> dict:
+    """Saved by DeepSpeed with the weights (in mp_rank_XX_model_states.pt): what a resume restores."""
+    return {"progress": dataclasses.asdict(progress), "lr_scheduler": lr_scheduler.state_dict(),
+            "rng": checkpointing.rng_state(tracker), UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(rc.model)}
+
+
+def run_state(rc: RunConfig, progress: Progress) -> dict:
+    """Saved as JSON beside the weights (run_state.json): what tools and compatibility checks read."""
+    d, p = rc.data, rc.parallel
+    return {"model_config": dataclasses.asdict(rc.model), "progress": dataclasses.asdict(progress),
+            "parallel": {"tensor_model_parallel_size": p.tensor_model_parallel_size,
+                         "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+                         "data_parallel_size": p.data_parallel_size},
+            "tokenizer": {"tokenizer_type": d.tokenizer_type, "vocab_file": d.vocab_file, "merge_file": d.merge_file,
+                          "tokenizer_model": d.tokenizer_model, "tokenizer_name_or_path": d.tokenizer_name_or_path},
+            "params_dtype": rc.model.params_dtype, "seq_length": d.seq_length}
+
+
+def pretrain(rc: RunConfig, *, dataset_cache_dir: Optional[str] = None) -> PretrainResult:
+    start = time.time()
+    info = init_process_group(rc.parallel.distributed_backend)
+    init_deepspeed_comm(rc.parallel.distributed_backend)
+    p = rc.parallel
+    state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    for warning in rc.startup_warnings:
+        print_rank_0(f"WARNING: {warning}")
+    tracker = set_seeds(rc.training.seed, state)
+
+    datasets = build_datasets(rc, cache_dir=dataset_cache_dir)
+    ds_config = build_deepspeed_config(rc, rc.deepspeed_user_config)
+    if rc.checkpoint.universal_checkpoint:
+        # Only loading reads the universal layout; saves keep DeepSpeed's regular one, so a later plain
+        # --load continues (the flag is not sticky).
+        ds_config["checkpoint"] = dict(ds_config.get("checkpoint", {}), load_universal=True)
+    o, t = rc.optimizer, rc.training
+    engine = build_engine(rc.model, state, ds_config, optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,
+                          adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                          clip_grad=o.clip_grad, partition_method=p.pp_partition_method,
+                          checkpoint_activations=t.checkpoint_activations,
+                          checkpoint_num_layers=t.checkpoint_num_layers, tracker=tracker)
+    lr_scheduler = LRScheduler.from_run_config(engine.optimizer, rc)
+    progress = _resume(rc, engine, lr_scheduler, tracker)
+
+    dp = dict(dp_rank=state.dp_rank, dp_size=state.dp_size)
+    train_iter = micro_batch_iterator(datasets.train, rc, consumed_samples=progress.consumed_samples,
+                                      num_workers=rc.data.num_workers, **dp)
+    valid_iters = {name: micro_batch_iterator(ds, rc, consumed_samples=0, num_workers=rc.data.valid_num_workers,
+                                              **dp) for name, ds in datasets.valid.items()}
+    is_last_rank = dist.get_rank() == dist.get_world_size() - 1
+    writer = _tensorboard_writer(rc, is_last_rank)
+    logger = TrainingLogger(writer, log_timers=rc.logging.log_timers_to_tensorboard,
+                            log_batch_size=rc.logging.log_batch_size_to_tensorboard,
+                            log_validation_ppl=rc.logging.log_validation_ppl_to_tensorboard,
+                            print_fn=print if is_last_rank else (lambda *a, **k: None))
+
+    def save(progress_now: Progress) -> None:
+        tag = checkpointing.save_checkpoint(engine, rc.checkpoint.save, progress_now.iteration,
+                                            _client_state(rc, progress_now, lr_scheduler, tracker),
+                                            run_state(rc, progress_now), rc.checkpoint.keep_last_n_checkpoints)
+        print_rank_0(f"saved checkpoint {os.path.join(rc.checkpoint.save, tag)}")
+
+    sync = (lambda: sync_tp_duplicated(engine.module, state.tp_group)) if t.sync_tp_duplicated_parameters else None
+    monitor = ExitMonitor(exit_interval=rc.exit.exit_interval, exit_duration_in_mins=rc.exit.exit_duration_in_mins,
+                          kill_switch_path=rc.exit.kill_switch_path, start_time=start)
+    trainer = Trainer(rc, engine, lr_scheduler=lr_scheduler,
+                      microbatches=build_num_microbatches_calculator(rc.batch, state.dp_size),
+                      train_iterator=train_iter, valid_iterators=valid_iters, logger=logger, exit_monitor=monitor,
+                      progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=sync,
+                      world_size=dist.get_world_size())
+    print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
+                 f"TP={state.tp_size} PP={state.pp_size} DP={state.dp_size}); training")
+    try:
+        reason = trainer.train()
+        valid, test = {}, {}
+        if not reason:
+            test_iters = {name: micro_batch_iterator(ds, rc, consumed_samples=0,
+                                                     num_workers=rc.data.valid_num_workers, **dp)
+                          for name, ds in datasets.test.items()}
+            if t.eval_iters and test_iters:
+                test = trainer.evaluate(test_iters, test=True)
+        else:
+            print_rank_0(f"exiting after iteration {progress.iteration}: {reason}")
+    finally:
+        monitor.restore_signal_handlers()
+        if writer is not None:
+            writer.close()
+    return PretrainResult(reason, progress, trainer.history, valid, test, engine)
+
+
+def _resume(rc: RunConfig, engine, lr_scheduler, tracker) -> Progress:
+    ck = rc.checkpoint
+    if not ck.load:
+        return Progress()
+    tag = checkpointing.resolve_tag(ck.load, universal=ck.universal_checkpoint)
+    if tag is None:
+        print_rank_0(f"no checkpoint in {ck.load} yet: starting from scratch")
+        return Progress()
+    saved = checkpointing.read_run_state(ck.load, tag)
+    checkpointing.check_model_config(saved["model_config"], dataclasses.asdict(rc.model),
+                                     universal=ck.universal_checkpoint)
+    client = checkpointing.load_checkpoint(engine, ck.load, tag,
+                                           load_optimizer_states=not (ck.no_load_optim or ck.finetune))
+    if ck.finetune:
+        print_rank_0(f"loaded the weights of {os.path.join(ck.load, tag)} (--finetune: iteration 0, new schedule)")
+        return Progress()
+    progress = Progress(**client["progress"])
+    lr_scheduler.load_state_dict(client["lr_scheduler"])
+    if not ck.no_load_rng:
+        checkpointing.set_rng_state(client["rng"], tracker)
+    print_rank_0(f"resumed from {os.path.join(ck.load, tag)} at iteration {progress.iteration} "
+                 f"({progress.consumed_samples} samples consumed)")
+    return progress

@@ -1,0 +1,24 @@
+"""Pretrain a GPT / BLOOM model with tensor, pipeline and data parallelism.
+
+Launch with torchrun, the DeepSpeed launcher or srun; the flags are Megatron-DeepSpeed's
+(``python pretrain_gpt.py --help`` lists them; docs/flags.md is the same list).
+"""
+
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu" if not __import__("torch").cuda.is_available() else "cuda")
+
+
+def main(argv=None) -> int:
+    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.training.pretrain import pretrain
+
+    args = parse_args(argv)
+    run_config = resolve_vocab_size(build_run_config(args))
+    pretrain(run_config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

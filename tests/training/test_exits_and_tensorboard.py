@@ -1,0 +1,111 @@
+"""Leaving cleanly (exit interval, kill switch, SIGTERM to one rank) and the tensorboard record."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron.testing import run_distributed
+from tests.conftest import REPO_ROOT
+from tests.training.conftest import tiny_argv
+
+
+def _run_single(rank, world_size, runs):
+    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.training.pretrain import pretrain
+
+    out = []
+    for argv in runs:
+        result = pretrain(resolve_vocab_size(build_run_config(parse_args(argv, world_size=world_size))))
+        out.append({"reason": result.exit_reason, "iteration": result.progress.iteration,
+                    "history": [(r.iteration, r.loss, r.grad_norm, r.lr, r.global_batch_size) for r in result.history],
+                    "valid": result.valid})
+    return out
+
+
+def _scalars(logdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _latest(save_dir):
+    with open(os.path.join(save_dir, "latest")) as f:
+        return f.read().strip()
+
+
+@pytest.mark.multiprocess
+def test_exit_interval_and_kill_switch_save_and_tensorboard_holds_the_run(tiny_corpus, tmp_path):
+    tb, save_a, save_b = tmp_path / "tb", tmp_path / "ckpt_a", tmp_path / "ckpt_b"
+    kill_switch = tmp_path / "kill-switch"
+    kill_switch.write_text("stop")
+    logged = tiny_argv(tiny_corpus, train_iters=20, eval_interval=3, eval_iters=1, exit_interval=6,
+                       save=str(save_a), save_interval=100, tensorboard_dir=str(tb),
+                       log_timers_to_tensorboard=True, log_batch_size_to_tensorboard=True,
+                       log_validation_ppl_to_tensorboard=True)
+    killed = tiny_argv(tiny_corpus, train_iters=20, save=str(save_b), save_interval=100,
+                       kill_switch_path=str(kill_switch))
+    (interval_run, kill_run), = run_distributed(_run_single, world_size=1, args=([logged, killed],))
+
+    # --exit-interval 6: stops after iteration 6 with a checkpoint; the kill switch after the first.
+    assert (interval_run["reason"], interval_run["iteration"]) == ("exit-interval", 6)
+    assert _latest(save_a) == "global_step6" and (save_a / "global_step6" / "complete").is_file()
+    assert (kill_run["reason"], kill_run["iteration"]) == ("kill-switch", 1)
+    assert _latest(save_b) == "global_step1"
+
+    scalars = _scalars(tb)
+    history = interval_run["history"]
+    loss = scalars["lm-loss-training/lm loss"]
+    assert [step for step, _ in loss] == [1, 2, 3, 4, 5, 6]
+    for (step, value), (iteration, expected, _, _, _) in zip(loss, history):
+        assert step == iteration and value == pytest.approx(expected, rel=1e-6)
+    assert [s for s, _ in scalars["lm-loss-training/lm loss vs samples"]] == [8 * i for i in range(1, 7)]
+    assert [s for s, _ in scalars["lm-loss-training/lm loss vs tokens"]] == [8 * 32 * i for i in range(1, 7)]
+    assert [v for _, v in scalars["learning-rate/learning-rate"]] == pytest.approx([h[3] for h in history])
+    assert [v for _, v in scalars["grad-norm/grad-norm"]] == pytest.approx([h[2] for h in history])
+    assert [v for _, v in scalars["batch-size/batch-size"]] == [8.0] * 6
+    assert "iteration-time/iteration-time" in scalars
+    validation = scalars["lm-loss-validation/lm loss validation"]
+    assert [s for s, _ in validation] == [3, 6]
+    ppl = scalars["lm-loss-validation/lm loss validation ppl"]
+    assert [v for _, v in ppl] == pytest.approx([math.exp(v) for _, v in validation], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_one_rank_stops_all_ranks_with_a_checkpoint(tiny_corpus, tmp_path):
+    import psutil
+
+    save = tmp_path / "ckpt"
+    argv = tiny_argv(tiny_corpus, train_iters=100000, save=str(save), save_interval=100000,
+                     pipeline_model_parallel_size=2)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO_ROOT / "pretrain_gpt.py"), *argv]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        for line in proc.stdout:
+            if " iteration        3/" in line:
+                break
+            assert time.time() < deadline, "training did not reach iteration 3"
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) == 2, workers
+        os.kill(workers[-1].pid, signal.SIGTERM)  # only one rank receives the signal, as under a ragged preemption
+        rest = proc.communicate(timeout=240)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, rest[-3000:]
+    tag = _latest(save)
+    assert (save / tag / "complete").is_file()
+    stopped_at = int(tag.replace("global_step", ""))
+    assert stopped_at >= 3
+    # Both pipeline stages saved their layers at the same iteration.
+    layer_files = [f for f in os.listdir(save / tag) if f.startswith("layer_")]
+    assert len(layer_files) >= 4, layer_files
