@@ -1,0 +1,286 @@
+"""Our full (TP=1) weights <-> transformers model directories: Bloom (ALiBi) and GPT-2 (learned positions).
+
+    write_hf_model(config, state_dict, out_dir, tokenizer=..., pretraining_tp=...)   -> config.json, model.safetensors
+    config, state_dict, info = read_hf_model(hf_dir, padded_vocab_size=..., seq_length=...)
+
+Which transformers architecture a configuration maps to:
+
+- ALiBi + embedding LayerNorm  -> ``BloomForCausalLM``: the same tensors, renamed (``megatron.model.hf_bloom``).
+- learned absolute positions, no embedding LayerNorm -> ``GPT2LMHeadModel``. GPT-2 stores its
+  linear layers as ``Conv1D`` ([in, out], so every matrix is transposed) and its fused ``c_attn``
+  columns as [q of all heads | k of all heads | v of all heads], where our rows are per head
+  [heads, 3, hn]; both are converted here. GeLU tanh = ``gelu_new``; scale 1/sqrt(hn).
+- rotary: refused (no exporter here; transformers' GPT-NeoX computes the same math, see
+  tests/model/test_hf_references.py, but its export is not implemented).
+
+The vocabulary is trimmed to ``original_vocab_size`` on export and zero-padded to the padded size on
+import: a zero row gives its (never real) token the logit 0 and leaves every real token's logit
+unchanged; generation masks padded ids, and training quickly pushes their probability down.
+
+Shape letters: s sequence, b micro-batch, h hidden, np heads per partition, hn head dim,
+hp = np * hn, v / vp vocabulary (per partition).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+import torch
+
+from megatron.config import ModelConfig
+from megatron.model.hf_bloom import (bloom_config_kwargs, bloom_state_dict_to_ours, model_config_from_bloom,
+                                     ours_to_bloom_state_dict)
+
+__all__ = ["hf_architecture", "write_hf_model", "read_hf_model", "export_tokenizer", "ours_to_gpt2_state_dict",
+           "gpt2_state_dict_to_ours"]
+
+_GPT2_BLOCK = [  # (GPT-2 name, our name, transposed: GPT-2's Conv1D stores [in, out])
+    ("ln_1.weight", "input_layernorm.weight", False),
+    ("ln_1.bias", "input_layernorm.bias", False),
+    ("attn.c_proj.weight", "self_attention.dense.weight", True),
+    ("attn.c_proj.bias", "self_attention.dense.bias", False),
+    ("ln_2.weight", "post_attention_layernorm.weight", False),
+    ("ln_2.bias", "post_attention_layernorm.bias", False),
+    ("mlp.c_fc.weight", "mlp.dense_h_to_4h.weight", True),
+    ("mlp.c_fc.bias", "mlp.dense_h_to_4h.bias", False),
+    ("mlp.c_proj.weight", "mlp.dense_4h_to_h.weight", True),
+    ("mlp.c_proj.bias", "mlp.dense_4h_to_h.bias", False),
+]
+
+
+def hf_architecture(config: ModelConfig) -> str:
+    """'bloom' or 'gpt2', or ValueError for a configuration no transformers architecture here maps."""
+    if config.position_embedding_type == "alibi" and config.embed_layernorm:
+        return "bloom"
+    if config.position_embedding_type == "absolute" and not config.embed_layernorm:
+        return "gpt2"
+    raise ValueError(f"no transformers architecture maps position_embedding_type "
+                     f"{config.position_embedding_type!r} with embed_layernorm {config.embed_layernorm} here: "
+                     f"ALiBi + embedding LayerNorm exports to Bloom, learned positions without it to GPT-2 "
+                     f"(rotary would be GPT-NeoX, which this exporter does not write)")
+
+
+def _per_head_to_grouped(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """QKV rows [heads, 3, hn] (ours) -> [3, heads, hn] (GPT-2's q | k | v), any trailing dims."""
+    rest = tensor.shape[1:]
+    hn = tensor.shape[0] // (3 * heads)
+    return tensor.reshape(heads, 3, hn, *rest).transpose(0, 1).reshape(3 * heads * hn, *rest)
+
+
+def _grouped_to_per_head(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """QKV rows [3, heads, hn] (GPT-2) -> [heads, 3, hn] (ours)."""
+    rest = tensor.shape[1:]
+    hn = tensor.shape[0] // (3 * heads)
+    return tensor.reshape(3, heads, hn, *rest).transpose(0, 1).reshape(3 * heads * hn, *rest)
+
+
+def ours_to_gpt2_state_dict(state: dict[str, torch.Tensor], config: ModelConfig,
+                            vocab_size: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """A TP=1 GPTModel state dict (learned positions) -> ``GPT2LMHeadModel`` names (without the tied lm_head)."""
+    heads = config.num_attention_heads
+    words = state["embedding.word_embeddings.weight"]  # [padded, h]
+    out = {"transformer.wte.weight": words[:vocab_size] if vocab_size is not None else words,
+           "transformer.wpe.weight": state["embedding.position_embeddings.weight"],
+           "transformer.ln_f.weight": state["final_layernorm.weight"],
+           "transformer.ln_f.bias": state["final_layernorm.bias"]}
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
+        qkv_w = state[ours + "self_attention.query_key_value.weight"]  # [3h, h], rows per head
+        out[theirs + "attn.c_attn.weight"] = _per_head_to_grouped(qkv_w, heads).t().contiguous()  # [h, 3h]
+        out[theirs + "attn.c_attn.bias"] = _per_head_to_grouped(state[ours + "self_attention.query_key_value.bias"],
+                                                               heads)  # [3h]
+        for hf_name, our_name, transposed in _GPT2_BLOCK:
+            tensor = state[ours + our_name]
+            out[theirs + hf_name] = tensor.t().contiguous() if transposed else tensor
+    return out
+
+
+def gpt2_state_dict_to_ours(gpt2: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A ``GPT2LMHeadModel`` / ``GPT2Model`` state dict -> a TP=1 GPTModel state dict (vocab zero-padded)."""
+    state = {name.removeprefix("transformer."): tensor for name, tensor in gpt2.items()
+             if not name.endswith(".attn.bias") and not name.endswith(".attn.masked_bias")}  # old causal buffers
+    lm_head = state.pop("lm_head.weight", None)
+    heads = config.num_attention_heads
+    words = state.pop("wte.weight")  # [v, h]
+    if lm_head is not None and not torch.equal(lm_head, words):
+        raise ValueError("lm_head.weight differs from wte.weight; GPTModel ties the output head to the embedding")
+    if words.shape[0] > config.padded_vocab_size:
+        raise ValueError(f"GPT-2 vocabulary {words.shape[0]} exceeds padded_vocab_size {config.padded_vocab_size}")
+    padding = words.new_zeros(config.padded_vocab_size - words.shape[0], words.shape[1])
+    ours = {"embedding.word_embeddings.weight": torch.cat((words, padding), dim=0),  # [padded, h]
+            "embedding.position_embeddings.weight": state.pop("wpe.weight"),
+            "final_layernorm.weight": state.pop("ln_f.weight"), "final_layernorm.bias": state.pop("ln_f.bias")}
+    for i in range(config.num_layers):
+        mine, theirs = f"layers.{i}.", f"h.{i}."
+        ours[mine + "self_attention.query_key_value.weight"] = _grouped_to_per_head(
+            state.pop(theirs + "attn.c_attn.weight").t(), heads).contiguous()  # [3h, h]
+        ours[mine + "self_attention.query_key_value.bias"] = _grouped_to_per_head(
+            state.pop(theirs + "attn.c_attn.bias"), heads)
+        for hf_name, our_name, transposed in _GPT2_BLOCK:
+            tensor = state.pop(theirs + hf_name)
+            ours[mine + our_name] = tensor.t().contiguous() if transposed else tensor
+    if state:
+        raise ValueError(f"GPT-2 tensors this converter does not know: {sorted(state)}")
+    return ours
+
+
+def _gpt2_config_kwargs(config: ModelConfig, vocab_size: int) -> dict:
+    return dict(vocab_size=vocab_size, n_positions=config.max_positions, n_embd=config.hidden_size,
+                n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_size,
+                activation_function="gelu_new", layer_norm_epsilon=config.layernorm_epsilon,
+                resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
+                attn_pdrop=config.attention_dropout, initializer_range=config.init_method_std,
+                scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+                tie_word_embeddings=True)
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def write_hf_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], out_dir: str, *,
+                   pretraining_tp: int = 1, eos_token_id: Optional[int] = None,
+                   dtype: Optional[torch.dtype] = None) -> str:
+    """Write ``config.json`` + ``model.safetensors`` of the matching transformers model; return its architecture.
+
+    The vocabulary is trimmed to ``config.original_vocab_size`` (the padding rows are ours only).
+    pretraining_tp: the training TP, recorded in Bloom's config (``slow_but_exact`` stays False).
+    """
+    import transformers
+    from safetensors.torch import save_file
+
+    arch = hf_architecture(config)
+    vocab_size = config.original_vocab_size or config.padded_vocab_size
+    # None when the tokenizer is unknown (GPT-2's default 50256 would point outside a small vocabulary)
+    special = dict(eos_token_id=eos_token_id, bos_token_id=eos_token_id)
+    if arch == "bloom":
+        tensors = ours_to_bloom_state_dict(state_dict, vocab_size, with_lm_head=False)
+        hf_config = transformers.BloomConfig(**bloom_config_kwargs(config, vocab_size), pretraining_tp=pretraining_tp,
+                                             slow_but_exact=False, **special)
+        hf_config.architectures = ["BloomForCausalLM"]
+    else:
+        tensors = ours_to_gpt2_state_dict(state_dict, config, vocab_size)
+        hf_config = transformers.GPT2Config(**_gpt2_config_kwargs(config, vocab_size), **special)
+        hf_config.architectures = ["GPT2LMHeadModel"]
+    if dtype is not None:
+        tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
+    hf_config.dtype = _DTYPE_NAMES[next(iter(tensors.values())).dtype]
+    os.makedirs(out_dir, exist_ok=True)
+    hf_config.save_pretrained(out_dir)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()},
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return arch
+
+
+def _read_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(os.path.join(hf_dir, shard)).items()}
+    single = os.path.join(hf_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return load_file(single)
+    legacy = os.path.join(hf_dir, "pytorch_model.bin")
+    if os.path.isfile(legacy):
+        return torch.load(legacy, map_location="cpu", weights_only=True)
+    raise ValueError(f"{hf_dir!r} holds no model.safetensors(.index.json) or pytorch_model.bin; save the model "
+                     f"with save_pretrained first")
+
+
+def read_hf_model(hf_dir: str, *, padded_vocab_size_fn, seq_length: Optional[int] = None,
+                  params_dtype: str = "fp32", seed: int = 1234) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    """(ModelConfig, TP=1 GPTModel state dict, architecture) of a local transformers Bloom / GPT-2 directory.
+
+    padded_vocab_size_fn: vocab size -> padded size (Megatron's rule for the target TP).
+    seq_length: the training length to record (default: 2048 for Bloom, n_positions for GPT-2).
+    """
+    import transformers
+
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    arch = hf_config.model_type
+    vocab = hf_config.vocab_size
+    common = dict(padded_vocab_size=padded_vocab_size_fn(vocab), original_vocab_size=vocab,
+                  params_dtype=params_dtype, seed=seed)
+    if arch == "bloom":
+        config = model_config_from_bloom(hf_config, seq_length or 2048, **common)
+        state = bloom_state_dict_to_ours(_read_hf_tensors(hf_dir), config)
+    elif arch == "gpt2":
+        config = _model_config_from_gpt2(hf_config, seq_length, common)
+        state = gpt2_state_dict_to_ours(_read_hf_tensors(hf_dir), config)
+    else:
+        raise ValueError(f"{hf_dir!r} holds a {arch!r} model; this converter reads bloom and gpt2")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[params_dtype]
+    return config, {name: tensor.to(dtype).contiguous() for name, tensor in state.items()}, arch
+
+
+def _model_config_from_gpt2(hf_config, seq_length: Optional[int], common: dict) -> ModelConfig:
+    if hf_config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"GPT-2 activation {hf_config.activation_function!r} is not the tanh GeLU our MLP computes")
+    if hf_config.scale_attn_by_inverse_layer_idx or not hf_config.scale_attn_weights:
+        raise ValueError("GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported")
+    return ModelConfig(num_layers=hf_config.n_layer, hidden_size=hf_config.n_embd,
+                       num_attention_heads=hf_config.n_head, seq_length=seq_length or hf_config.n_positions,
+                       max_position_embeddings=hf_config.n_positions, ffn_hidden_size=hf_config.n_inner,
+                       position_embedding_type="absolute", embed_layernorm=False,
+                       layernorm_epsilon=hf_config.layer_norm_epsilon, hidden_dropout=hf_config.resid_pdrop,
+                       attention_dropout=hf_config.attn_pdrop, init_method_std=hf_config.initializer_range,
+                       **common).validate()
+
+
+def export_tokenizer(record: dict, out_dir: str, model_max_length: Optional[int] = None) -> list[str]:
+    """Write the checkpoint's tokenizer so that ``AutoTokenizer.from_pretrained(out_dir)`` loads it offline.
+
+    record: the checkpoint's tokenizer record (type and file paths). GPT2BPETokenizer: vocab.json,
+    merges.txt and a tokenizer.json built with the ``tokenizers`` library; PretrainedFromHF: its
+    tokenizer.json; SentencePieceTokenizer: the .model file is copied as tokenizer.model. Returns the
+    files written; [] when the record names no existing files.
+    """
+    kind = record.get("tokenizer_type")
+    written: list[str] = []
+    if kind == "GPT2BPETokenizer" and all(record.get(k) and os.path.isfile(record[k])
+                                          for k in ("vocab_file", "merge_file")):
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        tokenizer = Tokenizer(models.BPE.from_file(record["vocab_file"], record["merge_file"]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+        shutil.copyfile(record["vocab_file"], os.path.join(out_dir, "vocab.json"))
+        shutil.copyfile(record["merge_file"], os.path.join(out_dir, "merges.txt"))
+        tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+        written = ["vocab.json", "merges.txt", "tokenizer.json"]
+        special = "<|endoftext|>"
+    elif kind == "PretrainedFromHF" and record.get("tokenizer_name_or_path"):
+        path = record["tokenizer_name_or_path"]
+        source = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(source):
+            return []
+        shutil.copyfile(source, os.path.join(out_dir, "tokenizer.json"))
+        written, special = ["tokenizer.json"], _eod_token_of(source)
+    elif kind == "SentencePieceTokenizer" and record.get("tokenizer_model") and os.path.isfile(
+            record["tokenizer_model"]):
+        shutil.copyfile(record["tokenizer_model"], os.path.join(out_dir, "tokenizer.model"))
+        return ["tokenizer.model"]
+    else:
+        return []
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_prefix_space": False, "clean_up_tokenization_spaces": False}
+    if special is not None:
+        config.update(eos_token=special, bos_token=special)
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return written + ["tokenizer_config.json"]
+
+
+def _eod_token_of(tokenizer_json: str) -> Optional[str]:
+    from megatron.data.tokenizers import EOD_TOKEN_CANDIDATES
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(tokenizer_json).get_vocab(with_added_tokens=True)
+    return next((token for token in EOD_TOKEN_CANDIDATES if token in vocab), None)

@@ -1,0 +1,139 @@
+"""Generation: the KV-cache path equals recomputing the sequence, end-of-document stops, sampling rules."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron.inference.generation import (Generator, SamplingParams, generate_token_ids, sample_next_token,
+                                           tokenizer_from_record)
+from megatron.model import GPTModel
+
+from .conftest import random_state_dict, tiny_model_config, tokenizer_record
+
+POSITIONS = {"alibi": {}, "absolute": dict(position_embedding_type="absolute", embed_layernorm=False,
+                                           max_position_embeddings=64),
+             "rotary": dict(position_embedding_type="rotary", embed_layernorm=False)}
+
+
+def _model(kind="alibi"):
+    config = tiny_model_config(**POSITIONS[kind])
+    model = GPTModel(config).eval()
+    model.load_state_dict(random_state_dict(config))
+    return model
+
+
+@pytest.mark.parametrize("kind", sorted(POSITIONS))
+def test_kv_cache_decoding_equals_recomputing_the_whole_sequence(kind):
+    model = _model(kind)
+    params = SamplingParams(max_new_tokens=16, greedy=True)
+    outputs = set()
+    for prompt in ([5], [17, 230, 41, 8], list(range(60, 80))):
+        cached, _ = generate_token_ids(model, prompt, params, vocab_size=400, eod=None)
+        full, _ = generate_token_ids(model, prompt, params, vocab_size=400, eod=None, use_cache=False)
+        assert cached == full, (kind, prompt)
+        assert len(cached) == 16
+        outputs.add(tuple(cached))
+    assert len(outputs) == 3
+    # The cached last-step logits equal the full forward's (not just the argmax).
+    sequence = [17, 230, 41, 8] + cached[:10]
+    caches = model.new_kv_caches()
+    with torch.no_grad():
+        model(torch.tensor([sequence[:4]]), kv_caches=caches)
+        for token in sequence[4:]:
+            step = model(torch.tensor([[token]]), kv_caches=caches)  # [1, 1, vp]
+        full = model(torch.tensor([sequence]))  # [s, 1, vp]
+    assert (step[-1] - full[-1]).abs().max().item() <= 1e-5
+
+
+def test_generation_stops_at_end_of_document():
+    model = _model()
+    params = SamplingParams(max_new_tokens=24, greedy=True)
+    free, reason = generate_token_ids(model, [17, 230], params, vocab_size=400, eod=None)
+    assert reason == "length"
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i])  # a token first produced at step k
+    stopped, reason = generate_token_ids(model, [17, 230], params, vocab_size=400, eod=free[k])
+    assert (stopped, reason) == (free[:k + 1], "eod")
+
+
+def test_completion_text_leaves_out_the_end_of_document_token(corpus):
+    model = _model()
+    tokenizer = tokenizer_from_record(tokenizer_record(corpus))
+    prompt = "The river"
+    free, _ = generate_token_ids(model, tokenizer.tokenize(prompt), SamplingParams(max_new_tokens=8, greedy=True),
+                                 vocab_size=400, eod=None)
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+
+    class StopsAt:  # the corpus tokenizer, with a later greedy token as its end-of-document id
+        eod = free[k]
+        tokenize, detokenize = tokenizer.tokenize, tokenizer.detokenize
+
+    [completion] = Generator(model, StopsAt(), model.config).generate([prompt], SamplingParams(8, greedy=True))
+    assert completion.token_ids == free[:k + 1] and completion.finish_reason == "eod"
+    assert completion.text == tokenizer.detokenize(free[:k])
+
+
+def test_sampling_is_reproducible_with_a_seed_and_varies_across_seeds(corpus):
+    model = _model()
+    generator = Generator(model, tokenizer_from_record(tokenizer_record(corpus)), model.config)
+    prompts = ["The river", "Model data"]
+
+    def run(**kw):
+        return [c.token_ids for c in generator.generate(prompts, SamplingParams(max_new_tokens=16, **kw))]
+
+    for kw in (dict(seed=7), dict(seed=7, top_k=5, temperature=0.7), dict(seed=7, top_p=0.8)):
+        first = run(**kw)
+        assert run(**kw) == first, kw
+        assert run(**dict(kw, seed=8)) != first, kw
+        assert all(0 <= t < 400 for ids in first for t in ids)  # padded rows 400..511 are never produced
+    greedy = run(greedy=True)
+    assert run(seed=3, top_k=1) == greedy
+    assert run(seed=3, top_p=1e-6) == greedy
+
+
+def test_top_k_and_top_p_keep_exactly_the_expected_tokens():
+    logits = torch.log(torch.tensor([0.05, 0.5, 0.15, 0.3]))  # ranks: 1, 3, 2, 0
+    generator = torch.Generator().manual_seed(0)
+
+    def support(**kw):
+        params = SamplingParams(max_new_tokens=1, **kw)
+        return {sample_next_token(logits, params, generator) for _ in range(400)}
+
+    assert support(top_k=2) == {1, 3}
+    assert support(top_p=0.7) == {1, 3}         # 0.5 < 0.7 <= 0.8
+    assert support(top_p=0.85) == {1, 3, 2}     # 0.8 < 0.85 <= 0.95
+    assert support(top_p=0.5) == {1}
+    assert support() == {0, 1, 2, 3}
+    counts = torch.bincount(torch.tensor([sample_next_token(logits, SamplingParams(1, top_k=2), generator)
+                                          for _ in range(4000)]), minlength=4).float() / 4000
+    assert counts[1].item() == pytest.approx(0.5 / 0.8, abs=0.03)  # renormalized over the kept two
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(temperature=0.0), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(seed=-1), "seed"), (dict(seed=1.5), "seed")])
+def test_invalid_sampling_parameters_are_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**fields).validate()
+
+
+def test_learned_positions_limit_prompt_plus_new_tokens(corpus):
+    model = _model("absolute")  # 64 positions
+    generator = Generator(model, tokenizer_from_record(tokenizer_record(corpus)), model.config)
+    with pytest.raises(ValueError, match="exceeds the model's 64 learned positions"):
+        generator.generate(["The river"], SamplingParams(max_new_tokens=63, greedy=True))
+    with pytest.raises(ValueError, match="no tokens"):
+        generator.generate([""], SamplingParams(max_new_tokens=4, greedy=True))
+
+
+def test_generator_loads_the_saved_dtype_on_request(tmp_path, corpus):
+    from .conftest import write_random_checkpoint
+
+    write_random_checkpoint(tmp_path, corpus, tp=2)
+    generator = Generator.from_checkpoint(str(tmp_path), dtype="bf16")
+    assert next(generator.model.parameters()).dtype == torch.bfloat16
+    [completion] = generator.generate(["The river"], SamplingParams(max_new_tokens=4, greedy=True))
+    assert len(completion.token_ids) == 4
+    with pytest.raises(ValueError, match="dtype 'int8'"):
+        Generator.from_checkpoint(str(tmp_path), dtype="int8")

@@ -1,0 +1,140 @@
+"""Export to / import from transformers on random tiny models: logits, greedy text, exact round trips.
+
+transformers' BloomForCausalLM and GPT2LMHeadModel are the independent references. Checkpoints
+are written at TP=2 / PP=2 by save_as_training_checkpoint so that the tools merge real shards.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron.data.tokenizers import build_tokenizer
+from tools import generate as generate_tool
+from tools.convert_checkpoint import from_hf, to_hf
+
+from .conftest import write_random_checkpoint
+
+PROMPTS = ["The river", "Model data train the", "North city music", "A", "Pipeline stage tensor parallel gradient"]
+
+
+def _hf_logits_diff(hf_model, config, state, vocab=400):
+    from megatron.model import GPTModel
+
+    ours = GPTModel(config).eval()
+    ours.load_state_dict(state)
+    ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf_model(ids).logits  # [b, s, v]
+        mine = ours(ids).transpose(0, 1)[..., :vocab]  # [b, s, v]
+    return (theirs - mine).abs().max().item()
+
+
+def _hf_greedy(hf_model, tokenizer, prompts, max_new_tokens=32):
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer.tokenize(prompt)])
+        generated = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=max_new_tokens, pad_token_id=0)
+        out.append(generated[0, ids.shape[1]:].tolist())
+    return out
+
+
+def _generate_tool(ckpt, out_json, prompts):
+    argv = ["--load", str(ckpt), "--greedy", "--max-new-tokens", "32", "--output-json", str(out_json)]
+    for prompt in prompts:
+        argv += ["--prompt", prompt]
+    assert generate_tool.main(argv) == 0
+    return json.loads(out_json.read_text())
+
+
+@pytest.mark.parametrize("position_embedding_type", ["alibi", "absolute"])
+def test_export_matches_transformers_logits_and_greedy_text(tmp_path, corpus, position_embedding_type):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gpt2 = position_embedding_type == "absolute"
+    overrides = dict(position_embedding_type="absolute", embed_layernorm=False, max_position_embeddings=96) \
+        if gpt2 else {}
+    config, state = write_random_checkpoint(tmp_path / "ckpt", corpus, tp=2, pp=2, **overrides)
+    assert to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf")]) == 0
+    hf_model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    hf_model.eval()
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert type(hf_model).__name__ == ("GPT2LMHeadModel" if gpt2 else "BloomForCausalLM")
+    assert hf_model.config.vocab_size == 400
+    if not gpt2:
+        assert hf_model.config.pretraining_tp == 2 and hf_model.config.slow_but_exact is False
+    assert _hf_logits_diff(hf_model, config, state) <= 1e-4
+
+    ours_tok = build_tokenizer("GPT2BPETokenizer", vocab_file=corpus["vocab_file"], merge_file=corpus["merge_file"])
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    text = "The river was north of the city. Music  data!"
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == ours_tok.tokenize(text)
+    assert hf_tok.eos_token_id == ours_tok.eod
+
+    results = _generate_tool(tmp_path / "ckpt", tmp_path / "out.json", PROMPTS)
+    expected = _hf_greedy(hf_model, ours_tok, PROMPTS)
+    assert [r["prompt"] for r in results] == PROMPTS
+    assert [r["token_ids"] for r in results] == expected
+    assert len({tuple(ids) for ids in expected}) == len(PROMPTS)  # the prompts do lead to different texts
+    for r in results:
+        ids = r["token_ids"][:-1] if r["finish_reason"] == "eod" else r["token_ids"]
+        assert r["text"] == ours_tok.detokenize(ids)
+
+
+def test_rotary_export_is_refused_with_a_reason(tmp_path, corpus):
+    write_random_checkpoint(tmp_path / "ckpt", corpus, position_embedding_type="rotary", embed_layernorm=False)
+    with pytest.raises(ValueError, match="no transformers architecture maps position_embedding_type 'rotary'"):
+        to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf")])
+
+
+def _random_hf_model(kind):
+    import transformers
+
+    torch.manual_seed(5)
+    if kind == "bloom":
+        model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=400, hidden_size=64, n_layer=2,
+                                                                       n_head=4, hidden_dropout=0.0,
+                                                                       attention_dropout=0.0, bos_token_id=0,
+                                                                       eos_token_id=0))
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=400, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, activation_function="gelu_new", bos_token_id=0, eos_token_id=0))
+    with torch.no_grad():
+        for param in model.parameters():  # LayerNorms start at (1, 0) and biases at 0: perturb all
+            param.add_(0.05 * torch.randn_like(param))
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["bloom", "gpt2"])
+def test_hf_to_ours_tp2_pp2_to_hf_reproduces_every_tensor(tmp_path, corpus, kind):
+    from megatron.inference.checkpoint import load_full_state_dict
+    from megatron.inference.hf_export import export_tokenizer
+
+    model = _random_hf_model(kind)
+    model.save_pretrained(str(tmp_path / "hf_in"))
+    export_tokenizer({"tokenizer_type": "GPT2BPETokenizer", "vocab_file": corpus["vocab_file"],
+                      "merge_file": corpus["merge_file"]}, str(tmp_path / "hf_in"))
+    argv = ["--hf-dir", str(tmp_path / "hf_in"), "--save", str(tmp_path / "ckpt"),
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--seq-length", "32"]
+    assert from_hf.main(argv) == 0
+    config, state, client = load_full_state_dict(str(tmp_path / "ckpt"))
+    assert (config.padded_vocab_size, config.original_vocab_size) == (512, 400)  # 128 x TP 2 = 256 | 512
+    assert torch.equal(state["embedding.word_embeddings.weight"][400:], torch.zeros(112, 64))
+    assert client["tokenizer"]["tokenizer_type"] == "PretrainedFromHF"
+
+    assert to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf_out")]) == 0
+    before = {k: v for k, v in load_file(str(tmp_path / "hf_in" / "model.safetensors")).items() if k != "lm_head.weight"}
+    after = load_file(str(tmp_path / "hf_out" / "model.safetensors"))
+    if kind == "gpt2":  # old transformers versions saved the causal-mask buffers as tensors too
+        before = {k: v for k, v in before.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    assert set(before) == set(after)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+
+    # The converted checkpoint generates exactly what the original transformers model does.
+    results = _generate_tool(tmp_path / "ckpt", tmp_path / "out.json", PROMPTS[:2])
+    tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=str(tmp_path / "hf_in"))
+    assert [r["token_ids"] for r in results] == _hf_greedy(model, tokenizer, PROMPTS[:2])

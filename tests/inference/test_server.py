@@ -1,0 +1,143 @@
+"""The HTTP server with real requests on 127.0.0.1: good requests, every kind of bad one, and it keeps serving."""
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from megatron.inference.generation import Generator, SamplingParams
+from megatron.inference.server import ServerLimits, make_server
+from tests.conftest import REPO_ROOT
+
+from .conftest import write_random_checkpoint
+
+LIMITS = ServerLimits(max_prompt_tokens=20, max_new_tokens_limit=16, max_request_bytes=2048, max_prompts=4,
+                      default_max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, corpus):
+    path = tmp_path_factory.mktemp("server_ckpt")
+    write_random_checkpoint(path, corpus, tp=2, pp=1)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    generator = Generator.from_checkpoint(checkpoint)
+    httpd = make_server(generator, LIMITS, "127.0.0.1", 0)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd, generator
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _request(server, method, path, body=None, raw=None, headers=None):
+    httpd, _ = server
+    conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=60)
+    try:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers=headers or {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def _good(server):
+    status, reply = _request(server, "POST", "/generate", {"prompt": "The river", "max_new_tokens": 6, "greedy": True})
+    assert status == 200, reply
+    return reply["completions"][0]["token_ids"]
+
+
+def test_good_requests_return_what_the_generator_returns(server):
+    _, generator = server
+    expected = generator.generate(["The river"], SamplingParams(max_new_tokens=6, greedy=True))[0].to_json()
+    status, reply = _request(server, "POST", "/generate", {"prompt": "The river", "max_new_tokens": 6, "greedy": True})
+    assert status == 200 and reply["completions"] == [expected]
+    body = {"prompt": ["The river", "Model data"], "max_new_tokens": 5, "top_k": 20, "top_p": 0.9,
+            "temperature": 0.8, "seed": 11}
+    first = _request(server, "POST", "/generate", body)
+    assert first[0] == 200 and len(first[1]["completions"]) == 2
+    assert _request(server, "POST", "/generate", body) == first  # the seed makes sampling reproducible
+    status, health = _request(server, "GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["vocab_size"] == 400
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", dict(raw=b'{"prompt": "x", '), 400, "not valid JSON"),
+    ("not an object", dict(body=["The river"]), 400, "JSON object"),
+    ("no prompt", dict(body={"max_new_tokens": 3}), 400, "'prompt' is required"),
+    ("prompt of wrong type", dict(body={"prompt": 5}), 400, "'prompt' must be"),
+    ("empty prompt list", dict(body={"prompt": []}), 400, "'prompt' must be"),
+    ("empty prompt", dict(body={"prompt": ""}), 400, "no tokens"),
+    ("negative max_new_tokens", dict(body={"prompt": "a", "max_new_tokens": -1}), 400, "max_new_tokens"),
+    ("max_new_tokens as string", dict(body={"prompt": "a", "max_new_tokens": "5"}), 400, "'max_new_tokens' must be int"),
+    ("max_new_tokens as bool", dict(body={"prompt": "a", "max_new_tokens": True}), 400, "'max_new_tokens' must be int"),
+    ("top_p above 1", dict(body={"prompt": "a", "top_p": 1.5}), 400, "top_p"),
+    ("temperature 0", dict(body={"prompt": "a", "temperature": 0}), 400, "temperature"),
+    ("greedy as string", dict(body={"prompt": "a", "greedy": "yes"}), 400, "'greedy' must be bool"),
+    ("unknown field", dict(body={"prompt": "a", "beam": 4}), 400, "unknown fields"),
+    ("prompt over the token limit", dict(body={"prompt": "the river " * 30}), 413, "the limit is 20"),
+    ("too many new tokens", dict(body={"prompt": "a", "max_new_tokens": 17}), 413, "limit 16"),
+    ("too many prompts", dict(body={"prompt": ["a"] * 5}), 413, "limit is 4"),
+    ("body over the byte limit", dict(raw=json.dumps({"prompt": "x" * 5000}).encode()), 413, "limit is 2048"),
+]
+
+
+@pytest.mark.parametrize("name,request_kw,status,message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_json_errors_and_the_server_keeps_serving(server, name, request_kw, status, message):
+    got, reply = _request(server, "POST", "/generate", **request_kw)
+    assert got == status, reply
+    assert message in reply["error"] and reply["status"] == status
+    _good(server)
+
+
+def test_wrong_paths_and_methods(server):
+    assert _request(server, "GET", "/nowhere")[0] == 404
+    assert _request(server, "POST", "/nowhere", {"prompt": "a"})[0] == 404
+    assert _request(server, "GET", "/generate")[0] == 405
+    assert _request(server, "POST", "/health", {})[0] == 405
+    assert _request(server, "DELETE", "/generate")[0] == 405
+    _good(server)
+
+
+def test_concurrent_requests_are_serialized_and_all_answered(server):
+    expected = _good(server)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_good(server))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == [expected] * 4
+
+
+def test_serve_tool_runs_as_a_process(checkpoint):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "tools" / "serve.py"), "--load", checkpoint, "--port", "0",
+                             "--max-new-tokens-limit", "8"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        for line in proc.stdout:
+            if line.startswith("serving on"):
+                break
+        assert line.startswith("serving on http://127.0.0.1:"), line
+        port = int(line.split(":")[2].split(" ")[0])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/generate", body=json.dumps({"prompt": "The river", "max_new_tokens": 9}))
+        response = conn.getresponse()
+        assert response.status == 413 and "limit 8" in json.loads(response.read())["error"]
+        conn.request("POST", "/generate", body=json.dumps({"prompt": "The river", "max_new_tokens": 4, "greedy": True}))
+        response = conn.getresponse()
+        assert response.status == 200 and len(json.loads(response.read())["completions"][0]["token_ids"]) == 4
+        conn.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

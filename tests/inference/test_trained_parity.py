@@ -1,0 +1,151 @@
+"""A DeepSpeed-trained checkpoint at (TP, PP, DP) = (2, 2, 2) against transformers, and back into training.
+
+One 8-rank launch trains a tiny BLOOM a few iterations, saves, and evaluates a fixed batch with the
+pipeline engine (its logits are the reference for the merged, exported weights). Then:
+- to_hf (run as a process) -> BloomForCausalLM: logits equal the engine's and our merged GPTModel's;
+  tools/generate.py's greedy continuations equal transformers' generate(do_sample=False);
+- from_hf at TP 2 / PP 2 then to_hf reproduces every exported tensor exactly;
+- a 4-rank pretrain() --load of the from_hf checkpoint continues training; its first loss equals the
+  loss transformers' model gives the same first batch (with our 112 zero-padded vocabulary logits).
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.testing import run_distributed
+from tests.conftest import REPO_ROOT
+from tests.training.conftest import tiny_argv
+
+PROMPTS = ["The river", "Model data train the", "North city music", "A", "Pipeline stage tensor parallel gradient"]
+VOCAB, PADDED = 400, 512
+
+
+def _fixed_tokens():
+    return torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(11))  # [b, s + 1]
+
+
+def _train(rank, world_size, argv, evaluate):
+    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.training.batches import gpt_micro_batch
+    from megatron.training.pretrain import pretrain
+
+    torch.set_num_threads(1)
+    result = pretrain(resolve_vocab_size(build_run_config(parse_args(argv, world_size=world_size))))
+    engine = result.engine
+    out = {"history": [(r.iteration, r.loss) for r in result.history], "iteration": result.progress.iteration}
+    if evaluate:
+        _, logits = engine.eval_batch(iter([gpt_micro_batch(_fixed_tokens())]), return_logits=True,
+                                      num_micro_batches=1)
+        if engine.is_last_stage():
+            # numpy: a torch tensor would travel as shared memory that dies with this process
+            out.update(logits=logits.detach().numpy().copy(), tp_rank=engine.grid.get_slice_parallel_rank(),
+                       dp_rank=engine.grid.get_data_parallel_rank())
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
+    root = tmp_path_factory.mktemp("trained")
+    argv = tiny_argv(corpus, train_iters=4, save=str(root / "ckpt"), save_interval=4, tensor_model_parallel_size=2,
+                     pipeline_model_parallel_size=2)
+    results = run_distributed(_train, world_size=8, args=(argv, True), env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    shards = {r["tp_rank"]: torch.from_numpy(r["logits"]) for r in results if "logits" in r and r["dp_rank"] == 0}
+    engine_logits = torch.cat([shards[0], shards[1]], dim=-1).transpose(0, 1)  # [b, s, vp]
+    subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "convert_checkpoint" / "to_hf.py"), "--load",
+                    str(root / "ckpt"), "--output-dir", str(root / "hf")], check=True, cwd=REPO_ROOT)
+    return {"root": root, "engine_logits": engine_logits, "history": results[-1]["history"]}
+
+
+def _hf(path):
+    from transformers import BloomForCausalLM
+
+    return BloomForCausalLM.from_pretrained(str(path)).eval()
+
+
+@pytest.mark.multiprocess
+def test_exported_bloom_matches_the_training_engine_and_our_model(trained):
+    from megatron.inference.checkpoint import load_full_state_dict
+    from megatron.model import GPTModel
+
+    hf = _hf(trained["root"] / "hf")
+    assert hf.config.pretraining_tp == 2 and hf.config.vocab_size == VOCAB
+    config, state, _ = load_full_state_dict(str(trained["root"] / "ckpt"))
+    ours = GPTModel(config).eval()
+    ours.load_state_dict(state)
+    ids = _fixed_tokens()[:, :-1]  # [b, s]
+    with torch.no_grad():
+        theirs = hf(ids).logits  # [b, s, v]
+        mine = ours(ids).transpose(0, 1)  # [b, s, vp]
+    engine = trained["engine_logits"]
+    assert engine.shape == (2, 32, PADDED)
+    engine_diff = (theirs - engine[..., :VOCAB]).abs().max().item()
+    ours_diff = (theirs - mine[..., :VOCAB]).abs().max().item()
+    print(f"max |logits| diff vs transformers: engine {engine_diff:.3g}, merged GPTModel {ours_diff:.3g}")
+    assert engine_diff <= 1e-4 and ours_diff <= 1e-4
+    assert torch.equal(mine, ours(ids).transpose(0, 1))
+
+
+@pytest.mark.multiprocess
+def test_generate_tool_greedy_text_equals_transformers_generate(trained, tmp_path):
+    from megatron.data.tokenizers import build_tokenizer
+    from tools import generate as generate_tool
+
+    argv = ["--load", str(trained["root"] / "ckpt"), "--greedy", "--max-new-tokens", "32", "--output-json",
+            str(tmp_path / "out.json")]
+    for prompt in PROMPTS:
+        argv += ["--prompt", prompt]
+    assert generate_tool.main(argv) == 0
+    results = json.loads((tmp_path / "out.json").read_text())
+    hf = _hf(trained["root"] / "hf")
+    tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=str(trained["root"] / "hf"))
+    for prompt, result in zip(PROMPTS, results):
+        ids = torch.tensor([tokenizer.tokenize(prompt)])
+        assert result["prompt_token_ids"] == ids[0].tolist()
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32)
+        assert result["token_ids"] == expected[0, ids.shape[1]:].tolist(), prompt
+
+
+def _continue(rank, world_size, argv):
+    return _train(rank, world_size, argv, False)
+
+
+@pytest.mark.multiprocess
+def test_from_hf_round_trip_is_exact_and_training_continues_from_it(trained, corpus, tmp_path):
+    from safetensors.torch import load_file
+
+    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.training.data import build_datasets
+    from tools.convert_checkpoint import from_hf, to_hf
+
+    assert from_hf.main(["--hf-dir", str(trained["root"] / "hf"), "--save", str(tmp_path / "ckpt"),
+                         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                         "--seq-length", "32"]) == 0
+    assert to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf")]) == 0
+    before = load_file(str(trained["root"] / "hf" / "model.safetensors"))
+    after = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(before) == set(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+    argv = tiny_argv(corpus, train_iters=2, lr_warmup_iters=1, load=str(tmp_path / "ckpt"), no_load_optim=True,
+                     tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    results = run_distributed(_continue, world_size=4, args=(argv,), env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    history = results[-1]["history"]
+    assert [i for i, _ in history] == [1, 2] and all(math.isfinite(loss) for _, loss in history)
+
+    # The first step's loss is the model's loss on samples 0..7 (one global batch), before any update.
+    rc = resolve_vocab_size(build_run_config(parse_args(argv, world_size=4)))
+    train = build_datasets(rc).train
+    tokens = torch.stack([torch.from_numpy(train[i]["text"]) for i in range(8)])  # [8, s + 1]
+    with torch.no_grad():
+        logits = _hf(trained["root"] / "hf")(tokens[:, :-1]).logits  # [8, s, v]
+    padded = torch.cat((logits, torch.zeros(8, 32, PADDED - VOCAB)), dim=-1)  # the zero rows' logits
+    expected = torch.nn.functional.cross_entropy(padded.reshape(-1, PADDED), tokens[:, 1:].reshape(-1)).item()
+    unpadded = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).item()
+    print(f"first loss {history[0][1]:.6f}, transformers with padding {expected:.6f}, without {unpadded:.6f}")
+    assert history[0][1] == pytest.approx(expected, abs=2e-5)

@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Convert a local transformers Bloom (or GPT-2) directory into a training checkpoint at a chosen TP / PP.
+
+    python tools/convert_checkpoint/from_hf.py --hf-dir DIR --save CKPT \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+    pretrain_gpt.py ... --load CKPT --finetune      # the same architecture flags, TP and vocabulary padding
+
+The vocabulary is padded by Megatron's rule (--make-vocab-size-divisible-by x TP, or
+--pad-vocab-size-to) with zero rows: every real token keeps its logit. The checkpoint holds the
+weights only (iteration 0, no optimizer state): continue with --finetune (or --no-load-optim, which
+also takes the recorded iteration 0 and an RNG state seeded with --seed). A tokenizer.json in
+--hf-dir is recorded as the checkpoint's tokenizer (PretrainedFromHF). The work is in
+``megatron.inference.hf_export`` and ``megatron.inference.checkpoint``.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-dir", required=True, help="a LOCAL directory saved by save_pretrained (never a hub name)")
+    parser.add_argument("--save", required=True, help="the checkpoint directory to create")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    parser.add_argument("--pad-vocab-size-to", type=int, default=None)
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="training length to record (default: 2048 for Bloom, n_positions for GPT-2)")
+    parser.add_argument("--params-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="dtype of the saved weights; match the run's (--bf16: bf16)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the recorded RNG state")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from megatron.data.tokenizers import pad_vocab_size
+    from megatron.inference.checkpoint import converted_client_state, converted_run_state, save_as_training_checkpoint
+    from megatron.inference.hf_export import read_hf_model
+
+    args = parse_args(argv)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if not os.path.isdir(args.hf_dir):
+        raise ValueError(f"--hf-dir {args.hf_dir!r} is not a directory; pass a local save_pretrained directory")
+
+    def padded(vocab: int) -> int:
+        return pad_vocab_size(vocab, args.make_vocab_size_divisible_by, tp, args.pad_vocab_size_to)
+
+    config, state, arch = read_hf_model(args.hf_dir, padded_vocab_size_fn=padded, seq_length=args.seq_length,
+                                        params_dtype=args.params_dtype, seed=args.seed)
+    tokenizer = {}
+    if os.path.isfile(os.path.join(args.hf_dir, "tokenizer.json")):
+        tokenizer = {"tokenizer_type": "PretrainedFromHF", "tokenizer_name_or_path": os.path.abspath(args.hf_dir)}
+    record = converted_run_state(config, tp, pp, tokenizer=tokenizer,
+                                 extra={"converted_from": {"hf_dir": os.path.abspath(args.hf_dir), "architecture": arch}})
+    tag_dir = save_as_training_checkpoint(config, state, args.save, tp, pp, converted_client_state(args.seed), record)
+    print(json.dumps({"checkpoint": tag_dir, "architecture": arch, "padded_vocab_size": config.padded_vocab_size,
+                      "original_vocab_size": config.original_vocab_size, "tensor_model_parallel_size": tp,
+                      "pipeline_model_parallel_size": pp}))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Export a training checkpoint of any TP / PP to a transformers model directory.
+
+    python tools/convert_checkpoint/to_hf.py --load CKPT --output-dir DIR [--tag global_stepN] [--dtype bf16]
+
+ALiBi + embedding LayerNorm (BLOOM) writes a ``BloomForCausalLM``, learned positions a
+``GPT2LMHeadModel`` (config.json + model.safetensors); rotary is refused. The vocabulary is cut to
+the tokenizer's (original_vocab_size); Bloom's ``pretraining_tp`` records the training TP. When the
+checkpoint's tokenizer record names existing files they are exported too, so
+``AutoTokenizer.from_pretrained(DIR)`` works offline (GPT2BPETokenizer, PretrainedFromHF). The work is
+in ``megatron.inference.hf_export``.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--load", required=True, help="the training checkpoint directory (holding 'latest')")
+    parser.add_argument("--output-dir", required=True, help="where config.json, model.safetensors and the tokenizer go")
+    parser.add_argument("--tag", default=None, help="a tag inside --load (default: the one 'latest' names)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="dtype of the exported weights (default: as saved)")
+    parser.add_argument("--no-tokenizer", action="store_true", help="do not export the tokenizer files")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from megatron.inference.checkpoint import load_full_state_dict
+    from megatron.inference.generation import DTYPES, tokenizer_from_record
+    from megatron.inference.hf_export import export_tokenizer, write_hf_model
+
+    args = parse_args(argv)
+    config, state, run = load_full_state_dict(args.load, args.tag)
+    record = run.get("tokenizer") or {}
+    eod = None
+    if record:
+        try:
+            eod = tokenizer_from_record(record).eod
+        except ValueError as error:  # the tokenizer files moved: export the weights anyway
+            print(f"WARNING: tokenizer not exported ({error})", file=sys.stderr)
+            record = {}
+    tp = run.get("parallel", {}).get("tensor_model_parallel_size", 1)
+    arch = write_hf_model(config, state, args.output_dir, pretraining_tp=tp, eos_token_id=eod,
+                          dtype=DTYPES[args.dtype] if args.dtype else None)
+    files = [] if args.no_tokenizer or not record else export_tokenizer(record, args.output_dir, config.seq_length)
+    print(json.dumps({"output_dir": args.output_dir, "architecture": arch, "vocab_size":
+                      config.original_vocab_size or config.padded_vocab_size, "tokenizer_files": files}))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
