@@ -1,0 +1,55 @@
+"""Loop behaviours on short single-process runs: batch-size rampup, skipped iteration ranges, and
+stopping after consecutive non-finite losses."""
+
+import math
+
+import pytest
+
+from megatron.testing import DistributedTestError, run_distributed
+from tests.training.conftest import tiny_argv
+from tests.training.test_exits_and_tensorboard import _run_single
+
+
+def _train_with_engine_batch(rank, world_size, argv):
+    """Like _run_single, but also record the batch size DeepSpeed was told at each iteration."""
+    import megatron.training.loop as loop
+
+    seen = []
+    real_step = loop.Trainer.train_step
+
+    def step(self):
+        record = real_step(self)
+        seen.append(self.engine.train_batch_size())
+        return record
+
+    loop.Trainer.train_step = step
+    (result,) = _run_single(rank, world_size, [argv])
+    result["engine_batch"] = seen
+    return result
+
+
+@pytest.mark.multiprocess
+def test_rampup_grows_the_batch_and_tells_deepspeed(tiny_corpus):
+    # Start at 4, +2 every 16 / ((8 - 4) / 2) = 8 samples, full size 8 after 16 samples.
+    argv = tiny_argv(tiny_corpus, "--rampup-batch-size", "4", "2", "16", train_iters=None, train_samples=64,
+                     global_batch_size=8, lr_warmup_iters=None, lr_warmup_samples=8, micro_batch_size=2)
+    (result,) = run_distributed(_train_with_engine_batch, world_size=1, args=(argv,))
+    batches = [h[4] for h in result["history"]]
+    # consumed: 0 -> 4 (bs 4), 4 -> 8 (bs 4), 8 -> 14 (bs 6), 14 -> 20 (bs 6), then 8 until 64.
+    assert batches[:5] == [4, 4, 6, 6, 8], batches
+    # Training stops at the first step that reaches --train-samples (60 + 8 >= 64), as in Megatron.
+    assert sum(batches) == 68 and set(batches[4:]) == {8}
+    assert result["engine_batch"] == batches
+
+
+@pytest.mark.multiprocess
+def test_skip_range_and_nonfinite_stop(tiny_corpus):
+    skip = tiny_argv(tiny_corpus, "--skip-train-iteration-range", "3-4", train_iters=6)
+    blow_up = tiny_argv(tiny_corpus, train_iters=50, lr=1e9, min_lr=1e8, clip_grad=0.0, max_nonfinite_steps=3,
+                        lr_warmup_iters=0)
+    (skipped,), = run_distributed(_run_single, world_size=1, args=([skip],))
+    history = skipped["history"]
+    assert [h[0] for h in history] == [1, 2, 3, 4, 5, 6]
+    assert [math.isnan(h[1]) for h in history] == [False, False, True, True, False, False]
+    with pytest.raises(DistributedTestError, match="3 consecutive iterations with a non-finite loss"):
+        run_distributed(_run_single, world_size=1, args=([blow_up],))
