@@ -44,7 +44,9 @@ def stage_param_counts(model: ModelShape, layout: Layout) -> list[int]:
     h, t = model.hidden_size, layout.tp
     counts = layers_per_stage(model, layout.pp, layout.partition_method)
     embedding = model.vocab_size * h // t + model.learned_positions * h + (2 * h if model.embed_layernorm else 0)
-    head = model.vocab_size * h // t  # the output head, vocab-parallel like the embedding
+    # The output head: the tied copy is a whole EmbeddingPipe (DeepSpeed's TiedLayerSpec builds the
+    # module), so the last stage also holds an unused copy of the embedding LayerNorm.
+    head = model.vocab_size * h // t + (2 * h if model.embed_layernorm and model.tied_embeddings else 0)
     out = []
     for i, n_layers in enumerate(counts):
         n = n_layers * model.layer_params(t)

@@ -1,0 +1,207 @@
+"""One-GPU training throughput (tokens/s, TFLOPs, MFU, peak memory) and ALiBi attention kernels.
+
+NOT RUN YET: written and dry-run on CPU only (the build machine has no GPU). On a GPU machine:
+
+    python benchmarks/bench_gpu.py --output benchmarks/results/gpu_<date>.json
+    python benchmarks/bench_gpu.py --dry-run          # CPU, tiny config: checks the script end to end
+
+1. Training: our engine (the same DeepSpeed PipelineEngine + BF16_Optimizer pretrain() builds,
+   TP = PP = DP = 1, nccl) on a BLOOM-1B3-like model (24 layers, hidden 2048, 16 heads, seq 2048,
+   250,880-row vocabulary) and a BLOOM-350M-like one (24 layers, hidden 1024, 16 heads), bf16,
+   micro-batch = global batch (--micro-batch-size), --steps timed steps after --warmup ones.
+   Reported: median step time, tokens/s, model and hardware TFLOP/s (megatron.training.metrics,
+   Megatron's formula), MFU against the device's dense bf16 peak (--peak-tflops overrides), and
+   torch.cuda.max_memory_allocated, next to the planner's prediction for the same layout.
+2. Attention with ALiBi, forward + backward of [b, np, s, hn] bf16 alone:
+     plain  what megatron/model/attention.py does today: F.scaled_dot_product_attention with the
+            materialized additive bias [np, s, s] (slope * (k - q), -inf above the diagonal)
+     flex   torch.nn.attention.flex_attention (compiled) with an ALiBi score_mod and a causal
+            block mask: no [np, s, s] tensor, fully masked blocks skipped
+     causal SDPA is_causal=True without ALiBi: the fused kernel's speed of light, for scale
+   The outputs of plain and flex are compared (max abs difference) before timing. If flex wins,
+   the model needs it as a separate option in attention.py (the attention owner's change).
+Prints ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import _common  # noqa: F401
+from _common import emit, machine, tiny_argv, tiny_corpus
+
+import torch  # noqa: E402
+
+SIZES = {"1B3": dict(num_layers=24, hidden_size=2048, num_attention_heads=16),
+         "350M": dict(num_layers=24, hidden_size=1024, num_attention_heads=16)}
+DRY = {"tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4)}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_throughput(name: str, sizes: dict, seq: int, mbs: int, steps: int, warmup: int, device: str,
+                     peak_override) -> dict:
+    from bench_train_vs_transformers import Ours  # same engine construction as pretrain()
+
+    from megatron.planner import CLUSTERS, GPUS, estimate_memory
+    from megatron.planner.layout import Layout
+    from megatron.planner.measure import model_shape_of
+    from megatron.training.metrics import current_device_name, peak_tflops_for_device, throughput_metrics
+
+    corpus = tiny_corpus()
+    argv = tiny_argv(corpus, train_iters=1000, lr_warmup_iters=0, lr_decay_style="constant", min_lr=0.0,
+                     seq_length=seq, micro_batch_size=mbs, global_batch_size=mbs, **sizes,
+                     distributed_backend="nccl" if device == "cuda" else "gloo")
+    if device == "cuda":
+        argv += ["--pad-vocab-size-to", "250880"]
+    ours = Ours(argv + ["--bf16"], backend="nccl" if device == "cuda" else "gloo")
+    it = ours.iterator_factory()
+    batches = [[next(it)] for _ in range(4)]
+    if device == "cuda":
+        batches = [[tuple(tuple(t.cuda() for t in part) for part in mb) for mb in b] for b in batches]
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        t = time.perf_counter()
+        ours.step(batches[i % len(batches)])
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    step = statistics.median(times)
+    peak = peak_tflops_for_device(current_device_name(), peak_override)
+    flops = throughput_metrics(ours.rc.model, mbs, False, step, 1, peak)
+    out = {"model": name, **sizes, "seq_length": seq, "micro_batch_size": mbs,
+           "padded_vocab_size": ours.rc.model.padded_vocab_size, "median_step_s": step,
+           "tokens_per_s": mbs * seq / step, **flops, "peak_tflops": peak, "step_s_all": times}
+    if device == "cuda":
+        out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        gpu = GPUS["H200-141GB"] if "H200" in current_device_name() else GPUS["H100-80GB"]
+        layout = Layout(1, 1, 1, mbs, recompute=False, zero_stage=0)
+        mem = estimate_memory(model_shape_of(ours.rc.model), layout, seq, mbs)
+        out["planner_predicted_gib"] = mem.peak / 2 ** 30
+        out["planner_gpu"] = gpu.name
+    del ours
+    return out
+
+
+def attention_kernels(b: int, heads: int, seq: int, head_dim: int, reps: int, device: str) -> dict:
+    import torch.nn.functional as F
+
+    from megatron.model.positional import alibi_bias, alibi_slopes_for_rank
+
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    slopes = alibi_slopes_for_rank(heads, 0, 1).to(device)
+    positions = torch.arange(seq, device=device)
+    scale = 1.0 / head_dim ** 0.5
+
+    def plain():
+        bias = alibi_bias(slopes, positions, positions).to(dtype)  # [np, s, s], as the model builds it
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+
+    def causal():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    paths = {"plain_sdpa_bias": plain, "causal_sdpa_no_alibi": causal}
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def alibi_score(score, batch, head, q_idx, kv_idx):
+            return score + slopes[head] * (kv_idx - q_idx)
+
+        def causal_mask(batch, head, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        block_mask = create_block_mask(causal_mask, None, None, seq, seq, device=device)
+        flex = torch.compile(flex_attention) if device == "cuda" else flex_attention
+
+        def flex_path():
+            if device == "cpu":  # FlexAttention has no backward on CPU: forward only (dry run)
+                return flex(q.detach(), k.detach(), v.detach(), score_mod=alibi_score, block_mask=block_mask,
+                            scale=scale)
+            return flex(q, k, v, score_mod=alibi_score, block_mask=block_mask, scale=scale)
+
+        paths["flex_alibi"] = flex_path
+    except Exception as exc:  # noqa: BLE001 - report why flex is unavailable instead of failing
+        paths_error = repr(exc)
+    else:
+        paths_error = None
+
+    out = {"shape_b_np_s_hn": [b, heads, seq, head_dim], "flex_error": paths_error}
+    reference = plain().float()
+    if "flex_alibi" in paths:
+        out["flex_vs_plain_max_abs_diff"] = (paths["flex_alibi"]().float() - reference).abs().max().item()
+    grad = torch.randn_like(reference).to(dtype)
+    for name, fn in paths.items():
+        forward_only = device == "cpu" and name == "flex_alibi"
+
+        def run():
+            out_ = fn()
+            if not forward_only:
+                out_.backward(grad)
+
+        for _ in range(2):  # warm-up (compilation for flex)
+            run()
+        times = []
+        for _ in range(reps):
+            _sync(device)
+            t = time.perf_counter()
+            run()
+            _sync(device)
+            times.append(time.perf_counter() - t)
+        flops = 4 * b * heads * seq * seq * head_dim * 3 / 2  # fwd + bwd, causal half
+        out[name] = {"median_fwd_bwd_s": statistics.median(times), "forward_only": forward_only,
+                     "tflops_causal": flops / statistics.median(times) / 1e12}
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            run()
+            out[name]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--output")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script, no figures")
+    p.add_argument("--models", nargs="+", default=["350M", "1B3"])
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float)
+    args = p.parse_args()
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --dry-run on CPU")
+    os.environ["DS_ACCELERATOR"] = "cpu" if device == "cpu" else "cuda"
+    before = machine()
+    if args.dry_run:
+        models, seq, mbs, steps, warmup = {"tiny": DRY["tiny"]}, 64, 2, 2, 1
+        attn = attention_kernels(1, 4, 64, 16, 2, device)
+    else:
+        models, seq, mbs = {m: SIZES[m] for m in args.models}, args.seq_length, args.micro_batch_size
+        steps, warmup = args.steps, args.warmup
+        attn = {"s2048": attention_kernels(mbs, 16, seq, 128, 10, device),
+                "s2048_hn64": attention_kernels(mbs, 16, seq, 64, 10, device)}
+    training = {name: train_throughput(name, sizes, seq, mbs, steps, warmup, device, args.peak_tflops)
+                for name, sizes in models.items()}
+    gpu = {"name": torch.cuda.get_device_name(), "cuda": torch.version.cuda} if device == "cuda" else None
+    emit({"benchmark": "gpu", "dry_run": args.dry_run, "device": device, "gpu": gpu,
+          "config": {"models": models, "seq_length": seq, "micro_batch_size": mbs, "steps": steps, "warmup": warmup,
+                     "precision": "bf16 + BF16_Optimizer", "layout": "TP=PP=DP=1", "recompute": False},
+          "compared_with": "the device's dense bf16 peak (MFU) and the planner's memory prediction; "
+                           "attention: plain SDPA+bias vs FlexAttention ALiBi vs causal SDPA",
+          "training": training, "attention": attn, "machine": before}, args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""Training speed and memory on one CPU process: our engine vs a plain loop over transformers' Bloom.
+
+Same architecture (BLOOM-style: ALiBi, embedding LayerNorm; 4 layers, hidden 256, 8 heads, seq 256,
+micro-batch = global batch = 8, the tiny corpus's 400-token BPE padded to 512 rows on both sides),
+same initial weights (ours exported with megatron.model.hf_bloom), same batches (our data iterator,
+fed to both), AdamW (lr 1e-4 constant, betas 0.9/0.999, eps 1e-8, weight decay 0.01 on 2-D weights
+only, clip 1.0), no dropout. Variants, all in the same process:
+
+  ours_bf16        pretrain()'s engine: DeepSpeed PipelineEngine, bf16 weights + BF16_Optimizer
+                   (fp32 masters, fp32 gradient accumulation); one step = engine.train_batch + what
+                   the training loop reads after it (loss.item(), grad norm)
+  hf_autocast_bf16 BloomForCausalLM fp32 weights, forward under torch.autocast("cpu", bfloat16)
+  hf_bf16          BloomForCausalLM cast to bf16, AdamW on bf16 weights (no fp32 masters)
+  ours_fp32, hf_fp32
+
+Losses: the first --loss-steps steps of each variant from the same weights on the same batches.
+Speed: --reps repetitions of --steps-per-rep steps, variants alternated (rotating order), the
+median step time per variant -> tokens/s. Memory: each variant again in a fresh subprocess: peak
+RSS (ru_maxrss) minus the RSS after imports = what the model, optimizer, activations and runtime
+buffers add (tracemalloc cannot see torch's allocations). Profile: cProfile over our bf16 step and
+the autocast step, self time grouped by where the code lives. Prints ONE JSON line.
+
+    python benchmarks/bench_train_vs_transformers.py --output benchmarks/results/train_vs_transformers_2026-11-29.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import _common  # noqa: F401
+from _common import emit, machine, tiny_argv, tiny_corpus
+
+import torch  # noqa: E402
+
+MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256, micro_batch_size=8,
+             global_batch_size=8)
+OPTIM = dict(lr=1e-4, weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
+VARIANTS = ("ours_bf16", "hf_autocast_bf16", "hf_bf16", "ours_fp32", "hf_fp32")
+
+
+def run_argv(corpus: dict, bf16: bool) -> list[str]:
+    argv = tiny_argv(corpus, train_iters=1000, lr_warmup_iters=0, lr_decay_style="constant", min_lr=0.0,
+                     **MODEL, **OPTIM)
+    return argv + (["--bf16"] if bf16 else [])
+
+
+class Ours:
+    """Our engine, built exactly as megatron.training.pretrain builds it (no training loop around it)."""
+
+    def __init__(self, argv: list[str], backend: str = "gloo"):
+        from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+        from megatron.engine.ds_config import build_deepspeed_config
+        from megatron.engine.initialize import build_engine, init_deepspeed_comm
+        from megatron.parallel.state import ParallelState
+        from megatron.training.data import build_datasets, micro_batch_iterator
+        from megatron.training.distributed import init_process_group
+        from megatron.training.pretrain import set_seeds
+
+        rc = self.rc = resolve_vocab_size(build_run_config(parse_args(argv, world_size=1)))
+        init_process_group(backend)
+        init_deepspeed_comm(backend)
+        state = ParallelState.create(1, 1)
+        tracker = set_seeds(rc.training.seed, state)
+        o = rc.optimizer
+        self.engine = build_engine(rc.model, state, build_deepspeed_config(rc, rc.deepspeed_user_config),
+                                   optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,
+                                   adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                                   clip_grad=o.clip_grad, tracker=tracker)
+        self.engine.train()
+        self.datasets = build_datasets(rc)
+        self.iterator_factory = lambda: micro_batch_iterator(self.datasets.train, rc, consumed_samples=0, dp_rank=0,
+                                                             dp_size=1, num_workers=0)
+
+    def gpt_state_dict(self) -> dict:
+        """The pipeline module's weights under GPTModel's names (what hf_bloom maps)."""
+        L = self.rc.model.num_layers
+        out = {}
+        for name, tensor in self.engine.module.state_dict().items():
+            head, _, rest = name.partition(".")
+            if name.startswith("tied_modules.embed."):
+                out["embedding." + name[len("tied_modules.embed."):]] = tensor
+            elif head.isdigit() and 1 <= int(head) <= L:
+                out[f"layers.{int(head) - 1}.{rest}"] = tensor
+            elif head == str(L + 1):
+                out[f"final_layernorm.{rest}"] = tensor
+        return out
+
+    def step(self, batches) -> float:
+        loss = self.engine.train_batch(iter(batches))
+        value = float(loss.item())
+        self.engine.get_global_grad_norm()  # the training loop reads it every iteration
+        return value
+
+
+class HF:
+    """A plain training loop over transformers' BloomForCausalLM."""
+
+    def __init__(self, ours: Ours, mode: str):
+        from transformers import BloomConfig, BloomForCausalLM
+
+        from megatron.model.hf_bloom import bloom_config_kwargs, ours_to_bloom_state_dict
+
+        cfg = ours.rc.model
+        kwargs = bloom_config_kwargs(cfg, vocab_size=cfg.padded_vocab_size)
+        self.model = BloomForCausalLM(BloomConfig(**kwargs))
+        state = {k: v.float() for k, v in ours_to_bloom_state_dict(ours.gpt_state_dict()).items()}
+        self.model.load_state_dict(state, strict=True)
+        self.mode = mode
+        if mode == "bf16":
+            self.model.to(torch.bfloat16)
+        self.model.train()
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM["weight_decay"]},
+                                            {"params": no_decay, "weight_decay": 0.0}], lr=OPTIM["lr"],
+                                           betas=(OPTIM["adam_beta1"], OPTIM["adam_beta2"]), eps=OPTIM["adam_eps"],
+                                           foreach=True)
+
+    def step(self, batches) -> float:
+        (tokens, _), (labels, loss_mask) = batches[0]  # one micro-batch per step here
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.mode == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = self.model(input_ids=tokens).logits  # [b, s, v]
+        else:
+            logits = self.model(input_ids=tokens).logits  # [b, s, v]
+        per_token = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                                      reduction="none")  # [b * s]
+        mask = loss_mask.flatten().float()
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), OPTIM["clip_grad"])
+        self.optimizer.step()
+        return float(loss.item())
+
+
+def build(corpus: dict, variants) -> dict:
+    runners = {}
+    ours = {}
+    for precision in ("bf16", "fp32"):
+        if any(v.endswith(precision) for v in variants):
+            ours[precision] = Ours(run_argv(corpus, precision == "bf16"))
+    for v in variants:
+        if v.startswith("ours_"):
+            runners[v] = ours[v.split("_")[1]]
+        elif v == "hf_autocast_bf16":
+            runners[v] = HF(ours["bf16"], "autocast")
+        elif v == "hf_bf16":
+            runners[v] = HF(ours["bf16"], "bf16")
+        elif v == "hf_fp32":
+            runners[v] = HF(ours["fp32"], "fp32")
+    return runners
+
+
+def take_batches(runner, n: int) -> list:
+    it = runner.iterator_factory()
+    return [[next(it)] for _ in range(n)]
+
+
+def profile_step(runner, batches, steps: int) -> dict:
+    """cProfile self time of ``steps`` steps, grouped by where the code lives."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(steps):
+        runner.step(batches[i % len(batches)])
+    prof.disable()
+    stats = pstats.Stats(prof)
+    groups: dict = {}
+    top = []
+    for (file, line, func), (_, ncalls, tottime, _, _) in stats.stats.items():
+        if file == "~":
+            key = "torch ops / C builtins" if ("torch" in func or "method" in func) else "other builtins"
+        elif "/deepspeed/" in file:
+            key = "deepspeed (python)"
+        elif "/megatron/" in file:
+            key = "megatron (python)"
+        elif "/transformers/" in file:
+            key = "transformers (python)"
+        elif "/torch/" in file:
+            key = "torch (python)"
+        else:
+            key = "other python"
+        groups[key] = groups.get(key, 0.0) + tottime
+        top.append((tottime, ncalls, f"{os.path.relpath(file) if file != '~' else ''}:{line}:{func}"))
+    top.sort(reverse=True)
+    total = sum(groups.values())
+    # Cumulative time of the phases of a step: DeepSpeed's pipeline instructions, BF16_Optimizer's
+    # parts, the model's forward, transformers' forward.
+    phases = {}
+    for (file, line, func), (_, _, _, cumtime, _) in stats.stats.items():
+        if ("pipe/engine.py" in file and func.startswith("_exec_")) or "bf16_optimizer.py" in file or \
+                func in ("clip_tensors_by_global_norm", "get_global_norm_of_tensors", "get_global_norm") or \
+                (func == "forward" and ("megatron/model" in file or "modeling_bloom" in file)) or \
+                func in ("train_batch", "step", "backward", "clip_grad_norm_", "_aggregate_total_loss"):
+            key = f"{os.path.basename(file)}:{func}"
+            phases[key] = max(phases.get(key, 0.0), cumtime)
+    phases = dict(sorted(((k, round(v / steps, 4)) for k, v in phases.items() if v / steps > 0.002),
+                         key=lambda kv: -kv[1])[:20])
+    return {"steps": steps, "total_s": total, "self_time_s_by_area": {k: round(v, 4) for k, v in groups.items()},
+            "cumulative_s_per_step": phases,
+            "top_self_time": [{"s": round(t, 4), "calls": n, "where": w} for t, n, w in top[:12]]}
+
+
+def memory_child(variant: str, corpus_dir: str) -> None:
+    import psutil
+
+    base_rss = psutil.Process().memory_info().rss
+    corpus = tiny_corpus(corpus_dir)
+    runners = build(corpus, [variant] if variant.startswith("ours") else [variant, "ours_" + variant.split("_")[-1]])
+    runner = runners[variant]
+    if not variant.startswith("ours"):  # measure HF alone: drop our engine before stepping
+        key = "ours_" + variant.split("_")[-1]
+        batches = take_batches(runners[key], 3)
+        del runners[key]
+    else:
+        batches = take_batches(runner, 3)
+    for b in batches:
+        runner.step(b)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"variant": variant, "rss_after_imports": base_rss, "peak_rss": peak,
+                      "peak_minus_imports_mb": (peak - base_rss) / 2 ** 20}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--output")
+    p.add_argument("--loss-steps", type=int, default=6)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--steps-per-rep", type=int, default=2)
+    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--memory-child", help=argparse.SUPPRESS)
+    p.add_argument("--corpus-dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.memory_child:
+        return memory_child(args.memory_child, args.corpus_dir)
+
+    before = machine()
+    corpus = tiny_corpus()
+    runners = build(corpus, VARIANTS)
+    batches = take_batches(runners["ours_bf16"], max(args.loss_steps, args.steps_per_rep * args.reps) + 2)
+
+    # Losses from identical weights on identical batches (ours_* trains first: HF copied its start).
+    losses = {v: [r.step(batches[i]) for i in range(args.loss_steps)] for v, r in runners.items()}
+    curves = {}
+    for ours, theirs in (("ours_bf16", "hf_autocast_bf16"), ("ours_bf16", "hf_bf16"), ("ours_fp32", "hf_fp32")):
+        rel = [abs(a - b) / abs(b) for a, b in zip(losses[ours], losses[theirs])]
+        curves[f"{ours}_vs_{theirs}"] = {"max_rel_diff": max(rel), "mean_rel_diff": sum(rel) / len(rel)}
+
+    # Warm-up (bf16 kernels are slow the first times), then alternating timed repetitions.
+    for r in runners.values():
+        r.step(batches[0])
+    times = {v: [] for v in runners}
+    order = list(runners)
+    for rep in range(args.reps):
+        rotated = order[rep % len(order):] + order[:rep % len(order)]
+        for v in rotated:
+            t = time.perf_counter()
+            for i in range(args.steps_per_rep):
+                runners[v].step(batches[(rep * args.steps_per_rep + i) % len(batches)])
+            times[v].append((time.perf_counter() - t) / args.steps_per_rep)
+    tokens = MODEL["global_batch_size"] * MODEL["seq_length"]
+    speed = {v: {"median_step_s": statistics.median(ts), "tokens_per_s": tokens / statistics.median(ts),
+                 "step_s_all_reps": ts} for v, ts in times.items()}
+    ratios = {f"ours_bf16_vs_{v}": speed[v]["median_step_s"] / speed["ours_bf16"]["median_step_s"]
+              for v in ("hf_autocast_bf16", "hf_bf16")}
+    ratios["ours_fp32_vs_hf_fp32"] = speed["hf_fp32"]["median_step_s"] / speed["ours_fp32"]["median_step_s"]
+
+    profiles = {v: profile_step(runners[v], batches, args.profile_steps) for v in ("ours_bf16", "hf_autocast_bf16")}
+
+    memory = {}
+    if not args.no_memory:
+        for v in VARIANTS:
+            proc = subprocess.run([sys.executable, __file__, "--memory-child", v, "--corpus-dir",
+                                   os.path.dirname(corpus["data_prefix"])], capture_output=True, text=True,
+                                  timeout=600, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            memory[v] = json.loads(lines[-1]) if lines else {"error": proc.stderr[-1500:]}
+
+    emit({"benchmark": "train_vs_transformers",
+          "config": dict(MODEL, **OPTIM, vocab_rows=runners["ours_bf16"].rc.model.padded_vocab_size, dropout=0.0,
+                         threads=torch.get_num_threads(), loss_steps=args.loss_steps, reps=args.reps,
+                         steps_per_rep=args.steps_per_rep, one_process=True),
+          "compared_with": "transformers BloomForCausalLM, plain loop (AdamW foreach, clip_grad_norm_), same weights "
+                           "and batches, alternating repetitions in the same process",
+          "goal": "ours_bf16 >= 1.3x hf tokens/s in bf16 at equal loss curve",
+          "speedup_ours_over_hf": ratios, "speed": speed, "losses": losses, "loss_curves": curves,
+          "profile": profiles, "memory": memory, "machine": before}, args.output)
+
+
+if __name__ == "__main__":
+    main()

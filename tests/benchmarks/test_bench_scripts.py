@@ -1,0 +1,36 @@
+"""Fast checks of the benchmark scripts' own arithmetic (the benchmarks themselves run by hand)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+
+def test_flex_alibi_matches_the_models_sdpa_bias_on_cpu():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    import bench_gpu
+
+    out = bench_gpu.attention_kernels(b=1, heads=4, seq=32, head_dim=16, reps=1, device="cpu")
+    assert out["flex_error"] is None
+    assert out["flex_vs_plain_max_abs_diff"] < 0.02  # bf16 rounding of outputs of size ~1
+    assert out["plain_sdpa_bias"]["median_fwd_bwd_s"] > 0
+
+
+def test_pipeline_names_map_to_gpt_model_names():
+    import bench_train_vs_transformers as bench
+
+    class FakeModule:
+        def state_dict(self):
+            return {"tied_modules.embed.word_embeddings.weight": 0, "1.input_layernorm.weight": 1,
+                    "2.mlp.dense_4h_to_h.bias": 2, "3.weight": 3}
+
+    class FakeConfig:
+        num_layers = 2
+
+    ours = bench.Ours.__new__(bench.Ours)
+    ours.engine = type("E", (), {"module": FakeModule()})()
+    ours.rc = type("RC", (), {"model": FakeConfig()})()
+    assert ours.gpt_state_dict() == {"embedding.word_embeddings.weight": 0, "layers.0.input_layernorm.weight": 1,
+                                     "layers.1.mlp.dense_4h_to_h.bias": 2, "final_layernorm.weight": 3}
