@@ -10,8 +10,9 @@ Which transformers architecture a configuration maps to:
   linear layers as ``Conv1D`` ([in, out], so every matrix is transposed) and its fused ``c_attn``
   columns as [q of all heads | k of all heads | v of all heads], where our rows are per head
   [heads, 3, hn]; both are converted here. GeLU tanh = ``gelu_new``; scale 1/sqrt(hn).
-- rotary: refused (no exporter here; transformers' GPT-NeoX computes the same math, see
-  tests/model/test_hf_references.py, but its export is not implemented).
+- rotary, no embedding LayerNorm -> ``GPTNeoXForCausalLM`` with sequential residuals
+  (use_parallel_residual False), full rotary (partial_rotary_factor 1, rope_theta = rotary_base),
+  biases, a tied head: again the same per-head fused QKV, renamed.
 
 The vocabulary is trimmed to ``original_vocab_size`` on export and zero-padded to the padded size on
 import: a zero row gives its (never real) token the logit 0 and leaves every real token's logit
@@ -35,7 +36,7 @@ from megatron.model.hf_bloom import (bloom_config_kwargs, bloom_state_dict_to_ou
                                      ours_to_bloom_state_dict)
 
 __all__ = ["hf_architecture", "write_hf_model", "read_hf_model", "export_tokenizer", "ours_to_gpt2_state_dict",
-           "gpt2_state_dict_to_ours"]
+           "gpt2_state_dict_to_ours", "ours_to_neox_state_dict", "neox_state_dict_to_ours"]
 
 _GPT2_BLOCK = [  # (GPT-2 name, our name, transposed: GPT-2's Conv1D stores [in, out])
     ("ln_1.weight", "input_layernorm.weight", False),
@@ -52,15 +53,59 @@ _GPT2_BLOCK = [  # (GPT-2 name, our name, transposed: GPT-2's Conv1D stores [in,
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """'bloom' or 'gpt2', or ValueError for a configuration no transformers architecture here maps."""
+    """'bloom', 'gpt2' or 'gpt_neox', or ValueError for a configuration no transformers architecture maps."""
     if config.position_embedding_type == "alibi" and config.embed_layernorm:
         return "bloom"
     if config.position_embedding_type == "absolute" and not config.embed_layernorm:
         return "gpt2"
+    if config.position_embedding_type == "rotary" and not config.embed_layernorm:
+        return "gpt_neox"
     raise ValueError(f"no transformers architecture maps position_embedding_type "
                      f"{config.position_embedding_type!r} with embed_layernorm {config.embed_layernorm} here: "
-                     f"ALiBi + embedding LayerNorm exports to Bloom, learned positions without it to GPT-2 "
-                     f"(rotary would be GPT-NeoX, which this exporter does not write)")
+                     f"ALiBi + embedding LayerNorm exports to Bloom, learned positions without it to GPT-2, "
+                     f"rotary without it to GPT-NeoX")
+
+
+def _neox_names(num_layers: int) -> list[tuple[str, str]]:
+    """(GPT-NeoX name, our name) of every tensor: the same tensors, renamed."""
+    pairs = [("gpt_neox.embed_in.weight", "embedding.word_embeddings.weight"),
+             ("gpt_neox.final_layer_norm.weight", "final_layernorm.weight"),
+             ("gpt_neox.final_layer_norm.bias", "final_layernorm.bias")]
+    for i in range(num_layers):
+        for module in ("input_layernorm", "post_attention_layernorm", "attention.query_key_value", "attention.dense",
+                       "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"):
+            for p in ("weight", "bias"):
+                pairs.append((f"gpt_neox.layers.{i}.{module}.{p}",
+                              f"layers.{i}.{module.replace('attention.', 'self_attention.')}.{p}"))
+    return pairs
+
+
+def ours_to_neox_state_dict(state: dict[str, torch.Tensor], config: ModelConfig,
+                            vocab_size: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """A TP=1 GPTModel state dict (rotary) -> ``GPTNeoXForCausalLM`` names (without the tied lm_head)."""
+    out = {theirs: state[ours] for theirs, ours in _neox_names(config.num_layers)}
+    if vocab_size is not None:
+        out["gpt_neox.embed_in.weight"] = out["gpt_neox.embed_in.weight"][:vocab_size]  # [v, h]
+    return out
+
+
+def neox_state_dict_to_ours(neox: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A ``GPTNeoXForCausalLM`` state dict -> a TP=1 GPTModel state dict (vocab zero-padded)."""
+    state = dict(neox)
+    lm_head = state.pop("lm_head.weight", state.pop("embed_out.weight", None))
+    ours = {}
+    for theirs, mine in _neox_names(config.num_layers):
+        if theirs not in state:
+            raise ValueError(f"GPT-NeoX tensor {theirs} is missing")
+        ours[mine] = state.pop(theirs)
+    if state:
+        raise ValueError(f"GPT-NeoX tensors this converter does not know: {sorted(state)}")
+    words = ours["embedding.word_embeddings.weight"]  # [v, h]
+    if lm_head is not None and not torch.equal(lm_head, words):
+        raise ValueError("GPT-NeoX's lm_head differs from embed_in; GPTModel ties the output head to the embedding")
+    padding = words.new_zeros(config.padded_vocab_size - words.shape[0], words.shape[1])
+    ours["embedding.word_embeddings.weight"] = torch.cat((words, padding), dim=0)  # [padded, h]
+    return ours
 
 
 def _per_head_to_grouped(tensor: torch.Tensor, heads: int) -> torch.Tensor:
@@ -137,6 +182,38 @@ def _gpt2_config_kwargs(config: ModelConfig, vocab_size: int) -> dict:
                 tie_word_embeddings=True)
 
 
+def _neox_config_kwargs(config: ModelConfig, vocab_size: int) -> dict:
+    return dict(vocab_size=vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+                num_attention_heads=config.num_attention_heads, intermediate_size=config.ffn_size,
+                hidden_act="gelu_new", use_parallel_residual=False, tie_word_embeddings=True, attention_bias=True,
+                attention_dropout=config.attention_dropout, hidden_dropout=config.hidden_dropout,
+                layer_norm_eps=config.layernorm_epsilon, initializer_range=config.init_method_std,
+                max_position_embeddings=config.seq_length,
+                rope_parameters={"rope_type": "default", "rope_theta": config.rotary_base,
+                                 "partial_rotary_factor": 1.0})
+
+
+def _model_config_from_neox(hf_config, seq_length: Optional[int], common: dict) -> ModelConfig:
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    problems = {"use_parallel_residual": (hf_config.use_parallel_residual, False),
+                "hidden_act": (hf_config.hidden_act in ("gelu_new", "gelu_pytorch_tanh"), True),
+                "attention_bias": (getattr(hf_config, "attention_bias", True), True),
+                "rope_type": (rope.get("rope_type", "default"), "default"),
+                "partial_rotary_factor": (rope.get("partial_rotary_factor", 1.0), 1.0)}
+    wrong = {name: got for name, (got, want) in problems.items() if got != want}
+    if wrong:
+        raise ValueError(f"this GPT-NeoX differs from our architecture in {wrong} (needed: sequential residual, "
+                         f"tanh GeLU, biases, full default rotary)")
+    return ModelConfig(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+                       num_attention_heads=hf_config.num_attention_heads,
+                       seq_length=seq_length or hf_config.max_position_embeddings,
+                       ffn_hidden_size=hf_config.intermediate_size, position_embedding_type="rotary",
+                       embed_layernorm=False, layernorm_epsilon=hf_config.layer_norm_eps,
+                       rotary_base=float(rope.get("rope_theta", 10000.0)), hidden_dropout=hf_config.hidden_dropout,
+                       attention_dropout=hf_config.attention_dropout, init_method_std=hf_config.initializer_range,
+                       **common).validate()
+
+
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -160,10 +237,14 @@ def write_hf_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], out
         hf_config = transformers.BloomConfig(**bloom_config_kwargs(config, vocab_size), pretraining_tp=pretraining_tp,
                                              slow_but_exact=False, **special)
         hf_config.architectures = ["BloomForCausalLM"]
-    else:
+    elif arch == "gpt2":
         tensors = ours_to_gpt2_state_dict(state_dict, config, vocab_size)
         hf_config = transformers.GPT2Config(**_gpt2_config_kwargs(config, vocab_size), **special)
         hf_config.architectures = ["GPT2LMHeadModel"]
+    else:
+        tensors = ours_to_neox_state_dict(state_dict, config, vocab_size)
+        hf_config = transformers.GPTNeoXConfig(**_neox_config_kwargs(config, vocab_size), **special)
+        hf_config.architectures = ["GPTNeoXForCausalLM"]
     if dtype is not None:
         tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
     hf_config.dtype = _DTYPE_NAMES[next(iter(tensors.values())).dtype]
@@ -194,10 +275,12 @@ def _read_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
 
 def read_hf_model(hf_dir: str, *, padded_vocab_size_fn, seq_length: Optional[int] = None,
                   params_dtype: str = "fp32", seed: int = 1234) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
-    """(ModelConfig, TP=1 GPTModel state dict, architecture) of a local transformers Bloom / GPT-2 directory.
+    """(ModelConfig, TP=1 GPTModel state dict, architecture) of a local transformers Bloom / GPT-2 / GPT-NeoX
+    directory.
 
     padded_vocab_size_fn: vocab size -> padded size (Megatron's rule for the target TP).
-    seq_length: the training length to record (default: 2048 for Bloom, n_positions for GPT-2).
+    seq_length: the training length to record (default: 2048 for Bloom, n_positions for GPT-2,
+        max_position_embeddings for GPT-NeoX).
     """
     import transformers
 
@@ -212,8 +295,11 @@ def read_hf_model(hf_dir: str, *, padded_vocab_size_fn, seq_length: Optional[int
     elif arch == "gpt2":
         config = _model_config_from_gpt2(hf_config, seq_length, common)
         state = gpt2_state_dict_to_ours(_read_hf_tensors(hf_dir), config)
+    elif arch == "gpt_neox":
+        config = _model_config_from_neox(hf_config, seq_length, common)
+        state = neox_state_dict_to_ours(_read_hf_tensors(hf_dir), config)
     else:
-        raise ValueError(f"{hf_dir!r} holds a {arch!r} model; this converter reads bloom and gpt2")
+        raise ValueError(f"{hf_dir!r} holds a {arch!r} model; this converter reads bloom, gpt2 and gpt_neox")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[params_dtype]
     return config, {name: tensor.to(dtype).contiguous() for name, tensor in state.items()}, arch
 

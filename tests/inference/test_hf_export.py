@@ -49,21 +49,24 @@ def _generate_tool(ckpt, out_json, prompts):
     return json.loads(out_json.read_text())
 
 
-@pytest.mark.parametrize("position_embedding_type", ["alibi", "absolute"])
-def test_export_matches_transformers_logits_and_greedy_text(tmp_path, corpus, position_embedding_type):
+ARCHITECTURES = {"BloomForCausalLM": {},
+                 "GPT2LMHeadModel": dict(position_embedding_type="absolute", embed_layernorm=False,
+                                         max_position_embeddings=96),
+                 "GPTNeoXForCausalLM": dict(position_embedding_type="rotary", embed_layernorm=False, rotary_base=500.0)}
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_export_matches_transformers_logits_and_greedy_text(tmp_path, corpus, architecture):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gpt2 = position_embedding_type == "absolute"
-    overrides = dict(position_embedding_type="absolute", embed_layernorm=False, max_position_embeddings=96) \
-        if gpt2 else {}
-    config, state = write_random_checkpoint(tmp_path / "ckpt", corpus, tp=2, pp=2, **overrides)
+    config, state = write_random_checkpoint(tmp_path / "ckpt", corpus, tp=2, pp=2, **ARCHITECTURES[architecture])
     assert to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf")]) == 0
     hf_model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     hf_model.eval()
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert type(hf_model).__name__ == ("GPT2LMHeadModel" if gpt2 else "BloomForCausalLM")
+    assert type(hf_model).__name__ == architecture
     assert hf_model.config.vocab_size == 400
-    if not gpt2:
+    if architecture == "BloomForCausalLM":
         assert hf_model.config.pretraining_tp == 2 and hf_model.config.slow_but_exact is False
     assert _hf_logits_diff(hf_model, config, state) <= 1e-4
 
@@ -83,8 +86,8 @@ def test_export_matches_transformers_logits_and_greedy_text(tmp_path, corpus, po
         assert r["text"] == ours_tok.detokenize(ids)
 
 
-def test_rotary_export_is_refused_with_a_reason(tmp_path, corpus):
-    write_random_checkpoint(tmp_path / "ckpt", corpus, position_embedding_type="rotary", embed_layernorm=False)
+def test_unmapped_architectures_are_refused_with_a_reason(tmp_path, corpus):
+    write_random_checkpoint(tmp_path / "ckpt", corpus, position_embedding_type="rotary", embed_layernorm=True)
     with pytest.raises(ValueError, match="no transformers architecture maps position_embedding_type 'rotary'"):
         to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf")])
 
@@ -98,6 +101,12 @@ def _random_hf_model(kind):
                                                                        n_head=4, hidden_dropout=0.0,
                                                                        attention_dropout=0.0, bos_token_id=0,
                                                                        eos_token_id=0))
+    elif kind == "gpt_neox":
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            vocab_size=400, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+            hidden_act="gelu_new", use_parallel_residual=False, tie_word_embeddings=True, attention_dropout=0.0,
+            hidden_dropout=0.0, attention_bias=True, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 1.0}))
     else:
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=400, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -108,7 +117,7 @@ def _random_hf_model(kind):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["bloom", "gpt2"])
+@pytest.mark.parametrize("kind", ["bloom", "gpt2", "gpt_neox"])
 def test_hf_to_ours_tp2_pp2_to_hf_reproduces_every_tensor(tmp_path, corpus, kind):
     from megatron.inference.checkpoint import load_full_state_dict
     from megatron.inference.hf_export import export_tokenizer
