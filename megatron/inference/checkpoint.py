@@ -86,9 +86,12 @@ def _safe_load(path: str) -> Any:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - name the offending globals, whatever torch raised
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        raise CheckpointFormatError(f"{path!r} does not load with torch.load(weights_only=True) (it needs "
-                                    f"{unsafe}); this project only loads plain tensors and python values") from error
+        try:
+            needs = f"it needs {torch.serialization.get_unsafe_globals_in_checkpoint(path)}"
+        except Exception:  # noqa: BLE001 - not even a readable torch file
+            needs = "it is not a readable torch file"
+        raise CheckpointFormatError(f"{path!r} does not load with torch.load(weights_only=True) ({needs}): "
+                                    f"{error}") from error
 
 
 def load_run_state(ckpt_dir: str, tag: Optional[str] = None) -> dict:

@@ -63,8 +63,8 @@ def _typed(body: dict, name: str, kinds: tuple, default: Any) -> Any:
     return value
 
 
-def parse_generate_request(raw: bytes, limits: ServerLimits) -> tuple[list[str], SamplingParams, bool]:
-    """(prompts, sampling parameters, whether a list was sent) of a /generate body, or RequestError."""
+def parse_generate_request(raw: bytes, limits: ServerLimits) -> tuple[list[str], SamplingParams]:
+    """(prompts, sampling parameters) of a /generate body, or RequestError."""
     try:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -77,8 +77,7 @@ def parse_generate_request(raw: bytes, limits: ServerLimits) -> tuple[list[str],
     if "prompt" not in body:
         raise RequestError(400, "'prompt' is required (a string or a list of strings)")
     prompt = body["prompt"]
-    as_list = isinstance(prompt, list)
-    prompts = prompt if as_list else [prompt]
+    prompts = prompt if isinstance(prompt, list) else [prompt]
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise RequestError(400, "'prompt' must be a string or a non-empty list of strings")
     if len(prompts) > limits.max_prompts:
@@ -94,7 +93,7 @@ def parse_generate_request(raw: bytes, limits: ServerLimits) -> tuple[list[str],
         params.validate()
     except ValueError as error:
         raise RequestError(400, str(error)) from None
-    return prompts, params, as_list
+    return prompts, params
 
 
 class GenerationService:
@@ -106,7 +105,7 @@ class GenerationService:
         self.lock = threading.Lock()
 
     def generate(self, raw: bytes) -> dict:
-        prompts, params, _ = parse_generate_request(raw, self.limits)
+        prompts, params = parse_generate_request(raw, self.limits)
         for prompt in prompts:
             n = len(self.generator.tokenizer.tokenize(prompt))
             if n > self.limits.max_prompt_tokens:

@@ -121,3 +121,18 @@ def test_checkpoints_from_before_run_state_json_are_read_from_the_client_state(t
     loaded_config, loaded, run = load_full_state_dict(str(tmp_path))
     assert loaded_config == config and run["tokenizer"] == record["tokenizer"]
     assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+
+
+class Opaque:
+    """An arbitrary pickled object: loading it would run its class's code."""
+
+
+def test_a_file_that_is_not_plain_tensors_is_refused_by_name(tmp_path, corpus):
+    write_random_checkpoint(tmp_path, corpus, 1, 1)
+    path = tmp_path / "global_step0" / "layer_03-model_00-model_states.pt"
+    torch.save({"weight": torch.ones(64), "bias": torch.zeros(64), "extra": Opaque()}, path)
+    with pytest.raises(CheckpointFormatError, match="weights_only=True.*test_checkpoint.Opaque"):
+        load_full_state_dict(str(tmp_path))
+    path.write_bytes(b"garbage")
+    with pytest.raises(CheckpointFormatError, match="not a readable torch file"):
+        load_full_state_dict(str(tmp_path))
