@@ -53,3 +53,17 @@ def test_skip_range_and_nonfinite_stop(tiny_corpus):
     assert [math.isnan(h[1]) for h in history] == [False, False, True, True, False, False]
     with pytest.raises(DistributedTestError, match="3 consecutive iterations with a non-finite loss"):
         run_distributed(_run_single, world_size=1, args=([blow_up],))
+
+
+@pytest.mark.multiprocess
+def test_activation_checkpointing_replays_dropout_exactly(tiny_corpus):
+    # With dropout on and TP=2 (dropout inside the TP region draws from the tracker), recomputing the
+    # activations in the backward pass must reproduce the forward's masks: same losses, same grad norms.
+    common = dict(train_iters=5, hidden_dropout=0.1, attention_dropout=0.1, tensor_model_parallel_size=2)
+    plain = tiny_argv(tiny_corpus, **common)
+    recomputed = tiny_argv(tiny_corpus, "--checkpoint-activations", "--checkpoint-num-layers", "1", **common)
+    no_dropout = tiny_argv(tiny_corpus, **dict(common, hidden_dropout=0.0, attention_dropout=0.0))
+    (a, b, c), _ = run_distributed(_run_single, world_size=2, args=([plain, recomputed, no_dropout],))
+    assert [h[1] for h in a["history"]] == [h[1] for h in b["history"]]
+    assert [h[2] for h in a["history"]] == pytest.approx([h[2] for h in b["history"]], rel=1e-6)
+    assert [h[1] for h in a["history"]] != [h[1] for h in c["history"]]  # dropout was really on
