@@ -1,0 +1,167 @@
+"""The launch scripts in examples/: they parse (bash -n), every flag set they generate is accepted by
+``megatron.arguments.parse_args`` at the world size the script launches (so the scripts cannot drift
+from the parser), the DeepSpeed JSON they write agrees with their flags, and the tiny ones train."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron.arguments import parse_args
+from tests.conftest import REPO_ROOT
+
+EXAMPLES = REPO_ROOT / "examples"
+SCRIPTS = sorted([*EXAMPLES.glob("*.sh"), *EXAMPLES.glob("slurm/*.sh"), *EXAMPLES.glob("slurm/*.slurm")])
+BLOOM_SCRIPTS = sorted(EXAMPLES.glob("slurm/bloom-*.slurm"))
+
+# name: (layers, hidden, heads, TP, PP, nodes, GPUs per node, micro-batch, global batch, lr) as in the scripts
+BLOOM = {
+    "176b": (70, 14336, 112, 4, 12, 48, 8, 2, 2048, 6e-5),
+    "6b3": (30, 4096, 32, 4, 4, 32, 4, 1, 512, 1.2e-4),
+    "2b5": (30, 2560, 32, 4, 4, 32, 4, 1, 512, 1.6e-4),
+    "1b3": (24, 2048, 16, 1, 2, 16, 4, 2, 512, 2e-4),
+    "760m": (24, 1536, 16, 1, 2, 8, 4, 1, 256, 2.5e-4),
+    "350m": (24, 1024, 16, 1, 1, 8, 4, 1, 256, 3e-4),
+}
+
+
+def test_scripts_are_found_and_every_one_passes_bash_n():
+    names = {p.name for p in SCRIPTS}
+    assert {"train_tiny_torchrun.sh", "deepspeed_launcher.sh", "tiny_bloom.slurm", "launch_lib.sh",
+            "bloom-176b.slurm"} <= names, names
+    assert {p.stem.replace("bloom-", "") for p in BLOOM_SCRIPTS} == set(BLOOM)
+    for path in SCRIPTS:
+        proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{path}: {proc.stderr}"
+
+
+@pytest.fixture(scope="module")
+def fake_data(tmp_path_factory):
+    """Data and tokenizer paths that exist (parse_args checks existence, nothing is read)."""
+    d = tmp_path_factory.mktemp("fake_data")
+    prefix = d / "corpus_text_document"
+    for ext in (".bin", ".idx"):
+        (prefix.parent / (prefix.name + ext)).write_bytes(b"")
+    (d / "train-splits.txt").write_text(f'"train: 1 0:0.95 {prefix}"\n')
+    (d / "valid-splits.txt").write_text(f'"valid: 1 0.95:1 {prefix}"\n')
+    (d / "bloom-tokenizer").mkdir()
+    for name in ("vocab.json", "merges.txt"):
+        (d / name).write_text("")
+    return {"DATA_DIR": str(d), "DATA_PREFIX": str(prefix), "VOCAB_FILE": str(d / "vocab.json"),
+            "MERGE_FILE": str(d / "merges.txt")}
+
+
+def _dry_run(script, tmp_path, env_extra) -> tuple[int, list[str]]:
+    out = tmp_path / f"{script.name}.argv"
+    env = dict(os.environ, DRY_RUN=str(out), RUN_ROOT=str(tmp_path / "runs"), RUN_DIR=str(tmp_path / "run"),
+               PY=sys.executable, BACKEND="gloo", **env_extra)
+    for name in ("SLURM_NNODES", "SLURM_JOB_ID", "WORLD_SIZE", "RANK"):
+        env.pop(name, None)
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{script}: {proc.stdout}\n{proc.stderr}"
+    world_size, *argv = out.read_text().split("\0")[:-1]
+    return int(world_size), argv
+
+
+def _sbatch_option(script, name) -> str:
+    match = re.search(rf"^#SBATCH --{name}[= ](\S+)", script.read_text(), re.MULTILINE)
+    assert match, f"{script} has no #SBATCH --{name}"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("name", sorted(BLOOM))
+def test_bloom_script_flags_parse_at_its_world_size(name, fake_data, tmp_path):
+    script = EXAMPLES / "slurm" / f"bloom-{name}.slurm"
+    world_size, argv = _dry_run(script, tmp_path, {"DATA_DIR": fake_data["DATA_DIR"]})
+    layers, hidden, heads, tp, pp, nodes, gpus, mbs, gbs, lr = BLOOM[name]
+    assert int(_sbatch_option(script, "nodes")) == nodes
+    assert _sbatch_option(script, "gres") == f"gpu:{gpus}"
+    assert world_size == nodes * gpus
+
+    args = parse_args(argv, world_size=world_size)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length) == (layers, hidden, heads, 2048)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
+    assert args.data_parallel_size == world_size // (tp * pp)
+    assert (args.micro_batch_size, args.global_batch_size, args.lr) == (mbs, gbs, lr)
+    assert args.train_samples == 220_000_000 and args.lr_decay_samples == 200_000_000
+    assert args.lr_warmup_samples == 183_105 and args.lr_decay_style == "cosine"
+    assert (args.adam_beta1, args.adam_beta2, args.adam_eps, args.weight_decay, args.clip_grad) == (0.9, 0.95, 1e-8, 0.1, 1.0)
+    assert args.position_embedding_type == "alibi" and args.embed_layernorm and args.pad_vocab_size_to == 250880
+    assert args.init_method_std == 0.0048 and args.seed == 42
+    assert args.pp_partition_method == "type:transformer|embedding"
+    assert args.tokenizer_type == "PretrainedFromHF" and args.distributed_backend == "nccl"
+    assert args.train_weighted_split_groups and args.valid_weighted_split_groups
+    assert args.save == args.load and args.kill_switch_path and args.tensorboard_dir
+    assert args.exit_duration_in_mins > 0
+    # the JSON the job writes agrees with the flags (parse_args merged it) and selects BLOOM's optimizer
+    ds = args.deepspeed_user_config
+    assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"], ds["gradient_clipping"]) == (mbs, gbs, 1.0)
+    assert ds["zero_optimization"]["stage"] == args.zero_stage
+    if args.bf16:
+        assert ds["bf16"]["enabled"] and ds["data_types"]["grad_accum_dtype"] == "fp32" and args.zero_stage == 1
+    else:
+        assert args.fp16 and ds["fp16"]["enabled"] and args.zero_stage == 0
+
+
+def test_bloom_176b_is_bigscience_configuration(fake_data, tmp_path):
+    world_size, argv = _dry_run(EXAMPLES / "slurm" / "bloom-176b.slurm", tmp_path, {"DATA_DIR": fake_data["DATA_DIR"]})
+    args = parse_args(argv, world_size=world_size)
+    assert (world_size, args.data_parallel_size) == (384, 8)
+    assert args.rampup_batch_size == [192, 16, 9_765_625]
+    assert (args.min_lr, args.bf16, args.checkpoint_activations, args.sync_tp_duplicated_parameters) == (6e-6, True, True, True)
+    assert args.abort_on_unmet_fused_kernel_constraints and args.data_impl == "mmap"
+    assert (args.log_interval, args.eval_interval, args.eval_iters, args.save_interval) == (1, 1000, 1, 100)
+    assert args.log_timers_to_tensorboard and args.log_batch_size_to_tensorboard and args.log_validation_ppl_to_tensorboard
+    # the experiment's folders are per experiment and variant
+    assert args.save.endswith("bloom-176b/checkpoints/main") and args.tensorboard_dir.endswith("bloom-176b/tensorboard/main")
+
+
+@pytest.mark.parametrize("script, style", [("slurm/tiny_bloom.slurm", "torchrun"), ("slurm/tiny_bloom.slurm", "srun"),
+                                           ("deepspeed_launcher.sh", None)])
+def test_tiny_launch_flags_parse(script, style, fake_data, tmp_path):
+    extra = {k: v for k, v in fake_data.items() if k != "DATA_DIR"}
+    if style:
+        extra["LAUNCH_STYLE"] = style
+    world_size, argv = _dry_run(EXAMPLES / script, tmp_path, extra)
+    args = parse_args(argv, world_size=world_size)
+    assert world_size == 2 and args.data_parallel_size == 1
+    assert args.deepspeed_user_config["train_batch_size"] == args.global_batch_size
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_tiny_torchrun_then_deepspeed_launcher_resumes_it(tmp_path):
+    """train_tiny_torchrun.sh trains and saves; deepspeed_launcher.sh (hostfile, DeepSpeed's launcher)
+    continues the same run from that checkpoint."""
+    from megatron.testing.corpus import make_tiny_corpus
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    corpus = make_tiny_corpus(str(tmp_path / "corpus"))
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PY=sys.executable, RUN_DIR=str(run_dir), TRAIN_ITERS="8", NPROC="2",
+               DATA_PREFIX=corpus["data_prefix"], VOCAB_FILE=corpus["vocab_file"], MERGE_FILE=corpus["merge_file"],
+               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
+    for script, extra in (("train_tiny_torchrun.sh", ["--exit-interval", "4"]), ("deepspeed_launcher.sh", [])):
+        # tensorboard gets a point per --log-interval
+        proc = subprocess.run(["bash", str(EXAMPLES / script), *extra, "--log-interval", "1"], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+        assert latest == ("global_step4" if extra else "global_step8")
+        assert (run_dir / "checkpoints" / latest / "complete").is_file()
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("lm-loss-training/lm loss")]
+    assert steps == list(range(1, 9)), steps  # the second launcher started at 5
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

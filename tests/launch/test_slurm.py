@@ -1,0 +1,128 @@
+"""examples/slurm/tiny_bloom.slurm under a real SLURM (a single-node cluster on loopback, started here).
+
+One chain of three jobs on the same experiment folder, as a long run crosses time limits:
+  A  srun style (one task per rank, ranks from SLURM_PROCID), fresh start, leaves by --exit-interval 4;
+  B  torchrun style (BLOOM's: one srun task running torchrun), resumes at iteration 5, is preempted by a
+     SIGTERM to the batch shell (what `#SBATCH --signal=B:TERM@N` sends), saves and exits 0;
+  C  srun style, submitted with --dependency=afterok:B while B runs, resumes where B stopped and leaves
+     by --exit-duration-in-mins.
+Every job must end COMPLETED with exit code 0:0; where each one started and stopped is read from the
+tensorboard record (steps of `lm-loss-training/lm loss`) and the checkpoints, not from stdout.
+When SLURM is absent, Debian's slurm-wlm is installed (root and apt-get needed, else the test skips).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+import pytest
+
+from megatron.testing.corpus import make_tiny_corpus
+from tests.conftest import REPO_ROOT
+from tests.launch.slurm_cluster import SlurmCluster, ensure_slurm_installed
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+SCRIPT = str(REPO_ROOT / "examples" / "slurm" / "tiny_bloom.slurm")
+JOB_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = ensure_slurm_installed()
+    if reason:
+        pytest.skip(reason)
+    # a short path: munged's socket path must fit in a UNIX socket address (108 bytes)
+    root = tempfile.mkdtemp(prefix="slurm-test-", dir="/tmp")
+    try:
+        with SlurmCluster(root) as c:
+            yield c
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _loss_steps(tensorboard_dir) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.step for e in acc.Scalars("lm-loss-training/lm loss")]
+
+
+def _latest_iteration(checkpoints) -> int:
+    tag = (checkpoints / "latest").read_text().strip()
+    assert (checkpoints / tag / "complete").is_file(), f"{tag} has no complete marker"
+    return int(tag.replace("global_step", ""))
+
+
+def _tail(path, n=4000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError as e:
+        return f"(no output file: {e})"
+
+
+def test_chained_jobs_resume_and_survive_preemption_in_both_launch_styles(cluster, tmp_path):
+    corpus = make_tiny_corpus(str(tmp_path / "corpus"))
+    env = {"PY": sys.executable, "RUN_ROOT": str(tmp_path / "runs"), "EXPERIMENT": "chain",
+           "TRAIN_ITERS": "100000", "SAVE_INTERVAL": "100000", "GPUS_PER_NODE": "2", "TP": "1", "PP": "2",
+           "DATA_PREFIX": corpus["data_prefix"], "VOCAB_FILE": corpus["vocab_file"],
+           "MERGE_FILE": corpus["merge_file"], "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1", "SRUN_ARGS": "--overlap"}
+    run_dir = tmp_path / "runs" / "chain"
+    checkpoints, tensorboard = run_dir / "checkpoints", run_dir / "tensorboard"
+    out = str(tmp_path / "job-%j.out")
+    srun_style = ["--ntasks-per-node=2", f"--output={out}"]
+
+    def finished(job_id: int, timeout_s: float = JOB_TIMEOUT_S) -> dict:
+        info = cluster.wait(job_id, timeout_s)
+        context = f"job {job_id}: {info}\n--- job output ---\n{_tail(info.get('StdOut', ''))}\n{cluster.logs()}"
+        assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), context
+        return info
+
+    t0 = time.time()
+    # A: srun direct launch, fresh start, stops itself after iteration 4 with a checkpoint.
+    job_a = cluster.sbatch([*srun_style, SCRIPT], env={**env, "LAUNCH_STYLE": "srun", "EXIT_INTERVAL": "4"},
+                           cwd=str(REPO_ROOT))
+    info_a = finished(job_a)
+    assert _latest_iteration(checkpoints) == 4
+    assert _loss_steps(tensorboard) == [1, 2, 3, 4]
+    assert os.path.getsize(info_a["StdOut"]) > 0
+    assert (run_dir / "logs" / f"ds_config.{job_a}.json").is_file()
+
+    # B: torchrun per node (BLOOM's style), resumes; preempted once it has trained a few iterations.
+    job_b = cluster.sbatch([f"--output={out}", SCRIPT], env={**env, "LAUNCH_STYLE": "torchrun"},
+                           cwd=str(REPO_ROOT))
+    # C: queued behind B, starts only if B ends with exit code 0.
+    job_c = cluster.sbatch([*srun_style, f"--dependency=afterok:{job_b}", SCRIPT],
+                           env={**env, "LAUNCH_STYLE": "srun", "EXIT_DURATION_IN_MINS": "0.2"}, cwd=str(REPO_ROOT))
+    b_out = out.replace("%j", str(job_b))
+    deadline = time.time() + JOB_TIMEOUT_S
+    while True:  # the output is only used to time the signal, never asserted on
+        done = [int(i) for i in re.findall(r" iteration\s+(\d+)/", _tail(b_out, 20000))]
+        if done and max(done) >= 8:
+            break
+        state = cluster.job(job_b).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job B {state}\n{_tail(b_out)}\n{cluster.logs()}"
+        assert time.time() < deadline, f"job B did not reach iteration 8\n{_tail(b_out)}\n{cluster.logs()}"
+        time.sleep(0.5)
+    assert cluster.job(job_c).get("JobState") == "PENDING"
+    cluster.run(["scancel", "--batch", "--signal=TERM", str(job_b)])
+    finished(job_b)
+    stopped_b = _latest_iteration(checkpoints)
+    assert stopped_b >= 8
+    assert _loss_steps(tensorboard) == list(range(1, stopped_b + 1))  # B started at 5, saved where it stopped
+
+    # C: started by the dependency, continues from B's checkpoint.
+    finished(job_c)
+    stopped_c = _latest_iteration(checkpoints)
+    assert stopped_c > stopped_b
+    assert _loss_steps(tensorboard) == list(range(1, stopped_c + 1))
+    print(f"SLURM chain: A 1-4, B 5-{stopped_b} (preempted), C {stopped_b + 1}-{stopped_c}; "
+          f"{time.time() - t0:.0f} s")
