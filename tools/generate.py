@@ -29,8 +29,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     """--load, --tag, --dtype and the tokenizer flags (shared with tools/serve.py)."""
     parser.add_argument("--load", required=True, help="the training checkpoint directory (holding 'latest')")
     parser.add_argument("--tag", default=None, help="a tag inside --load (default: the one 'latest' names)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                        help="dtype of the model in memory (default fp32)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "saved"), default="fp32",
+                        help="dtype of the model in memory (default fp32; saved: the checkpoint's)")
     group = parser.add_argument_group("tokenizer (default: the checkpoint's)")
     group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
     group.add_argument("--vocab-file", default=None)

@@ -144,12 +144,14 @@ class Generator:
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str, *, tag: Optional[str] = None, dtype: str = "fp32",
                         tokenizer=None, **tokenizer_overrides) -> "Generator":
-        """Load a training checkpoint of any TP / PP into one TP=1 GPTModel (dropout off) in ``dtype``."""
+        """Load a training checkpoint of any TP / PP into one TP=1 GPTModel (dropout off) in ``dtype``
+        ('fp32', 'bf16', 'fp16', or 'saved': the checkpoint's params_dtype)."""
         from megatron.inference.checkpoint import load_full_state_dict
 
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if dtype not in DTYPES and dtype != "saved":
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}, saved")
         config, state, record = load_full_state_dict(ckpt_dir, tag)
+        dtype = config.params_dtype if dtype == "saved" else dtype
         config = dataclasses.replace(config, params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0)
         model = GPTModel(config)
         model.load_state_dict({name: tensor.to(DTYPES[dtype]) for name, tensor in state.items()})

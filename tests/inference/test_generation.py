@@ -135,5 +135,8 @@ def test_generator_loads_the_saved_dtype_on_request(tmp_path, corpus):
     assert next(generator.model.parameters()).dtype == torch.bfloat16
     [completion] = generator.generate(["The river"], SamplingParams(max_new_tokens=4, greedy=True))
     assert len(completion.token_ids) == 4
+    write_random_checkpoint(tmp_path / "bf16", corpus, params_dtype="bf16")
+    saved = Generator.from_checkpoint(str(tmp_path / "bf16"), dtype="saved")
+    assert next(saved.model.parameters()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype 'int8'"):
         Generator.from_checkpoint(str(tmp_path), dtype="int8")

@@ -3,6 +3,7 @@
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -104,6 +105,11 @@ def test_wrong_paths_and_methods(server):
     assert _request(server, "GET", "/generate")[0] == 405
     assert _request(server, "POST", "/health", {})[0] == 405
     assert _request(server, "DELETE", "/generate")[0] == 405
+    # A POST without Content-Length (raw socket: http.client would add one).
+    with socket.create_connection(("127.0.0.1", server[0].server_address[1]), timeout=60) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        reply = sock.makefile("rb").readline()
+    assert reply.split()[1] == b"411", reply
     _good(server)
 
 
