@@ -5,9 +5,10 @@
                     -> 200 {"completions": [{"prompt", "token_ids", "text", "finish_reason", ...}, ...]}
     GET  /health    -> 200 {"status": "ok", ...}
 
-Errors are JSON {"error": message} with 400 (malformed JSON, wrong types, invalid values, an empty
-prompt), 413 (a body over ``max_request_bytes``, a prompt over ``max_prompt_tokens``, more
-new tokens than ``max_new_tokens_limit``), 404 (unknown path) or 405 (wrong method). Generation
+Errors are JSON {"error": message, "status": code} with 400 (malformed JSON, wrong types, invalid
+values, an empty prompt), 411 (no Content-Length), 413 (a body over ``max_request_bytes``, a prompt
+over ``max_prompt_tokens``, more new tokens than ``max_new_tokens_limit``, too many prompts), 404
+(unknown path), 405 (wrong method), or 500 (a failure inside generation; logged). Generation
 runs under one lock (the model and its caches are not shared between requests); the server keeps
 serving after any bad request. It binds 127.0.0.1 unless told otherwise.
 """
@@ -55,9 +56,11 @@ class RequestError(Exception):
 
 
 def _typed(body: dict, name: str, kinds: tuple, default: Any) -> Any:
-    value = body.get(name, default)
+    if name not in body or (body[name] is None and default is None):
+        return default
+    value = body[name]
     # bool is an int in python: refuse True where a number is meant, and numbers where a bool is.
-    if value is not default and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         names = " or ".join(k.__name__ for k in kinds)
         raise RequestError(400, f"'{name}' must be {names}, got {type(value).__name__} {value!r}")
     return value
@@ -132,6 +135,9 @@ class _Handler(BaseHTTPRequestHandler):
         if getattr(self.server, "verbose", False):
             super().log_message(format, *args)
 
+    def log_error(self, format: str, *args) -> None:  # noqa: A002
+        super().log_message(format, *args)  # errors are always logged (stderr)
+
     def _reply(self, status: int, payload: dict) -> None:
         data = json.dumps(payload).encode("utf-8")
         self.send_response(status)
@@ -165,6 +171,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, self.service.generate(raw))
         except RequestError as error:
             self._error(error.status, error.message)
+        except Exception as error:  # noqa: BLE001 - answer, log, and keep serving
+            self.log_error("generation failed: %r", error)
+            self._error(500, f"internal error: {type(error).__name__}: {error}")
 
     def _read_body(self) -> Optional[bytes]:
         length = self.headers.get("Content-Length")

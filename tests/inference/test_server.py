@@ -113,6 +113,17 @@ def test_wrong_paths_and_methods(server):
     _good(server)
 
 
+def test_a_failure_inside_generation_is_a_500_and_the_server_keeps_serving(server, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(server[0].RequestHandlerClass.service.generator, "generate", broken)
+    status, reply = _request(server, "POST", "/generate", {"prompt": "The river"})
+    assert status == 500 and "out of memory (simulated)" in reply["error"]
+    monkeypatch.undo()
+    _good(server)
+
+
 def test_concurrent_requests_are_serialized_and_all_answered(server):
     expected = _good(server)
     results = []
