@@ -104,16 +104,17 @@ class Ours:
 class HF:
     """A plain training loop over transformers' BloomForCausalLM."""
 
-    def __init__(self, ours: Ours, mode: str):
+    def __init__(self, cfg, mode: str, gpt_state: dict | None = None):
+        """cfg: our ModelConfig; gpt_state: our weights under GPTModel names (None: random init)."""
         from transformers import BloomConfig, BloomForCausalLM
 
         from megatron.model.hf_bloom import bloom_config_kwargs, ours_to_bloom_state_dict
 
-        cfg = ours.rc.model
         kwargs = bloom_config_kwargs(cfg, vocab_size=cfg.padded_vocab_size)
         self.model = BloomForCausalLM(BloomConfig(**kwargs))
-        state = {k: v.float() for k, v in ours_to_bloom_state_dict(ours.gpt_state_dict()).items()}
-        self.model.load_state_dict(state, strict=True)
+        if gpt_state is not None:
+            state = {k: v.float() for k, v in ours_to_bloom_state_dict(gpt_state).items()}
+            self.model.load_state_dict(state, strict=True)
         self.mode = mode
         if mode == "bf16":
             self.model.to(torch.bfloat16)
@@ -153,12 +154,10 @@ def build(corpus: dict, variants) -> dict:
     for v in variants:
         if v.startswith("ours_"):
             runners[v] = ours[v.split("_")[1]]
-        elif v == "hf_autocast_bf16":
-            runners[v] = HF(ours["bf16"], "autocast")
-        elif v == "hf_bf16":
-            runners[v] = HF(ours["bf16"], "bf16")
-        elif v == "hf_fp32":
-            runners[v] = HF(ours["fp32"], "fp32")
+        else:
+            source = ours["fp32" if v == "hf_fp32" else "bf16"]
+            mode = {"hf_autocast_bf16": "autocast", "hf_bf16": "bf16", "hf_fp32": "fp32"}[v]
+            runners[v] = HF(source.rc.model, mode, source.gpt_state_dict())
     return runners
 
 
@@ -211,19 +210,36 @@ def profile_step(runner, batches, steps: int) -> dict:
             "top_self_time": [{"s": round(t, 4), "calls": n, "where": w} for t, n, w in top[:12]]}
 
 
-def memory_child(variant: str, corpus_dir: str) -> None:
-    import psutil
+def random_batches(cfg, n: int, batch: int, vocab: int = 400) -> list:
+    """Micro-batches shaped like our iterator's: ((tokens, position_ids), (labels, loss_mask))."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, vocab, (batch, cfg.seq_length + 1), generator=g)
+        pos = torch.arange(cfg.seq_length).expand(batch, -1)
+        out.append([((tokens[:, :-1], pos), (tokens[:, 1:], torch.ones(batch, cfg.seq_length)))])
+    return out
 
-    base_rss = psutil.Process().memory_info().rss
+
+def memory_child(variant: str, corpus_dir: str) -> None:
+    """Peak RSS of one variant alone in this fresh process, above the RSS once everything is imported."""
+    import deepspeed  # noqa: F401  (imported before the baseline: library code is not the variant's memory)
+    import psutil
+    import transformers  # noqa: F401
+
+    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.training.pretrain import pretrain  # noqa: F401
+
     corpus = tiny_corpus(corpus_dir)
-    runners = build(corpus, [variant] if variant.startswith("ours") else [variant, "ours_" + variant.split("_")[-1]])
-    runner = runners[variant]
-    if not variant.startswith("ours"):  # measure HF alone: drop our engine before stepping
-        key = "ours_" + variant.split("_")[-1]
-        batches = take_batches(runners[key], 3)
-        del runners[key]
-    else:
+    base_rss = psutil.Process().memory_info().rss
+    bf16 = variant != "hf_fp32" and variant != "ours_fp32"
+    if variant.startswith("ours"):
+        runner = Ours(run_argv(corpus, bf16))
         batches = take_batches(runner, 3)
+    else:
+        rc = resolve_vocab_size(build_run_config(parse_args(run_argv(corpus, bf16), world_size=1)))
+        runner = HF(rc.model, {"hf_autocast_bf16": "autocast", "hf_bf16": "bf16", "hf_fp32": "fp32"}[variant])
+        batches = random_batches(rc.model, 3, MODEL["micro_batch_size"])
     for b in batches:
         runner.step(b)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -239,9 +255,12 @@ def main() -> None:
     p.add_argument("--steps-per-rep", type=int, default=2)
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (1: steadier on a shared machine; both sides get the same)")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
     p.add_argument("--corpus-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     if args.memory_child:
         return memory_child(args.memory_child, args.corpus_dir)
 
@@ -281,7 +300,8 @@ def main() -> None:
     memory = {}
     if not args.no_memory:
         for v in VARIANTS:
-            proc = subprocess.run([sys.executable, __file__, "--memory-child", v, "--corpus-dir",
+            proc = subprocess.run([sys.executable, __file__, "--memory-child", v, "--threads", str(args.threads),
+                                   "--corpus-dir",
                                    os.path.dirname(corpus["data_prefix"])], capture_output=True, text=True,
                                   timeout=600, env=dict(os.environ, DS_ACCELERATOR="cpu"))
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

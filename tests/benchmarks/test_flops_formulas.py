@@ -1,0 +1,41 @@
+"""TFLOPs / MFU arithmetic: the training log's (metrics.py) and the planner's agree, by hand-checked numbers."""
+
+import pytest
+
+from megatron.config import ModelConfig
+from megatron.planner import BLOOM_SIZES
+from megatron.planner.performance import megatron_flops
+from megatron.training.metrics import model_flops_per_iteration, peak_tflops_for_device, throughput_metrics
+
+BLOOM_176B = ModelConfig(num_layers=70, hidden_size=14336, num_attention_heads=112, padded_vocab_size=250880,
+                         seq_length=2048)
+
+
+def test_bloom_176b_iteration_flops_match_megatrons_formula_by_hand():
+    # 24 * 4 * 2048 * 2048 * 70 * 14336^2 * (1 + 2048 / (6 * 14336) + 250880 / (16 * 70 * 14336))
+    by_hand = 96 * 2048 * 2048 * 70 * 14336 ** 2 * (1 + 2048 / 86016 + 250880 / 16056320)
+    assert model_flops_per_iteration(BLOOM_176B, 2048, True) == pytest.approx(by_hand, rel=1e-12)
+    assert megatron_flops(BLOOM_SIZES["176B"], 2048, 2048, True) == pytest.approx(by_hand, rel=1e-12)
+    assert by_hand == pytest.approx(6.02e18, rel=0.01)
+
+
+def test_throughput_metrics_split_model_and_hardware_flops():
+    # BLOOM-176B at ~105 s per iteration on 384 GPUs: ~150 hardware TFLOPs, 3/4 of it model TFLOPs
+    m = throughput_metrics(BLOOM_176B, 2048, True, 104.5, 384, peak_tflops_for_device("NVIDIA A100-SXM4-80GB"))
+    assert m["hardware_tflops_per_gpu"] == pytest.approx(150.0, rel=0.01)
+    assert m["model_tflops_per_gpu"] == pytest.approx(0.75 * m["hardware_tflops_per_gpu"])
+    assert m["mfu"] == pytest.approx(m["model_tflops_per_gpu"] / 312.0)
+    assert m["hfu"] == pytest.approx(m["hardware_tflops_per_gpu"] / 312.0)
+    no_recompute = throughput_metrics(BLOOM_176B, 2048, False, 104.5, 384, None)
+    assert no_recompute["hardware_tflops_per_gpu"] == no_recompute["model_tflops_per_gpu"]
+    assert no_recompute["mfu"] is None  # CPU / unknown device: TFLOPs only
+    with pytest.raises(ValueError):
+        throughput_metrics(BLOOM_176B, 2048, True, 0.0, 384, 312.0)
+
+
+def test_peak_lookup_and_override():
+    assert peak_tflops_for_device("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops_for_device("NVIDIA H200") == 989.0
+    assert peak_tflops_for_device("NVIDIA A100-SXM4-40GB") == 312.0
+    assert peak_tflops_for_device(None) is None
+    assert peak_tflops_for_device("NVIDIA A100-SXM4-40GB", override=250.0) == 250.0
