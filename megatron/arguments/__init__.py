@@ -5,9 +5,11 @@
     run_config = resolve_vocab_size(run_config)  # builds the tokenizer, fills the padded vocabulary size
 
 Everything impossible is rejected here, before any process group starts. ``parser`` holds the
-flags, ``data_paths`` the data-naming formats, ``parse`` the environment- and file-dependent
-checks, ``build`` the Namespace -> RunConfig step. Imports only megatron.config (and, lazily,
-megatron.engine.ds_config and megatron.data.tokenizers); never deepspeed.
+flags, ``parse`` the environment- and file-dependent checks, ``build`` the Namespace -> RunConfig
+step. The data-naming formats (--data-path, weighted split paths) are parsed by
+megatron.data.dataset_utils, the parser the dataset builders use too. Imports only megatron.config
+(and, lazily, megatron.engine.ds_config, megatron.data.dataset_utils and megatron.data.tokenizers);
+never deepspeed.
 """
 
 from megatron.arguments.build import build_run_config, resolve_vocab_size

@@ -14,7 +14,6 @@ import logging
 import os
 from typing import Optional, Sequence
 
-from megatron.arguments.data_paths import missing_prefixes, parse_data_path, parse_weighted_split
 from megatron.arguments.parser import build_parser
 
 logger = logging.getLogger("megatron.arguments")
@@ -124,10 +123,13 @@ def merge_skip_ranges(ranges: Optional[Sequence[str]]) -> tuple[tuple[int, int],
 
 
 def _parse_data(args) -> None:
+    # The one parser of the data flags, shared with the dataset builders (pure: stdlib + megatron.config).
+    from megatron.data.dataset_utils import parse_data_path, parse_weighted_split_paths
+
     args.data_path_pairs = parse_data_path(args.data_path)
     for split in ("train", "valid", "test"):
-        groups = parse_weighted_split(getattr(args, f"{split}_weighted_split_paths"),
-                                      getattr(args, f"{split}_weighted_split_paths_path"), split)
+        groups = parse_weighted_split_paths(getattr(args, f"{split}_weighted_split_paths"), split,
+                                            getattr(args, f"{split}_weighted_split_paths_path"))
         setattr(args, f"{split}_weighted_split_groups", groups)
     weighted = args.train_weighted_split_groups or args.valid_weighted_split_groups or args.test_weighted_split_groups
     if args.data_path_pairs and args.split is None and not weighted:
@@ -140,6 +142,14 @@ def data_prefixes(args) -> list[str]:
         for group in getattr(args, f"{split}_weighted_split_groups"):
             prefixes += [d.prefix for d in group.datasets]
     return prefixes
+
+
+def missing_prefixes(prefixes: Sequence[str]) -> list[str]:
+    """``prefix.bin`` / ``prefix.idx`` files that do not exist."""
+    missing = []
+    for prefix in dict.fromkeys(prefixes):
+        missing += [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+    return missing
 
 
 def _check_files(args) -> None:

@@ -1,18 +1,28 @@
-"""Parsing of Megatron's dataset flags: ``--split``, weighted ``--data-path`` and Megatron-DeepSpeed's
-weighted split paths (``--{train,valid,test}-weighted-split-paths[-path]``).
+"""The one parser of Megatron's dataset flags, used by ``megatron.arguments`` and the dataset builders:
 
-Pure functions over strings and numbers; every malformed input raises ``ValueError`` naming the
-value and the expected form. Imports only the standard library.
+    --split "969,30,1"                                            document boundaries per split
+    --data-path PREFIX | --data-path W1 PREFIX1 W2 PREFIX2 ...     ((weight, prefix), ...)
+    --{train,valid,test}-weighted-split-paths "NAME: W START:END PREFIX, W START:END PREFIX" ...
+    --{train,valid,test}-weighted-split-paths-path FILE            the same groups, read from FILE
+
+and the blend arithmetic on the results. Groups parse into ``megatron.config.DatasetGroup``, the type
+``DataConfig`` holds, so the command line and the builders share one representation. Pure functions
+over strings, numbers and one small file; every malformed input raises ``ValueError`` naming the
+flag, the offending group or entry, and the expected form. Imports only the standard library and
+``megatron.config``.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import Sequence
+import shlex
+from typing import Optional, Sequence, Union
+
+from megatron.config import DatasetGroup, DatasetSplit
 
 SPLIT_NAMES = ("train", "valid", "test")
+GROUP_FORMAT = '"NAME: WEIGHT START:END PREFIX, WEIGHT START:END PREFIX, ..."'
 
 
 def parse_split(splits_string: str, num_documents: int) -> list[int]:
@@ -47,43 +57,32 @@ def parse_split(splits_string: str, num_documents: int) -> list[int]:
     return bounds
 
 
-def parse_range(range_string: str, num_documents: int) -> tuple[int, int]:
-    """Documents [start, end) for a weighted-split range "START:END" given as fractions in [0, 1]."""
+def _weight(text: str, what: str, flag: str) -> float:
+    """A blend weight: a finite number > 0 (a zero-weight dataset would be asked for 0 samples)."""
     try:
-        start, end = (float(s) for s in range_string.split(":"))
+        weight = float(text)
     except ValueError:
-        raise ValueError(f"range {range_string!r}: expected 'START:END' with fractions, e.g. '0:0.95'") from None
-    if not 0.0 <= start < end <= 1.0:
-        raise ValueError(f"range {range_string!r}: need 0 <= START < END <= 1")
-    return int(round(start * num_documents)), int(round(end * num_documents))
+        raise ValueError(f"{flag}: {text!r} ({what}) is not a weight") from None
+    if not weight > 0 or not math.isfinite(weight):
+        raise ValueError(f"{flag}: weight {text} ({what}) must be a finite number > 0; drop the dataset instead "
+                         "of giving it weight 0")
+    return weight
 
 
-def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
-    """``--data-path`` values -> (prefixes, normalized weights).
+def parse_data_path(values: Optional[Sequence[Union[str, os.PathLike]]],
+                    flag: str = "--data-path") -> tuple[tuple[float, str], ...]:
+    """``--data-path`` values -> ((weight, prefix), ...), as ``DataConfig.data_path`` holds them.
 
-    Either a single prefix (weight 1), or pairs "W1 PREFIX1 W2 PREFIX2 ..." with weights > 0.
+    Either a single prefix (weight 1.0) or "W1 PREFIX1 W2 PREFIX2 ..." pairs; the weights are kept as
+    given (``normalize_weights`` makes them fractions). No values -> ``()`` (the flag is optional).
     """
-    values = [str(v) for v in data_path]
-    if not values:
-        raise ValueError("--data-path is empty; give a prefix or 'WEIGHT PREFIX' pairs")
+    values = [os.fspath(v) for v in values or ()]
     if len(values) == 1:
-        return values, [1.0]
+        return ((1.0, values[0]),)
     if len(values) % 2:
-        raise ValueError(
-            f"--data-path {' '.join(values)}: with several datasets give 'WEIGHT PREFIX' pairs "
-            f"(got {len(values)} values, an odd number)"
-        )
-    prefixes, weights = [], []
-    for weight_text, prefix in zip(values[0::2], values[1::2]):
-        try:
-            weight = float(weight_text)
-        except ValueError:
-            raise ValueError(f"--data-path: {weight_text!r} (before {prefix!r}) is not a weight") from None
-        if not weight > 0 or not math.isfinite(weight):
-            raise ValueError(f"--data-path: weight {weight_text} of {prefix!r} must be a finite number > 0")
-        prefixes.append(prefix)
-        weights.append(weight)
-    return prefixes, normalize_weights(weights)
+        raise ValueError(f"{flag} {' '.join(values)}: with several datasets give 'WEIGHT PREFIX' pairs "
+                         f"(got {len(values)} values, an odd number)")
+    return tuple((_weight(w, f"before {prefix!r}", flag), prefix) for w, prefix in zip(values[0::2], values[1::2]))
 
 
 def normalize_weights(weights: Sequence[float]) -> list[float]:
@@ -102,95 +101,78 @@ def per_dataset_num_samples(weights: Sequence[float], num_samples: Sequence[int]
     return [[int(math.ceil(n * w * 1.005)) for n in num_samples] for w in weights]
 
 
-@dataclass(frozen=True)
-class WeightedSplitEntry:
-    """One dataset of a group: documents [start, end) (fractions of the dataset) of ``prefix``."""
+def parse_group(text: str, flag: str = "--valid-weighted-split-paths") -> DatasetGroup:
+    """One ``"NAME: W1 START:END PREFIX1, W2 START:END PREFIX2"`` group (Megatron-DeepSpeed's format).
 
-    weight: float
-    start: float
-    end: float
-    prefix: str
-
-    @property
-    def range_string(self) -> str:
-        return f"{self.start}:{self.end}"
-
-
-@dataclass(frozen=True)
-class WeightedSplitGroup:
-    """A named blend, e.g. ``valid-en: 0.6 0.95:1 /data/en, 0.4 0.95:1 /data/fr``."""
-
-    name: str
-    entries: tuple[WeightedSplitEntry, ...]
-
-    @property
-    def weights(self) -> list[float]:
-        return normalize_weights([e.weight for e in self.entries])
-
-
-def parse_weighted_split_group(group: str) -> WeightedSplitGroup:
-    """Parse "NAME: W1 START:END PATH1, W2 START:END PATH2" (Megatron-DeepSpeed's format).
-
-    The name is the text before the first colon; entries are separated by commas; a path may
-    contain spaces (everything after the range is the path) but not commas.
+    The name is the text before the first colon (no spaces: a forgotten name is then reported as
+    such); entries are separated by commas; everything after the range is the prefix, which may
+    hold spaces but not commas. START:END are fractions of the dataset's documents.
     """
-    expected = "expected 'NAME: WEIGHT START:END PATH, WEIGHT START:END PATH, ...'"
-    name, colon, body = group.partition(":")
+    name, colon, body = text.partition(":")
     name = name.strip()
-    if not colon or not name or " " in name:
-        raise ValueError(f"weighted split group {group!r}: {expected} (a name without spaces, then ':')")
-    entries = []
-    for entry_text in body.split(","):
-        fields = entry_text.strip().split(None, 2)
-        if len(fields) != 3:
-            raise ValueError(f"weighted split group {name!r}: entry {entry_text.strip()!r}: {expected}")
+    if not colon or not name or len(name.split()) != 1 or not body.strip():
+        raise ValueError(f"{flag}: {text!r} is not of the form {GROUP_FORMAT} (a name without spaces, then ':')")
+    datasets = []
+    for item in body.split(","):
+        entry = item.strip()
+        fields = entry.split(None, 2)
+        if len(fields) != 3 or fields[1].count(":") != 1:
+            raise ValueError(f"{flag}: {entry!r} in group {name!r} is not 'WEIGHT START:END PREFIX'")
         weight_text, range_text, prefix = fields
+        weight = _weight(weight_text, f"of {prefix!r} in group {name!r}", flag)
         try:
-            weight = float(weight_text)
-            start, end = (float(s) for s in range_text.split(":"))
+            start, end = (float(x) for x in range_text.split(":"))
         except ValueError:
-            raise ValueError(f"weighted split group {name!r}: entry {entry_text.strip()!r}: {expected}") from None
-        if not weight > 0 or not math.isfinite(weight):
-            raise ValueError(f"weighted split group {name!r}: weight {weight_text} of {prefix!r} must be > 0")
+            raise ValueError(f"{flag}: {entry!r} in group {name!r}: START and END must be numbers") from None
         if not 0.0 <= start < end <= 1.0:
-            raise ValueError(f"weighted split group {name!r}: range {range_text} of {prefix!r}: need 0 <= START < END <= 1")
-        entries.append(WeightedSplitEntry(weight, start, end, prefix))
-    return WeightedSplitGroup(name, tuple(entries))
+            raise ValueError(f"{flag}: {entry!r} in group {name!r}: range {range_text} needs 0 <= START < END <= 1")
+        datasets.append(DatasetSplit(weight, start, end, prefix))
+    return DatasetGroup(name, tuple(datasets))
 
 
-def parse_weighted_split_paths(groups: Sequence[str], split: str = "valid") -> list[WeightedSplitGroup]:
-    """Parse the values of ``--{split}-weighted-split-paths``; names must be unique; train allows one group."""
-    parsed = [parse_weighted_split_group(g) for g in groups]
-    if split == "train" and len(parsed) > 1:
-        raise ValueError(
-            f"--train-weighted-split-paths takes one group, got {len(parsed)} "
-            f"({', '.join(g.name for g in parsed)}); blend them into a single group"
-        )
-    names = [g.name for g in parsed]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"--{split}-weighted-split-paths: group names must be unique, repeated: {duplicates}")
-    return parsed
-
-
-def read_weighted_split_paths_file(path: str | os.PathLike) -> list[str]:
-    """Group strings from a ``--*-weighted-split-paths-path`` file: one group per line.
-
-    Blank lines and lines starting with '#' are ignored; surrounding quotes are stripped.
-    """
+def read_groups_file(path: Union[str, os.PathLike], flag: str) -> list[str]:
+    """The group strings of a ``--*-weighted-split-paths-path`` file (Megatron-DeepSpeed's
+    ``ParseDataPathsPath``): exactly one line, each group in double quotes, separated by spaces."""
+    path = os.fspath(path)
     try:
-        with open(path) as f:
-            lines = f.read().splitlines()
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f.read().splitlines() if line.strip()]
     except OSError as e:
-        raise ValueError(f"cannot read weighted split paths file {path}: {e}") from None
-    groups = []
-    for line in lines:
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if len(line) >= 2 and line[0] == line[-1] and line[0] in "\"'":
-            line = line[1:-1].strip()
-        groups.append(line)
-    if not groups:
-        raise ValueError(f"weighted split paths file {path} holds no group lines")
+        raise ValueError(f"{flag} {path!r}: cannot read it ({e.strerror or e})") from None
+    if len(lines) != 1 or not (lines[0].startswith('"') and lines[0].endswith('"')):
+        raise ValueError(f"{flag} {path!r}: expected one line of double-quoted groups "
+                         f"{GROUP_FORMAT} {GROUP_FORMAT}, got {len(lines)} line(s)")
+    try:
+        return shlex.split(lines[0])
+    except ValueError as e:
+        raise ValueError(f"{flag} {path!r}: {e}") from None
+
+
+def parse_weighted_split_paths(values: Optional[Sequence[Union[str, DatasetGroup]]], split: str,
+                               file: Optional[Union[str, os.PathLike]] = None) -> tuple[DatasetGroup, ...]:
+    """The groups of ``--{split}-weighted-split-paths`` (``values``) or of its ``-path`` ``file`` (not both).
+
+    ``values`` may also hold ``DatasetGroup`` objects, passed through unchanged and checked alike.
+    Group names must be unique; train takes one group.
+    """
+    if split not in SPLIT_NAMES:
+        raise ValueError(f"split {split!r} is not one of {SPLIT_NAMES}")
+    flag = f"--{split}-weighted-split-paths"
+    if values and file:
+        raise ValueError(f"{flag} and {flag}-path both given; pass one")
+    if file:
+        values, flag = read_groups_file(file, f"{flag}-path"), f"{flag}-path {os.fspath(file)}"
+    groups = tuple(v if isinstance(v, DatasetGroup) else parse_group(v, flag) for v in values or ())
+    if split == "train" and len(groups) > 1:
+        raise ValueError(f"{flag} takes one group, got {len(groups)} ({', '.join(g.name for g in groups)}); "
+                         "blend them into a single group")
+    names = [g.name for g in groups]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"{flag}: group names must be unique, repeated: {repeated}")
     return groups
+
+
+def document_range(dataset: DatasetSplit, num_documents: int) -> tuple[int, int]:
+    """Documents [start, end) of a group entry's START:END fractions, over ``num_documents``."""
+    return int(round(dataset.start * num_documents)), int(round(dataset.end * num_documents))

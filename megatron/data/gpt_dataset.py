@@ -251,18 +251,31 @@ def _blend_or_single(datasets, weights, num_samples):
     return BlendableDataset(datasets, weights, num_samples)
 
 
+def _data_path_pairs(data_prefix) -> tuple[tuple[float, str], ...]:
+    """One prefix, ``--data-path`` values ("W1 P1 W2 P2 ..."), or ``DataConfig.data_path`` pairs (parsed already)."""
+    from megatron.data.dataset_utils import parse_data_path
+
+    values = [data_prefix] if isinstance(data_prefix, (str, os.PathLike)) else list(data_prefix)
+    pairs = tuple(values) if values and all(isinstance(v, tuple) for v in values) else parse_data_path(values)
+    if not pairs:
+        raise ValueError("--data-path is empty; give a prefix or 'WEIGHT PREFIX' pairs")
+    return pairs
+
+
 def build_train_valid_test_datasets(data_prefix, splits_string: str, train_valid_test_num_samples,
                                     seq_length: int, seed: int, cache_dir: str | None = None,
                                     build: bool | None = None, barrier: Callable[[], None] | None = None):
     """(train, valid, test) datasets, each None when its split is empty or asks for 0 samples.
 
-    ``data_prefix``: one prefix, or ``--data-path`` values ("W1 P1 W2 P2 ..."). Each dataset is
-    split by ``splits_string`` over its documents; with several datasets each split is a
-    ``BlendableDataset`` of normalized weights, dataset i building ceil(w_i * n * 1.005) samples.
+    ``data_prefix``: one prefix, ``--data-path`` values ("W1 P1 W2 P2 ..."), or the (weight, prefix)
+    pairs of ``DataConfig.data_path``. Each dataset is split by ``splits_string`` over its documents;
+    with several datasets each split is a ``BlendableDataset`` of normalized weights, dataset i
+    building ceil(w_i * n * 1.005) samples.
     """
-    from megatron.data.dataset_utils import parse_data_path, parse_split, per_dataset_num_samples
+    from megatron.data.dataset_utils import normalize_weights, parse_split, per_dataset_num_samples
 
-    prefixes, weights = parse_data_path([data_prefix] if isinstance(data_prefix, (str, os.PathLike)) else data_prefix)
+    pairs = _data_path_pairs(data_prefix)
+    prefixes, weights = [p for _, p in pairs], normalize_weights([w for w, _ in pairs])
     num_samples = [int(n) for n in train_valid_test_num_samples]
     if len(num_samples) != 3:
         raise ValueError(f"train_valid_test_num_samples must have 3 entries, got {num_samples}")
@@ -297,22 +310,24 @@ def build_train_valid_test_datasets(data_prefix, splits_string: str, train_valid
 def build_group_dataset(group, split: str, num_samples: int, seq_length: int, seed: int,
                         cache_dir: str | None = None, build: bool | None = None,
                         barrier: Callable[[], None] | None = None, _opened: dict | None = None):
-    """The dataset of one weighted split group: its entries' document ranges blended by weight."""
-    from megatron.data.dataset_utils import parse_range, parse_weighted_split_group, per_dataset_num_samples
+    """The dataset of one weighted split group (a ``DatasetGroup``, or its "NAME: W START:END PREFIX, ..."
+    string): its datasets' document ranges blended by weight."""
+    from megatron.data.dataset_utils import document_range, normalize_weights, parse_group, per_dataset_num_samples
 
     if isinstance(group, str):
-        group = parse_weighted_split_group(group)
+        group = parse_group(group, f"--{split}-weighted-split-paths")
     opened = _opened if _opened is not None else {}
-    weights = group.weights
-    counts = [num_samples] if len(group.entries) == 1 else [c[0] for c in per_dataset_num_samples(weights, [num_samples])]
+    weights = normalize_weights([d.weight for d in group.datasets])
+    counts = [num_samples] if len(group.datasets) == 1 else [c[0] for c in per_dataset_num_samples(weights, [num_samples])]
     datasets = []
-    for i, (entry, count) in enumerate(zip(group.entries, counts)):
+    for i, (entry, count) in enumerate(zip(group.datasets, counts)):
         if entry.prefix not in opened:
             opened[entry.prefix] = MMapIndexedDataset(entry.prefix)
         indexed = opened[entry.prefix]
-        start, end = parse_range(entry.range_string, len(indexed.sizes))
+        start, end = document_range(entry, len(indexed.sizes))
         if end <= start:
-            raise ValueError(f"group {group.name!r}: range {entry.range_string} of {entry.prefix} holds no documents")
+            raise ValueError(f"group {group.name!r}: range {entry.start}:{entry.end} of {entry.prefix} holds no "
+                             f"documents (it has {len(indexed.sizes)})")
         datasets.append(GPTDataset(f"{split}-{group.name}-{i}", entry.prefix, np.arange(start, end, dtype=np.int64),
                                    indexed, count, seq_length, seed, cache_dir, build, barrier))
     return _blend_or_single(datasets, weights, num_samples)
@@ -321,18 +336,19 @@ def build_group_dataset(group, split: str, num_samples: int, seq_length: int, se
 def build_weighted_split_datasets(train_groups, valid_groups, test_groups, train_valid_test_num_samples,
                                   seq_length: int, seed: int, cache_dir: str | None = None,
                                   build: bool | None = None, barrier: Callable[[], None] | None = None):
-    """Megatron-DeepSpeed's ``--{train,valid,test}-weighted-split-paths``.
+    """Megatron-DeepSpeed's ``--{train,valid,test}-weighted-split-paths``: each argument a sequence of
+    ``DatasetGroup`` (as ``DataConfig`` holds them) or group strings.
 
     Returns ``(train, {name: valid_dataset}, {name: test_dataset})``: one train dataset (at most
     one group), and validation / test datasets keyed by group name so each is evaluated and logged
     under its own name. Every valid (test) group gets the full valid (test) sample count.
     """
-    from megatron.data.dataset_utils import parse_weighted_split_paths
+    from megatron.data.dataset_utils import SPLIT_NAMES, parse_weighted_split_paths
 
     opened: dict = {}
     num_samples = [int(n) for n in train_valid_test_num_samples]
-    parsed = [parse_weighted_split_paths(groups or [], split)
-              for groups, split in zip((train_groups, valid_groups, test_groups), ("train", "valid", "test"))]
+    parsed = [parse_weighted_split_paths(groups, split)
+              for groups, split in zip((train_groups, valid_groups, test_groups), SPLIT_NAMES)]
     common = dict(seq_length=seq_length, seed=seed, cache_dir=cache_dir, build=build, barrier=barrier, _opened=opened)
     train = build_group_dataset(parsed[0][0], "train", num_samples[0], **common) if parsed[0] and num_samples[0] > 0 else None
     valid = {g.name: build_group_dataset(g, "valid", num_samples[1], **common) for g in parsed[1]} if num_samples[1] > 0 else {}

@@ -13,8 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron.config import DatasetGroup, RunConfig
-from megatron.data.dataset_utils import WeightedSplitEntry, WeightedSplitGroup
+from megatron.config import RunConfig
 from megatron.data.gpt_dataset import build_group_dataset, build_train_valid_test_datasets
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.training.batches import MicroBatchIterator
@@ -41,11 +40,6 @@ def num_samples(rc: RunConfig) -> tuple[int, int, int]:
     return train, t.eval_iters * gbs * evals, t.eval_iters * gbs
 
 
-def _as_data_group(group: DatasetGroup) -> WeightedSplitGroup:
-    return WeightedSplitGroup(group.name, tuple(WeightedSplitEntry(s.weight, s.start, s.end, s.prefix)
-                                                for s in group.datasets))
-
-
 def build_datasets(rc: RunConfig, cache_dir: Optional[str] = None) -> RunDatasets:
     d = rc.data
     n_train, n_valid, n_test = num_samples(rc)
@@ -53,14 +47,13 @@ def build_datasets(rc: RunConfig, cache_dir: Optional[str] = None) -> RunDataset
     if d.uses_weighted_splits:
         train = None
         if d.train_weighted_split_groups and n_train > 0:
-            train = build_group_dataset(_as_data_group(d.train_weighted_split_groups[0]), "train", n_train, **common)
-        valid = {g.name: build_group_dataset(_as_data_group(g), "valid", n_valid, **common)
+            train = build_group_dataset(d.train_weighted_split_groups[0], "train", n_train, **common)
+        valid = {g.name: build_group_dataset(g, "valid", n_valid, **common)
                  for g in d.valid_weighted_split_groups} if n_valid > 0 else {}
-        test = {g.name: build_group_dataset(_as_data_group(g), "test", n_test, **common)
+        test = {g.name: build_group_dataset(g, "test", n_test, **common)
                 for g in d.test_weighted_split_groups} if n_test > 0 else {}
         return RunDatasets(train, valid, test)
-    data_path = [str(x) for pair in d.data_path for x in pair] if len(d.data_path) > 1 else [d.data_path[0][1]]
-    train, valid, test = build_train_valid_test_datasets(data_path, d.split or "969,30,1",
+    train, valid, test = build_train_valid_test_datasets(d.data_path, d.split or "969,30,1",
                                                          (n_train, n_valid, n_test), **common)
     return RunDatasets(train, {"": valid} if valid is not None else {}, {"": test} if test is not None else {})
 

@@ -1,5 +1,5 @@
-"""Blending: the C++ greedy order against a Python reference, its prefix-share bounds, the
-BlendableDataset, and --data-path / weighted split paths parsing."""
+"""Blending: the C++ greedy order against a Python reference, its prefix-share bounds and the
+BlendableDataset (the --data-path / weighted split paths parser is tested in test_dataset_utils)."""
 
 import numpy as np
 import pytest
@@ -8,12 +8,6 @@ from hypothesis import strategies as st
 
 from megatron.data import _helpers
 from megatron.data.blendable_dataset import BlendableDataset
-from megatron.data.dataset_utils import (
-    parse_data_path,
-    parse_weighted_split_paths,
-    per_dataset_num_samples,
-    read_weighted_split_paths_file,
-)
 
 
 def reference_blending(weights, size):
@@ -86,29 +80,3 @@ def test_blendable_dataset():
     with pytest.raises(ValueError, match="one weight per dataset"):
         BlendableDataset([a, b], [1.0], 10)
 
-
-def test_parse_data_path_and_sample_counts():
-    assert parse_data_path(["/d/a_text_document"]) == (["/d/a_text_document"], [1.0])
-    prefixes, weights = parse_data_path("0.3 /d/A 0.7 /d/B".split())
-    assert prefixes == ["/d/A", "/d/B"] and np.allclose(weights, [0.3, 0.7])
-    assert per_dataset_num_samples(weights, [1000, 100, 0]) == [[302, 31, 0], [704, 71, 0]]
-    for bad, message in [(["0.3", "/d/A", "0.7"], "odd"), (["x", "/d/A", "1", "/d/B"], "not a weight"),
-                         (["0", "/d/A", "1", "/d/B"], "> 0"), ([], "empty")]:
-        with pytest.raises(ValueError, match=message):
-            parse_data_path(bad)
-
-
-def test_parse_weighted_split_paths(tmp_path):
-    (group,) = parse_weighted_split_paths(["TRAIN: 0.6 0:0.6 /path/A, 0.4 0:1 /path/with space/B"], "train")
-    assert group.name == "TRAIN" and [e.prefix for e in group.entries] == ["/path/A", "/path/with space/B"]
-    assert [(e.weight, e.start, e.end) for e in group.entries] == [(0.6, 0.0, 0.6), (0.4, 0.0, 1.0)]
-    path = tmp_path / "valid_groups.txt"
-    path.write_text('# validation groups\n"EN: 1 0.9:1 /d/en"\n\nMIX: 0.5 0.9:1 /d/en, 0.5 0.9:1 /d/fr\n')
-    groups = parse_weighted_split_paths(read_weighted_split_paths_file(path), "valid")
-    assert [g.name for g in groups] == ["EN", "MIX"] and groups[1].weights == [0.5, 0.5]
-    for bad, message in [(["A: 1 0:1 /a", "B: 1 0:1 /b"], "takes one group"), (["no colon here"], "expected"),
-                         (["A: 1 0.5:0.2 /a"], "START < END"), (["A: 1 0:1"], "expected")]:
-        with pytest.raises(ValueError, match=message):
-            parse_weighted_split_paths(bad, "train")
-    with pytest.raises(ValueError, match="unique"):
-        parse_weighted_split_paths(["A: 1 0:1 /a", "A: 1 0:1 /b"], "valid")

@@ -1,5 +1,5 @@
 """GPTDataset: Megatron sample semantics, the C++ index against a plain reference, the index cache,
-build-on-one-rank, --split parsing and train/valid/test (and weighted split group) construction."""
+build-on-one-rank and train/valid/test (and weighted split group) construction."""
 
 import os
 
@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron.data import _helpers
-from megatron.data.dataset_utils import parse_split
+from megatron.config import DatasetGroup, DatasetSplit
 from megatron.data.gpt_dataset import (
     GPTDataset,
     build_doc_idx,
+    build_group_dataset,
     build_train_valid_test_datasets,
     build_weighted_split_datasets,
     num_epochs_needed,
@@ -168,16 +169,6 @@ def test_one_rank_builds_others_wait(synthetic, tmp_path):
     np.testing.assert_array_equal(waiter.shuffle_idx, builder.shuffle_idx)
 
 
-def test_parse_split():
-    assert parse_split("969,30,1", 1000) == [0, 969, 999, 1000]
-    assert parse_split("98/2", 100) == [0, 98, 100, 100]
-    assert parse_split("1", 7) == [0, 7, 7, 7]
-    assert parse_split("1,1,1", 10)[-1] == 10
-    for bad in ("a,b", "1,2,3,4", "0,0,0", "-1,2"):
-        with pytest.raises(ValueError, match="--split"):
-            parse_split(bad, 10)
-
-
 def test_build_train_valid_test_from_reference(shared_data, tmp_path):
     prefix = str(shared_data / "gpt2/meg-gpt2-openwebtext_text_document")
     train, valid, test = build_train_valid_test_datasets(prefix, "969,30,1", [100, 10, 0], 64, 7,
@@ -197,15 +188,34 @@ def test_blended_and_weighted_split_groups(synthetic, tmp_path):
     assert len(train) == 50 and len(valid) == 10 and test is None
     assert [len(d) >= n for d, n in zip(train.datasets, (16, 36))] == [True, True]  # ceil(w*50*1.005)
     assert np.allclose(train.weights, [0.3, 0.7])
+    # DataConfig.data_path's (weight, prefix) pairs build the same blend.
+    same = build_train_valid_test_datasets(((3.0, prefix_a), (7.0, prefix_b)), "8,2,0", [50, 10, 0], 8, 1,
+                                           cache_dir=cache)[0]
+    assert np.allclose(same.weights, [0.3, 0.7]) and [same[i]["text"].tolist() for i in range(5)] == \
+        [train[i]["text"].tolist() for i in range(5)]
+    with pytest.raises(ValueError, match="--data-path is empty"):
+        build_train_valid_test_datasets([], "1", [1, 0, 0], 8, 1)
+
+    # DataConfig's DatasetGroup objects and group strings are accepted alike.
+    valid_a = DatasetGroup("VALID_A", (DatasetSplit(1.0, 0.8, 1.0, prefix_a),))
     train, valid, test = build_weighted_split_datasets(
         [f"TRAIN: 0.6 0:0.8 {prefix_a}, 0.4 0:0.8 {prefix_b}"],
-        [f"VALID_A: 1 0.8:1 {prefix_a}", f"VALID_AB: 0.5 0.8:1 {prefix_a}, 0.5 0.8:1 {prefix_b}"],
+        [valid_a, f"VALID_AB: 0.5 0.8:1 {prefix_a}, 0.5 0.8:1 {prefix_b}"],
         [], [40, 6, 0], 8, 1, cache_dir=cache)
     assert len(train) == 40 and test == {}
+    assert np.allclose(train.weights, [0.6, 0.4])
+    assert set(np.asarray(train.datasets[0].doc_idx).tolist()) == set(range(32))   # 0:0.8 of 40 documents
     assert sorted(valid) == ["VALID_A", "VALID_AB"] and len(valid["VALID_AB"]) == 6
     assert set(np.asarray(valid["VALID_A"].doc_idx).tolist()) == set(range(32, 40))
-    with pytest.raises(ValueError, match="takes one group"):
+    with pytest.raises(ValueError, match="--train-weighted-split-paths takes one group"):
         build_weighted_split_datasets([f"A: 1 0:1 {prefix_a}", f"B: 1 0:1 {prefix_a}"], [], [], [1, 0, 0], 8, 1)
+    with pytest.raises(ValueError, match=r"--valid-weighted-split-paths: group names must be unique"):
+        build_weighted_split_datasets([], [valid_a, valid_a], [], [0, 1, 0], 8, 1)
+    with pytest.raises(ValueError, match=r"--test-weighted-split-paths: '1 0:1' in group 'T'"):
+        build_group_dataset("T: 1 0:1", "test", 1, 8, 1)
+    with pytest.raises(ValueError, match=r"group 'TINY': range 0.0:0.01 of .* holds no documents \(it has 40\)"):
+        build_group_dataset(DatasetGroup("TINY", (DatasetSplit(1.0, 0.0, 0.01, prefix_a),)), "valid", 1, 8, 1,
+                            cache_dir=cache)
 
 
 def _build_on_rank_zero(rank, world_size, prefix, cache_dir):
