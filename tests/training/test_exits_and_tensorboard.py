@@ -109,3 +109,22 @@ def test_sigterm_to_one_rank_stops_all_ranks_with_a_checkpoint(tiny_corpus, tmp_
     # Both pipeline stages saved their layers at the same iteration.
     layer_files = [f for f in os.listdir(save / tag) if f.startswith("layer_")]
     assert len(layer_files) >= 4, layer_files
+
+
+@pytest.mark.multiprocess
+def test_weighted_split_groups_are_evaluated_and_logged_by_name(tiny_corpus, tmp_path):
+    prefix = tiny_corpus["data_prefix"]
+    groups = tmp_path / "valid-splits.txt"
+    groups.write_text(f'"valid_a: 1 0.9:0.95 {prefix}" "valid_b: 0.5 0.95:1 {prefix}, 0.5 0.9:0.95 {prefix}"\n')
+    tb = tmp_path / "tb"
+    argv = tiny_argv(tiny_corpus, "--train-weighted-split-paths", f"train: 1 0:0.9 {prefix}",
+                     "--valid-weighted-split-paths-path", str(groups), data_path=None, split=None,
+                     train_iters=4, eval_interval=2, eval_iters=1, tensorboard_dir=str(tb))
+    (run,), = run_distributed(_run_single, world_size=1, args=([argv],))
+    scalars = _scalars(tb)
+    for name in ("valid_a", "valid_b"):
+        steps = [s for s, _ in scalars[f"lm-loss-validation/{name}/lm loss validation"]]
+        assert steps == [2, 4], (name, sorted(scalars))
+    a = scalars["lm-loss-validation/valid_a/lm loss validation"]
+    b = scalars["lm-loss-validation/valid_b/lm loss validation"]
+    assert a != b  # different documents, different losses
