@@ -219,14 +219,14 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 def write_hf_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], out_dir: str, *,
                    pretraining_tp: int = 1, eos_token_id: Optional[int] = None,
-                   dtype: Optional[torch.dtype] = None) -> str:
+                   dtype: Optional[torch.dtype] = None, max_shard_bytes: int = 5 << 30) -> str:
     """Write ``config.json`` + ``model.safetensors`` of the matching transformers model; return its architecture.
 
     The vocabulary is trimmed to ``config.original_vocab_size`` (the padding rows are ours only).
     pretraining_tp: the training TP, recorded in Bloom's config (``slow_but_exact`` stays False).
+    max_shard_bytes: larger exports are split into transformers' sharded safetensors layout.
     """
     import transformers
-    from safetensors.torch import save_file
 
     arch = hf_architecture(config)
     vocab_size = config.original_vocab_size or config.padded_vocab_size
@@ -250,9 +250,35 @@ def write_hf_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], out
     hf_config.dtype = _DTYPE_NAMES[next(iter(tensors.values())).dtype]
     os.makedirs(out_dir, exist_ok=True)
     hf_config.save_pretrained(out_dir)
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()},
-              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    _save_safetensors(tensors, out_dir, max_shard_bytes)
     return arch
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json (transformers'
+    sharded layout) when the tensors exceed ``max_shard_bytes``; a tensor is never split."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, filename), metadata={"format": "pt"})
+        weight_map.update({name: filename for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
 def _read_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:

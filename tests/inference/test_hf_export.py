@@ -60,7 +60,10 @@ def test_export_matches_transformers_logits_and_greedy_text(tmp_path, corpus, ar
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config, state = write_random_checkpoint(tmp_path / "ckpt", corpus, tp=2, pp=2, **ARCHITECTURES[architecture])
-    assert to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf")]) == 0
+    # 0.1 MB shards: the ~0.5 MB model is written in transformers' sharded layout.
+    assert to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf"),
+                       "--max-shard-size-mb", "0.1"]) == 0
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) >= 3
     hf_model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     hf_model.eval()
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -84,6 +87,17 @@ def test_export_matches_transformers_logits_and_greedy_text(tmp_path, corpus, ar
     for r in results:
         ids = r["token_ids"][:-1] if r["finish_reason"] == "eod" else r["token_ids"]
         assert r["text"] == ours_tok.detokenize(ids)
+
+    # And back from the sharded directory: our weights exactly, the padding rows now zero.
+    from megatron.inference.checkpoint import load_full_state_dict
+
+    assert from_hf.main(["--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "back"),
+                         "--tensor-model-parallel-size", "2", "--seq-length", "32"]) == 0
+    back_config, back, _ = load_full_state_dict(str(tmp_path / "back"))
+    assert back_config.position_embedding_type == config.position_embedding_type
+    words = "embedding.word_embeddings.weight"
+    assert torch.equal(back[words][:400], state[words][:400]) and not back[words][400:].any()
+    assert all(torch.equal(back[name], tensor) for name, tensor in state.items() if name != words)
 
 
 def test_unmapped_architectures_are_refused_with_a_reason(tmp_path, corpus):

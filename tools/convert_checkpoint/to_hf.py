@@ -27,6 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="dtype of the exported weights (default: as saved)")
     parser.add_argument("--no-tokenizer", action="store_true", help="do not export the tokenizer files")
+    parser.add_argument("--max-shard-size-mb", type=float, default=5120,
+                        help="split model.safetensors into shards of at most this size (transformers' index layout)")
     return parser.parse_args(argv)
 
 
@@ -47,7 +49,8 @@ def main(argv=None) -> int:
             record = {}
     tp = run.get("parallel", {}).get("tensor_model_parallel_size", 1)
     arch = write_hf_model(config, state, args.output_dir, pretraining_tp=tp, eos_token_id=eod,
-                          dtype=DTYPES[args.dtype] if args.dtype else None)
+                          dtype=DTYPES[args.dtype] if args.dtype else None,
+                          max_shard_bytes=int(args.max_shard_size_mb * 2**20))
     files = [] if args.no_tokenizer or not record else export_tokenizer(record, args.output_dir, config.seq_length)
     print(json.dumps({"output_dir": args.output_dir, "architecture": arch, "vocab_size":
                       config.original_vocab_size or config.padded_vocab_size, "tokenizer_files": files}))
