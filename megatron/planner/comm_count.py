@@ -14,7 +14,8 @@ BF16_Optimizer (formulas in docs/performance.md):
 
   TP   per micro-batch and transformer layer: 2 all-reduces of s*b*h activations in forward
        (attention and MLP output, row-parallel), 2 in backward (input gradients of the
-       column-parallel QKV and h->4h), +2 per layer with recomputation; first stage +1 (the
+       column-parallel QKV and h->4h), +1 per layer with recomputation (the attention output's; the
+       replay stops before the MLP's, see below); first stage +1 (the
        vocab-parallel embedding, forward), last stage +1 (the output head's input gradient,
        backward) and the vocab-parallel cross-entropy: 2 all-reduces (max: s*b, sums: 3*s*b, fp32).
   PP   per micro-batch: stage i < p-1 sends its output activation s*b*h forward, stage i > 0 sends
@@ -216,7 +217,9 @@ def analytic_step_counts(shape: StepShape, layout: GroupLayout, rank: int, num_l
             entry["bytes"] += nbytes
 
     if t > 1:
-        per_layer = 6 if shape.recompute else 4
+        # Recomputation replays the forward up to the last tensor backward needs: torch's non-reentrant
+        # checkpoint stops early, before the MLP's output all-reduce, so it adds ONE per layer, not two.
+        per_layer = 5 if shape.recompute else 4
         calls = num_layers_on_stage * per_layer + (1 if first else 0) + (1 if last else 0)
         add("tp", "all_reduce", m * calls, m * calls * act)
         if last:  # cross-entropy: max over the vocab shards, then the three sums, fp32

@@ -9,8 +9,9 @@ Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
               All divided by t.
   elementwise the activation bytes of Korthikanti's formula moved ELEMENTWISE_PASSES times
               through HBM (layer norms, GeLU, bias, dropout, softmax; +1 pass with recompute).
-  TP          all-reduce of s*b*h bf16 values: 2 in forward, 2 in backward per layer (+2 with
-              recompute), and 1 + 1 for the embedding and the output head:
+  TP          all-reduce of s*b*h bf16 values: 2 in forward, 2 in backward per layer (+1 with
+              recompute: torch's non-reentrant checkpoint stops replaying before the MLP's), and
+              1 + 1 for the embedding and the output head:
               2(t-1)/t * bytes / busbw + latency, busbw = NVLink inside a node.
   PP          one activation forward and one gradient backward of s*b*h bf16 per micro-batch; with
               TP > 1 DeepSpeed sends 1/t of it and all-gathers it over the TP group (3 per slot).
@@ -118,7 +119,7 @@ def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cluste
         matmul += 2 * b * s * h * V * 3 / t / gemm_rate
     elementwise = n_layers * layer_activation_bytes(model, layout, seq_length) * (
         ELEMENTWISE_PASSES + (1 if layout.recompute else 0)) / (gpu.hbm_gbps * 1e9)
-    calls = n_layers * (6 if layout.recompute else 4) + (1 if first else 0) + (1 if last else 0)
+    calls = n_layers * (5 if layout.recompute else 4) + (1 if first else 0) + (1 if last else 0)  # see comm_count
     tp = calls * _allreduce_s(2 * s * b * h, t, tp_bw, cluster.collective_latency_us)
     accum = (12 * n_params if layout.precision == "bf16" else 0) / (gpu.hbm_gbps * 1e9)
     return {"matmul": matmul, "elementwise": elementwise, "tp_comm": tp, "grad_accum": accum}
