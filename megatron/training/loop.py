@@ -21,7 +21,8 @@ import torch
 
 from megatron.config import RunConfig
 from megatron.training.exit import ExitMonitor
-from megatron.training.metrics import TrainingLogger, model_flops_per_iteration
+from megatron.training.metrics import (TrainingLogger, current_device_name, peak_tflops_for_device,
+                                      throughput_metrics)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -67,6 +68,8 @@ class Trainer:
         self.sync_fn = sync_fn
         self.world_size = world_size
         self.history: list[IterationRecord] = []
+        # MFU needs the device's peak: known GPUs by name, or --peak-tflops; None on CPU (TFLOPs only).
+        self.peak_tflops = peak_tflops_for_device(current_device_name(), rc.logging.peak_tflops)
         self._consecutive_nonfinite = 0
 
     # ---- schedule ---------------------------------------------------------------------------
@@ -156,15 +159,15 @@ class Trainer:
         trained = [r for r in records if math.isfinite(r.loss)]
         loss = sum(r.loss for r in trained) / len(trained) if trained else float("nan")
         ms = 1000.0 * elapsed_s / len(records)
-        flops = model_flops_per_iteration(self.rc.model, last.global_batch_size,
-                                          self.rc.training.checkpoint_activations)
-        tflops = flops / (ms / 1000.0) / self.world_size / 1e12 if ms > 0 else 0.0
-        self.logger.training(iteration=last.iteration, train_iters=self._total_iters(),
+        rates = throughput_metrics(self.rc.model, last.global_batch_size, self.rc.training.checkpoint_activations,
+                                   max(ms, 1e-9) / 1000.0, self.world_size, self.peak_tflops)
+        self.logger.training(tflops_per_gpu=rates["hardware_tflops_per_gpu"],
+                             model_tflops_per_gpu=rates["model_tflops_per_gpu"], mfu=rates["mfu"],iteration=last.iteration, train_iters=self._total_iters(),
                              consumed_samples=self.progress.consumed_samples,
                              consumed_tokens=self.progress.consumed_tokens, elapsed_ms_per_iter=ms, lr=last.lr,
                              global_batch_size=last.global_batch_size, loss=loss, grad_norm=last.grad_norm,
                              skipped=self.progress.skipped_iterations, nan_iters=self.progress.nonfinite_iterations,
-                             seq_length=self.rc.data.seq_length, tflops_per_gpu=tflops, world_size=self.world_size)
+                             seq_length=self.rc.data.seq_length, world_size=self.world_size)
 
     def train(self) -> str:
         """Train until the end of the schedule or an exit condition; return the exit reason ('' at the end)."""

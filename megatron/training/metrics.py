@@ -102,9 +102,9 @@ class TrainingLogger:
                 f"grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f} | "
                 f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan_iters:3d} | "
                 f"samples per second: {samples_per_s:.3f} | tokens per second: {tokens_per_s:.1f} | "
-                f"TFLOPs: {tflops_per_gpu:.2f} |")
+                f"TFLOPs: {tflops_per_gpu:.3g} |")
         if model_tflops_per_gpu is not None:  # without recomputation (TFLOPs above counts it)
-            line += f" model TFLOPs: {model_tflops_per_gpu:.2f} |"
+            line += f" model TFLOPs: {model_tflops_per_gpu:.3g} |"
         if mfu is not None:
             line += f" MFU: {100 * mfu:.1f}% |"
         self.print_fn(line, flush=True)
