@@ -21,7 +21,7 @@ import deepspeed
 import torch.distributed as dist
 
 from megatron.config import ModelConfig
-from megatron.engine.cpu import avoid_cpu_jit_builds
+from megatron.engine.cpu import avoid_cpu_jit_builds, on_cpu_accelerator
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
 from megatron.parallel.random import RNGStatesTracker
@@ -45,6 +45,9 @@ def build_engine(model_config: ModelConfig, state: ParallelState, ds_config: dic
     """Build this rank's pipeline stage and hand it to ``deepspeed.initialize``; return the engine."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before build_engine")
+    if ds_config.get("fp16", {}).get("enabled") and on_cpu_accelerator():
+        raise ValueError("--fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 support; use --bf16 (or fp32) "
+                         "on CPU")
     module = build_pipeline_module(model_config, state, partition_method=partition_method,
                                    checkpoint_activations=checkpoint_activations,
                                    checkpoint_num_layers=checkpoint_num_layers, tracker=tracker)
