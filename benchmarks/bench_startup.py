@@ -8,7 +8,8 @@ the time spent in next() on the (wrapped) training data iterator. Reported: laun
 finished (slowest rank), split into interpreter start, imports, setup (process group, datasets,
 deepspeed.initialize) and the first step; steady-state step time (median of steps 2..6) and
 data-wait share = sum(next() time) / sum(step time) over steps 2..6, worst rank (goal < 1%).
-num_workers 0: all loading is on the critical path (a worst case). Prints ONE JSON line.
+num_workers 0: all loading is on the critical path (a worst case); one more 1-rank launch with
+num_workers 2 (the flag's default) shows the prefetching case. Prints ONE JSON line.
 
     python benchmarks/bench_startup.py --output benchmarks/results/startup_2026-11-29.json
 """
@@ -67,8 +68,13 @@ def main() -> None:
     corpus = tiny_corpus()
     argv = tiny_argv(corpus, train_iters=ITERS, lr_warmup_iters=1, log_interval=1)
     results = {f"ranks_{n}": launch(n, argv) for n in args.world_sizes}
+    # The same 1-rank run with 2 DataLoader workers (the flag's default): loading moves off the critical path
+    workers = [a for a in argv]
+    workers[workers.index("--num-workers") + 1] = "2"
+    results["ranks_1_num_workers_2"] = launch(1, workers)
     emit({"benchmark": "startup", "config": {"model": "2 layers, hidden 64, 4 heads, seq 32, micro-batch 2, "
-                                             "global batch 8, fp32, gloo", "train_iters": ITERS, "num_workers": 0,
+                                             "global batch 8, fp32, gloo", "train_iters": ITERS,
+                                             "num_workers": "0 (ranks_1_num_workers_2: 2)",
                                              "layouts": {str(k): v for k, v in LAYOUTS.items()},
                                              "launcher": "torchrun --standalone", "OMP_NUM_THREADS": 1},
           "compared_with": "goal: data wait < 1% of step time; startup figures in /work/shared/ARCHITECTURE.md "

@@ -11,6 +11,10 @@ only, clip 1.0), no dropout. Variants, all in the same process:
                    the training loop reads after it (loss.item(), grad norm)
   hf_autocast_bf16 BloomForCausalLM fp32 weights, forward under torch.autocast("cpu", bfloat16)
   hf_bf16          BloomForCausalLM cast to bf16, AdamW on bf16 weights (no fp32 masters)
+  ours_model_autocast_bf16  our GPTModel (megatron.model) alone in the same plain loop as
+                   hf_autocast_bf16: the model code's speed without DeepSpeed (weights identical)
+  ours_bf16_fix4d  ours_bf16 with the ALiBi bias handed to SDPA as 4-D (use_4d_attention_mask: a
+                   proposed one-line fix, patched on this process's instances, library untouched)
   ours_fp32, hf_fp32
 
 Losses: the first --loss-steps steps of each variant from the same weights on the same batches.
@@ -44,7 +48,8 @@ import torch  # noqa: E402
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256, micro_batch_size=8,
              global_batch_size=8)
 OPTIM = dict(lr=1e-4, weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
-VARIANTS = ("ours_bf16", "hf_autocast_bf16", "hf_bf16", "ours_fp32", "hf_fp32")
+VARIANTS = ("ours_bf16", "ours_bf16_fix4d", "hf_autocast_bf16", "hf_bf16", "ours_model_autocast_bf16", "ours_fp32",
+            "hf_fp32")
 
 
 def run_argv(corpus: dict, bf16: bool) -> list[str]:
@@ -145,6 +150,59 @@ class HF:
         return float(loss.item())
 
 
+class OursPlain(HF):
+    """Our GPTModel (megatron.model, no DeepSpeed, no pipeline) in HF's loop under autocast: the
+    model code's speed alone, to separate it from the engine's (DeepSpeed + BF16_Optimizer)."""
+
+    def __init__(self, cfg, gpt_state: dict):
+        import dataclasses
+
+        from megatron.model import GPTModel
+
+        self.model = GPTModel(dataclasses.replace(cfg, params_dtype="fp32"))
+        self.model.load_state_dict({k: v.float() for k, v in gpt_state.items()}, strict=True)
+        self.mode = "autocast"
+        self.model.train()
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM["weight_decay"]},
+                                            {"params": no_decay, "weight_decay": 0.0}], lr=OPTIM["lr"],
+                                           betas=(OPTIM["adam_beta1"], OPTIM["adam_beta2"]), eps=OPTIM["adam_eps"],
+                                           foreach=True)
+
+    def step(self, batches) -> float:
+        (tokens, position_ids), (labels, loss_mask) = batches[0]
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = self.model(tokens, position_ids, labels=labels, loss_mask=loss_mask)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), OPTIM["clip_grad"])
+        self.optimizer.step()
+        return float(loss.item())
+
+
+def use_4d_attention_mask(module: torch.nn.Module) -> int:
+    """PROPOSED FIX, applied to this process's instances only: give SDPA the ALiBi bias as
+    [1, np, sq, sk] instead of [np, sq, sk]. On CPU a 3-D mask sends F.scaled_dot_product_attention
+    to its math path (materialized scores, _safe_softmax); a 4-D one takes the fused flash kernel.
+    Same values, same broadcast: the losses must not change. Returns the layers patched."""
+    from megatron.model.attention import SelfAttention
+
+    patched = 0
+    for m in module.modules():
+        if isinstance(m, SelfAttention):
+            original = m._attention_mask
+
+            def four_d(*args, _original=original, **kwargs):
+                mask = _original(*args, **kwargs)
+                return mask[None] if mask is not None and mask.dim() == 3 else mask  # [1, np, sq, sk]
+
+            m._attention_mask = four_d
+            patched += 1
+    return patched
+
+
 def build(corpus: dict, variants) -> dict:
     runners = {}
     ours = {}
@@ -152,7 +210,12 @@ def build(corpus: dict, variants) -> dict:
         if any(v.endswith(precision) for v in variants):
             ours[precision] = Ours(run_argv(corpus, precision == "bf16"))
     for v in variants:
-        if v.startswith("ours_"):
+        if v == "ours_bf16_fix4d":
+            runners[v] = Ours(run_argv(corpus, True))  # a second engine, same seed: same weights
+            assert use_4d_attention_mask(runners[v].engine.module) == MODEL["num_layers"]
+        elif v == "ours_model_autocast_bf16":
+            runners[v] = OursPlain(ours["bf16"].rc.model, ours["bf16"].gpt_state_dict())
+        elif v.startswith("ours_"):
             runners[v] = ours[v.split("_")[1]]
         else:
             source = ours["fp32" if v == "hf_fp32" else "bf16"]
@@ -272,7 +335,8 @@ def main() -> None:
     # Losses from identical weights on identical batches (ours_* trains first: HF copied its start).
     losses = {v: [r.step(batches[i]) for i in range(args.loss_steps)] for v, r in runners.items()}
     curves = {}
-    for ours, theirs in (("ours_bf16", "hf_autocast_bf16"), ("ours_bf16", "hf_bf16"), ("ours_fp32", "hf_fp32")):
+    for ours, theirs in (("ours_bf16", "hf_autocast_bf16"), ("ours_bf16", "hf_bf16"), ("ours_fp32", "hf_fp32"),
+                         ("ours_model_autocast_bf16", "hf_autocast_bf16"), ("ours_bf16_fix4d", "ours_bf16")):
         rel = [abs(a - b) / abs(b) for a, b in zip(losses[ours], losses[theirs])]
         curves[f"{ours}_vs_{theirs}"] = {"max_rel_diff": max(rel), "mean_rel_diff": sum(rel) / len(rel)}
 
@@ -291,15 +355,18 @@ def main() -> None:
     tokens = MODEL["global_batch_size"] * MODEL["seq_length"]
     speed = {v: {"median_step_s": statistics.median(ts), "tokens_per_s": tokens / statistics.median(ts),
                  "step_s_all_reps": ts} for v, ts in times.items()}
-    ratios = {f"ours_bf16_vs_{v}": speed[v]["median_step_s"] / speed["ours_bf16"]["median_step_s"]
-              for v in ("hf_autocast_bf16", "hf_bf16")}
+    ratios = {f"{o}_vs_{v}": speed[v]["median_step_s"] / speed[o]["median_step_s"]
+              for o in ("ours_bf16", "ours_bf16_fix4d") for v in ("hf_autocast_bf16", "hf_bf16")}
     ratios["ours_fp32_vs_hf_fp32"] = speed["hf_fp32"]["median_step_s"] / speed["ours_fp32"]["median_step_s"]
+    ratios["ours_model_autocast_vs_hf_autocast_bf16"] = (speed["hf_autocast_bf16"]["median_step_s"] /
+                                                         speed["ours_model_autocast_bf16"]["median_step_s"])
 
-    profiles = {v: profile_step(runners[v], batches, args.profile_steps) for v in ("ours_bf16", "hf_autocast_bf16")}
+    profiles = {v: profile_step(runners[v], batches, args.profile_steps)
+                for v in ("ours_bf16", "hf_autocast_bf16", "ours_model_autocast_bf16")}
 
     memory = {}
     if not args.no_memory:
-        for v in VARIANTS:
+        for v in [v for v in VARIANTS if v not in ("ours_model_autocast_bf16", "ours_bf16_fix4d")]:
             proc = subprocess.run([sys.executable, __file__, "--memory-child", v, "--threads", str(args.threads),
                                    "--corpus-dir",
                                    os.path.dirname(corpus["data_prefix"])], capture_output=True, text=True,
