@@ -17,6 +17,9 @@ NOT RUN YET: written and dry-run on CPU only (the build machine has no GPU). On 
             materialized additive bias [np, s, s] (slope * (k - q), -inf above the diagonal)
      flex   torch.nn.attention.flex_attention (compiled) with an ALiBi score_mod and a causal
             block mask: no [np, s, s] tensor, fully masked blocks skipped
+     plain_4d  the same bias passed as [1, np, s, s]: on CPU the 3-D mask makes SDPA fall back to its
+            math path (materialized scores) and the 4-D one does not; which kernel CUDA picks is
+            what this row shows
      causal SDPA is_causal=True without ALiBi: the fused kernel's speed of light, for scale
    The outputs of plain and flex are compared (max abs difference) before timing. If flex wins,
    the model needs it as a separate option in attention.py (the attention owner's change).
@@ -108,10 +111,14 @@ def attention_kernels(b: int, heads: int, seq: int, head_dim: int, reps: int, de
         bias = alibi_bias(slopes, positions, positions).to(dtype)  # [np, s, s], as the model builds it
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
 
+    def plain_4d():  # the proposed fix: on CPU a 3-D mask sends SDPA to its math path, a 4-D one does not
+        bias = alibi_bias(slopes, positions, positions).to(dtype)[None]  # [1, np, s, s]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+
     def causal():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
-    paths = {"plain_sdpa_bias": plain, "causal_sdpa_no_alibi": causal}
+    paths = {"plain_sdpa_bias": plain, "plain_sdpa_bias_4d": plain_4d, "causal_sdpa_no_alibi": causal}
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
