@@ -13,6 +13,7 @@ on a 2-core machine. ``ensure_slurm_installed`` installs Debian's slurm-wlm and 
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shutil
 import socket
@@ -136,6 +137,7 @@ class SlurmCluster:
 
     def _write_conf(self) -> None:
         r = self.root
+        user = pwd.getpwuid(os.getuid()).pw_name
         lines = [
             "ClusterName=testcluster",
             f"SlurmctldHost={self.node}(127.0.0.1)",
@@ -157,8 +159,8 @@ class SlurmCluster:
             "SchedulerType=sched/builtin",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
-            "SlurmUser=root",
-            "SlurmdUser=root",
+            f"SlurmUser={user}",
+            f"SlurmdUser={user}",
             f"StateSaveLocation={r}/state",
             f"SlurmdSpoolDir={r}/spool",
             f"SlurmctldPidFile={r}/slurmctld.pid",
