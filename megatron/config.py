@@ -294,6 +294,14 @@ class PrecisionConfig:
         if self.zero_stage not in (0, 1):
             raise ValueError(f"--zero-stage {self.zero_stage} is not supported: DeepSpeed's pipeline engine (used "
                              f"for every run here) accepts ZeRO stages 0 and 1 only")
+        if self.bf16 and self.zero_stage == 0:
+            # BLOOM-176B's script said stage 0 ("bf16 must use z0") for bigscience's DeepSpeed fork, whose
+            # BF16_Optimizer accumulated gradients in fp32 and sharded the fp32 master weights over DP. In
+            # DeepSpeed 0.19 that optimizer is selected by stage 1; stage 0 fails in deepspeed.initialize.
+            raise ValueError("--bf16 with --zero-stage 0 is not supported by DeepSpeed 0.19 (unsupported mix of bf16 "
+                             "weights and fp32 gradient accumulation); use --zero-stage 1 (and zero_optimization."
+                             "stage 1 in the DeepSpeed JSON): that is BF16_Optimizer, the optimizer BLOOM-176B ran "
+                             "with (fp32 master weights and Adam states sharded over data-parallel ranks)")
         return self
 
 

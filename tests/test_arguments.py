@@ -191,8 +191,9 @@ def test_deepspeed_json_contradicting_the_flags_is_rejected(files, entries, word
 
 
 def test_zero_stage_defaults_to_the_json_value(files):
-    args = parse(files, bf16=True, deepspeed_config=_ds_json(files, zero_optimization={"stage": 0}))
-    assert build_run_config(args).precision.zero_stage == 0
+    args = parse(files, deepspeed_config=_ds_json(files, zero_optimization={"stage": 1}))
+    assert build_run_config(args).precision.zero_stage == 1
+    assert build_run_config(parse(files)).precision.zero_stage == 0
     assert build_run_config(parse(files, bf16=True)).precision.zero_stage == 1
 
 
@@ -227,7 +228,9 @@ def test_gen_flags_doc_check_mode_exits_zero():
 # BLOOM-176B (bigscience/train/tr11-176B-ml/tr11-176B-ml.slurm), its flags verbatim, on 48 nodes x 8
 # ------------------------------------------------------------------------------------------------
 
-def bloom_setup(d: pathlib.Path) -> tuple[list[str], pathlib.Path]:
+def bloom_setup(d: pathlib.Path, zero_stage: int = 1) -> tuple[list[str], pathlib.Path]:
+    """BLOOM-176B's flags. Its script said ZeRO stage 0 for bigscience's DeepSpeed fork; the same
+    optimizer (BF16_Optimizer) is stage 1 in DeepSpeed 0.19, hence the default here."""
     prefixes = [d / f"data/{name}_text_document" for name in ("roots_en", "roots_fr", "roots_code")]
     for prefix in prefixes:
         prefix.parent.mkdir(exist_ok=True)
@@ -241,7 +244,7 @@ def bloom_setup(d: pathlib.Path) -> tuple[list[str], pathlib.Path]:
     ds_config = d / "ds_config.json"
     ds_config.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 2, "train_batch_size": 2048, "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "steps_per_print": 2000,
+        "zero_optimization": {"stage": zero_stage}, "bf16": {"enabled": True}, "steps_per_print": 2000,
         "wall_clock_breakdown": False}))
     argv = f"""
     --tensor-model-parallel-size 4 --pipeline-model-parallel-size 12
@@ -261,7 +264,7 @@ def bloom_setup(d: pathlib.Path) -> tuple[list[str], pathlib.Path]:
     --save {d}/checkpoints --load {d}/checkpoints
     --train-weighted-split-paths-path {d}/train-splits.txt --valid-weighted-split-paths-path {d}/valid-splits.txt
     --num-workers 2 --valid-num-workers 0 --data-impl mmap --distributed-backend nccl
-    --deepspeed --deepspeed_config {ds_config} --zero-stage 0 --deepspeed-activation-checkpointing
+    --deepspeed --deepspeed_config {ds_config} --zero-stage {zero_stage} --deepspeed-activation-checkpointing
     """.split()
     return argv, ds_config
 
@@ -287,7 +290,7 @@ def test_bloom_176b_flags_parse_into_the_expected_run_config(tmp_path, monkeypat
     assert t.train_samples == 220_000_000 and t.train_iters is None
     assert (t.eval_interval, t.eval_iters, t.checkpoint_activations, t.deepspeed_activation_checkpointing,
             t.sync_tp_duplicated_parameters) == (1000, 1, True, True, True)
-    assert rc.precision.bf16 and rc.precision.zero_stage == 0
+    assert rc.precision.bf16 and rc.precision.zero_stage == 1
     d = rc.data
     assert d.tokenizer_type == "PretrainedFromHF" and d.pad_vocab_size_to == 250880 and d.data_impl == "mmap"
     assert (d.num_workers, d.valid_num_workers, d.split, d.data_path) == (2, 0, None, ())
@@ -306,7 +309,7 @@ def test_bloom_176b_flags_parse_into_the_expected_run_config(tmp_path, monkeypat
     ds = build_deepspeed_config(rc, rc.deepspeed_user_config)
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == \
         (2048, 2, 128)
-    assert ds["bf16"] == {"enabled": True} and ds["zero_optimization"] == {"stage": 0}
+    assert ds["bf16"] == {"enabled": True} and ds["zero_optimization"] == {"stage": 1}
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["steps_per_print"] == 2000
     assert ds["activation_checkpointing"]["number_checkpoints"] == 70
     assert "optimizer" not in ds and "scheduler" not in ds
@@ -319,14 +322,18 @@ def test_bloom_176b_flags_parse_into_the_expected_run_config(tmp_path, monkeypat
 
 def test_bloom_176b_resumed_from_a_universal_checkpoint_with_zero_1(tmp_path):
     argv, ds_config = bloom_setup(tmp_path)
-    config = json.loads(ds_config.read_text())
-    config["zero_optimization"]["stage"] = 1
-    ds_config.write_text(json.dumps(config))
-    argv[argv.index("--zero-stage") + 1] = "1"
     rc = build_run_config(parse_args(argv + ["--universal-checkpoint"], world_size=384))
     assert rc.checkpoint.universal_checkpoint and rc.precision.zero_stage == 1
-    with pytest.raises(ValueError, match="zero_optimization.stage = 1 .* contradicts --zero-stage 0"):
-        argv[argv.index("--zero-stage") + 1] = "0"
+    config = json.loads(ds_config.read_text())
+    config["zero_optimization"]["stage"] = 0
+    ds_config.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="zero_optimization.stage = 0 .* contradicts --zero-stage 1"):
+        parse_args(argv, world_size=384)
+
+
+def test_bloom_176b_original_zero_stage_0_is_refused_with_the_fix(tmp_path):
+    argv, _ = bloom_setup(tmp_path, zero_stage=0)
+    with pytest.raises(ValueError, match="--bf16 with --zero-stage 0 is not supported .* use --zero-stage 1"):
         parse_args(argv, world_size=384)
 
 

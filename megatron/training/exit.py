@@ -13,10 +13,22 @@ import signal
 import time
 from typing import Optional
 
-import torch
-import torch.distributed as dist
-
 REASONS = ("", "exit-interval", "exit-duration", "kill-switch", "signal")
+
+# A signal that arrived during start-up, before the loop's ExitMonitor existed (see below).
+_early_signal: dict[str, Optional[int]] = {"signum": None}
+
+
+def install_early_signal_handler(signals=(signal.SIGTERM,)) -> None:
+    """Record SIGTERM from the very start of the process (this module imports nothing heavy), so a
+    preemption during the long start-up is acted on at the first iteration boundary instead of
+    killing the process before its handler exists."""
+
+    def record(signum, frame):  # noqa: ARG001 - signal handler signature
+        _early_signal["signum"] = signum
+
+    for sig in signals:
+        signal.signal(sig, record)
 
 
 class ExitMonitor:
@@ -29,7 +41,7 @@ class ExitMonitor:
         self.exit_duration_in_mins = exit_duration_in_mins
         self.kill_switch_path = kill_switch_path
         self.start_time = time.time() if start_time is None else start_time
-        self.received_signal: Optional[int] = None
+        self.received_signal: Optional[int] = _early_signal["signum"]
         self._previous = {}
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -54,6 +66,9 @@ class ExitMonitor:
         return 0
 
     def check(self, iteration: int) -> str:
+        import torch
+        import torch.distributed as dist
+
         code = torch.tensor([self.local_reason(iteration)], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             if dist.get_backend() == "nccl":

@@ -177,8 +177,13 @@ class Trainer:
         window_start = time.time()
         self.engine.train()
         while not self._done():
-            pending.append(self.train_step())
+            record = self.train_step()
+            pending.append(record)
             it = self.progress.iteration
+            if it % self.rc.logging.tensorboard_log_interval == 0:
+                self.logger.scalars(iteration=it, consumed_samples=self.progress.consumed_samples,
+                                    consumed_tokens=self.progress.consumed_tokens, loss=record.loss, lr=record.lr,
+                                    global_batch_size=record.global_batch_size, grad_norm=record.grad_norm)
             if it % log_interval == 0:
                 self._log(pending, time.time() - window_start)
                 pending, window_start = [], time.time()

@@ -108,12 +108,6 @@ class TrainingLogger:
         if mfu is not None:
             line += f" MFU: {100 * mfu:.1f}% |"
         self.print_fn(line, flush=True)
-        self._add("lm-loss-training", "lm loss", loss, iteration, consumed_samples, consumed_tokens)
-        self._add("learning-rate", "learning-rate", lr, iteration, consumed_samples, consumed_tokens)
-        if self.log_batch_size:
-            self._add("batch-size", "batch-size", global_batch_size, iteration, consumed_samples, consumed_tokens)
-        if grad_norm is not None and math.isfinite(grad_norm):
-            self._add("grad-norm", "grad-norm", grad_norm, iteration, consumed_samples, consumed_tokens)
         if self.log_timers and self.writer is not None:
             self.writer.add_scalar("iteration-time/iteration-time", elapsed_ms_per_iter / 1000.0, iteration)
             self.writer.add_scalar("iteration-time/samples per second", samples_per_s, iteration)
@@ -122,6 +116,17 @@ class TrainingLogger:
             if mfu is not None:
                 self.writer.add_scalar("iteration-time/MFU", mfu, iteration)
         return line
+
+    def scalars(self, *, iteration: int, consumed_samples: int, consumed_tokens: int, loss: float, lr: float,
+                global_batch_size: int, grad_norm: Optional[float]) -> None:
+        """One iteration's own values to tensorboard (every --tensorboard-log-interval iterations)."""
+        if math.isfinite(loss):  # a skipped iteration has no loss
+            self._add("lm-loss-training", "lm loss", loss, iteration, consumed_samples, consumed_tokens)
+        self._add("learning-rate", "learning-rate", lr, iteration, consumed_samples, consumed_tokens)
+        if self.log_batch_size:
+            self._add("batch-size", "batch-size", global_batch_size, iteration, consumed_samples, consumed_tokens)
+        if grad_norm is not None and math.isfinite(grad_norm):
+            self._add("grad-norm", "grad-norm", grad_norm, iteration, consumed_samples, consumed_tokens)
 
     def validation(self, *, name: Optional[str], loss: float, iteration: int, consumed_samples: int,
                    consumed_tokens: int, test: bool = False) -> str:

@@ -112,9 +112,9 @@ def test_module_does_not_import_deepspeed():
 
 
 @pytest.mark.parametrize("precision", [
-    PrecisionConfig(bf16=True, zero_stage=1), PrecisionConfig(bf16=True, zero_stage=0),
-    PrecisionConfig(fp16=True, initial_loss_scale=4096, zero_stage=0), PrecisionConfig(zero_stage=0)],
-    ids=["bf16-z1", "bf16-z0", "fp16", "fp32"])
+    PrecisionConfig(bf16=True, zero_stage=1), PrecisionConfig(fp16=True, initial_loss_scale=4096, zero_stage=0),
+    PrecisionConfig(zero_stage=0), PrecisionConfig(zero_stage=1)],
+    ids=["bf16-z1", "fp16", "fp32", "fp32-z1"])
 def test_deepspeed_accepts_the_config(precision):
     """DeepSpeed's own config parser reads what we build (one process: data-parallel size 1)."""
     pytest.importorskip("deepspeed")

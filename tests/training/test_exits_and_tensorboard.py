@@ -119,9 +119,13 @@ def test_weighted_split_groups_are_evaluated_and_logged_by_name(tiny_corpus, tmp
     tb = tmp_path / "tb"
     argv = tiny_argv(tiny_corpus, "--train-weighted-split-paths", f"train: 1 0:0.9 {prefix}",
                      "--valid-weighted-split-paths-path", str(groups), data_path=None, split=None,
-                     train_iters=4, eval_interval=2, eval_iters=1, tensorboard_dir=str(tb))
+                     train_iters=4, eval_interval=2, eval_iters=1, tensorboard_dir=str(tb),
+                     log_interval=3, tensorboard_log_interval=2)
     (run,), = run_distributed(_run_single, world_size=1, args=([argv],))
     scalars = _scalars(tb)
+    # Training scalars follow --tensorboard-log-interval, each iteration's own loss (not the log average).
+    assert scalars["lm-loss-training/lm loss"] == [(2, pytest.approx(run["history"][1][1])),
+                                                  (4, pytest.approx(run["history"][3][1]))]
     for name in ("valid_a", "valid_b"):
         steps = [s for s, _ in scalars[f"lm-loss-validation/{name}/lm loss validation"]]
         assert steps == [2, 4], (name, sorted(scalars))
