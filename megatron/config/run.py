@@ -1,9 +1,5 @@
-"""Configuration dataclasses: what the model, the parallel layout and the run need, validated.
-
-Entry points turn command-line flags (``megatron.arguments``) into these; library code reads only
-these, never global arguments. Field names follow Megatron-DeepSpeed's flag names. ``validate()``
-raises ``ValueError`` naming the values and the fix.
-"""
+"""The run's remaining settings (parallel layout, optimizer, schedule, batch, precision, loop,
+logging, checkpoints, exits) and RunConfig, which groups them all and checks them together."""
 
 from __future__ import annotations
 
@@ -11,102 +7,14 @@ import dataclasses
 import math
 from typing import Optional
 
-POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi")
-PARAMS_DTYPES = ("fp32", "bf16", "fp16")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """A GPT / BLOOM decoder. Sequence-first activations [s, b, h]."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    padded_vocab_size: int                 # rows of the word embedding, divisible by TP
-    seq_length: int
-    max_position_embeddings: Optional[int] = None  # learned positions only; defaults to seq_length
-    ffn_hidden_size: Optional[int] = None  # defaults to 4 * hidden_size
-    position_embedding_type: str = "absolute"      # absolute | rotary | alibi
-    embed_layernorm: bool = False          # LayerNorm right after the word embedding (BLOOM)
-    layernorm_epsilon: float = 1e-5
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02          # normal(0, std); output projections std / sqrt(2 * num_layers)
-    rotary_base: float = 10000.0
-    params_dtype: str = "fp32"             # fp32 | bf16 | fp16: dtype of the module parameters
-    original_vocab_size: Optional[int] = None      # the tokenizer's vocabulary before padding
-    seed: int = 1234                       # initialization seed (each layer's weights depend on it and its index only)
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.max_position_embeddings if self.max_position_embeddings is not None else self.seq_length
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
-        """Raise ValueError for an impossible configuration; return self so calls can chain."""
-        tp = tensor_model_parallel_size
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "seq_length"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                             f"{self.num_attention_heads}")
-        if self.num_attention_heads % tp:
-            raise ValueError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
-                             f"--tensor-model-parallel-size {tp}; each TP rank must hold whole heads")
-        if self.ffn_size % tp:
-            raise ValueError(f"ffn hidden size {self.ffn_size} is not divisible by "
-                             f"--tensor-model-parallel-size {tp}")
-        if self.padded_vocab_size % tp:
-            raise ValueError(f"padded vocabulary size {self.padded_vocab_size} is not divisible by "
-                             f"--tensor-model-parallel-size {tp}; pad it (--make-vocab-size-divisible-by)")
-        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            raise ValueError(f"--position-embedding-type {self.position_embedding_type!r} is not one of "
-                             f"{', '.join(POSITION_EMBEDDING_TYPES)}")
-        if self.position_embedding_type == "absolute" and self.seq_length > self.max_positions:
-            raise ValueError(f"--seq-length {self.seq_length} is longer than --max-position-embeddings "
-                             f"{self.max_positions}: learned positions exist only up to that length")
-        if self.position_embedding_type == "rotary" and self.head_dim % 2:
-            raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim} "
-                             f"(--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads})")
-        if self.params_dtype not in PARAMS_DTYPES:
-            raise ValueError(f"params_dtype {self.params_dtype!r} is not one of {', '.join(PARAMS_DTYPES)}")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
-        if self.original_vocab_size is not None and self.original_vocab_size > self.padded_vocab_size:
-            raise ValueError(f"original vocabulary size {self.original_vocab_size} is larger than the padded "
-                             f"size {self.padded_vocab_size}")
-        return self
-
-
-# ---------------------------------------------------------------------------------------------
-# The run: how the model is laid out over processes, optimized, fed, logged, saved and stopped.
-# Built from the command line by ``megatron.arguments.build_run_config``; each ``validate()``
-# checks what its own fields can check, ``RunConfig.validate()`` the rules that span several.
-# ---------------------------------------------------------------------------------------------
+from megatron.config._checks import _positive
+from megatron.config.data import DataConfig, DatasetGroup, DatasetSplit  # noqa: F401 (RunConfig fields)
+from megatron.config.model import ModelConfig
 
 PARTITION_METHODS = ("type:transformer", "type:transformer|embedding", "parameters", "uniform")
 DISTRIBUTED_BACKENDS = ("nccl", "gloo", "ccl")
 LR_DECAY_STYLES = ("linear", "cosine", "constant")
 OPTIMIZERS = ("adam", "sgd")
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "PretrainedFromHF")
-DATA_IMPLS = ("mmap", "infer")   # Megatron's "lazy" and "cached" formats are not read by this project
-
-
-def _positive(name: str, value, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,112 +211,6 @@ class PrecisionConfig:
                              "stage 1 in the DeepSpeed JSON): that is BF16_Optimizer, the optimizer BLOOM-176B ran "
                              "with (fp32 master weights and Adam states sharded over data-parallel ranks)")
         return self
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetSplit:
-    """One dataset of a weighted-split group: blend ``weight`` of documents [start, end) of ``prefix``."""
-
-    weight: float
-    start: float       # fraction of the dataset's documents, 0 <= start < end <= 1
-    end: float
-    prefix: str        # path without .bin / .idx
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetGroup:
-    """A named blend (``"NAME: W START:END PATH, ..."``); each validation group is evaluated on its own."""
-
-    name: str
-    datasets: tuple[DatasetSplit, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Where tokens come from. Two exclusive modes, as in Megatron-DeepSpeed:
-
-    1. ``data_path`` + ``split``: one blend split into train/valid/test by document ranges;
-    2. weighted split groups: one train group, any number of valid and test groups.
-    """
-
-    data_path: tuple[tuple[float, str], ...] = ()   # (weight, prefix) pairs; a single prefix has weight 1.0
-    split: Optional[str] = None                     # "969, 30, 1"-style proportions (mode 1 only)
-    train_weighted_split_groups: tuple[DatasetGroup, ...] = ()
-    valid_weighted_split_groups: tuple[DatasetGroup, ...] = ()
-    test_weighted_split_groups: tuple[DatasetGroup, ...] = ()
-    data_impl: str = "mmap"                         # only Megatron's mmap format is read
-    seq_length: int = 1024                          # tokens per sample
-    num_workers: int = 2                            # DataLoader workers for training
-    valid_num_workers: int = 2                      # DataLoader workers for validation and test
-    tokenizer_type: Optional[str] = None            # GPT2BPETokenizer | SentencePieceTokenizer | PretrainedFromHF
-    tokenizer_name_or_path: Optional[str] = None    # PretrainedFromHF: a local tokenizer.json or directory
-    vocab_file: Optional[str] = None                # GPT2BPETokenizer: vocab.json
-    merge_file: Optional[str] = None                # GPT2BPETokenizer: merges.txt
-    tokenizer_model: Optional[str] = None           # SentencePieceTokenizer: the .model file
-    make_vocab_size_divisible_by: int = 128         # padding multiple (times TP) of the embedding rows
-    pad_vocab_size_to: Optional[int] = None         # exact padded size instead (BLOOM: 250880)
-    seed: int = 1234                                # sample-index shuffling seed
-
-    @property
-    def uses_weighted_splits(self) -> bool:
-        return bool(self.train_weighted_split_groups or self.valid_weighted_split_groups
-                    or self.test_weighted_split_groups)
-
-    @property
-    def split_fractions(self) -> tuple[float, float, float]:
-        """(train, valid, test) fractions of ``split``; Megatron pads missing parts with 0."""
-        parts = [float(p) for p in (self.split or "969, 30, 1").replace("/", ",").split(",") if p.strip()]
-        parts = (parts + [0.0, 0.0, 0.0])[:3]
-        total = sum(parts)
-        return tuple(p / total for p in parts)  # type: ignore[return-value]
-
-    @property
-    def has_validation_data(self) -> bool:
-        if self.uses_weighted_splits:
-            return bool(self.valid_weighted_split_groups)
-        return bool(self.data_path) and self.split_fractions[1] > 0
-
-    def validate(self) -> "DataConfig":
-        if self.data_path and self.uses_weighted_splits:
-            raise ValueError("--data-path and --(train|valid|test)-weighted-split-paths are exclusive ways to "
-                             "name the data; pass one of them")
-        if not self.data_path and not self.train_weighted_split_groups:
-            raise ValueError("no training data: pass --data-path PREFIX (or WEIGHT PREFIX ...) or "
-                             "--train-weighted-split-paths(-path)")
-        if self.uses_weighted_splits and self.split is not None:
-            raise ValueError(f"--split {self.split!r} applies to --data-path only; the weighted split paths "
-                             "carry their own START:END ranges")
-        if len(self.train_weighted_split_groups) > 1:
-            raise ValueError(f"--train-weighted-split-paths takes exactly one group, got "
-                             f"{len(self.train_weighted_split_groups)}")
-        if self.split is not None:
-            try:
-                fractions = self.split_fractions
-            except (ValueError, ZeroDivisionError):
-                raise ValueError(f"--split {self.split!r} must be up to three non-negative numbers with a "
-                                 "positive sum, e.g. '969, 30, 1'") from None
-            if min(fractions) < 0:
-                raise ValueError(f"--split {self.split!r} has a negative part")
-        if self.data_impl not in DATA_IMPLS:
-            raise ValueError(f"--data-impl {self.data_impl!r} is not supported: this project reads Megatron's "
-                             f"mmap format only (pass --data-impl mmap; convert with tools/preprocess_data.py)")
-        _positive("--seq-length", self.seq_length)
-        if self.num_workers < 0 or self.valid_num_workers < 0:
-            raise ValueError(f"--num-workers {self.num_workers} and --valid-num-workers "
-                             f"{self.valid_num_workers} must be >= 0")
-        self._validate_tokenizer()
-        return self
-
-    def _validate_tokenizer(self) -> None:
-        if self.tokenizer_type not in TOKENIZER_TYPES:
-            raise ValueError(f"--tokenizer-type {self.tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
-        needed = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",),
-                  "PretrainedFromHF": ("tokenizer_name_or_path",)}[self.tokenizer_type]
-        for name in needed:
-            if getattr(self, name) is None:
-                raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs --{name.replace('_', '-')}")
-        _positive("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by)
-        _positive("--pad-vocab-size-to", self.pad_vocab_size_to, allow_none=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,20 @@
+"""Configuration dataclasses: what the model, the parallel layout and the run need, validated.
+
+Entry points turn command-line flags (``megatron.arguments``) into these; library code reads only
+these, never global arguments. Field names follow Megatron-DeepSpeed's flag names. ``validate()``
+raises ``ValueError`` naming the values and the fix.
+
+Split by concern: ``model`` (the architecture), ``data`` (data paths, groups, tokenizer) and ``run``
+(everything else, and ``RunConfig`` grouping it all); import them from here.
+"""
+
+from megatron.config.data import DATA_IMPLS, TOKENIZER_TYPES, DataConfig, DatasetGroup, DatasetSplit
+from megatron.config.model import PARAMS_DTYPES, POSITION_EMBEDDING_TYPES, ModelConfig
+from megatron.config.run import (DISTRIBUTED_BACKENDS, LR_DECAY_STYLES, OPTIMIZERS, PARTITION_METHODS, BatchConfig,
+                                 CheckpointConfig, ExitConfig, LoggingConfig, LRScheduleConfig, OptimizerConfig,
+                                 ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig, check_rampup_batch_size)
+
+__all__ = ["ModelConfig", "POSITION_EMBEDDING_TYPES", "PARAMS_DTYPES", "DataConfig", "DatasetGroup", "DatasetSplit",
+           "TOKENIZER_TYPES", "DATA_IMPLS", "ParallelConfig", "OptimizerConfig", "LRScheduleConfig", "BatchConfig",
+           "PrecisionConfig", "TrainingConfig", "LoggingConfig", "CheckpointConfig", "ExitConfig", "RunConfig",
+           "PARTITION_METHODS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "OPTIMIZERS", "check_rampup_batch_size"]

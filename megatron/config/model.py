@@ -1,0 +1,89 @@
+"""ModelConfig: the decoder's architecture (what a checkpoint must agree on) and its init."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi")
+PARAMS_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A GPT / BLOOM decoder. Sequence-first activations [s, b, h]."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    padded_vocab_size: int                 # rows of the word embedding, divisible by TP
+    seq_length: int
+    max_position_embeddings: Optional[int] = None  # learned positions only; defaults to seq_length
+    ffn_hidden_size: Optional[int] = None  # defaults to 4 * hidden_size
+    position_embedding_type: str = "absolute"      # absolute | rotary | alibi
+    embed_layernorm: bool = False          # LayerNorm right after the word embedding (BLOOM)
+    layernorm_epsilon: float = 1e-5
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02          # normal(0, std); output projections std / sqrt(2 * num_layers)
+    rotary_base: float = 10000.0
+    params_dtype: str = "fp32"             # fp32 | bf16 | fp16: dtype of the module parameters
+    original_vocab_size: Optional[int] = None      # the tokenizer's vocabulary before padding
+    seed: int = 1234                       # initialization seed (each layer's weights depend on it and its index only)
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings if self.max_position_embeddings is not None else self.seq_length
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
+        """Raise ValueError for an impossible configuration; return self so calls can chain."""
+        tp = tensor_model_parallel_size
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "seq_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                             f"{self.num_attention_heads}")
+        if self.num_attention_heads % tp:
+            raise ValueError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                             f"--tensor-model-parallel-size {tp}; each TP rank must hold whole heads")
+        if self.ffn_size % tp:
+            raise ValueError(f"ffn hidden size {self.ffn_size} is not divisible by "
+                             f"--tensor-model-parallel-size {tp}")
+        if self.padded_vocab_size % tp:
+            raise ValueError(f"padded vocabulary size {self.padded_vocab_size} is not divisible by "
+                             f"--tensor-model-parallel-size {tp}; pad it (--make-vocab-size-divisible-by)")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"--position-embedding-type {self.position_embedding_type!r} is not one of "
+                             f"{', '.join(POSITION_EMBEDDING_TYPES)}")
+        if self.position_embedding_type == "absolute" and self.seq_length > self.max_positions:
+            raise ValueError(f"--seq-length {self.seq_length} is longer than --max-position-embeddings "
+                             f"{self.max_positions}: learned positions exist only up to that length")
+        if self.position_embedding_type == "rotary" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim} "
+                             f"(--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads})")
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise ValueError(f"params_dtype {self.params_dtype!r} is not one of {', '.join(PARAMS_DTYPES)}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.original_vocab_size is not None and self.original_vocab_size > self.padded_vocab_size:
+            raise ValueError(f"original vocabulary size {self.original_vocab_size} is larger than the padded "
+                             f"size {self.padded_vocab_size}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# The run: how the model is laid out over processes, optimized, fed, logged, saved and stopped.
+# Built from the command line by ``megatron.arguments.build_run_config``; each ``validate()``
+# checks what its own fields can check, ``RunConfig.validate()`` the rules that span several.
+# ---------------------------------------------------------------------------------------------
