@@ -68,6 +68,7 @@ class Trainer:
         self.sync_fn = sync_fn
         self.world_size = world_size
         self.history: list[IterationRecord] = []
+        self.last_validation: dict[str, float] = {}
         # MFU needs the device's peak: known GPUs by name, or --peak-tflops; None on CPU (TFLOPs only).
         self.peak_tflops = peak_tflops_for_device(current_device_name(), rc.logging.peak_tflops)
         self._consecutive_nonfinite = 0
@@ -151,6 +152,8 @@ class Trainer:
                                    consumed_samples=self.progress.consumed_samples,
                                    consumed_tokens=self.progress.consumed_tokens, test=test)
         self.engine.train()
+        if not test:
+            self.last_validation = results
         return results
 
     # ---- the loop ---------------------------------------------------------------------------

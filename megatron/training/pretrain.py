@@ -41,8 +41,8 @@ class PretrainResult:
     exit_reason: str           # '' (schedule finished), 'signal', 'kill-switch', 'exit-duration', 'exit-interval'
     progress: Progress
     history: list              # IterationRecord per iteration run in this process
-    valid: dict[str, float]
-    test: dict[str, float]
+    valid: dict[str, float]    # the last validation losses, by group name ('' for the --split validation set)
+    test: dict[str, float]     # the test losses at the end of the schedule
     engine: object = None      # the DeepSpeed engine (for inspection by tests and tools)
 
 
@@ -140,7 +140,7 @@ def pretrain(rc: RunConfig, *, dataset_cache_dir: Optional[str] = None) -> Pretr
                  f"TP={state.tp_size} PP={state.pp_size} DP={state.dp_size}); training")
     try:
         reason = trainer.train()
-        valid, test = {}, {}
+        test = {}
         if not reason:
             test_iters = {name: micro_batch_iterator(ds, rc, consumed_samples=0,
                                                      num_workers=rc.data.valid_num_workers, **dp)
@@ -153,7 +153,7 @@ def pretrain(rc: RunConfig, *, dataset_cache_dir: Optional[str] = None) -> Pretr
         monitor.restore_signal_handlers()
         if writer is not None:
             writer.close()
-    return PretrainResult(reason, progress, trainer.history, valid, test, engine)
+    return PretrainResult(reason, progress, trainer.history, trainer.last_validation, test, engine)
 
 
 def _resume(rc: RunConfig, engine, lr_scheduler, tracker) -> Progress:
