@@ -20,8 +20,9 @@ only, clip 1.0), no dropout. Variants, all in the same process:
 Losses: the first --loss-steps steps of each variant from the same weights on the same batches.
 Speed: --reps repetitions of --steps-per-rep steps, variants alternated (rotating order), the
 median step time per variant -> tokens/s. Memory: each variant again in a fresh subprocess: peak
-RSS (ru_maxrss) minus the RSS after imports = what the model, optimizer, activations and runtime
-buffers add (tracemalloc cannot see torch's allocations). Profile: cProfile over our bf16 step and
+RSS (VmHWM; ru_maxrss would carry the parent's RSS across fork + exec) minus the RSS once torch,
+deepspeed, transformers and megatron are imported = what the model, optimizer, activations, data
+and runtime buffers add (tracemalloc cannot see torch's allocations). Profile: cProfile over our bf16 step and
 the autocast step, self time grouped by where the code lives. Prints ONE JSON line.
 
     python benchmarks/bench_train_vs_transformers.py --output benchmarks/results/train_vs_transformers_2026-11-29.json
@@ -305,8 +306,11 @@ def memory_child(variant: str, corpus_dir: str) -> None:
         batches = random_batches(rc.model, 3, MODEL["micro_batch_size"])
     for b in batches:
         runner.step(b)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"variant": variant, "rss_after_imports": base_rss, "peak_rss": peak,
+    # VmHWM, not ru_maxrss: Linux carries the parent's RSS at fork into ru_maxrss across exec.
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    print(json.dumps({"variant": variant, "rss_after_imports": base_rss, "peak_rss_vmhwm": peak,
+                      "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                       "peak_minus_imports_mb": (peak - base_rss) / 2 ** 20}))
 
 
@@ -365,12 +369,16 @@ def main() -> None:
                 for v in ("ours_bf16", "hf_autocast_bf16", "ours_model_autocast_bf16")}
 
     memory = {}
+    # a fresh single-process group in each child: drop the rendezvous this process set up
+    child_env = {k: v for k, v in os.environ.items()
+                 if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    child_env["DS_ACCELERATOR"] = "cpu"
     if not args.no_memory:
         for v in [v for v in VARIANTS if v not in ("ours_model_autocast_bf16", "ours_bf16_fix4d")]:
             proc = subprocess.run([sys.executable, __file__, "--memory-child", v, "--threads", str(args.threads),
                                    "--corpus-dir",
                                    os.path.dirname(corpus["data_prefix"])], capture_output=True, text=True,
-                                  timeout=600, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+                                  timeout=600, env=child_env)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             memory[v] = json.loads(lines[-1]) if lines else {"error": proc.stderr[-1500:]}
 

@@ -91,6 +91,9 @@ def _size(tensor) -> tuple[int, int]:
     return tensor.numel(), tensor.numel() * tensor.element_size()
 
 
+_RECORDERS: list = []  # the recorders entered in this process, innermost last
+
+
 class CollectiveRecorder:
     """Record the torch.distributed calls made while ``active`` (patched for the recorder's lifetime).
 
@@ -108,6 +111,7 @@ class CollectiveRecorder:
     def __enter__(self) -> "CollectiveRecorder":
         import torch.distributed as dist
 
+        _RECORDERS.append(self)
         for name in WRAPPED:
             original = getattr(dist, name, None)
             if original is None or getattr(original, "_recorder_wrapped", False):
@@ -122,6 +126,7 @@ class CollectiveRecorder:
         for name, original in self._originals.items():
             setattr(dist, name, original)
         self._originals.clear()
+        _RECORDERS.remove(self)
 
     def _group_ranks(self, op: str, args, kwargs) -> tuple:
         import torch.distributed as dist
@@ -145,12 +150,17 @@ class CollectiveRecorder:
         return tuple(dist.get_process_group_ranks(group))
 
     def _wrap(self, op: str, original):
+        # The wrapper records into whichever recorder is current when it is CALLED, not the one that
+        # made it: DeepSpeed's TorchBackend caches torch.distributed.all_gather_into_tensor when it
+        # is initialized, so a wrapper can outlive its recorder (a second run in the same process).
+        # Hence also: enter the recorder before deepspeed.init_distributed, or that call is unseen.
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
-            if self.active:
+            current = _RECORDERS[-1] if _RECORDERS else None
+            if current is not None and current.active:
                 numel, nbytes = _size(_tensor_of(op, args, kwargs))
-                ranks = self._group_ranks(op, args, kwargs)
-                self.records.append(CallRecord(op, classify(op, ranks, self.layout), ranks, numel, nbytes))
+                ranks = current._group_ranks(op, args, kwargs)
+                current.records.append(CallRecord(op, classify(op, ranks, current.layout), ranks, numel, nbytes))
             return original(*args, **kwargs)
 
         wrapper._recorder_wrapped = True
