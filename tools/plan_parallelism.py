@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--pp-partition-method", default="type:transformer",
                    choices=["type:transformer", "type:transformer|embedding"])
+    p.add_argument("--zero-stages", type=int, nargs="+", default=[1], choices=[0, 1],
+                   help="planner ZeRO stages to consider. 1: masters and Adam sharded over DP (BF16_Optimizer; "
+                        "our --bf16 requires it). 0: a replicated optimizer, which our bf16 path does not offer")
     p.add_argument("--recompute", choices=["auto", "yes", "no"], default="auto",
                    help="activation checkpointing: try both (auto) or fix it")
     p.add_argument("--top", type=int, default=10)
@@ -97,6 +100,7 @@ def main(argv=None) -> int:
     plans = plan_layouts(model, gpu, cluster, args.num_gpus, args.seq_length, args.global_batch_size,
                          micro_batch_sizes=args.micro_batch_sizes, partition_method=args.pp_partition_method,
                          recompute={"auto": (True, False), "yes": (True,), "no": (False,)}[args.recompute],
+                         zero_stages=tuple(args.zero_stages),
                          include_infeasible=args.show_infeasible)
     rows = [p.row() for p in plans[:args.top]]
     if args.json:

@@ -36,6 +36,9 @@ def test_bloom_layout_rank_without_constraints():
     rank = keys.index(_key(BLOOM))
     assert rank < 5, keys[:6]
     assert all(not p.layout.recompute for p in plans[:rank]), keys[:rank]
+    # With the ZeRO stage our bf16 path allows (1; the CLI's default) it is in the top three.
+    keys = [_key(p.layout) for p in _bloom_plans(zero_stages=(1,))]
+    assert keys.index(_key(BLOOM)) < 3, keys[:4]
 
 
 def test_bloom_memory_fits_80gb_and_throughput_within_20_percent():
