@@ -128,7 +128,7 @@ class SelfAttention(nn.Module):
 
     def _attention_mask(self, query_positions: torch.Tensor, sk: int, dtype: torch.dtype
                         ) -> Optional[torch.Tensor]:
-        """The additive bias [np, sq, sk], a boolean mask [sq, sk], or None for SDPA's is_causal.
+        """The additive bias [1, np, sq, sk], a boolean mask [sq, sk], or None for SDPA's is_causal.
 
         is_causal aligns queries with the FIRST keys, which is wrong once cached keys precede the
         queries; then (and for ALiBi, which needs a bias anyway) the mask is built explicitly.
@@ -137,7 +137,8 @@ class SelfAttention(nn.Module):
         key_positions = torch.arange(sk, device=query_positions.device)  # [sk]
         if self.alibi_slopes is not None:
             slopes = self.alibi_slopes.to(query_positions.device)
-            return alibi_bias(slopes, query_positions, key_positions).to(dtype)  # [np, sq, sk]
+            # 4-D: with a 3-D bias torch's CPU SDPA falls back to its slow unfused path.
+            return alibi_bias(slopes, query_positions, key_positions).to(dtype)[None]  # [1, np, sq, sk]
         if sq == sk or sq == 1:
             return None  # is_causal, or one new token that may see every cached key
         return key_positions[None, :] <= query_positions[:, None]  # [sq, sk], True = attend
