@@ -84,6 +84,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if start_method == "fork":
+        # Children inherit what the parent imported. torch._dynamo is imported lazily the first time an
+        # optimizer is built (about 1 s alone, 10 s with 8 children on 2 busy cores): pay it once here.
+        import torch._dynamo  # noqa: F401
     ctx = mp.get_context(start_method)
     queue = ctx.SimpleQueue()
     port = find_free_port()
