@@ -37,15 +37,19 @@ class AbstractTokenizer(abc.ABC):
     def vocab_size(self) -> int:
         """Tokens in the vocabulary before any padding (see ``pad_vocab_size``)."""
 
+    # Set by each implementation's __init__.
+    _eod: int
+    _pad: Optional[int] = None
+
     @property
-    @abc.abstractmethod
     def eod(self) -> int:
         """Id of the end-of-document token appended to each document."""
+        return self._eod
 
     @property
     def pad(self) -> int:
         """Id used for padding; the end-of-document id where the vocabulary has no pad token."""
-        return self.eod
+        return self._eod if self._pad is None else self._pad
 
     @abc.abstractmethod
     def tokenize(self, text: str) -> list[int]:
@@ -79,14 +83,6 @@ class _FastTokenizer(AbstractTokenizer):
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -152,14 +148,6 @@ class SentencePieceTokenizer(AbstractTokenizer):
     @property
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text)
