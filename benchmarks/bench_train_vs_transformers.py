@@ -107,6 +107,15 @@ class Ours:
         return value
 
 
+def _adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """The same AdamW, parameter groups (no decay on biases and norms) and settings as our engine's."""
+    from megatron.engine.optimizer import build_client_optimizer
+
+    return build_client_optimizer(model, optimizer="adam", lr=OPTIM["lr"], weight_decay=OPTIM["weight_decay"],
+                                  adam_beta1=OPTIM["adam_beta1"], adam_beta2=OPTIM["adam_beta2"],
+                                  adam_eps=OPTIM["adam_eps"])
+
+
 class HF:
     """A plain training loop over transformers' BloomForCausalLM."""
 
@@ -125,13 +134,7 @@ class HF:
         if mode == "bf16":
             self.model.to(torch.bfloat16)
         self.model.train()
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM["weight_decay"]},
-                                            {"params": no_decay, "weight_decay": 0.0}], lr=OPTIM["lr"],
-                                           betas=(OPTIM["adam_beta1"], OPTIM["adam_beta2"]), eps=OPTIM["adam_eps"],
-                                           foreach=True)
+        self.optimizer = _adamw(self.model)
 
     def step(self, batches) -> float:
         (tokens, _), (labels, loss_mask) = batches[0]  # one micro-batch per step here
@@ -164,13 +167,7 @@ class OursPlain(HF):
         self.model.load_state_dict({k: v.float() for k, v in gpt_state.items()}, strict=True)
         self.mode = "autocast"
         self.model.train()
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM["weight_decay"]},
-                                            {"params": no_decay, "weight_decay": 0.0}], lr=OPTIM["lr"],
-                                           betas=(OPTIM["adam_beta1"], OPTIM["adam_beta2"]), eps=OPTIM["adam_eps"],
-                                           foreach=True)
+        self.optimizer = _adamw(self.model)
 
     def step(self, batches) -> float:
         (tokens, position_ids), (labels, loss_mask) = batches[0]
