@@ -95,7 +95,7 @@ class Trainer:
         return gbs
 
     # ---- one iteration ----------------------------------------------------------------------
-    def _skip_data(self, gbs: int) -> None:
+    def _skip_data(self) -> None:
         """Consume this iteration's micro-batches without training on them (Megatron's skip)."""
         for _ in range(self.microbatches.get()):
             next(self.train_iterator)
@@ -104,7 +104,7 @@ class Trainer:
         gbs = self._set_batch_size()
         iteration = self.progress.iteration + 1
         if self._in_skip_range(iteration):
-            self._skip_data(gbs)
+            self._skip_data()
             self.lr_scheduler.step(gbs)  # the schedule follows consumed samples, trained on or not
             record = IterationRecord(iteration, float("nan"), None, self.lr_scheduler.get_lr(), gbs, True)
         else:
