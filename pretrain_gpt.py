@@ -15,12 +15,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu" if not __import__("torch").cuda.is
 
 
 def main(argv=None) -> int:
-    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.arguments import run_config_from_argv
     from megatron.training.pretrain import pretrain
 
-    args = parse_args(argv)
-    run_config = resolve_vocab_size(build_run_config(args))
-    pretrain(run_config)
+    pretrain(run_config_from_argv(argv))
     return 0
 
 

@@ -73,7 +73,7 @@ def tiny_corpus(path: str | None = None) -> dict:
 
 
 def tiny_argv(corpus: dict, **flags) -> list[str]:
-    """The tests' tiny BLOOM-style flags (tests/training/conftest.py) with overrides."""
-    from tests.training.conftest import tiny_argv as argv
+    """The tests' tiny BLOOM-style flags (megatron.testing.tiny_argv) with overrides."""
+    from megatron.testing.corpus import tiny_argv as argv
 
     return argv(corpus, **flags)

@@ -52,7 +52,7 @@ def train_throughput(name: str, sizes: dict, seq: int, mbs: int, steps: int, war
                      peak_override) -> dict:
     from bench_train_vs_transformers import Ours  # same engine construction as pretrain()
 
-    from megatron.planner import CLUSTERS, GPUS, estimate_memory
+    from megatron.planner import GPUS, estimate_memory
     from megatron.planner.layout import Layout
     from megatron.planner.measure import model_shape_of
     from megatron.training.metrics import current_device_name, peak_tflops_for_device, throughput_metrics

@@ -37,8 +37,9 @@ import tokenizers  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.config import TokenizerConfig  # noqa: E402
 from megatron.data.corpus import prepare_default_corpus  # noqa: E402
-from megatron.data.preprocess import PreprocessConfig, TokenizerSpec, iter_texts, preprocess  # noqa: E402
+from megatron.data.preprocess import PreprocessConfig, iter_texts, preprocess  # noqa: E402
 from megatron.data.tokenizers import GPT2BPETokenizer  # noqa: E402
 
 
@@ -71,7 +72,7 @@ def bench_bare(backend, texts: list, batch_size: int, fast: bool) -> dict:
             "docs_per_s": len(texts) / seconds, "tokens_per_s": num_tokens / seconds, "text_mb_per_s": text_mb / seconds}
 
 
-def bench_ours(input_path: str, out_dir: str, spec: TokenizerSpec, workers: int, chunk_size: int) -> dict:
+def bench_ours(input_path: str, out_dir: str, spec: TokenizerConfig, workers: int, chunk_size: int) -> dict:
     config = PreprocessConfig(input=input_path, output_prefix=os.path.join(out_dir, f"w{workers}"), tokenizer=spec,
                               append_eod=True, workers=workers, chunk_size=chunk_size, log_interval=0)
     stats = preprocess(config)
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
 
     load_before = os.getloadavg()
     corpus = prepare_default_corpus(args.corpus_dir)
-    spec = TokenizerSpec("GPT2BPETokenizer", vocab_file=corpus["vocab_file"], merge_file=corpus["merge_file"])
+    spec = TokenizerConfig("GPT2BPETokenizer", vocab_file=corpus["vocab_file"], merge_file=corpus["merge_file"])
     backend = GPT2BPETokenizer(spec.vocab_file, spec.merge_file).backend
     with tempfile.TemporaryDirectory(prefix="bench_preprocess_") as work:
         input_path = os.path.join(work, "input.jsonl")

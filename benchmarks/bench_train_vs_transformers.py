@@ -2,7 +2,7 @@
 
 Same architecture (BLOOM-style: ALiBi, embedding LayerNorm; 4 layers, hidden 256, 8 heads, seq 256,
 micro-batch = global batch = 8, the tiny corpus's 400-token BPE padded to 512 rows on both sides),
-same initial weights (ours exported with megatron.model.hf_bloom), same batches (our data iterator,
+same initial weights (ours exported with megatron.checkpoint.hf_bloom), same batches (our data iterator,
 fed to both), AdamW (lr 1e-4 constant, betas 0.9/0.999, eps 1e-8, weight decay 0.01 on 2-D weights
 only, clip 1.0), no dropout. Variants, all in the same process:
 
@@ -13,8 +13,6 @@ only, clip 1.0), no dropout. Variants, all in the same process:
   hf_bf16          BloomForCausalLM cast to bf16, AdamW on bf16 weights (no fp32 masters)
   ours_model_autocast_bf16  our GPTModel (megatron.model) alone in the same plain loop as
                    hf_autocast_bf16: the model code's speed without DeepSpeed (weights identical)
-  ours_bf16_fix4d  ours_bf16 with the ALiBi bias handed to SDPA as 4-D (use_4d_attention_mask: a
-                   proposed one-line fix, patched on this process's instances, library untouched)
   ours_fp32, hf_fp32
 
 Losses: the first --loss-steps steps of each variant from the same weights on the same batches.
@@ -42,14 +40,13 @@ import sys
 import time
 
 import _common  # noqa: F401
-from _common import emit, machine, tiny_argv, tiny_corpus
-
 import torch  # noqa: E402
+from _common import emit, machine, tiny_argv, tiny_corpus
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256, micro_batch_size=8,
              global_batch_size=8)
 OPTIM = dict(lr=1e-4, weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
-VARIANTS = ("ours_bf16", "ours_bf16_fix4d", "hf_autocast_bf16", "hf_bf16", "ours_model_autocast_bf16", "ours_fp32",
+VARIANTS = ("ours_bf16", "hf_autocast_bf16", "hf_bf16", "ours_model_autocast_bf16", "ours_fp32",
             "hf_fp32")
 
 
@@ -63,24 +60,19 @@ class Ours:
     """Our engine, built exactly as megatron.training.pretrain builds it (no training loop around it)."""
 
     def __init__(self, argv: list[str], backend: str = "gloo"):
-        from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
-        from megatron.engine.ds_config import build_deepspeed_config
+        from megatron.arguments import run_config_from_argv
         from megatron.engine.initialize import build_engine, init_deepspeed_comm
         from megatron.parallel.state import ParallelState
         from megatron.training.data import build_datasets, micro_batch_iterator
         from megatron.training.distributed import init_process_group
         from megatron.training.pretrain import set_seeds
 
-        rc = self.rc = resolve_vocab_size(build_run_config(parse_args(argv, world_size=1)))
+        rc = self.rc = run_config_from_argv(argv, world_size=1)
         init_process_group(backend)
         init_deepspeed_comm(backend)
         state = ParallelState.create(1, 1)
         tracker = set_seeds(rc.training.seed, state)
-        o = rc.optimizer
-        self.engine = build_engine(rc.model, state, build_deepspeed_config(rc, rc.deepspeed_user_config),
-                                   optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,
-                                   adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                                   clip_grad=o.clip_grad, tracker=tracker)
+        self.engine = build_engine(rc, state, tracker=tracker)
         self.engine.train()
         self.datasets = build_datasets(rc)
         self.iterator_factory = lambda: micro_batch_iterator(self.datasets.train, rc, consumed_samples=0, dp_rank=0,
@@ -88,17 +80,9 @@ class Ours:
 
     def gpt_state_dict(self) -> dict:
         """The pipeline module's weights under GPTModel's names (what hf_bloom maps)."""
-        L = self.rc.model.num_layers
-        out = {}
-        for name, tensor in self.engine.module.state_dict().items():
-            head, _, rest = name.partition(".")
-            if name.startswith("tied_modules.embed."):
-                out["embedding." + name[len("tied_modules.embed."):]] = tensor
-            elif head.isdigit() and 1 <= int(head) <= L:
-                out[f"layers.{int(head) - 1}.{rest}"] = tensor
-            elif head == str(L + 1):
-                out[f"final_layernorm.{rest}"] = tensor
-        return out
+        from megatron.model.layout import model_name
+
+        return {model_name(name, self.rc.model): tensor for name, tensor in self.engine.module.state_dict().items()}
 
     def step(self, batches) -> float:
         loss = self.engine.train_batch(iter(batches))
@@ -109,11 +93,10 @@ class Ours:
 
 def _adamw(model: torch.nn.Module) -> torch.optim.AdamW:
     """The same AdamW, parameter groups (no decay on biases and norms) and settings as our engine's."""
+    from megatron.config import OptimizerConfig
     from megatron.engine.optimizer import build_client_optimizer
 
-    return build_client_optimizer(model, optimizer="adam", lr=OPTIM["lr"], weight_decay=OPTIM["weight_decay"],
-                                  adam_beta1=OPTIM["adam_beta1"], adam_beta2=OPTIM["adam_beta2"],
-                                  adam_eps=OPTIM["adam_eps"])
+    return build_client_optimizer(model, OptimizerConfig(optimizer="adam", **OPTIM))
 
 
 class HF:
@@ -123,12 +106,12 @@ class HF:
         """cfg: our ModelConfig; gpt_state: our weights under GPTModel names (None: random init)."""
         from transformers import BloomConfig, BloomForCausalLM
 
-        from megatron.model.hf_bloom import bloom_config_kwargs, ours_to_bloom_state_dict
+        from megatron.checkpoint.hf_bloom import bloom_config_kwargs, ours_to_bloom_state_dict
 
         kwargs = bloom_config_kwargs(cfg, vocab_size=cfg.padded_vocab_size)
         self.model = BloomForCausalLM(BloomConfig(**kwargs))
         if gpt_state is not None:
-            state = {k: v.float() for k, v in ours_to_bloom_state_dict(gpt_state).items()}
+            state = {k: v.float() for k, v in ours_to_bloom_state_dict(gpt_state, cfg).items()}
             self.model.load_state_dict(state, strict=True)
         self.mode = mode
         if mode == "bf16":
@@ -180,27 +163,6 @@ class OursPlain(HF):
         return float(loss.item())
 
 
-def use_4d_attention_mask(module: torch.nn.Module) -> int:
-    """PROPOSED FIX, applied to this process's instances only: give SDPA the ALiBi bias as
-    [1, np, sq, sk] instead of [np, sq, sk]. On CPU a 3-D mask sends F.scaled_dot_product_attention
-    to its math path (materialized scores, _safe_softmax); a 4-D one takes the fused flash kernel.
-    Same values, same broadcast: the losses must not change. Returns the layers patched."""
-    from megatron.model.attention import SelfAttention
-
-    patched = 0
-    for m in module.modules():
-        if isinstance(m, SelfAttention):
-            original = m._attention_mask
-
-            def four_d(*args, _original=original, **kwargs):
-                mask = _original(*args, **kwargs)
-                return mask[None] if mask is not None and mask.dim() == 3 else mask  # [1, np, sq, sk]
-
-            m._attention_mask = four_d
-            patched += 1
-    return patched
-
-
 def build(corpus: dict, variants) -> dict:
     runners = {}
     ours = {}
@@ -208,10 +170,7 @@ def build(corpus: dict, variants) -> dict:
         if any(v.endswith(precision) for v in variants):
             ours[precision] = Ours(run_argv(corpus, precision == "bf16"))
     for v in variants:
-        if v == "ours_bf16_fix4d":
-            runners[v] = Ours(run_argv(corpus, True))  # a second engine, same seed: same weights
-            assert use_4d_attention_mask(runners[v].engine.module) == MODEL["num_layers"]
-        elif v == "ours_model_autocast_bf16":
+        if v == "ours_model_autocast_bf16":
             runners[v] = OursPlain(ours["bf16"].rc.model, ours["bf16"].gpt_state_dict())
         elif v.startswith("ours_"):
             runners[v] = ours[v.split("_")[1]]
@@ -288,7 +247,7 @@ def memory_child(variant: str, corpus_dir: str) -> None:
     import psutil
     import transformers  # noqa: F401
 
-    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.arguments import run_config_from_argv
     from megatron.training.pretrain import pretrain  # noqa: F401
 
     corpus = tiny_corpus(corpus_dir)
@@ -298,7 +257,7 @@ def memory_child(variant: str, corpus_dir: str) -> None:
         runner = Ours(run_argv(corpus, bf16))
         batches = take_batches(runner, 3)
     else:
-        rc = resolve_vocab_size(build_run_config(parse_args(run_argv(corpus, bf16), world_size=1)))
+        rc = run_config_from_argv(run_argv(corpus, bf16), world_size=1)
         runner = HF(rc.model, {"hf_autocast_bf16": "autocast", "hf_bf16": "bf16", "hf_fp32": "fp32"}[variant])
         batches = random_batches(rc.model, 3, MODEL["micro_batch_size"])
     for b in batches:
@@ -337,7 +296,7 @@ def main() -> None:
     losses = {v: [r.step(batches[i]) for i in range(args.loss_steps)] for v, r in runners.items()}
     curves = {}
     for ours, theirs in (("ours_bf16", "hf_autocast_bf16"), ("ours_bf16", "hf_bf16"), ("ours_fp32", "hf_fp32"),
-                         ("ours_model_autocast_bf16", "hf_autocast_bf16"), ("ours_bf16_fix4d", "ours_bf16")):
+                         ("ours_model_autocast_bf16", "hf_autocast_bf16")):
         rel = [abs(a - b) / abs(b) for a, b in zip(losses[ours], losses[theirs])]
         curves[f"{ours}_vs_{theirs}"] = {"max_rel_diff": max(rel), "mean_rel_diff": sum(rel) / len(rel)}
 
@@ -357,7 +316,7 @@ def main() -> None:
     speed = {v: {"median_step_s": statistics.median(ts), "tokens_per_s": tokens / statistics.median(ts),
                  "step_s_all_reps": ts} for v, ts in times.items()}
     ratios = {f"{o}_vs_{v}": speed[v]["median_step_s"] / speed[o]["median_step_s"]
-              for o in ("ours_bf16", "ours_bf16_fix4d") for v in ("hf_autocast_bf16", "hf_bf16")}
+              for o in ("ours_bf16",) for v in ("hf_autocast_bf16", "hf_bf16")}
     ratios["ours_fp32_vs_hf_fp32"] = speed["hf_fp32"]["median_step_s"] / speed["ours_fp32"]["median_step_s"]
     ratios["ours_model_autocast_vs_hf_autocast_bf16"] = (speed["hf_autocast_bf16"]["median_step_s"] /
                                                          speed["ours_model_autocast_bf16"]["median_step_s"])
@@ -371,7 +330,7 @@ def main() -> None:
                  if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     child_env["DS_ACCELERATOR"] = "cpu"
     if not args.no_memory:
-        for v in [v for v in VARIANTS if v not in ("ours_model_autocast_bf16", "ours_bf16_fix4d")]:
+        for v in [v for v in VARIANTS if v != "ours_model_autocast_bf16"]:
             proc = subprocess.run([sys.executable, __file__, "--memory-child", v, "--threads", str(args.threads),
                                    "--corpus-dir",
                                    os.path.dirname(corpus["data_prefix"])], capture_output=True, text=True,

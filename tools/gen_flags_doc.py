@@ -4,7 +4,7 @@
     python tools/gen_flags_doc.py           # regenerate docs/flags.md
     python tools/gen_flags_doc.py --check   # exit 1 if docs/flags.md is stale
 
-tests/test_arguments.py runs the check, so the reference never drifts from the code.
+tests/arguments/test_parse.py runs the check, so the reference never drifts from the code.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+
+from megatron.arguments import build_parser
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "flags.md"
@@ -59,9 +61,6 @@ def render(parser: argparse.ArgumentParser) -> str:
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, str(REPO))
-    from megatron.arguments import build_parser
-
     check = "--check" in (argv if argv is not None else sys.argv[1:])
     text = render(build_parser())
     if check:

@@ -17,35 +17,8 @@ there), "text" (their text, without that token), "finish_reason" ('eod' or 'leng
 
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "PretrainedFromHF")
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--load, --tag, --dtype and the tokenizer flags (shared with tools/serve.py)."""
-    parser.add_argument("--load", required=True, help="the training checkpoint directory (holding 'latest')")
-    parser.add_argument("--tag", default=None, help="a tag inside --load (default: the one 'latest' names)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "saved"), default="fp32",
-                        help="dtype of the model in memory (default fp32; saved: the checkpoint's)")
-    group = parser.add_argument_group("tokenizer (default: the checkpoint's)")
-    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
-    group.add_argument("--vocab-file", default=None)
-    group.add_argument("--merge-file", default=None)
-    group.add_argument("--tokenizer-model", default=None)
-    group.add_argument("--tokenizer-name-or-path", default=None)
-
-
-def load_generator(args: argparse.Namespace):
-    from megatron.inference.generation import Generator
-
-    return Generator.from_checkpoint(args.load, tag=args.tag, dtype=args.dtype, tokenizer_type=args.tokenizer_type,
-                                     vocab_file=args.vocab_file, merge_file=args.merge_file,
-                                     tokenizer_model=args.tokenizer_model,
-                                     tokenizer_name_or_path=args.tokenizer_name_or_path)
+from megatron.cli import add_model_args, load_generator
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -7,12 +7,9 @@ The work is ``megatron.data.indexed_dataset.merge_datasets``; the output is writ
 """
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.data.indexed_dataset import merge_datasets  # noqa: E402
+from megatron.data.indexed_dataset import merge_datasets
 
 
 def parse_args(argv=None) -> argparse.Namespace:

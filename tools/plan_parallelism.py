@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.planner import BLOOM_SIZES, CLUSTERS, GPUS, ModelShape, plan_layouts  # noqa: E402
-from megatron.planner.specs import DEFAULT_CLUSTER, GiB  # noqa: E402
+from megatron.planner import BLOOM_SIZES, CLUSTERS, GPUS, ModelShape, plan_layouts
+from megatron.planner.specs import DEFAULT_CLUSTER, GiB
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -7,12 +7,9 @@ the data prefix and tokenizer paths. See ``megatron.data.corpus``.
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.data.corpus import DEFAULT_MIN_BYTES, DEFAULT_VOCAB_SIZE, prepare_default_corpus  # noqa: E402
+from megatron.data.corpus import DEFAULT_MIN_BYTES, DEFAULT_VOCAB_SIZE, prepare_default_corpus
 
 
 def parse_args(argv=None) -> argparse.Namespace:

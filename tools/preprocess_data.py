@@ -14,10 +14,9 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.data.preprocess import DATASET_IMPLS, BadInputLine, PreprocessConfig, TokenizerSpec, preprocess, summary  # noqa: E402
-from megatron.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+from megatron.config import TokenizerConfig
+from megatron.data.preprocess import DATASET_IMPLS, BadInputLine, PreprocessConfig, preprocess, summary
+from megatron.data.tokenizers import TOKENIZER_TYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,8 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    spec = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
-                         args.tokenizer_name_or_path)
+    spec = TokenizerConfig(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
+                           args.tokenizer_name_or_path)
     config = PreprocessConfig(input=args.input, output_prefix=args.output_prefix, tokenizer=spec,
                               json_keys=tuple(args.json_keys), append_eod=args.append_eod,
                               workers=args.workers, chunk_size=args.chunk_size, log_interval=args.log_interval,

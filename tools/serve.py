@@ -13,12 +13,8 @@ threads, generation one at a time. Binds 127.0.0.1 unless --host says otherwise.
 """
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools.generate import add_model_args, load_generator  # noqa: E402
+from megatron.cli import add_model_args, load_generator
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -10,13 +10,10 @@ end-of-document token ``</s>``. Both are deterministic for the same input.
 
 import argparse
 import itertools
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.data.preprocess import BadInputLine, iter_texts  # noqa: E402
-from megatron.data.tokenizers import train_bpe_tokenizer, train_sentencepiece_tokenizer  # noqa: E402
+from megatron.data.preprocess import BadInputLine, iter_texts
+from megatron.data.tokenizers import train_bpe_tokenizer, train_sentencepiece_tokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:

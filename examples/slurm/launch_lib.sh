@@ -17,7 +17,7 @@
 #                  sharing a node do not collide)
 #   SRUN_ARGS      extra srun options (an array-free string, e.g. "--overlap")
 #   DRY_RUN        a file path: write "WORLD_SIZE\0flag\0flag\0..." there instead of launching (tests use
-#                  this to check every generated flag set against megatron.arguments.parse_args)
+#                  this to check every generated flag set against megatron.arguments.run_config_from_argv)
 
 write_ds_config() {
     local path=$1 precision

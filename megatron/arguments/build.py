@@ -1,9 +1,19 @@
-"""``build_run_config``: a parsed Namespace -> a validated ``RunConfig``; ``resolve_vocab_size`` fills the vocab."""
+"""``run_config_from_argv``: the command line -> a validated ``RunConfig`` (the one public way).
+
+``parse_namespace`` reads the flags and checks files and the world size; ``_build_run_config`` turns
+the Namespace into the frozen dataclasses (every ``validate()`` runs, and the DeepSpeed JSON merge);
+``resolve_vocab_size`` builds the tokenizer and fills Megatron's padded vocabulary size.
+"""
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
+from megatron.arguments.parse import parse_namespace
 from megatron.config import (BatchConfig, CheckpointConfig, DataConfig, ExitConfig, LoggingConfig, LRScheduleConfig,
-                             ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig)
+                             ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TokenizerConfig,
+                             TrainingConfig)
+from megatron.config.deepspeed import build_deepspeed_config
 
 
 def _pick(cls, args, **extra):
@@ -12,9 +22,25 @@ def _pick(cls, args, **extra):
     return cls(**{name: getattr(args, name) for name in names}, **extra)
 
 
-def build_run_config(args) -> RunConfig:
-    """The ``RunConfig`` of ``parse_args``' result; every rule of ``RunConfig.validate`` and the DeepSpeed
-    JSON merge are checked. ``model.padded_vocab_size`` stays None until ``resolve_vocab_size``."""
+def run_config_from_argv(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int] = None,
+                         tokenizer=None, with_vocab: bool = True) -> RunConfig:
+    """The validated ``RunConfig`` of ``argv`` (default ``sys.argv[1:]``) for ``world_size`` processes
+    (default: what the launcher set, ``megatron.config.launch``).
+
+    with_vocab: build the tokenizer the flags name (or take ``tokenizer``, anything with a
+    ``vocab_size``) and fill ``model.original_vocab_size`` / ``padded_vocab_size``; False leaves
+    them None (for checking a job's flags where its tokenizer files are not at hand).
+    Raises ValueError naming the problem and the fix for any impossible configuration.
+    """
+    config = _build_run_config(parse_namespace(argv, world_size))
+    return resolve_vocab_size(config, tokenizer) if with_vocab else config
+
+
+def _build_run_config(args) -> RunConfig:
+    """The ``RunConfig`` of ``parse_namespace``'s result; every rule of ``RunConfig.validate`` and the
+    DeepSpeed JSON merge are checked. ``model.padded_vocab_size`` stays None."""
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 are both set; pick one")
     params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     model = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
@@ -26,12 +52,12 @@ def build_run_config(args) -> RunConfig:
     rampup = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
     config = RunConfig(
         model=model,
-        parallel=_pick(ParallelConfig, args, sequence_parallel=False),
+        parallel=_pick(ParallelConfig, args),
         optimizer=_pick(OptimizerConfig, args),
         lr_schedule=_pick(LRScheduleConfig, args),
         batch=_pick(BatchConfig, args, rampup_batch_size=rampup),
         precision=_pick(PrecisionConfig, args),
-        data=_pick(DataConfig, args, data_path=args.data_path_pairs,
+        data=_pick(DataConfig, args, tokenizer=_pick(TokenizerConfig, args), data_path=args.data_path_pairs,
                    train_weighted_split_groups=args.train_weighted_split_groups,
                    valid_weighted_split_groups=args.valid_weighted_split_groups,
                    test_weighted_split_groups=args.test_weighted_split_groups),
@@ -43,8 +69,6 @@ def build_run_config(args) -> RunConfig:
         deepspeed_user_config=args.deepspeed_user_config,
         startup_warnings=tuple(args.startup_warnings),
     ).validate()
-    from megatron.engine.ds_config import build_deepspeed_config  # pure dict logic, no deepspeed import
-
     build_deepspeed_config(config, config.deepspeed_user_config)  # a JSON contradicting the flags fails here
     return config
 
@@ -58,9 +82,7 @@ def resolve_vocab_size(run_config: RunConfig, tokenizer=None) -> RunConfig:
 
     d = run_config.data
     if tokenizer is None:
-        tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                                    tokenizer_model=d.tokenizer_model,
-                                    tokenizer_name_or_path=d.tokenizer_name_or_path)
+        tokenizer = build_tokenizer(d.tokenizer)
     padded = pad_vocab_size(tokenizer.vocab_size, d.make_vocab_size_divisible_by,
                             run_config.parallel.tensor_model_parallel_size, d.pad_vocab_size_to)
     return run_config.with_vocab_size(tokenizer.vocab_size, padded)

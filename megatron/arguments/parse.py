@@ -1,10 +1,10 @@
-"""``parse_args``: flags -> a checked ``argparse.Namespace``, with Megatron's derived values.
+"""``parse_namespace``: flags -> a checked ``argparse.Namespace``, with Megatron's derived values.
 
-Checks here are the ones that need the environment or the file system (world size, data prefixes,
-tokenizer files, the DeepSpeed JSON); the rest live in ``megatron.config``'s ``validate()``
-methods, run by ``build_run_config`` which ``parse_args`` calls before returning. Nothing the user
-asked for is changed: a contradiction is a ValueError naming the numbers, a setting with no effect
-here is kept and reported once in the startup log (and in ``args.startup_warnings``).
+The first half of ``run_config_from_argv`` (``megatron.arguments.build`` is the second). Checks here
+are the ones that need the environment or the file system (world size, data prefixes, tokenizer
+files, the DeepSpeed JSON); the rest live in ``megatron.config``'s ``validate()`` methods. Nothing
+the user asked for is changed: a contradiction is a ValueError naming the numbers, a setting with
+no effect here is kept and reported once in the startup log (``RunConfig.startup_warnings``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 from typing import Optional, Sequence
 
 from megatron.arguments.parser import build_parser
+from megatron.config.launch import detect_launch
 
 logger = logging.getLogger("megatron.arguments")
 
@@ -23,41 +24,18 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "m
 FP16_ONLY = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 
-def world_size_from_env(env=None) -> int:
-    """WORLD_SIZE (torchrun, the DeepSpeed launcher), else SLURM_NTASKS (``srun`` one task per device), else 1.
-
-    Under ``srun ... torchrun`` (BLOOM's scripts: one SLURM task per node) torchrun sets WORLD_SIZE,
-    which wins over SLURM_NTASKS (the number of nodes there).
-    """
-    env = os.environ if env is None else env
-    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if env.get(name):
-            try:
-                return int(env[name])
-            except ValueError:
-                raise ValueError(f"environment variable {name}={env[name]!r} is not an integer") from None
-    return 1
-
-
-def rank_from_env(env=None) -> int:
-    env = os.environ if env is None else env
-    return int(env.get("RANK") or env.get("SLURM_PROCID") or 0)
-
-
-def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None):
-    """Parse ``argv`` (default ``sys.argv[1:]``) for a job of ``world_size`` processes (default: from the env).
+def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None):
+    """Parse ``argv`` (default ``sys.argv[1:]``) for a job of ``world_size`` processes (default: the launch's).
 
     Returns the Namespace with derived values added: ``world_size``, ``rank``, ``data_parallel_size``,
     ``data_path_pairs``, ``{train,valid,test}_weighted_split_groups``, ``deepspeed_user_config``,
-    ``skip_train_iteration_range`` (merged (start, end) tuples) and ``startup_warnings``. The padded
-    vocabulary size is NOT here: it needs the tokenizer (see ``resolve_vocab_size``).
-    Raises ValueError for any impossible configuration, before any process group exists.
+    ``skip_train_iteration_range`` (merged (start, end) tuples) and ``startup_warnings``.
+    Raises ValueError for what it checks, before any process group exists.
     """
     args = build_parser().parse_args(argv)
-    args.world_size = world_size if world_size is not None else world_size_from_env()
-    args.rank = rank_from_env()
-    if os.environ.get("LOCAL_RANK"):
-        args.local_rank = int(os.environ["LOCAL_RANK"])
+    launch = detect_launch()
+    args.world_size = world_size if world_size is not None else launch.world_size
+    args.rank = launch.rank
     _check_required(args)
     _derive_parallel(args)
     if args.global_batch_size is None:  # Megatron's default: one micro-batch per step
@@ -74,9 +52,6 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
         # ZeRO wrapper refuses the fp32 path's grad-norm-clipping client optimizer (megatron.engine.optimizer)
         args.zero_stage = int(stage) if stage is not None else (1 if args.bf16 else 0)
     args.startup_warnings = tuple(_no_effect_warnings(args))
-    from megatron.arguments.build import build_run_config  # validates every rule in megatron.config
-
-    build_run_config(args)
     if args.rank == 0:
         for message in args.startup_warnings:
             logger.warning(message)

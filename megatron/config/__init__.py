@@ -4,17 +4,20 @@ Entry points turn command-line flags (``megatron.arguments``) into these; librar
 these, never global arguments. Field names follow Megatron-DeepSpeed's flag names. ``validate()``
 raises ``ValueError`` naming the values and the fix.
 
-Split by concern: ``model`` (the architecture), ``data`` (data paths, groups, tokenizer) and ``run``
-(everything else, and ``RunConfig`` grouping it all); import them from here.
+Split by concern: ``model`` (the architecture, its FLOPs), ``data`` (data paths, groups, the
+tokenizer) and ``run`` (everything else, and ``RunConfig`` grouping it all); import them from here.
+Beside them, two pure helpers every layer may read: ``deepspeed`` (the DeepSpeed config dict a
+``RunConfig`` gives, merged with the user's JSON; it never imports deepspeed) and ``launch`` (rank
+and world size as the launcher set them). Imports nothing else of megatron.
 """
 
-from megatron.config.data import DATA_IMPLS, TOKENIZER_TYPES, DataConfig, DatasetGroup, DatasetSplit
+from megatron.config.data import DATA_IMPLS, TOKENIZER_TYPES, DataConfig, DatasetGroup, DatasetSplit, TokenizerConfig
 from megatron.config.model import PARAMS_DTYPES, POSITION_EMBEDDING_TYPES, ModelConfig
 from megatron.config.run import (DISTRIBUTED_BACKENDS, LR_DECAY_STYLES, OPTIMIZERS, PARTITION_METHODS, BatchConfig,
                                  CheckpointConfig, ExitConfig, LoggingConfig, LRScheduleConfig, OptimizerConfig,
                                  ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig, check_rampup_batch_size)
 
 __all__ = ["ModelConfig", "POSITION_EMBEDDING_TYPES", "PARAMS_DTYPES", "DataConfig", "DatasetGroup", "DatasetSplit",
-           "TOKENIZER_TYPES", "DATA_IMPLS", "ParallelConfig", "OptimizerConfig", "LRScheduleConfig", "BatchConfig",
+           "TOKENIZER_TYPES", "TokenizerConfig", "DATA_IMPLS", "ParallelConfig", "OptimizerConfig", "LRScheduleConfig", "BatchConfig",
            "PrecisionConfig", "TrainingConfig", "LoggingConfig", "CheckpointConfig", "ExitConfig", "RunConfig",
            "PARTITION_METHODS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "OPTIMIZERS", "check_rampup_batch_size"]

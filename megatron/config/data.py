@@ -29,6 +29,38 @@ class DatasetGroup:
     datasets: tuple[DatasetSplit, ...]
 
 
+_TOKENIZER_FILES = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",),
+                    "PretrainedFromHF": ("tokenizer_name_or_path",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    """Which tokenizer, from which files: the --tokenizer-type flags, what preprocessing workers
+    rebuild, and what a checkpoint records (``run_state.json``'s "tokenizer"), in one shape."""
+
+    tokenizer_type: Optional[str] = None            # GPT2BPETokenizer | SentencePieceTokenizer | PretrainedFromHF
+    vocab_file: Optional[str] = None                # GPT2BPETokenizer: vocab.json
+    merge_file: Optional[str] = None                # GPT2BPETokenizer: merges.txt
+    tokenizer_model: Optional[str] = None           # SentencePieceTokenizer: the .model file
+    tokenizer_name_or_path: Optional[str] = None    # PretrainedFromHF: a local tokenizer.json or directory
+
+    @classmethod
+    def from_record(cls, record: Optional[dict], **overrides) -> "TokenizerConfig":
+        """From a checkpoint's record (unknown keys ignored), with the non-None ``overrides`` on top."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in (record or {}).items() if k in known and v is not None}
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)
+
+    def validate(self) -> "TokenizerConfig":
+        if self.tokenizer_type not in TOKENIZER_TYPES:
+            raise ValueError(f"--tokenizer-type {self.tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+        for name in _TOKENIZER_FILES[self.tokenizer_type]:
+            if getattr(self, name) is None:
+                raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs --{name.replace('_', '-')}")
+        return self
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from. Two exclusive modes, as in Megatron-DeepSpeed:
@@ -46,11 +78,7 @@ class DataConfig:
     seq_length: int = 1024                          # tokens per sample
     num_workers: int = 2                            # DataLoader workers for training
     valid_num_workers: int = 2                      # DataLoader workers for validation and test
-    tokenizer_type: Optional[str] = None            # GPT2BPETokenizer | SentencePieceTokenizer | PretrainedFromHF
-    tokenizer_name_or_path: Optional[str] = None    # PretrainedFromHF: a local tokenizer.json or directory
-    vocab_file: Optional[str] = None                # GPT2BPETokenizer: vocab.json
-    merge_file: Optional[str] = None                # GPT2BPETokenizer: merges.txt
-    tokenizer_model: Optional[str] = None           # SentencePieceTokenizer: the .model file
+    tokenizer: TokenizerConfig = TokenizerConfig()
     make_vocab_size_divisible_by: int = 128         # padding multiple (times TP) of the embedding rows
     pad_vocab_size_to: Optional[int] = None         # exact padded size instead (BLOOM: 250880)
     seed: int = 1234                                # sample-index shuffling seed
@@ -106,12 +134,6 @@ class DataConfig:
         return self
 
     def _validate_tokenizer(self) -> None:
-        if self.tokenizer_type not in TOKENIZER_TYPES:
-            raise ValueError(f"--tokenizer-type {self.tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
-        needed = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",),
-                  "PretrainedFromHF": ("tokenizer_name_or_path",)}[self.tokenizer_type]
-        for name in needed:
-            if getattr(self, name) is None:
-                raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs --{name.replace('_', '-')}")
+        self.tokenizer.validate()
         _positive("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by)
         _positive("--pad-vocab-size-to", self.pad_vocab_size_to, allow_none=True)

@@ -9,6 +9,16 @@ POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi")
 PARAMS_DTYPES = ("fp32", "bf16", "fp16")
 
 
+def megatron_flops(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int, global_batch_size: int,
+                   recompute: bool) -> float:
+    """Megatron's FLOPs per iteration (its "TFLOPs" formula; ffn = 4h), read by the training log and the
+    planner alike:  24 c B s L h^2 (1 + s / (6h) + V / (16 L h)), with c = 4 (forward + recomputed
+    forward + backward) when activations are recomputed, else 3. V: the padded vocabulary."""
+    s, L, h, V = seq_length, num_layers, hidden_size, vocab_size
+    c = 4 if recompute else 3
+    return 24 * c * global_batch_size * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A GPT / BLOOM decoder. Sequence-first activations [s, b, h]."""
@@ -42,6 +52,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def flops_per_iteration(self, global_batch_size: int, recompute: bool) -> float:
+        """``megatron_flops`` of this model (``padded_vocab_size`` rows) for one global batch."""
+        return megatron_flops(self.num_layers, self.hidden_size, self.padded_vocab_size, self.seq_length,
+                              global_batch_size, recompute)
 
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
         """Raise ValueError for an impossible configuration; return self so calls can chain."""
@@ -81,9 +96,3 @@ class ModelConfig:
                              f"size {self.padded_vocab_size}")
         return self
 
-
-# ---------------------------------------------------------------------------------------------
-# The run: how the model is laid out over processes, optimized, fed, logged, saved and stopped.
-# Built from the command line by ``megatron.arguments.build_run_config``; each ``validate()``
-# checks what its own fields can check, ``RunConfig.validate()`` the rules that span several.
-# ---------------------------------------------------------------------------------------------

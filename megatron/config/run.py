@@ -26,7 +26,6 @@ class ParallelConfig:
     data_parallel_size: int = 1            # derived: world_size // (TP * PP), never given directly
     pp_partition_method: str = "type:transformer"  # DeepSpeed PipelineModule partition_method, one of PARTITION_METHODS
     distributed_backend: str = "gloo"      # torch.distributed backend: nccl | gloo | ccl
-    sequence_parallel: bool = False        # Megatron-LM's sequence parallelism; not implemented, must stay False
 
     @property
     def world_size(self) -> int:
@@ -42,8 +41,6 @@ class ParallelConfig:
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(f"--distributed-backend {self.distributed_backend!r} is not one of "
                              f"{', '.join(DISTRIBUTED_BACKENDS)}")
-        if self.sequence_parallel:
-            raise ValueError("sequence parallelism is not implemented; leave sequence_parallel False")
         return self
 
 
@@ -172,10 +169,12 @@ def check_rampup_batch_size(rampup: tuple[int, int, int], global_batch_size: int
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-    """Parameter dtype and loss scaling; ZeRO stage of the DeepSpeed optimizer wrapper."""
+    """fp16 loss scaling and the ZeRO stage of DeepSpeed's optimizer wrapper.
 
-    bf16: bool = False                     # bf16 parameters, fp32 master weights and gradient accumulation
-    fp16: bool = False                     # fp16 parameters with loss scaling
+    The dtype itself is ``ModelConfig.params_dtype`` (from --bf16 / --fp16), its only home;
+    ``RunConfig.bf16`` / ``RunConfig.fp16`` read it.
+    """
+
     loss_scale: Optional[float] = None     # fp16 static loss scale; None (or 0): dynamic scaling
     # fp16 dynamic scaling; None: the DeepSpeed JSON's value, else DeepSpeed's defaults below
     initial_loss_scale: Optional[float] = None  # starting scale, a power of 2 (default 2**16)
@@ -183,15 +182,9 @@ class PrecisionConfig:
     loss_scale_window: Optional[int] = None     # steps without overflow before the scale doubles (default 1000)
     hysteresis: Optional[int] = None            # overflows tolerated before the scale halves (default 2)
     zero_stage: int = 1                    # DeepSpeed ZeRO stage, 0 or 1 (the pipeline engine refuses 2 and 3);
-                                           # parse_args' default: the JSON's, else 1 with bf16, 0 otherwise
-
-    @property
-    def params_dtype(self) -> str:
-        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+                                           # the command line's default: the JSON's, else 1 with bf16, 0 otherwise
 
     def validate(self) -> "PrecisionConfig":
-        if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 are both set; pick one")
         if self.loss_scale is not None and self.loss_scale < 0:
             raise ValueError(f"--loss-scale must be >= 0 (0: dynamic), got {self.loss_scale}")
         if self.initial_loss_scale is not None:
@@ -202,14 +195,6 @@ class PrecisionConfig:
         if self.zero_stage not in (0, 1):
             raise ValueError(f"--zero-stage {self.zero_stage} is not supported: DeepSpeed's pipeline engine (used "
                              f"for every run here) accepts ZeRO stages 0 and 1 only")
-        if self.bf16 and self.zero_stage == 0:
-            # BLOOM-176B's script said stage 0 ("bf16 must use z0") for bigscience's DeepSpeed fork, whose
-            # BF16_Optimizer accumulated gradients in fp32 and sharded the fp32 master weights over DP. In
-            # DeepSpeed 0.19 that optimizer is selected by stage 1; stage 0 fails in deepspeed.initialize.
-            raise ValueError("--bf16 with --zero-stage 0 is not supported by DeepSpeed 0.19 (unsupported mix of bf16 "
-                             "weights and fp32 gradient accumulation); use --zero-stage 1 (and zero_optimization."
-                             "stage 1 in the DeepSpeed JSON): that is BF16_Optimizer, the optimizer BLOOM-176B ran "
-                             "with (fp32 master weights and Adam states sharded over data-parallel ranks)")
         return self
 
 
@@ -331,13 +316,21 @@ class RunConfig:
     checkpoint: CheckpointConfig
     exit: ExitConfig
     deepspeed_config: Optional[str] = None  # path of the user's --deepspeed_config JSON, if any
-    # that JSON's content, merged by megatron.engine.ds_config.build_deepspeed_config
+    # that JSON's content, merged by megatron.config.deepspeed.build_deepspeed_config
     deepspeed_user_config: Optional[dict] = dataclasses.field(default=None, hash=False)
     startup_warnings: tuple[str, ...] = ()  # settings accepted but without effect here: log them at startup
 
     @property
     def world_size(self) -> int:
         return self.parallel.world_size
+
+    @property
+    def bf16(self) -> bool:
+        return self.model.params_dtype == "bf16"
+
+    @property
+    def fp16(self) -> bool:
+        return self.model.params_dtype == "fp16"
 
     def lr_schedule_in_samples(self) -> tuple[float, int]:
         """(warmup, decay) lengths in consumed samples, as Megatron's get_learning_rate_scheduler computes them."""
@@ -370,6 +363,7 @@ class RunConfig:
         self.batch.validate(self.parallel.data_parallel_size)
         self._validate_pipeline(pp)
         self._validate_schedule()
+        self._validate_precision()
         if self.model.seq_length != self.data.seq_length:
             raise ValueError(f"model seq_length {self.model.seq_length} != data seq_length {self.data.seq_length}")
         if self.training.eval_iters > 0 and not self.data.has_validation_data:
@@ -387,6 +381,16 @@ class RunConfig:
             raise ValueError(f"--num-layers {self.model.num_layers} gives {items} layers to partition with "
                              f"--pp-partition-method {method}, fewer than --pipeline-model-parallel-size {pp}: "
                              f"every stage needs at least one; use fewer stages or more layers")
+
+    def _validate_precision(self) -> None:
+        if self.bf16 and self.precision.zero_stage == 0:
+            # BLOOM-176B's script said stage 0 ("bf16 must use z0") for bigscience's DeepSpeed fork, whose
+            # BF16_Optimizer accumulated gradients in fp32 and sharded the fp32 master weights over DP. In
+            # DeepSpeed 0.19 that optimizer is selected by stage 1; stage 0 fails in deepspeed.initialize.
+            raise ValueError("--bf16 with --zero-stage 0 is not supported by DeepSpeed 0.19 (unsupported mix of bf16 "
+                             "weights and fp32 gradient accumulation); use --zero-stage 1 (and zero_optimization."
+                             "stage 1 in the DeepSpeed JSON): that is BF16_Optimizer, the optimizer BLOOM-176B ran "
+                             "with (fp32 master weights and Adam states sharded over data-parallel ranks)")
 
     def _validate_schedule(self) -> None:
         s, t = self.lr_schedule, self.training

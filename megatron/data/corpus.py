@@ -35,7 +35,8 @@ import time
 import warnings
 from typing import Iterator
 
-from megatron.data.preprocess import PreprocessConfig, TokenizerSpec, iter_texts, preprocess
+from megatron.config import TokenizerConfig
+from megatron.data.preprocess import PreprocessConfig, iter_texts, preprocess
 from megatron.data.tokenizers import train_bpe_tokenizer
 
 CORPUS_FORMAT_VERSION = 1
@@ -204,7 +205,7 @@ def _build(out_dir: str, params: dict, workers: int) -> dict:
     timings["train_tokenizer_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    spec = TokenizerSpec("GPT2BPETokenizer", vocab_file=files["vocab_file"], merge_file=files["merge_file"])
+    spec = TokenizerConfig("GPT2BPETokenizer", vocab_file=files["vocab_file"], merge_file=files["merge_file"])
     config = PreprocessConfig(input=jsonl, output_prefix=os.path.join(out_dir, "corpus"), tokenizer=spec,
                               append_eod=True, workers=workers, log_interval=0)
     stats = preprocess(config)

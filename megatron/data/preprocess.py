@@ -31,6 +31,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from megatron.config import TokenizerConfig
 from megatron.data import indexed_dataset
 from megatron.data.tokenizers import build_tokenizer
 
@@ -47,28 +48,12 @@ class BadInputLine(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class TokenizerSpec:
-    """What ``build_tokenizer`` needs; small and picklable, so each worker builds its own tokenizer."""
-
-    tokenizer_type: str
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    tokenizer_name_or_path: Optional[str] = None
-
-    def build(self):
-        return build_tokenizer(self.tokenizer_type, vocab_file=self.vocab_file, merge_file=self.merge_file,
-                               tokenizer_model=self.tokenizer_model,
-                               tokenizer_name_or_path=self.tokenizer_name_or_path)
-
-
-@dataclasses.dataclass(frozen=True)
 class PreprocessConfig:
     """One preprocessing run; fields mirror Megatron's ``tools/preprocess_data.py`` flags."""
 
     input: str
     output_prefix: str
-    tokenizer: TokenizerSpec
+    tokenizer: TokenizerConfig  # small and picklable: each worker builds its own tokenizer
     json_keys: tuple = ("text",)
     append_eod: bool = False
     workers: int = 1                 # worker processes; 1 tokenizes in the main process
@@ -199,8 +184,8 @@ def flatten_documents(ids: Sequence[Sequence[int]], dtype, eod: Optional[int]) -
 class ChunkEncoder:
     """Parses and tokenizes chunks; one per process (the tokenizer is built where it is used)."""
 
-    def __init__(self, spec: TokenizerSpec, keys: Sequence[str], append_eod: bool):
-        self.tokenizer = spec.build()
+    def __init__(self, spec: TokenizerConfig, keys: Sequence[str], append_eod: bool):
+        self.tokenizer = build_tokenizer(spec)
         self.keys = tuple(keys)
         self.dtype = indexed_dataset.best_dtype(self.tokenizer.vocab_size)
         self.eod = self.tokenizer.eod if append_eod else None
@@ -219,7 +204,7 @@ class ChunkEncoder:
 _WORKER_ENCODER: Optional[ChunkEncoder] = None
 
 
-def _init_worker(spec: TokenizerSpec, keys: Sequence[str], append_eod: bool) -> None:
+def _init_worker(spec: TokenizerConfig, keys: Sequence[str], append_eod: bool) -> None:
     global _WORKER_ENCODER
     # One core per worker: the pool is the parallelism; the tokenizer's own threads would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -277,7 +262,7 @@ def _remove_outputs(prefixes: Sequence[str]) -> None:
 def preprocess(config: PreprocessConfig, log=sys.stderr) -> PreprocessStats:
     """Run one preprocessing job; returns its figures. Raises ``BadInputLine`` (see module doc)."""
     config.validate()
-    tokenizer = config.tokenizer.build()  # fail on bad tokenizer flags before any worker starts
+    tokenizer = build_tokenizer(config.tokenizer)  # fail on bad tokenizer flags before any worker starts
     dtype = indexed_dataset.best_dtype(tokenizer.vocab_size)
     prefixes = {key: config.output_prefix_for(key) for key in config.json_keys}
     builders = {key: indexed_dataset.MMapIndexedDatasetBuilder(prefix, dtype) for key, prefix in prefixes.items()}

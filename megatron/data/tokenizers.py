@@ -21,7 +21,8 @@ import os
 import pathlib
 from typing import Iterable, Iterator, Optional, Sequence
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "PretrainedFromHF")
+from megatron.config.data import TOKENIZER_TYPES, TokenizerConfig  # the --tokenizer-type names: defined there
+
 # Names of an end-of-document token, most specific first; PretrainedFromHF takes the first present.
 EOD_TOKEN_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
 PAD_TOKEN_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
@@ -240,16 +241,15 @@ class PretrainedFromHF(_FastTokenizer):
         return super().detokenize(ids)
 
 
-def build_tokenizer(tokenizer_type: str, *, vocab_file=None, merge_file=None, tokenizer_model=None,
-                    tokenizer_name_or_path=None) -> AbstractTokenizer:
+def build_tokenizer(config: TokenizerConfig) -> AbstractTokenizer:
     """The tokenizer named by Megatron's ``--tokenizer-type``, from the files its flags name."""
-    if tokenizer_type == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(vocab_file, merge_file)
-    if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(tokenizer_model)
-    if tokenizer_type == "PretrainedFromHF":
-        return PretrainedFromHF(tokenizer_name_or_path)
-    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {TOKENIZER_TYPES}")
+    if config.tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(config.vocab_file, config.merge_file)
+    if config.tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(config.tokenizer_model)
+    if config.tokenizer_type == "PretrainedFromHF":
+        return PretrainedFromHF(config.tokenizer_name_or_path)
+    raise ValueError(f"--tokenizer-type {config.tokenizer_type!r} is not supported; use one of {TOKENIZER_TYPES}")
 
 
 def pad_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,

@@ -1,6 +1,6 @@
 """``deepspeed.initialize`` on our topology: the pipeline module, the client optimizer, the config.
 
-    engine = build_engine(model_config, state, ds_config, optimizer_settings, ...)
+    engine = build_engine(run_config, state, tracker=tracker)
     loss = engine.train_batch(data_iterator)
 
 The returned object is DeepSpeed's ``PipelineEngine`` (also for a single stage, so there is one code
@@ -20,7 +20,8 @@ from typing import Optional
 import deepspeed
 import torch.distributed as dist
 
-from megatron.config import ModelConfig
+from megatron.config import RunConfig
+from megatron.config.deepspeed import build_deepspeed_config
 from megatron.engine.cpu import avoid_cpu_jit_builds, on_cpu_accelerator
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
@@ -37,23 +38,30 @@ def init_deepspeed_comm(backend: str, timeout_s: float = 600.0) -> None:
                                timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def build_engine(model_config: ModelConfig, state: ParallelState, ds_config: dict, *,
-                 optimizer: str = "adam", lr: float, weight_decay: float = 0.0, adam_beta1: float = 0.9,
-                 adam_beta2: float = 0.999, adam_eps: float = 1e-8, clip_grad: float = 0.0,
-                 partition_method: str = "type:transformer", checkpoint_activations: bool = False,
-                 checkpoint_num_layers: int = 1, tracker: Optional[RNGStatesTracker] = None):
-    """Build this rank's pipeline stage and hand it to ``deepspeed.initialize``; return the engine."""
+def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGStatesTracker] = None,
+                 ds_config: Optional[dict] = None):
+    """Build this rank's pipeline stage and hand it to ``deepspeed.initialize``; return the engine.
+
+    Each part reads its own piece of ``rc``: the stage ``rc.model``, ``rc.parallel`` and the
+    recomputation flags of ``rc.training``; the client optimizer ``rc.optimizer``; DeepSpeed the
+    config ``build_deepspeed_config(rc)`` gives (``ds_config`` replaces it, for tests of DeepSpeed's
+    own options), with the universal-checkpoint loader when ``--universal-checkpoint`` is set.
+    """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before build_engine")
-    if ds_config.get("fp16", {}).get("enabled") and on_cpu_accelerator():
+    config = copy.deepcopy(ds_config) if ds_config is not None else build_deepspeed_config(rc, rc.deepspeed_user_config)
+    if rc.checkpoint.universal_checkpoint:
+        # Only loading reads the universal layout; saves keep DeepSpeed's regular one, so a later plain
+        # --load continues (the flag is not sticky).
+        config["checkpoint"] = dict(config.get("checkpoint", {}), load_universal=True)
+    if config.get("fp16", {}).get("enabled") and on_cpu_accelerator():
         raise ValueError("--fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 support; use --bf16 (or fp32) "
                          "on CPU")
-    module = build_pipeline_module(model_config, state, partition_method=partition_method,
-                                   checkpoint_activations=checkpoint_activations,
-                                   checkpoint_num_layers=checkpoint_num_layers, tracker=tracker)
-    client = build_client_optimizer(module, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
-                                    adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps)
-    config = copy.deepcopy(ds_config)
+    t = rc.training
+    module = build_pipeline_module(rc.model, state, partition_method=rc.parallel.pp_partition_method,
+                                   activation_checkpoint_interval=t.checkpoint_num_layers if t.checkpoint_activations
+                                   else 0, tracker=tracker)
+    client = build_client_optimizer(module, rc.optimizer)
     mixed = config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled")
     zero = config.get("zero_optimization", {}).get("stage", 0)
     if not mixed and not zero:
@@ -61,7 +69,7 @@ def build_engine(model_config: ModelConfig, state: ParallelState, ds_config: dic
         # (see megatron.engine.optimizer); clip with our norm instead. 0 must be explicit: DeepSpeed's
         # default for a missing gradient_clipping is 1.0.
         config["gradient_clipping"] = 0.0
-        client = GradNormClippingOptimizer(client, clip_grad=clip_grad, tp_rank=state.tp_rank,
+        client = GradNormClippingOptimizer(client, clip_grad=rc.optimizer.clip_grad, tp_rank=state.tp_rank,
                                            model_group=state.model_group)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
     return engine

@@ -19,6 +19,9 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.config import OPTIMIZERS, OptimizerConfig
+from megatron.parallel.replicated import sync_tp_duplicated_parameters, tp_duplicated_parameters
+from megatron.parallel.state import group_size
 from megatron.parallel.utils import param_is_tensor_parallel
 
 
@@ -34,17 +37,16 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_client_optimizer(module: torch.nn.Module, *, optimizer: str, lr: float, weight_decay: float,
-                           adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
-                           sgd_momentum: float = 0.9) -> torch.optim.Optimizer:
-    groups = param_groups(module, weight_decay)
-    if optimizer == "adam":
+def build_client_optimizer(module: torch.nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+    """The torch optimizer ``config`` describes over ``module``'s two parameter groups."""
+    groups = param_groups(module, config.weight_decay)
+    if config.optimizer == "adam":
         # Megatron's "adam" is AdamW (decoupled weight decay). foreach: fast on CPU and GPU alike.
-        return torch.optim.AdamW(groups, lr=lr, betas=(adam_beta1, adam_beta2), eps=adam_eps,
-                                 weight_decay=weight_decay, foreach=True)
-    if optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=sgd_momentum, weight_decay=weight_decay)
-    raise ValueError(f"--optimizer {optimizer!r} is not one of adam, sgd")
+        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.adam_eps,
+                                 weight_decay=config.weight_decay, foreach=True)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
+    raise ValueError(f"--optimizer {config.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
 
 
 def _counted_once(param: torch.Tensor, tp_rank: int) -> bool:
@@ -72,25 +74,19 @@ class GradNormClippingOptimizer(torch.optim.Optimizer):
     ``overflow`` after each step, so its skipped-step count and grad-norm report use ours."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, clip_grad: float, tp_rank: int, model_group):
+        # DeepSpeed accepts a client optimizer only if it is a torch.optim.Optimizer, so this is one,
+        # initialized properly; then it shares the wrapped optimizer's groups, state and defaults (the
+        # same objects), so DeepSpeed and the learning-rate schedule act on the real ones.
+        super().__init__([p for group in optimizer.param_groups for p in group["params"]], optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.defaults = optimizer.defaults
         self.optimizer = optimizer
         self.clip_grad = clip_grad
         self.tp_rank = tp_rank
         self.model_group = model_group
         self._global_grad_norm: Optional[float] = None
         self.overflow = False
-
-    # Present the wrapped optimizer's state so DeepSpeed and schedulers see the real groups.
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
 
     def zero_grad(self, set_to_none: bool = True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -124,9 +120,6 @@ def sync_tp_duplicated(module: torch.nn.Module, tp_group) -> None:
     in the module AND in the optimizer's fp32 master copies (``BF16_Optimizer`` keeps one fragment
     of each parameter per DP rank; the fragments of a replicated parameter line up across TP ranks
     because every TP rank of a stage has the same parameter shapes, hence the same flat layout)."""
-    from megatron.model.tp_parameters import sync_tp_duplicated_parameters, tp_duplicated_parameters
-    from megatron.parallel.state import group_size
-
     if group_size(tp_group) == 1:
         return
     sync_tp_duplicated_parameters(module, tp_group)

@@ -1,6 +1,7 @@
 """The GPT/BLOOM model as a DeepSpeed ``PipelineModule``, built from the model's own modules.
 
-There is one network, in ``megatron.model``; this file only lists its modules as pipeline layers:
+There is one network, in ``megatron.model``; this file only lists its modules as pipeline layers,
+in the order ``megatron.model.layout.pipeline_items`` gives (the index checkpoints number files by):
 
     TiedLayerSpec("embed", EmbeddingPipe)        (input_ids, position_ids) -> hidden [s, b, h]
     LayerSpec(TransformerLayer) x num_layers     hidden -> hidden
@@ -28,12 +29,11 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from megatron.config import ModelConfig
+from megatron.config import PARTITION_METHODS, ModelConfig
 from megatron.model import EmbeddingLayer, FinalLayerNorm, TransformerLayer, gpt_loss
+from megatron.model.layout import EMBEDDING, FINAL_NORM, HEAD, TRANSFORMER, PipelineItem, pipeline_items
 from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState
-
-PARTITION_METHODS = ("type:transformer", "type:transformer|embedding", "parameters", "uniform")
 
 
 class EmbeddingPipe(EmbeddingLayer):
@@ -103,23 +103,33 @@ def tracked_checkpoint_func(tracker: Optional[RNGStatesTracker]):
     return checkpoint
 
 
+def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker: Optional[RNGStatesTracker]):
+    embed = dict(tied_weight_attr="word_embeddings.weight", tp_group=state.tp_group)
+    if item.kind == EMBEDDING:
+        return TiedLayerSpec("embed", EmbeddingPipe, config, **embed)
+    if item.kind == TRANSFORMER:
+        return LayerSpec(TransformerLayer, config, tp_group=state.tp_group, layer_number=item.index - 1,
+                         rng_tracker=tracker)
+    if item.kind == FINAL_NORM:
+        return LayerSpec(FinalLayerNorm, config)
+    if item.kind == HEAD:
+        return TiedLayerSpec("embed", LMHeadPipe, config, forward_fn=lm_head_forward, **embed)
+    raise AssertionError(f"no pipeline spec for layer kind {item.kind!r}")
+
+
 def layer_specs(config: ModelConfig, state: ParallelState, tracker: Optional[RNGStatesTracker]) -> list:
-    """The ordered pipeline layers of the model (see the module docstring)."""
-    embed_kwargs = dict(tp_group=state.tp_group)
-    specs = [TiedLayerSpec("embed", EmbeddingPipe, config, tied_weight_attr="word_embeddings.weight",
-                           **embed_kwargs)]
-    specs += [LayerSpec(TransformerLayer, config, tp_group=state.tp_group, layer_number=i, rng_tracker=tracker)
-              for i in range(config.num_layers)]
-    specs.append(LayerSpec(FinalLayerNorm, config))
-    specs.append(TiedLayerSpec("embed", LMHeadPipe, config, forward_fn=lm_head_forward,
-                               tied_weight_attr="word_embeddings.weight", **embed_kwargs))
-    return specs
+    """The ordered pipeline layers of the model, one spec per ``megatron.model.layout.pipeline_items``."""
+    return [_spec(item, config, state, tracker) for item in pipeline_items(config)]
 
 
 def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partition_method: str = "type:transformer",
-                          checkpoint_activations: bool = False, checkpoint_num_layers: int = 1,
+                          activation_checkpoint_interval: int = 0,
                           tracker: Optional[RNGStatesTracker] = None) -> PipelineModule:
-    """The model's stage for this rank, on a topology identical to ``state``'s layout."""
+    """The model's stage for this rank, on a topology identical to ``state``'s layout.
+
+    activation_checkpoint_interval: recompute the activations of every run of this many layers in
+    backward (``--checkpoint-num-layers`` with ``--checkpoint-activations``); 0 keeps them all.
+    """
     if partition_method not in PARTITION_METHODS:
         raise ValueError(f"--pp-partition-method {partition_method!r} is not one of {', '.join(PARTITION_METHODS)}")
     if partition_method == "type:transformer" and config.num_layers < state.pp_size:
@@ -132,7 +142,7 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
         topology=topology,
         loss_fn=GPTLossFn(state.tp_group),
         partition_method=partition_method,
-        activation_checkpoint_interval=checkpoint_num_layers if checkpoint_activations else 0,
+        activation_checkpoint_interval=activation_checkpoint_interval,
         activation_checkpoint_func=tracked_checkpoint_func(tracker),
         checkpointable_layers=["TransformerLayer"],
         seed_layers=False,

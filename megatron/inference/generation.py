@@ -24,7 +24,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron.config import ModelConfig
+from megatron.config import ModelConfig, TokenizerConfig
+from megatron.data.tokenizers import build_tokenizer
+from megatron.checkpoint.merge import load_full_state_dict
 from megatron.model import GPTModel
 
 __all__ = ["SamplingParams", "Completion", "Generator", "sample_next_token", "generate_token_ids",
@@ -119,17 +121,12 @@ def generate_token_ids(model: GPTModel, prompt_ids: Sequence[int], params: Sampl
     return generated, "length"
 
 
-def tokenizer_from_record(record: dict, **overrides):
+def tokenizer_from_record(record: Optional[dict], **overrides):
     """The tokenizer a checkpoint recorded (type and files), with any of its fields overridden."""
-    from megatron.data.tokenizers import build_tokenizer
-
-    fields = {k: v for k, v in (record or {}).items() if v is not None}
-    fields.update({k: v for k, v in overrides.items() if v is not None})
-    kind = fields.pop("tokenizer_type", None)
-    if kind is None:
+    config = TokenizerConfig.from_record(record, **overrides)
+    if config.tokenizer_type is None:
         raise ValueError("the checkpoint records no tokenizer; pass --tokenizer-type and its files")
-    keys = ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_name_or_path")
-    return build_tokenizer(kind, **{k: fields.get(k) for k in keys})
+    return build_tokenizer(config)
 
 
 class Generator:
@@ -146,8 +143,6 @@ class Generator:
                         tokenizer=None, **tokenizer_overrides) -> "Generator":
         """Load a training checkpoint of any TP / PP into one TP=1 GPTModel (dropout off) in ``dtype``
         ('fp32', 'bf16', 'fp16', or 'saved': the checkpoint's params_dtype)."""
-        from megatron.inference.checkpoint import load_full_state_dict
-
         if dtype not in DTYPES and dtype != "saved":
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}, saved")
         config, state, record = load_full_state_dict(ckpt_dir, tag)

@@ -6,8 +6,8 @@
     FinalLayerNorm     the LayerNorm before the head
     GPTModel           the three composed on one pipeline stage; ``gpt_loss`` the masked mean loss
     KVCache            per-layer keys / values for incremental decoding
-    tp_parameters      which parameters are replicated / row- / vocab-parallel; TP sync
-    hf_bloom           weight and config mapping to and from transformers' Bloom
+    layout             the pipeline layers and how every parameter is split across TP ranks (from the
+                       modules' own tags): what the pipeline and every checkpoint converter read
 
 Each module is built from a ``ModelConfig`` and an explicit tensor-parallel group and takes simple
 tensors, so a pipeline engine can stage them one by one. Initial weights depend only on
@@ -23,12 +23,9 @@ hp = np * hn, v / vp vocabulary (per partition).
 from megatron.model.attention import KVCache, SelfAttention
 from megatron.model.embedding import EmbeddingLayer
 from megatron.model.gpt import GPTModel, gpt_loss, per_token_loss
-from megatron.model.tp_parameters import (ROW_PARALLEL_PARAMETER_PATTERNS, TP_REPLICATED_PARAMETER_PATTERNS,
-                                          VOCABULARY_PARAMETER_PATTERNS, sync_tp_duplicated_parameters,
-                                          tp_duplicated_parameters)
+from megatron.model.layout import ParameterLayout, PipelineItem, parameter_layout, pipeline_items
 from megatron.model.transformer import FinalLayerNorm, ParallelMLP, TransformerLayer
 
 __all__ = ["EmbeddingLayer", "TransformerLayer", "FinalLayerNorm", "GPTModel", "gpt_loss", "per_token_loss",
-           "KVCache", "SelfAttention", "ParallelMLP", "TP_REPLICATED_PARAMETER_PATTERNS",
-           "ROW_PARALLEL_PARAMETER_PATTERNS", "VOCABULARY_PARAMETER_PATTERNS",
-           "sync_tp_duplicated_parameters", "tp_duplicated_parameters"]
+           "KVCache", "SelfAttention", "ParallelMLP", "ParameterLayout", "PipelineItem",
+           "parameter_layout", "pipeline_items"]

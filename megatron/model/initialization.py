@@ -4,9 +4,6 @@ A pipeline stage that builds only layers 3..5 must start from exactly the weight
 in the full model, and a TP=2 model must start from exactly the TP=1 weights. Both follow if every
 weight is drawn from its own ``torch.Generator`` seeded from ``(config.seed, parameter name)``, and
 the tensor-parallel layers draw the FULL weight on every rank and keep their slice.
-
-Shape letters: s sequence, b micro-batch, h hidden, np heads per partition, hn head dim,
-hp = np * hn, v / vp vocabulary (per partition).
 """
 
 from __future__ import annotations

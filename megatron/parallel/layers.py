@@ -233,6 +233,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.weight = _sharded_weight((num_embeddings, embedding_dim), 0, tp_group, init_method,
                                       params_dtype, device)  # [vp, h]
+        self.weight.vocab_parallel = True  # rows are the padded vocabulary (checkpoint converters read it)
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         # One fused comparison and one host sync per forward: cheap next to the lookup itself.

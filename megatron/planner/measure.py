@@ -58,12 +58,12 @@ def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: O
     import torch.distributed as dist
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.arguments import run_config_from_argv
     from megatron.parallel.state import group_layout
     from megatron.planner.comm_count import CollectiveRecorder
     from megatron.training.pretrain import pretrain
 
-    rc = resolve_vocab_size(build_run_config(parse_args(argv, world_size=world_size)))
+    rc = run_config_from_argv(argv, world_size=world_size)
     p = rc.parallel
     layout = group_layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                           world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size))
@@ -93,7 +93,7 @@ def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: O
             "config": {"seq_length": rc.data.seq_length, "micro_batch_size": rc.batch.micro_batch_size,
                        "global_batch_size": rc.batch.global_batch_size, "hidden_size": rc.model.hidden_size,
                        "num_layers": rc.model.num_layers, "num_attention_heads": rc.model.num_attention_heads,
-                       "padded_vocab_size": rc.model.padded_vocab_size, "bf16": rc.precision.bf16,
+                       "padded_vocab_size": rc.model.padded_vocab_size, "bf16": rc.bf16,
                        "zero_stage": rc.precision.zero_stage, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                        "checkpoint_activations": rc.training.checkpoint_activations}}
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron.config.model import megatron_flops
 from megatron.planner.layout import Layout, layers_per_stage
 from megatron.planner.memory import layer_activation_bytes, stage_param_counts
 from megatron.planner.specs import ClusterSpec, GPUSpec, ModelShape
@@ -71,13 +72,6 @@ class StepEstimate:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.step_s
-
-
-def megatron_flops(model: ModelShape, global_batch_size: int, seq_length: int, recompute: bool) -> float:
-    """24 c B s L h^2 (1 + s/(6h) + V/(16 L h)), c = 4 with recomputation else 3 (ffn = 4h)."""
-    s, L, h, V = seq_length, model.num_layers, model.hidden_size, model.vocab_size
-    c = 4 if recompute else 3
-    return 24 * c * global_batch_size * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
 def _allreduce_s(num_bytes: float, ranks: int, busbw_gbps: float, latency_us: float) -> float:
@@ -158,7 +152,9 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
     step = pipe + dp + tied + optimizer
     return StepEstimate(
         step_s=step, slot_s=slot_s, bubble_s=(layout.pp - 1) * slot_s, components_s=components,
-        model_flops=megatron_flops(model, global_batch_size, seq_length, False),
-        hardware_flops=megatron_flops(model, global_batch_size, seq_length, layout.recompute),
+        model_flops=megatron_flops(model.num_layers, model.hidden_size, model.vocab_size, seq_length,
+                                   global_batch_size, False),
+        hardware_flops=megatron_flops(model.num_layers, model.hidden_size, model.vocab_size, seq_length,
+                                      global_batch_size, layout.recompute),
         num_gpus=layout.world_size, tokens_per_step=global_batch_size * seq_length,
         peak_tflops=gpu.peak_bf16_tflops)

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.config import RunConfig
-from megatron.data.gpt_dataset import build_group_dataset, build_train_valid_test_datasets
+from megatron.data.gpt_dataset import build_train_valid_test_datasets, build_weighted_split_datasets
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.training.batches import MicroBatchIterator
 
@@ -45,21 +45,17 @@ def build_datasets(rc: RunConfig, cache_dir: Optional[str] = None) -> RunDataset
     n_train, n_valid, n_test = num_samples(rc)
     common = dict(seq_length=d.seq_length, seed=d.seed, cache_dir=cache_dir)
     if d.uses_weighted_splits:
-        train = None
-        if d.train_weighted_split_groups and n_train > 0:
-            train = build_group_dataset(d.train_weighted_split_groups[0], "train", n_train, **common)
-        valid = {g.name: build_group_dataset(g, "valid", n_valid, **common)
-                 for g in d.valid_weighted_split_groups} if n_valid > 0 else {}
-        test = {g.name: build_group_dataset(g, "test", n_test, **common)
-                for g in d.test_weighted_split_groups} if n_test > 0 else {}
-        return RunDatasets(train, valid, test)
+        return RunDatasets(*build_weighted_split_datasets(
+            d.train_weighted_split_groups, d.valid_weighted_split_groups, d.test_weighted_split_groups,
+            (n_train, n_valid, n_test), **common))
     train, valid, test = build_train_valid_test_datasets(d.data_path, d.split or "969,30,1",
                                                          (n_train, n_valid, n_test), **common)
     return RunDatasets(train, {"": valid} if valid is not None else {}, {"": test} if test is not None else {})
 
 
 def micro_batch_iterator(dataset, rc: RunConfig, *, consumed_samples: int, dp_rank: int, dp_size: int,
-                         num_workers: int, eod_token: Optional[int] = None) -> MicroBatchIterator:
+                         num_workers: int) -> MicroBatchIterator:
+    """This data-parallel rank's pipeline micro-batches of ``dataset``, from ``consumed_samples`` on."""
     loader = build_pretraining_data_loader(dataset, consumed_samples, rc.batch.micro_batch_size, dp_rank, dp_size,
                                            num_workers=num_workers)
-    return MicroBatchIterator(loader, eod_token=eod_token)
+    return MicroBatchIterator(loader)

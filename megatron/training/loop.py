@@ -1,6 +1,6 @@
 """The training loop: one DeepSpeed pipeline step per iteration, evaluation, logging, exits, saves.
 
-    trainer = Trainer(rc, engine, state, ...)
+    trainer = Trainer(rc, engine, lr_scheduler=..., microbatches=..., train_iterator=..., ...)
     reason = trainer.train()        # '' when --train-iters / --train-samples is reached
 
 Per iteration: update the global batch (rampup; DeepSpeed is told), skip the data of iterations
@@ -165,7 +165,8 @@ class Trainer:
         rates = throughput_metrics(self.rc.model, last.global_batch_size, self.rc.training.checkpoint_activations,
                                    max(ms, 1e-9) / 1000.0, self.world_size, self.peak_tflops)
         self.logger.training(tflops_per_gpu=rates["hardware_tflops_per_gpu"],
-                             model_tflops_per_gpu=rates["model_tflops_per_gpu"], mfu=rates["mfu"],iteration=last.iteration, train_iters=self._total_iters(),
+                             model_tflops_per_gpu=rates["model_tflops_per_gpu"], mfu=rates["mfu"],
+                             iteration=last.iteration, train_iters=self._total_iters(),
                              consumed_samples=self.progress.consumed_samples,
                              consumed_tokens=self.progress.consumed_tokens, elapsed_ms_per_iter=ms, lr=last.lr,
                              global_batch_size=last.global_batch_size, loss=loss, grad_norm=last.grad_norm,

@@ -11,16 +11,6 @@ from typing import Optional
 
 from megatron.config import ModelConfig
 
-
-def model_flops_per_iteration(config: ModelConfig, global_batch_size: int, checkpoint_activations: bool) -> float:
-    """Megatron's FLOPs per iteration (its "TFLOPs" formula), counting the recomputed forward
-    when activations are checkpointed:  24 * c * B * s * L * h^2 * (1 + s / (6h) + V / (16 L h)),
-    with c = 4 (forward + recompute + backward) with checkpointing, else 3."""
-    s, L, h, V = config.seq_length, config.num_layers, config.hidden_size, config.padded_vocab_size
-    c = 4 if checkpoint_activations else 3
-    return 24 * c * global_batch_size * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
-
-
 # Dense bf16 tensor-core peak per device, TFLOP/s (datasheet values; sparsity not counted). MFU is
 # model FLOPs (no recomputation) / (time * peak); HFU counts the recomputed forward too.
 PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
@@ -54,8 +44,8 @@ def throughput_metrics(config: ModelConfig, global_batch_size: int, checkpoint_a
     if elapsed_s_per_iter <= 0:
         raise ValueError(f"elapsed time per iteration must be positive, got {elapsed_s_per_iter}")
     per_gpu = elapsed_s_per_iter * world_size * 1e12
-    model = model_flops_per_iteration(config, global_batch_size, False) / per_gpu
-    hardware = model_flops_per_iteration(config, global_batch_size, checkpoint_activations) / per_gpu
+    model = config.flops_per_iteration(global_batch_size, recompute=False) / per_gpu
+    hardware = config.flops_per_iteration(global_batch_size, recompute=checkpoint_activations) / per_gpu
     out = {"model_tflops_per_gpu": model, "hardware_tflops_per_gpu": hardware, "tflops_per_gpu": hardware,
            "mfu": None, "hfu": None}
     if peak_tflops:

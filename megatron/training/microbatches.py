@@ -11,7 +11,6 @@ run resumed from a checkpoint's consumed-samples count lands on the same batch s
 
 from __future__ import annotations
 
-from typing import Optional
 
 from megatron.config import BatchConfig, check_rampup_batch_size
 
@@ -73,10 +72,9 @@ class RampupBatchsizeNumMicroBatches:
         return self.current_global_batch_size
 
 
-def build_num_microbatches_calculator(batch: BatchConfig, data_parallel_size: int,
-                                      rampup_batch_size: Optional[tuple[int, int, int]] = None):
+def build_num_microbatches_calculator(batch: BatchConfig, data_parallel_size: int):
     """The calculator for a run's ``BatchConfig`` (rampup when ``batch.rampup_batch_size`` is set)."""
-    rampup = rampup_batch_size if rampup_batch_size is not None else batch.rampup_batch_size
+    rampup = batch.rampup_batch_size
     if rampup is None:
         return ConstantNumMicroBatches(batch.global_batch_size, batch.micro_batch_size, data_parallel_size)
     start, increment, samples = rampup

@@ -16,17 +16,15 @@ import time
 from typing import Optional
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
+from megatron.checkpoint import run_state, tags, training_io
 from megatron.config import RunConfig
-from megatron.engine.ds_config import build_deepspeed_config
 from megatron.engine.initialize import build_engine, init_deepspeed_comm
 from megatron.engine.optimizer import sync_tp_duplicated
-from megatron.engine.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
+from megatron.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState
-from megatron.training import checkpointing
 from megatron.training.data import build_datasets, micro_batch_iterator
 from megatron.training.distributed import init_process_group
 from megatron.training.exit import ExitMonitor
@@ -70,19 +68,7 @@ def _tensorboard_writer(rc: RunConfig, is_last_rank: bool):
 def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> dict:
     """Saved by DeepSpeed with the weights (in mp_rank_XX_model_states.pt): what a resume restores."""
     return {"progress": dataclasses.asdict(progress), "lr_scheduler": lr_scheduler.state_dict(),
-            "rng": checkpointing.rng_state(tracker), UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(rc.model)}
-
-
-def run_state(rc: RunConfig, progress: Progress) -> dict:
-    """Saved as JSON beside the weights (run_state.json): what tools and compatibility checks read."""
-    d, p = rc.data, rc.parallel
-    return {"model_config": dataclasses.asdict(rc.model), "progress": dataclasses.asdict(progress),
-            "parallel": {"tensor_model_parallel_size": p.tensor_model_parallel_size,
-                         "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
-                         "data_parallel_size": p.data_parallel_size},
-            "tokenizer": {"tokenizer_type": d.tokenizer_type, "vocab_file": d.vocab_file, "merge_file": d.merge_file,
-                          "tokenizer_model": d.tokenizer_model, "tokenizer_name_or_path": d.tokenizer_name_or_path},
-            "params_dtype": rc.model.params_dtype, "seq_length": d.seq_length}
+            "rng": training_io.rng_state(tracker), UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(rc.model)}
 
 
 def pretrain(rc: RunConfig, *, dataset_cache_dir: Optional[str] = None) -> PretrainResult:
@@ -96,17 +82,8 @@ def pretrain(rc: RunConfig, *, dataset_cache_dir: Optional[str] = None) -> Pretr
     tracker = set_seeds(rc.training.seed, state)
 
     datasets = build_datasets(rc, cache_dir=dataset_cache_dir)
-    ds_config = build_deepspeed_config(rc, rc.deepspeed_user_config)
-    if rc.checkpoint.universal_checkpoint:
-        # Only loading reads the universal layout; saves keep DeepSpeed's regular one, so a later plain
-        # --load continues (the flag is not sticky).
-        ds_config["checkpoint"] = dict(ds_config.get("checkpoint", {}), load_universal=True)
-    o, t = rc.optimizer, rc.training
-    engine = build_engine(rc.model, state, ds_config, optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,
-                          adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                          clip_grad=o.clip_grad, partition_method=p.pp_partition_method,
-                          checkpoint_activations=t.checkpoint_activations,
-                          checkpoint_num_layers=t.checkpoint_num_layers, tracker=tracker)
+    engine = build_engine(rc, state, tracker=tracker)
+    t = rc.training
     lr_scheduler = LRScheduler.from_run_config(engine.optimizer, rc)
     progress = _resume(rc, engine, lr_scheduler, tracker)
 
@@ -123,9 +100,10 @@ def pretrain(rc: RunConfig, *, dataset_cache_dir: Optional[str] = None) -> Pretr
                             print_fn=print if is_last_rank else (lambda *a, **k: None))
 
     def save(progress_now: Progress) -> None:
-        tag = checkpointing.save_checkpoint(engine, rc.checkpoint.save, progress_now.iteration,
-                                            _client_state(rc, progress_now, lr_scheduler, tracker),
-                                            run_state(rc, progress_now), rc.checkpoint.keep_last_n_checkpoints)
+        tag = training_io.save_checkpoint(engine, rc.checkpoint.save, progress_now.iteration,
+                                          _client_state(rc, progress_now, lr_scheduler, tracker),
+                                          run_state.build_run_state(rc, dataclasses.asdict(progress_now)),
+                                          rc.checkpoint.keep_last_n_checkpoints)
         print_rank_0(f"saved checkpoint {os.path.join(rc.checkpoint.save, tag)}")
 
     sync = (lambda: sync_tp_duplicated(engine.module, state.tp_group)) if t.sync_tp_duplicated_parameters else None
@@ -160,22 +138,20 @@ def _resume(rc: RunConfig, engine, lr_scheduler, tracker) -> Progress:
     ck = rc.checkpoint
     if not ck.load:
         return Progress()
-    tag = checkpointing.resolve_tag(ck.load, universal=ck.universal_checkpoint)
+    tag = tags.resolve_tag(ck.load, universal=ck.universal_checkpoint)
     if tag is None:
         print_rank_0(f"no checkpoint in {ck.load} yet: starting from scratch")
         return Progress()
-    saved = checkpointing.read_run_state(ck.load, tag)
-    checkpointing.check_model_config(saved["model_config"], dataclasses.asdict(rc.model),
-                                     universal=ck.universal_checkpoint)
-    client = checkpointing.load_checkpoint(engine, ck.load, tag,
-                                           load_optimizer_states=not (ck.no_load_optim or ck.finetune))
+    saved = run_state.load_run_state(ck.load, tag)
+    run_state.check_model_config(saved["model_config"], dataclasses.asdict(rc.model), universal=ck.universal_checkpoint)
+    client = training_io.load_checkpoint(engine, ck.load, tag, load_optimizer_states=not (ck.no_load_optim or ck.finetune))
     if ck.finetune:
         print_rank_0(f"loaded the weights of {os.path.join(ck.load, tag)} (--finetune: iteration 0, new schedule)")
         return Progress()
     progress = Progress(**client["progress"])
     lr_scheduler.load_state_dict(client["lr_scheduler"])
     if not ck.no_load_rng:
-        checkpointing.set_rng_state(client["rng"], tracker)
+        training_io.set_rng_state(client["rng"], tracker)
     print_rank_0(f"resumed from {os.path.join(ck.load, tag)} at iteration {progress.iteration} "
                  f"({progress.consumed_samples} samples consumed)")
     return progress

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
-from megatron.data.preprocess import BadInputLine, PreprocessConfig, TokenizerSpec, preprocess
+from megatron.config import TokenizerConfig
+from megatron.data.preprocess import BadInputLine, PreprocessConfig, preprocess
 from tests.conftest import REPO_ROOT
 from tools import merge_datasets, preprocess_data
 
@@ -29,7 +30,7 @@ def _tokenizer_flags(gpt2):
 
 
 def _spec(gpt2):
-    return TokenizerSpec("GPT2BPETokenizer", str(gpt2 / "gpt2-tiny-vocab.json"), str(gpt2 / "gpt2-tiny-merges.txt"))
+    return TokenizerConfig("GPT2BPETokenizer", str(gpt2 / "gpt2-tiny-vocab.json"), str(gpt2 / "gpt2-tiny-merges.txt"))
 
 
 def _assert_same_pair(prefix, reference):

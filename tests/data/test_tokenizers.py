@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.config import TokenizerConfig
 from megatron.data.tokenizers import (GPT2BPETokenizer, PretrainedFromHF, SentencePieceTokenizer, build_tokenizer,
                                       pad_vocab_size, train_bpe_tokenizer, train_sentencepiece_tokenizer)
 
@@ -45,13 +46,13 @@ def test_gpt2_matches_megatron_tokens(gpt2_tiny, shared_data):
 def test_build_tokenizer_names_missing_flag_and_file(shared_data, tmp_path):
     vocab = shared_data / "gpt2" / "gpt2-tiny-vocab.json"
     with pytest.raises(ValueError, match="--merge-file"):
-        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab)
+        build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=vocab))
     with pytest.raises(ValueError, match="--merge-file .*nope.txt"):
-        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=tmp_path / "nope.txt")
+        build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=vocab, merge_file=tmp_path / "nope.txt"))
     with pytest.raises(ValueError, match="--tokenizer-model"):
-        build_tokenizer("SentencePieceTokenizer")
+        build_tokenizer(TokenizerConfig("SentencePieceTokenizer"))
     with pytest.raises(ValueError, match="BertWordPieceLowerCase"):
-        build_tokenizer("BertWordPieceLowerCase")
+        build_tokenizer(TokenizerConfig("BertWordPieceLowerCase"))
 
 
 def test_trained_bpe_loads_as_gpt2_and_from_local_dir(tmp_path):
@@ -60,8 +61,8 @@ def test_trained_bpe_loads_as_gpt2_and_from_local_dir(tmp_path):
     for name in ("vocab.json", "merges.txt", "tokenizer.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     assert set(again) == set(files)
-    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=files["vocab_file"], merge_file=files["merge_file"])
-    from_dir = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=tmp_path / "a")
+    gpt2 = build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=files["vocab_file"], merge_file=files["merge_file"]))
+    from_dir = build_tokenizer(TokenizerConfig("PretrainedFromHF", tokenizer_name_or_path=tmp_path / "a"))
     from_json = PretrainedFromHF(files["tokenizer_json"])
     for tokenizer in (gpt2, from_dir, from_json):
         assert (tokenizer.eod, tokenizer.pad) == (0, 0)
@@ -100,12 +101,12 @@ def test_pretrained_from_hf_refuses_hub_names():
     with pytest.raises(ValueError, match="must be a local path"):
         PretrainedFromHF("bigscience/bloom-560m")
     with pytest.raises(ValueError, match="--tokenizer-name-or-path"):
-        build_tokenizer("PretrainedFromHF")
+        build_tokenizer(TokenizerConfig("PretrainedFromHF"))
 
 
 def test_sentencepiece_trained_on_tiny_text(tmp_path):
     files = train_sentencepiece_tokenizer(TINY_TEXT, 400, tmp_path)
-    tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=files["tokenizer_model"])
+    tokenizer = build_tokenizer(TokenizerConfig("SentencePieceTokenizer", tokenizer_model=files["tokenizer_model"]))
     assert isinstance(tokenizer, SentencePieceTokenizer)
     assert (tokenizer.eod, tokenizer.pad) == (2, 3)
     assert 256 < tokenizer.vocab_size <= 400  # 256 byte pieces, characters, pieces
@@ -145,7 +146,7 @@ def test_train_tokenizer_tool_output_loads(tmp_path, kind, flag):
     assert train_tokenizer.main(["--input", str(path), "--type", kind, "--vocab-size", "400",
                                  "--output-dir", str(out)]) == 0
     location = out if kind == "bpe" else out / "tokenizer.model"
-    tokenizer = build_tokenizer("PretrainedFromHF" if kind == "bpe" else "SentencePieceTokenizer", **{flag: location})
+    tokenizer = build_tokenizer(TokenizerConfig("PretrainedFromHF" if kind == "bpe" else "SentencePieceTokenizer", **{flag: location}))
     assert tokenizer.detokenize(tokenizer.tokenize(TINY_TEXT[1])) == TINY_TEXT[1]
     assert tokenizer.eod == (0 if kind == "bpe" else 2)
     if kind == "bpe":

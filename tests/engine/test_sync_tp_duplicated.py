@@ -5,25 +5,20 @@ import pytest
 import torch
 
 from megatron.testing import run_distributed
+from megatron.testing.corpus import tiny_argv
 
 
-def _drift_and_sync(rank, world_size):
+def _drift_and_sync(rank, world_size, rc):
     import torch.distributed as dist
 
-    from megatron.config import ModelConfig
     from megatron.engine.initialize import build_engine, init_deepspeed_comm
     from megatron.engine.optimizer import sync_tp_duplicated
-    from megatron.model.tp_parameters import tp_duplicated_parameters
+    from megatron.parallel.replicated import tp_duplicated_parameters
     from megatron.parallel.state import ParallelState
 
     init_deepspeed_comm("gloo")
     state = ParallelState.create(tp=2, pp=1)
-    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=128, seq_length=16,
-                         hidden_dropout=0.0, attention_dropout=0.0, params_dtype="bf16").validate(2)
-    ds_config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9,
-                 "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"},
-                 "gradient_clipping": 1.0}
-    engine = build_engine(config, state, ds_config, lr=1e-3)
+    engine = build_engine(rc, state)
     assert type(engine.optimizer).__name__ == "BF16_Optimizer"
     name, param = [(n, p) for n, p in tp_duplicated_parameters(engine.module) if "input_layernorm.weight" in n][0]
     master = param._hp_mapping.get_hp_fragment()
@@ -38,8 +33,12 @@ def _drift_and_sync(rank, world_size):
 
 
 @pytest.mark.multiprocess
-def test_sync_averages_module_and_master_copies():
-    results = run_distributed(_drift_and_sync, world_size=2, timeout=300)
+def test_sync_averages_module_and_master_copies(tiny_corpus):
+    from megatron.arguments import run_config_from_argv
+
+    rc = run_config_from_argv(tiny_argv(tiny_corpus, "--bf16", "--tensor-model-parallel-size", "2",
+                                        global_batch_size=2), world_size=2)
+    results = run_distributed(_drift_and_sync, world_size=2, args=(rc,), timeout=300)
     rank0, rank1 = results[0]
     assert rank0["lp"] == rank1["lp"] and rank0["hp"] == rank1["hp"], rank0["name"]
     # LayerNorm weights start at 1; drift +1 and +2 averages to 1 + 1.5.

@@ -1,6 +1,5 @@
 """Generation: the KV-cache path equals recomputing the sequence, end-of-document stops, sampling rules."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ from megatron.inference.generation import (Generator, SamplingParams, generate_t
                                            tokenizer_from_record)
 from megatron.model import GPTModel
 
-from .conftest import random_state_dict, tiny_model_config, tokenizer_record
+from tests.checkpoint.helpers import random_state_dict, tiny_model_config, tokenizer_record
 
 POSITIONS = {"alibi": {}, "absolute": dict(position_embedding_type="absolute", embed_layernorm=False,
                                            max_position_embeddings=64),
@@ -56,15 +55,15 @@ def test_generation_stops_at_end_of_document():
     assert (stopped, reason) == (free[:k + 1], "eod")
 
 
-def test_completion_text_leaves_out_the_end_of_document_token(corpus):
+def test_completion_text_leaves_out_the_end_of_document_token(tiny_corpus):
     model = _model()
-    tokenizer = tokenizer_from_record(tokenizer_record(corpus))
+    tokenizer = tokenizer_from_record(tokenizer_record(tiny_corpus))
     prompt = "The river"
     free, _ = generate_token_ids(model, tokenizer.tokenize(prompt), SamplingParams(max_new_tokens=8, greedy=True),
                                  vocab_size=400, eod=None)
     k = next(i for i in range(1, len(free)) if free[i] not in free[:i])
 
-    class StopsAt:  # the corpus tokenizer, with a later greedy token as its end-of-document id
+    class StopsAt:  # the tiny_corpus tokenizer, with a later greedy token as its end-of-document id
         eod = free[k]
         tokenize, detokenize = tokenizer.tokenize, tokenizer.detokenize
 
@@ -73,9 +72,9 @@ def test_completion_text_leaves_out_the_end_of_document_token(corpus):
     assert completion.text == tokenizer.detokenize(free[:k])
 
 
-def test_sampling_is_reproducible_with_a_seed_and_varies_across_seeds(corpus):
+def test_sampling_is_reproducible_with_a_seed_and_varies_across_seeds(tiny_corpus):
     model = _model()
-    generator = Generator(model, tokenizer_from_record(tokenizer_record(corpus)), model.config)
+    generator = Generator(model, tokenizer_from_record(tokenizer_record(tiny_corpus)), model.config)
     prompts = ["The river", "Model data"]
 
     def run(**kw):
@@ -118,24 +117,24 @@ def test_invalid_sampling_parameters_are_refused(fields, match):
         SamplingParams(**fields).validate()
 
 
-def test_learned_positions_limit_prompt_plus_new_tokens(corpus):
+def test_learned_positions_limit_prompt_plus_new_tokens(tiny_corpus):
     model = _model("absolute")  # 64 positions
-    generator = Generator(model, tokenizer_from_record(tokenizer_record(corpus)), model.config)
+    generator = Generator(model, tokenizer_from_record(tokenizer_record(tiny_corpus)), model.config)
     with pytest.raises(ValueError, match="exceeds the model's 64 learned positions"):
         generator.generate(["The river"], SamplingParams(max_new_tokens=63, greedy=True))
     with pytest.raises(ValueError, match="no tokens"):
         generator.generate([""], SamplingParams(max_new_tokens=4, greedy=True))
 
 
-def test_generator_loads_the_saved_dtype_on_request(tmp_path, corpus):
-    from .conftest import write_random_checkpoint
+def test_generator_loads_the_saved_dtype_on_request(tmp_path, tiny_corpus):
+    from tests.checkpoint.helpers import write_random_checkpoint
 
-    write_random_checkpoint(tmp_path, corpus, tp=2)
+    write_random_checkpoint(tmp_path, tiny_corpus, tp=2)
     generator = Generator.from_checkpoint(str(tmp_path), dtype="bf16")
     assert next(generator.model.parameters()).dtype == torch.bfloat16
     [completion] = generator.generate(["The river"], SamplingParams(max_new_tokens=4, greedy=True))
     assert len(completion.token_ids) == 4
-    write_random_checkpoint(tmp_path / "bf16", corpus, params_dtype="bf16")
+    write_random_checkpoint(tmp_path / "bf16", tiny_corpus, params_dtype="bf16")
     saved = Generator.from_checkpoint(str(tmp_path / "bf16"), dtype="saved")
     assert next(saved.model.parameters()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype 'int8'"):

@@ -14,16 +14,16 @@ from megatron.inference.generation import Generator, SamplingParams
 from megatron.inference.server import ServerLimits, make_server
 from tests.conftest import REPO_ROOT
 
-from .conftest import write_random_checkpoint
+from tests.checkpoint.helpers import write_random_checkpoint
 
 LIMITS = ServerLimits(max_prompt_tokens=20, max_new_tokens_limit=16, max_request_bytes=2048, max_prompts=4,
                       default_max_new_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, corpus):
+def checkpoint(tmp_path_factory, tiny_corpus):
     path = tmp_path_factory.mktemp("server_ckpt")
-    write_random_checkpoint(path, corpus, tp=2, pp=1)
+    write_random_checkpoint(path, tiny_corpus, tp=2, pp=1)
     return str(path)
 
 

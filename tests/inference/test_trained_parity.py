@@ -19,7 +19,7 @@ import torch
 
 from megatron.testing import run_distributed
 from tests.conftest import REPO_ROOT
-from tests.training.conftest import tiny_argv
+from megatron.testing import tiny_argv
 
 PROMPTS = ["The river", "Model data train the", "North city music", "A", "Pipeline stage tensor parallel gradient"]
 VOCAB, PADDED = 400, 512
@@ -30,12 +30,12 @@ def _fixed_tokens():
 
 
 def _train(rank, world_size, argv, evaluate):
-    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.arguments import run_config_from_argv
     from megatron.training.batches import gpt_micro_batch
     from megatron.training.pretrain import pretrain
 
     torch.set_num_threads(1)
-    result = pretrain(resolve_vocab_size(build_run_config(parse_args(argv, world_size=world_size))))
+    result = pretrain(run_config_from_argv(argv, world_size=world_size))
     engine = result.engine
     out = {"history": [(r.iteration, r.loss) for r in result.history], "iteration": result.progress.iteration}
     if evaluate:
@@ -49,11 +49,11 @@ def _train(rank, world_size, argv, evaluate):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, corpus):
+def trained(tmp_path_factory, tiny_corpus):
     root = tmp_path_factory.mktemp("trained")
     # A wide init (std 0.3) so that greedy continuations differ between prompts instead of repeating
     # the one token a near-uniform model prefers.
-    argv = tiny_argv(corpus, train_iters=4, save=str(root / "ckpt"), save_interval=4, tensor_model_parallel_size=2,
+    argv = tiny_argv(tiny_corpus, train_iters=4, save=str(root / "ckpt"), save_interval=4, tensor_model_parallel_size=2,
                      pipeline_model_parallel_size=2, init_method_std=0.3)
     results = run_distributed(_train, world_size=8, args=(argv, True), env={"OMP_NUM_THREADS": "1"}, timeout=600)
     shards = {r["tp_rank"]: torch.from_numpy(r["logits"]) for r in results if "logits" in r and r["dp_rank"] == 0}
@@ -71,7 +71,7 @@ def _hf(path):
 
 @pytest.mark.multiprocess
 def test_exported_bloom_matches_the_training_engine_and_our_model(trained):
-    from megatron.inference.checkpoint import load_full_state_dict
+    from megatron.checkpoint.merge import load_full_state_dict
     from megatron.model import GPTModel
 
     hf = _hf(trained["root"] / "hf")
@@ -95,6 +95,7 @@ def test_exported_bloom_matches_the_training_engine_and_our_model(trained):
 
 @pytest.mark.multiprocess
 def test_generate_tool_greedy_text_equals_transformers_generate(trained, tmp_path):
+    from megatron.config import TokenizerConfig
     from megatron.data.tokenizers import build_tokenizer
     from tools import generate as generate_tool
 
@@ -105,7 +106,7 @@ def test_generate_tool_greedy_text_equals_transformers_generate(trained, tmp_pat
     assert generate_tool.main(argv) == 0
     results = json.loads((tmp_path / "out.json").read_text())
     hf = _hf(trained["root"] / "hf")
-    tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=str(trained["root"] / "hf"))
+    tokenizer = build_tokenizer(TokenizerConfig("PretrainedFromHF", tokenizer_name_or_path=str(trained["root"] / "hf")))
     for prompt, result in zip(PROMPTS, results):
         ids = torch.tensor([tokenizer.tokenize(prompt)])
         assert result["prompt_token_ids"] == ids[0].tolist()
@@ -120,10 +121,10 @@ def _continue(rank, world_size, argv):
 
 
 @pytest.mark.multiprocess
-def test_from_hf_round_trip_is_exact_and_training_continues_from_it(trained, corpus, tmp_path):
+def test_from_hf_round_trip_is_exact_and_training_continues_from_it(trained, tiny_corpus, tmp_path):
     from safetensors.torch import load_file
 
-    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.arguments import run_config_from_argv
     from megatron.training.data import build_datasets
     from tools.convert_checkpoint import from_hf, to_hf
 
@@ -137,14 +138,14 @@ def test_from_hf_round_trip_is_exact_and_training_continues_from_it(trained, cor
     for name in before:
         assert torch.equal(before[name], after[name]), name
 
-    argv = tiny_argv(corpus, train_iters=2, lr_warmup_iters=1, load=str(tmp_path / "ckpt"), no_load_optim=True,
+    argv = tiny_argv(tiny_corpus, train_iters=2, lr_warmup_iters=1, load=str(tmp_path / "ckpt"), no_load_optim=True,
                      tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     results = run_distributed(_continue, world_size=4, args=(argv,), env={"OMP_NUM_THREADS": "1"}, timeout=600)
     history = results[-1]["history"]
     assert [i for i, _ in history] == [1, 2] and all(math.isfinite(loss) for _, loss in history)
 
     # The first step's loss is the model's loss on samples 0..7 (one global batch), before any update.
-    rc = resolve_vocab_size(build_run_config(parse_args(argv, world_size=4)))
+    rc = run_config_from_argv(argv, world_size=4)
     train = build_datasets(rc).train
     tokens = torch.stack([torch.from_numpy(train[i]["text"]) for i in range(8)])  # [8, s + 1]
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """The launch scripts in examples/: they parse (bash -n), every flag set they generate is accepted by
-``megatron.arguments.parse_args`` at the world size the script launches (so the scripts cannot drift
-from the parser), the DeepSpeed JSON they write agrees with their flags, and the tiny ones train."""
+``megatron.arguments.run_config_from_argv`` at the world size the script launches (so the scripts cannot
+drift from the parser), the DeepSpeed JSON they write agrees with their flags, and the tiny ones train."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from megatron.arguments import parse_args
+from megatron.arguments import run_config_from_argv
+from megatron.config import RunConfig
 from tests.conftest import REPO_ROOT
 
 EXAMPLES = REPO_ROOT / "examples"
@@ -41,7 +42,7 @@ def test_scripts_are_found_and_every_one_passes_bash_n():
 
 @pytest.fixture(scope="module")
 def fake_data(tmp_path_factory):
-    """Data and tokenizer paths that exist (parse_args checks existence, nothing is read)."""
+    """Data and tokenizer paths that exist (their existence is checked, nothing is read)."""
     d = tmp_path_factory.mktemp("fake_data")
     prefix = d / "corpus_text_document"
     for ext in (".bin", ".idx"):
@@ -67,6 +68,11 @@ def _dry_run(script, tmp_path, env_extra) -> tuple[int, list[str]]:
     return int(world_size), argv
 
 
+def _run_config(argv, world_size) -> RunConfig:
+    """The scripts' tokenizer files are stand-ins: check the flags without building the vocabulary."""
+    return run_config_from_argv(argv, world_size=world_size, with_vocab=False)
+
+
 def _sbatch_option(script, name) -> str:
     match = re.search(rf"^#SBATCH --{name}[= ](\S+)", script.read_text(), re.MULTILINE)
     assert match, f"{script} has no #SBATCH --{name}"
@@ -82,42 +88,47 @@ def test_bloom_script_flags_parse_at_its_world_size(name, fake_data, tmp_path):
     assert _sbatch_option(script, "gres") == f"gpu:{gpus}"
     assert world_size == nodes * gpus
 
-    args = parse_args(argv, world_size=world_size)
-    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length) == (layers, hidden, heads, 2048)
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
-    assert args.data_parallel_size == world_size // (tp * pp)
-    assert (args.micro_batch_size, args.global_batch_size, args.lr) == (mbs, gbs, lr)
-    assert args.train_samples == 220_000_000 and args.lr_decay_samples == 200_000_000
-    assert args.lr_warmup_samples == 183_105 and args.lr_decay_style == "cosine"
-    assert (args.adam_beta1, args.adam_beta2, args.adam_eps, args.weight_decay, args.clip_grad) == (0.9, 0.95, 1e-8, 0.1, 1.0)
-    assert args.position_embedding_type == "alibi" and args.embed_layernorm and args.pad_vocab_size_to == 250880
-    assert args.init_method_std == 0.0048 and args.seed == 42
-    assert args.pp_partition_method == "type:transformer|embedding"
-    assert args.tokenizer_type == "PretrainedFromHF" and args.distributed_backend == "nccl"
-    assert args.train_weighted_split_groups and args.valid_weighted_split_groups
-    assert args.save == args.load and args.kill_switch_path and args.tensorboard_dir
-    assert args.exit_duration_in_mins > 0
-    # the JSON the job writes agrees with the flags (parse_args merged it) and selects BLOOM's optimizer
-    ds = args.deepspeed_user_config
+    rc = _run_config(argv, world_size)
+    m, p, o, s = rc.model, rc.parallel, rc.optimizer, rc.lr_schedule
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (layers, hidden, heads, 2048)
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (tp, pp)
+    assert p.data_parallel_size == world_size // (tp * pp) and rc.world_size == world_size
+    assert (rc.batch.micro_batch_size, rc.batch.global_batch_size, o.lr) == (mbs, gbs, lr)
+    assert rc.training.train_samples == 220_000_000 and s.lr_decay_samples == 200_000_000
+    assert s.lr_warmup_samples == 183_105 and s.lr_decay_style == "cosine"
+    assert (o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay, o.clip_grad) == (0.9, 0.95, 1e-8, 0.1, 1.0)
+    assert m.position_embedding_type == "alibi" and m.embed_layernorm and rc.data.pad_vocab_size_to == 250880
+    assert m.init_method_std == 0.0048 and m.seed == 42 and rc.training.seed == 42
+    assert p.pp_partition_method == "type:transformer|embedding"
+    assert rc.data.tokenizer.tokenizer_type == "PretrainedFromHF" and p.distributed_backend == "nccl"
+    assert rc.data.train_weighted_split_groups and rc.data.valid_weighted_split_groups
+    assert rc.checkpoint.save == rc.checkpoint.load and rc.exit.kill_switch_path and rc.logging.tensorboard_dir
+    assert rc.exit.exit_duration_in_mins > 0
+    # the JSON the job writes agrees with the flags (run_config_from_argv checked it) and selects BLOOM's optimizer
+    ds = rc.deepspeed_user_config
     assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"], ds["gradient_clipping"]) == (mbs, gbs, 1.0)
-    assert ds["zero_optimization"]["stage"] == args.zero_stage
-    if args.bf16:
-        assert ds["bf16"]["enabled"] and ds["data_types"]["grad_accum_dtype"] == "fp32" and args.zero_stage == 1
+    assert ds["zero_optimization"]["stage"] == rc.precision.zero_stage
+    if rc.bf16:
+        assert ds["bf16"]["enabled"] and ds["data_types"]["grad_accum_dtype"] == "fp32" and rc.precision.zero_stage == 1
     else:
-        assert args.fp16 and ds["fp16"]["enabled"] and args.zero_stage == 0
+        assert rc.fp16 and ds["fp16"]["enabled"] and rc.precision.zero_stage == 0
 
 
 def test_bloom_176b_is_bigscience_configuration(fake_data, tmp_path):
     world_size, argv = _dry_run(EXAMPLES / "slurm" / "bloom-176b.slurm", tmp_path, {"DATA_DIR": fake_data["DATA_DIR"]})
-    args = parse_args(argv, world_size=world_size)
-    assert (world_size, args.data_parallel_size) == (384, 8)
-    assert args.rampup_batch_size == [192, 16, 9_765_625]
-    assert (args.min_lr, args.bf16, args.checkpoint_activations, args.sync_tp_duplicated_parameters) == (6e-6, True, True, True)
-    assert args.abort_on_unmet_fused_kernel_constraints and args.data_impl == "mmap"
-    assert (args.log_interval, args.eval_interval, args.eval_iters, args.save_interval) == (1, 1000, 1, 100)
-    assert args.log_timers_to_tensorboard and args.log_batch_size_to_tensorboard and args.log_validation_ppl_to_tensorboard
+    rc = _run_config(argv, world_size)
+    t, lg = rc.training, rc.logging
+    assert (world_size, rc.parallel.data_parallel_size) == (384, 8)
+    assert rc.batch.rampup_batch_size == (192, 16, 9_765_625)
+    assert (rc.optimizer.min_lr, rc.bf16, t.checkpoint_activations, t.sync_tp_duplicated_parameters) == \
+        (6e-6, True, True, True)
+    assert any("--abort-on-unmet-fused-kernel-constraints" in w for w in rc.startup_warnings)
+    assert rc.data.data_impl == "mmap"
+    assert (lg.log_interval, t.eval_interval, t.eval_iters, rc.checkpoint.save_interval) == (1, 1000, 1, 100)
+    assert lg.log_timers_to_tensorboard and lg.log_batch_size_to_tensorboard and lg.log_validation_ppl_to_tensorboard
     # the experiment's folders are per experiment and variant
-    assert args.save.endswith("bloom-176b/checkpoints/main") and args.tensorboard_dir.endswith("bloom-176b/tensorboard/main")
+    assert rc.checkpoint.save.endswith("bloom-176b/checkpoints/main")
+    assert lg.tensorboard_dir.endswith("bloom-176b/tensorboard/main")
 
 
 @pytest.mark.parametrize("script, style", [("slurm/tiny_bloom.slurm", "torchrun"), ("slurm/tiny_bloom.slurm", "srun"),
@@ -127,9 +138,9 @@ def test_tiny_launch_flags_parse(script, style, fake_data, tmp_path):
     if style:
         extra["LAUNCH_STYLE"] = style
     world_size, argv = _dry_run(EXAMPLES / script, tmp_path, extra)
-    args = parse_args(argv, world_size=world_size)
-    assert world_size == 2 and args.data_parallel_size == 1
-    assert args.deepspeed_user_config["train_batch_size"] == args.global_batch_size
+    rc = _run_config(argv, world_size)
+    assert world_size == 2 and rc.parallel.data_parallel_size == 1
+    assert rc.deepspeed_user_config["train_batch_size"] == rc.batch.global_batch_size
 
 
 @pytest.mark.multiprocess

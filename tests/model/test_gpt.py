@@ -4,10 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.model import (ROW_PARALLEL_PARAMETER_PATTERNS, TP_REPLICATED_PARAMETER_PATTERNS,
-                            VOCABULARY_PARAMETER_PATTERNS, EmbeddingLayer, GPTModel,
-                            TransformerLayer, gpt_loss, tp_duplicated_parameters)
-from megatron.model.tp_parameters import matches_any
+from megatron.model import EmbeddingLayer, GPTModel, TransformerLayer, gpt_loss
 from megatron.parallel.random import RNGStatesTracker
 
 from .helpers import POSITION_TYPES, tiny_config
@@ -173,23 +170,3 @@ def test_attention_dropout_draws_from_the_tracker_not_the_default_rng():
     tracker.set_states({"model-parallel-rng": tracked_before})
     assert torch.equal(layer(hidden), out1)  # same tracked state, same dropout mask
     assert not torch.equal(layer.eval()(hidden), out1)
-
-
-@pytest.mark.parametrize("position_type", POSITION_TYPES)
-def test_parameter_patterns_agree_with_tensor_parallel_tags(position_type):
-    model = GPTModel(tiny_config(position_embedding_type=position_type, embed_layernorm=True))
-    assert {name for name, _ in tp_duplicated_parameters(model)} == {
-        name for name, p in model.named_parameters() if not getattr(p, "tensor_model_parallel", False)}
-    # Names in GPTModel, and as a pipeline module would name the same parameters (layer index
-    # first, the tied embedding under tied_modules, the FinalLayerNorm bare).
-    named = dict(model.named_parameters())
-    last = len(model.layers) + 1
-    named.update({f"{i + 1}.{n}": p for i, layer in enumerate(model.layers) for n, p in layer.named_parameters()})
-    named.update({f"{last}.{n}": p for n, p in model.final_layernorm.named_parameters()})
-    named.update({f"tied_modules.embed.{n}": p for n, p in model.embedding.named_parameters()})
-    assert len(named) == 2 * len(list(model.parameters()))
-    for name, param in named.items():
-        sharded = getattr(param, "tensor_model_parallel", False)
-        assert matches_any(name, TP_REPLICATED_PARAMETER_PATTERNS) == (not sharded), name
-        assert matches_any(name, ROW_PARALLEL_PARAMETER_PATTERNS) == (sharded and param.partition_dim == 1), name
-        assert matches_any(name, VOCABULARY_PARAMETER_PATTERNS) == (param is model.embedding.word_embeddings.weight)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.model import GPTModel, sync_tp_duplicated_parameters, tp_duplicated_parameters
+from megatron.model import GPTModel
+from megatron.parallel.replicated import sync_tp_duplicated_parameters, tp_duplicated_parameters
 from megatron.parallel.state import ParallelState
 from megatron.testing import run_distributed
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.parallel.state import group_rank, group_size
-from tests.parallel.test_layers import _randn, _rel_err, _run_on_tp
+from tests.parallel.helpers import randn, rel_err, run_on_tp
 
 RTOL = 1e-5
 BF16_GRAD_RTOL = 2.0 ** -8  # one bf16 rounding of the fp32 gradient
@@ -26,7 +26,7 @@ def _reference(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
 
 def _compare(tp_group, logits: torch.Tensor, target, eps: float) -> dict:
     tp, rank = group_size(tp_group), group_rank(tp_group)
-    weight = _randn(S, B, seed=3)  # per-token upstream gradient, e.g. a loss mask / mean
+    weight = randn(S, B, seed=3)  # per-token upstream gradient, e.g. a loss mask / mean
     ref_loss, ref_grad = _reference(logits, target, weight, eps)
     local = logits.chunk(tp, -1)[rank].clone().requires_grad_()  # [s, b, vp]
     local_before = local.detach().clone()
@@ -35,12 +35,12 @@ def _compare(tp_group, logits: torch.Tensor, target, eps: float) -> dict:
     assert torch.equal(local.detach(), local_before), f"rank {rank}: the logits were modified"
     assert loss.dtype == torch.float32 and local.grad.dtype == logits.dtype, f"rank {rank}"
     assert torch.isfinite(loss).all() and torch.isfinite(local.grad).all(), f"rank {rank}: inf/nan"
-    return {"loss": _rel_err(loss, ref_loss),
-            "grad": _rel_err(local.grad.float(), ref_grad.chunk(tp, -1)[rank])}
+    return {"loss": rel_err(loss, ref_loss),
+            "grad": rel_err(local.grad.float(), ref_grad.chunk(tp, -1)[rank])}
 
 
 def _cross_entropy_worker(tp_group) -> dict:
-    logits = _randn(S, B, V, seed=1) * 3.0
+    logits = randn(S, B, V, seed=1) * 3.0
     target = torch.randint(0, V, (S, B), generator=torch.Generator().manual_seed(2))
     target[0, :2] = torch.tensor([0, V - 1])  # first and last id: owned by the first / last rank
     errors = {}
@@ -62,7 +62,7 @@ TP_SIZES = [1, pytest.param(2, marks=pytest.mark.multiprocess),
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_matches_torch_cross_entropy(tp):
-    results = _run_on_tp(_cross_entropy_worker, tp)
+    results = run_on_tp(_cross_entropy_worker, tp)
     assert len(results[0]) == 10, sorted(results[0])
     for rank, errors in enumerate(results):
         for name, err in errors.items():
@@ -81,11 +81,11 @@ def test_huge_logits_stay_finite_and_exact():
 
 
 def test_any_leading_dims_and_shape_check():
-    logits = _randn(7, V, seed=4).requires_grad_()
+    logits = randn(7, V, seed=4).requires_grad_()
     target = torch.arange(7)
     loss = vocab_parallel_cross_entropy(logits, target, None)
     expected = F.cross_entropy(logits, target, reduction="none")
-    assert _rel_err(loss, expected) <= RTOL
+    assert rel_err(loss, expected) <= RTOL
     with pytest.raises(ValueError, match=r"\(7, 32\).*\(6,\)"):
         vocab_parallel_cross_entropy(logits, torch.arange(6), None)
     with pytest.raises(ValueError, match="label_smoothing must be in"):
@@ -94,7 +94,7 @@ def test_any_leading_dims_and_shape_check():
 
 def test_second_backward_is_refused_not_wrong():
     # The backward writes the gradient into the saved softmax buffer to avoid a second copy.
-    logits = _randn(2, 3, V, seed=5).requires_grad_()
+    logits = randn(2, 3, V, seed=5).requires_grad_()
     loss = vocab_parallel_cross_entropy(logits, torch.zeros(2, 3, dtype=torch.long), None).sum()
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):

@@ -8,62 +8,14 @@ TP=1 runs in the test process (group None); TP=2/4 run on gloo processes.
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from megatron.parallel.state import ParallelState, group_rank, group_size
-from megatron.testing import run_distributed
+from megatron.parallel.state import group_rank, group_size
+from tests.parallel.helpers import gather, randn, rel_err, run_on_tp, seeded_init
 
 RTOL = 1e-5
 S, B, H, O, V = 4, 3, 8, 12 * 4, 16  # sequence (divisible by 4 for sequence parallelism), batch, ...
-
-
-# ---- helpers shared with the other test files of this package ------------------------------------
-def _seeded_init(seed: int):
-    """An init_method drawing normal(0, 0.02) from its own generator: same full weight on all ranks."""
-    def init(weight):
-        return torch.nn.init.normal_(weight, 0.0, 0.02, generator=torch.Generator().manual_seed(seed))
-    return init
-
-
-def _randn(*shape, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected| (shapes must match)."""
-    assert actual.shape == expected.shape, (tuple(actual.shape), tuple(expected.shape))
-    scale = expected.detach().abs().max().clamp_min(1e-30)
-    return ((actual.detach().float() - expected.detach().float()).abs().max() / scale).item()
-
-
-def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenate every TP rank's tensor along dim with plain torch.distributed (test-side)."""
-    if group_size(group) == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(group_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def _run_on_tp(worker, tp: int, *args):
-    """worker(tp_group, *args) on tp processes (or in this process with group None for tp=1)."""
-    if tp == 1:
-        return [worker(None, *args)]
-    # A failing rank leaves the others blocked in a collective: keep the wait short.
-    return run_distributed(_with_tp_group, world_size=tp, args=(worker, *args), timeout=60)
-
-
-def _with_tp_group(rank, world_size, worker, *args):
-    # A forked child must not enter the OpenMP pool the parent may have started (it waits forever
-    # for threads that were not forked); one thread per rank is also right on a shared 2-core box.
-    torch.set_num_threads(1)
-    state = ParallelState.create(tp=world_size, pp=1)
-    try:
-        return worker(state.tp_group, *args)
-    finally:
-        state.destroy()
 
 
 TP_SIZES = [1, pytest.param(2, marks=pytest.mark.multiprocess),
@@ -79,18 +31,18 @@ def _assert_errors(results: list[dict], tp: int) -> None:
 # ---- the checks ------------------------------------------------------------------------------------
 def _check_column(tp_group, gather_output: bool, skip_bias_add: bool, sequence_parallel: bool) -> dict:
     tp, rank = group_size(tp_group), group_rank(tp_group)
-    full = ColumnParallelLinear(H, O, tp_group=None, init_method=_seeded_init(1))
-    layer = ColumnParallelLinear(H, O, tp_group=tp_group, init_method=_seeded_init(1),
+    full = ColumnParallelLinear(H, O, tp_group=None, init_method=seeded_init(1))
+    layer = ColumnParallelLinear(H, O, tp_group=tp_group, init_method=seeded_init(1),
                                  gather_output=gather_output, skip_bias_add=skip_bias_add,
                                  sequence_parallel=sequence_parallel)
     assert torch.equal(layer.weight, full.weight.chunk(tp, 0)[rank]), f"rank {rank}: weight not a slice"
-    bias = _randn(O, seed=2)
+    bias = randn(O, seed=2)
     ref = torch.nn.Linear(H, O)
     with torch.no_grad():
         ref.weight.copy_(full.weight)
         ref.bias.copy_(bias)
         layer.bias.copy_(bias.chunk(tp)[rank])
-    x, g = _randn(S, B, H, seed=3), _randn(S, B, O, seed=4)
+    x, g = randn(S, B, H, seed=3), randn(S, B, O, seed=4)
     x_ref = x.clone().requires_grad_()
     y_ref = ref(x_ref)
     (y_ref * g).sum().backward()
@@ -106,25 +58,25 @@ def _check_column(tp_group, gather_output: bool, skip_bias_add: bool, sequence_p
     g_local = g if gather_output else g.chunk(tp, -1)[rank]
     (y * g_local).sum().backward()
     x_grad_expected = x_ref.grad.chunk(tp, 0)[rank] if sequence_parallel else x_ref.grad
-    return {"output": _rel_err(y, y_expected), "input grad": _rel_err(x_in.grad, x_grad_expected),
-            "weight grad": _rel_err(_gather(layer.weight.grad, 0, tp_group), ref.weight.grad),
-            "bias grad": _rel_err(_gather(layer.bias.grad, 0, tp_group), ref.bias.grad)}
+    return {"output": rel_err(y, y_expected), "input grad": rel_err(x_in.grad, x_grad_expected),
+            "weight grad": rel_err(gather(layer.weight.grad, 0, tp_group), ref.weight.grad),
+            "bias grad": rel_err(gather(layer.bias.grad, 0, tp_group), ref.bias.grad)}
 
 
 def _check_row(tp_group, input_is_parallel: bool, skip_bias_add: bool, sequence_parallel: bool) -> dict:
     tp, rank = group_size(tp_group), group_rank(tp_group)
-    full = RowParallelLinear(O, H, tp_group=None, init_method=_seeded_init(5))
-    layer = RowParallelLinear(O, H, tp_group=tp_group, init_method=_seeded_init(5),
+    full = RowParallelLinear(O, H, tp_group=None, init_method=seeded_init(5))
+    layer = RowParallelLinear(O, H, tp_group=tp_group, init_method=seeded_init(5),
                               input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add,
                               sequence_parallel=sequence_parallel)
     assert torch.equal(layer.weight, full.weight.chunk(tp, 1)[rank]), f"rank {rank}: weight not a slice"
-    bias = _randn(H, seed=6)
+    bias = randn(H, seed=6)
     ref = torch.nn.Linear(O, H)
     with torch.no_grad():
         ref.weight.copy_(full.weight)
         ref.bias.copy_(bias)
         layer.bias.copy_(bias)
-    x, g = _randn(S, B, O, seed=7), _randn(S, B, H, seed=8)
+    x, g = randn(S, B, O, seed=7), randn(S, B, H, seed=8)
     x_ref = x.clone().requires_grad_()
     y_ref = ref(x_ref)
     (y_ref * g).sum().backward()
@@ -139,16 +91,16 @@ def _check_row(tp_group, input_is_parallel: bool, skip_bias_add: bool, sequence_
     g_local = g.chunk(tp, 0)[rank] if sequence_parallel else g
     (y * g_local).sum().backward()
     x_grad_expected = x_ref.grad.chunk(tp, -1)[rank] if input_is_parallel else x_ref.grad
-    return {"output": _rel_err(y, y_expected), "input grad": _rel_err(x_in.grad, x_grad_expected),
-            "weight grad": _rel_err(_gather(layer.weight.grad, 1, tp_group), ref.weight.grad),
+    return {"output": rel_err(y, y_expected), "input grad": rel_err(x_in.grad, x_grad_expected),
+            "weight grad": rel_err(gather(layer.weight.grad, 1, tp_group), ref.weight.grad),
             # Replicated bias: every rank must hold the FULL gradient (summed over the sequence).
-            "bias grad": _rel_err(layer.bias.grad, ref.bias.grad)}
+            "bias grad": rel_err(layer.bias.grad, ref.bias.grad)}
 
 
 def _check_embedding(tp_group) -> dict:
     tp, rank = group_size(tp_group), group_rank(tp_group)
-    full = VocabParallelEmbedding(V, H, tp_group=None, init_method=_seeded_init(9))
-    layer = VocabParallelEmbedding(V, H, tp_group=tp_group, init_method=_seeded_init(9))
+    full = VocabParallelEmbedding(V, H, tp_group=None, init_method=seeded_init(9))
+    layer = VocabParallelEmbedding(V, H, tp_group=tp_group, init_method=seeded_init(9))
     assert torch.equal(layer.weight, full.weight.chunk(tp, 0)[rank]), f"rank {rank}: weight not a slice"
     assert (layer.vocab_start_index, layer.vocab_end_index) == (rank * V // tp, (rank + 1) * V // tp)
     ref = torch.nn.Embedding(V, H)
@@ -156,13 +108,13 @@ def _check_embedding(tp_group) -> dict:
         ref.weight.copy_(full.weight)
     ids = torch.randint(0, V, (B, S + 3), generator=torch.Generator().manual_seed(10))
     ids[0, :2] = torch.tensor([0, V - 1])  # both ends of the vocabulary, and repeats elsewhere
-    g = _randn(B, S + 3, H, seed=11)
+    g = randn(B, S + 3, H, seed=11)
     y_ref = ref(ids)
     (y_ref * g).sum().backward()
     y = layer(ids)
     (y * g).sum().backward()
-    return {"output": _rel_err(y, y_ref),
-            "weight grad": _rel_err(_gather(layer.weight.grad, 0, tp_group), ref.weight.grad)}
+    return {"output": rel_err(y, y_ref),
+            "weight grad": rel_err(gather(layer.weight.grad, 0, tp_group), ref.weight.grad)}
 
 
 def _check_bad_sizes(tp_group) -> None:
@@ -190,9 +142,9 @@ def _check_out_of_range_ids(tp_group) -> None:
 
 def _check_tags_and_dtype(tp_group) -> None:
     rank = group_rank(tp_group)
-    col = ColumnParallelLinear(H, O, tp_group=tp_group, init_method=_seeded_init(12),
+    col = ColumnParallelLinear(H, O, tp_group=tp_group, init_method=seeded_init(12),
                                params_dtype=torch.bfloat16)
-    row = RowParallelLinear(O, H, tp_group=tp_group, init_method=_seeded_init(12))
+    row = RowParallelLinear(O, H, tp_group=tp_group, init_method=seeded_init(12))
     emb = VocabParallelEmbedding(V, H, tp_group=tp_group)
     tags = lambda p: (p.tensor_model_parallel, p.partition_dim, p.partition_stride)  # noqa: E731
     assert tags(col.weight) == (True, 0, 1) and tags(col.bias) == (True, 0, 1), f"rank {rank}"
@@ -200,7 +152,7 @@ def _check_tags_and_dtype(tp_group) -> None:
     assert row.bias.tensor_model_parallel is False, f"rank {rank}: row bias must be replicated"
     assert col.weight.dtype == torch.bfloat16 and not col.bias.any(), f"rank {rank}"
     # Initialized in fp32 and then cast: the bf16 shard is the rounded fp32 slice.
-    full = ColumnParallelLinear(H, O, tp_group=None, init_method=_seeded_init(12)).weight
+    full = ColumnParallelLinear(H, O, tp_group=None, init_method=seeded_init(12)).weight
     expected = full.chunk(group_size(tp_group), 0)[rank].to(torch.bfloat16)
     assert torch.equal(col.weight, expected), f"rank {rank}: bf16 weight is not the cast fp32 slice"
 
@@ -230,7 +182,7 @@ def _layers_worker(tp_group) -> dict:
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_layers_match_torch_reference(tp):
-    results = _run_on_tp(_layers_worker, tp)
+    results = run_on_tp(_layers_worker, tp)
     assert len(results[0]) == 5 * 4 + 5 * 4 + 2, sorted(results[0])
     _assert_errors(results, tp)
 
@@ -250,6 +202,6 @@ def test_default_init_is_normal_002_and_biases_zero():
 
 
 def test_embedding_matches_functional_on_one_rank():
-    layer = VocabParallelEmbedding(V, H, tp_group=None, init_method=_seeded_init(3))
+    layer = VocabParallelEmbedding(V, H, tp_group=None, init_method=seeded_init(3))
     ids = torch.arange(V).view(2, -1)
     assert torch.equal(layer(ids), F.embedding(ids, layer.weight))

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron.parallel import mappings as m
 from megatron.parallel.state import group_rank, group_size
-from tests.parallel.test_layers import _randn, _rel_err, _run_on_tp
+from tests.parallel.helpers import randn, rel_err, run_on_tp
 
 RTOL = 1e-6
 S, B, H = 8, 3, 12  # S and H divisible by 2 and 4
@@ -18,7 +18,7 @@ S, B, H = 8, 3, 12  # S and H divisible by 2 and 4
 
 def _non_contiguous(*shape, seed: int) -> torch.Tensor:
     """A [*shape] view that is not contiguous (the transpose of a contiguous tensor)."""
-    base = _randn(*reversed(shape), seed=seed)
+    base = randn(*reversed(shape), seed=seed)
     out = base.permute(*reversed(range(len(shape))))
     assert not out.is_contiguous()
     return out
@@ -42,7 +42,7 @@ def _mappings_worker(tp_group) -> dict:
     errors = {}
 
     def record(name, actual, expected):
-        errors[name] = _rel_err(actual, expected)
+        errors[name] = rel_err(actual, expected)
 
     y, dx = _apply(m.copy_to_tensor_model_parallel_region, x, g_full * scale, tp_group)
     record("copy forward", y, x)
@@ -107,7 +107,7 @@ TP_SIZES = [1, pytest.param(2, marks=pytest.mark.multiprocess),
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_mappings_forward_and_backward(tp):
-    results = _run_on_tp(_mappings_worker, tp)
+    results = run_on_tp(_mappings_worker, tp)
     assert len(results[0]) == 14, sorted(results[0])
     for rank, errors in enumerate(results):
         for name, err in errors.items():

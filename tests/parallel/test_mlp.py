@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.state import group_rank, group_size
-from tests.parallel.test_layers import _gather, _randn, _rel_err, _run_on_tp, _seeded_init
+from tests.parallel.helpers import gather, randn, rel_err, run_on_tp, seeded_init
 
 RTOL = 1e-5
 S, B, H = 4, 2, 16
@@ -30,10 +30,10 @@ class ParallelMLP(torch.nn.Module):
     def __init__(self, hidden_size: int, tp_group, sequence_parallel: bool = False):
         super().__init__()
         self.dense_h_to_4h = ColumnParallelLinear(hidden_size, 4 * hidden_size, tp_group=tp_group,
-                                                  init_method=_seeded_init(21),
+                                                  init_method=seeded_init(21),
                                                   sequence_parallel=sequence_parallel)
         self.dense_4h_to_h = RowParallelLinear(4 * hidden_size, hidden_size, tp_group=tp_group,
-                                               input_is_parallel=True, init_method=_seeded_init(22),
+                                               input_is_parallel=True, init_method=seeded_init(22),
                                                sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,10 +68,10 @@ def _mlp_worker(tp_group, sequence_parallel: bool) -> dict:
     ref, mlp = ParallelMLP(H, None), ParallelMLP(H, tp_group, sequence_parallel)
     with torch.no_grad():  # non-zero biases, so that bias handling is compared too
         for module, full in ((ref, True), (mlp, False)):
-            b1, b2 = _randn(4 * H, seed=23), _randn(H, seed=24)
+            b1, b2 = randn(4 * H, seed=23), randn(H, seed=24)
             module.dense_h_to_4h.bias.copy_(b1 if full else b1.chunk(tp)[rank])
             module.dense_4h_to_h.bias.copy_(b2)
-    x, g = _randn(S, B, H, seed=25), _randn(S, B, H, seed=26)
+    x, g = randn(S, B, H, seed=25), randn(S, B, H, seed=26)
     x_ref = x.clone().requires_grad_()
     y_ref = ref(x_ref)
     (y_ref * g).sum().backward()
@@ -85,13 +85,13 @@ def _mlp_worker(tp_group, sequence_parallel: bool) -> dict:
     chunk = (lambda t: t.chunk(tp, 0)[rank]) if sequence_parallel else (lambda t: t)  # noqa: E731
     col, row = mlp.dense_h_to_4h, mlp.dense_4h_to_h
     errors = {
-        "output": _rel_err(y, chunk(y_ref)), "input grad": _rel_err(x_in.grad, chunk(x_ref.grad)),
-        "h->4h weight grad": _rel_err(_gather(col.weight.grad, 0, tp_group),
+        "output": rel_err(y, chunk(y_ref)), "input grad": rel_err(x_in.grad, chunk(x_ref.grad)),
+        "h->4h weight grad": rel_err(gather(col.weight.grad, 0, tp_group),
                                       ref.dense_h_to_4h.weight.grad),
-        "h->4h bias grad": _rel_err(_gather(col.bias.grad, 0, tp_group), ref.dense_h_to_4h.bias.grad),
-        "4h->h weight grad": _rel_err(_gather(row.weight.grad, 1, tp_group),
+        "h->4h bias grad": rel_err(gather(col.bias.grad, 0, tp_group), ref.dense_h_to_4h.bias.grad),
+        "4h->h weight grad": rel_err(gather(row.weight.grad, 1, tp_group),
                                       ref.dense_4h_to_h.weight.grad),
-        "4h->h bias grad": _rel_err(row.bias.grad, ref.dense_4h_to_h.bias.grad),
+        "4h->h bias grad": rel_err(row.bias.grad, ref.dense_4h_to_h.bias.grad),
     }
     return {"errors": errors, "forward": dict(forward_calls), "backward": dict(backward_calls)}
 
@@ -102,7 +102,7 @@ def _both_variants(tp_group) -> dict:
 
 @pytest.mark.multiprocess
 def test_mlp_tp2_equals_tp1_with_one_all_reduce():
-    results = _run_on_tp(_both_variants, 2)
+    results = run_on_tp(_both_variants, 2)
     for rank, by_variant in enumerate(results):
         for sp, out in by_variant.items():
             for name, err in out["errors"].items():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megatron.parallel.random import (MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_rng_seed)
 from megatron.parallel.state import group_rank
-from tests.parallel.test_layers import _run_on_tp
+from tests.parallel.helpers import run_on_tp
 
 
 def _mask(device: str = "cpu") -> torch.Tensor:
@@ -42,7 +42,7 @@ def _tracker_worker(tp_group) -> dict:
 
 @pytest.mark.multiprocess
 def test_fork_differs_across_tp_ranks_outside_identical():
-    results = _run_on_tp(_tracker_worker, 2)
+    results = run_on_tp(_tracker_worker, 2)
     masks = [torch.tensor(m, dtype=torch.bool) for m in results[0]]  # [rank] -> [outside, inside]
     for rank in range(1, 2):
         assert torch.equal(masks[rank][0], masks[0][0]), f"rank {rank}: default-stream dropout differs"

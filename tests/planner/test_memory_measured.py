@@ -8,8 +8,7 @@ weights, gradients, fp32 masters and Adam states of each rank must match the for
 
 import pytest
 
-from megatron.testing import run_distributed
-from tests.training.conftest import tiny_argv
+from megatron.testing import run_distributed, tiny_argv
 
 
 def _run(rank, world_size, runs):

@@ -4,9 +4,10 @@
     python -m tests.training.reference_losses            # compare this tree against the record
 
 The runs: the tiny BLOOM of ``tiny_argv`` for 20 iterations on (TP, PP, DP) = (1,1,1) fp32,
-(2,2,2) fp32 and (2,2,2) bf16. The (2,2,2) bf16 run also saves at iteration 10; that checkpoint is
-kept in ``golden/ckpt_222_bf16`` so that a later tree proves it still resumes a checkpoint written
-by an older one (``test_reference_losses.py``).
+(2,2,2) fp32 and (2,2,2) bf16. The (2,2,2) bf16 run also saved at iteration 10; that checkpoint,
+written by the tree before the structure refactor, is kept in ``golden/ckpt_222_bf16``, and the
+comparison resumes it for iterations 11..20: a later tree still reads checkpoints of an older one.
+``test_reference_losses.py`` runs the comparison in the suite.
 
 Bit-for-bit equality holds on the machine kind the record was made on (the same CPU flags and
 torch / deepspeed versions): kernels differ between ISAs. Elsewhere the comparison is within
@@ -24,6 +25,8 @@ import re
 import shutil
 import sys
 import tempfile
+
+from megatron.testing.corpus import make_tiny_corpus, tiny_argv
 
 GOLDEN_DIR = pathlib.Path(__file__).resolve().parent / "golden"
 GOLDEN_FILE = GOLDEN_DIR / "reference_losses.json"
@@ -45,51 +48,69 @@ def machine() -> dict:
             "python": platform.python_version()}
 
 
-def run_argv(corpus: dict, tp: int, pp: int, bf16: bool, save: str | None = None) -> list[str]:
-    from tests.training.conftest import tiny_argv
-
+def run_argv(corpus: dict, tp: int, pp: int, bf16: bool, save: str | None = None, load: str | None = None) -> list[str]:
     extra = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     if bf16:
         extra.append("--bf16")
     if save:
         extra += ["--save", save, "--save-interval", str(SAVE_AT)]
+    if load:
+        extra += ["--load", load]
     return tiny_argv(corpus, *extra, train_iters=ITERS)
 
 
 def _train(rank, world_size, runs):
-    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.arguments import run_config_from_argv
     from megatron.training.pretrain import pretrain
 
     out = []
     for argv in runs:
-        result = pretrain(resolve_vocab_size(build_run_config(parse_args(argv, world_size=world_size))))
+        result = pretrain(run_config_from_argv(argv, world_size=world_size))
         out.append({"losses": [r.loss for r in result.history], "grad_norms": [r.grad_norm for r in result.history]})
     return out
 
 
-def measure(corpus: dict, save_dir: str | None = None) -> dict:
-    """{run name: {'losses', 'grad_norms'}} of the three runs, as rank world-1 sees them."""
+def measure(corpus: dict, save_dir: str | None = None, resume_from: str | None = None) -> dict:
+    """{run name: {'losses', 'grad_norms'}} of the three runs, as rank world-1 sees them; with
+    ``resume_from`` (a copy of ``CHECKPOINT_DIR``) also '222_bf16_resumed': iterations 11..20 of the
+    bf16 run, resumed from that checkpoint (in the same 8-process launch)."""
     from megatron.testing import run_distributed
 
     (single,) = run_distributed(_train, world_size=1, args=([run_argv(corpus, 1, 1, False)],), timeout=600)[0]
     runs = [run_argv(corpus, 2, 2, False), run_argv(corpus, 2, 2, True, save=save_dir)]
-    fp32, bf16 = run_distributed(_train, world_size=8, args=(runs,), timeout=1200)[-1]
-    return {"111_fp32": single, "222_fp32": fp32, "222_bf16": bf16}
+    if resume_from:
+        runs.append(run_argv(corpus, 2, 2, True, load=resume_from))
+    fp32, bf16, *resumed = run_distributed(_train, world_size=8, args=(runs,), timeout=1200)[-1]
+    out = {"111_fp32": single, "222_fp32": fp32, "222_bf16": bf16}
+    if resumed:
+        out["222_bf16_resumed"] = resumed[0]
+    return out
 
 
 def compare(recorded: dict, measured: dict, exact: bool) -> list[str]:
-    """Differences between two ``measure`` results, one line each (empty: they agree)."""
+    """Differences between two ``measure`` results, one line each (empty: they agree); a resumed run
+    is compared with the recorded iterations after the checkpoint."""
     problems = []
     for name, (_, _, bf16) in RUNS.items():
         tolerance = 0.0 if exact else TOLERANCE["bf16" if bf16 else "fp32"]
         for key in ("losses", "grad_norms"):
             want, got = recorded[name][key], measured[name][key]
-            if len(want) != len(got):
-                problems.append(f"{name} {key}: {len(got)} values, recorded {len(want)}")
-                continue
-            for i, (a, b) in enumerate(zip(want, got)):
-                if a != b and not abs(a - b) <= tolerance * abs(a):
-                    problems.append(f"{name} iteration {i + 1} {key}: {b!r}, recorded {a!r}")
+            problems += _differences(name, key, want, got, tolerance, first=1)
+    if "222_bf16_resumed" in measured:
+        for key in ("losses", "grad_norms"):
+            want, got = recorded["222_bf16"][key][SAVE_AT:], measured["222_bf16_resumed"][key]
+            problems += _differences("222_bf16_resumed", key, want, got, 0.0 if exact else TOLERANCE["bf16"],
+                                     first=SAVE_AT + 1)
+    return problems
+
+
+def _differences(name: str, key: str, want: list, got: list, tolerance: float, first: int) -> list[str]:
+    problems = []
+    if len(want) != len(got):
+        return [f"{name} {key}: {len(got)} values, recorded {len(want)}"]
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a != b and not abs(a - b) <= tolerance * abs(a):
+            problems.append(f"{name} iteration {i + first} {key}: {b!r}, recorded {a!r}")
     return problems
 
 
@@ -98,12 +119,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="record the reference (overwrites golden/)")
     args = parser.parse_args(argv)
-    from megatron.testing.corpus import make_tiny_corpus
-
     with tempfile.TemporaryDirectory() as tmp:
         corpus = make_tiny_corpus(os.path.join(tmp, "corpus"))
         save = os.path.join(tmp, "ckpt") if args.write else None
-        measured = measure(corpus, save)
+        resume = None if args.write else shutil.copytree(CHECKPOINT_DIR, os.path.join(tmp, "old_ckpt"))
+        measured = measure(corpus, save, resume)
         if args.write:
             GOLDEN_DIR.mkdir(exist_ok=True)
             shutil.rmtree(CHECKPOINT_DIR, ignore_errors=True)

@@ -13,10 +13,9 @@ import sys
 
 import pytest
 
-from megatron.testing import DistributedTestError, run_distributed
+from megatron.testing import DistributedTestError, run_distributed, tiny_argv
 from tests.conftest import REPO_ROOT
-from tests.training.conftest import tiny_argv
-from tests.training.test_exits_and_tensorboard import _run_single
+from tests.training.helpers import run_single
 
 ITERS = 20
 LAYOUT_222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -63,7 +62,7 @@ def trained(tiny_corpus, tmp_path_factory):
         _argv(tiny_corpus, "--bf16") + LAYOUT_222,
         _argv(tiny_corpus, "--bf16", save=bf16, save_interval=100, exit_interval=10) + LAYOUT_222,
     ]
-    results = run_distributed(_run_single, world_size=8, args=(runs,), timeout=900)
+    results = run_distributed(run_single, world_size=8, args=(runs,), timeout=900)
     straight, first, resumed, bf16_straight, _ = results[-1]  # the last rank holds the losses
     return {"straight": _losses(straight), "first": first, "resumed": resumed, "bf16_straight": _losses(bf16_straight),
             "fp32_dir": fp32, "bf16_dir": bf16, "root": root}
@@ -91,7 +90,7 @@ def test_reshape_through_universal_checkpoints(trained, tiny_corpus):
         _argv(tiny_corpus, "--bf16", load=bf16, universal_checkpoint=True),
         _argv(tiny_corpus, save=str(root / "fp32_111_first"), save_interval=100, exit_interval=10),
     ]
-    to_111, plain, bf16_111, first_111 = run_distributed(_run_single, world_size=1, args=(runs,), timeout=600)[0]
+    to_111, plain, bf16_111, first_111 = run_distributed(run_single, world_size=1, args=(runs,), timeout=600)[0]
     assert _iterations(to_111) == list(range(11, 16)) and _iterations(plain) == list(range(16, 21))
     _assert_continues(trained["straight"], _losses(to_111) + _losses(plain), 1e-5, "(2,2,2) -> (1,1,1) fp32")
     _assert_continues(trained["bf16_straight"], _losses(bf16_111), 2e-2, "(2,2,2) -> (1,1,1) bf16")
@@ -100,7 +99,7 @@ def test_reshape_through_universal_checkpoints(trained, tiny_corpus):
     _to_universal(str(root / "fp32_111_first"), "global_step10")
     runs = [_argv(tiny_corpus, load=str(root / "fp32_111_first"), universal_checkpoint=True) + LAYOUT_222,
             _argv(tiny_corpus, load=fp32, universal_checkpoint=True) + LAYOUT_124]
-    to_222, to_124 = run_distributed(_run_single, world_size=8, args=(runs,), timeout=900)[-1]
+    to_222, to_124 = run_distributed(run_single, world_size=8, args=(runs,), timeout=900)[-1]
     _assert_continues(trained["straight"], _losses(to_222), 1e-5, "(1,1,1) -> (2,2,2) fp32")
     _assert_continues(trained["straight"], _losses(to_124), 1e-5, "(2,2,2) -> (1,2,4) fp32")
 
@@ -108,7 +107,8 @@ def test_reshape_through_universal_checkpoints(trained, tiny_corpus):
 def _crash_during_second_save(rank, world_size, argv):
     """Train with saves every 3 iterations; rank 1 dies inside the second save, after DeepSpeed wrote
     its files and before the checkpoint was declared complete."""
-    import megatron.training.checkpointing as ckpt
+    import megatron.checkpoint.training_io as ckpt
+    from megatron.checkpoint.tags import tag_for
 
     real_save = ckpt.save_checkpoint
     calls = {"n": 0}
@@ -116,13 +116,13 @@ def _crash_during_second_save(rank, world_size, argv):
     def dying_save(engine, save_dir, iteration, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
-            engine.save_checkpoint(save_dir, tag=ckpt.tag_for(iteration), client_state={}, save_latest=False)
+            engine.save_checkpoint(save_dir, tag=tag_for(iteration), client_state={}, save_latest=False)
             if rank == 1:
                 os._exit(17)
         return real_save(engine, save_dir, iteration, *args, **kwargs)
 
     ckpt.save_checkpoint = dying_save
-    return _run_single(rank, world_size, [argv])
+    return run_single(rank, world_size, [argv])
 
 
 @pytest.mark.multiprocess
@@ -139,7 +139,7 @@ def test_kill_during_save_resumes_from_previous_good_checkpoint(tiny_corpus, tmp
     # A user pointing 'latest' at the broken tag gets the newest complete one instead, with a warning.
     with open(os.path.join(save, "latest"), "w") as f:
         f.write("global_step6")
-    resumed = run_distributed(_run_single, world_size=2, args=([argv + ["--load", save]],), timeout=300)[-1][0]
+    resumed = run_distributed(run_single, world_size=2, args=([argv + ["--load", save]],), timeout=300)[-1][0]
     assert _iterations(resumed) == [4, 5, 6, 7, 8, 9]
     assert open(os.path.join(save, "latest")).read().strip() == "global_step9"
 
@@ -149,9 +149,9 @@ def test_keep_last_n_and_architecture_mismatch(tiny_corpus, tmp_path):
     save = str(tmp_path / "ckpt")
     keep = _argv(tiny_corpus, train_iters=8, save=save, save_interval=2, keep_last_n_checkpoints=2)
     wider = _argv(tiny_corpus, train_iters=8, load=save, hidden_size=96, num_attention_heads=4)
-    (kept,), = run_distributed(_run_single, world_size=1, args=([keep],), timeout=300)
+    (kept,), = run_distributed(run_single, world_size=1, args=([keep],), timeout=300)
     assert sorted(d for d in os.listdir(save) if d.startswith("global_step")) == ["global_step6", "global_step8"]
     with open(os.path.join(save, "global_step8", "run_state.json")) as f:
         assert json.load(f)["progress"]["iteration"] == 8
     with pytest.raises(DistributedTestError, match="hidden_size = 64 but this run has 96"):
-        run_distributed(_run_single, world_size=1, args=([wider],), timeout=300)
+        run_distributed(run_single, world_size=1, args=([wider],), timeout=300)

@@ -8,20 +8,19 @@ also runs the bf16 (BLOOM) configuration.
 
 import pytest
 
-from megatron.testing import run_distributed
-from tests.training.conftest import tiny_argv
+from megatron.testing import run_distributed, tiny_argv
 
 ITERS = 10
 
 
 def _train(rank, world_size, runs):
     """Train each (argv) in ``runs`` in turn; return what the tests check, per run."""
-    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
+    from megatron.arguments import run_config_from_argv
     from megatron.training.pretrain import pretrain
 
     out = []
     for argv in runs:
-        rc = resolve_vocab_size(build_run_config(parse_args(argv, world_size=world_size)))
+        rc = run_config_from_argv(argv, world_size=world_size)
         result = pretrain(rc)
         engine = result.engine
         optimizer = engine.optimizer

@@ -9,22 +9,9 @@ import time
 
 import pytest
 
-from megatron.testing import run_distributed
+from megatron.testing import run_distributed, tiny_argv
 from tests.conftest import REPO_ROOT
-from tests.training.conftest import tiny_argv
-
-
-def _run_single(rank, world_size, runs):
-    from megatron.arguments import build_run_config, parse_args, resolve_vocab_size
-    from megatron.training.pretrain import pretrain
-
-    out = []
-    for argv in runs:
-        result = pretrain(resolve_vocab_size(build_run_config(parse_args(argv, world_size=world_size))))
-        out.append({"reason": result.exit_reason, "iteration": result.progress.iteration,
-                    "history": [(r.iteration, r.loss, r.grad_norm, r.lr, r.global_batch_size) for r in result.history],
-                    "valid": result.valid})
-    return out
+from tests.training.helpers import run_single
 
 
 def _scalars(logdir):
@@ -51,7 +38,7 @@ def test_exit_interval_and_kill_switch_save_and_tensorboard_holds_the_run(tiny_c
                        log_validation_ppl_to_tensorboard=True)
     killed = tiny_argv(tiny_corpus, train_iters=20, save=str(save_b), save_interval=100,
                        kill_switch_path=str(kill_switch))
-    (interval_run, kill_run), = run_distributed(_run_single, world_size=1, args=([logged, killed],))
+    (interval_run, kill_run), = run_distributed(run_single, world_size=1, args=([logged, killed],))
 
     # --exit-interval 6: stops after iteration 6 with a checkpoint; the kill switch after the first.
     assert (interval_run["reason"], interval_run["iteration"]) == ("exit-interval", 6)
@@ -121,7 +108,7 @@ def test_weighted_split_groups_are_evaluated_and_logged_by_name(tiny_corpus, tmp
                      "--valid-weighted-split-paths-path", str(groups), data_path=None, split=None,
                      train_iters=4, eval_interval=2, eval_iters=1, tensorboard_dir=str(tb),
                      log_interval=3, tensorboard_log_interval=2)
-    (run,), = run_distributed(_run_single, world_size=1, args=([argv],))
+    (run,), = run_distributed(run_single, world_size=1, args=([argv],))
     scalars = _scalars(tb)
     # Training scalars follow --tensorboard-log-interval, each iteration's own loss (not the log average).
     assert scalars["lm-loss-training/lm loss"] == [(2, pytest.approx(run["history"][1][1])),

@@ -18,13 +18,12 @@ import shutil
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main(argv=None) -> int:
     from deepspeed.checkpoint import ds_to_universal as converter
 
-    from megatron.training.checkpointing import COMPLETE_MARKER, RUN_STATE, write_complete_marker
+    from megatron.checkpoint.tags import COMPLETE_MARKER, RUN_STATE, write_complete_marker
 
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--input_folder", required=True)

@@ -10,15 +10,12 @@ The vocabulary is padded by Megatron's rule (--make-vocab-size-divisible-by x TP
 weights only (iteration 0, no optimizer state): continue with --finetune (or --no-load-optim, which
 also takes the recorded iteration 0 and an RNG state seeded with --seed). A tokenizer.json in
 --hf-dir is recorded as the checkpoint's tokenizer (PretrainedFromHF). The work is in
-``megatron.inference.hf_export`` and ``megatron.inference.checkpoint``.
+``megatron.checkpoint.hf_export`` and ``megatron.checkpoint.merge``.
 """
 
 import argparse
 import json
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,8 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     from megatron.data.tokenizers import pad_vocab_size
-    from megatron.inference.checkpoint import converted_client_state, converted_run_state, save_as_training_checkpoint
-    from megatron.inference.hf_export import read_hf_model
+    from megatron.checkpoint.hf_export import read_hf_model
+    from megatron.checkpoint.merge import save_as_training_checkpoint
+    from megatron.checkpoint.run_state import converted_client_state, converted_run_state
 
     args = parse_args(argv)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

@@ -8,15 +8,12 @@ ALiBi + embedding LayerNorm (BLOOM) writes a ``BloomForCausalLM``, learned posit
 the tokenizer's (original_vocab_size); Bloom's ``pretraining_tp`` records the training TP. When the
 checkpoint's tokenizer record names existing files they are exported too, so
 ``AutoTokenizer.from_pretrained(DIR)`` works offline (GPT2BPETokenizer, PretrainedFromHF). The work is
-in ``megatron.inference.hf_export``.
+in ``megatron.checkpoint.hf_export``.
 """
 
 import argparse
 import json
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,9 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from megatron.inference.checkpoint import load_full_state_dict
+    from megatron.checkpoint.merge import load_full_state_dict
     from megatron.inference.generation import DTYPES, tokenizer_from_record
-    from megatron.inference.hf_export import export_tokenizer, write_hf_model
+    from megatron.checkpoint.hf_export import export_tokenizer, write_hf_model
 
     args = parse_args(argv)
     config, state, run = load_full_state_dict(args.load, args.tag)

@@ -72,6 +72,7 @@ def build_deepspeed_config(run_config, user_config: Optional[dict] = None) -> di
 
 def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
     b, p, dp = rc.batch, rc.precision, rc.parallel.data_parallel_size
+    bf16, fp16 = rc.bf16, rc.fp16
     gas = b.global_batch_size // (b.micro_batch_size * dp)
     out = [
         (("train_batch_size",), b.global_batch_size, f"--global-batch-size {b.global_batch_size}"),
@@ -80,14 +81,14 @@ def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
          f"--global-batch-size {b.global_batch_size} / (--micro-batch-size {b.micro_batch_size} x data-parallel "
          f"size {dp})"),
         (("gradient_clipping",), rc.optimizer.clip_grad, f"--clip-grad {rc.optimizer.clip_grad}"),
-        (("bf16", "enabled"), p.bf16, "--bf16" if p.bf16 else "the absence of --bf16"),
-        (("fp16", "enabled"), p.fp16, "--fp16" if p.fp16 else "the absence of --fp16"),
+        (("bf16", "enabled"), bf16, "--bf16" if bf16 else "the absence of --bf16"),
+        (("fp16", "enabled"), fp16, "--fp16" if fp16 else "the absence of --fp16"),
         (("zero_optimization", "stage"), p.zero_stage, f"--zero-stage {p.zero_stage}"),
     ]
-    if p.bf16:
+    if bf16:
         # Megatron accumulates bf16 gradients in fp32; DeepSpeed then picks BF16_Optimizer
         out.append((("data_types", "grad_accum_dtype"), "fp32", "--bf16 (gradients accumulate in fp32)"))
-    if p.fp16:
+    if fp16:
         power = None if p.initial_loss_scale is None else int(math.log2(p.initial_loss_scale))
         scaling = {"loss_scale": p.loss_scale, "min_loss_scale": p.min_loss_scale,
                    "loss_scale_window": p.loss_scale_window, "hysteresis": p.hysteresis, "initial_scale_power": power}
@@ -101,7 +102,7 @@ def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
 
 def _defaults(rc) -> dict:
     config: dict = {"steps_per_print": STEPS_PER_PRINT, "wall_clock_breakdown": False}
-    if rc.precision.fp16:
+    if rc.fp16:
         config["fp16"] = {"loss_scale": 0, "initial_scale_power": 16, "min_loss_scale": 1,
                           "loss_scale_window": 1000, "hysteresis": 2}
     if rc.training.deepspeed_activation_checkpointing:

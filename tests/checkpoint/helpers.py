@@ -1,31 +1,15 @@
-"""Fixtures for the inference tests: the tiny corpus's tokenizer and checkpoints of random tiny models."""
+"""Tiny models and checkpoints shared by the checkpoint and inference tests."""
 
 import dataclasses
 
-import pytest
 import torch
 
 from megatron.config import ModelConfig
-from megatron.testing.corpus import make_tiny_corpus
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models on a shared 2-core machine: extra intra-op threads only contend (10x slower under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    return make_tiny_corpus(str(tmp_path_factory.mktemp("inference_corpus")))
-
-
-def tokenizer_record(corpus: dict) -> dict:
-    return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": corpus["vocab_file"],
-            "merge_file": corpus["merge_file"], "tokenizer_model": None, "tokenizer_name_or_path": None}
+def tokenizer_record(tiny_corpus: dict) -> dict:
+    return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": tiny_corpus["vocab_file"],
+            "merge_file": tiny_corpus["merge_file"], "tokenizer_model": None, "tokenizer_name_or_path": None}
 
 
 def tiny_model_config(**overrides) -> ModelConfig:
@@ -50,12 +34,13 @@ def random_state_dict(config: ModelConfig, seed: int = 0, scale: float = 0.3) ->
     return state
 
 
-def write_random_checkpoint(out_dir, corpus, tp: int = 1, pp: int = 1, **config_overrides):
+def write_random_checkpoint(out_dir, tiny_corpus, tp: int = 1, pp: int = 1, **config_overrides):
     """A training checkpoint of a random tiny model at (tp, pp); returns (config, full state dict)."""
-    from megatron.inference.checkpoint import converted_run_state, save_as_training_checkpoint
+    from megatron.checkpoint.merge import save_as_training_checkpoint
+    from megatron.checkpoint.run_state import converted_run_state
 
     config = tiny_model_config(**config_overrides)
     state = random_state_dict(config)
-    record = converted_run_state(config, tp, pp, tokenizer=tokenizer_record(corpus))
+    record = converted_run_state(config, tp, pp, tokenizer=tokenizer_record(tiny_corpus))
     save_as_training_checkpoint(config, state, str(out_dir), tp, pp, run_state=record)
     return config, state

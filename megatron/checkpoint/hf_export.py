@@ -5,7 +5,7 @@
 
 Which transformers architecture a configuration maps to:
 
-- ALiBi + embedding LayerNorm  -> ``BloomForCausalLM``: the same tensors, renamed (``megatron.model.hf_bloom``).
+- ALiBi + embedding LayerNorm  -> ``BloomForCausalLM``: the same tensors, renamed (``megatron.checkpoint.hf_bloom``).
 - learned absolute positions, no embedding LayerNorm -> ``GPT2LMHeadModel``. GPT-2 stores its
   linear layers as ``Conv1D`` ([in, out], so every matrix is transposed) and its fused ``c_attn``
   columns as [q of all heads | k of all heads | v of all heads], where our rows are per head
@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 
 from megatron.config import ModelConfig
-from megatron.model.hf_bloom import (bloom_config_kwargs, bloom_state_dict_to_ours, model_config_from_bloom,
+from megatron.model.layout import parameter_layout
+from megatron.checkpoint.hf_bloom import (bloom_config_kwargs, bloom_state_dict_to_ours, model_config_from_bloom,
                                      ours_to_bloom_state_dict)
 
 __all__ = ["hf_architecture", "write_hf_model", "read_hf_model", "export_tokenizer", "ours_to_gpt2_state_dict",
@@ -66,24 +67,36 @@ def hf_architecture(config: ModelConfig) -> str:
                      f"rotary without it to GPT-NeoX")
 
 
-def _neox_names(num_layers: int) -> list[tuple[str, str]]:
-    """(GPT-NeoX name, our name) of every tensor: the same tensors, renamed."""
-    pairs = [("gpt_neox.embed_in.weight", "embedding.word_embeddings.weight"),
-             ("gpt_neox.final_layer_norm.weight", "final_layernorm.weight"),
-             ("gpt_neox.final_layer_norm.bias", "final_layernorm.bias")]
-    for i in range(num_layers):
-        for module in ("input_layernorm", "post_attention_layernorm", "attention.query_key_value", "attention.dense",
-                       "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"):
-            for p in ("weight", "bias"):
-                pairs.append((f"gpt_neox.layers.{i}.{module}.{p}",
-                              f"layers.{i}.{module.replace('attention.', 'self_attention.')}.{p}"))
+def check_covers_layout(names, config: ModelConfig, family: str) -> None:
+    """ValueError unless ``names`` are exactly the parameters ``megatron.model.layout`` lists for
+    ``config``: a parameter a model variant adds must be mapped, never silently dropped."""
+    expected = set(parameter_layout(config))
+    missing, unexpected = sorted(expected - set(names)), sorted(set(names) - expected)
+    if missing or unexpected:
+        raise ValueError(f"the {family} mapping does not cover this model: missing {missing}, unexpected {unexpected}")
+
+
+# Our GPTModel name prefix -> GPT-NeoX's: the same tensors, renamed.
+_NEOX_PREFIXES = (("embedding.word_embeddings.", "gpt_neox.embed_in."), ("final_layernorm.", "gpt_neox.final_layer_norm."),
+                  ("layers.", "gpt_neox.layers."))
+
+
+def _neox_names(config: ModelConfig) -> list[tuple[str, str]]:
+    """(GPT-NeoX name, our name) of every parameter of ``megatron.model.layout``."""
+    pairs = []
+    for name in parameter_layout(config):
+        prefix = next((p for p in _NEOX_PREFIXES if name.startswith(p[0])), None)
+        if prefix is None:
+            raise ValueError(f"{name!r} has no counterpart in transformers' GPT-NeoX")
+        pairs.append((prefix[1] + name[len(prefix[0]):].replace(".self_attention.", ".attention."), name))
     return pairs
 
 
 def ours_to_neox_state_dict(state: dict[str, torch.Tensor], config: ModelConfig,
                             vocab_size: Optional[int] = None) -> dict[str, torch.Tensor]:
     """A TP=1 GPTModel state dict (rotary) -> ``GPTNeoXForCausalLM`` names (without the tied lm_head)."""
-    out = {theirs: state[ours] for theirs, ours in _neox_names(config.num_layers)}
+    check_covers_layout(state, config, "GPT-NeoX")
+    out = {theirs: state[ours] for theirs, ours in _neox_names(config)}
     if vocab_size is not None:
         out["gpt_neox.embed_in.weight"] = out["gpt_neox.embed_in.weight"][:vocab_size]  # [v, h]
     return out
@@ -94,7 +107,7 @@ def neox_state_dict_to_ours(neox: dict[str, torch.Tensor], config: ModelConfig) 
     state = dict(neox)
     lm_head = state.pop("lm_head.weight", state.pop("embed_out.weight", None))
     ours = {}
-    for theirs, mine in _neox_names(config.num_layers):
+    for theirs, mine in _neox_names(config):
         if theirs not in state:
             raise ValueError(f"GPT-NeoX tensor {theirs} is missing")
         ours[mine] = state.pop(theirs)
@@ -125,6 +138,7 @@ def _grouped_to_per_head(tensor: torch.Tensor, heads: int) -> torch.Tensor:
 def ours_to_gpt2_state_dict(state: dict[str, torch.Tensor], config: ModelConfig,
                             vocab_size: Optional[int] = None) -> dict[str, torch.Tensor]:
     """A TP=1 GPTModel state dict (learned positions) -> ``GPT2LMHeadModel`` names (without the tied lm_head)."""
+    check_covers_layout(state, config, "GPT-2")
     heads = config.num_attention_heads
     words = state["embedding.word_embeddings.weight"]  # [padded, h]
     out = {"transformer.wte.weight": words[:vocab_size] if vocab_size is not None else words,
@@ -169,6 +183,7 @@ def gpt2_state_dict_to_ours(gpt2: dict[str, torch.Tensor], config: ModelConfig) 
             ours[mine + our_name] = tensor.t().contiguous() if transposed else tensor
     if state:
         raise ValueError(f"GPT-2 tensors this converter does not know: {sorted(state)}")
+    check_covers_layout(ours, config, "GPT-2")
     return ours
 
 
@@ -233,7 +248,7 @@ def write_hf_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], out
     # None when the tokenizer is unknown (GPT-2's default 50256 would point outside a small vocabulary)
     special = dict(eos_token_id=eos_token_id, bos_token_id=eos_token_id)
     if arch == "bloom":
-        tensors = ours_to_bloom_state_dict(state_dict, vocab_size, with_lm_head=False)
+        tensors = ours_to_bloom_state_dict(state_dict, config, vocab_size, with_lm_head=False)
         hf_config = transformers.BloomConfig(**bloom_config_kwargs(config, vocab_size), pretraining_tp=pretraining_tp,
                                              slow_but_exact=False, **special)
         hf_config.architectures = ["BloomForCausalLM"]

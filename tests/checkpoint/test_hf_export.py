@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron.config import TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer
 from tools import generate as generate_tool
 from tools.convert_checkpoint import from_hf, to_hf
 
-from .conftest import write_random_checkpoint
+from tests.checkpoint.helpers import write_random_checkpoint
 
 PROMPTS = ["The river", "Model data train the", "North city music", "A", "Pipeline stage tensor parallel gradient"]
 
@@ -56,10 +57,10 @@ ARCHITECTURES = {"BloomForCausalLM": {},
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_export_matches_transformers_logits_and_greedy_text(tmp_path, corpus, architecture):
+def test_export_matches_transformers_logits_and_greedy_text(tmp_path, tiny_corpus, architecture):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config, state = write_random_checkpoint(tmp_path / "ckpt", corpus, tp=2, pp=2, **ARCHITECTURES[architecture])
+    config, state = write_random_checkpoint(tmp_path / "ckpt", tiny_corpus, tp=2, pp=2, **ARCHITECTURES[architecture])
     # 0.1 MB shards: the ~0.5 MB model is written in transformers' sharded layout.
     assert to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf"),
                        "--max-shard-size-mb", "0.1"]) == 0
@@ -73,7 +74,7 @@ def test_export_matches_transformers_logits_and_greedy_text(tmp_path, corpus, ar
         assert hf_model.config.pretraining_tp == 2 and hf_model.config.slow_but_exact is False
     assert _hf_logits_diff(hf_model, config, state) <= 1e-4
 
-    ours_tok = build_tokenizer("GPT2BPETokenizer", vocab_file=corpus["vocab_file"], merge_file=corpus["merge_file"])
+    ours_tok = build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=tiny_corpus["vocab_file"], merge_file=tiny_corpus["merge_file"]))
     hf_tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     text = "The river was north of the city. Music  data!"
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == ours_tok.tokenize(text)
@@ -89,7 +90,7 @@ def test_export_matches_transformers_logits_and_greedy_text(tmp_path, corpus, ar
         assert r["text"] == ours_tok.detokenize(ids)
 
     # And back from the sharded directory: our weights exactly, the padding rows now zero.
-    from megatron.inference.checkpoint import load_full_state_dict
+    from megatron.checkpoint.merge import load_full_state_dict
 
     assert from_hf.main(["--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "back"),
                          "--tensor-model-parallel-size", "2", "--seq-length", "32"]) == 0
@@ -100,8 +101,8 @@ def test_export_matches_transformers_logits_and_greedy_text(tmp_path, corpus, ar
     assert all(torch.equal(back[name], tensor) for name, tensor in state.items() if name != words)
 
 
-def test_unmapped_architectures_are_refused_with_a_reason(tmp_path, corpus):
-    write_random_checkpoint(tmp_path / "ckpt", corpus, position_embedding_type="rotary", embed_layernorm=True)
+def test_unmapped_architectures_are_refused_with_a_reason(tmp_path, tiny_corpus):
+    write_random_checkpoint(tmp_path / "ckpt", tiny_corpus, position_embedding_type="rotary", embed_layernorm=True)
     with pytest.raises(ValueError, match="no transformers architecture maps position_embedding_type 'rotary'"):
         to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf")])
 
@@ -132,14 +133,14 @@ def _random_hf_model(kind):
 
 
 @pytest.mark.parametrize("kind", ["bloom", "gpt2", "gpt_neox"])
-def test_hf_to_ours_tp2_pp2_to_hf_reproduces_every_tensor(tmp_path, corpus, kind):
-    from megatron.inference.checkpoint import load_full_state_dict
-    from megatron.inference.hf_export import export_tokenizer
+def test_hf_to_ours_tp2_pp2_to_hf_reproduces_every_tensor(tmp_path, tiny_corpus, kind):
+    from megatron.checkpoint.merge import load_full_state_dict
+    from megatron.checkpoint.hf_export import export_tokenizer
 
     model = _random_hf_model(kind)
     model.save_pretrained(str(tmp_path / "hf_in"))
-    export_tokenizer({"tokenizer_type": "GPT2BPETokenizer", "vocab_file": corpus["vocab_file"],
-                      "merge_file": corpus["merge_file"]}, str(tmp_path / "hf_in"))
+    export_tokenizer({"tokenizer_type": "GPT2BPETokenizer", "vocab_file": tiny_corpus["vocab_file"],
+                      "merge_file": tiny_corpus["merge_file"]}, str(tmp_path / "hf_in"))
     argv = ["--hf-dir", str(tmp_path / "hf_in"), "--save", str(tmp_path / "ckpt"),
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--seq-length", "32"]
     assert from_hf.main(argv) == 0
@@ -159,5 +160,5 @@ def test_hf_to_ours_tp2_pp2_to_hf_reproduces_every_tensor(tmp_path, corpus, kind
 
     # The converted checkpoint generates exactly what the original transformers model does.
     results = _generate_tool(tmp_path / "ckpt", tmp_path / "out.json", PROMPTS[:2])
-    tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=str(tmp_path / "hf_in"))
+    tokenizer = build_tokenizer(TokenizerConfig("PretrainedFromHF", tokenizer_name_or_path=str(tmp_path / "hf_in")))
     assert [r["token_ids"] for r in results] == _hf_greedy(model, tokenizer, PROMPTS[:2])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.model import GPTModel
-from megatron.model.hf_bloom import (bloom_config_kwargs, bloom_state_dict_to_ours, model_config_from_bloom,
+from megatron.checkpoint.hf_bloom import (bloom_config_kwargs, bloom_state_dict_to_ours, model_config_from_bloom,
                                      ours_to_bloom_state_dict)
 
 
@@ -48,7 +48,7 @@ def test_state_dict_round_trip_and_vocab_padding():
     model.load_state_dict(ours)  # strict: every name and shape matches
     words = model.embedding.word_embeddings.weight
     assert words.shape == (320, 64) and words[256:].abs().max().item() == 0.0
-    back = ours_to_bloom_state_dict(model.state_dict(), vocab_size=256)
+    back = ours_to_bloom_state_dict(model.state_dict(), config, vocab_size=256)
     original = bloom.state_dict()
     assert sorted(back) == sorted(original)
     for name, tensor in original.items():
@@ -74,6 +74,6 @@ def test_mapping_rejects_what_bloom_cannot_hold():
         bloom_state_dict_to_ours(state, config)
     absolute = GPTModel(dataclasses.replace(config, position_embedding_type="absolute"))
     with pytest.raises(ValueError, match="no learned positions"):
-        ours_to_bloom_state_dict(absolute.state_dict())
+        ours_to_bloom_state_dict(absolute.state_dict(), absolute.config)
     with pytest.raises(ValueError, match="config num_layers 3"):
         bloom_state_dict_to_ours(bloom.state_dict(), dataclasses.replace(config, num_layers=3))

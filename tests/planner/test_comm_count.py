@@ -4,8 +4,7 @@ import pytest
 
 from megatron.parallel.state import group_layout
 from megatron.planner.comm_count import StepShape, analytic_step_counts, classify, compare
-from megatron.testing import run_distributed
-from tests.training.conftest import tiny_argv
+from megatron.testing import run_distributed, tiny_argv
 
 
 def test_classify_uses_the_layout_groups():

@@ -5,24 +5,9 @@ import sys
 
 import pytest
 
-from megatron.config import (BatchConfig, CheckpointConfig, DataConfig, ExitConfig, LoggingConfig, LRScheduleConfig,
-                             ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig)
-from megatron.engine.ds_config import STEPS_PER_PRINT, build_deepspeed_config
-
-
-def run_config(precision=None, batch=None, dp=2, clip_grad=1.0, activation_checkpointing=False) -> RunConfig:
-    """A tiny run built straight from the dataclasses (no command line)."""
-    return RunConfig(
-        model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128, seq_length=32),
-        parallel=ParallelConfig(data_parallel_size=dp),
-        optimizer=OptimizerConfig(clip_grad=clip_grad),
-        lr_schedule=LRScheduleConfig(),
-        batch=batch or BatchConfig(micro_batch_size=2, global_batch_size=16),
-        precision=precision or PrecisionConfig(bf16=True, zero_stage=1),
-        data=DataConfig(data_path=((1.0, "a"),), seq_length=32, tokenizer_type="GPT2BPETokenizer"),
-        training=TrainingConfig(train_iters=10, checkpoint_activations=activation_checkpointing,
-                                deepspeed_activation_checkpointing=activation_checkpointing),
-        logging=LoggingConfig(), checkpoint=CheckpointConfig(), exit=ExitConfig())
+from megatron.config import BatchConfig, PrecisionConfig
+from megatron.config.deepspeed import STEPS_PER_PRINT, build_deepspeed_config
+from tests.config.helpers import run_config
 
 
 def test_bf16_gives_the_bf16_optimizer_path_and_no_optimizer_section():
@@ -34,19 +19,19 @@ def test_bf16_gives_the_bf16_optimizer_path_and_no_optimizer_section():
 
 
 def test_fp32_has_neither_mixed_precision_nor_fp32_accumulation_override():
-    ds = build_deepspeed_config(run_config(PrecisionConfig(zero_stage=0)))
+    ds = build_deepspeed_config(run_config("fp32", PrecisionConfig(zero_stage=0)))
     assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
     assert "data_types" not in ds and ds["zero_optimization"] == {"stage": 0}
 
 
 def test_fp16_dynamic_loss_scaling_defaults_and_flags():
-    ds = build_deepspeed_config(run_config(PrecisionConfig(fp16=True, zero_stage=0)))
+    ds = build_deepspeed_config(run_config("fp16", PrecisionConfig(zero_stage=0)))
     assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "min_loss_scale": 1,
                           "loss_scale_window": 1000, "hysteresis": 2}
-    ds = build_deepspeed_config(run_config(PrecisionConfig(fp16=True, initial_loss_scale=4096, loss_scale=0,
-                                                           hysteresis=4, zero_stage=0)))
+    scaled = PrecisionConfig(initial_loss_scale=4096, loss_scale=0, hysteresis=4, zero_stage=0)
+    ds = build_deepspeed_config(run_config("fp16", scaled))
     assert (ds["fp16"]["initial_scale_power"], ds["fp16"]["loss_scale"], ds["fp16"]["hysteresis"]) == (12, 0, 4)
-    static = build_deepspeed_config(run_config(PrecisionConfig(fp16=True, loss_scale=128.0, zero_stage=0)))
+    static = build_deepspeed_config(run_config("fp16", PrecisionConfig(loss_scale=128.0, zero_stage=0)))
     assert static["fp16"]["loss_scale"] == 128.0
 
 
@@ -62,10 +47,10 @@ def test_user_values_for_keys_no_flag_covers_are_kept():
 
 
 def test_fp16_json_scaling_kept_when_the_flag_is_not_given():
-    fp16 = run_config(PrecisionConfig(fp16=True, zero_stage=0))
+    fp16 = run_config("fp16", PrecisionConfig(zero_stage=0))
     ds = build_deepspeed_config(fp16, {"fp16": {"enabled": True, "initial_scale_power": 12}})
     assert ds["fp16"]["initial_scale_power"] == 12
-    given = run_config(PrecisionConfig(fp16=True, initial_loss_scale=2.0 ** 16, zero_stage=0))
+    given = run_config("fp16", PrecisionConfig(initial_loss_scale=2.0 ** 16, zero_stage=0))
     with pytest.raises(ValueError, match=r"fp16.initial_scale_power = 12 .* contradicts --initial-loss-scale 65536"):
         build_deepspeed_config(given, {"fp16": {"initial_scale_power": 12}})
 
@@ -106,27 +91,28 @@ def test_gradient_accumulation_follows_the_final_global_batch_during_rampup():
 
 
 def test_module_does_not_import_deepspeed():
-    code = "import sys, megatron.engine.ds_config; assert 'deepspeed' not in sys.modules, 'deepspeed imported'"
+    code = "import sys, megatron.config.deepspeed; assert 'deepspeed' not in sys.modules, 'deepspeed imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("precision", [
-    PrecisionConfig(bf16=True, zero_stage=1), PrecisionConfig(fp16=True, initial_loss_scale=4096, zero_stage=0),
-    PrecisionConfig(zero_stage=0), PrecisionConfig(zero_stage=1)],
+@pytest.mark.parametrize("dtype,precision", [
+    ("bf16", PrecisionConfig(zero_stage=1)), ("fp16", PrecisionConfig(initial_loss_scale=4096, zero_stage=0)),
+    ("fp32", PrecisionConfig(zero_stage=0)), ("fp32", PrecisionConfig(zero_stage=1))],
     ids=["bf16-z1", "fp16", "fp32", "fp32-z1"])
-def test_deepspeed_accepts_the_config(precision):
+def test_deepspeed_accepts_the_config(dtype, precision):
     """DeepSpeed's own config parser reads what we build (one process: data-parallel size 1)."""
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    ds = build_deepspeed_config(run_config(precision, dp=1, activation_checkpointing=True))
+    rc = run_config(dtype, precision, dp=1, activation_checkpointing=True)
+    ds = build_deepspeed_config(rc)
     parsed = DeepSpeedConfig(ds)
     assert (parsed.train_batch_size, parsed.gradient_accumulation_steps) == (16, 8)
-    assert (parsed.bfloat16_config.enabled, parsed.float16_config.enabled) == (precision.bf16, precision.fp16)
+    assert (parsed.bfloat16_config.enabled, parsed.float16_config.enabled) == (rc.bf16, rc.fp16)
     assert parsed.zero_optimization_stage == precision.zero_stage
     assert parsed.optimizer_name is None and parsed.scheduler_name is None
-    if precision.bf16:
+    if rc.bf16:
         assert str(parsed.grad_accum_dtype) in ("fp32", "torch.float32")
-    if precision.fp16:
+    if rc.fp16:
         assert parsed.float16_config.initial_scale_power == 12

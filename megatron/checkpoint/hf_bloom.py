@@ -5,12 +5,11 @@ the mapping is only a renaming, plus padding / trimming of the vocabulary rows. 
 tied: transformers' ``lm_head.weight`` is the word embedding.
 
     ours = bloom_state_dict_to_ours(hf_model.state_dict(), config)   # -> GPTModel.load_state_dict
-    hf = ours_to_bloom_state_dict(model.state_dict(), vocab_size)     # -> BloomForCausalLM.load_state_dict
+    hf = ours_to_bloom_state_dict(model.state_dict(), config, vocab_size)   # -> BloomForCausalLM.load_state_dict
 
+Which tensors there are comes from ``megatron.model.layout``; this file only renames them.
 Nothing here imports transformers; the config helpers take / return plain attribute holders.
-
-Shape letters: s sequence, b micro-batch, h hidden, np heads per partition, hn head dim,
-hp = np * hn, v / vp vocabulary (per partition).
+Shapes: v vocabulary, h hidden.
 """
 
 from __future__ import annotations
@@ -21,35 +20,30 @@ from typing import Any, Optional
 import torch
 
 from megatron.config import ModelConfig
+from megatron.model.layout import parameter_layout
 
 __all__ = ["bloom_state_dict_to_ours", "ours_to_bloom_state_dict", "model_config_from_bloom",
-           "bloom_config_kwargs"]
+           "bloom_config_kwargs", "bloom_name"]
 
-# (transformers' Bloom name, our GPTModel name); "{i}" is the layer index.
-_LAYER_NAMES = [
-    ("h.{i}.input_layernorm.{p}", "layers.{i}.input_layernorm.{p}"),
-    ("h.{i}.self_attention.query_key_value.{p}", "layers.{i}.self_attention.query_key_value.{p}"),
-    ("h.{i}.self_attention.dense.{p}", "layers.{i}.self_attention.dense.{p}"),
-    ("h.{i}.post_attention_layernorm.{p}", "layers.{i}.post_attention_layernorm.{p}"),
-    ("h.{i}.mlp.dense_h_to_4h.{p}", "layers.{i}.mlp.dense_h_to_4h.{p}"),
-    ("h.{i}.mlp.dense_4h_to_h.{p}", "layers.{i}.mlp.dense_4h_to_h.{p}"),
-]
-_GLOBAL_NAMES = [
-    ("word_embeddings.weight", "embedding.word_embeddings.weight"),
-    ("word_embeddings_layernorm.weight", "embedding.embed_layernorm.weight"),
-    ("word_embeddings_layernorm.bias", "embedding.embed_layernorm.bias"),
-    ("ln_f.weight", "final_layernorm.weight"),
-    ("ln_f.bias", "final_layernorm.bias"),
-]
+# Our GPTModel name prefix -> transformers' Bloom name prefix (inside ``transformer.``); the names
+# themselves come from megatron.model.layout, so a parameter the layout gains must be mapped here.
+_PREFIXES = (("embedding.word_embeddings.", "word_embeddings."),
+             ("embedding.embed_layernorm.", "word_embeddings_layernorm."),
+             ("layers.", "h."),
+             ("final_layernorm.", "ln_f."))
 
 
-def _name_pairs(num_layers: int) -> list[tuple[str, str]]:
-    pairs = list(_GLOBAL_NAMES)
-    for i in range(num_layers):
-        for hf, ours in _LAYER_NAMES:
-            for p in ("weight", "bias"):
-                pairs.append((hf.format(i=i, p=p), ours.format(i=i, p=p)))
-    return pairs
+def bloom_name(name: str) -> str:
+    """transformers' Bloom name (without ``transformer.``) of one of our GPTModel parameters."""
+    for ours, theirs in _PREFIXES:
+        if name.startswith(ours):
+            return theirs + name[len(ours):]
+    raise ValueError(f"{name!r} has no counterpart in transformers' Bloom (ALiBi, embedding LayerNorm, tied head)")
+
+
+def _name_pairs(config: ModelConfig) -> list[tuple[str, str]]:
+    """(Bloom name, our name) of every parameter of ``config``'s GPTModel."""
+    return [(bloom_name(name), name) for name in parameter_layout(config)]
 
 
 def _num_layers(names, pattern: str) -> int:
@@ -71,7 +65,7 @@ def bloom_state_dict_to_ours(bloom_state: dict[str, torch.Tensor], config: Model
     num_layers = _num_layers(state, r"h\.(\d+)\.")
     if num_layers != config.num_layers:
         raise ValueError(f"the Bloom state dict has {num_layers} layers, the config num_layers {config.num_layers}")
-    pairs = _name_pairs(num_layers)
+    pairs = _name_pairs(config)
     missing = [hf for hf, _ in pairs if hf not in state]
     unknown = sorted(set(state) - {hf for hf, _ in pairs})
     if missing or unknown:
@@ -90,21 +84,23 @@ def bloom_state_dict_to_ours(bloom_state: dict[str, torch.Tensor], config: Model
     return ours
 
 
-def ours_to_bloom_state_dict(state: dict[str, torch.Tensor], vocab_size: Optional[int] = None,
+def ours_to_bloom_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, vocab_size: Optional[int] = None,
                              with_lm_head: bool = True) -> dict[str, torch.Tensor]:
-    """A TP=1 GPTModel state dict -> a transformers ``BloomForCausalLM`` state dict.
+    """A TP=1 GPTModel state dict of ``config`` -> a transformers ``BloomForCausalLM`` state dict.
 
     vocab_size: keep only the first rows of the word embedding (drop our padding); default all.
     with_lm_head: also emit ``lm_head.weight`` (the tied word embedding).
     """
     unsupported = [name for name in state if "position_embeddings" in name]
-    if unsupported:
-        raise ValueError(f"Bloom has no learned positions (ALiBi only), but the state dict has {unsupported}")
-    num_layers = _num_layers(state, r"layers\.(\d+)\.")
-    pairs = _name_pairs(num_layers)
+    if unsupported or config.position_embedding_type != "alibi":
+        raise ValueError(f"Bloom has no learned positions (ALiBi only), but the model has position_embedding_type "
+                         f"{config.position_embedding_type!r} ({unsupported or 'no such tensors'})")
+    pairs = _name_pairs(config)
     missing = [mine for _, mine in pairs if mine not in state]
-    if missing:
-        raise ValueError(f"not a GPTModel state dict with embed_layernorm: missing {missing}")
+    unknown = sorted(set(state) - {mine for _, mine in pairs})
+    if missing or unknown:
+        raise ValueError(f"not a GPTModel state dict of this Bloom configuration: missing {missing}, "
+                         f"unexpected {unknown}")
     bloom = {"transformer." + hf: state[mine] for hf, mine in pairs}
     words = bloom["transformer.word_embeddings.weight"]  # [padded, h]
     if vocab_size is not None:

@@ -5,17 +5,19 @@ import os
 import pytest
 import torch
 
-from megatron.inference.checkpoint import (CheckpointFormatError, load_full_state_dict, merge_tp_shards,
-                                           resolve_tag, save_as_training_checkpoint, split_for_tp)
+from megatron.checkpoint.merge import load_full_state_dict, merge_tp_shards, save_as_training_checkpoint, split_for_tp
+from megatron.checkpoint.safe_load import safe_load
+from megatron.checkpoint.tags import CheckpointFormatError, resolve_tag
 from megatron.model import GPTModel
+from megatron.model.layout import parameter_layout
 from megatron.parallel.state import ParallelState
 
-from .conftest import random_state_dict, tiny_model_config, write_random_checkpoint
+from tests.checkpoint.helpers import random_state_dict, tiny_model_config, write_random_checkpoint
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1)])
-def test_save_then_load_reproduces_every_tensor(tmp_path, corpus, tp, pp):
-    config, state = write_random_checkpoint(tmp_path, corpus, tp, pp)
+def test_save_then_load_reproduces_every_tensor(tmp_path, tiny_corpus, tp, pp):
+    config, state = write_random_checkpoint(tmp_path, tiny_corpus, tp, pp)
     loaded_config, loaded, client = load_full_state_dict(str(tmp_path))
     assert loaded_config == config
     assert set(loaded) == set(state)
@@ -32,28 +34,29 @@ def test_split_and_merge_are_inverse_with_the_shard_shapes_of_each_kind():
     """Column-parallel (QKV) rows, row-parallel columns, vocabulary rows; merge(split(x)) == x for all.
     (That real TP shards merge right is checked on a TP=2 training run in test_trained_parity.py.)"""
     config = tiny_model_config()
-    state = random_state_dict(config)
+    state, layout = random_state_dict(config), parameter_layout(config)
     for name, tensor in state.items():
-        shards = split_for_tp(name, tensor, 2)
-        assert torch.equal(merge_tp_shards(name, shards), tensor), name
-    qkv = split_for_tp("layers.0.self_attention.query_key_value.weight",
-                       state["layers.0.self_attention.query_key_value.weight"], 2)
+        shards = split_for_tp(layout[name], tensor, 2)
+        assert torch.equal(merge_tp_shards(layout[name], shards), tensor), name
+    qkv_name = "layers.0.self_attention.query_key_value.weight"
+    qkv = split_for_tp(layout[qkv_name], state[qkv_name], 2)
     assert [tuple(s.shape) for s in qkv] == [(96, 64), (96, 64)]  # 2 whole heads x [q, k, v] x 16 each
-    dense = split_for_tp("layers.0.self_attention.dense.weight", state["layers.0.self_attention.dense.weight"], 2)
+    dense = split_for_tp(layout["layers.0.self_attention.dense.weight"], state["layers.0.self_attention.dense.weight"], 2)
     assert [tuple(s.shape) for s in dense] == [(64, 32), (64, 32)]
-    words = split_for_tp("embedding.word_embeddings.weight", state["embedding.word_embeddings.weight"], 4)
+    words = split_for_tp(layout["embedding.word_embeddings.weight"], state["embedding.word_embeddings.weight"], 4)
     assert torch.equal(words[3], state["embedding.word_embeddings.weight"][384:])
 
 
 def test_replicated_tensors_that_differ_across_ranks_are_refused():
     a = torch.ones(4)
+    norm = parameter_layout(tiny_model_config())["layers.0.input_layernorm.weight"]
     with pytest.raises(CheckpointFormatError, match="rank 1 differs from rank 0"):
-        merge_tp_shards("layers.0.input_layernorm.weight", [a, a + 1e-3])
-    assert torch.equal(merge_tp_shards("layers.0.input_layernorm.weight", [a, a.clone()]), a)
+        merge_tp_shards(norm, [a, a + 1e-3])
+    assert torch.equal(merge_tp_shards(norm, [a, a.clone()]), a)
 
 
-def test_incomplete_or_missing_checkpoints_are_refused(tmp_path, corpus):
-    write_random_checkpoint(tmp_path, corpus, 2, 1)
+def test_incomplete_or_missing_checkpoints_are_refused(tmp_path, tiny_corpus):
+    write_random_checkpoint(tmp_path, tiny_corpus, 2, 1)
     assert resolve_tag(str(tmp_path)) == "global_step0"
     os.remove(tmp_path / "global_step0" / "complete")
     with pytest.raises(CheckpointFormatError, match="no 'complete' marker"):
@@ -66,6 +69,23 @@ def test_incomplete_or_missing_checkpoints_are_refused(tmp_path, corpus):
         load_full_state_dict(str(tmp_path / "global_step0"))
     with pytest.raises(CheckpointFormatError, match="does not exist"):
         load_full_state_dict(str(tmp_path / "nowhere"))
+
+
+def test_tools_and_training_follow_one_rule_for_the_tag(tmp_path, tiny_corpus):
+    """No 'latest' (or one naming an unfinished tag): the newest complete checkpoint, with a warning,
+    exactly as --load does; an explicit tag must be complete."""
+    write_random_checkpoint(tmp_path, tiny_corpus, 1, 1)
+    os.remove(tmp_path / "latest")
+    with pytest.warns(UserWarning, match="falling back to the newest complete one, global_step0"):
+        assert resolve_tag(str(tmp_path)) == "global_step0"
+    (tmp_path / "global_step5").mkdir()  # a save that never finished, named by hand
+    (tmp_path / "latest").write_text("global_step5")
+    with pytest.warns(UserWarning, match="names 'global_step5'"):
+        config, _, _ = load_full_state_dict(str(tmp_path))
+    assert config.num_layers == 2
+    with pytest.raises(CheckpointFormatError, match="global_step5.*no 'complete' marker"):
+        resolve_tag(str(tmp_path), "global_step5")
+    assert resolve_tag(str(tmp_path / "empty")) is None  # --load of a new run: start from scratch
 
 
 def test_save_refuses_a_tp_that_does_not_divide_and_a_non_empty_target(tmp_path):
@@ -81,8 +101,8 @@ def test_save_refuses_a_tp_that_does_not_divide_and_a_non_empty_target(tmp_path)
         save_as_training_checkpoint(config, extra, str(tmp_path / "c"), 1, 1)
 
 
-def test_merged_weights_give_the_same_logits_as_the_tp1_model(tmp_path, corpus):
-    config, state = write_random_checkpoint(tmp_path, corpus, 4, 2)
+def test_merged_weights_give_the_same_logits_as_the_tp1_model(tmp_path, tiny_corpus):
+    config, state = write_random_checkpoint(tmp_path, tiny_corpus, 4, 2)
     reference = GPTModel(config, ParallelState.single()).eval()
     reference.load_state_dict(state)
     _, loaded, _ = load_full_state_dict(str(tmp_path))
@@ -98,8 +118,8 @@ def test_project_loads_are_weights_only():
     import re
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    paths = [os.path.join(root, "megatron", "inference", f) for f in os.listdir(os.path.join(root, "megatron", "inference"))
-             if f.endswith(".py")]
+    paths = [os.path.join(root, "megatron", package, f) for package in ("checkpoint", "inference")
+             for f in os.listdir(os.path.join(root, "megatron", package)) if f.endswith(".py")]
     paths += [os.path.join(root, "tools", p) for p in ("generate.py", "serve.py", "convert_checkpoint/to_hf.py",
                                                         "convert_checkpoint/from_hf.py")]
     calls = [(p, line) for p in paths for line in open(p) if re.search(r"torch\.load\(", line)]
@@ -107,16 +127,14 @@ def test_project_loads_are_weights_only():
     assert all("weights_only=True" in line for _, line in calls), calls
 
 
-def test_checkpoints_from_before_run_state_json_are_read_from_the_client_state(tmp_path, corpus):
+def test_checkpoints_from_before_run_state_json_are_read_from_the_client_state(tmp_path, tiny_corpus):
     """Older checkpoints kept the run's record in mp_rank_00's client state only."""
-    from megatron.inference.checkpoint import _safe_load
-
-    config, state = write_random_checkpoint(tmp_path, corpus, 2, 1)
+    config, state = write_random_checkpoint(tmp_path, tiny_corpus, 2, 1)
     tag_dir = tmp_path / "global_step0"
     record = __import__("json").loads((tag_dir / "run_state.json").read_text())
     for rank in range(2):
         path = str(tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
-        torch.save({**_safe_load(path), **record}, path)
+        torch.save({**safe_load(path), **record}, path)
     os.remove(tag_dir / "run_state.json")
     loaded_config, loaded, run = load_full_state_dict(str(tmp_path))
     assert loaded_config == config and run["tokenizer"] == record["tokenizer"]
@@ -127,11 +145,11 @@ class Opaque:
     """An arbitrary pickled object: loading it would run its class's code."""
 
 
-def test_a_file_that_is_not_plain_tensors_is_refused_by_name(tmp_path, corpus):
-    write_random_checkpoint(tmp_path, corpus, 1, 1)
+def test_a_file_that_is_not_plain_tensors_is_refused_by_name(tmp_path, tiny_corpus):
+    write_random_checkpoint(tmp_path, tiny_corpus, 1, 1)
     path = tmp_path / "global_step0" / "layer_03-model_00-model_states.pt"
     torch.save({"weight": torch.ones(64), "bias": torch.zeros(64), "extra": Opaque()}, path)
-    with pytest.raises(CheckpointFormatError, match="weights_only=True.*test_checkpoint.Opaque"):
+    with pytest.raises(CheckpointFormatError, match="weights_only=True.*test_merge.Opaque"):
         load_full_state_dict(str(tmp_path))
     path.write_bytes(b"garbage")
     with pytest.raises(CheckpointFormatError, match="not a readable torch file"):

@@ -3,9 +3,9 @@
 import pytest
 
 from megatron.config import ModelConfig
+from megatron.config.model import megatron_flops
 from megatron.planner import BLOOM_SIZES
-from megatron.planner.performance import megatron_flops
-from megatron.training.metrics import model_flops_per_iteration, peak_tflops_for_device, throughput_metrics
+from megatron.training.metrics import peak_tflops_for_device, throughput_metrics
 
 BLOOM_176B = ModelConfig(num_layers=70, hidden_size=14336, num_attention_heads=112, padded_vocab_size=250880,
                          seq_length=2048)
@@ -14,8 +14,10 @@ BLOOM_176B = ModelConfig(num_layers=70, hidden_size=14336, num_attention_heads=1
 def test_bloom_176b_iteration_flops_match_megatrons_formula_by_hand():
     # 24 * 4 * 2048 * 2048 * 70 * 14336^2 * (1 + 2048 / (6 * 14336) + 250880 / (16 * 70 * 14336))
     by_hand = 96 * 2048 * 2048 * 70 * 14336 ** 2 * (1 + 2048 / 86016 + 250880 / 16056320)
-    assert model_flops_per_iteration(BLOOM_176B, 2048, True) == pytest.approx(by_hand, rel=1e-12)
-    assert megatron_flops(BLOOM_SIZES["176B"], 2048, 2048, True) == pytest.approx(by_hand, rel=1e-12)
+    assert BLOOM_176B.flops_per_iteration(2048, recompute=True) == pytest.approx(by_hand, rel=1e-12)
+    shape = BLOOM_SIZES["176B"]  # the planner's description of the same model
+    assert megatron_flops(shape.num_layers, shape.hidden_size, shape.vocab_size, 2048, 2048, True) == pytest.approx(
+        by_hand, rel=1e-12)
     assert by_hand == pytest.approx(6.02e18, rel=0.01)
 
 

@@ -1,0 +1,16 @@
+"""Checkpoints: saving and resuming a run, merging any TP / PP, universal info, transformers conversion.
+
+    tags          folder names and markers: ``latest``, ``complete``, which tag is read, pruning (plain files)
+    training_io   save / load through DeepSpeed's engine, crash-safe; RNG states
+    run_state     ``run_state.json``: the run's record (architecture, layout, tokenizer, progress), checks
+    safe_load     reading a checkpoint file without running code
+    merge         any TP / PP -> full TP=1 GPTModel weights, and back to a training checkpoint
+    universal     the parameter patterns DeepSpeed's ``ds_to_universal`` needs (imports deepspeed's key names)
+    hf_bloom      full weights and configs <-> transformers' Bloom (names only, no transformers import)
+    hf_export     full weights <-> transformers model directories: Bloom, GPT-2, GPT-NeoX; tokenizers
+
+Every converter reads ``megatron.model.layout`` for how parameters are laid out. Imports torch,
+megatron.config, megatron.model and megatron.parallel; ``universal`` alone touches deepspeed (its
+constants), so importing this package does not import deepspeed. Nothing here imports training/
+or inference/.
+"""

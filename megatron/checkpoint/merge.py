@@ -1,0 +1,194 @@
+"""Checkpoints of any TP / PP in one process: merged into full (TP=1) GPTModel weights, and written back.
+
+A checkpoint saved by DeepSpeed's pipeline engine (``megatron.checkpoint.training_io``) holds one
+file per pipeline layer and TP rank, ``TAG/layer_XX-model_YY-model_states.pt``; XX is the global
+pipeline index of ``megatron.model.layout.pipeline_items`` (the same for any pipeline size). The
+tied output head's item owns no parameters: DeepSpeed writes no file for it, and if one exists its
+word embedding must equal the input embedding's.
+
+Merging across TP follows ``megatron.model.layout.parameter_layout`` (the same description the
+universal-checkpoint info is made from): a replicated tensor is taken from rank 0 after checking
+that every rank holds the same values, a split one is concatenated along its partition dim
+(row-parallel 1; column-parallel, the per-head interleaved QKV and the vocabulary 0).
+
+Every file is read with ``megatron.checkpoint.safe_load`` (no code runs). Imports torch,
+megatron.config and megatron.model: never deepspeed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Optional
+
+import torch
+
+from megatron.checkpoint.run_state import converted_client_state, converted_run_state, load_run_state, model_config_from_dict
+from megatron.checkpoint.safe_load import safe_load
+from megatron.checkpoint.tags import COMPLETE_MARKER, LATEST, RUN_STATE, CheckpointFormatError, resolve_tag
+from megatron.config import ModelConfig
+from megatron.model.layout import ParameterLayout, parameter_layout, pipeline_items
+
+__all__ = ["load_full_state_dict", "merge_tp_shards", "split_for_tp", "save_as_training_checkpoint"]
+
+_LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+
+
+def merge_tp_shards(param: ParameterLayout, shards: list[torch.Tensor]) -> torch.Tensor:
+    """One full tensor from its TP shards (rank order), as ``param``'s layout says."""
+    if len(shards) == 1:
+        return shards[0]
+    if param.replicated:
+        for rank, shard in enumerate(shards[1:], start=1):
+            if shard.shape != shards[0].shape or not torch.equal(shard, shards[0]):
+                diff = ((shard.float() - shards[0].float()).abs().max().item()
+                        if shard.shape == shards[0].shape else f"shape {list(shard.shape)}")
+                raise CheckpointFormatError(
+                    f"{param.name} is replicated across tensor-parallel ranks but rank {rank} differs from rank 0 "
+                    f"(max abs diff {diff}); train with --sync-tp-duplicated-parameters or average them first")
+        return shards[0]
+    return torch.cat(shards, dim=param.partition_dim)
+
+
+def split_for_tp(param: ParameterLayout, tensor: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """The inverse of :func:`merge_tp_shards`: ``tp`` shards of a full tensor (copies of replicated ones)."""
+    if tp == 1 or param.replicated:
+        return [tensor.clone() for _ in range(tp)]
+    dim = param.partition_dim
+    if tensor.shape[dim] % tp:
+        raise ValueError(f"{param.name} has {tensor.shape[dim]} entries along dim {dim}, not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    return [chunk.clone() for chunk in torch.chunk(tensor, tp, dim=dim)]
+
+
+def _layer_files(tag_dir: str) -> dict[int, dict[int, str]]:
+    """{pipeline layer index: {tp rank: path}} of a tag directory."""
+    files: dict[int, dict[int, str]] = {}
+    for entry in os.listdir(tag_dir):
+        match = _LAYER_FILE.match(entry)
+        if match:
+            tp_rank = int(match.group(2)) if match.group(2) is not None else 0
+            files.setdefault(int(match.group(1)), {})[tp_rank] = os.path.join(tag_dir, entry)
+    return files
+
+
+def _check_layout(files: dict[int, dict[int, str]], config: ModelConfig, tag_dir: str) -> int:
+    """A file for every pipeline layer that owns parameters, each for the same TP ranks 0..tp-1; return tp."""
+    num_layers = config.num_layers
+    missing = sorted({item.index for item in pipeline_items(config) if item.prefix is not None} - set(files))
+    if missing:
+        raise CheckpointFormatError(f"{tag_dir!r} lacks the files of pipeline layers {missing} (a model of "
+                                    f"{num_layers} layers has layers 0..{num_layers + 1}); was every stage saved?")
+    tp = len(files[0])
+    for index, ranks in sorted(files.items()):
+        if sorted(ranks) != list(range(tp)):
+            raise CheckpointFormatError(f"pipeline layer {index} in {tag_dir!r} has tensor-parallel ranks "
+                                        f"{sorted(ranks)}, layer 0 has {tp}: the checkpoint is incomplete")
+    return tp
+
+
+def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
+                         ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """(ModelConfig, TP=1 GPTModel state dict, run record) of a checkpoint of any TP / PP.
+
+    The word embedding keeps its padded rows (``config.padded_vocab_size``); exporters trim them.
+    Tensors keep the dtype they were saved in.
+    """
+    tag = resolve_tag(ckpt_dir, tag, required=True)
+    record = load_run_state(ckpt_dir, tag)
+    config = model_config_from_dict(record["model_config"])
+    tag_dir = os.path.join(ckpt_dir, tag)
+    files = _layer_files(tag_dir)
+    tp = _check_layout(files, config, tag_dir)
+    items, layout = pipeline_items(config), parameter_layout(config)
+    recorded = record.get("parallel", {}).get("tensor_model_parallel_size", tp)
+    if recorded != tp:
+        raise CheckpointFormatError(f"{tag_dir!r} holds layer files of {tp} tensor-parallel ranks but its run "
+                                    f"record says --tensor-model-parallel-size {recorded}")
+    state: dict[str, torch.Tensor] = {}
+    head: Optional[list[dict]] = None
+    for index in sorted(files):
+        if index >= len(items):
+            raise CheckpointFormatError(f"{tag_dir!r} holds a file of pipeline layer {index}, but a model of "
+                                        f"{config.num_layers} layers has layers 0..{len(items) - 1}")
+        shards = [safe_load(files[index][rank]) for rank in range(tp)]
+        prefix = items[index].prefix
+        if prefix is None:
+            head = shards
+            continue
+        for key in shards[0]:
+            if any(key not in shard for shard in shards):
+                raise CheckpointFormatError(f"{key} of pipeline layer {index} is missing on some TP rank")
+            if prefix + key not in layout:
+                raise CheckpointFormatError(f"pipeline layer {index} of {tag_dir!r} holds {key!r}, which the "
+                                            f"recorded model configuration does not have")
+            state[prefix + key] = merge_tp_shards(layout[prefix + key], [shard[key] for shard in shards])
+    if head is not None:
+        for param in (p for p in layout.values() if p.tied_to_head):
+            tied = merge_tp_shards(param, [shard[param.local_name] for shard in head])
+            if not torch.equal(tied, state[param.name]):
+                raise CheckpointFormatError(f"the tied output head's {param.local_name} differs from the input "
+                                            f"embedding's")
+    return config, state, record
+
+
+def _deepspeed_record(mp_world_size: int) -> dict:
+    """What DeepSpeed's engine reads from ``mp_rank_XX_model_states.pt`` when it loads a pipeline
+    checkpoint without optimizer states (engine._load_checkpoint): 'module' None sends it to the
+    layer files; the step counters and world sizes are read unconditionally."""
+    return {"module": None, "buffer_names": [], "optimizer": None, "lr_scheduler": None,
+            "global_steps": 0, "global_samples": 0, "skipped_steps": 0, "dp_world_size": 1,
+            "mp_world_size": mp_world_size}
+
+
+def _layer_state(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {name[len(prefix):]: tensor for name, tensor in state_dict.items() if name.startswith(prefix)}
+
+
+def save_as_training_checkpoint(config: ModelConfig, state_dict: dict[str, torch.Tensor], out_dir: str, tp: int,
+                                pp: int, client_state: Optional[dict] = None, run_state: Optional[dict] = None,
+                                tag: str = "global_step0") -> str:
+    """Write a TP=1 GPTModel state dict as a checkpoint that ``pretrain_gpt.py --load`` reads at TP ``tp``
+    and PP ``pp`` (the weights only: load it with --finetune or --no-load-optim). Returns the tag directory.
+
+    Layer files do not depend on PP (their indices are global); PP sets the number of mp_rank files
+    DeepSpeed expects (TP x PP). client_state: default :func:`converted_client_state`; run_state
+    (run_state.json): default :func:`converted_run_state` without a tokenizer.
+    """
+    config.validate(tp)
+    if not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"--pipeline-model-parallel-size must be a positive integer, got {pp!r}")
+    tag_dir = os.path.join(out_dir, tag)
+    if os.path.exists(tag_dir) and os.listdir(tag_dir):
+        raise ValueError(f"{tag_dir!r} already exists and is not empty; choose another --save directory")
+    layout = parameter_layout(config)
+    unknown = sorted(set(state_dict) - set(layout))
+    if unknown:
+        raise ValueError(f"state dict entries outside GPTModel's layout: {unknown}")
+    os.makedirs(tag_dir, exist_ok=True)
+    for item in pipeline_items(config):
+        if item.prefix is None:
+            continue  # the tied head: DeepSpeed writes no file for it
+        index, prefix = item.index, item.prefix
+        layer = _layer_state(state_dict, prefix)
+        if not layer:
+            raise ValueError(f"the state dict has no tensors under {prefix!r} (pipeline layer {index})")
+        shards = {key: split_for_tp(layout[prefix + key], tensor.contiguous(), tp) for key, tensor in layer.items()}
+        for rank in range(tp):
+            path = os.path.join(tag_dir, f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
+            torch.save({key: chunks[rank] for key, chunks in shards.items()}, path)
+    client = client_state if client_state is not None else converted_client_state()
+    for rank in range(tp * pp):
+        torch.save({**_deepspeed_record(tp * pp), **client},
+                   os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"))
+    record = run_state if run_state is not None else converted_run_state(config, tp, pp)
+    with open(os.path.join(tag_dir, RUN_STATE), "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+    with open(os.path.join(tag_dir, COMPLETE_MARKER), "w") as f:
+        f.write("0\n")
+    tmp = os.path.join(out_dir, f"{LATEST}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(tag)
+    os.replace(tmp, os.path.join(out_dir, LATEST))
+    return tag_dir

@@ -1,0 +1,33 @@
+"""Reading a checkpoint file without running code: ``torch.load(weights_only=True)`` only.
+
+A checkpoint may come from anyone; a pickle can run any code when it is loaded. Tensors, numbers,
+strings and containers load; the only classes allowed beyond torch's own are what numpy's RNG state
+(in our client state) needs. Anything else is a CheckpointFormatError naming the file and the
+globals it asks for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron.checkpoint.tags import CheckpointFormatError
+
+__all__ = ["safe_load"]
+
+
+def safe_load(path: str) -> Any:
+    # numpy's RNG state (in our client state) pickles as an ndarray: allow exactly what that needs.
+    allowed = [np.ndarray, np.dtype, np._core.multiarray._reconstruct, type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - name the offending globals, whatever torch raised
+        try:
+            needs = f"it needs {torch.serialization.get_unsafe_globals_in_checkpoint(path)}"
+        except Exception:  # noqa: BLE001 - not even a readable torch file
+            needs = "it is not a readable torch file"
+        raise CheckpointFormatError(f"{path!r} does not load with torch.load(weights_only=True) ({needs}): "
+                                    f"{error}") from error

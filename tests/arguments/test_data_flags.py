@@ -1,0 +1,53 @@
+"""The data flags: --data-path blends, BLOOM's weighted split paths (exclusive with --data-path),
+the files they name, --skip-train-iteration-range merging, and evaluation without validation data."""
+
+import pytest
+
+from megatron.arguments import merge_skip_ranges
+from megatron.config import DatasetSplit
+from tests.arguments.helpers import bloom_setup, parse, parse_bloom
+
+
+def test_data_path_blend_and_skip_ranges(files):
+    rc = parse(files, data_path=["0.3", files / "a", "0.7", files / "b"],
+               skip_train_iteration_range=["101-200", "5-6", "150-300"])
+    assert rc.data.data_path == ((0.3, str(files / "a")), (0.7, str(files / "b")))
+    assert rc.training.skip_train_iteration_range == ((5, 6), (101, 300))
+    assert merge_skip_ranges(["1-5", "2-6", "8-8"]) == ((1, 6), (8, 8))
+
+
+def test_bad_skip_ranges_are_named():
+    with pytest.raises(ValueError, match="'5' is not START-END"):
+        merge_skip_ranges(["5"])
+    with pytest.raises(ValueError, match="'9-3': END 3 is before START 9"):
+        merge_skip_ranges(["9-3"])
+
+
+def test_eval_can_be_disabled_without_validation_data(files):
+    rc = parse(files, split="100,0,0", eval_iters=0)
+    assert rc.training.eval_iters == 0 and rc.data.split == "100,0,0" and not rc.data.has_validation_data
+
+
+def test_missing_data_files_are_named(files):
+    with pytest.raises(ValueError, match=r"data files not found: .*nope\.bin"):
+        parse(files, data_path=files / "nope")
+
+
+def test_weighted_split_file_format_errors_name_the_file(tmp_path):
+    argv, _ = bloom_setup(tmp_path)
+    (tmp_path / "valid-splits.txt").write_text('"valid_en: 1 0.95:1.0"\n')
+    with pytest.raises(ValueError, match=r"valid-splits.txt: '1 0.95:1.0' in group 'valid_en' is not"):
+        parse_bloom(argv)
+    (tmp_path / "valid-splits.txt").write_text("no quotes here\n")
+    with pytest.raises(ValueError, match="expected one line of double-quoted groups"):
+        parse_bloom(argv)
+
+
+def test_data_modes_are_exclusive(files):
+    group = f"g: 1 0:1 {files / 'a'}"
+    with pytest.raises(ValueError, match="--data-path and --\\(train\\|valid\\|test\\)-weighted-split-paths"):
+        parse(files, train_weighted_split_paths=[group])
+    ok = parse(files, drop=["--data-path"], train_weighted_split_paths=[group],
+               valid_weighted_split_paths=[f"v: 1 0:1 {files / 'b'}"])
+    assert ok.data.train_weighted_split_groups[0].datasets == (DatasetSplit(1.0, 0.0, 1.0, str(files / "a")),)
+    assert ok.data.data_path == () and ok.data.split is None and ok.data.has_validation_data

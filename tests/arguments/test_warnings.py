@@ -1,0 +1,39 @@
+"""Settings that are accepted but have no effect here: kept as given, and reported once at startup
+(``RunConfig.startup_warnings``, logged by rank 0 only)."""
+
+import pytest
+
+from tests.arguments.helpers import parse
+
+
+def test_settings_without_effect_are_kept_and_reported(files):
+    rc = parse(files, bf16=True, loss_scale=12, abort_on_unmet_fused_kernel_constraints=True,
+               position_embedding_type="alibi", max_position_embeddings=32)
+    warnings = " | ".join(rc.startup_warnings)
+    assert "--abort-on-unmet-fused-kernel-constraints" in warnings
+    assert "--loss-scale 12.0 ignored" in warnings
+    assert "--max-position-embeddings 32 has no effect" in warnings
+    assert len(rc.startup_warnings) == 3
+    assert rc.precision.loss_scale == 12 and rc.model.max_position_embeddings == 32
+    assert rc.model.position_embedding_type == "alibi"
+
+
+def test_deepspeed_activation_checkpointing_needs_checkpoint_activations(files):
+    alone = parse(files, deepspeed_activation_checkpointing=True)
+    assert alone.training.deepspeed_activation_checkpointing
+    assert any("has no effect without --checkpoint-activations" in w for w in alone.startup_warnings)
+    both = parse(files, deepspeed_activation_checkpointing=True, checkpoint_activations=True)
+    assert both.startup_warnings == ()
+
+
+def test_a_plain_config_has_no_warnings(files):
+    assert parse(files).startup_warnings == ()
+
+
+@pytest.mark.parametrize("rank,expected", [("0", 1), ("3", 0)])
+def test_ignored_flag_is_logged_once_on_rank_zero(files, monkeypatch, caplog, rank, expected):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # the rank is the launch's (torchrun's variables)
+    with caplog.at_level("WARNING", logger="megatron.arguments"):
+        parse(files, abort_on_unmet_fused_kernel_constraints=True)
+    assert sum("fused-kernel" in r.getMessage() for r in caplog.records) == expected

@@ -1,0 +1,56 @@
+"""megatron.model.layout against the modules themselves: names, TP splits, pipeline indices."""
+
+import pytest
+
+from megatron.model import GPTModel
+from megatron.model.layout import (EMBEDDING, FINAL_NORM, HEAD, TRANSFORMER, model_name, parameter_layout,
+                                   pipeline_item, pipeline_items, pipeline_name)
+
+from .helpers import POSITION_TYPES, tiny_config
+
+
+@pytest.mark.parametrize("embed_layernorm", [False, True])
+@pytest.mark.parametrize("position_type", POSITION_TYPES)
+def test_layout_lists_every_parameter_with_the_models_own_tags(position_type, embed_layernorm):
+    config = tiny_config(num_layers=3, position_embedding_type=position_type, embed_layernorm=embed_layernorm)
+    model = GPTModel(config)
+    layout = parameter_layout(config)
+    params = dict(model.named_parameters())
+    assert list(layout) == list(params)  # the same names, in named_parameters order
+    for name, param in params.items():
+        entry = layout[name]
+        split = getattr(param, "tensor_model_parallel", False)
+        assert entry.partition_dim == (param.partition_dim if split else None), name
+        assert entry.vocab_parallel == (param is model.embedding.word_embeddings.weight), name
+        assert entry.tied_to_head == entry.vocab_parallel, name
+    # Row-parallel weights are exactly the two output projections of each layer.
+    rows = sorted(n for n, e in layout.items() if e.partition_dim == 1)
+    assert rows == sorted(f"layers.{i}.{m}.weight" for i in range(3) for m in ("self_attention.dense", "mlp.dense_4h_to_h"))
+
+
+def test_pipeline_items_and_names():
+    config = tiny_config(num_layers=3)
+    items = pipeline_items(config)
+    assert [i.kind for i in items] == [EMBEDDING, TRANSFORMER, TRANSFORMER, TRANSFORMER, FINAL_NORM, HEAD]
+    assert [i.index for i in items] == list(range(6))
+    assert [i.prefix for i in items] == ["embedding.", "layers.0.", "layers.1.", "layers.2.", "final_layernorm.", None]
+    layout = parameter_layout(config)
+    assert layout["layers.2.mlp.dense_h_to_4h.weight"].pipeline_index == 3
+    assert layout["final_layernorm.bias"].pipeline_index == 4 and layout["final_layernorm.bias"].local_name == "bias"
+    for name, entry in layout.items():
+        assert model_name(pipeline_name(entry), config) == name
+    assert pipeline_name(layout["embedding.word_embeddings.weight"]) == "tied_modules.embed.word_embeddings.weight"
+    assert pipeline_name(layout["final_layernorm.weight"]) == "4.weight"
+    with pytest.raises(ValueError, match="pipeline layer index 6 does not exist"):
+        pipeline_item(6, config)
+    with pytest.raises(ValueError, match="tied head"):
+        model_name("5.word_embeddings.weight", config)
+
+
+def test_layout_of_a_large_model_is_cheap_and_complete():
+    # BLOOM-176B's shape: the layout never builds the real modules.
+    config = tiny_config(num_layers=70, hidden_size=14336, num_attention_heads=112, padded_vocab_size=250880,
+                         seq_length=2048, position_embedding_type="alibi", embed_layernorm=True)
+    layout = parameter_layout(config)
+    assert len(layout) == 3 + 70 * 12 + 2
+    assert layout["layers.69.self_attention.query_key_value.weight"].pipeline_index == 70
