@@ -15,6 +15,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu" if not __import__("torch").cuda.is
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--dry-run" in argv:  # check and plan the job, start nothing (docs/slurm.md)
+        from megatron.dry_run import dry_run
+
+        return dry_run(argv)
     from megatron.arguments import run_config_from_argv
     from megatron.training.pretrain import pretrain
 

@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import shutil
+import subprocess
 
 import pytest
 
@@ -29,6 +31,37 @@ def tiny_corpus(tmp_path_factory) -> dict:
     from megatron.testing.corpus import make_tiny_corpus
 
     return make_tiny_corpus(str(tmp_path_factory.mktemp("tiny_corpus")))
+
+
+def make_read_only(folder) -> bool:
+    """Make ``folder`` refuse new entries, for root too where the filesystem allows it (``chattr +i``);
+    True when it did. Undo with ``make_writable``."""
+    if os.geteuid() != 0:
+        os.chmod(folder, 0o555)
+    elif not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:
+        return False  # e.g. a filesystem without the immutable attribute
+    return not os.access(folder, os.W_OK)
+
+
+def make_writable(folder) -> None:
+    if os.geteuid() != 0:
+        os.chmod(folder, 0o755)
+    elif shutil.which("chattr"):
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+
+
+@pytest.fixture
+def read_only_folder():
+    """``read_only_folder(path)``: ``make_read_only(path)`` until the test ends."""
+    folders = []
+
+    def lock(folder) -> bool:
+        folders.append(folder)
+        return make_read_only(folder)
+
+    yield lock
+    for folder in folders:
+        make_writable(folder)
 
 
 # Tiny models on a shared 2-core machine: extra intra-op threads only contend (measured: 30 AdamW

@@ -22,6 +22,7 @@ ALLOWED = {
     "testing": {"config", "data"},
     "planner": {"config", "parallel"},
     "cli": {"config", "inference"},
+    "dry_run": {"config", "arguments", "parallel", "model", "engine", "training", "planner"},
 }
 # Harnesses that run the real thing, at the level of an entry point.
 EXTRA = {"planner/measure.py": {"arguments", "training", "testing"}}

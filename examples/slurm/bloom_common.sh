@@ -11,7 +11,8 @@
 #   TRAIN_DATA_PATH, VALID_DATA_PATH   files of weighted-split groups, one line of double-quoted
 #                            "NAME: WEIGHT START:END PREFIX, ..." groups (what BigScience's
 #                            load_ratios_meg_ds_format.py writes); default $DATA_DIR/{train,valid}-splits.txt
-#   TOKENIZER_NAME_OR_PATH   a LOCAL tokenizer directory (nothing is downloaded); default $DATA_DIR/bloom-tokenizer
+#   TOKENIZER_NAME_OR_PATH   a local tokenizer directory, or a hub name (bigscience/tokenizer) already in the
+#                            local Hugging Face cache (nothing is downloaded); default $DATA_DIR/bloom-tokenizer
 #   RUN_ROOT                 default $REPO/runs; checkpoints, tensorboard and logs go to $RUN_ROOT/$EXPERIMENT/...
 #   VARIANT                  default main: a second variant of the same experiment gets its own
 #                            checkpoint and tensorboard folders
@@ -39,12 +40,12 @@ TRAIN_SAMPLES=220_000_000
 LR_DECAY_SAMPLES=200_000_000
 LR_WARMUP_SAMPLES=183_105
 CLIP_GRAD=1.0
-# DeepSpeed 0.19.8 builds BLOOM's BF16_Optimizer (bf16 weights; fp32 master weights and Adam moments
-# sharded over the data-parallel ranks, a ZeRO-1 equivalent) from ZeRO stage 1 + fp32 gradient
-# accumulation. BigScience's JSON said stage 0 ("bf16 must use z0") because their DeepSpeed chose
-# BF16_Optimizer from bf16 alone; here stage 0 with bf16 fails in deepspeed.initialize. fp16 runs
-# (BigScience's smaller models on V100) used the unpartitioned FP16 optimizer, stage 0.
-if [[ $PRECISION == bf16 ]]; then ZERO_STAGE=${ZERO_STAGE:-1}; else ZERO_STAGE=${ZERO_STAGE:-0}; fi
+# ZeRO stage 0, as BigScience's flags and JSON said ("bf16 must use z0"): their DeepSpeed chose
+# BF16_Optimizer (bf16 weights; fp32 master weights and Adam moments sharded over the data-parallel
+# ranks) from bf16 alone. DeepSpeed 0.19.8 builds the same optimizer from stage 1 + fp32 gradient
+# accumulation, so --bf16 --zero-stage 0 runs as stage 1 (a startup warning says so). fp16 runs
+# (BigScience's smaller models on V100) used the unpartitioned FP16 optimizer, stage 0 as well.
+ZERO_STAGE=${ZERO_STAGE:-0}
 
 DS_CONFIG=$LOGS_PATH/ds_config.${SLURM_JOB_ID:-local}.json
 write_ds_config "$DS_CONFIG"

@@ -39,6 +39,14 @@ def run_config_from_argv(argv: Optional[Sequence[str]] = None, *, world_size: Op
 def _build_run_config(args) -> RunConfig:
     """The ``RunConfig`` of ``parse_namespace``'s result; every rule of ``RunConfig.validate`` and the
     DeepSpeed JSON merge are checked. ``model.padded_vocab_size`` stays None."""
+    config = assemble_run_config(args).validate()
+    build_deepspeed_config(config, config.deepspeed_user_config)  # a JSON contradicting the flags fails here
+    return config
+
+
+def assemble_run_config(args) -> RunConfig:
+    """The ``RunConfig`` of ``parse_namespace``'s result, NOT yet validated (``--dry-run`` validates its
+    parts one by one to list every problem). ``model.padded_vocab_size`` is None."""
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are both set; pick one")
     params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -50,7 +58,7 @@ def _build_run_config(args) -> RunConfig:
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, params_dtype=params_dtype, seed=args.seed)
     rampup = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
-    config = RunConfig(
+    return RunConfig(
         model=model,
         parallel=_pick(ParallelConfig, args),
         optimizer=_pick(OptimizerConfig, args),
@@ -68,9 +76,7 @@ def _build_run_config(args) -> RunConfig:
         deepspeed_config=args.deepspeed_config,
         deepspeed_user_config=args.deepspeed_user_config,
         startup_warnings=tuple(args.startup_warnings),
-    ).validate()
-    build_deepspeed_config(config, config.deepspeed_user_config)  # a JSON contradicting the flags fails here
-    return config
+    )
 
 
 def resolve_vocab_size(run_config: RunConfig, tokenizer=None) -> RunConfig:

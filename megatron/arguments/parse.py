@@ -4,7 +4,8 @@ The first half of ``run_config_from_argv`` (``megatron.arguments.build`` is the 
 are the ones that need the environment or the file system (world size, data prefixes, tokenizer
 files, the DeepSpeed JSON); the rest live in ``megatron.config``'s ``validate()`` methods. Nothing
 the user asked for is changed: a contradiction is a ValueError naming the numbers, a setting with
-no effect here is kept and reported once in the startup log (``RunConfig.startup_warnings``).
+no effect here, or one that runs as its DeepSpeed 0.19 equivalent (BLOOM's ``--bf16 --zero-stage 0``),
+is kept and reported once in the startup log (``RunConfig.startup_warnings``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import logging
 import os
 from typing import Optional, Sequence
 
-from megatron.arguments.parser import build_parser
+from megatron.arguments.parser import DRY_RUN_OPTIONS, build_parser
+from megatron.config import deepspeed_zero_stage
 from megatron.config.launch import detect_launch
+from megatron.data.hf_cache import resolve_tokenizer_path
 
 logger = logging.getLogger("megatron.arguments")
 
@@ -24,15 +27,18 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "m
 FP16_ONLY = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 
-def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None):
+def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None, *,
+                    check_files: bool = True):
     """Parse ``argv`` (default ``sys.argv[1:]``) for a job of ``world_size`` processes (default: the launch's).
 
     Returns the Namespace with derived values added: ``world_size``, ``rank``, ``data_parallel_size``,
     ``data_path_pairs``, ``{train,valid,test}_weighted_split_groups``, ``deepspeed_user_config``,
     ``skip_train_iteration_range`` (merged (start, end) tuples) and ``startup_warnings``.
-    Raises ValueError for what it checks, before any process group exists.
+    Raises ValueError for what it checks, before any process group exists. ``check_files=False`` leaves
+    out the data and tokenizer files (``--dry-run`` checks them on its own, to list all problems).
     """
     args = build_parser().parse_args(argv)
+    _check_dry_run_flags(args)
     launch = detect_launch()
     args.world_size = world_size if world_size is not None else launch.world_size
     args.rank = launch.rank
@@ -44,7 +50,8 @@ def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: Optional[i
         args.distributed_backend = "nccl" if _cuda_available() else "gloo"
     args.skip_train_iteration_range = merge_skip_ranges(args.skip_train_iteration_range)
     _parse_data(args)
-    _check_files(args)
+    if check_files:
+        _check_files(args)
     args.deepspeed_user_config = _load_deepspeed_json(args.deepspeed_config)
     if args.zero_stage is None:
         stage = (args.deepspeed_user_config or {}).get("zero_optimization", {}).get("stage")
@@ -56,6 +63,13 @@ def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: Optional[i
         for message in args.startup_warnings:
             logger.warning(message)
     return args
+
+
+def _check_dry_run_flags(args) -> None:
+    given = [flag for flag, dest in DRY_RUN_OPTIONS if getattr(args, dest) is not None]
+    if given and not args.dry_run:
+        raise ValueError(f"{', '.join(given)} only apply with --dry-run; add --dry-run to check the job (a real run "
+                         "takes its world size from the launcher)")
 
 
 def _check_required(args) -> None:
@@ -133,14 +147,31 @@ def _check_files(args) -> None:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"data files not found: {shown}; each prefix needs PREFIX.bin and PREFIX.idx "
                          "(build them with tools/preprocess_data.py)")
-    files = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",),
-             "PretrainedFromHF": ("tokenizer_name_or_path",)}.get(args.tokenizer_type, ())
+    files = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",)
+             }.get(args.tokenizer_type, ())
     for name in files:
         path = getattr(args, name)
         if path is not None and not os.path.exists(path):
-            raise ValueError(f"--{name.replace('_', '-')} {path!r}: no such file or directory"
-                             + (" (a hub name is not downloaded: save the tokenizer to disk and pass its "
-                                "path)" if name == "tokenizer_name_or_path" else ""))
+            raise ValueError(f"--{name.replace('_', '-')} {path!r}: no such file or directory")
+    if args.tokenizer_type == "PretrainedFromHF" and args.tokenizer_name_or_path is not None:
+        resolve_tokenizer_path(args.tokenizer_name_or_path)  # the tokenizer builder's own lookup
+    _check_writable_folder("--data-cache-path", args.data_cache_path)
+
+
+def _check_writable_folder(flag: str, path: Optional[str]) -> None:
+    """``path`` is a folder this process may write in, or one it may create (its nearest existing parent is)."""
+    if path is None:
+        return
+    folder = os.path.abspath(path)
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag} {path!r}: {existing!r} is not a directory; pass a folder path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "is not writable" if existing == folder else f"cannot be created: {existing!r} is not writable"
+        raise ValueError(f"{flag} {path!r} {where} by this user (uid {os.getuid()}); pass a folder you can "
+                         "write to, shared by every node")
 
 
 def _load_deepspeed_json(path: Optional[str]) -> Optional[dict]:
@@ -159,8 +190,13 @@ def _load_deepspeed_json(path: Optional[str]) -> Optional[dict]:
 
 
 def _no_effect_warnings(args) -> list[str]:
-    """Settings that are accepted but change nothing in this run."""
+    """Settings that are accepted but change nothing in this run, or run as their equivalent."""
     out = []
+    stage = deepspeed_zero_stage(args.zero_stage, args.bf16)
+    if stage != args.zero_stage:
+        out.append(f"--zero-stage {args.zero_stage} with --bf16 runs DeepSpeed's BF16_Optimizer (ZeRO stage {stage}), "
+                   "BLOOM's optimizer: fp32 master weights and Adam states sharded over the data-parallel ranks, "
+                   "what bigscience's DeepSpeed ran under stage 0 (DeepSpeed 0.19 selects it by stage 1)")
     if args.abort_on_unmet_fused_kernel_constraints:
         out.append("--abort-on-unmet-fused-kernel-constraints is ignored: there are no CUDA fused kernels here "
                    "(torch's own kernels have no constraints to meet)")

@@ -14,6 +14,9 @@ from megatron.config import (DATA_IMPLS, DISTRIBUTED_BACKENDS, LR_DECAY_STYLES, 
 
 # Flags whose meaning is "no effect here" (see parse_args' startup warnings).
 NO_EFFECT_FLAGS = ("abort_on_unmet_fused_kernel_constraints",)
+# (flag, dest) of the options that only --dry-run reads (a real run refuses them).
+DRY_RUN_OPTIONS = (("--world-size", "dry_run_world_size"), ("--dry-run-json", "dry_run_json"),
+                   ("--dry-run-gpu", "dry_run_gpu"), ("--dry-run-cluster", "dry_run_cluster"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pretrain_gpt.py", allow_abbrev=False,
         description="Pretrain a GPT/BLOOM model. Flag names and meanings follow Megatron-DeepSpeed.")
     for add in (_model, _parallelism, _data, _tokenizer, _training, _learning_rate, _regularization,
-                _mixed_precision, _checkpointing, _logging, _exit, _deepspeed):
+                _mixed_precision, _checkpointing, _logging, _exit, _deepspeed, _dry_run):
         add(parser)
     return parser
 
@@ -94,6 +97,9 @@ def _data(parser):
     g.add_argument("--data-impl", default="mmap", choices=("lazy", "cached") + DATA_IMPLS,
                    help="Indexed dataset format. Only Megatron's 'mmap' format is read ('infer' finds it); "
                         "'lazy' and 'cached' are refused with an error.")
+    g.add_argument("--data-cache-path", default=None,
+                   help="Path to a directory to hold cached index files (the sample indexes built at startup). "
+                        "Default: beside the data. It must be creatable and writable, and shared by all nodes.")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes for training.")
     g.add_argument("--valid-num-workers", type=int, default=2,
                    help="DataLoader worker processes for validation and test.")
@@ -103,8 +109,9 @@ def _tokenizer(parser):
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, help="Tokenizer (required).")
     g.add_argument("--tokenizer-name-or-path", default=None,
-                   help="PretrainedFromHF: a local tokenizer.json or a directory holding a saved tokenizer "
-                        "(nothing is downloaded).")
+                   help="PretrainedFromHF: a local tokenizer.json, a directory holding a saved tokenizer, or a "
+                        "hub name (ORG/NAME) found in the local Hugging Face cache ($HF_HUB_CACHE, else "
+                        "$HF_HOME/hub, else ~/.cache/huggingface/hub). Nothing is downloaded.")
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: the vocab.json file.")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: the merges.txt file.")
     g.add_argument("--tokenizer-model", default=None, help="SentencePieceTokenizer: the .model file.")
@@ -263,8 +270,33 @@ def _deepspeed(parser):
                         "a flag is an error, other keys are kept. It must not hold optimizer or scheduler "
                         "sections.")
     g.add_argument("--zero-stage", type=int, default=None,
-                   help="DeepSpeed ZeRO stage, 0 or 1 (the pipeline engine refuses 2 and 3). Default: the "
-                        "DeepSpeed JSON's stage, else 1 with --bf16 and 0 otherwise.")
+                   help="DeepSpeed ZeRO stage, 0 or 1 (the pipeline engine refuses 2 and 3). With --bf16, 0 "
+                        "(BLOOM's setting) runs DeepSpeed's BF16_Optimizer as stage 1, as 1 does (a startup "
+                        "warning says so). Default: the DeepSpeed JSON's stage, else 1 with --bf16 and 0 otherwise.")
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
                    help="With --checkpoint-activations, recompute through DeepSpeed's activation checkpointing "
                         "(adds its activation_checkpointing config section).")
+
+
+def _dry_run(parser):
+    g = parser.add_argument_group("dry run (new in this project; docs/slurm.md)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="Check the job and print its plan instead of training: every flag, the data and tokenizer "
+                        "files, the pipeline stages and their layers, the batch rampup, the run's samples and "
+                        "tokens, the learning-rate schedule, and the planner's memory per GPU and step time. No "
+                        "process group starts and nothing runs on a GPU. Exit status 0 when the job would start, "
+                        "1 listing every problem found otherwise.")
+    g.add_argument("--world-size", dest="dry_run_world_size", type=int, default=None, metavar="N",
+                   help="With --dry-run: the number of processes to check the job for. Default: what the launch "
+                        "environment gives (WORLD_SIZE; under SLURM with one task per node, nodes x GPUS_PER_NODE "
+                        "or SLURM_GPUS_ON_NODE; with one task per GPU, SLURM_NTASKS). A real run takes it from "
+                        "the launcher.")
+    g.add_argument("--dry-run-json", default=None, metavar="FILE",
+                   help="With --dry-run: also write the report as JSON to FILE.")
+    g.add_argument("--dry-run-gpu", default=None, metavar="GPU",
+                   help="With --dry-run: the GPU the memory and step-time estimates assume, one of the planner's "
+                        "(GPUS in megatron/planner/specs.py; another name is an error listing them). Default: "
+                        "A100-80GB, BLOOM-176B's.")
+    g.add_argument("--dry-run-cluster", default=None, metavar="CLUSTER",
+                   help="With --dry-run: the fabric the step-time estimate assumes (CLUSTERS in "
+                        "megatron/planner/specs.py). Default: the DGX machine of --dry-run-gpu.")

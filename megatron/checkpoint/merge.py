@@ -24,11 +24,12 @@ from typing import Optional
 
 import torch
 
-from megatron.checkpoint.run_state import converted_client_state, converted_run_state, load_run_state, model_config_from_dict
+from megatron.checkpoint.run_state import (checkpoint_layout, converted_client_state, converted_run_state, load_run_state,
+                                           model_config_from_dict)
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import COMPLETE_MARKER, LATEST, RUN_STATE, CheckpointFormatError, resolve_tag
 from megatron.config import ModelConfig
-from megatron.model.layout import ParameterLayout, parameter_layout, pipeline_items
+from megatron.model.layout import ParameterLayout, local_name_of_file_key, parameter_layout, pipeline_items
 
 __all__ = ["load_full_state_dict", "merge_tp_shards", "split_for_tp", "save_as_training_checkpoint"]
 
@@ -73,14 +74,15 @@ def _layer_files(tag_dir: str) -> dict[int, dict[int, str]]:
     return files
 
 
-def _check_layout(files: dict[int, dict[int, str]], config: ModelConfig, tag_dir: str) -> int:
+def _check_layout(files: dict[int, dict[int, str]], config: ModelConfig, numbering: str, tag_dir: str) -> int:
     """A file for every pipeline layer that owns parameters, each for the same TP ranks 0..tp-1; return tp."""
-    num_layers = config.num_layers
-    missing = sorted({item.index for item in pipeline_items(config) if item.prefix is not None} - set(files))
+    owners = [item.index for item in pipeline_items(config, numbering) if item.prefix is not None]
+    missing = sorted(set(owners) - set(files))
     if missing:
         raise CheckpointFormatError(f"{tag_dir!r} lacks the files of pipeline layers {missing} (a model of "
-                                    f"{num_layers} layers has layers 0..{num_layers + 1}); was every stage saved?")
-    tp = len(files[0])
+                                    f"{config.num_layers} layers in the {numbering!r} layout has files for layers "
+                                    f"{owners}); was every stage saved?")
+    tp = len(files[owners[0]])
     for index, ranks in sorted(files.items()):
         if sorted(ranks) != list(range(tp)):
             raise CheckpointFormatError(f"pipeline layer {index} in {tag_dir!r} has tensor-parallel ranks "
@@ -98,10 +100,11 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
     tag = resolve_tag(ckpt_dir, tag, required=True)
     record = load_run_state(ckpt_dir, tag)
     config = model_config_from_dict(record["model_config"])
+    numbering = checkpoint_layout(record)
     tag_dir = os.path.join(ckpt_dir, tag)
     files = _layer_files(tag_dir)
-    tp = _check_layout(files, config, tag_dir)
-    items, layout = pipeline_items(config), parameter_layout(config)
+    tp = _check_layout(files, config, numbering, tag_dir)
+    items, layout = pipeline_items(config, numbering), parameter_layout(config, numbering)
     recorded = record.get("parallel", {}).get("tensor_model_parallel_size", tp)
     if recorded != tp:
         raise CheckpointFormatError(f"{tag_dir!r} holds layer files of {tp} tensor-parallel ranks but its run "
@@ -120,13 +123,14 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
         for key in shards[0]:
             if any(key not in shard for shard in shards):
                 raise CheckpointFormatError(f"{key} of pipeline layer {index} is missing on some TP rank")
-            if prefix + key not in layout:
+            name = prefix + local_name_of_file_key(key, numbering)
+            if name not in layout:
                 raise CheckpointFormatError(f"pipeline layer {index} of {tag_dir!r} holds {key!r}, which the "
                                             f"recorded model configuration does not have")
-            state[prefix + key] = merge_tp_shards(layout[prefix + key], [shard[key] for shard in shards])
+            state[name] = merge_tp_shards(layout[name], [shard[key] for shard in shards])
     if head is not None:
         for param in (p for p in layout.values() if p.tied_to_head):
-            tied = merge_tp_shards(param, [shard[param.local_name] for shard in head])
+            tied = merge_tp_shards(param, [shard[param.file_key] for shard in head])
             if not torch.equal(tied, state[param.name]):
                 raise CheckpointFormatError(f"the tied output head's {param.local_name} differs from the input "
                                             f"embedding's")
@@ -174,7 +178,8 @@ def save_as_training_checkpoint(config: ModelConfig, state_dict: dict[str, torch
         layer = _layer_state(state_dict, prefix)
         if not layer:
             raise ValueError(f"the state dict has no tensors under {prefix!r} (pipeline layer {index})")
-        shards = {key: split_for_tp(layout[prefix + key], tensor.contiguous(), tp) for key, tensor in layer.items()}
+        shards = {layout[prefix + key].file_key: split_for_tp(layout[prefix + key], tensor.contiguous(), tp)
+                  for key, tensor in layer.items()}
         for rank in range(tp):
             path = os.path.join(tag_dir, f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
             torch.save({key: chunks[rank] for key, chunks in shards.items()}, path)

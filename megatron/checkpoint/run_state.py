@@ -9,6 +9,7 @@ checkpoint disagree on. A converted checkpoint (not from training) gets a record
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -21,8 +22,9 @@ import torch
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import RUN_STATE, CheckpointFormatError, resolve_tag
 from megatron.config import ModelConfig, RunConfig
+from megatron.model.layout import LAYOUT, LEGACY_LAYOUT
 
-__all__ = ["build_run_state", "load_run_state", "model_config_from_dict", "check_model_config",
+__all__ = ["build_run_state", "checkpoint_layout", "record_from_megatron_args", "megatron_args", "MEGATRON_CHECKPOINT_VERSION", "load_run_state", "model_config_from_dict", "check_model_config",
            "ARCHITECTURE_FIELDS", "converted_client_state", "converted_run_state"]
 
 
@@ -33,12 +35,49 @@ def build_run_state(rc: RunConfig, progress: dict[str, int]) -> dict:
             "parallel": {"tensor_model_parallel_size": p.tensor_model_parallel_size,
                          "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
                          "data_parallel_size": p.data_parallel_size},
-            "tokenizer": dataclasses.asdict(rc.data.tokenizer), "params_dtype": rc.model.params_dtype, "seq_length": rc.data.seq_length}
+            "tokenizer": dataclasses.asdict(rc.data.tokenizer), "params_dtype": rc.model.params_dtype,
+            "seq_length": rc.data.seq_length, "checkpoint_layout": LAYOUT}
+
+
+MEGATRON_CHECKPOINT_VERSION = 3.0  # what Megatron-LM / Megatron-DeepSpeed write as 'checkpoint_version'
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def megatron_args(rc: RunConfig, progress: dict[str, int]) -> argparse.Namespace:
+    """Megatron's ``args`` record for the mp_rank files: every flag of the run under its Megatron name
+    (the config fields are the flag names), plus the derived values Megatron's own checkpoint tools
+    read (tensor / pipeline / data-parallel sizes, padded vocabulary, iteration, consumed samples).
+    Plain values only, so ``megatron.checkpoint.safe_load`` reads it."""
+    args = {}
+    for part in dataclasses.fields(rc):
+        value = getattr(rc, part.name)
+        if dataclasses.is_dataclass(value):
+            args.update({f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)})
+    args.update(dataclasses.asdict(rc.data.tokenizer))
+    args.pop("tokenizer", None)
+    data_path = [str(x) for pair in rc.data.data_path for x in pair] or None
+    args.update(data_path=data_path, world_size=rc.world_size, bf16=rc.bf16, fp16=rc.fp16,
+                iteration=progress["iteration"], consumed_train_samples=progress["consumed_samples"],
+                consumed_train_tokens=progress["consumed_tokens"], deepspeed=True)
+    return argparse.Namespace(**args)
+
+
+def checkpoint_layout(record: dict) -> str:
+    """The pipeline numbering a checkpoint's layer files use (records before it existed: the legacy one)."""
+    return record.get("checkpoint_layout", LEGACY_LAYOUT)
 
 
 def load_run_state(ckpt_dir: str, tag: Optional[str] = None) -> dict:
     """The run's record of a checkpoint: ``run_state.json``, or (older checkpoints) the client state
-    in ``mp_rank_00_model_states.pt``. Holds 'model_config', 'parallel', 'tokenizer', 'progress'."""
+    in ``mp_rank_00_model_states.pt``, or (a checkpoint written by Megatron-DeepSpeed) what its
+    ``args`` say. Holds 'model_config', 'parallel', 'tokenizer', 'progress'."""
     tag = resolve_tag(ckpt_dir, tag, required=True)
     json_path = os.path.join(ckpt_dir, tag, RUN_STATE)
     if os.path.isfile(json_path):
@@ -50,10 +89,39 @@ def load_run_state(ckpt_dir: str, tag: Optional[str] = None) -> dict:
             raise CheckpointFormatError(f"{os.path.join(ckpt_dir, tag)!r} has neither {RUN_STATE} nor "
                                         f"mp_rank_00_model_states.pt: not a checkpoint of this project")
         state = safe_load(path)
+        if "model_config" not in state and "args" in state:
+            state = record_from_megatron_args(state["args"], state.get("iteration", 0), path)
     if "model_config" not in state:
         raise CheckpointFormatError(f"the record of {os.path.join(ckpt_dir, tag)!r} has no 'model_config': it was "
                                     f"not written by this project's training loop")
     return state
+
+
+def record_from_megatron_args(args: argparse.Namespace, iteration: int, path: str) -> dict:
+    """Our record of a checkpoint Megatron-DeepSpeed wrote (BLOOM's numbering, no run_state.json),
+    from its ``args``; CheckpointFormatError naming what is missing."""
+    a = vars(args)
+    needed = ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "seq_length",
+              "tensor_model_parallel_size", "pipeline_model_parallel_size")
+    missing = [name for name in needed if a.get(name) is None]
+    if missing:
+        raise CheckpointFormatError(f"{path!r}: Megatron's args lack {missing}; cannot tell the model it holds")
+    position = a.get("position_embedding_type") or "absolute"
+    position = getattr(position, "name", position)  # Megatron keeps an enum there
+    model = {name: a[name] for name in needed[:5]}
+    model.update(ffn_hidden_size=a.get("ffn_hidden_size"), max_position_embeddings=a.get("max_position_embeddings"),
+                 position_embedding_type=str(position), embed_layernorm=bool(a.get("embed_layernorm", False)),
+                 layernorm_epsilon=a.get("layernorm_epsilon", 1e-5), init_method_std=a.get("init_method_std", 0.02),
+                 params_dtype="bf16" if a.get("bf16") else "fp16" if a.get("fp16") else "fp32")
+    tokenizer = {name: a.get(name) for name in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
+                                                  "tokenizer_name_or_path")}
+    progress = dict(_ZERO_PROGRESS, iteration=int(iteration),
+                    consumed_samples=int(a.get("consumed_train_samples") or 0),
+                    consumed_tokens=int(a.get("consumed_train_tokens") or 0))
+    return {"model_config": model, "tokenizer": tokenizer, "progress": progress, "checkpoint_layout": LAYOUT,
+            "parallel": {"tensor_model_parallel_size": a["tensor_model_parallel_size"],
+                         "pipeline_model_parallel_size": a["pipeline_model_parallel_size"]},
+            "params_dtype": model["params_dtype"], "seq_length": a["seq_length"], "written_by": "Megatron-DeepSpeed"}
 
 
 def model_config_from_dict(fields: dict) -> ModelConfig:
@@ -70,9 +138,19 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_
 
 
 def check_model_config(saved: dict[str, Any], current: dict[str, Any], universal: bool = False) -> None:
-    """Raise ValueError naming the first architecture field that differs."""
+    """Raise ValueError naming the first architecture field that differs (a default and the value it
+    stands for are the same: ffn_hidden_size None is 4 x hidden; learned positions None are seq_length)."""
+    def effective(fields: dict, name: str):
+        value = fields.get(name)
+        if name == "ffn_hidden_size" and value is None:
+            return 4 * fields["hidden_size"]
+        if name == "max_position_embeddings":
+            learned = fields.get("position_embedding_type") == "absolute"
+            return (value if value is not None else fields.get("seq_length")) if learned else None
+        return value
+
     for name in ARCHITECTURE_FIELDS:
-        if name in saved and saved[name] != current.get(name):
+        if name in saved and effective(saved, name) != effective(current, name):
             raise ValueError(f"the checkpoint was trained with {name} = {saved[name]!r} but this run has "
                              f"{current.get(name)!r}: the architectures differ; fix --{name.replace('_', '-')} "
                              f"or load another checkpoint")
@@ -107,6 +185,7 @@ def converted_run_state(config: ModelConfig, tp: int, pp: int, *, tokenizer: Opt
     state = {"model_config": dataclasses.asdict(config), "progress": dict(_ZERO_PROGRESS),
              "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                           "data_parallel_size": 1},
-             "tokenizer": tokenizer or {}, "params_dtype": config.params_dtype, "seq_length": config.seq_length}
+             "tokenizer": tokenizer or {}, "params_dtype": config.params_dtype, "seq_length": config.seq_length,
+             "checkpoint_layout": LAYOUT}
     state.update(extra or {})
     return state

@@ -2,13 +2,14 @@
 
 A checkpoint may come from anyone; a pickle can run any code when it is loaded. Tensors, numbers,
 strings and containers load; the only classes allowed beyond torch's own are what numpy's RNG state
-(in our client state) needs. Anything else is a CheckpointFormatError naming the file and the
+(in our client state) needs and Megatron's ``args`` Namespace. Anything else is a CheckpointFormatError naming the file and the
 globals it asks for.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -18,9 +19,15 @@ from megatron.checkpoint.tags import CheckpointFormatError
 __all__ = ["safe_load"]
 
 
-def safe_load(path: str) -> Any:
-    # numpy's RNG state (in our client state) pickles as an ndarray: allow exactly what that needs.
-    allowed = [np.ndarray, np.dtype, np._core.multiarray._reconstruct, type(np.dtype(np.uint32))]
+# numpy's RNG state (in our client state) pickles as an ndarray; Megatron's ``args`` record is an
+# argparse.Namespace of plain values (its attributes are loaded by the same safe unpickler).
+SAFE_GLOBALS = [np.ndarray, np.dtype, np._core.multiarray._reconstruct, type(np.dtype(np.uint32)), argparse.Namespace]
+
+
+def safe_load(path: str, extra_globals: Sequence[Any] = ()) -> Any:
+    """``torch.load(path, weights_only=True)`` with ``SAFE_GLOBALS`` (and ``extra_globals``) allowed;
+    CheckpointFormatError naming the file and what it needs otherwise."""
+    allowed = SAFE_GLOBALS + list(extra_globals)
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)

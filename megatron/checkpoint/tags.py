@@ -7,8 +7,9 @@
     SAVE/global_stepN/...                         DeepSpeed's files (``megatron.checkpoint.training_io``)
 
 One rule for which tag is read, for training (--load) and the tools alike (``resolve_tag``): an
-explicit tag must be complete; otherwise the one ``latest`` names if it is complete, else the
-newest complete ``global_stepN`` with a warning (``latest`` edited by hand, or copied half-way).
+explicit tag must be complete; otherwise the one ``latest`` names if it is complete (or, with a
+warning, if another tool wrote it: Megatron-DeepSpeed writes neither run_state.json nor a marker),
+else the newest complete ``global_stepN`` with a warning (``latest`` edited by hand, or copied half-way).
 Plain file logic: imports neither torch nor deepspeed.
 """
 
@@ -60,6 +61,23 @@ def is_complete(load_dir: str, tag: str) -> bool:
     return os.path.isfile(os.path.join(load_dir, tag, COMPLETE_MARKER))
 
 
+def is_foreign(load_dir: str, tag: str) -> bool:
+    """A tag another tool wrote (Megatron-DeepSpeed): DeepSpeed's files, and none of our markers in the
+    whole folder. A folder of ours holds a complete tag once its first save finished (and ``latest``
+    is written only then), so a save of ours that died half-way is never taken for a foreign one."""
+    tag_dir = os.path.join(load_dir, tag)
+    if not os.path.isfile(os.path.join(tag_dir, "mp_rank_00_model_states.pt")):
+        return False
+    ours = [name for name in os.listdir(load_dir)
+            if os.path.exists(os.path.join(load_dir, name, RUN_STATE)) or is_complete(load_dir, name)]
+    return not ours
+
+
+def _warn_foreign(load_dir: str, tag: str) -> None:
+    warnings.warn(f"{os.path.join(load_dir, tag)} was not written by this project (no {RUN_STATE}; Megatron-DeepSpeed "
+                  f"writes no '{COMPLETE_MARKER}' marker): read as it is, its completeness cannot be checked")
+
+
 def complete_tags(load_dir: str) -> list[str]:
     """The complete ``global_stepN`` tags of ``load_dir``, oldest first."""
     tags = []
@@ -93,7 +111,9 @@ def resolve_tag(ckpt_dir: str, tag: Optional[str] = None, *, universal: bool = F
     if tag is not None:
         if not os.path.isdir(os.path.join(ckpt_dir, tag)):
             raise CheckpointFormatError(f"checkpoint tag {tag!r} is not a directory of {ckpt_dir!r}")
-        if not is_complete(ckpt_dir, tag):
+        if is_foreign(ckpt_dir, tag):
+            _warn_foreign(ckpt_dir, tag)
+        elif not is_complete(ckpt_dir, tag):
             raise CheckpointFormatError(f"checkpoint {os.path.join(ckpt_dir, tag)!r} has no '{COMPLETE_MARKER}' "
                                         f"marker: its save did not finish (a crash during the save?); use an "
                                         f"earlier tag")
@@ -104,6 +124,9 @@ def resolve_tag(ckpt_dir: str, tag: Optional[str] = None, *, universal: bool = F
     pointer = LATEST_UNIVERSAL if universal else LATEST
     named = read_latest(ckpt_dir, pointer)
     if named is not None and is_complete(ckpt_dir, named):
+        return named
+    if named is not None and not universal and is_foreign(ckpt_dir, named):
+        _warn_foreign(ckpt_dir, named)
         return named
     if universal:
         raise CheckpointFormatError(f"--universal-checkpoint: {ckpt_dir} has no complete universal checkpoint "

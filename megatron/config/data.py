@@ -42,7 +42,8 @@ class TokenizerConfig:
     vocab_file: Optional[str] = None                # GPT2BPETokenizer: vocab.json
     merge_file: Optional[str] = None                # GPT2BPETokenizer: merges.txt
     tokenizer_model: Optional[str] = None           # SentencePieceTokenizer: the .model file
-    tokenizer_name_or_path: Optional[str] = None    # PretrainedFromHF: a local tokenizer.json or directory
+    tokenizer_name_or_path: Optional[str] = None    # PretrainedFromHF: a local tokenizer.json or directory, or a
+                                                    # hub name in the local Hugging Face cache (megatron.data.hf_cache)
 
     @classmethod
     def from_record(cls, record: Optional[dict], **overrides) -> "TokenizerConfig":
@@ -75,6 +76,7 @@ class DataConfig:
     valid_weighted_split_groups: tuple[DatasetGroup, ...] = ()
     test_weighted_split_groups: tuple[DatasetGroup, ...] = ()
     data_impl: str = "mmap"                         # only Megatron's mmap format is read
+    data_cache_path: Optional[str] = None           # folder of the sample-index caches; None: beside the data
     seq_length: int = 1024                          # tokens per sample
     num_workers: int = 2                            # DataLoader workers for training
     valid_num_workers: int = 2                      # DataLoader workers for validation and test

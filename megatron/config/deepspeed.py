@@ -13,9 +13,12 @@ train_micro_batch_size_per_gpu                        --micro-batch-size
 gradient_accumulation_steps                           global / (micro x data-parallel size)
 gradient_clipping                                     --clip-grad
 bf16.enabled / fp16.enabled                           --bf16 / --fp16 (fp32: both false)
-data_types.grad_accum_dtype = "fp32" (bf16 only)      --bf16: with zero_optimization.stage 0 or 1 this
+data_types.grad_accum_dtype = "fp32" (bf16 only)      --bf16: with zero_optimization.stage 1 this
                                                       selects DeepSpeed's BF16_Optimizer (BLOOM's path)
-zero_optimization.stage                               --zero-stage
+zero_optimization.stage                               --zero-stage; the JSON's must equal the flag, and
+                                                      the built config holds the stage that runs
+                                                      (``RunConfig.deepspeed_zero_stage``: --bf16 with
+                                                      0, BLOOM's setting, runs as 1)
 fp16.loss_scale                                       --loss-scale (0: dynamic), when given
 fp16.initial_scale_power                              log2(--initial-loss-scale), when given
 fp16.min_loss_scale / loss_scale_window / hysteresis  --min-loss-scale / --loss-scale-window /
@@ -67,6 +70,7 @@ def build_deepspeed_config(run_config, user_config: Optional[dict] = None) -> di
     config = _merge(_defaults(run_config), user)
     for path, value, _ in derived:
         _assign(config, path, value)
+    config["zero_optimization"]["stage"] = run_config.deepspeed_zero_stage  # checked above as asked for
     return config
 
 

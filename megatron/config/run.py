@@ -181,8 +181,9 @@ class PrecisionConfig:
     min_loss_scale: Optional[float] = None      # floor (default 1)
     loss_scale_window: Optional[int] = None     # steps without overflow before the scale doubles (default 1000)
     hysteresis: Optional[int] = None            # overflows tolerated before the scale halves (default 2)
-    zero_stage: int = 1                    # DeepSpeed ZeRO stage, 0 or 1 (the pipeline engine refuses 2 and 3);
-                                           # the command line's default: the JSON's, else 1 with bf16, 0 otherwise
+    zero_stage: int = 1                    # the ZeRO stage asked for, 0 or 1 (the pipeline engine refuses 2 and 3);
+                                           # the command line's default: the JSON's, else 1 with bf16, 0 otherwise.
+                                           # What DeepSpeed runs: RunConfig.deepspeed_zero_stage
 
     def validate(self) -> "PrecisionConfig":
         if self.loss_scale is not None and self.loss_scale < 0:
@@ -196,6 +197,17 @@ class PrecisionConfig:
             raise ValueError(f"--zero-stage {self.zero_stage} is not supported: DeepSpeed's pipeline engine (used "
                              f"for every run here) accepts ZeRO stages 0 and 1 only")
         return self
+
+
+def deepspeed_zero_stage(zero_stage: int, bf16: bool) -> int:
+    """The ZeRO stage DeepSpeed 0.19 is given for ``--zero-stage``: the same, except 1 for bf16 with 0.
+
+    BLOOM-176B ran ``--bf16 --zero-stage 0`` (its JSON: "bf16 must use z0") on bigscience's DeepSpeed
+    fork, whose BF16_Optimizer accumulated gradients in fp32 and sharded the fp32 master weights and
+    Adam states over DP. DeepSpeed 0.19 builds that optimizer from stage 1 + fp32 accumulation; its
+    stage 0 with bf16 and fp32 accumulation is NotImplemented in ``deepspeed.initialize``.
+    """
+    return 1 if bf16 and zero_stage == 0 else zero_stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +330,8 @@ class RunConfig:
     deepspeed_config: Optional[str] = None  # path of the user's --deepspeed_config JSON, if any
     # that JSON's content, merged by megatron.config.deepspeed.build_deepspeed_config
     deepspeed_user_config: Optional[dict] = dataclasses.field(default=None, hash=False)
-    startup_warnings: tuple[str, ...] = ()  # settings accepted but without effect here: log them at startup
+    startup_warnings: tuple[str, ...] = ()  # settings without effect here, or run as their equivalent; logged once
+                                            # (rank 0) by megatron.arguments when the flags are parsed
 
     @property
     def world_size(self) -> int:
@@ -331,6 +344,11 @@ class RunConfig:
     @property
     def fp16(self) -> bool:
         return self.model.params_dtype == "fp16"
+
+    @property
+    def deepspeed_zero_stage(self) -> int:
+        """The ZeRO stage DeepSpeed runs (``precision.zero_stage`` is the one asked for)."""
+        return deepspeed_zero_stage(self.precision.zero_stage, self.bf16)
 
     def lr_schedule_in_samples(self) -> tuple[float, int]:
         """(warmup, decay) lengths in consumed samples, as Megatron's get_learning_rate_scheduler computes them."""
@@ -363,7 +381,6 @@ class RunConfig:
         self.batch.validate(self.parallel.data_parallel_size)
         self._validate_pipeline(pp)
         self._validate_schedule()
-        self._validate_precision()
         if self.model.seq_length != self.data.seq_length:
             raise ValueError(f"model seq_length {self.model.seq_length} != data seq_length {self.data.seq_length}")
         if self.training.eval_iters > 0 and not self.data.has_validation_data:
@@ -381,16 +398,6 @@ class RunConfig:
             raise ValueError(f"--num-layers {self.model.num_layers} gives {items} layers to partition with "
                              f"--pp-partition-method {method}, fewer than --pipeline-model-parallel-size {pp}: "
                              f"every stage needs at least one; use fewer stages or more layers")
-
-    def _validate_precision(self) -> None:
-        if self.bf16 and self.precision.zero_stage == 0:
-            # BLOOM-176B's script said stage 0 ("bf16 must use z0") for bigscience's DeepSpeed fork, whose
-            # BF16_Optimizer accumulated gradients in fp32 and sharded the fp32 master weights over DP. In
-            # DeepSpeed 0.19 that optimizer is selected by stage 1; stage 0 fails in deepspeed.initialize.
-            raise ValueError("--bf16 with --zero-stage 0 is not supported by DeepSpeed 0.19 (unsupported mix of bf16 "
-                             "weights and fp32 gradient accumulation); use --zero-stage 1 (and zero_optimization."
-                             "stage 1 in the DeepSpeed JSON): that is BF16_Optimizer, the optimizer BLOOM-176B ran "
-                             "with (fp32 master weights and Adam states sharded over data-parallel ranks)")
 
     def _validate_schedule(self) -> None:
         s, t = self.lr_schedule, self.training

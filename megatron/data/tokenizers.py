@@ -7,8 +7,8 @@ Three implementations, named as Megatron-DeepSpeed's ``--tokenizer-type`` names 
   Megatron's own BPE code split text); ``<|endoftext|>`` is the end-of-document token.
 - ``SentencePieceTokenizer``: a SentencePiece ``.model`` file; ``</s>`` (its eos) ends a document.
 - ``PretrainedFromHF``: a LOCAL ``tokenizer.json`` or a local directory holding one (or any local
-  directory ``transformers`` can load with ``local_files_only=True``). Never a hub name: nothing
-  here downloads.
+  directory ``transformers`` can load with ``local_files_only=True``), or a hub name already in the
+  local Hugging Face cache (``megatron.data.hf_cache``). Nothing here downloads.
 
 No tokenizer adds special tokens of its own (no BOS, no EOS): a document's end-of-document token is
 appended by the caller (``tools/preprocess_data.py --append-eod``), as in Megatron.
@@ -22,6 +22,7 @@ import pathlib
 from typing import Iterable, Iterator, Optional, Sequence
 
 from megatron.config.data import TOKENIZER_TYPES, TokenizerConfig  # the --tokenizer-type names: defined there
+from megatron.data.hf_cache import resolve_tokenizer_path
 
 # Names of an end-of-document token, most specific first; PretrainedFromHF takes the first present.
 EOD_TOKEN_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
@@ -169,10 +170,11 @@ def _special_id(vocab: dict, candidates: Sequence[str]) -> Optional[int]:
 
 
 class PretrainedFromHF(_FastTokenizer):
-    """A tokenizer saved on local disk: a ``tokenizer.json`` file, or a directory holding one.
+    """A tokenizer on local disk: a ``tokenizer.json`` file, a directory holding one, or the snapshot
+    folder of a hub name in the local Hugging Face cache (``resolve_tokenizer_path``; no download).
 
     A directory without ``tokenizer.json`` is handed to ``transformers.AutoTokenizer`` with
-    ``local_files_only=True``. A name that is not a local path is refused: no hub download.
+    ``local_files_only=True``.
     """
 
     name = "PretrainedFromHF"
@@ -180,12 +182,8 @@ class PretrainedFromHF(_FastTokenizer):
     def __init__(self, name_or_path):
         if name_or_path is None:
             raise ValueError("--tokenizer-name-or-path is required for PretrainedFromHF; pass a local "
-                             "tokenizer.json or a directory holding one")
-        path = pathlib.Path(name_or_path)
-        if not path.exists():
-            raise ValueError(f"--tokenizer-name-or-path {str(name_or_path)!r} must be a local path (a "
-                             "tokenizer.json file or a directory holding one): this project never "
-                             "downloads from a model hub; save the tokenizer to disk first")
+                             "tokenizer.json, a directory holding one, or a hub name in the local cache")
+        path = pathlib.Path(resolve_tokenizer_path(name_or_path))
         json_file = path / "tokenizer.json" if path.is_dir() else path
         if json_file.is_file():
             from tokenizers import Tokenizer

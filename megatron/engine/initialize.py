@@ -4,10 +4,11 @@
     loss = engine.train_batch(data_iterator)
 
 The returned object is DeepSpeed's ``PipelineEngine`` (also for a single stage, so there is one code
-path). Its optimizer: in bf16 with ``zero_optimization.stage`` 0/1 and fp32 gradient accumulation,
-``BF16_Optimizer`` (BLOOM's path); in fp32 with ZeRO-1, ``DeepSpeedZeroOptimizer`` (its grad norm
-counts replicated parameters on TP rank 0 of every stage, correctly); in fp32 without ZeRO, the
-client optimizer wrapped by our grad-norm clipper (DeepSpeed's plain clipping would miscount).
+path). Its optimizer: in bf16 with ``zero_optimization.stage`` 1 and fp32 gradient accumulation (what
+``--bf16`` with ``--zero-stage`` 0 or 1 gives), ``BF16_Optimizer`` (BLOOM's path); in fp32 with
+ZeRO-1, ``DeepSpeedZeroOptimizer`` (its grad norm counts replicated parameters on TP rank 0 of every
+stage, correctly); in fp32 without ZeRO, the client optimizer wrapped by our grad-norm clipper
+(DeepSpeed's plain clipping would miscount).
 """
 
 from __future__ import annotations

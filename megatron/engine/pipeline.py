@@ -3,12 +3,20 @@
 There is one network, in ``megatron.model``; this file only lists its modules as pipeline layers,
 in the order ``megatron.model.layout.pipeline_items`` gives (the index checkpoints number files by):
 
+    pass_through                                 BLOOM's fp16 cast (0): inputs unchanged
     TiedLayerSpec("embed", EmbeddingPipe)        (input_ids, position_ids) -> hidden [s, b, h]
+    pass_through                                 BLOOM's transpose (2): hidden unchanged
     LayerSpec(TransformerLayer) x num_layers     hidden -> hidden
+    pass_through                                 BLOOM's transpose back (L+3)
     LayerSpec(FinalLayerNorm)                    hidden -> hidden
     TiedLayerSpec("embed", LMHeadPipe, forward_fn=lm_head_forward)
                                                  hidden -> vocab-parallel logits [s, b, vp]
     loss_fn = GPTLossFn                          (logits, (labels, loss_mask)) -> scalar
+
+The pass-through slots are plain functions, so DeepSpeed writes no file for them, as for BLOOM's.
+(With --checkpoint-num-layers above 1, a run of layers that includes a slot is not recomputed:
+DeepSpeed recomputes only runs made of TransformerLayers.) The embedding's layer file uses
+BLOOM's key for its LayerNorm (``word_embeddings.norm.*``; ``embed_layernorm.*`` in memory).
 
 The word embedding lives on the first and the last stage (DeepSpeed keeps the two copies tied and
 all-reduces their gradients). Every module initializes from (seed, its own identity) only, so a
@@ -31,13 +39,31 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.config import PARTITION_METHODS, ModelConfig
 from megatron.model import EmbeddingLayer, FinalLayerNorm, TransformerLayer, gpt_loss
-from megatron.model.layout import EMBEDDING, FINAL_NORM, HEAD, TRANSFORMER, PipelineItem, pipeline_items
+from megatron.model.layout import (EMBEDDING, FINAL_NORM, HEAD, PASS_THROUGH, TRANSFORMER, PipelineItem, file_key,
+                                   local_name_of_file_key, pipeline_items)
 from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState
 
 
+def _to_file_keys(module, state_dict, prefix, local_metadata) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[prefix + file_key(key[len(prefix):])] = state_dict.pop(key)
+
+
+def _from_file_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                    error_msgs) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[prefix + local_name_of_file_key(key[len(prefix):])] = state_dict.pop(key)
+
+
 class EmbeddingPipe(EmbeddingLayer):
-    """The embedding as a pipeline layer: takes the (input_ids, position_ids) tuple DeepSpeed passes."""
+    """The embedding as a pipeline layer: takes the (input_ids, position_ids) tuple DeepSpeed passes.
+    Its state dict (hence its layer file) uses the checkpoint layout's keys (``file_key``)."""
+
+    def __init__(self, config: ModelConfig, tp_group=None):
+        super().__init__(config, tp_group)
+        self.register_state_dict_post_hook(_to_file_keys)
+        self.register_load_state_dict_pre_hook(_from_file_keys)
 
     def forward(self, inputs):
         input_ids, position_ids = inputs
@@ -61,6 +87,11 @@ class LMHeadPipe(EmbeddingLayer):
 def lm_head_forward(embedding: EmbeddingLayer, hidden: torch.Tensor) -> torch.Tensor:
     """The tied output head on the last stage: hidden [s, b, h] -> logits [s, b, vp]."""
     return embedding.lm_logits(hidden)
+
+
+def pass_through(inputs):
+    """A parameter-free slot of BLOOM's pipeline numbering (``megatron.model.layout.PASS_THROUGH``)."""
+    return inputs
 
 
 class GPTLossFn:
@@ -108,12 +139,14 @@ def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker
     if item.kind == EMBEDDING:
         return TiedLayerSpec("embed", EmbeddingPipe, config, **embed)
     if item.kind == TRANSFORMER:
-        return LayerSpec(TransformerLayer, config, tp_group=state.tp_group, layer_number=item.index - 1,
+        return LayerSpec(TransformerLayer, config, tp_group=state.tp_group, layer_number=item.layer_number,
                          rng_tracker=tracker)
     if item.kind == FINAL_NORM:
         return LayerSpec(FinalLayerNorm, config)
     if item.kind == HEAD:
         return TiedLayerSpec("embed", LMHeadPipe, config, forward_fn=lm_head_forward, **embed)
+    if item.kind == PASS_THROUGH:
+        return pass_through
     raise AssertionError(f"no pipeline spec for layer kind {item.kind!r}")
 
 

@@ -3,12 +3,20 @@
 Two facts, both derived from the model's own modules:
 
 - the pipeline: the ordered layers a pipeline engine stages and a checkpoint numbers its files by
-  (``layer_XX-model_YY-model_states.pt``): 0 the embedding, 1..L the transformer layers, L+1 the
-  final LayerNorm, L+2 the tied output head (no parameters of its own: the word embedding);
+  (``layer_XX-model_YY-model_states.pt``), BLOOM's numbering (bigscience's Megatron-DeepSpeed
+  ``GPTModelPipe``): 0 a parameter-free slot (BLOOM's fp16 cast), 1 the embedding, 2 a slot (BLOOM's
+  transpose to [s, b, h]), 3..L+2 the transformer layers, L+3 a slot (the transpose back), L+4 the
+  final LayerNorm, L+5 the tied output head (no parameters of its own: the word embedding). Our
+  activations are sequence-first throughout, so the slots pass their input on unchanged; they keep
+  the file numbers BLOOM's tools expect (transformers' converter among them). Checkpoints written
+  before 2026-12-01 used ``LEGACY_LAYOUT`` (0 embedding, 1..L blocks, L+1 final LayerNorm);
+  ``tools/convert_checkpoint/upgrade_layout.py`` converts them, the single-process readers read both;
 - each parameter (by its ``GPTModel`` name): its pipeline layer and name inside it, the dimension
   it is split along across tensor-parallel ranks (None: replicated on every rank), whether its rows
-  are the padded vocabulary, whether the output head shares it. These come from the tags the
-  parallel layers set (``tensor_model_parallel``, ``partition_dim``, ``vocab_parallel``).
+  are the padded vocabulary, whether the output head shares it, and its key in the layer file
+  (BLOOM names the embedding LayerNorm ``word_embeddings.norm.*``; in memory it is
+  ``embed_layernorm.*``). The splits come from the tags the parallel layers set
+  (``tensor_model_parallel``, ``partition_dim``, ``vocab_parallel``).
 
 Read by the pipeline module (``megatron.engine.pipeline``), the universal-checkpoint info, the
 merger of TP / PP shards and the transformers mappings (``megatron.checkpoint``). A new model
@@ -23,11 +31,18 @@ from typing import Optional
 
 from megatron.config import ModelConfig
 
-__all__ = ["EMBEDDING", "TRANSFORMER", "FINAL_NORM", "HEAD", "PipelineItem", "ParameterLayout", "pipeline_items",
-           "pipeline_item", "parameter_layout", "model_name", "pipeline_name"]
+__all__ = ["EMBEDDING", "TRANSFORMER", "FINAL_NORM", "HEAD", "PASS_THROUGH", "LAYOUT", "LEGACY_LAYOUT", "PipelineItem",
+           "ParameterLayout", "pipeline_items", "pipeline_item", "parameter_layout", "model_name", "pipeline_name",
+           "file_key", "local_name_of_file_key"]
 
 EMBEDDING, TRANSFORMER, FINAL_NORM, HEAD = "embedding", "transformer", "final_layernorm", "head"
+PASS_THROUGH = "pass_through"  # a parameter-free slot of BLOOM's numbering (see the module docstring)
 TIED_MODULE_PREFIX = "tied_modules.embed."  # where DeepSpeed keeps the embedding tied between first and last stage
+LAYOUT = "bloom"            # what checkpoints record in run_state.json as "checkpoint_layout"
+LEGACY_LAYOUT = "ds3d-v0"   # checkpoints without that record
+LAYOUTS = (LAYOUT, LEGACY_LAYOUT)
+# In-memory name prefix inside a pipeline layer -> its key prefix in the layer file, per layout.
+_FILE_KEY_PREFIXES = {LAYOUT: (("embed_layernorm.", "word_embeddings.norm."),), LEGACY_LAYOUT: ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +50,14 @@ class PipelineItem:
     """One pipeline layer: its global index (the same for any pipeline size) and what it holds."""
 
     index: int
-    kind: str                 # EMBEDDING | TRANSFORMER | FINAL_NORM | HEAD
-    prefix: Optional[str]     # GPTModel name prefix of its parameters; None: the tied head (owns none)
+    kind: str                 # EMBEDDING | TRANSFORMER | FINAL_NORM | HEAD | PASS_THROUGH
+    prefix: Optional[str]     # GPTModel name prefix of its parameters; None: it owns none (head, slots)
+    note: str = ""            # what BLOOM computes in a PASS_THROUGH slot
+
+    @property
+    def layer_number(self) -> Optional[int]:
+        """The 0-based transformer layer a TRANSFORMER item holds (None for the others)."""
+        return int(self.prefix[len("layers."):-1]) if self.kind == TRANSFORMER else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,28 +70,64 @@ class ParameterLayout:
     partition_dim: Optional[int]   # dim split across TP ranks (0 column-parallel, 1 row-parallel); None: replicated
     vocab_parallel: bool = False   # rows are the (padded) vocabulary
     tied_to_head: bool = False     # the output head on the last stage uses it too (a second copy there)
+    file_key: str = ""             # its key in the layer file (BLOOM's name); "" means local_name
 
     @property
     def replicated(self) -> bool:
         return self.partition_dim is None
 
 
-def pipeline_items(config: ModelConfig) -> list[PipelineItem]:
-    """The model's pipeline layers in order (see the module docstring)."""
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"checkpoint layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+
+
+def pipeline_items(config: ModelConfig, layout: str = LAYOUT) -> list[PipelineItem]:
+    """The model's pipeline layers in order (see the module docstring), in ``layout``'s numbering."""
+    _check_layout(layout)
     n = config.num_layers
-    return ([PipelineItem(0, EMBEDDING, "embedding.")]
-            + [PipelineItem(i + 1, TRANSFORMER, f"layers.{i}.") for i in range(n)]
-            + [PipelineItem(n + 1, FINAL_NORM, "final_layernorm."), PipelineItem(n + 2, HEAD, None)])
+    if layout == LEGACY_LAYOUT:
+        kinds = [(EMBEDDING, "embedding.", "")]
+        kinds += [(TRANSFORMER, f"layers.{i}.", "") for i in range(n)]
+        kinds += [(FINAL_NORM, "final_layernorm.", ""), (HEAD, None, "")]
+    else:
+        kinds = [(PASS_THROUGH, None, "BLOOM: cast to fp16 (ours: the dtype is the parameters')"),
+                 (EMBEDDING, "embedding.", ""),
+                 (PASS_THROUGH, None, "BLOOM: transpose [b, s, h] -> [s, b, h] (ours: already [s, b, h])")]
+        kinds += [(TRANSFORMER, f"layers.{i}.", "") for i in range(n)]
+        kinds += [(PASS_THROUGH, None, "BLOOM: transpose [s, b, h] -> [b, s, h] (ours: stays [s, b, h])"),
+                  (FINAL_NORM, "final_layernorm.", ""), (HEAD, None, "")]
+    return [PipelineItem(i, kind, prefix, note) for i, (kind, prefix, note) in enumerate(kinds)]
 
 
-def pipeline_item(index: int, config: ModelConfig) -> PipelineItem:
+def pipeline_item(index: int, config: ModelConfig, layout: str = LAYOUT) -> PipelineItem:
     """The pipeline layer ``index``; ValueError naming the valid range for any other index."""
-    items = pipeline_items(config)
+    items = pipeline_items(config, layout)
     if not 0 <= index < len(items):
-        n = config.num_layers
-        raise ValueError(f"pipeline layer index {index} does not exist in a model of {n} layers (0 embedding, "
-                         f"1..{n} transformer, {n + 1} final LayerNorm, {n + 2} tied head)")
+        described = ", ".join(f"{i.index} {i.kind}" for i in items if i.kind != TRANSFORMER)
+        blocks = [i.index for i in items if i.kind == TRANSFORMER]
+        raise ValueError(f"pipeline layer index {index} does not exist in a model of {config.num_layers} layers "
+                         f"({described}; transformer layers {blocks[0]}..{blocks[-1]})")
     return items[index]
+
+
+def _swap_prefix(name: str, layout: str, to_file: bool) -> str:
+    _check_layout(layout)
+    for ours, theirs in _FILE_KEY_PREFIXES[layout]:
+        old, new = (ours, theirs) if to_file else (theirs, ours)
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def file_key(local_name: str, layout: str = LAYOUT) -> str:
+    """The key of a parameter (by its name inside its pipeline layer) in a ``layout`` layer file."""
+    return _swap_prefix(local_name, layout, to_file=True)
+
+
+def local_name_of_file_key(key: str, layout: str = LAYOUT) -> str:
+    """The inverse of :func:`file_key`."""
+    return _swap_prefix(key, layout, to_file=False)
 
 
 def _structure(config: ModelConfig) -> ModelConfig:
@@ -94,16 +151,18 @@ def _tags(structure: ModelConfig) -> tuple[tuple[str, Optional[int], bool], ...]
     return tuple(out)
 
 
-def parameter_layout(config: ModelConfig) -> dict[str, ParameterLayout]:
-    """Every parameter of ``GPTModel(config)``, by name, in ``named_parameters`` order."""
-    items = pipeline_items(config)
+def parameter_layout(config: ModelConfig, layout: str = LAYOUT) -> dict[str, ParameterLayout]:
+    """Every parameter of ``GPTModel(config)``, by name, in ``named_parameters`` order, placed in
+    ``layout``'s pipeline numbering."""
+    items = pipeline_items(config, layout)
     by_prefix = {item.prefix: item for item in items if item.prefix is not None}
     template = _tags(_structure(config))
-    layout: dict[str, ParameterLayout] = {}
+    params: dict[str, ParameterLayout] = {}
 
     def add(item: PipelineItem, local: str, dim: Optional[int], vocab: bool) -> None:
         name = item.prefix + local
-        layout[name] = ParameterLayout(name, item.index, local, dim, vocab, tied_to_head=vocab and item.kind == EMBEDDING)
+        params[name] = ParameterLayout(name, item.index, local, dim, vocab, tied_to_head=vocab and item.kind == EMBEDDING,
+                                       file_key=file_key(local, layout))
 
     layer_params = [(name[len("layers.0."):], dim, vocab) for name, dim, vocab in template if name.startswith("layers.0.")]
     for name, dim, vocab in template:
@@ -116,25 +175,26 @@ def parameter_layout(config: ModelConfig) -> dict[str, ParameterLayout]:
     for name, dim, vocab in template:
         if name.startswith("final_layernorm."):
             add(by_prefix["final_layernorm."], name[len("final_layernorm."):], dim, vocab)
-    return layout
+    return params
 
 
 def model_name(name: str, config: ModelConfig) -> str:
-    """GPTModel name of a pipeline module's parameter (``3.mlp...``, ``tied_modules.embed.word_...``)."""
+    """GPTModel name of a pipeline module's parameter or state-dict key (``3.mlp...``,
+    ``tied_modules.embed.word_embeddings.weight``, ``tied_modules.embed.word_embeddings.norm.bias``)."""
     if name.startswith(TIED_MODULE_PREFIX):
-        return "embedding." + name[len(TIED_MODULE_PREFIX):]
+        return "embedding." + local_name_of_file_key(name[len(TIED_MODULE_PREFIX):])
     head, _, local = name.partition(".")
     if not head.isdigit():
         raise ValueError(f"{name!r} is not a pipeline module parameter name (INDEX.NAME or {TIED_MODULE_PREFIX}NAME)")
     item = pipeline_item(int(head), config)
     if item.prefix is None:
-        raise ValueError(f"{name!r}: pipeline layer {item.index} is the tied head, which owns no parameters")
-    return item.prefix + local
+        raise ValueError(f"{name!r}: pipeline layer {item.index} ({item.kind}) owns no parameters")
+    return item.prefix + local_name_of_file_key(local)
 
 
 def pipeline_name(param: ParameterLayout) -> str:
     """The parameter's name in a pipeline module: the tied embedding's under DeepSpeed's tied-module
     prefix, every other one under its layer index."""
-    if param.pipeline_index == 0:
+    if param.name.startswith("embedding."):
         return TIED_MODULE_PREFIX + param.local_name
     return f"{param.pipeline_index}.{param.local_name}"

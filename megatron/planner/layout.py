@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from megatron.planner.specs import ModelShape
 
@@ -15,8 +16,11 @@ class Layout:
     micro_batch_size: int
     recompute: bool = True              # full activation checkpointing of every transformer layer
     zero_stage: int = 1                 # 1: fp32 masters + Adam states sharded over DP; 0: replicated
-    precision: str = "bf16"             # bf16 (BF16_Optimizer, fp32 grad accumulation) | fp32
+    precision: str = "bf16"             # bf16 (BF16_Optimizer, fp32 grad accumulation) | fp16 (ZeRO 0) | fp32
     partition_method: str = "type:transformer"  # or "type:transformer|embedding" (BLOOM-176B)
+    # transformer layers on each stage when known from the real partition (pretrain_gpt.py --dry-run
+    # takes DeepSpeed's); None: ``layers_per_stage``'s rule for ``partition_method``
+    stage_layers: Optional[tuple[int, ...]] = None
 
     @property
     def world_size(self) -> int:
@@ -32,6 +36,16 @@ class Layout:
     def short(self) -> str:
         return (f"TP={self.tp} PP={self.pp} DP={self.dp} MBS={self.micro_batch_size} "
                 f"{'recompute' if self.recompute else 'no-recompute'} ZeRO-{self.zero_stage} {self.precision}")
+
+
+def stage_layer_counts(model: ModelShape, layout: Layout) -> list[int]:
+    """Transformer layers on each stage of ``layout``: its ``stage_layers``, else ``layers_per_stage``."""
+    if layout.stage_layers is not None:
+        if len(layout.stage_layers) != layout.pp or sum(layout.stage_layers) != model.num_layers:
+            raise ValueError(f"stage_layers {layout.stage_layers} must give {layout.pp} stages holding "
+                             f"{model.num_layers} layers in all")
+        return list(layout.stage_layers)
+    return layers_per_stage(model, layout.pp, layout.partition_method)
 
 
 def layers_per_stage(model: ModelShape, pp: int, partition_method: str = "type:transformer") -> list[int]:

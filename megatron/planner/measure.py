@@ -94,7 +94,7 @@ def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: O
                        "global_batch_size": rc.batch.global_batch_size, "hidden_size": rc.model.hidden_size,
                        "num_layers": rc.model.num_layers, "num_attention_heads": rc.model.num_attention_heads,
                        "padded_vocab_size": rc.model.padded_vocab_size, "bf16": rc.bf16,
-                       "zero_stage": rc.precision.zero_stage, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                       "zero_stage": rc.deepspeed_zero_stage, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                        "checkpoint_activations": rc.training.checkpoint_activations}}
 
 

@@ -8,6 +8,10 @@ is on the first AND the last stage when PP > 1), d = DP size. What DeepSpeed 0.1
       + fp32 master 4N/d + Adam exp_avg, exp_avg_sq 8N/d, resident all the time, + the bf16 .grad
       2N from the first backward until the optimizer step frees it: 8N + 12N/d bytes at the peak.  ``zero_stage=0`` in the planner means a replicated optimizer: 8N + 12N.
   fp32 (client AdamW, no ZeRO): weights 4N + Adam 8N resident + .grad 4N during the step = 16N.
+  fp16, ZeRO stage 0 (DeepSpeed's FP16_UnfusedOptimizer around the client AdamW; BigScience's V100 runs):
+      fp16 weights 2N + fp32 copies 4N + Adam 8N resident, + the fp16 .grad 2N from the first backward
+      and, during the step, an fp32 copy of every gradient 4N: 20N at the peak. Read from DeepSpeed
+      0.19.8's unfused_optimizer.py, not measured (fp16 does not run on the CPU accelerator).
 
 Each optimizer group's flat buffer is padded to a multiple of 2d elements (ignored: < 2d * 2 groups).
 
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron.planner.layout import Layout, layers_per_stage
+from megatron.planner.layout import Layout, stage_layer_counts
 from megatron.planner.specs import GiB, ModelShape
 
 RUNTIME_OVERHEAD = 3 * GiB   # assumption, not measured here: CUDA context ~0.5-1 GiB + NCCL buffers + workspaces
@@ -42,7 +46,7 @@ MEMORY_HEADROOM = 0.9        # rule of thumb: plan for 90% of the device, the re
 def stage_param_counts(model: ModelShape, layout: Layout) -> list[int]:
     """Parameters held by one TP rank of each pipeline stage."""
     h, t = model.hidden_size, layout.tp
-    counts = layers_per_stage(model, layout.pp, layout.partition_method)
+    counts = stage_layer_counts(model, layout)
     embedding = model.vocab_size * h // t + model.learned_positions * h + (2 * h if model.embed_layernorm else 0)
     # The output head: the tied copy is a whole EmbeddingPipe (DeepSpeed's TiedLayerSpec builds the
     # module), so the last stage also holds an unused copy of the embedding LayerNorm.
@@ -71,9 +75,14 @@ def static_bytes(num_params: int, layout: Layout) -> dict[str, float]:
     if layout.precision == "bf16":
         return {"weights": 2 * n, "grad_buffer": 4 * n, "master": 4 * n / shard, "adam": 8 * n / shard,
                 "grads": 2 * n}
+    if layout.precision == "fp16" and layout.zero_stage == 0:
+        # FP16_UnfusedOptimizer around the client AdamW: fp32 copies hold the Adam states; the step makes
+        # an fp32 copy of every fp16 .grad before it updates
+        return {"weights": 2 * n, "grad_buffer": 0.0, "master": 4 * n, "adam": 8 * n, "grads": 2 * n + 4 * n}
     if layout.precision == "fp32":
         return {"weights": 4 * n, "grad_buffer": 0.0, "master": 0.0, "adam": 8 * n / shard, "grads": 4 * n}
-    raise ValueError(f"precision {layout.precision!r} is not bf16 or fp32")
+    raise ValueError(f"precision {layout.precision!r} with ZeRO stage {layout.zero_stage} is not modelled (bf16, "
+                     f"fp32, and fp16 with ZeRO stage 0 are)")
 
 
 def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int) -> float:
@@ -104,7 +113,7 @@ class MemoryEstimate:
 def estimate_memory(model: ModelShape, layout: Layout, seq_length: int, global_batch_size: int) -> MemoryEstimate:
     s, b, h, t = seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
     m = layout.num_micro_batches(global_batch_size)
-    layers = layers_per_stage(model, layout.pp, layout.partition_method)
+    layers = stage_layer_counts(model, layout)
     full_layer = layer_activation_bytes(model, layout, seq_length)
     stages = []
     for i, n_params in enumerate(stage_param_counts(model, layout)):

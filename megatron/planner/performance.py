@@ -24,6 +24,7 @@ micro-batch time (1F1B: m micro-batches plus p-1 slots of fill and drain; bubble
               communication_data_type (2N bytes: 2(d-1)/d * 2N / bw),
               then all-gathers the updated bf16 weights from their DP owners ((d-1)/d * 2N / bw).
               DeepSpeed's pipeline engine does both after the last micro-batch: no overlap.
+              fp16 (ZeRO 0): the fp16 gradients all-reduced as they are (2N bytes), no all-gather.
   tied emb.   fp32 gradient of the word embedding all-reduced between the first and last stage.
   optimizer   Adam over N/d fp32 values: ~32 bytes each through HBM, plus the grad-norm read.
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.config.model import megatron_flops
-from megatron.planner.layout import Layout, layers_per_stage
+from megatron.planner.layout import Layout, stage_layer_counts
 from megatron.planner.memory import layer_activation_bytes, stage_param_counts
 from megatron.planner.specs import ClusterSpec, GPUSpec, ModelShape
 
@@ -123,7 +124,7 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
                   global_batch_size: int) -> StepEstimate:
     m = layout.num_micro_batches(global_batch_size)
     tp_bw, dp_bw, pp_bw = _bandwidths(layout, gpu, cluster)
-    layers = layers_per_stage(model, layout.pp, layout.partition_method)
+    layers = stage_layer_counts(model, layout)
     params = stage_param_counts(model, layout)
     slots = [_stage_slot(model, layout, gpu, cluster, seq_length, layers[i], params[i], i == 0,
                          i == layout.pp - 1, tp_bw) for i in range(layout.pp)]
@@ -136,7 +137,7 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
         slot["pp_comm"] += 3 * _allgather_s(act_bytes, layout.tp, tp_bw, cluster.collective_latency_us)
     slot_s = sum(slot.values())
     n = max(params)
-    bytes_grad = 2 if layout.precision == "bf16" else 4  # DeepSpeed casts to communication_data_type (bf16)
+    bytes_grad = 4 if layout.precision == "fp32" else 2  # bf16: cast to communication_data_type; fp16 grads as they are
     dp = _allreduce_s(bytes_grad * n, layout.dp, dp_bw, cluster.collective_latency_us)
     if layout.precision == "bf16" and layout.zero_stage >= 1:
         dp += _allgather_s(2 * n, layout.dp, dp_bw, cluster.collective_latency_us)

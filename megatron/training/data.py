@@ -11,7 +11,6 @@ slice itself); global rank 0 builds missing index files while the others wait at
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from megatron.config import RunConfig
 from megatron.data.gpt_dataset import build_train_valid_test_datasets, build_weighted_split_datasets
@@ -40,10 +39,11 @@ def num_samples(rc: RunConfig) -> tuple[int, int, int]:
     return train, t.eval_iters * gbs * evals, t.eval_iters * gbs
 
 
-def build_datasets(rc: RunConfig, cache_dir: Optional[str] = None) -> RunDatasets:
+def build_datasets(rc: RunConfig) -> RunDatasets:
+    """The train, validation and test datasets; their index files go to --data-cache-path, else beside the data."""
     d = rc.data
     n_train, n_valid, n_test = num_samples(rc)
-    common = dict(seq_length=d.seq_length, seed=d.seed, cache_dir=cache_dir)
+    common = dict(seq_length=d.seq_length, seed=d.seed, cache_dir=d.data_cache_path)
     if d.uses_weighted_splits:
         return RunDatasets(*build_weighted_split_datasets(
             d.train_weighted_split_groups, d.valid_weighted_split_groups, d.test_weighted_split_groups,

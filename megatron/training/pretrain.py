@@ -13,13 +13,13 @@ import dataclasses
 import os
 import random
 import time
-from typing import Optional
 
 import numpy as np
 import torch.distributed as dist
 
 from megatron.checkpoint import run_state, tags, training_io
 from megatron.config import RunConfig
+from megatron.model.layout import LAYOUT
 from megatron.engine.initialize import build_engine, init_deepspeed_comm
 from megatron.engine.optimizer import sync_tp_duplicated
 from megatron.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
@@ -66,22 +66,23 @@ def _tensorboard_writer(rc: RunConfig, is_last_rank: bool):
 
 
 def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> dict:
-    """Saved by DeepSpeed with the weights (in mp_rank_XX_model_states.pt): what a resume restores."""
-    return {"progress": dataclasses.asdict(progress), "lr_scheduler": lr_scheduler.state_dict(),
-            "rng": training_io.rng_state(tracker), UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(rc.model)}
+    """Saved by DeepSpeed with the weights (in mp_rank_XX_model_states.pt): what a resume restores, and
+    Megatron's own top-level keys ('args', 'checkpoint_version'; 'iteration' is added by the writer)."""
+    counters = dataclasses.asdict(progress)
+    return {"progress": counters, "lr_scheduler": lr_scheduler.state_dict(), "rng": training_io.rng_state(tracker),
+            UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(rc.model),
+            "args": run_state.megatron_args(rc, counters), "checkpoint_version": run_state.MEGATRON_CHECKPOINT_VERSION}
 
 
-def pretrain(rc: RunConfig, *, dataset_cache_dir: Optional[str] = None) -> PretrainResult:
+def pretrain(rc: RunConfig) -> PretrainResult:
     start = time.time()
     info = init_process_group(rc.parallel.distributed_backend)
     init_deepspeed_comm(rc.parallel.distributed_backend)
     p = rc.parallel
     state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
-    for warning in rc.startup_warnings:
-        print_rank_0(f"WARNING: {warning}")
     tracker = set_seeds(rc.training.seed, state)
 
-    datasets = build_datasets(rc, cache_dir=dataset_cache_dir)
+    datasets = build_datasets(rc)
     engine = build_engine(rc, state, tracker=tracker)
     t = rc.training
     lr_scheduler = LRScheduler.from_run_config(engine.optimizer, rc)
@@ -143,7 +144,16 @@ def _resume(rc: RunConfig, engine, lr_scheduler, tracker) -> Progress:
         print_rank_0(f"no checkpoint in {ck.load} yet: starting from scratch")
         return Progress()
     saved = run_state.load_run_state(ck.load, tag)
+    if run_state.checkpoint_layout(saved) != LAYOUT:
+        raise ValueError(f"{os.path.join(ck.load, tag)} numbers its layer files the way this project did before "
+                         f"2026-12-01 (layout {run_state.checkpoint_layout(saved)!r}); convert it once to BLOOM's "
+                         f"numbering: python tools/convert_checkpoint/upgrade_layout.py --load {ck.load} "
+                         f"--save NEW_DIR, then --load NEW_DIR")
     run_state.check_model_config(saved["model_config"], dataclasses.asdict(rc.model), universal=ck.universal_checkpoint)
+    if "written_by" in saved and not ck.finetune:  # a record made from another tool's args
+        raise ValueError(f"{os.path.join(ck.load, tag)} was written by {saved['written_by']}: it holds weights but "
+                         f"not this project's optimizer state, schedule and RNG; pass --finetune to train from its "
+                         f"weights with a new schedule")
     client = training_io.load_checkpoint(engine, ck.load, tag, load_optimizer_states=not (ck.no_load_optim or ck.finetune))
     if ck.finetune:
         print_rank_0(f"loaded the weights of {os.path.join(ck.load, tag)} (--finetune: iteration 0, new schedule)")

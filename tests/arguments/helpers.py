@@ -50,9 +50,9 @@ def ds_json(d, **entries) -> pathlib.Path:
     return path
 
 
-def bloom_setup(d: pathlib.Path, zero_stage: int = 1) -> tuple[list[str], pathlib.Path]:
-    """BLOOM-176B's flags, for 48 nodes x 8 GPUs. Its script said ZeRO stage 0 for bigscience's
-    DeepSpeed fork; the same optimizer (BF16_Optimizer) is stage 1 in DeepSpeed 0.19, hence the default here."""
+def bloom_setup(d: pathlib.Path, zero_stage: int = 0) -> tuple[list[str], pathlib.Path]:
+    """BLOOM-176B's flags, for 48 nodes x 8 GPUs, and its DeepSpeed JSON, both with ZeRO stage ``zero_stage``
+    (BLOOM's: 0, which runs here as DeepSpeed 0.19's stage 1, the same BF16_Optimizer)."""
     prefixes = [d / f"data/{name}_text_document" for name in ("roots_en", "roots_fr", "roots_code")]
     for prefix in prefixes:
         prefix.parent.mkdir(exist_ok=True)

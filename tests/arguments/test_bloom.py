@@ -1,6 +1,7 @@
 """BLOOM-176B's Megatron-DeepSpeed flags (bigscience/train/tr11-176B-ml/tr11-176B-ml.slurm), verbatim,
 on 48 nodes x 8 GPUs: the RunConfig, the DeepSpeed config, the batch rampup and the schedule they give,
-and the errors for its known pitfalls (ZeRO stage 0, a JSON contradicting the flags, a wrong world)."""
+its ZeRO stage 0 running as DeepSpeed 0.19's stage 1, and the errors for its known pitfalls (a JSON
+contradicting the flags, a wrong world)."""
 
 import json
 from types import SimpleNamespace
@@ -39,7 +40,7 @@ def test_bloom_176b_flags_parse_into_the_expected_run_config(tmp_path, monkeypat
     assert t.train_samples == 220_000_000 and t.train_iters is None
     assert (t.eval_interval, t.eval_iters, t.checkpoint_activations, t.deepspeed_activation_checkpointing,
             t.sync_tp_duplicated_parameters) == (1000, 1, True, True, True)
-    assert rc.bf16 and not rc.fp16 and rc.precision.zero_stage == 1
+    assert rc.bf16 and not rc.fp16 and (rc.precision.zero_stage, rc.deepspeed_zero_stage) == (0, 1)
     d = rc.data
     assert d.tokenizer.tokenizer_type == "PretrainedFromHF" and d.pad_vocab_size_to == 250880 and d.data_impl == "mmap"
     assert (d.num_workers, d.valid_num_workers, d.split, d.data_path) == (2, 0, None, ())
@@ -78,7 +79,7 @@ def test_bloom_176b_vocabulary_is_padded_to_250880(tmp_path):
 
 
 def test_bloom_176b_resumed_from_a_universal_checkpoint_with_zero_1(tmp_path):
-    argv, ds_config = bloom_setup(tmp_path)
+    argv, ds_config = bloom_setup(tmp_path, zero_stage=1)
     rc = parse_bloom(argv + ["--universal-checkpoint"])
     assert rc.checkpoint.universal_checkpoint and rc.precision.zero_stage == 1
     config = json.loads(ds_config.read_text())
@@ -88,10 +89,20 @@ def test_bloom_176b_resumed_from_a_universal_checkpoint_with_zero_1(tmp_path):
         parse_bloom(argv)
 
 
-def test_bloom_176b_original_zero_stage_0_is_refused_with_the_fix(tmp_path):
-    argv, _ = bloom_setup(tmp_path, zero_stage=0)
-    with pytest.raises(ValueError, match="--bf16 with --zero-stage 0 is not supported .* use --zero-stage 1"):
-        parse_bloom(argv)
+def test_bloom_176b_zero_stage_0_runs_bf16_optimizer_as_stage_1_with_one_warning(tmp_path):
+    for name in ("z0", "z1"):
+        (tmp_path / name).mkdir()
+    original, _ = bloom_setup(tmp_path / "z0")  # --zero-stage 0 and the JSON's zero_optimization.stage 0
+    stage_1, _ = bloom_setup(tmp_path / "z1", zero_stage=1)
+    rc, rc1 = parse_bloom(original), parse_bloom(stage_1)
+    assert (rc.precision.zero_stage, rc.deepspeed_zero_stage, rc1.deepspeed_zero_stage) == (0, 1, 1)
+    ds, ds1 = build_deepspeed_config(rc, rc.deepspeed_user_config), build_deepspeed_config(rc1, rc1.deepspeed_user_config)
+    assert ds == ds1 and ds["zero_optimization"] == {"stage": 1} and ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    notes = [w for w in rc.startup_warnings if "--zero-stage" in w]
+    assert notes == ["--zero-stage 0 with --bf16 runs DeepSpeed's BF16_Optimizer (ZeRO stage 1), BLOOM's optimizer: "
+                     "fp32 master weights and Adam states sharded over the data-parallel ranks, what bigscience's "
+                     "DeepSpeed ran under stage 0 (DeepSpeed 0.19 selects it by stage 1)"]
+    assert not [w for w in rc1.startup_warnings if "--zero-stage" in w]
 
 
 def test_bloom_176b_on_the_wrong_world_size_names_the_sizes(tmp_path):

@@ -51,3 +51,21 @@ def test_data_modes_are_exclusive(files):
                valid_weighted_split_paths=[f"v: 1 0:1 {files / 'b'}"])
     assert ok.data.train_weighted_split_groups[0].datasets == (DatasetSplit(1.0, 0.0, 1.0, str(files / "a")),)
     assert ok.data.data_path == () and ok.data.split is None and ok.data.has_validation_data
+
+
+def test_data_cache_path_is_checked_creatable_and_writable_without_creating_it(files, read_only_folder):
+    new = files / "cache" / "new"
+    rc = parse(files, data_cache_path=new)
+    assert rc.data.data_cache_path == str(new) and not (files / "cache").exists()  # checked, not created
+    assert parse(files).data.data_cache_path is None  # default: the index files go beside the data
+    (files / "a-file").write_text("")
+    with pytest.raises(ValueError, match=r"--data-cache-path .*a-file.*is not a directory"):
+        parse(files, data_cache_path=files / "a-file" / "cache")
+    locked = files / "locked"
+    locked.mkdir()
+    if not read_only_folder(locked):
+        pytest.skip(f"cannot make {locked} read-only here (no chattr +i on this filesystem)")
+    with pytest.raises(ValueError, match=r"--data-cache-path .*locked' is not writable by this user"):
+        parse(files, data_cache_path=locked)
+    with pytest.raises(ValueError, match=r"--data-cache-path .*sub' cannot be created: .*locked' is not writable"):
+        parse(files, data_cache_path=locked / "sub")

@@ -78,7 +78,6 @@ REJECTED = [
     (dict(lr_decay_samples=50), 2, "--lr-decay-samples 50 does not fit iteration-based"),
     (dict(split="100,0,0"), 2, "there is no validation data"),
     (dict(zero_stage=2), 2, "--zero-stage 2 is not supported"),
-    (dict(bf16=True, zero_stage=0), 2, "--bf16 with --zero-stage 0 is not supported"),
     (dict(save="/tmp/x"), 2, "needs --save-interval"),
     (dict(data_impl="lazy"), 2, "--data-impl 'lazy' is not supported"),
     (dict(fp16=True, initial_loss_scale=1000), 2, "--initial-loss-scale 1000.0 must be a power of 2"),
@@ -103,13 +102,17 @@ def test_embedding_counts_as_a_stage_layer_with_type_transformer_embedding(files
     assert (rc.parallel.pipeline_model_parallel_size, rc.parallel.data_parallel_size) == (4, 1)
 
 
-def test_missing_tokenizer_and_deepspeed_files_are_named(files):
+def test_missing_tokenizer_and_deepspeed_files_are_named(files, monkeypatch):
     with pytest.raises(ValueError, match=r"--vocab-file .*missing\.json.*no such file"):
         parse(files, vocab_file=files / "missing.json")
     with pytest.raises(ValueError, match="--tokenizer-model .*no such file"):
         parse(files, tokenizer_type="SentencePieceTokenizer", tokenizer_model=files / "sp.model")
-    with pytest.raises(ValueError, match="hub name is not downloaded"):
+    monkeypatch.setenv("HF_HUB_CACHE", str(files / "hub"))  # an empty cache (tests/data/test_hf_cache.py: a full one)
+    with pytest.raises(ValueError, match="'bigscience/bloom' is not a local path and not in the local Hugging Face "
+                                         "cache"):
         parse(files, tokenizer_type="PretrainedFromHF", tokenizer_name_or_path="bigscience/bloom")
+    with pytest.raises(ValueError, match="no such file or directory, and not a hub name"):
+        parse(files, tokenizer_type="PretrainedFromHF", tokenizer_name_or_path=files / "no" / "tokenizer")
     with pytest.raises(ValueError, match="--deepspeed_config .*no such file"):
         parse(files, deepspeed_config=files / "none.json")
 

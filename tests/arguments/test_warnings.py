@@ -3,7 +3,8 @@
 
 import pytest
 
-from tests.arguments.helpers import parse
+from megatron.config.deepspeed import build_deepspeed_config
+from tests.arguments.helpers import ds_json, parse
 
 
 def test_settings_without_effect_are_kept_and_reported(files):
@@ -28,6 +29,20 @@ def test_deepspeed_activation_checkpointing_needs_checkpoint_activations(files):
 
 def test_a_plain_config_has_no_warnings(files):
     assert parse(files).startup_warnings == ()
+
+
+def test_bf16_zero_stage_0_is_accepted_with_one_warning_from_the_flag_or_the_json(files):
+    from_flag = parse(files, bf16=True, zero_stage=0)
+    from_json = parse(files, bf16=True, deepspeed_config=ds_json(files, zero_optimization={"stage": 0}))
+    for rc in (from_flag, from_json):
+        assert (rc.precision.zero_stage, rc.deepspeed_zero_stage) == (0, 1)
+        assert build_deepspeed_config(rc, rc.deepspeed_user_config)["zero_optimization"] == {"stage": 1}
+        (warning,) = rc.startup_warnings
+        assert warning.startswith("--zero-stage 0 with --bf16 runs DeepSpeed's BF16_Optimizer (ZeRO stage 1), "
+                                  "BLOOM's optimizer")
+    for flags in (dict(bf16=True, zero_stage=1), dict(zero_stage=0), dict(fp16=True, zero_stage=0)):
+        rc = parse(files, **flags)
+        assert rc.startup_warnings == () and rc.deepspeed_zero_stage == rc.precision.zero_stage, flags
 
 
 @pytest.mark.parametrize("rank,expected", [("0", 1), ("3", 0)])

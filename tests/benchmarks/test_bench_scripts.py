@@ -23,8 +23,8 @@ def test_pipeline_names_map_to_gpt_model_names():
 
     class FakeModule:
         def state_dict(self):
-            return {"tied_modules.embed.word_embeddings.weight": 0, "1.input_layernorm.weight": 1,
-                    "2.mlp.dense_4h_to_h.bias": 2, "3.weight": 3}
+            return {"tied_modules.embed.word_embeddings.weight": 0, "3.input_layernorm.weight": 1,
+                    "4.mlp.dense_4h_to_h.bias": 2, "6.weight": 3}  # BLOOM's numbering, 2 layers
 
     class FakeConfig:
         num_layers = 2

@@ -62,8 +62,8 @@ def test_incomplete_or_missing_checkpoints_are_refused(tmp_path, tiny_corpus):
     with pytest.raises(CheckpointFormatError, match="no 'complete' marker"):
         load_full_state_dict(str(tmp_path))
     (tmp_path / "global_step0" / "complete").write_text("0\n")
-    os.remove(tmp_path / "global_step0" / "layer_02-model_01-model_states.pt")
-    with pytest.raises(CheckpointFormatError, match="layer 2 .* ranks \\[0\\]"):
+    os.remove(tmp_path / "global_step0" / "layer_04-model_01-model_states.pt")  # the second block
+    with pytest.raises(CheckpointFormatError, match="layer 4 .* ranks \\[0\\]"):
         load_full_state_dict(str(tmp_path))
     with pytest.raises(CheckpointFormatError, match="no 'latest'"):
         load_full_state_dict(str(tmp_path / "global_step0"))

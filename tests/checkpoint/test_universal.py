@@ -25,8 +25,8 @@ def test_patterns_agree_with_tensor_parallel_tags(position_type):
     info = universal_checkpoint_info(config)
     # The names a pipeline module gives the parameters, written out by hand: layer index first, the
     # tied embedding under tied_modules, the final LayerNorm bare under its index.
-    named = {f"{i + 1}.{n}": p for i, layer in enumerate(model.layers) for n, p in layer.named_parameters()}
-    named.update({f"4.{n}": p for n, p in model.final_layernorm.named_parameters()})
+    named = {f"{i + 3}.{n}": p for i, layer in enumerate(model.layers) for n, p in layer.named_parameters()}
+    named.update({f"7.{n}": p for n, p in model.final_layernorm.named_parameters()})  # L + 4, BLOOM's index
     named.update({f"tied_modules.embed.{n}": p for n, p in model.embedding.named_parameters()})
     assert len(named) == len(list(model.parameters()))
     for name, param in named.items():

@@ -18,6 +18,17 @@ def test_bf16_gives_the_bf16_optimizer_path_and_no_optimizer_section():
                   "steps_per_print": STEPS_PER_PRINT, "wall_clock_breakdown": False}
 
 
+def test_bf16_zero_stage_0_builds_stage_1_and_accepts_bloom_json_saying_0():
+    bloom = run_config("bf16", PrecisionConfig(zero_stage=0))
+    user = {"zero_optimization": {"stage": 0, "reduce_bucket_size": 5e8}, "bf16": {"enabled": True}}
+    for ds in (build_deepspeed_config(bloom), build_deepspeed_config(bloom, user)):
+        assert ds["zero_optimization"]["stage"] == 1 and ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert build_deepspeed_config(bloom, user)["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 5e8}
+    assert user["zero_optimization"]["stage"] == 0  # the caller's dict is untouched
+    with pytest.raises(ValueError, match="zero_optimization.stage = 1 .* contradicts --zero-stage 0"):
+        build_deepspeed_config(bloom, {"zero_optimization": {"stage": 1}})  # the JSON must say what the flag says
+
+
 def test_fp32_has_neither_mixed_precision_nor_fp32_accumulation_override():
     ds = build_deepspeed_config(run_config("fp32", PrecisionConfig(zero_stage=0)))
     assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
@@ -97,9 +108,10 @@ def test_module_does_not_import_deepspeed():
 
 
 @pytest.mark.parametrize("dtype,precision", [
-    ("bf16", PrecisionConfig(zero_stage=1)), ("fp16", PrecisionConfig(initial_loss_scale=4096, zero_stage=0)),
+    ("bf16", PrecisionConfig(zero_stage=1)), ("bf16", PrecisionConfig(zero_stage=0)),
+    ("fp16", PrecisionConfig(initial_loss_scale=4096, zero_stage=0)),
     ("fp32", PrecisionConfig(zero_stage=0)), ("fp32", PrecisionConfig(zero_stage=1))],
-    ids=["bf16-z1", "fp16", "fp32", "fp32-z1"])
+    ids=["bf16-z1", "bf16-z0", "fp16", "fp32", "fp32-z1"])
 def test_deepspeed_accepts_the_config(dtype, precision):
     """DeepSpeed's own config parser reads what we build (one process: data-parallel size 1)."""
     pytest.importorskip("deepspeed")
@@ -110,7 +122,7 @@ def test_deepspeed_accepts_the_config(dtype, precision):
     parsed = DeepSpeedConfig(ds)
     assert (parsed.train_batch_size, parsed.gradient_accumulation_steps) == (16, 8)
     assert (parsed.bfloat16_config.enabled, parsed.float16_config.enabled) == (rc.bf16, rc.fp16)
-    assert parsed.zero_optimization_stage == precision.zero_stage
+    assert parsed.zero_optimization_stage == rc.deepspeed_zero_stage == (1 if rc.bf16 else precision.zero_stage)
     assert parsed.optimizer_name is None and parsed.scheduler_name is None
     if rc.bf16:
         assert str(parsed.grad_accum_dtype) in ("fp32", "torch.float32")

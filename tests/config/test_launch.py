@@ -1,8 +1,9 @@
-"""detect_launch: who this process is, from torchrun's, SLURM's or no launcher's environment."""
+"""detect_launch: who this process is, from torchrun's, SLURM's or no launcher's environment; planned_world_size:
+how many processes a launch from this environment will make (--dry-run)."""
 
 import pytest
 
-from megatron.config.launch import LaunchInfo, detect_launch, first_slurm_host
+from megatron.config.launch import LaunchInfo, detect_launch, first_slurm_host, planned_world_size
 
 
 def test_world_size_prefers_world_size_then_slurm():
@@ -38,3 +39,19 @@ def test_first_slurm_host():
     assert first_slurm_host("node[003-005,010],gpu7") == "node003"
     assert first_slurm_host("gpu7,gpu8") == "gpu7"
     assert first_slurm_host("login") == "login"
+
+
+def test_planned_world_size_of_each_launch_style():
+    assert planned_world_size({"WORLD_SIZE": "64", "SLURM_JOB_NUM_NODES": "8"}) == \
+        (64, "WORLD_SIZE (torchrun / DeepSpeed launcher)")
+    # BLOOM's sbatch: one task per node, each running torchrun --nproc_per_node $GPUS_PER_NODE
+    bloom = {"SLURM_JOB_NUM_NODES": "48", "SLURM_NNODES": "48", "SLURM_NTASKS": "48", "SLURM_GPUS_ON_NODE": "8"}
+    assert planned_world_size(bloom)[0] == 384
+    assert planned_world_size(dict(bloom, GPUS_PER_NODE="4")) == \
+        (192, "SLURM_JOB_NUM_NODES=48 x GPUS_PER_NODE=4 (one torchrun per node, as BLOOM's scripts)")
+    assert planned_world_size({"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "8"})[0] == 16  # the older name
+    # srun with one task per GPU: the tasks are the ranks
+    assert planned_world_size({"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "16", "SLURM_GPUS_ON_NODE": "8"})[0] == 16
+    assert planned_world_size({}) == (1, "no launcher in the environment (a world of one)")
+    with pytest.raises(ValueError, match="neither GPUS_PER_NODE nor SLURM_GPUS_ON_NODE is set"):
+        planned_world_size({"SLURM_JOB_NUM_NODES": "48", "SLURM_NTASKS": "48"})

@@ -24,10 +24,13 @@ def test_the_tiny_run_is_valid_and_reads_its_dtype_from_the_model():
     assert (fp32.bf16, fp32.fp16) == (False, False)
 
 
-def test_bf16_with_zero_stage_0_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match="--bf16 with --zero-stage 0 is not supported .* use --zero-stage 1"):
-        run_config("bf16", PrecisionConfig(zero_stage=0)).validate()
-    assert run_config("fp32", PrecisionConfig(zero_stage=0)).validate()  # fp32 and fp16 may use stage 0
+def test_bf16_with_zero_stage_0_runs_as_stage_1_and_keeps_what_was_asked():
+    bloom = run_config("bf16", PrecisionConfig(zero_stage=0)).validate()  # BLOOM-176B's --bf16 --zero-stage 0
+    assert (bloom.precision.zero_stage, bloom.deepspeed_zero_stage) == (0, 1)
+    assert run_config("bf16", PrecisionConfig(zero_stage=1)).deepspeed_zero_stage == 1
+    for dtype in ("fp32", "fp16"):  # their stage 0 is DeepSpeed's own (an unpartitioned optimizer)
+        for stage in (0, 1):
+            assert run_config(dtype, PrecisionConfig(zero_stage=stage)).validate().deepspeed_zero_stage == stage
 
 
 def test_with_vocab_size_fills_the_model_and_revalidates():

@@ -97,8 +97,10 @@ def test_pretrained_from_hf_refuses_a_directory_transformers_loads_empty(tmp_pat
         PretrainedFromHF(tmp_path)
 
 
-def test_pretrained_from_hf_refuses_hub_names():
-    with pytest.raises(ValueError, match="must be a local path"):
+def test_pretrained_from_hf_does_not_download_hub_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache (tests/data/test_hf_cache.py: a full one)
+    with pytest.raises(ValueError, match="'bigscience/bloom-560m' is not a local path and not in the local "
+                                         "Hugging Face cache"):
         PretrainedFromHF("bigscience/bloom-560m")
     with pytest.raises(ValueError, match="--tokenizer-name-or-path"):
         build_tokenizer(TokenizerConfig("PretrainedFromHF"))

@@ -3,6 +3,7 @@
 One 8-rank launch trains a tiny BLOOM a few iterations, saves, and evaluates a fixed batch with the
 pipeline engine (its logits are the reference for the merged, exported weights). Then:
 - to_hf (run as a process) -> BloomForCausalLM: logits equal the engine's and our merged GPTModel's;
+- transformers' own BLOOM converter (4.46.3) on the same checkpoint gives the same model;
   tools/generate.py's greedy continuations equal transformers' generate(do_sample=False);
 - from_hf at TP 2 / PP 2 then to_hf reproduces every exported tensor exactly;
 - a 4-rank pretrain() --load of the from_hf checkpoint continues training; its first loss equals the
@@ -114,6 +115,44 @@ def test_generate_tool_greedy_text_equals_transformers_generate(trained, tmp_pat
         assert result["token_ids"] == expected[0, ids.shape[1]:].tolist(), prompt
     assert len({tuple(r["token_ids"]) for r in results}) == len(PROMPTS)
     assert len({t for r in results for t in r["token_ids"]}) > 10  # not one token repeated everywhere
+
+
+BLOOM_CONVERTER = REPO_ROOT / ".venv" / "external" / "convert_bloom_original_checkpoint_to_pytorch.py"
+
+
+@pytest.mark.multiprocess
+def test_transformers_own_bloom_converter_reads_our_checkpoint(trained, tmp_path):
+    """transformers 4.46.3's convert_bloom_original_checkpoint_to_pytorch.py (BLOOM's own route from a
+    Megatron-DeepSpeed checkpoint to transformers; `make test` extracts it from the wheel) on our
+    TP=2, PP=2 checkpoint gives the model our to_hf.py exports: logits within 1e-5, same greedy text."""
+    if not BLOOM_CONVERTER.is_file():
+        pytest.skip(f"{BLOOM_CONVERTER} is missing: `make test` extracts it from PyPI's transformers 4.46.3 wheel, "
+                    f"which could not be fetched here")
+    from transformers import AutoTokenizer, BloomConfig, BloomForCausalLM
+
+    ours = _hf(trained["root"] / "hf")
+    padded = json.loads((trained["root"] / "hf" / "config.json").read_text())
+    padded["vocab_size"] = PADDED  # the layer files hold the padded rows; trimmed below
+    (tmp_path / "config.json").write_text(json.dumps(padded))
+    subprocess.run([sys.executable, str(BLOOM_CONVERTER), "--bloom_checkpoint_path",
+                    str(trained["root"] / "ckpt" / "global_step4"), "--bloom_config_file", str(tmp_path / "config.json"),
+                    "--pytorch_dump_folder_path", str(tmp_path / "converted"), "--pretraining_tp", "2"],
+                   check=True, cwd=tmp_path, capture_output=True)
+    state = torch.load(tmp_path / "converted" / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    state["word_embeddings.weight"] = state["word_embeddings.weight"][:VOCAB]
+    theirs = BloomForCausalLM(BloomConfig.from_pretrained(str(trained["root"] / "hf"))).eval()
+    theirs.transformer.load_state_dict(state, strict=True)  # every tensor, no more, no fewer
+    theirs.tie_weights()
+    tokens = _fixed_tokens()[:, :-1]
+    with torch.no_grad():
+        diff = (theirs(tokens).logits - ours(tokens).logits).abs().max().item()
+    assert diff <= 1e-5, f"converter vs to_hf.py logits differ by {diff}"
+    tokenizer = AutoTokenizer.from_pretrained(str(trained["root"] / "hf"))
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt")
+        a = theirs.generate(**ids, do_sample=False, max_new_tokens=20, min_new_tokens=20)
+        b = ours.generate(**ids, do_sample=False, max_new_tokens=20, min_new_tokens=20)
+        assert a.shape[1] == ids["input_ids"].shape[1] + 20 and torch.equal(a, b), prompt
 
 
 def _continue(rank, world_size, argv):

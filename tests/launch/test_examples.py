@@ -13,6 +13,7 @@ import pytest
 
 from megatron.arguments import run_config_from_argv
 from megatron.config import RunConfig
+from megatron.config.deepspeed import build_deepspeed_config
 from tests.conftest import REPO_ROOT
 
 EXAMPLES = REPO_ROOT / "examples"
@@ -107,11 +108,13 @@ def test_bloom_script_flags_parse_at_its_world_size(name, fake_data, tmp_path):
     # the JSON the job writes agrees with the flags (run_config_from_argv checked it) and selects BLOOM's optimizer
     ds = rc.deepspeed_user_config
     assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"], ds["gradient_clipping"]) == (mbs, gbs, 1.0)
-    assert ds["zero_optimization"]["stage"] == rc.precision.zero_stage
-    if rc.bf16:
-        assert ds["bf16"]["enabled"] and ds["data_types"]["grad_accum_dtype"] == "fp32" and rc.precision.zero_stage == 1
+    assert ds["zero_optimization"]["stage"] == rc.precision.zero_stage == 0  # BigScience's stage
+    if rc.bf16:  # BF16_Optimizer, which DeepSpeed 0.19 calls stage 1
+        assert ds["bf16"]["enabled"] and ds["data_types"]["grad_accum_dtype"] == "fp32" and rc.deepspeed_zero_stage == 1
+        assert build_deepspeed_config(rc, ds)["zero_optimization"]["stage"] == 1
+        assert sum("--zero-stage 0 with --bf16 runs DeepSpeed's BF16_Optimizer" in w for w in rc.startup_warnings) == 1
     else:
-        assert rc.fp16 and ds["fp16"]["enabled"] and rc.precision.zero_stage == 0
+        assert rc.fp16 and ds["fp16"]["enabled"] and rc.deepspeed_zero_stage == 0
 
 
 def test_bloom_176b_is_bigscience_configuration(fake_data, tmp_path):

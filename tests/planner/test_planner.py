@@ -4,6 +4,7 @@ import pytest
 
 from megatron.planner import BLOOM_SIZES, CLUSTERS, GPUS, ModelShape, estimate_memory, estimate_step, plan_layouts
 from megatron.planner.layout import Layout, layers_per_stage
+from megatron.planner.memory import static_bytes
 from megatron.planner.specs import GiB
 
 BLOOM = Layout(tp=4, pp=12, dp=8, micro_batch_size=2, recompute=True, zero_stage=1,
@@ -82,3 +83,19 @@ def test_more_memory_per_gpu_never_removes_a_layout_and_h200_is_faster():
     assert {p.layout for p in a100} <= {p.layout for p in a100_80}
     h200 = plan_layouts(model, GPUS["H200-141GB"], CLUSTERS["dgx-h100"], 16, 2048, 512)
     assert h200[0].step.step_s < a100_80[0].step.step_s / 2
+
+
+def test_fp16_with_zero_0_is_20_bytes_per_parameter_at_the_peak_and_zero_1_is_not_modelled():
+    fp16 = Layout(tp=1, pp=1, dp=4, micro_batch_size=1, zero_stage=0, precision="fp16")
+    assert sum(static_bytes(1000, fp16).values()) == 20 * 1000  # FP16_UnfusedOptimizer: nothing sharded over DP
+    with pytest.raises(ValueError, match="fp16' with ZeRO stage 1 is not modelled"):
+        static_bytes(1000, Layout(tp=1, pp=1, dp=4, micro_batch_size=1, zero_stage=1, precision="fp16"))
+
+
+def test_given_stage_layers_replace_the_partition_rule():
+    model = BLOOM_SIZES["1B3"]
+    even, uneven = (Layout(tp=1, pp=2, dp=1, micro_batch_size=1, stage_layers=layers) for layers in (None, (20, 4)))
+    weights = [[stage["weights"] for stage in estimate_memory(model, lay, 2048, 8).per_stage] for lay in (even, uneven)]
+    assert [b - a for a, b in zip(*weights)] == [2 * 8 * model.layer_params(), -2 * 8 * model.layer_params()]
+    with pytest.raises(ValueError, match="must give 2 stages holding 24 layers"):
+        estimate_memory(model, Layout(tp=1, pp=2, dp=1, micro_batch_size=1, stage_layers=(20, 3)), 2048, 8)

@@ -5,8 +5,10 @@
 
 The runs: the tiny BLOOM of ``tiny_argv`` for 20 iterations on (TP, PP, DP) = (1,1,1) fp32,
 (2,2,2) fp32 and (2,2,2) bf16. The (2,2,2) bf16 run also saved at iteration 10; that checkpoint,
-written by the tree before the structure refactor, is kept in ``golden/ckpt_222_bf16``, and the
-comparison resumes it for iterations 11..20: a later tree still reads checkpoints of an older one.
+written by the tree before the structure refactor (this project's first pipeline numbering), is
+kept in ``golden/ckpt_222_bf16``; the comparison converts it to BLOOM's numbering with
+tools/convert_checkpoint/upgrade_layout.py and resumes it for iterations 11..20: a later tree still
+continues the checkpoints of an older one exactly.
 ``test_reference_losses.py`` runs the comparison in the suite.
 
 Bit-for-bit equality holds on the machine kind the record was made on (the same CPU flags and
@@ -87,6 +89,14 @@ def measure(corpus: dict, save_dir: str | None = None, resume_from: str | None =
     return out
 
 
+def upgraded_checkpoint(out_dir: str) -> str:
+    """``CHECKPOINT_DIR`` (this project's first layout) converted to BLOOM's numbering in ``out_dir``."""
+    from tools.convert_checkpoint.upgrade_layout import upgrade
+
+    upgrade(str(CHECKPOINT_DIR), out_dir)
+    return out_dir
+
+
 def compare(recorded: dict, measured: dict, exact: bool) -> list[str]:
     """Differences between two ``measure`` results, one line each (empty: they agree); a resumed run
     is compared with the recorded iterations after the checkpoint."""
@@ -122,7 +132,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         corpus = make_tiny_corpus(os.path.join(tmp, "corpus"))
         save = os.path.join(tmp, "ckpt") if args.write else None
-        resume = None if args.write else shutil.copytree(CHECKPOINT_DIR, os.path.join(tmp, "old_ckpt"))
+        resume = None if args.write else upgraded_checkpoint(os.path.join(tmp, "old_ckpt"))
         measured = measure(corpus, save, resume)
         if args.write:
             GOLDEN_DIR.mkdir(exist_ok=True)

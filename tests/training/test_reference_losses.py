@@ -1,21 +1,55 @@
 """Refactors that do not change the math reproduce the recorded losses bit for bit (on the machine
 kind they were recorded on; within tolerance elsewhere), and a checkpoint written by the tree of
-2026-12-01 before the structure refactor still resumes exactly. See reference_losses.py."""
+2026-12-01 before the structure refactor still resumes exactly once converted to BLOOM's numbering
+(and is refused, naming the converter, without it). See reference_losses.py."""
 
 import json
-import shutil
 
 import pytest
+import torch
 
-from tests.training.reference_losses import CHECKPOINT_DIR, GOLDEN_FILE, compare, machine, measure
+from tests.training.reference_losses import CHECKPOINT_DIR, GOLDEN_FILE, compare, machine, measure, upgraded_checkpoint
 
 
 @pytest.mark.multiprocess
 def test_recorded_losses_and_an_old_checkpoint_are_reproduced(tiny_corpus, tmp_path):
     recorded = json.loads(GOLDEN_FILE.read_text())
-    old_checkpoint = shutil.copytree(CHECKPOINT_DIR, tmp_path / "old_checkpoint")
-    measured = measure(tiny_corpus, resume_from=str(old_checkpoint))
+    measured = measure(tiny_corpus, resume_from=upgraded_checkpoint(str(tmp_path / "upgraded")))
     exact = recorded["machine"] == machine()
     assert len(measured["222_bf16_resumed"]["losses"]) == 10  # it resumed at iteration 10, not from scratch
     problems = compare(recorded["runs"], measured, exact)
     assert not problems, f"{'bit-exact' if exact else 'tolerance'} comparison failed:\n" + "\n".join(problems)
+
+
+def _load_legacy(rank, world_size, argv):
+    from megatron.arguments import run_config_from_argv
+    from megatron.training.pretrain import pretrain
+
+    try:
+        pretrain(run_config_from_argv(argv, world_size=world_size))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_a_legacy_checkpoint_is_refused_with_the_conversion_command(tiny_corpus, tmp_path):
+    from megatron.testing import run_distributed
+    from megatron.testing.corpus import tiny_argv
+
+    argv = tiny_argv(tiny_corpus, "--bf16", "--load", str(CHECKPOINT_DIR))
+    (message,) = run_distributed(_load_legacy, world_size=1, args=(argv,), timeout=300)
+    assert message is not None and "tools/convert_checkpoint/upgrade_layout.py" in message, message
+
+
+def test_the_single_process_reader_reads_both_layouts_alike(tmp_path):
+    from megatron.checkpoint.merge import load_full_state_dict
+
+    old_config, old, _ = load_full_state_dict(str(CHECKPOINT_DIR))
+    new_config, new, record = load_full_state_dict(upgraded_checkpoint(str(tmp_path / "upgraded")))
+    assert record["checkpoint_layout"] == "bloom" and old_config == new_config
+    assert sorted(old) == sorted(new) and all(torch.equal(old[k], new[k]) for k in old)
+    files = sorted(p.name for p in (tmp_path / "upgraded" / "global_step10").glob("layer_*-model_00-*"))
+    assert files == [f"layer_{i:02d}-model_00-model_states.pt" for i in (1, 3, 4, 6)]  # BLOOM's numbers, L = 2
+    embedding = torch.load(tmp_path / "upgraded" / "global_step10" / files[0], weights_only=True)
+    assert sorted(embedding) == ["word_embeddings.norm.bias", "word_embeddings.norm.weight", "word_embeddings.weight"]

@@ -1,0 +1,91 @@
+"""The planner's memory per GPU and step time for a checked job's own layout (``megatron.planner``).
+
+The planner's ``Layout`` gets the job's TP / PP / DP, micro-batch, recomputation, precision, the ZeRO
+stage DeepSpeed will run, and the transformer layers of each stage as DeepSpeed partitions them (the
+dry run's layout section), so the estimate and the printed stages cannot disagree. The GPU and the
+fabric are assumptions (``--dry-run-gpu``, ``--dry-run-cluster``), said in the report.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.config import RunConfig
+from megatron.model.layout import EMBEDDING, FINAL_NORM, HEAD, TRANSFORMER, pipeline_items
+from megatron.planner import CLUSTERS, GPUS, Layout, ModelShape, estimate_memory, estimate_step
+from megatron.planner.memory import MEMORY_HEADROOM
+from megatron.planner.specs import DEFAULT_CLUSTER, GiB
+
+DEFAULT_GPU = "A100-80GB"  # what BLOOM-176B trained on (Jean Zay), the GPU these flags were written for
+
+
+def hardware(gpu: Optional[str], cluster: Optional[str]):
+    """(GPUSpec, ClusterSpec) named by --dry-run-gpu / --dry-run-cluster; ValueError listing the known names."""
+    gpu = gpu or DEFAULT_GPU
+    if gpu not in GPUS:
+        raise ValueError(f"--dry-run-gpu {gpu!r} is not a GPU the planner knows; pick one of {', '.join(sorted(GPUS))}")
+    cluster = cluster or DEFAULT_CLUSTER[gpu]
+    if cluster not in CLUSTERS:
+        raise ValueError(f"--dry-run-cluster {cluster!r} is not a fabric the planner knows; pick one of "
+                         f"{', '.join(sorted(CLUSTERS))}")
+    return GPUS[gpu], CLUSTERS[cluster]
+
+
+def vocabulary_rows(rc: RunConfig) -> Optional[int]:
+    """The padded vocabulary: the tokenizer's, else --pad-vocab-size-to (the size it pads to), else unknown."""
+    return rc.model.padded_vocab_size or rc.data.pad_vocab_size_to
+
+
+def model_shape(rc: RunConfig) -> ModelShape:
+    m, vocab = rc.model, vocabulary_rows(rc)
+    if vocab is None:
+        raise ValueError("the padded vocabulary is unknown (the tokenizer was not built and there is no "
+                         "--pad-vocab-size-to)")
+    return ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, vocab, m.ffn_size,
+                      embed_layernorm=m.embed_layernorm,
+                      learned_positions=m.max_positions if m.position_embedding_type == "absolute" else 0)
+
+
+def item_param_counts(rc: RunConfig) -> list[int]:
+    """Parameters of each pipeline item on one TP rank, as DeepSpeed's 'parameters' partition counts them
+    (it builds each layer spec: the head's module is the word embedding alone)."""
+    shape, tp = model_shape(rc), rc.parallel.tensor_model_parallel_size
+    h, word = shape.hidden_size, shape.vocab_size * shape.hidden_size // tp
+    per_kind = {EMBEDDING: word + shape.learned_positions * h + (2 * h if shape.embed_layernorm else 0),
+                TRANSFORMER: shape.layer_params(tp), FINAL_NORM: 2 * h, HEAD: word}
+    return [per_kind.get(item.kind, 0) for item in pipeline_items(rc.model)]
+
+
+def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
+    p = rc.parallel
+    return Layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
+                  rc.batch.micro_batch_size, recompute=rc.training.checkpoint_activations,
+                  zero_stage=rc.deepspeed_zero_stage, precision=rc.model.params_dtype,
+                  partition_method=p.pp_partition_method, stage_layers=tuple(stage_layers))
+
+
+def memory_section(rc: RunConfig, stage_layers: list[int], gpu) -> dict:
+    """Bytes per GPU of every stage at the full global batch (the busiest stage decides)."""
+    memory = estimate_memory(model_shape(rc), planner_layout(rc, stage_layers), rc.data.seq_length,
+                             rc.batch.global_batch_size)
+    limit = gpu.memory_bytes * MEMORY_HEADROOM
+    return {"gpu": gpu.name, "gpu_memory_gib": round(gpu.memory_bytes / GiB, 1),
+            "limit_gib": round(limit / GiB, 1), "headroom": MEMORY_HEADROOM,
+            "peak_gib": round(memory.peak / GiB, 2), "peak_stage": memory.peak_stage, "fits": memory.peak <= limit,
+            "per_stage_gib": [{k: round(v / GiB, 2) for k, v in stage.items()} for stage in memory.per_stage]}
+
+
+def step_section(rc: RunConfig, stage_layers: list[int], gpu, cluster, batch_steps) -> dict:
+    """Step time at the full batch, and the whole run's time summed over the rampup's smaller batches.
+
+    batch_steps: (global batch, number of steps at it) for every batch size of the run.
+    """
+    shape, layout, seq = model_shape(rc), planner_layout(rc, stage_layers), rc.data.seq_length
+    full = estimate_step(shape, layout, gpu, cluster, seq, rc.batch.global_batch_size)
+    run_s = sum(count * estimate_step(shape, layout, gpu, cluster, seq, size).step_s for size, count in batch_steps)
+    return {"gpu": gpu.name, "cluster": cluster.name, "step_s": round(full.step_s, 3),
+            "bubble_fraction": round(full.bubble_s / full.step_s, 4),
+            "model_tflops_per_gpu": round(full.model_tflops_per_gpu, 1),
+            "hardware_tflops_per_gpu": round(full.hardware_tflops_per_gpu, 1), "mfu": round(full.mfu, 4),
+            "tokens_per_s": round(full.tokens_per_s, 1), "run_days": round(run_s / 86400, 2),
+            "components_s": {k: round(v, 3) for k, v in full.components_s.items()}}

@@ -1,0 +1,92 @@
+"""``dry_run(argv)``: check a job, print its plan, write it as JSON, return the exit status.
+
+The report is one dict (``build_report``), printed as text (``megatron.dry_run.text``) and written
+as JSON with ``--dry-run-json FILE``. Exit status 0 when the job would start, 1 when any problem
+was found (all of them are listed, one line each).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Mapping, Optional, Sequence
+
+from megatron.arguments.check import ArgvCheck, check_argv
+from megatron.dry_run.estimate import hardware, item_param_counts, memory_section, step_section, vocabulary_rows
+from megatron.dry_run.plan import RunSteps, batch_section, layout_section, lr_section, run_section
+from megatron.dry_run.text import render
+
+SECTIONS = ("layout", "batch", "run", "lr_schedule", "memory", "step")
+
+
+def dry_run(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, out=None) -> int:
+    """pretrain_gpt.py --dry-run: print the report of ``argv`` to ``out`` (stdout); 0 if the job would start."""
+    report = build_report(argv, env)
+    print(render(report), file=out or sys.stdout, flush=True)
+    return 0 if report["ok"] else 1
+
+
+def build_report(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> dict:
+    """The checked job as a JSON-ready dict; written to --dry-run-json FILE when that is given."""
+    check = check_argv(argv, env)
+    report = {"ok": False, "argv": list(argv),
+              "world_size": {"value": check.world_size, "source": check.world_size_source},
+              "problems": check.problems, "not_checked": check.not_checked, "warnings": list(check.warnings),
+              "model": None, **{name: None for name in SECTIONS}}
+    options = check.dry_run_options
+    gpu = cluster = None
+    if options is not None:
+        try:
+            gpu, cluster = hardware(options.dry_run_gpu, options.dry_run_cluster)
+        except ValueError as error:
+            check.problems.append(str(error))
+    if check.run_config is None:
+        check.not_checked.append("the plan (pipeline stages, batch and rampup, run length, learning-rate schedule, "
+                                 "memory and step time): it needs every setting valid")
+    else:
+        _add_plan(report, check, gpu, cluster)
+    report["ok"] = check.ok
+    if options is not None and options.dry_run_json:
+        with open(options.dry_run_json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return report
+
+
+def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
+    rc = check.run_config
+    m = rc.model
+    report["model"] = {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
+                       "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size,
+                       "seq_length": m.seq_length, "position_embedding_type": m.position_embedding_type,
+                       "params_dtype": m.params_dtype, "original_vocab_size": m.original_vocab_size,
+                       "padded_vocab_size": m.padded_vocab_size, "zero_stage": rc.precision.zero_stage,
+                       "deepspeed_zero_stage": rc.deepspeed_zero_stage}
+    steps = RunSteps(rc)
+    report["batch"], report["run"], report["lr_schedule"] = (batch_section(rc, steps), run_section(rc, steps),
+                                                             lr_section(rc, steps))
+    try:
+        counts = item_param_counts(rc) if rc.parallel.pp_partition_method == "parameters" else None
+        report["layout"] = layout_section(rc, counts)
+    except ValueError as error:
+        check.not_checked.append(f"the pipeline stages, memory and step time: {error}")
+        return
+    if gpu is None:
+        check.not_checked.append("the memory and step-time estimates: no GPU to assume (see the problems)")
+        return
+    stage_layers = [stage["num_transformer_layers"] for stage in report["layout"]["stages"]]
+    try:
+        report["memory"] = memory_section(rc, stage_layers, gpu)
+        report["step"] = step_section(rc, stage_layers, gpu, cluster, steps.steps_per_batch_size())
+    except ValueError as error:
+        check.not_checked.append(f"the memory and step-time estimates: {error}")
+        return
+    if vocabulary_rows(rc) != m.padded_vocab_size:
+        report["warnings"].append(f"the estimates take --pad-vocab-size-to {vocabulary_rows(rc)} as the vocabulary "
+                                  "rows (the tokenizer was not built)")
+    if not report["memory"]["fits"]:
+        mem = report["memory"]
+        report["warnings"].append(f"the planner's estimate for stage {mem['peak_stage']}, {mem['peak_gib']} GiB, is "
+                                  f"above {mem['limit_gib']} GiB ({mem['headroom']:.0%} of the {mem['gpu']}): the job "
+                                  "may run out of memory (more PP or TP, a smaller micro-batch, "
+                                  "--checkpoint-activations)")

@@ -1,0 +1,98 @@
+"""The dry run's report as text: one block per section, numbers with thousands separators, then the
+warnings, what could not be checked, the problems (one ``error:`` line each) and the verdict."""
+
+from __future__ import annotations
+
+
+def _n(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else f"{value:,.1f}"
+
+
+def _span(pair) -> str:
+    return "-" if pair is None else (f"{pair[0]}" if pair[0] == pair[1] else f"{pair[0]}-{pair[1]}")
+
+
+def render(report: dict) -> str:
+    world = report["world_size"]
+    lines = ["pretrain_gpt.py --dry-run: the job checked without starting it",
+             f"world size   {world['value'] if world['value'] is not None else 'unknown'} (from {world['source']})"]
+    for key, section in (("model", _model), ("layout", _layout), ("batch", _batch), ("run", _run),
+                         ("lr_schedule", _lr), ("memory", _memory), ("step", _step)):
+        if report[key] is not None:  # None: not computed (the report's "not_checked" says why)
+            lines += section(report[key])
+    for title, key, prefix in (("warnings (logged at startup, or about the estimates)", "warnings", ""),
+                               ("problems", "problems", "error: "), ("not checked", "not_checked", "")):
+        if report[key]:
+            lines += ["", f"{title}:"] + [f"  {prefix}{line}" for line in report[key]]
+    n = len(report["problems"])
+    lines += ["", "dry run: OK, the job would start" if report["ok"] else
+              f"dry run: {n} problem{'s' if n != 1 else ''}, the job would not start"]
+    return "\n".join(lines)
+
+
+def _model(m: dict) -> list[str]:
+    vocab = ("vocabulary unknown (no tokenizer)" if m["padded_vocab_size"] is None else
+             f"vocabulary {_n(m['original_vocab_size'])} -> {_n(m['padded_vocab_size'])} rows (padded)")
+    zero = (f"ZeRO stage {m['zero_stage']}" if m["zero_stage"] == m["deepspeed_zero_stage"] else
+            f"ZeRO stage {m['zero_stage']} (runs as {m['deepspeed_zero_stage']})")
+    return [f"model        {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
+            f"ffn {m['ffn_hidden_size']}, seq {m['seq_length']}, {m['position_embedding_type']}, "
+            f"{m['params_dtype']}, {zero}; {vocab}"]
+
+
+def _layout(lay: dict) -> list[str]:
+    lines = ["", f"layout       TP {lay['tensor_model_parallel_size']} x PP {lay['pipeline_model_parallel_size']} x "
+             f"DP {lay['data_parallel_size']} = {lay['world_size']} ranks; {lay['num_pipeline_items']} pipeline "
+             f"items split by --pp-partition-method {lay['pp_partition_method']} (DeepSpeed's rule)"]
+    for s in lay["stages"]:
+        extra = f"  + {', '.join(s['holds'])}" if s["holds"] else ""
+        lines.append(f"  stage {s['stage']:>2}  ranks {_span(s['ranks']):>9}  items {_span(s['items']):>7}  "
+                     f"transformer layers {_span(s['transformer_layers']):>7} ({s['num_transformer_layers']}){extra}")
+    return lines
+
+
+def _batch(b: dict) -> list[str]:
+    lines = ["", f"batch        micro-batch {b['micro_batch_size']} x DP {b['data_parallel_size']} = "
+             f"{b['samples_per_micro_step']} samples per micro-step; global batch {_n(b['global_batch_size'])} = "
+             f"{b['num_micro_batches']} micro-batches per step"]
+    r = b["rampup"]
+    if r is not None:
+        lines += [f"  rampup     {r['start']} -> {_n(b['global_batch_size'])} by {r['increment']}: "
+                  f"{r['num_increments']} increments, one every {_n(r['samples_per_increment'])} samples; "
+                  f"starts at {r['start_num_micro_batches']} micro-batches per step",
+                  f"             the full batch from iteration {_n(r['full_batch_iteration'])} (after "
+                  f"{_n(r['full_batch_consumed_samples'])} samples)"]
+    return lines
+
+
+def _run(r: dict) -> list[str]:
+    asked = (f"{_n(r['train_samples'])} samples (--train-samples)" if r["train_samples"] is not None else
+             f"{_n(r['train_iters'])} iterations (--train-iters)")
+    return [f"run          {asked}: {_n(r['iterations'])} iterations ({_n(r['rampup_iterations'])} in the rampup), "
+            f"{_n(r['consumed_samples'])} samples x {r['seq_length']} = {r['tokens'] / 1e9:,.2f}B tokens"]
+
+
+def _lr(s: dict) -> list[str]:
+    lines = [f"lr           {s['decay_style']}: 0 -> {s['lr']:g} over the warmup, then to {s['min_lr']:g} "
+             "(counted in samples)"]
+    for p in s["points"]:
+        lines.append(f"  {p['point']:<16} after {_n(int(p['samples'])):>13} samples  iteration "
+                     f"{_n(p['iteration']):>9}  lr {p['lr']:.4g}")
+    return lines
+
+
+def _memory(m: dict) -> list[str]:
+    peak = m["per_stage_gib"][m["peak_stage"]]
+    parts = ", ".join(f"{k} {v:g}" for k, v in peak.items())
+    return ["", f"memory       planner estimate per GPU, {m['gpu']} assumed ({m['gpu_memory_gib']} GiB; "
+            f"--dry-run-gpu), limit {m['limit_gib']} GiB ({m['headroom']:.0%})",
+            f"  busiest    stage {m['peak_stage']}: {m['peak_gib']} GiB ({parts} GiB) -> "
+            f"{'fits' if m['fits'] else 'DOES NOT FIT'}",
+            "  per stage  " + " ".join(f"{sum(stage.values()):.1f}" for stage in m["per_stage_gib"]) + " GiB"]
+
+
+def _step(s: dict) -> list[str]:
+    return [f"step time    planner estimate, {s['gpu']} on {s['cluster']} (--dry-run-cluster): {s['step_s']:.2f} s "
+            f"per step at the full batch, bubble {s['bubble_fraction']:.1%}, {s['model_tflops_per_gpu']} model "
+            f"TFLOP/s per GPU (MFU {s['mfu']:.1%}), {_n(s['tokens_per_s'])} tokens/s; the whole run "
+            f"about {s['run_days']:.1f} days"]

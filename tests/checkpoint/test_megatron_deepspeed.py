@@ -1,0 +1,86 @@
+"""A checkpoint in BLOOM's layout written the way Megatron-DeepSpeed writes one (no run_state.json, no
+completion marker, Megatron's args; built from transformers' Bloom weights by megatron_deepspeed.py,
+not by our writer): the single-process reader merges it into exactly those weights, and training
+continues from it at TP=2, PP=2, its first loss the one transformers' model gives the same batch."""
+
+import math
+
+import pytest
+import torch
+
+from megatron.testing import run_distributed, tiny_argv
+from tests.checkpoint.megatron_deepspeed import write_bloom_checkpoint
+
+VOCAB, PADDED, HIDDEN, HEADS, LAYERS, SEQ = 400, 512, 64, 4, 2, 32
+
+
+@pytest.fixture(scope="module")
+def bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    model = BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                         hidden_dropout=0.0, attention_dropout=0.0, initializer_range=0.3)).eval()
+    with torch.no_grad():  # LayerNorms and biases away from 1 / 0 too, so a misplaced one shows
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _megatron_checkpoint(bloom, out_dir):
+    state = bloom.transformer.state_dict()
+    write_bloom_checkpoint(state, str(out_dir), num_layers=LAYERS, hidden_size=HIDDEN, num_heads=HEADS,
+                           padded_vocab=PADDED, seq_length=SEQ, tp=2, pp=2)
+    return state
+
+
+def test_the_reader_merges_it_into_transformers_weights(bloom, tmp_path):
+    from megatron.checkpoint.hf_bloom import ours_to_bloom_state_dict
+    from megatron.checkpoint.merge import load_full_state_dict
+
+    original = _megatron_checkpoint(bloom, tmp_path)
+    with pytest.warns(UserWarning, match="not written by this project"):
+        config, state, record = load_full_state_dict(str(tmp_path))
+    assert (config.num_layers, config.padded_vocab_size, config.position_embedding_type) == (LAYERS, PADDED, "alibi")
+    assert record["progress"]["iteration"] == 100 and record["written_by"] == "Megatron-DeepSpeed"
+    back = ours_to_bloom_state_dict(state, config, vocab_size=VOCAB, with_lm_head=False)
+    assert sorted(back) == sorted("transformer." + k for k in original)
+    for name, tensor in original.items():
+        assert torch.equal(back["transformer." + name], tensor), name
+
+
+def _train(rank, world_size, argv):
+    from megatron.arguments import run_config_from_argv
+    from megatron.training.pretrain import pretrain
+
+    torch.set_num_threads(1)
+    try:
+        result = pretrain(run_config_from_argv(argv, world_size=world_size))
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"history": [(r.iteration, r.loss) for r in result.history]}
+
+
+@pytest.mark.multiprocess
+def test_training_continues_from_it(bloom, tiny_corpus, tmp_path):
+    from megatron.arguments import run_config_from_argv
+    from megatron.training.data import build_datasets
+
+    _megatron_checkpoint(bloom, tmp_path / "ckpt")
+    common = dict(train_iters=2, lr_warmup_iters=1, load=str(tmp_path / "ckpt"), tensor_model_parallel_size=2,
+                  pipeline_model_parallel_size=2)
+    runs = [tiny_argv(tiny_corpus, **common), tiny_argv(tiny_corpus, finetune=True, **common)]
+    refused = run_distributed(_train, world_size=4, args=(runs[0],), env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    assert "--finetune" in refused[0]["error"], refused[0]  # no progress of ours to resume: says what to pass
+    results = run_distributed(_train, world_size=4, args=(runs[1],), env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    history = results[-1]["history"]
+    assert [i for i, _ in history] == [1, 2] and all(math.isfinite(loss) for _, loss in history)
+    # The first loss is the loaded model's on samples 0..7, before any update: transformers' Bloom with
+    # the same weights (and the 112 zero padding rows' logits) gives it.
+    train = build_datasets(run_config_from_argv(runs[1], world_size=4)).train
+    tokens = torch.stack([torch.from_numpy(train[i]["text"]) for i in range(8)])  # [8, s + 1]
+    with torch.no_grad():
+        logits = bloom(tokens[:, :-1]).logits  # [8, s, v]
+    padded = torch.cat((logits, torch.zeros(8, SEQ, PADDED - VOCAB)), dim=-1)
+    expected = torch.nn.functional.cross_entropy(padded.reshape(-1, PADDED), tokens[:, 1:].reshape(-1)).item()
+    assert history[0][1] == pytest.approx(expected, abs=2e-5)

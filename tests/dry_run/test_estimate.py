@@ -1,0 +1,37 @@
+"""The dry run's inputs to the planner: the parameter counts DeepSpeed's 'parameters' partition would
+count, and a planner layout that is the job's own."""
+
+import pytest
+
+from megatron.dry_run.estimate import hardware, item_param_counts, planner_layout
+from megatron.engine.pipeline import layer_specs
+from megatron.parallel.state import ParallelState
+from tests.arguments.conftest import files  # noqa: F401 (the fixture)
+from tests.arguments.helpers import parse
+from tests.engine.test_partition import _DeepSpeedPartition
+
+
+@pytest.mark.parametrize("position_embedding_type", ["absolute", "alibi"])
+def test_item_param_counts_are_the_ones_deepspeed_counts(files, position_embedding_type):  # noqa: F811
+    """At TP = 1 DeepSpeed builds each spec whole and counts its parameters; the dry run computes them."""
+    rc = parse(files, num_layers=3, position_embedding_type=position_embedding_type, embed_layernorm=True)
+    rc = rc.with_vocab_size(90, 128)
+    specs = layer_specs(rc.model, ParallelState.single(), None)
+    assert item_param_counts(rc) == _DeepSpeedPartition(specs, 1)._count_layer_params()
+
+
+def test_planner_layout_is_the_jobs(files):  # noqa: F811
+    rc = parse(files, world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, bf16=True,
+               zero_stage=0, checkpoint_activations=True, global_batch_size=16)
+    layout = planner_layout(rc, [1, 1])
+    assert (layout.tp, layout.pp, layout.dp, layout.micro_batch_size) == (2, 2, 2, 2)
+    # bf16 with ZeRO 0 runs DeepSpeed's BF16_Optimizer, whose memory is the planner's ZeRO-1
+    assert (layout.precision, layout.zero_stage, layout.recompute, layout.stage_layers) == ("bf16", 1, True, (1, 1))
+
+
+def test_an_unknown_gpu_or_fabric_lists_the_known_ones():
+    assert hardware(None, None)[0].name == "A100-80GB"
+    with pytest.raises(ValueError, match="pick one of A100-40GB, A100-80GB, H100-80GB, H200-141GB"):
+        hardware("V100-32GB", None)
+    with pytest.raises(ValueError, match="dgx-a100, dgx-h100, jean-zay-a100"):
+        hardware("H100-80GB", "slingshot")
