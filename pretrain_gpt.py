@@ -21,9 +21,17 @@ def main(argv=None) -> int:
 
         return dry_run(argv)
     from megatron.arguments import run_config_from_argv
+    from megatron.config.launch import detect_launch
+
+    try:
+        run_config = run_config_from_argv(argv)
+    except ValueError as error:  # bad flags: one line, from one process (every rank sees the same flags)
+        if detect_launch().rank == 0:
+            print(f"error: {error}", file=sys.stderr)
+        return 2
     from megatron.training.pretrain import pretrain
 
-    pretrain(run_config_from_argv(argv))
+    pretrain(run_config)
     return 0
 
 

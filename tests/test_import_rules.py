@@ -15,7 +15,7 @@ ALLOWED = {
     "model": {"config", "parallel"},
     "data": {"config"},
     "checkpoint": {"config", "parallel", "model", "data"},
-    "engine": {"config", "parallel", "model"},
+    "engine": {"config", "parallel", "model", "checkpoint"},
     "arguments": {"config", "data"},
     "training": {"config", "parallel", "model", "data", "engine", "checkpoint"},
     "inference": {"config", "parallel", "model", "data", "checkpoint"},

@@ -156,6 +156,9 @@ def _check_files(args) -> None:
     if args.tokenizer_type == "PretrainedFromHF" and args.tokenizer_name_or_path is not None:
         resolve_tokenizer_path(args.tokenizer_name_or_path)  # the tokenizer builder's own lookup
     _check_writable_folder("--data-cache-path", args.data_cache_path)
+    # Found now, not at the first save or log line (after a save interval of work).
+    _check_writable_folder("--save", args.save)
+    _check_writable_folder("--tensorboard-dir", args.tensorboard_dir)
 
 
 def _check_writable_folder(flag: str, path: Optional[str]) -> None:

@@ -69,6 +69,9 @@ def _parallelism(parser):
                         "'uniform' balances layer counts.")
     g.add_argument("--distributed-backend", default=None, choices=DISTRIBUTED_BACKENDS,
                    help="torch.distributed backend. Default: nccl if CUDA is available, else gloo.")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="Minutes a collective may wait for the other ranks before the job fails (every process "
+                        "group, gloo and NCCL; Megatron-LM's flag, minutes may be fractional). Default 10.")
     g.add_argument("--sync-tp-duplicated-parameters", action="store_true",
                    help="Average the parameters replicated over tensor-parallel ranks (layer norms, row-parallel "
                         "biases) every step so they cannot drift apart (BLOOM).")

@@ -26,6 +26,7 @@ class ParallelConfig:
     data_parallel_size: int = 1            # derived: world_size // (TP * PP), never given directly
     pp_partition_method: str = "type:transformer"  # DeepSpeed PipelineModule partition_method, one of PARTITION_METHODS
     distributed_backend: str = "gloo"      # torch.distributed backend: nccl | gloo | ccl
+    distributed_timeout_minutes: float = 10.0  # a collective waiting longer fails the job (every group)
 
     @property
     def world_size(self) -> int:
@@ -38,6 +39,8 @@ class ParallelConfig:
         if self.pp_partition_method not in PARTITION_METHODS:
             raise ValueError(f"--pp-partition-method {self.pp_partition_method!r} is not one of "
                              f"{', '.join(PARTITION_METHODS)}")
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(f"--distributed-backend {self.distributed_backend!r} is not one of "
                              f"{', '.join(DISTRIBUTED_BACKENDS)}")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
+from megatron.engine.checkpoint_engine import use_safe_loading
 from megatron.engine.cpu import avoid_cpu_jit_builds, on_cpu_accelerator
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
@@ -73,4 +74,5 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
         client = GradNormClippingOptimizer(client, clip_grad=rc.optimizer.clip_grad, tp_rank=state.tp_rank,
                                            model_group=state.model_group)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
+    use_safe_loading(engine)  # --load never unpickles code (megatron.engine.checkpoint_engine)
     return engine

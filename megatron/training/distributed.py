@@ -11,6 +11,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from megatron.config.launch import LaunchInfo, detect_launch
 
@@ -21,8 +22,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def set_group_timeout(minutes: float) -> None:
+    """Every process group made from now on without a timeout of its own (DeepSpeed's pipeline, data-
+    and model-parallel groups, ours) waits at most ``minutes`` in a collective: torch takes such a
+    group's timeout from these two module defaults (30 min for gloo, 10 for NCCL otherwise)."""
+    timeout = datetime.timedelta(minutes=minutes)
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timeout
+
+
 def init_process_group(backend: str, timeout_minutes: float = 10.0) -> LaunchInfo:
-    """Initialize torch.distributed's default group from the launch environment (idempotent)."""
+    """Initialize torch.distributed's default group from the launch environment (idempotent), every
+    group's collectives bounded by ``timeout_minutes`` (--distributed-timeout-minutes)."""
+    set_group_timeout(timeout_minutes)
     info = detect_launch()
     if info.master_port is None:  # a world of one: any free port
         info = dataclasses.replace(info, master_port=_free_port())

@@ -76,9 +76,9 @@ def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> d
 
 def pretrain(rc: RunConfig) -> PretrainResult:
     start = time.time()
-    info = init_process_group(rc.parallel.distributed_backend)
-    init_deepspeed_comm(rc.parallel.distributed_backend)
     p = rc.parallel
+    info = init_process_group(p.distributed_backend, p.distributed_timeout_minutes)
+    init_deepspeed_comm(p.distributed_backend, timeout_s=60.0 * p.distributed_timeout_minutes)
     state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     tracker = set_seeds(rc.training.seed, state)
 

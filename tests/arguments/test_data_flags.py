@@ -69,3 +69,17 @@ def test_data_cache_path_is_checked_creatable_and_writable_without_creating_it(f
         parse(files, data_cache_path=locked)
     with pytest.raises(ValueError, match=r"--data-cache-path .*sub' cannot be created: .*locked' is not writable"):
         parse(files, data_cache_path=locked / "sub")
+
+
+@pytest.mark.parametrize("flag", ["save", "tensorboard_dir"])
+def test_output_folders_are_checked_writable_before_anything_starts(files, read_only_folder, flag):
+    extra = {"save_interval": 10} if flag == "save" else {}
+    rc = parse(files, **{flag: files / "out"}, **extra)
+    assert (rc.checkpoint.save if flag == "save" else rc.logging.tensorboard_dir) == str(files / "out")
+    locked = files / "locked"
+    locked.mkdir()
+    if not read_only_folder(locked):
+        pytest.skip(f"cannot make {locked} read-only here (no chattr +i on this filesystem)")
+    option = "--" + flag.replace("_", "-")
+    with pytest.raises(ValueError, match=rf"{option} .*locked' is not writable by this user"):
+        parse(files, **{flag: locked}, **extra)

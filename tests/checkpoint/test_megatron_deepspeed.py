@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron.testing import run_distributed, tiny_argv
+from megatron.testing import DistributedTestError, run_distributed, tiny_argv
 from tests.checkpoint.megatron_deepspeed import write_bloom_checkpoint
 
 VOCAB, PADDED, HIDDEN, HEADS, LAYERS, SEQ = 400, 512, 64, 4, 2, 32
@@ -57,6 +57,8 @@ def _train(rank, world_size, argv):
     try:
         result = pretrain(run_config_from_argv(argv, world_size=world_size))
     except ValueError as error:
+        if type(error).__name__ == "CheckpointFormatError":
+            raise
         return {"error": str(error)}
     return {"history": [(r.iteration, r.loss) for r in result.history]}
 
@@ -84,3 +86,31 @@ def test_training_continues_from_it(bloom, tiny_corpus, tmp_path):
     padded = torch.cat((logits, torch.zeros(8, SEQ, PADDED - VOCAB)), dim=-1)
     expected = torch.nn.functional.cross_entropy(padded.reshape(-1, PADDED), tokens[:, 1:].reshape(-1)).item()
     assert history[0][1] == pytest.approx(expected, abs=2e-5)
+
+
+class _Payload:
+    """Unpickling this runs its ``__reduce__`` callable: it would create ``path``."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.multiprocess
+def test_load_through_deepspeed_never_runs_code_in_a_checkpoint(bloom, tiny_corpus, tmp_path):
+    """DeepSpeed's own loader unpickles anything; ours (megatron.engine.checkpoint_engine) refuses the file."""
+    _megatron_checkpoint(bloom, tmp_path / "ckpt")
+    # A layer file: only DeepSpeed's load reads it (our record comes from the mp_rank files).
+    layer = tmp_path / "ckpt" / "global_step100" / "layer_03-model_00-model_states.pt"
+    marker = tmp_path / "payload_ran"
+    torch.save(dict(torch.load(layer, weights_only=True), extra=_Payload(str(marker))), layer)
+    argv = tiny_argv(tiny_corpus, train_iters=2, lr_warmup_iters=1, load=str(tmp_path / "ckpt"), finetune=True,
+                     tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    # The rank reading that file fails (CheckpointFormatError); the others then stop waiting for it.
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_train, world_size=4, args=(argv,), env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert "CheckpointFormatError" in str(info.value) and "layer_03-model_00-model_states.pt" in str(info.value)
+    assert "weights_only=True" in str(info.value)
+    assert not marker.exists()

@@ -80,9 +80,9 @@ def _upgrade_model_states(src: str, dst: str, config, record: dict, indices: dic
 
 
 def _upgrade_optimizer_states(src: str, dst: str, indices: dict[int, int]) -> None:
-    from deepspeed.utils.tensor_fragment import fragment_address  # the one DeepSpeed class these files hold
+    from megatron.engine.checkpoint_engine import DEEPSPEED_GLOBALS  # the DeepSpeed class these files hold
 
-    state = safe_load(src, extra_globals=[fragment_address])
+    state = safe_load(src, extra_globals=DEEPSPEED_GLOBALS)
     inner = state.get("optimizer_state_dict", {})
     if inner.get("param_slice_mappings"):
         inner["param_slice_mappings"] = [_renamed_keys(group, indices) for group in inner["param_slice_mappings"]]
