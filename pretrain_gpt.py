@@ -7,9 +7,10 @@ Launch with torchrun, the DeepSpeed launcher or srun; the flags are Megatron-Dee
 import os
 import sys
 
-from megatron.training.exit import install_early_signal_handler
+from megatron.training.exit import die_with_launcher, install_early_signal_handler
 
 install_early_signal_handler()  # before the slow imports: a SIGTERM during start-up still ends in a clean save
+die_with_launcher()  # under torchrun: no orphaned workers when the launcher is killed
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if not __import__("torch").cuda.is_available() else "cuda")
 

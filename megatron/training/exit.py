@@ -8,8 +8,10 @@ rank stops after the same iteration, saves, and exits 0.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import time
 from typing import Optional
 
@@ -17,6 +19,21 @@ REASONS = ("", "exit-interval", "exit-duration", "kill-switch", "signal")
 
 # A signal that arrived during start-up, before the loop's ExitMonitor existed (see below).
 _early_signal: dict[str, Optional[int]] = {"signum": None}
+
+
+def die_with_launcher() -> bool:
+    """Under torchrun (TORCHELASTIC_RUN_ID set), ask Linux to SIGKILL this worker when the launcher that
+    started it dies (prctl PR_SET_PDEATHSIG): a ``kill -9`` of torchrun must not leave workers training
+    and writing checkpoints on their own. Not under srun or a plain ``python`` (there the parent is a
+    shell or SLURM's step daemon, and a closed terminal must not end a run). True if armed."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+        return False
+    if os.getppid() == 1:  # the launcher died before the request was made
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
 
 
 def install_early_signal_handler(signals=(signal.SIGTERM,)) -> None:

@@ -13,13 +13,17 @@ import dataclasses
 import os
 import random
 import time
+from typing import Optional
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
+from megatron.checkpoint import lock as save_lock
 from megatron.checkpoint import run_state, tags, training_io
 from megatron.config import RunConfig
 from megatron.model.layout import LAYOUT
+from megatron.engine.checks import check_finite_after_load
 from megatron.engine.initialize import build_engine, init_deepspeed_comm
 from megatron.engine.optimizer import sync_tp_duplicated
 from megatron.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
@@ -76,6 +80,7 @@ def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> d
 
 def pretrain(rc: RunConfig) -> PretrainResult:
     start = time.time()
+    point = resume_point(rc)  # a checkpoint that cannot be resumed fails here, before any process group
     p = rc.parallel
     info = init_process_group(p.distributed_backend, p.distributed_timeout_minutes)
     init_deepspeed_comm(p.distributed_backend, timeout_s=60.0 * p.distributed_timeout_minutes)
@@ -86,7 +91,7 @@ def pretrain(rc: RunConfig) -> PretrainResult:
     engine = build_engine(rc, state, tracker=tracker)
     t = rc.training
     lr_scheduler = LRScheduler.from_run_config(engine.optimizer, rc)
-    progress = _resume(rc, engine, lr_scheduler, tracker)
+    progress = _resume(rc, engine, lr_scheduler, tracker, point)
 
     dp = dict(dp_rank=state.dp_rank, dp_size=state.dp_size)
     train_iter = micro_batch_iterator(datasets.train, rc, consumed_samples=progress.consumed_samples,
@@ -115,6 +120,7 @@ def pretrain(rc: RunConfig) -> PretrainResult:
                       train_iterator=train_iter, valid_iterators=valid_iters, logger=logger, exit_monitor=monitor,
                       progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=sync,
                       world_size=dist.get_world_size())
+    lock = _lock_save_folder(rc)  # one writer per --save folder (megatron.checkpoint.lock)
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
                  f"TP={state.tp_size} PP={state.pp_size} DP={state.dp_size}); training")
     try:
@@ -129,20 +135,40 @@ def pretrain(rc: RunConfig) -> PretrainResult:
         else:
             print_rank_0(f"exiting after iteration {progress.iteration}: {reason}")
     finally:
+        if lock is not None:
+            lock.release()
         monitor.restore_signal_handlers()
         if writer is not None:
             writer.close()
     return PretrainResult(reason, progress, trainer.history, trainer.last_validation, test, engine)
 
 
-def _resume(rc: RunConfig, engine, lr_scheduler, tracker) -> Progress:
+def _lock_save_folder(rc: RunConfig):
+    """Rank 0 takes the --save folder's lock; every rank raises the same ValueError if another run holds it."""
+    if not rc.checkpoint.save:
+        return None
+    lock, problem = None, ""
+    if dist.get_rank() == 0:
+        try:
+            lock = save_lock.acquire(rc.checkpoint.save)
+        except ValueError as error:
+            problem = str(error)
+    refused = torch.tensor([1 if problem else 0])
+    dist.all_reduce(refused)
+    if refused.item():
+        raise ValueError(problem or f"--save {rc.checkpoint.save} is in use by another run (rank 0 names it)")
+    return lock
+
+
+def resume_point(rc: RunConfig) -> Optional[tuple[str, dict]]:
+    """(tag, its record) that --load resumes from, or None; every reason it cannot is a ValueError here,
+    before any process group exists (file reads only: each rank finds the same)."""
     ck = rc.checkpoint
     if not ck.load:
-        return Progress()
+        return None
     tag = tags.resolve_tag(ck.load, universal=ck.universal_checkpoint)
     if tag is None:
-        print_rank_0(f"no checkpoint in {ck.load} yet: starting from scratch")
-        return Progress()
+        return None
     saved = run_state.load_run_state(ck.load, tag)
     if run_state.checkpoint_layout(saved) != LAYOUT:
         raise ValueError(f"{os.path.join(ck.load, tag)} numbers its layer files the way this project did before "
@@ -154,7 +180,38 @@ def _resume(rc: RunConfig, engine, lr_scheduler, tracker) -> Progress:
         raise ValueError(f"{os.path.join(ck.load, tag)} was written by {saved['written_by']}: it holds weights but "
                          f"not this project's optimizer state, schedule and RNG; pass --finetune to train from its "
                          f"weights with a new schedule")
+    if not ck.universal_checkpoint:
+        _check_same_layout(rc, os.path.join(ck.load, tag), saved.get("parallel", {}))
+    return tag, saved
+
+
+def _check_same_layout(rc: RunConfig, tag_dir: str, recorded: dict) -> None:
+    """A regular checkpoint holds per-TP-rank weight files and per-DP-rank optimizer shards: it loads at
+    its own TP and PP (and DP, when the optimizer state is loaded)."""
+    p, ck = rc.parallel, rc.checkpoint
+    sizes = {"--tensor-model-parallel-size": (recorded.get("tensor_model_parallel_size"), p.tensor_model_parallel_size),
+             "--pipeline-model-parallel-size": (recorded.get("pipeline_model_parallel_size"),
+                                                p.pipeline_model_parallel_size)}
+    if not (ck.no_load_optim or ck.finetune):
+        sizes["data-parallel size"] = (recorded.get("data_parallel_size"), p.data_parallel_size)
+    differ = {name: pair for name, pair in sizes.items() if pair[0] is not None and pair[0] != pair[1]}
+    if differ:
+        said = ", ".join(f"{name} {saved} (this run: {now})" for name, (saved, now) in differ.items())
+        raise ValueError(f"{tag_dir} was saved with {said}; a regular checkpoint loads only on its own layout. "
+                         f"Convert it once: python tools/convert_checkpoint/ds_to_universal.py --input_folder "
+                         f"{tag_dir} --output_folder {tag_dir}_universal, then add --universal-checkpoint (or "
+                         f"run with the checkpoint's sizes)")
+
+
+def _resume(rc: RunConfig, engine, lr_scheduler, tracker, point: Optional[tuple[str, dict]]) -> Progress:
+    ck = rc.checkpoint
+    if point is None:
+        if ck.load:
+            print_rank_0(f"no checkpoint in {ck.load} yet: starting from scratch")
+        return Progress()
+    tag, _ = point
     client = training_io.load_checkpoint(engine, ck.load, tag, load_optimizer_states=not (ck.no_load_optim or ck.finetune))
+    check_finite_after_load(engine, rc.model, os.path.join(ck.load, tag))
     if ck.finetune:
         print_rank_0(f"loaded the weights of {os.path.join(ck.load, tag)} (--finetune: iteration 0, new schedule)")
         return Progress()

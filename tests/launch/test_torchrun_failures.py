@@ -1,6 +1,7 @@
-"""pretrain_gpt.py under torchrun when something is wrong: a bad flag is one line from one process,
-and with --distributed-timeout-minutes a rank that stops answering (SIGSTOP) ends the whole job,
-non-zero, within the timeout plus torchrun's teardown, instead of the backend's 10-30 minutes."""
+"""pretrain_gpt.py under torchrun when something is wrong: a bad flag is one line from one process;
+killing torchrun (kill -9) leaves no worker behind; and with --distributed-timeout-minutes a rank that
+stops answering (SIGSTOP) ends the whole job, non-zero, within the timeout plus torchrun's teardown,
+instead of the backend's 10-30 minutes."""
 
 import os
 import signal
@@ -59,6 +60,47 @@ def test_a_bad_flag_is_one_line_from_one_process(tiny_corpus, tmp_path):
     assert 'pretrain_gpt.py", line' not in output and output.count("Traceback (most recent call last)") <= 1, output
 
 
+def _wait_for_iteration(job, lines, iteration: int) -> None:
+    deadline = time.time() + 120
+    while not any(f"iteration {iteration:8d}/" in line for line in lines):  # the last rank logs each iteration
+        assert job.poll() is None and time.time() < deadline, "".join(lines[-30:])
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.multiprocess
+def test_workers_end_when_torchrun_is_killed(tiny_corpus, tmp_path):
+    job = _torchrun(tiny_argv(tiny_corpus, train_iters=1000), tmp_path)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
+    reader.start()
+    workers = []
+    try:
+        _wait_for_iteration(job, lines, 3)
+        workers = _children(job.pid)
+        assert len(workers) == 2, workers
+        job.kill()  # SIGKILL: torchrun cannot stop its workers itself
+        job.wait(timeout=30)
+        deadline = time.time() + 10
+        while any(_alive(pid) for pid in workers) and time.time() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in workers if _alive(pid)]
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not left, f"workers {left} still running 10 s after torchrun was killed"
+
+
 @pytest.mark.multiprocess
 def test_a_stopped_rank_ends_the_job_within_the_timeout(tiny_corpus, tmp_path):
     argv = tiny_argv(tiny_corpus, "--distributed-timeout-minutes", str(TIMEOUT_MINUTES), train_iters=1000)
@@ -68,10 +110,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tiny_corpus, tmp_path):
     reader.start()
     stopped = None
     try:
-        deadline = time.time() + 120
-        while not any("iteration        3/" in line for line in lines):  # the last rank logs each iteration
-            assert job.poll() is None and time.time() < deadline, "".join(lines[-30:])
-            time.sleep(0.2)
+        _wait_for_iteration(job, lines, 3)
         workers = {_rank_of(pid): pid for pid in _children(job.pid)}
         stopped = workers[1]
         os.kill(stopped, signal.SIGSTOP)

@@ -14,3 +14,15 @@ def run_single(rank, world_size, runs):
                     "history": [(r.iteration, r.loss, r.grad_norm, r.lr, r.global_batch_size) for r in result.history],
                     "valid": result.valid})
     return out
+
+
+def pretrain_error(rank, world_size, argv):
+    """On each rank: ``pretrain(argv)``; the ValueError's message if it refused to run, else None."""
+    from megatron.arguments import run_config_from_argv
+    from megatron.training.pretrain import pretrain
+
+    try:
+        pretrain(run_config_from_argv(argv, world_size=world_size))
+    except ValueError as error:
+        return str(error)
+    return None

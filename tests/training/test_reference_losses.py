@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from megatron.testing.corpus import tiny_argv
+from tests.training.helpers import pretrain_error
 from tests.training.reference_losses import CHECKPOINT_DIR, GOLDEN_FILE, compare, machine, measure, upgraded_checkpoint
 
 
@@ -21,24 +23,12 @@ def test_recorded_losses_and_an_old_checkpoint_are_reproduced(tiny_corpus, tmp_p
     assert not problems, f"{'bit-exact' if exact else 'tolerance'} comparison failed:\n" + "\n".join(problems)
 
 
-def _load_legacy(rank, world_size, argv):
-    from megatron.arguments import run_config_from_argv
-    from megatron.training.pretrain import pretrain
-
-    try:
-        pretrain(run_config_from_argv(argv, world_size=world_size))
-    except ValueError as error:
-        return str(error)
-    return None
-
-
 @pytest.mark.multiprocess
 def test_a_legacy_checkpoint_is_refused_with_the_conversion_command(tiny_corpus, tmp_path):
     from megatron.testing import run_distributed
-    from megatron.testing.corpus import tiny_argv
 
     argv = tiny_argv(tiny_corpus, "--bf16", "--load", str(CHECKPOINT_DIR))
-    (message,) = run_distributed(_load_legacy, world_size=1, args=(argv,), timeout=300)
+    (message,) = run_distributed(pretrain_error, world_size=1, args=(argv,), timeout=300)
     assert message is not None and "tools/convert_checkpoint/upgrade_layout.py" in message, message
 
 
@@ -53,3 +43,24 @@ def test_the_single_process_reader_reads_both_layouts_alike(tmp_path):
     assert files == [f"layer_{i:02d}-model_00-model_states.pt" for i in (1, 3, 4, 6)]  # BLOOM's numbers, L = 2
     embedding = torch.load(tmp_path / "upgraded" / "global_step10" / files[0], weights_only=True)
     assert sorted(embedding) == ["word_embeddings.norm.bias", "word_embeddings.norm.weight", "word_embeddings.weight"]
+
+
+def test_another_layout_than_the_checkpoints_is_refused_naming_the_conversion(tiny_corpus, tmp_path):
+    """Found before any process group: the (2,2,2) checkpoint at TP 1, and at DP 1 with its optimizer."""
+    from megatron.arguments import run_config_from_argv
+    from megatron.training.pretrain import resume_point
+
+    ckpt = upgraded_checkpoint(str(tmp_path / "upgraded"))
+
+    def point(world_size, *flags, **kw):
+        return resume_point(run_config_from_argv(tiny_argv(tiny_corpus, "--bf16", *flags, load=ckpt, **kw),
+                                                 world_size=world_size))
+
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 2 \(this run: 1\), "
+                                         r"--pipeline-model-parallel-size 2 \(this run: 1\).*ds_to_universal.py"):
+        point(1)
+    layout = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"data-parallel size 2 \(this run: 1\).*--universal-checkpoint"):
+        point(4, global_batch_size=8, **layout)
+    assert point(4, "--no-load-optim", **layout)[0] == "global_step10"  # weights only: DP does not matter
+    assert point(8, **layout)[0] == "global_step10"
