@@ -52,6 +52,7 @@ def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: Optional[i
     _parse_data(args)
     if check_files:
         _check_files(args)
+        _check_training_documents(args)
     args.deepspeed_user_config = _load_deepspeed_json(args.deepspeed_config)
     if args.zero_stage is None:
         stage = (args.deepspeed_user_config or {}).get("zero_optimization", {}).get("stage")
@@ -159,6 +160,30 @@ def _check_files(args) -> None:
     # Found now, not at the first save or log line (after a save interval of work).
     _check_writable_folder("--save", args.save)
     _check_writable_folder("--tensorboard-dir", args.tensorboard_dir)
+
+
+def _check_training_documents(args) -> None:
+    """Every dataset of the training data holds documents for the training split: found now, not as a
+    TypeError after the whole set-up (an empty preprocessing output, --split 0,50,50)."""
+    from megatron.data.dataset_utils import document_range, parse_split
+    from megatron.data.indexed_dataset import sequence_count
+
+    if args.data_path_pairs and args.split is not None:  # mode 1 (with both modes, validate names the conflict)
+        for _, prefix in args.data_path_pairs:
+            num = sequence_count(prefix)
+            bounds = parse_split(args.split, num)
+            if bounds[1] <= bounds[0]:
+                raise ValueError(f"--data-path {prefix}: {num} documents, of which --split {args.split!r} leaves "
+                                 f"none for training; " + ("rebuild the dataset (tools/preprocess_data.py) from a "
+                                                           "non-empty input" if num == 0 else
+                                                           "give the training part a share of the documents"))
+    for group in args.train_weighted_split_groups:
+        for entry in group.datasets:
+            num = sequence_count(entry.prefix)
+            start, end = document_range(entry, num)
+            if end <= start:
+                raise ValueError(f"--train-weighted-split-paths group {group.name!r}: range {entry.start}:{entry.end} "
+                                 f"of {entry.prefix} ({num} documents) holds no documents")
 
 
 def _check_writable_folder(flag: str, path: Optional[str]) -> None:

@@ -60,6 +60,18 @@ class IndexedDatasetError(ValueError):
     """A ``.bin``/``.idx`` pair is missing, truncated, corrupt or inconsistent."""
 
 
+def sequence_count(prefix: str | os.PathLike) -> int:
+    """N, the number of sequences (documents) ``PREFIX.idx``'s header declares, read without opening
+    the arrays (the argument checks call it on every rank, for every dataset of a blend)."""
+    path = index_file_path(prefix)
+    with open(path, "rb") as f:
+        header = f.read(HEADER_SIZE)
+    if len(header) < HEADER_SIZE or header[:len(MAGIC)] != MAGIC:
+        raise IndexedDatasetError(f"index file {path} is not a Megatron mmap index (truncated, or another format); "
+                                  f"rebuild it with tools/preprocess_data.py")
+    return _HEADER.unpack(header)[3]
+
+
 def best_dtype(vocab_size: int) -> np.dtype:
     """The smallest token dtype Megatron uses for ``vocab_size``: uint16 below 65,500, else int32."""
     if vocab_size <= 0:

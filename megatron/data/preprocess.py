@@ -9,9 +9,10 @@ the chunks in input order to one ``MMapIndexedDatasetBuilder`` per key, writing
 tokenizer (one sequence per document; documents that tokenize to nothing are dropped, as there).
 
 A malformed json line, a missing key or a non-string value raises ``BadInputLine`` naming the file
-and line; the builders are then aborted and any earlier output pair at the targets is removed, so
-a failed run never leaves a pair that looks like its output. With ``skip_bad_lines`` such lines are
-skipped and counted instead. Blank lines are ignored.
+and line; the builders are then aborted (their temporary files removed) and an earlier output pair
+at the targets stays as it was: outputs are renamed into place only when the whole input is done.
+An input without a single token is refused (nothing written). With ``skip_bad_lines`` bad lines
+are skipped and counted instead. Blank lines are ignored.
 
 Imports numpy, the standard library and megatron.data only.
 """
@@ -252,13 +253,6 @@ def _append_chunk(builders: dict, result: ChunkResult) -> int:
     return num_tokens
 
 
-def _remove_outputs(prefixes: Sequence[str]) -> None:
-    for prefix in prefixes:
-        for path in (indexed_dataset.index_file_path(prefix), indexed_dataset.data_file_path(prefix)):
-            if os.path.exists(path):
-                os.remove(path)
-
-
 def preprocess(config: PreprocessConfig, log=sys.stderr) -> PreprocessStats:
     """Run one preprocessing job; returns its figures. Raises ``BadInputLine`` (see module doc)."""
     config.validate()
@@ -284,12 +278,15 @@ def preprocess(config: PreprocessConfig, log=sys.stderr) -> PreprocessStats:
             if config.log_interval and stats.num_docs >= next_log:
                 _log_progress(stats, started, log)
                 next_log = (stats.num_docs // config.log_interval + 1) * config.log_interval
+        if stats.num_tokens == 0:
+            raise ValueError(f"{config.input} holds no documents (no non-empty {', '.join(config.json_keys)}); "
+                             f"nothing written")
         for builder in builders.values():
             builder.finalize()
     except BaseException:
+        # Only this run's temporary files go: an earlier good pair at the output prefix stays as it was.
         for builder in builders.values():
             builder.abort()
-        _remove_outputs(list(prefixes.values()))
         raise
     stats.seconds = time.perf_counter() - started
     return stats

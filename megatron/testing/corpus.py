@@ -73,3 +73,18 @@ def tiny_argv(corpus: dict, *extra: str, **flags) -> list[str]:
         if value is not True:
             argv.append(str(value))
     return argv + list(extra)
+
+
+def write_stand_in_dataset(prefix, num_documents: int = 100) -> str:
+    """A real, tiny ``PREFIX.bin/.idx`` (``num_documents`` documents of 8 tokens): a stand-in for a job's
+    data where only the flags are checked (the checks read the index header)."""
+    import numpy as np
+
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    with MMapIndexedDatasetBuilder(str(prefix), dtype=np.uint16) as builder:
+        for i in range(num_documents):
+            builder.add_item(np.arange(i, i + 8) % 500)
+            builder.end_document()
+        builder.finalize()
+    return str(prefix)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+from megatron.testing.corpus import write_stand_in_dataset
 from megatron.arguments import run_config_from_argv
 from megatron.config import RunConfig
 
@@ -55,9 +56,7 @@ def bloom_setup(d: pathlib.Path, zero_stage: int = 0) -> tuple[list[str], pathli
     (BLOOM's: 0, which runs here as DeepSpeed 0.19's stage 1, the same BF16_Optimizer)."""
     prefixes = [d / f"data/{name}_text_document" for name in ("roots_en", "roots_fr", "roots_code")]
     for prefix in prefixes:
-        prefix.parent.mkdir(exist_ok=True)
-        for ext in (".bin", ".idx"):
-            pathlib.Path(str(prefix) + ext).write_text("")
+        write_stand_in_dataset(prefix)
     (d / "train-splits.txt").write_text(
         f'"train: 0.5 0:0.95 {prefixes[0]}, 0.3 0:0.95 {prefixes[1]}, 0.2 0:0.95 {prefixes[2]}"\n')
     (d / "valid-splits.txt").write_text(

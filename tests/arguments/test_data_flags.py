@@ -83,3 +83,16 @@ def test_output_folders_are_checked_writable_before_anything_starts(files, read_
     option = "--" + flag.replace("_", "-")
     with pytest.raises(ValueError, match=rf"{option} .*locked' is not writable by this user"):
         parse(files, **{flag: locked}, **extra)
+
+
+def test_training_data_without_documents_is_refused_before_anything_starts(files):
+    from megatron.testing.corpus import write_stand_in_dataset
+
+    empty = write_stand_in_dataset(files / "empty", num_documents=0)
+    with pytest.raises(ValueError, match=r"--data-path .*empty: 0 documents, .* rebuild the dataset"):
+        parse(files, data_path=empty)
+    with pytest.raises(ValueError, match=r"100 documents, of which --split '0,50,50' leaves none for training"):
+        parse(files, split="0,50,50")
+    tiny_range = f"t: 1 0:0.001 {files / 'a'}"  # 0.1 of a document out of 100
+    with pytest.raises(ValueError, match=r"group 't': range 0.0:0.001 of .*a \(100 documents\) holds no documents"):
+        parse(files, drop=["--data-path"], train_weighted_split_paths=[tiny_range])

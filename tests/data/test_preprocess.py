@@ -81,16 +81,32 @@ def test_bad_line_stops_the_run_naming_file_and_line(gpt2, tmp_path, workers):
     docs = _docs(gpt2, 4)
     path = _bad_input(tmp_path, docs)
     out = tmp_path / "out"
-    # An earlier complete pair at the target must not survive a failed run looking like its output.
+    # An earlier complete pair at the target survives a failed run untouched (the run writes temporary
+    # files and renames them only at the end).
     preprocess(PreprocessConfig(input=_write_jsonl(tmp_path / "ok.jsonl", docs), output_prefix=str(out),
                                 tokenizer=_spec(gpt2), log_interval=0))
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path) if name.startswith("out")}
     config = PreprocessConfig(input=path, output_prefix=str(out), tokenizer=_spec(gpt2), workers=workers,
                               chunk_size=2, log_interval=0)
     with pytest.raises(BadInputLine) as info:
         preprocess(config)
     assert (info.value.path, info.value.line_number) == (path, 3)
     assert f"{path}:3:" in str(info.value)
-    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "ok.jsonl"]
+    after = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path) if name.startswith("out")}
+    assert sorted(before) == ["out_text_document.bin", "out_text_document.idx"] and after == before
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "ok.jsonl", *sorted(before)]  # no temporary file left
+
+
+def test_an_input_without_documents_is_refused_and_writes_nothing(gpt2, tmp_path):
+    path = _write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}, {"text": ""}])
+    with pytest.raises(ValueError, match=r"empty.jsonl holds no documents .*nothing written"):
+        preprocess(PreprocessConfig(input=path, output_prefix=str(tmp_path / "out"), tokenizer=_spec(gpt2),
+                                    log_interval=0))
+    assert sorted(os.listdir(tmp_path)) == ["empty.jsonl"]
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "preprocess_data.py"), "--input", path,
+                             "--output-prefix", str(tmp_path / "out"), *_tokenizer_flags(gpt2)],
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.startswith("error: ") and "no documents" in result.stderr
 
 
 def test_missing_key_names_line_and_key(gpt2, tmp_path):

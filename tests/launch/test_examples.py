@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from megatron.testing.corpus import write_stand_in_dataset
 from megatron.arguments import run_config_from_argv
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
@@ -46,8 +47,7 @@ def fake_data(tmp_path_factory):
     """Data and tokenizer paths that exist (their existence is checked, nothing is read)."""
     d = tmp_path_factory.mktemp("fake_data")
     prefix = d / "corpus_text_document"
-    for ext in (".bin", ".idx"):
-        (prefix.parent / (prefix.name + ext)).write_bytes(b"")
+    write_stand_in_dataset(prefix)
     (d / "train-splits.txt").write_text(f'"train: 1 0:0.95 {prefix}"\n')
     (d / "valid-splits.txt").write_text(f'"valid: 1 0.95:1 {prefix}"\n')
     (d / "bloom-tokenizer").mkdir()

@@ -26,6 +26,8 @@ import dataclasses
 import json
 import pathlib
 
+from megatron.testing.corpus import write_stand_in_dataset
+
 TOKENIZER_NAME_OR_PATH = ("bigscience-catalogue-data-dev/byte-level-bpe-tokenizer-no-norm-250k-whitespace-and-"
                           "eos-regex-alpha-v3-dedup-lines-articles")
 
@@ -124,9 +126,7 @@ def write_job_files(job: Tr11Job, d: pathlib.Path) -> dict:
     checked; the two split files; the script's DeepSpeed JSON); returns the ``paths`` of ``Tr11Job.argv``."""
     prefixes = [d / "data" / f"{name}_text_document" for name in ("roots_en", "roots_fr")]
     for prefix in prefixes:
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        for ext in (".bin", ".idx"):
-            pathlib.Path(str(prefix) + ext).write_bytes(b"")
+        write_stand_in_dataset(prefix)
     (d / "train-splits.txt").write_text(f'"train: 0.6 0:0.95 {prefixes[0]}, 0.4 0:0.95 {prefixes[1]}"\n')
     (d / "valid-splits.txt").write_text(f'"valid_en: 1 0.95:1.0 {prefixes[0]}" "valid_fr: 1 0.95:1.0 {prefixes[1]}"\n')
     config_json = d / f"ds_config.{job.name}.json"
