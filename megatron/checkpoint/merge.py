@@ -26,6 +26,7 @@ import torch
 
 from megatron.checkpoint.run_state import (checkpoint_layout, converted_client_state, converted_run_state, load_run_state,
                                            model_config_from_dict)
+from megatron.checkpoint.integrity import record_checksums, verify_checksums
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import COMPLETE_MARKER, LATEST, RUN_STATE, CheckpointFormatError, resolve_tag
 from megatron.config import ModelConfig
@@ -104,6 +105,10 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
     tag_dir = os.path.join(ckpt_dir, tag)
     files = _layer_files(tag_dir)
     tp = _check_layout(files, config, numbering, tag_dir)
+    read = [os.path.basename(path) for ranks in files.values() for path in ranks.values()]
+    problems = verify_checksums(tag_dir, distributed=False, names=read + ["mp_rank_00_model_states.pt"])
+    if problems:
+        raise CheckpointFormatError(f"checkpoint {tag_dir!r} is damaged: " + "; ".join(problems))
     items, layout = pipeline_items(config, numbering), parameter_layout(config, numbering)
     recorded = record.get("parallel", {}).get("tensor_model_parallel_size", tp)
     if recorded != tp:
@@ -190,6 +195,7 @@ def save_as_training_checkpoint(config: ModelConfig, state_dict: dict[str, torch
     record = run_state if run_state is not None else converted_run_state(config, tp, pp)
     with open(os.path.join(tag_dir, RUN_STATE), "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
+    record_checksums(tag_dir, distributed=False)
     with open(os.path.join(tag_dir, COMPLETE_MARKER), "w") as f:
         f.write("0\n")
     tmp = os.path.join(out_dir, f"{LATEST}.tmp.{os.getpid()}")

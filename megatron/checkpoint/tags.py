@@ -35,6 +35,12 @@ def tag_for(iteration: int) -> str:
     return f"global_step{iteration}"
 
 
+def tag_number(tag: str) -> int:
+    """N of ``global_stepN`` (-1 for any other name)."""
+    match = re.fullmatch(r"global_step(\d+)", tag)
+    return int(match.group(1)) if match else -1
+
+
 def write_atomically(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:

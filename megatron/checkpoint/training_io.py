@@ -6,7 +6,7 @@
     SAVE/global_stepN/run_state.json                      megatron.checkpoint.run_state
 
 Crash safety: DeepSpeed writes the tag's files with ``save_latest=False``; every rank then waits
-at a barrier, rank 0 checks that each expected file is there and non-empty, writes
+at a barrier, the ranks hash the files between them (``checksums.json``), rank 0 checks that each expected file is there and non-empty, writes
 ``run_state.json`` and then a ``complete`` marker inside the tag, and only then replaces ``latest``
 atomically (write a temporary file, then rename). A kill at any point leaves ``latest`` naming the
 previous complete checkpoint (``megatron.checkpoint.tags`` says which tag a resume reads).
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint.integrity import record_checksums
 from megatron.checkpoint.tags import LATEST, RUN_STATE, prune_checkpoints, tag_for, write_atomically, write_complete_marker
 from megatron.parallel.random import RNGStatesTracker
 
@@ -64,8 +65,9 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict[st
     state = dict(client_state, client_state_version=CLIENT_STATE_VERSION, iteration=iteration)
     engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
     dist.barrier()
+    tag_dir = os.path.join(save_dir, tag)
+    record_checksums(tag_dir)  # collective: each rank hashes its share of the files
     if dist.get_rank() == 0:
-        tag_dir = os.path.join(save_dir, tag)
         files = os.listdir(tag_dir)
         empty = [f for f in files if os.path.getsize(os.path.join(tag_dir, f)) == 0]
         if not any(f.endswith("model_states.pt") for f in files) or empty:

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import random
 import time
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from megatron.checkpoint import lock as save_lock
 from megatron.checkpoint import run_state, tags, training_io
+from megatron.checkpoint.integrity import verify_checksums
 from megatron.config import RunConfig
 from megatron.model.layout import LAYOUT
 from megatron.engine.checks import check_finite_after_load
@@ -84,6 +86,7 @@ def pretrain(rc: RunConfig) -> PretrainResult:
     p = rc.parallel
     info = init_process_group(p.distributed_backend, p.distributed_timeout_minutes)
     init_deepspeed_comm(p.distributed_backend, timeout_s=60.0 * p.distributed_timeout_minutes)
+    point = intact_resume_point(rc, point)  # every file against its checksum, the hashing shared out
     state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     tracker = set_seeds(rc.training.seed, state)
 
@@ -160,13 +163,13 @@ def _lock_save_folder(rc: RunConfig):
     return lock
 
 
-def resume_point(rc: RunConfig) -> Optional[tuple[str, dict]]:
-    """(tag, its record) that --load resumes from, or None; every reason it cannot is a ValueError here,
-    before any process group exists (file reads only: each rank finds the same)."""
+def resume_point(rc: RunConfig, tag: Optional[str] = None) -> Optional[tuple[str, dict]]:
+    """(tag, its record) that --load resumes from (``tag``: that one), or None; every reason it cannot is
+    a ValueError here, before any process group exists (file reads only: each rank finds the same)."""
     ck = rc.checkpoint
     if not ck.load:
         return None
-    tag = tags.resolve_tag(ck.load, universal=ck.universal_checkpoint)
+    tag = tags.resolve_tag(ck.load, tag, universal=ck.universal_checkpoint)
     if tag is None:
         return None
     saved = run_state.load_run_state(ck.load, tag)
@@ -201,6 +204,26 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, recorded: dict) -> None:
                          f"Convert it once: python tools/convert_checkpoint/ds_to_universal.py --input_folder "
                          f"{tag_dir} --output_folder {tag_dir}_universal, then add --universal-checkpoint (or "
                          f"run with the checkpoint's sizes)")
+
+
+def intact_resume_point(rc: RunConfig, point: Optional[tuple[str, dict]]) -> Optional[tuple[str, dict]]:
+    """``point`` if its files match their checksums, else the newest earlier complete checkpoint that
+    does (with a warning), else a ValueError naming what is damaged. Collective (the ranks share the
+    hashing); universal checkpoints carry no checksums of ours."""
+    if point is None or rc.checkpoint.universal_checkpoint:
+        return point
+    load = rc.checkpoint.load
+    problems = verify_checksums(os.path.join(load, point[0]))
+    if not problems:
+        return point
+    for tag in reversed(tags.complete_tags(load)):
+        if tag != point[0] and tags.tag_number(tag) < tags.tag_number(point[0]):
+            if not verify_checksums(os.path.join(load, tag)):
+                warnings.warn(f"{os.path.join(load, point[0])} is damaged ({'; '.join(problems)}); resuming from "
+                              f"the newest intact checkpoint, {tag}")
+                return resume_point(rc, tag)
+    raise ValueError(f"{os.path.join(load, point[0])} is damaged and no earlier checkpoint in {load} is intact: "
+                     + "; ".join(problems))
 
 
 def _resume(rc: RunConfig, engine, lr_scheduler, tracker, point: Optional[tuple[str, dict]]) -> Progress:

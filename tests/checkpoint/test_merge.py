@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron.checkpoint.merge import load_full_state_dict, merge_tp_shards, save_as_training_checkpoint, split_for_tp
+from megatron.checkpoint.integrity import record_checksums
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import CheckpointFormatError, resolve_tag
 from megatron.model import GPTModel
@@ -136,6 +137,7 @@ def test_checkpoints_from_before_run_state_json_are_read_from_the_client_state(t
         path = str(tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
         torch.save({**safe_load(path), **record}, path)
     os.remove(tag_dir / "run_state.json")
+    os.remove(tag_dir / "checksums.json")  # nor had they checksums
     loaded_config, loaded, run = load_full_state_dict(str(tmp_path))
     assert loaded_config == config and run["tokenizer"] == record["tokenizer"]
     assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
@@ -149,8 +151,10 @@ def test_a_file_that_is_not_plain_tensors_is_refused_by_name(tmp_path, tiny_corp
     write_random_checkpoint(tmp_path, tiny_corpus, 1, 1)
     path = tmp_path / "global_step0" / "layer_03-model_00-model_states.pt"
     torch.save({"weight": torch.ones(64), "bias": torch.zeros(64), "extra": Opaque()}, path)
+    record_checksums(str(path.parent), distributed=False)  # a crafted checkpoint comes with matching checksums
     with pytest.raises(CheckpointFormatError, match="weights_only=True.*test_merge.Opaque"):
         load_full_state_dict(str(tmp_path))
     path.write_bytes(b"garbage")
+    record_checksums(str(path.parent), distributed=False)
     with pytest.raises(CheckpointFormatError, match="not a readable torch file"):
         load_full_state_dict(str(tmp_path))

@@ -23,6 +23,7 @@ import shutil
 import torch
 
 from megatron.checkpoint import run_state as records
+from megatron.checkpoint.integrity import record_checksums
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import COMPLETE_MARKER, LATEST, RUN_STATE, resolve_tag, write_atomically
 from megatron.model.layout import LAYOUT, LEGACY_LAYOUT, TIED_MODULE_PREFIX, file_key, pipeline_items
@@ -114,6 +115,7 @@ def upgrade(load: str, save: str, tag=None) -> str:
             shutil.copy2(src, dst)
     write_atomically(os.path.join(dst_dir, RUN_STATE),
                      json.dumps(dict(record, checkpoint_layout=LAYOUT), indent=1, sort_keys=True))
+    record_checksums(dst_dir, distributed=False)
     write_atomically(os.path.join(dst_dir, COMPLETE_MARKER), f"upgraded from {src_dir}\n")
     write_atomically(os.path.join(save, LATEST), tag)
     return dst_dir
