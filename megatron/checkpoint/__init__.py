@@ -4,6 +4,8 @@
     training_io   save / load through DeepSpeed's engine, crash-safe; RNG states
     run_state     ``run_state.json``: the run's record (architecture, layout, tokenizer, progress), checks
     safe_load     reading a checkpoint file without running code
+    integrity     ``checksums.json``: size and SHA-256 of every file, recorded at save, verified before loading
+    lock          ``SAVE/.lock``: one run writes into a --save folder
     merge         any TP / PP -> full TP=1 GPTModel weights, and back to a training checkpoint
     universal     the parameter patterns DeepSpeed's ``ds_to_universal`` needs (imports deepspeed's key names)
     hf_bloom      full weights and configs <-> transformers' Bloom (names only, no transformers import)
