@@ -28,15 +28,23 @@ __all__ = ["build_run_state", "checkpoint_layout", "record_from_megatron_args", 
            "ARCHITECTURE_FIELDS", "converted_client_state", "converted_run_state"]
 
 
+def _record(model: dict, parallel: dict, tokenizer: dict, progress: dict, seq_length: int) -> dict:
+    """The one shape of a checkpoint's record (run_state.json), whoever made the checkpoint."""
+    return {"model_config": model, "progress": dict(progress), "parallel": parallel, "tokenizer": tokenizer,
+            "params_dtype": model["params_dtype"], "seq_length": seq_length, "checkpoint_layout": LAYOUT}
+
+
+def _parallel(tp: int, pp: int, dp: Optional[int]) -> dict:
+    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "data_parallel_size": dp}
+    return {name: size for name, size in sizes.items() if size is not None}
+
+
 def build_run_state(rc: RunConfig, progress: dict[str, int]) -> dict:
     """The ``run_state.json`` record of a training run at ``progress`` (the loop's counters)."""
     p = rc.parallel
-    return {"model_config": dataclasses.asdict(rc.model), "progress": dict(progress),
-            "parallel": {"tensor_model_parallel_size": p.tensor_model_parallel_size,
-                         "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
-                         "data_parallel_size": p.data_parallel_size},
-            "tokenizer": dataclasses.asdict(rc.data.tokenizer), "params_dtype": rc.model.params_dtype,
-            "seq_length": rc.data.seq_length, "checkpoint_layout": LAYOUT}
+    return _record(dataclasses.asdict(rc.model),
+                   _parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size),
+                   dataclasses.asdict(rc.data.tokenizer), progress, rc.data.seq_length)
 
 
 MEGATRON_CHECKPOINT_VERSION = 3.0  # what Megatron-LM / Megatron-DeepSpeed write as 'checkpoint_version'
@@ -118,10 +126,8 @@ def record_from_megatron_args(args: argparse.Namespace, iteration: int, path: st
     progress = dict(_ZERO_PROGRESS, iteration=int(iteration),
                     consumed_samples=int(a.get("consumed_train_samples") or 0),
                     consumed_tokens=int(a.get("consumed_train_tokens") or 0))
-    return {"model_config": model, "tokenizer": tokenizer, "progress": progress, "checkpoint_layout": LAYOUT,
-            "parallel": {"tensor_model_parallel_size": a["tensor_model_parallel_size"],
-                         "pipeline_model_parallel_size": a["pipeline_model_parallel_size"]},
-            "params_dtype": model["params_dtype"], "seq_length": a["seq_length"], "written_by": "Megatron-DeepSpeed"}
+    parallel = _parallel(a["tensor_model_parallel_size"], a["pipeline_model_parallel_size"], None)
+    return dict(_record(model, parallel, tokenizer, progress, a["seq_length"]), written_by="Megatron-DeepSpeed")
 
 
 def model_config_from_dict(fields: dict) -> ModelConfig:
@@ -182,10 +188,7 @@ def converted_client_state(seed: int = 1234) -> dict:
 def converted_run_state(config: ModelConfig, tp: int, pp: int, *, tokenizer: Optional[dict] = None,
                         extra: Optional[dict] = None) -> dict:
     """The ``run_state.json`` record of a converted checkpoint (what --load checks the flags against)."""
-    state = {"model_config": dataclasses.asdict(config), "progress": dict(_ZERO_PROGRESS),
-             "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                          "data_parallel_size": 1},
-             "tokenizer": tokenizer or {}, "params_dtype": config.params_dtype, "seq_length": config.seq_length,
-             "checkpoint_layout": LAYOUT}
+    state = _record(dataclasses.asdict(config), _parallel(tp, pp, 1), tokenizer or {}, _ZERO_PROGRESS,
+                    config.seq_length)
     state.update(extra or {})
     return state

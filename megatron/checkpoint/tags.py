@@ -86,12 +86,8 @@ def _warn_foreign(load_dir: str, tag: str) -> None:
 
 def complete_tags(load_dir: str) -> list[str]:
     """The complete ``global_stepN`` tags of ``load_dir``, oldest first."""
-    tags = []
-    for name in os.listdir(load_dir) if os.path.isdir(load_dir) else []:
-        match = re.fullmatch(r"global_step(\d+)", name)
-        if match and is_complete(load_dir, name):
-            tags.append((int(match.group(1)), name))
-    return [name for _, name in sorted(tags)]
+    names = os.listdir(load_dir) if os.path.isdir(load_dir) else []
+    return sorted((n for n in names if tag_number(n) >= 0 and is_complete(load_dir, n)), key=tag_number)
 
 
 def prune_checkpoints(save_dir: str, keep_last_n: int) -> list[str]:
