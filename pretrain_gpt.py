@@ -30,9 +30,15 @@ def main(argv=None) -> int:
         if detect_launch().rank == 0:
             print(f"error: {error}", file=sys.stderr)
         return 2
+    import torch.distributed as dist
+
     from megatron.training.pretrain import pretrain
 
     pretrain(run_config)
+    # Every rank gets here: tear the groups down now, not in the interpreter's shutdown, where the
+    # backend's threads can be destroyed in any order (a C++ terminate seen once under srun).
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
