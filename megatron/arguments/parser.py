@@ -233,6 +233,9 @@ def _checkpointing(parser):
     g.add_argument("--universal-checkpoint", action="store_true",
                    help="--load holds a universal checkpoint (DeepSpeed's ds_to_universal), loadable into "
                         "any TP/PP/DP layout.")
+    g.add_argument("--no-load-fallback", action="store_true",
+                   help="Refuse to start when the --load checkpoint fails its checksums, instead of resuming "
+                        "from the newest earlier intact one with a warning. New in this project.")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="After each save, delete all but the newest N checkpoints. Default: keep all. "
                         "New in this project.")

@@ -1,7 +1,7 @@
 """Per-file checksums of a checkpoint: recorded at save time, verified before loading.
 
-``TAG/checksums.json`` maps every file of the tag (DeepSpeed's and ours, except itself, the marker
-and run_state.json) to its size and SHA-256. A flipped bit, a truncated, emptied or missing file is
+``TAG/checksums.json`` maps every file under the tag (DeepSpeed's and ours, except itself, the marker
+and run_state.json; a universal checkpoint's per-parameter folders too) to its size and SHA-256. A flipped bit, a truncated, emptied or missing file is
 then named (file and tag) instead of loading as plausible numbers or failing with an anonymous
 ``EOFError``. The hashing is shared out: file i of the sorted list goes to rank i % world size
 (a collective over the default group when ``distributed``), so a 2.5 TB checkpoint is read once in
@@ -46,9 +46,23 @@ def _gather(part: dict, distributed: bool) -> dict:
     return {k: v for p in parts for k, v in p.items()}
 
 
+def _files(tag_dir: str) -> list[str]:
+    """Every file under ``tag_dir`` as a path relative to it ('/'-separated; a universal checkpoint keeps
+    one folder per parameter), except our bookkeeping files and hidden ones."""
+    names = []
+    for folder, subfolders, files in os.walk(tag_dir):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        relative = os.path.relpath(folder, tag_dir)
+        for name in files:
+            path = name if relative == "." else f"{relative.replace(os.sep, '/')}/{name}"
+            if path not in _NOT_HASHED and not name.startswith("."):
+                names.append(path)
+    return sorted(names)
+
+
 def record_checksums(tag_dir: str, distributed: bool = True) -> dict:
-    """Hash every file of ``tag_dir`` (shared out over the ranks); the last rank-0 write before the marker."""
-    names = sorted(n for n in os.listdir(tag_dir) if n not in _NOT_HASHED and not n.startswith("."))
+    """Hash every file under ``tag_dir`` (shared out over the ranks); the last rank-0 write before the marker."""
+    names = _files(tag_dir)
     sums = _gather({name: file_digest(os.path.join(tag_dir, name)) for name in _share(names, distributed)},
                    distributed)
     if not distributed or dist.get_rank() == 0:

@@ -283,6 +283,7 @@ class CheckpointConfig:
     no_load_optim: bool = False            # load weights but not the optimizer state
     no_load_rng: bool = False              # do not restore the RNG states
     finetune: bool = False                 # load weights only; iteration and consumed samples restart at 0
+    no_load_fallback: bool = False         # a damaged --load checkpoint is an error, not a fallback to an older one
     keep_last_n_checkpoints: Optional[int] = None  # delete older saved checkpoints; None: keep all
 
     def validate(self) -> "CheckpointConfig":
@@ -290,7 +291,8 @@ class CheckpointConfig:
             raise ValueError(f"--save {self.save!r} needs --save-interval (iterations between checkpoints)")
         _positive("--save-interval", self.save_interval, allow_none=True)
         _positive("--keep-last-n-checkpoints", self.keep_last_n_checkpoints, allow_none=True)
-        for flag, on in (("--universal-checkpoint", self.universal_checkpoint), ("--finetune", self.finetune)):
+        for flag, on in (("--universal-checkpoint", self.universal_checkpoint), ("--finetune", self.finetune),
+                         ("--no-load-fallback", self.no_load_fallback)):
             if on and self.load is None:
                 raise ValueError(f"{flag} loads a checkpoint: pass --load DIR")
         return self

@@ -23,8 +23,10 @@ import torch.distributed as dist
 from megatron.checkpoint import lock as save_lock
 from megatron.checkpoint import run_state, tags, training_io
 from megatron.checkpoint.integrity import verify_checksums
+from megatron.checkpoint.safe_load import only_safe_loading
 from megatron.config import RunConfig
 from megatron.model.layout import LAYOUT
+from megatron.engine.checkpoint_engine import DEEPSPEED_GLOBALS
 from megatron.engine.checks import check_finite_after_load
 from megatron.engine.initialize import build_engine, init_deepspeed_comm
 from megatron.engine.optimizer import sync_tp_duplicated
@@ -209,13 +211,18 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, recorded: dict) -> None:
 def intact_resume_point(rc: RunConfig, point: Optional[tuple[str, dict]]) -> Optional[tuple[str, dict]]:
     """``point`` if its files match their checksums, else the newest earlier complete checkpoint that
     does (with a warning), else a ValueError naming what is damaged. Collective (the ranks share the
-    hashing); universal checkpoints carry no checksums of ours."""
-    if point is None or rc.checkpoint.universal_checkpoint:
+    hashing). A damaged universal checkpoint, or any with --no-load-fallback, is an error: no fallback."""
+    if point is None:
         return point
-    load = rc.checkpoint.load
+    ck = rc.checkpoint
+    load = ck.load
     problems = verify_checksums(os.path.join(load, point[0]))
     if not problems:
         return point
+    if ck.universal_checkpoint or ck.no_load_fallback:
+        fix = ("convert an intact checkpoint again with tools/convert_checkpoint/ds_to_universal.py"
+               if ck.universal_checkpoint else "drop --no-load-fallback to resume from the newest intact one")
+        raise ValueError(f"{os.path.join(load, point[0])} is damaged: " + "; ".join(problems) + f"; {fix}")
     for tag in reversed(tags.complete_tags(load)):
         if tag != point[0] and tags.tag_number(tag) < tags.tag_number(point[0]):
             if not verify_checksums(os.path.join(load, tag)):
@@ -233,7 +240,11 @@ def _resume(rc: RunConfig, engine, lr_scheduler, tracker, point: Optional[tuple[
             print_rank_0(f"no checkpoint in {ck.load} yet: starting from scratch")
         return Progress()
     tag, _ = point
-    client = training_io.load_checkpoint(engine, ck.load, tag, load_optimizer_states=not (ck.no_load_optim or ck.finetune))
+    # DeepSpeed's universal-checkpoint loader reads its files with its own torch.load(weights_only=False),
+    # past the safe checkpoint engine: within this, every torch.load of the process is the safe one.
+    with only_safe_loading(DEEPSPEED_GLOBALS):
+        client = training_io.load_checkpoint(engine, ck.load, tag,
+                                             load_optimizer_states=not (ck.no_load_optim or ck.finetune))
     check_finite_after_load(engine, rc.model, os.path.join(ck.load, tag))
     if ck.finetune:
         print_rank_0(f"loaded the weights of {os.path.join(ck.load, tag)} (--finetune: iteration 0, new schedule)")

@@ -8,14 +8,17 @@ test_equivalence.py).
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
+from megatron.checkpoint.integrity import record_checksums
 from megatron.testing import DistributedTestError, run_distributed, tiny_argv
 from tests.conftest import REPO_ROOT
-from tests.training.helpers import run_single
+from tests.training.helpers import pretrain_error, run_single
 
 ITERS = 20
 LAYOUT_222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -41,11 +44,16 @@ def _assert_continues(reference, tail, rel, label):
         assert abs(a - b) <= rel * abs(a), f"{label}: iteration {ITERS - len(tail) + i + 1}: loss {b} vs {a} straight"
 
 
-def _to_universal(ckpt, tag):
+def _convert(ckpt, tag):
     out = os.path.join(ckpt, f"{tag}_universal")
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_checkpoint/ds_to_universal.py"),
                            "--input_folder", os.path.join(ckpt, tag), "--output_folder", out],
                           capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    return proc, out
+
+
+def _to_universal(ckpt, tag):
+    proc, out = _convert(ckpt, tag)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert os.path.isfile(os.path.join(out, "complete"))
 
@@ -155,3 +163,79 @@ def test_keep_last_n_and_architecture_mismatch(tiny_corpus, tmp_path):
         assert json.load(f)["progress"]["iteration"] == 8
     with pytest.raises(DistributedTestError, match="hidden_size = 64 but this run has 96"):
         run_distributed(run_single, world_size=1, args=([wider],), timeout=300)
+
+
+class _Payload:
+    """Unpickling this runs its ``__reduce__`` callable: it would create ``path``."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _plant(path, marker):
+    """A crafted file: ``path``'s tensors plus a payload, with checksums that match (as a crafted checkpoint's would)."""
+    state = torch.load(path, weights_only=False)
+    assert isinstance(state, dict), type(state)
+    torch.save(dict(state, extra=_Payload(str(marker))), path)  # still loads as before, by an unsafe loader
+    tag_dir = path.split("/zero/")[0] if "/zero/" in path else os.path.dirname(path)
+    record_checksums(tag_dir, distributed=False)
+
+
+def _flip_byte(path, offset=-100):
+    data = bytearray(open(path, "rb").read())
+    data[offset] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.multiprocess
+def test_universal_conversion_and_loading_refuse_crafted_and_damaged_files(trained, tiny_corpus, tmp_path):
+    """DeepSpeed's converter and universal loader call torch.load(weights_only=False) themselves; ours run
+    them with every torch.load made safe and checksums verified on the way in and recorded on the way out."""
+    source = os.path.join(trained["fp32_dir"], "global_step10")
+    marker = tmp_path / "payload_ran"
+
+    crafted = tmp_path / "crafted"
+    shutil.copytree(source, crafted / "global_step10")
+    optim = str(crafted / "global_step10" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    _plant(optim, marker)
+    proc, out = _convert(str(crafted), "global_step10")
+    assert proc.returncode != 0 and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in proc.stderr, proc.stderr[-3000:]
+    assert "weights_only=True" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not marker.exists() and not os.path.exists(os.path.join(out, "complete"))
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(source, damaged / "global_step10")
+    _flip_byte(str(damaged / "global_step10" / "layer_03-model_00-model_states.pt"))
+    proc, out = _convert(str(damaged), "global_step10")
+    assert proc.returncode != 0 and "layer_03-model_00-model_states.pt does not match its SHA-256" in proc.stderr
+    assert not os.path.exists(out)
+
+    # An intact conversion records a checksum for every file it writes, the per-parameter folders too.
+    good = tmp_path / "good"
+    shutil.copytree(source, good / "global_step10")
+    _to_universal(str(good), "global_step10")
+    universal = good / "global_step10_universal"
+    with open(universal / "checksums.json") as f:
+        recorded = json.load(f)
+    written = {os.path.relpath(os.path.join(d, n), universal) for d, _, names in os.walk(universal) for n in names}
+    assert set(recorded) == written - {"checksums.json", "complete", "run_state.json"}
+    fragments = sorted(name for name in recorded if name.startswith("zero/") and name.endswith("/fp32.pt"))
+    assert fragments, sorted(recorded)[:10]
+
+    # Loading it: a crafted fragment (with matching checksums) is refused by name, its payload never runs;
+    # a damaged one is named by its checksum.
+    crafted_universal = tmp_path / "crafted_universal"
+    shutil.copytree(good, crafted_universal)
+    _plant(str(crafted_universal / "global_step10_universal" / fragments[0]), marker)
+    _flip_byte(str(universal / fragments[-1]))
+    runs = [_argv(tiny_corpus, load=str(folder), universal_checkpoint=True, exit_interval=11)
+            for folder in (crafted_universal, good)]
+    crafted_error, damaged_error = (run_distributed(pretrain_error, world_size=1, args=(argv,), timeout=300)[0]
+                                    for argv in runs)
+    assert crafted_error and fragments[0] in crafted_error and "weights_only=True" in crafted_error, crafted_error
+    assert not marker.exists()
+    assert damaged_error and f"{fragments[-1]} does not match its SHA-256" in damaged_error, damaged_error
+    assert "ds_to_universal" in damaged_error

@@ -75,7 +75,7 @@ def _flip_a_byte(path, offset=-100):
 
 
 @pytest.mark.multiprocess
-def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(two_saves, tmp_path):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one_or_is_refused(two_saves, tmp_path):
     from megatron.checkpoint.merge import load_full_state_dict
     from megatron.checkpoint.tags import CheckpointFormatError
 
@@ -87,6 +87,10 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(two_sav
                                                     r"match its SHA-256"):
         load_full_state_dict(str(damaged))
     argv = tiny_argv(corpus, "--bf16", train_iters=4, load=str(damaged))
+    # --no-load-fallback: refused, naming the file, instead of resuming from an older checkpoint.
+    message = run_distributed(pretrain_error, world_size=1, args=(argv + ["--no-load-fallback"],), timeout=300)[0]
+    assert message is not None and "global_step4 is damaged" in message and "--no-load-fallback" in message, message
+    assert "layer_03-model_00-model_states.pt does not match its SHA-256" in message
     (run,) = run_distributed(run_single, world_size=1, args=([argv],), timeout=300)[0]
     assert [i for i, *_ in run["history"]] == [3, 4]  # resumed from global_step2, the intact one
 

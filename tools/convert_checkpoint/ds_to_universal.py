@@ -6,9 +6,14 @@
     pretrain_gpt.py ... --load CKPT --universal-checkpoint     # any new layout
 
 Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), which writes
-``CKPT/latest_universal``; this wrapper first refuses an incomplete input tag, then copies our
-``run_state.json`` and marks the output ``complete`` (our loader refuses tags without it), so a
-crashed conversion is never loaded.
+``CKPT/latest_universal``. Around it, this wrapper
+  - refuses an incomplete input tag, and one whose files do not match their checksums (naming them);
+  - runs the converter with every ``torch.load`` made safe (``megatron.checkpoint.safe_load.
+    only_safe_loading``: DeepSpeed's own calls unpickle anything), so a crafted pickle in any input
+    file is refused, naming the file, and its code never runs;
+  - records the checksums of every output file, copies our ``run_state.json`` and marks the output
+    ``complete`` last (our loader refuses tags without it), so a crashed conversion is never loaded
+    and a damaged one is named when loaded.
 Options other than the two folders are passed through to DeepSpeed's converter.
 """
 
@@ -23,7 +28,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 def main(argv=None) -> int:
     from deepspeed.checkpoint import ds_to_universal as converter
 
+    from megatron.checkpoint.integrity import record_checksums, verify_checksums
+    from megatron.checkpoint.safe_load import only_safe_loading
     from megatron.checkpoint.tags import COMPLETE_MARKER, RUN_STATE, write_complete_marker
+    from megatron.engine.checkpoint_engine import DEEPSPEED_GLOBALS
 
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--input_folder", required=True)
@@ -32,8 +40,14 @@ def main(argv=None) -> int:
     if not os.path.isfile(os.path.join(known.input_folder, COMPLETE_MARKER)):
         raise SystemExit(f"{known.input_folder} has no '{COMPLETE_MARKER}' marker: it is not a finished checkpoint "
                          f"(was the save interrupted?); convert a complete one")
+    problems = verify_checksums(known.input_folder, distributed=False)
+    if problems:
+        raise SystemExit(f"{known.input_folder} is damaged: " + "; ".join(problems)
+                         + "; convert an intact checkpoint (an earlier global_step*)")
     args = converter.parse_arguments() if argv is None else _parse_with(converter, argv)
-    converter.main(args)
+    with only_safe_loading(DEEPSPEED_GLOBALS):
+        converter.main(args)
+    record_checksums(known.output_folder, distributed=False)
     shutil.copyfile(os.path.join(known.input_folder, RUN_STATE), os.path.join(known.output_folder, RUN_STATE))
     write_complete_marker(known.output_folder, os.path.basename(os.path.normpath(known.input_folder)))
     print(f"universal checkpoint written to {known.output_folder}")
@@ -50,4 +64,6 @@ def _parse_with(converter, argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.cli import run_tool
+
+    run_tool(main)
