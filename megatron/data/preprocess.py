@@ -34,7 +34,7 @@ import numpy as np
 
 from megatron.config import TokenizerConfig
 from megatron.data import indexed_dataset
-from megatron.data.tokenizers import build_tokenizer
+from megatron.data.tokenizers import LONG_TEXT_CHARS, build_tokenizer
 
 DATASET_IMPLS = ("mmap",)
 
@@ -168,7 +168,10 @@ def iter_texts(path: str, keys: Sequence[str] = ("text",), skip_bad_lines: bool 
 def flatten_documents(ids: Sequence[Sequence[int]], dtype, eod: Optional[int]) -> tuple:
     """Token lists -> (flat array, lengths) without empty documents; ``eod`` appended to each if given."""
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+    if any(isinstance(doc, np.ndarray) for doc in ids):  # long documents come as arrays already
+        flat = np.concatenate([np.asarray(doc, dtype=dtype) for doc in ids])
+    else:
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
     lengths = lengths[lengths > 0]
     if eod is None or len(lengths) == 0:
         return flat, lengths
@@ -191,12 +194,23 @@ class ChunkEncoder:
         self.dtype = indexed_dataset.best_dtype(self.tokenizer.vocab_size)
         self.eod = self.tokenizer.eod if append_eod else None
 
+    def _tokenize(self, texts: list) -> list:
+        """Token ids per text (lists, or arrays for long texts, tokenized in pieces to bound memory)."""
+        long = [i for i, text in enumerate(texts) if len(text) > LONG_TEXT_CHARS]
+        if not texts or not long:
+            return self.tokenizer.tokenize_batch(texts) if texts else []
+        ids = self.tokenizer.tokenize_batch([text if len(text) <= LONG_TEXT_CHARS else "" for text in texts])
+        for i in long:
+            parts = [np.asarray(part, dtype=self.dtype) for part in self.tokenizer.tokenize_long(texts[i])]
+            ids[i] = np.concatenate(parts)
+        return ids
+
     def __call__(self, task: tuple) -> ChunkResult:
         first_line, lines = task
         texts, bad = parse_lines(first_line, lines, self.keys)
         tokens, lengths, num_empty = {}, {}, 0
         for key in self.keys:
-            ids = self.tokenizer.tokenize_batch(texts[key]) if texts[key] else []
+            ids = self._tokenize(texts[key])
             tokens[key], lengths[key] = flatten_documents(ids, self.dtype, self.eod)
             num_empty += len(ids) - len(lengths[key])
         return ChunkResult(tokens, lengths, len(texts[self.keys[0]]), sum(map(len, lines)), num_empty, bad)

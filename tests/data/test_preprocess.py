@@ -184,3 +184,21 @@ def test_merge_tool_equals_preprocessing_the_concatenation(gpt2, tmp_path):
     assert dataset.doc_idx.tolist() == list(range(31))
     np.testing.assert_array_equal(np.concatenate([p.get(i) for p in pieces for i in range(len(p))]),
                                   np.concatenate([dataset.get(i) for i in range(len(dataset))]))
+
+
+def test_a_document_longer_than_a_piece_gives_the_ids_of_the_whole(gpt2, tmp_path):
+    """Long documents are tokenized in pieces (bounded memory: benchmarks/bench_long_document.py);
+    the dataset holds exactly the ids of the whole text, beside short documents in the same chunk."""
+    from megatron.data.tokenizers import LONG_TEXT_CHARS, GPT2BPETokenizer
+
+    texts = [d["text"] for d in _docs(gpt2, 200)]
+    long_text = "  ".join(texts)  # double spaces too: cut points must respect whitespace runs
+    assert len(long_text) > 2 * LONG_TEXT_CHARS
+    records = [{"text": "a short one"}, {"text": long_text}, {"text": "and another"}]
+    config = PreprocessConfig(input=_write_jsonl(tmp_path / "in.jsonl", records), output_prefix=str(tmp_path / "long"),
+                              tokenizer=_spec(gpt2), append_eod=True, log_interval=0)
+    preprocess(config)
+    tokenizer = GPT2BPETokenizer(gpt2 / "gpt2-tiny-vocab.json", gpt2 / "gpt2-tiny-merges.txt")
+    written = MMapIndexedDataset(tmp_path / "long_text_document")
+    for i, record in enumerate(records):
+        np.testing.assert_array_equal(written.get(i), np.array(tokenizer.tokenize(record["text"]) + [4999]))

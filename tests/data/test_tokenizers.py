@@ -5,11 +5,14 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.config import TokenizerConfig
 from megatron.data.tokenizers import (GPT2BPETokenizer, PretrainedFromHF, SentencePieceTokenizer, build_tokenizer,
-                                      pad_vocab_size, train_bpe_tokenizer, train_sentencepiece_tokenizer)
+                                      pad_vocab_size, pieces_before_spaces, train_bpe_tokenizer,
+                                      train_sentencepiece_tokenizer)
 
 SAMPLES = ["Hello world!", "  leading spaces and\ttabs\n\nnew lines", "naïve café — 東京 🚀", ""]
 TINY_TEXT = [
@@ -154,3 +157,45 @@ def test_train_tokenizer_tool_output_loads(tmp_path, kind, flag):
     if kind == "bpe":
         gpt2 = GPT2BPETokenizer(out / "vocab.json", out / "merges.txt")
         assert gpt2.tokenize(TINY_TEXT[2]) == tokenizer.tokenize(TINY_TEXT[2])
+
+
+# Characters around which GPT-2's pre-tokenization could go wrong if cut carelessly: runs of spaces,
+# other (Unicode) whitespace, digits, punctuation, contractions, multi-byte letters.
+_TRICKY = " \t\n\u00a0\u3000\u2028ab.1'sé東🚀-"
+
+
+@pytest.fixture(scope="module")
+def trained_bpe(tmp_path_factory):
+    files = train_bpe_tokenizer(TINY_TEXT, 300, tmp_path_factory.mktemp("bpe"))
+    return (GPT2BPETokenizer(files["vocab_file"], files["merge_file"]), PretrainedFromHF(files["tokenizer_json"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet=_TRICKY, max_size=80), piece_chars=st.integers(1, 12))
+def test_long_texts_tokenized_in_pieces_give_the_ids_of_the_whole(trained_bpe, text, piece_chars):
+    pieces = list(pieces_before_spaces(text, piece_chars))
+    assert "".join(pieces) == text
+    assert all(p.startswith(" ") and not q[-1:].isspace() for q, p in zip(pieces, pieces[1:]))
+    for tokenizer in trained_bpe:
+        assert tokenizer.cuts_before_spaces
+        parts = list(tokenizer.tokenize_long(text, piece_chars))
+        assert [i for part in parts for i in part] == tokenizer.tokenize(text)
+
+
+def test_only_gpt2_style_tokenizer_json_is_cut(tmp_path):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    def saved(name, pre_tokenizer, normalizer=None):
+        tokenizer = Tokenizer(models.WordLevel({"</s>": 0, "[UNK]": 1}, unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = pre_tokenizer
+        if normalizer is not None:
+            tokenizer.normalizer = normalizer
+        tokenizer.save(str(tmp_path / name))
+        return PretrainedFromHF(tmp_path / name)
+
+    assert saved("byte.json", pre_tokenizers.ByteLevel(add_prefix_space=False)).cuts_before_spaces
+    assert not saved("prefix.json", pre_tokenizers.ByteLevel(add_prefix_space=True)).cuts_before_spaces
+    assert not saved("meta.json", pre_tokenizers.Metaspace()).cuts_before_spaces  # SentencePiece-style
+    assert not saved("nfkc.json", pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.NFKC()).cuts_before_spaces
+    whole = saved("meta2.json", pre_tokenizers.Metaspace())
+    assert list(whole.tokenize_long("a b " * 10, 3)) == [whole.tokenize("a b " * 10)]  # one piece: not cut
