@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The main job (`make pretrain`): a small BLOOM-style model (ALiBi, embedding LayerNorm, bf16,
-# BF16_Optimizer with ZeRO-1) on 8 processes laid out TP=2 x PP=2 x DP=2, trained on a corpus
-# built from the documentation installed on this machine. The same script runs unchanged on a GPU
-# node: set NPROC to the GPU count; NCCL is chosen when CUDA is present.
+# The main job (`make pretrain`): a small BLOOM-style model (ALiBi, embedding LayerNorm, ZeRO-1
+# sharded optimizer state) on 8 processes laid out TP=2 x PP=2 x DP=2, trained on a corpus built
+# from the documentation installed on this machine. bf16 (BF16_Optimizer) where the hardware has
+# bf16 instructions (AVX-512 BF16 / AMX, or a GPU), fp32 otherwise, where bf16 would be about 17x
+# slower; one line at start says which and why. The same script runs unchanged on a GPU node: set
+# NPROC to the GPU count; NCCL is chosen when CUDA is present.
 #
 #   examples/pretrain_tiny_bloom_cpu.sh [extra pretrain_gpt.py flags...]
 #
 # Environment: PYTHON (default .venv/bin/python), RUN_DIR (default runs/tiny-bloom), NPROC (8),
-# TRAIN_ITERS (300).
+# TRAIN_ITERS (300), PRECISION (auto, bf16 or fp32).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,6 +17,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 RUN_DIR=${RUN_DIR:-runs/tiny-bloom}
 NPROC=${NPROC:-8}
 TRAIN_ITERS=${TRAIN_ITERS:-300}
+PRECISION=${PRECISION:-auto}
 CORPUS_DIR=${CORPUS_DIR:-data_cache/default_corpus}
 
 # 1. The corpus: docstrings and docs of the installed Python and packages, a byte-level BPE
@@ -23,6 +26,15 @@ CORPUS_DIR=${CORPUS_DIR:-data_cache/default_corpus}
 TOK="$CORPUS_DIR/tokenizer"
 
 BACKEND=$("$PYTHON" -c "import torch; print('nccl' if torch.cuda.is_available() else 'gloo')")
+if [ "$PRECISION" = auto ]; then
+    read -r PRECISION WHY < <("$PYTHON" -m megatron.config.hardware)
+    echo "precision: $PRECISION ($WHY; set PRECISION=bf16 or fp32 to choose)"
+fi
+case "$PRECISION" in
+    bf16) PRECISION_FLAGS=(--bf16) ;;
+    fp32) PRECISION_FLAGS=() ;;
+    *) echo "PRECISION=$PRECISION: use auto, bf16 or fp32" >&2; exit 2 ;;
+esac
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 mkdir -p "$RUN_DIR"
@@ -31,7 +43,7 @@ mkdir -p "$RUN_DIR"
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
     --num-layers 4 --hidden-size 128 --num-attention-heads 8 --seq-length 128 \
     --micro-batch-size 4 --global-batch-size 32 --train-iters "$TRAIN_ITERS" \
-    --position-embedding-type alibi --embed-layernorm --bf16 --zero-stage 1 \
+    --position-embedding-type alibi --embed-layernorm ${PRECISION_FLAGS[@]+"${PRECISION_FLAGS[@]}"} --zero-stage 1 \
     --pp-partition-method "type:transformer|embedding" \
     --init-method-std 0.02 --hidden-dropout 0.0 --attention-dropout 0.0 \
     --optimizer adam --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --weight-decay 0.1 --clip-grad 1.0 \
