@@ -66,9 +66,11 @@ class _Job:
             self.cancelled.set()
 
     def on_text(self, index: int, text: str) -> None:
+        """From the worker thread, as text is generated: passed on when streaming; ends a cancelled job."""
         if self.cancelled.is_set():
             raise _Cancelled
-        self.push(TextPiece(index, text))
+        if self.stream:
+            self.push(TextPiece(index, text))
 
 
 class GenerationWorker:
@@ -120,8 +122,9 @@ class GenerationWorker:
             if job.cancelled.is_set():
                 continue
             try:
+                # on_text for every job, streamed or not: it is where a job whose client left is stopped
                 completions = self.generator.generate(job.prompts, job.params, prompt_ids=job.prompt_ids,
-                                                      on_text=job.on_text if job.stream else None)
+                                                      on_text=job.on_text)
             except _Cancelled:
                 continue
             except Exception as error:  # noqa: BLE001 - handed to the request, which answers 500 and logs it

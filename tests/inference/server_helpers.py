@@ -1,11 +1,16 @@
 """A GenerationServer on an event loop of its own thread, and a blocking client, for the server tests."""
 
 import asyncio
+import contextlib
 import http.client
 import json
+import os
+import subprocess
+import sys
 import threading
 
 from megatron.inference.server import make_server
+from tests.conftest import REPO_ROOT
 
 
 class RunningServer:
@@ -40,3 +45,22 @@ def request(port, method, path, body=None, raw=None, headers=None, timeout=60):
         return response.status, json.loads(response.read())
     finally:
         conn.close()
+
+
+@contextlib.contextmanager
+def serve_tool(checkpoint, *args):
+    """tools/serve.py --load checkpoint --port 0 *args as a process: yields (port, process); SIGTERM at the end,
+    which must stop it cleanly (exit status 0, nothing on stderr)."""
+    # PYTHONPATH: this checkout's megatron, whichever checkout the environment was installed from
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "tools" / "serve.py"), "--load", str(checkpoint),
+                             "--port", "0", *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving on http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        yield int(line.split(":")[2].split(" ")[0]), proc
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and stderr == "", (proc.returncode, stderr[-2000:])

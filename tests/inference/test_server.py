@@ -12,10 +12,9 @@ import pytest
 
 from megatron.inference.generation import Generator, SamplingParams
 from megatron.inference.server import ServerLimits
-from tests.conftest import REPO_ROOT
 
 from tests.checkpoint.helpers import write_random_checkpoint
-from tests.inference.server_helpers import RunningServer, request
+from tests.inference.server_helpers import RunningServer, request, serve_tool
 
 LIMITS = ServerLimits(max_prompt_tokens=20, max_new_tokens_limit=16, max_request_bytes=2048, max_prompts=4,
                       default_max_new_tokens=8)
@@ -159,18 +158,7 @@ def test_concurrent_requests_are_serialized_and_all_answered(server):
 
 
 def test_serve_tool_runs_as_a_process(checkpoint):
-    # PYTHONPATH: this checkout's megatron, whichever checkout the environment was installed from
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "tools" / "serve.py"), "--load", checkpoint, "--port", "0",
-                             "--max-new-tokens-limit", "8"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        line = ""
-        for line in proc.stdout:
-            if line.startswith("serving on"):
-                break
-        assert line.startswith("serving on http://127.0.0.1:"), line
-        port = int(line.split(":")[2].split(" ")[0])
+    with serve_tool(checkpoint, "--max-new-tokens-limit", "8", "--read-timeout", "5") as (port, _):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("POST", "/generate", body=json.dumps({"prompt": "The river", "max_new_tokens": 9}))
         response = conn.getresponse()
@@ -179,6 +167,4 @@ def test_serve_tool_runs_as_a_process(checkpoint):
         response = conn.getresponse()
         assert response.status == 200 and len(json.loads(response.read())["completions"][0]["token_ids"]) == 4
         conn.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        assert request(port, "GET", "/health")[1]["limits"]["read_timeout"] == 5.0

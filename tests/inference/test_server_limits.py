@@ -265,15 +265,17 @@ def test_clients_that_leave_early_leave_no_traceback(serve, generator, caplog):
     assert noisy == [], [(r.name, r.getMessage()) for r in noisy]
 
 
-def test_a_stream_whose_client_leaves_stops_its_generation(serve, generator, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not streamed"])
+def test_a_request_whose_client_leaves_stops_its_generation(serve, generator, monkeypatch, stream):
     running = serve()
-    gone, outcome, pieces = threading.Event(), [], []
+    generating, gone, outcome, pieces = threading.Event(), threading.Event(), [], []
     generate = generator.generate
 
     def watched_generate(prompts, params, *, on_text=None, prompt_ids=None):
         def on_piece(index, text):
             pieces.append(text)
-            if len(pieces) == 2:  # the first piece is out: let the client go, and wait until the server knows
+            if len(pieces) == 2:  # a piece is out (streamed): let the client go, and wait until the server knows
+                generating.set()
                 assert gone.wait(30)
                 deadline = time.perf_counter() + 10
                 while running.server.connections.open_connections:
@@ -287,10 +289,12 @@ def test_a_stream_whose_client_leaves_stops_its_generation(serve, generator, mon
             raise
 
     monkeypatch.setattr(generator, "generate", watched_generate)
-    body = json.dumps({"model": "m", "prompt": "The river", "max_tokens": 16, "stream": True}).encode()
+    body = json.dumps({"model": "m", "prompt": "The river", "max_tokens": 16, "stream": stream}).encode()
     with socket.create_connection(("127.0.0.1", running.port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        assert sock.recv(100).startswith(b"HTTP/1.1 200")
+        assert generating.wait(30)
+        if stream:
+            assert sock.recv(100).startswith(b"HTTP/1.1 200")
     gone.set()
     deadline = time.perf_counter() + 10
     while not outcome or request(running.port, "GET", "/health")[1]["pending_requests"]:
