@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "and to read each piece of a stream; a slower client is dropped (default 30)")
     parser.add_argument("--max-connections", type=int, default=1024,
                         help="open connections at most; one more is answered 503 and closed (default 1024)")
-    parser.add_argument("--max-queued-requests", type=int, default=64,
+    parser.add_argument("--max-pending-requests", type=int, default=64,
                         help="generation requests waiting or running at most; one more is answered 503 "
                              "(default 64)")
     parser.add_argument("--model-name", default=None,
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
                           max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
                           default_max_new_tokens=min(32, args.max_new_tokens_limit), read_timeout=args.read_timeout,
                           max_connections=args.max_connections,
-                          max_pending_requests=args.max_queued_requests).validate()
+                          max_pending_requests=args.max_pending_requests).validate()
     _allow_open_files(limits.max_connections)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

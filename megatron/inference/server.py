@@ -11,10 +11,11 @@ Why aiohttp: its server is a plain asyncio protocol whose hooks (``web.Server.co
 few lines, where uvicorn would need the same work inside its protocol classes and two more packages.
 How each limit is enforced (``ServerLimits``):
 
-- ``read_timeout``: aiohttp has no deadline for a request's headers (a client that sends half of them
-  and stalls, or trickles them, stays forever unless ``keepalive_timeout`` happens to cover it), so
-  ``_Server`` arms one per connection when it opens and after each response, disarmed when the
-  headers are complete; the body is read under ``asyncio.wait_for`` with the same timeout (408).
+- ``read_timeout``: aiohttp has no timeout for reading a request; only its idle ``keepalive_timeout``
+  (which older versions started after a first response only) closes a connection whose headers are
+  incomplete. So ``_Server`` arms its own deadline per connection when it opens and after each
+  response, disarmed when the headers are complete (a client that trickles them is dropped too); the
+  body is then read under ``asyncio.wait_for`` with the same timeout (408).
 - ``max_connections``: counted in ``_Server.connection_made``; one more gets a canned 503 and is
   closed at once, before any parsing. The listen backlog is sized for bursts of connections.
 - ``max_request_bytes``: a Content-Length over it is a 413 before a byte of the body is read; a chunked

@@ -145,6 +145,21 @@ def test_a_stalled_body_is_answered_408_after_the_read_timeout(serve):
     # Headers that never finish get no answer at all: the connection is closed after the read timeout.
     reply, _, closed = _raw_exchange(running.port, b"GET /health HTTP/1.1\r\nHost: x\r\n")
     assert reply == b"" and timeout <= closed < timeout + 1, (reply, closed)
+    # Nor do headers trickled a line every 0.2 s (a slowloris): the deadline is not moved by each byte.
+    with socket.create_connection(("127.0.0.1", running.port), timeout=10) as sock:
+        start = time.perf_counter()
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+        selector = selectors.DefaultSelector()
+        selector.register(sock, selectors.EVENT_READ)
+        try:
+            while not selector.select(timeout=0.2):  # nothing from the server yet: one more header line
+                sock.sendall(b"X-Slow: y\r\n")
+                assert time.perf_counter() - start < 3 * timeout
+            assert sock.recv(100) == b""
+        except (ConnectionResetError, BrokenPipeError):  # closed while a line was on its way: closed all the same
+            pass
+        closed = time.perf_counter() - start
+    assert timeout <= closed < timeout + 1, closed
 
 
 def test_connections_over_the_cap_are_answered_503_and_closed_at_once(serve):
