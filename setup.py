@@ -29,7 +29,8 @@ setup(
     packages=find_packages(include=["megatron", "megatron.*"]),
     python_requires=">=3.10",
     install_requires=read_requirements(),
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "hypothesis"]},
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "hypothesis",
+                             "openai>=1.0"]},  # the real client, against /v1/completions
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     zip_safe=False,

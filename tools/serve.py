@@ -1,18 +1,22 @@
 #!/usr/bin/env python
-"""Serve text generation from a training checkpoint over HTTP (standard library only).
+"""Serve text generation from a training checkpoint over HTTP (aiohttp, one event loop, one generation thread).
 
     python tools/serve.py --load CKPT [--host 127.0.0.1] [--port 8000]
     curl -s localhost:8000/generate -d '{"prompt": "The river", "max_new_tokens": 16, "greedy": true}'
+    curl -s localhost:8000/v1/completions -d '{"model": "m", "prompt": "The river", "max_tokens": 16, "temperature": 0}'
     curl -s localhost:8000/health
 
 POST /generate takes {"prompt": str or [str], "max_new_tokens", "greedy", "temperature", "top_k",
-"top_p", "seed"} and answers {"completions": [...]} with the objects tools/generate.py writes.
-Bad requests get a JSON error with 400 / 413 (too large) / 404 / 405; requests are served by
-threads, generation one at a time. Binds 127.0.0.1 unless --host says otherwise. The work is in
-``megatron.inference.server``.
+"top_p", "seed"} and answers {"completions": [...]} with the objects tools/generate.py writes;
+POST /v1/completions is OpenAI's completions API (streaming included). Bad requests get a JSON
+error (400, 408 too slow, 411, 413 too large, 404, 405, 503 too busy); generation runs one request
+at a time off the event loop. Binds 127.0.0.1 unless --host says otherwise. The work is in
+``megatron.inference.server`` (docs/serving.md).
 """
 
 import argparse
+import os
+import resource
 
 from megatron.cli import add_model_args, load_generator
 
@@ -25,27 +29,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-new-tokens-limit", type=int, default=256)
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20)
-    parser.add_argument("--max-prompts", type=int, default=16, help="prompts per request")
+    parser.add_argument("--max-prompts", type=int, default=16, help="prompts per request (x n for /v1/completions)")
+    parser.add_argument("--read-timeout", type=float, default=30.0,
+                        help="seconds a client has to send a request's headers, then as many for its body, "
+                             "and to read each piece of a stream; a slower client is dropped (default 30)")
+    parser.add_argument("--max-connections", type=int, default=1024,
+                        help="open connections at most; one more is answered 503 and closed (default 1024)")
+    parser.add_argument("--max-pending-requests", type=int, default=64,
+                        help="generation requests waiting or running at most; one more is answered 503 "
+                             "(default 64)")
+    parser.add_argument("--model-name", default=None,
+                        help="the model's name in /v1/completions replies (default: the --load folder's name)")
     parser.add_argument("--verbose", action="store_true", help="log every request")
     return parser.parse_args(argv)
 
 
+def _allow_open_files(max_connections: int) -> None:
+    """Raise the soft limit on open files to hold every connection (plus the model's files and some margin)."""
+    needed = max_connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            raise ValueError(f"--max-connections {max_connections} needs {needed} open files; this process may "
+                             f"open {hard} (ulimit -Hn): lower --max-connections or raise the limit")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
 def main(argv=None) -> int:
+    import logging
+
     from megatron.inference.server import ServerLimits, make_server
 
     args = parse_args(argv)
     limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
                           max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
-                          default_max_new_tokens=min(32, args.max_new_tokens_limit)).validate()
-    server = make_server(load_generator(args), limits, args.host, args.port, verbose=args.verbose)
-    host, port = server.server_address[:2]
-    print(f"serving on http://{host}:{port} (POST /generate, GET /health)", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+                          default_max_new_tokens=min(32, args.max_new_tokens_limit), read_timeout=args.read_timeout,
+                          max_connections=args.max_connections,
+                          max_pending_requests=args.max_pending_requests).validate()
+    _allow_open_files(limits.max_connections)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_name = args.model_name or os.path.basename(os.path.normpath(args.load))
+    server = make_server(load_generator(args), limits, args.host, args.port, verbose=args.verbose,
+                         model_name=model_name)
+    server.serve_forever(on_started=lambda s: print(
+        f"serving on http://{s.host}:{s.port} (POST /generate, POST /v1/completions, GET /health)", flush=True))
     return 0
 
 

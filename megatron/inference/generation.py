@@ -6,13 +6,19 @@
 
 Each prompt is decoded on its own (batch 1): the prompt goes through the model once, filling one
 KV cache per layer, then every new token is a one-position forward that attends to the cache.
-Generation stops after ``max_new_tokens`` or when the end-of-document token is produced (it is
-kept as the last id of ``token_ids`` and left out of ``text``). Only real vocabulary ids are ever
-produced: the padding rows of the embedding (ids >= original_vocab_size) are masked.
+Generation stops after ``max_new_tokens``, when the end-of-document token is produced (it is
+kept as the last id of ``token_ids`` and left out of ``text``), or when the text contains one of
+``stop`` (the text is cut before it; ``token_ids`` keep the token that completed it). Only real
+vocabulary ids are ever produced: the padding rows of the embedding (ids >= original_vocab_size)
+are masked. ``on_text(index, piece)`` receives the text while it is generated, in pieces that later
+tokens cannot change (a character whose bytes are not all out yet, or a possible start of a stop
+string, is held back): the pieces of a prompt add up to its final ``text``.
 
 Sampling: logits / temperature, then keep the ``top_k`` largest (0: all), then the smallest set
-whose probability reaches ``top_p`` (1.0: all), then draw from a ``torch.Generator`` seeded with
-``seed``: the same seed gives the same text.
+whose probability reaches ``top_p`` (1.0: all; the most likely token always stays), then draw from
+a ``torch.Generator`` seeded with ``seed``: the same seed gives the same text. The logits are fp32:
+a temperature below ``MIN_TEMPERATURE`` is refused, as logits / 1e-300 overflow to +-inf (and the
+softmax of those is NaN).
 
 Shape letters: s sequence, b micro-batch, h hidden, v vocabulary (unpadded), vp padded vocabulary.
 """
@@ -20,7 +26,8 @@ Shape letters: s sequence, b micro-batch, h hidden, v vocabulary (unpadded), vp 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+import math
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -29,10 +36,11 @@ from megatron.data.tokenizers import build_tokenizer
 from megatron.checkpoint.merge import load_full_state_dict
 from megatron.model import GPTModel
 
-__all__ = ["SamplingParams", "Completion", "Generator", "sample_next_token", "generate_token_ids",
-           "tokenizer_from_record", "DTYPES"]
+__all__ = ["SamplingParams", "Completion", "Generator", "StreamingText", "sample_next_token", "generate_token_ids",
+           "tokenizer_from_record", "DTYPES", "MIN_TEMPERATURE"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIN_TEMPERATURE = 1e-4  # far below it sampling is argmax in all but name; at 1e-300 the fp32 logits overflow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +53,15 @@ class SamplingParams:
     top_k: int = 0                 # keep the k most likely tokens; 0 keeps all
     top_p: float = 1.0             # keep the smallest set with this total probability; 1.0 keeps all
     seed: Optional[int] = None     # seed of the sampling generator; None: torch's default generator
+    stop: tuple[str, ...] = ()     # generation ends once the text contains one of these (the text is cut before it)
 
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) \
                 or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (use greedy for argmax decoding), got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not MIN_TEMPERATURE <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= {MIN_TEMPERATURE} (use greedy for argmax "
+                             f"decoding), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -59,6 +69,8 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2 ** 63):
             raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
         return self
 
 
@@ -68,7 +80,7 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]           # the generated ids only (ending with the end-of-document id if it was produced)
     text: str                      # the generated text (without the end-of-document token)
-    finish_reason: str             # 'eod' or 'length'
+    finish_reason: str             # 'eod', 'length' or 'stop' (a stop string)
 
     def to_json(self) -> dict:
         return {"prompt": self.prompt, "token_ids": list(self.token_ids), "text": self.text,
@@ -89,6 +101,8 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams,
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)  # [v]
         # drop a token when the ones before it already reach top_p (the most likely one always stays)
         drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+        # ... even when top_p is below fp32's smallest number (1e-300 compares as 0 >= 0)
+        drop_sorted[0] = False
         logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # [v]
     return int(torch.multinomial(probs, 1, generator=generator).item())
@@ -97,9 +111,11 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams,
 @torch.inference_mode()
 def generate_token_ids(model: GPTModel, prompt_ids: Sequence[int], params: SamplingParams, *, vocab_size: int,
                        eod: Optional[int], generator: Optional[torch.Generator] = None,
-                       use_cache: bool = True) -> tuple[list[int], str]:
+                       use_cache: bool = True,
+                       on_token: Optional[Callable[[int], bool]] = None) -> tuple[list[int], str]:
     """(generated ids, finish reason) for one prompt. ``use_cache=False`` recomputes the whole sequence
-    every step (the reference the cached path must equal)."""
+    every step (the reference the cached path must equal). ``on_token(id)`` sees every new id but the
+    end-of-document one; when it returns True generation ends there, with finish reason 'stop'."""
     if not prompt_ids:
         raise ValueError("the prompt has no tokens; give at least one")
     device = next(model.parameters()).device
@@ -113,6 +129,8 @@ def generate_token_ids(model: GPTModel, prompt_ids: Sequence[int], params: Sampl
         generated.append(token)
         if token == eod:
             return generated, "eod"
+        if on_token is not None and on_token(token):
+            return generated, "stop"
         sequence.append(token)
         if use_cache:
             step_input = torch.tensor([[token]], dtype=torch.long, device=device)  # [1, 1]
@@ -166,9 +184,13 @@ class Generator:
             raise ValueError(f"prompt of {num_prompt_tokens} tokens + max_new_tokens {max_new_tokens} exceeds the "
                              f"model's {limit} learned positions; shorten the prompt or lower max_new_tokens")
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: Sequence[str], params: SamplingParams, *,
+                 on_text: Optional[Callable[[int, str], None]] = None,
+                 prompt_ids: Optional[Sequence[Sequence[int]]] = None) -> list[Completion]:
+        """One completion per prompt. ``on_text(index, piece)``: the text of prompt ``index`` as it is
+        generated (an exception it raises ends the generation). ``prompt_ids``: the prompts already tokenized."""
         params.validate()
-        encoded = [self.tokenizer.tokenize(prompt) for prompt in prompts]
+        encoded = [self.tokenizer.tokenize(prompt) for prompt in prompts] if prompt_ids is None else prompt_ids
         for ids in encoded:
             self.check_length(len(ids), params.max_new_tokens)
         generator = None
@@ -176,9 +198,62 @@ class Generator:
             generator = torch.Generator().manual_seed(params.seed)
         eod = getattr(self.tokenizer, "eod", None)
         completions = []
-        for prompt, ids in zip(prompts, encoded):
+        for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+            # Following the text token by token costs a detokenize per token: only when it is needed.
+            text = StreamingText(self.tokenizer, params.stop) if params.stop or on_text is not None else None
+
+            def on_token(token: int) -> bool:
+                stopped = text.add(token)
+                if on_text is not None and (piece := text.take()):
+                    on_text(index, piece)
+                return stopped
+
             generated, reason = generate_token_ids(self.model, ids, params, vocab_size=self.vocab_size, eod=eod,
-                                                   generator=generator)
-            text_ids = generated[:-1] if reason == "eod" else generated
-            completions.append(Completion(prompt, list(ids), generated, self.tokenizer.detokenize(text_ids), reason))
+                                                   generator=generator, on_token=on_token if text else None)
+            if text is None:
+                final = self.tokenizer.detokenize(generated[:-1] if reason == "eod" else generated)
+            else:
+                final = text.text
+                if on_text is not None and (piece := text.take(final=True)):
+                    on_text(index, piece)
+            completions.append(Completion(prompt, list(ids), generated, final, reason))
         return completions
+
+
+class StreamingText:
+    """The text of a growing list of generated ids, cut before the first stop string, handed out in pieces.
+
+    ``take()`` gives the text not handed out yet that no later token can change: it holds back a trailing
+    U+FFFD (a character whose bytes are split over tokens decodes to it until its last byte comes) and a
+    trailing piece that could be the start of a stop string. ``take(final=True)`` gives the rest.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._ids: list[int] = []
+        self._taken = 0           # characters of self.text handed out
+        self.text = ""
+        self.stopped = False
+
+    def add(self, token: int) -> bool:
+        """Append one id; True once the text holds a stop string (it is then cut before it)."""
+        self._ids.append(token)
+        text = self._tokenizer.detokenize(self._ids)
+        cuts = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        if cuts:
+            text, self.stopped = text[:min(cuts)], True
+        self.text = text
+        return self.stopped
+
+    def take(self, final: bool = False) -> str:
+        end = len(self.text)
+        if not (final or self.stopped):
+            while end > self._taken and self.text[end - 1] == "\ufffd":
+                end -= 1
+            held = max((k for s in self._stop for k in range(1, len(s)) if self.text.endswith(s[:k], 0, end)),
+                       default=0)
+            end -= held
+        piece = self.text[self._taken:end] if end > self._taken else ""
+        self._taken = max(self._taken, end)
+        return piece

@@ -1,217 +1,296 @@
-"""A small HTTP text-generation server on the standard library (no extra dependencies).
+"""The HTTP text-generation server, on aiohttp's low-level server (one event loop, no thread per connection).
 
-    POST /generate  {"prompt": str | [str, ...], "max_new_tokens": int, "greedy": bool, "temperature": float,
-                     "top_k": int, "top_p": float, "seed": int}
-                    -> 200 {"completions": [{"prompt", "token_ids", "text", "finish_reason", ...}, ...]}
-    GET  /health    -> 200 {"status": "ok", ...}
+    POST /generate        {"prompt": str | [str, ...], "max_new_tokens": int, "greedy": bool, "temperature": float,
+                           "top_k": int, "top_p": float, "seed": int}
+                          -> 200 {"completions": [{"prompt", "token_ids", "text", "finish_reason", ...}, ...]}
+    POST /v1/completions  OpenAI's completions API (``megatron.inference.openai_api``)
+    GET  /health          -> 200 {"status": "ok", ...}
 
-Errors are JSON {"error": message, "status": code} with 400 (malformed JSON, wrong types, invalid
-values, an empty prompt), 411 (no Content-Length), 413 (a body over ``max_request_bytes``, a prompt
-over ``max_prompt_tokens``, more new tokens than ``max_new_tokens_limit``, too many prompts), 404
-(unknown path), 405 (wrong method), or 500 (a failure inside generation; logged). Generation
-runs under one lock (the model and its caches are not shared between requests); the server keeps
-serving after any bad request. It binds 127.0.0.1 unless told otherwise.
+Why aiohttp: its server is a plain asyncio protocol whose hooks (``web.Server.connection_made`` /
+``connection_lost``, the request handler's ``handle_error``) let each limit below be enforced in a
+few lines, where uvicorn would need the same work inside its protocol classes and two more packages.
+How each limit is enforced (``ServerLimits``):
+
+- ``read_timeout``: aiohttp has no timeout for reading a request; only its idle ``keepalive_timeout``
+  (which older versions started after a first response only) closes a connection whose headers are
+  incomplete. So ``_Server`` arms its own deadline per connection when it opens and after each
+  response, disarmed when the headers are complete (a client that trickles them is dropped too); the
+  body is then read under ``asyncio.wait_for`` with the same timeout (408).
+- ``max_connections``: counted in ``_Server.connection_made``; one more gets a canned 503 and is
+  closed at once, before any parsing. The listen backlog is sized for bursts of connections.
+- ``max_request_bytes``: a Content-Length over it is a 413 before a byte of the body is read; a chunked
+  body stops being read at the limit (aiohttp then reads and drops what follows for at most
+  ``read_timeout``, so the client sees the 413 instead of a reset). A prompt is counted piece by piece
+  and refused at twice ``max_prompt_tokens`` without tokenizing the rest (``validation.tokenize_prompt``).
+- Workers: generation (blocking torch work) runs on the one thread of ``GenerationWorker``, which
+  holds at most ``max_pending_requests`` (503 past it); the loop keeps serving /health meanwhile.
+
+Errors are JSON {"error": message, "status": code}: 400 (malformed HTTP or JSON, NaN / Infinity, wrong
+types, unknown fields, invalid values, lone surrogates, an empty prompt), 404, 405, 408 (body too
+slow), 411 (no Content-Length and not chunked), 413 (too large: body, prompt, max_new_tokens, prompts),
+503 (too many connections or requests), 500 only for a failure inside generation (logged once, with
+its traceback). A client that disconnects is not an error: at most one debug line. Binds 127.0.0.1
+unless told otherwise.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional
+import logging
+import signal
+import socket
+from typing import Awaitable, Callable, Optional
 
-from megatron.inference.generation import Generator, SamplingParams
+from aiohttp import web
 
-__all__ = ["ServerLimits", "RequestError", "parse_generate_request", "GenerationService", "make_server"]
+from megatron.inference import openai_api
+from megatron.inference.generation import Generator
+from megatron.inference.scheduler import Busy, GenerationWorker
+from megatron.inference.validation import (RequestError, ServerLimits, parse_generate_request,
+                                           tokenize_prompts)
 
-_DRAIN_LIMIT = 16 << 20  # bytes of an oversized body read and dropped before the 413
-_FIELDS = {"prompt", "max_new_tokens", "greedy", "temperature", "top_k", "top_p", "seed"}
+__all__ = ["ServerLimits", "RequestError", "GenerationService", "GenerationServer", "make_server"]
 
+logger = logging.getLogger(__name__)
 
-@dataclasses.dataclass(frozen=True)
-class ServerLimits:
-    max_prompt_tokens: int = 1024       # tokens of one prompt
-    max_new_tokens_limit: int = 256     # the largest max_new_tokens a request may ask for
-    max_request_bytes: int = 1 << 20    # size of a request body
-    max_prompts: int = 16               # prompts in one request
-    default_max_new_tokens: int = 32
-
-    def validate(self) -> "ServerLimits":
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{field.name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.default_max_new_tokens > self.max_new_tokens_limit:
-            raise ValueError(f"default max_new_tokens {self.default_max_new_tokens} exceeds --max-new-tokens-limit "
-                             f"{self.max_new_tokens_limit}")
-        return self
+_MAX_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 
 
-class RequestError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
+def _error_body(status: int, message: str) -> dict:
+    return {"error": message, "status": status}
 
 
-def _typed(body: dict, name: str, kinds: tuple, default: Any) -> Any:
-    if name not in body or (body[name] is None and default is None):
-        return default
-    value = body[name]
-    # bool is an int in python: refuse True where a number is meant, and numbers where a bool is.
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        names = " or ".join(k.__name__ for k in kinds)
-        raise RequestError(400, f"'{name}' must be {names}, got {type(value).__name__} {value!r}")
-    return value
+def _json_response(status: int, payload: dict, close: bool = False) -> web.Response:
+    response = web.json_response(payload, status=status)  # json.dumps escapes every non-ASCII character
+    if close:
+        response.force_close()
+    return response
 
 
-def parse_generate_request(raw: bytes, limits: ServerLimits) -> tuple[list[str], SamplingParams]:
-    """(prompts, sampling parameters) of a /generate body, or RequestError."""
+def _canned_503(message: str) -> bytes:
+    body = json.dumps(_error_body(503, message)).encode()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Retry-After: 1\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class _Protocol(web.RequestHandler):
+    """aiohttp's per-connection protocol, answering malformed HTTP with the server's JSON errors and one debug
+    line (aiohttp's own answer is text, logged with a traceback per bad client)."""
+
+    def handle_error(self, request, status: int = 500, exc: Optional[BaseException] = None,
+                     message: Optional[str] = None) -> web.StreamResponse:
+        if status >= 500:
+            logger.error("request failed", exc_info=exc)
+        else:
+            logger.debug("malformed request from %s: %s", request.remote, message or exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response has started; no error reply can follow")
+        return _json_response(status, _error_body(status, message or str(exc) or "malformed request"), close=True)
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server (the protocol factory) with a cap on open connections and a deadline for
+    the headers of each request."""
+
+    def __init__(self, handler, *, max_connections: int, read_timeout: float, **protocol_kwargs):
+        super().__init__(handler, handler_cancellation=True, **protocol_kwargs)
+        self._protocol_kwargs = protocol_kwargs
+        self._event_loop = asyncio.get_running_loop()
+        self.max_connections = max_connections
+        self.read_timeout = read_timeout
+        self.open_connections = 0
+        self.refused_connections = 0
+        self._deadlines: dict[web.RequestHandler, asyncio.TimerHandle] = {}
+        self._busy = _canned_503(f"{max_connections} connections are open (the limit); try again later")
+
+    def __call__(self) -> web.RequestHandler:
+        return _Protocol(self, loop=self._event_loop, **self._protocol_kwargs)
+
+    def connection_made(self, protocol, transport) -> None:
+        super().connection_made(protocol, transport)
+        self.open_connections += 1
+        if self.open_connections > self.max_connections:
+            self.refused_connections += 1
+            transport.write(self._busy)
+            transport.close()
+        else:
+            self._arm(protocol)
+
+    def connection_lost(self, protocol, exc=None) -> None:
+        self.open_connections -= 1
+        self.request_started(protocol)
+        super().connection_lost(protocol, exc)
+
+    def request_started(self, protocol) -> None:
+        """The headers of a request are in: no deadline while it is handled (the body has its own)."""
+        deadline = self._deadlines.pop(protocol, None)
+        if deadline is not None:
+            deadline.cancel()
+
+    def request_finished(self, protocol) -> None:
+        """Its response is written (or being written): the next request's headers have read_timeout again."""
+        if protocol.transport is not None:
+            self._arm(protocol)
+
+    def _arm(self, protocol) -> None:
+        self.request_started(protocol)
+        self._deadlines[protocol] = self._event_loop.call_later(self.read_timeout, self._expire, protocol)
+
+    def _expire(self, protocol) -> None:
+        if self._deadlines.pop(protocol, None) is not None:
+            protocol.force_close()
+
+
+async def _read_until(request: web.BaseRequest, limit: int) -> bytes:
+    body = bytearray()
+    while chunk := await request.content.readany():
+        body += chunk
+        if len(body) > limit:
+            raise RequestError(413, f"the body has more than {limit} bytes; the limit is {limit}")
+    return bytes(body)
+
+
+async def read_body(request: web.BaseRequest, limits: ServerLimits) -> bytes:
+    """The body of a request within ``max_request_bytes`` and ``read_timeout``, or RequestError."""
+    limit = limits.max_request_bytes
+    length = request.content_length
+    if length is None and "chunked" not in request.headers.get("Transfer-Encoding", "").lower():
+        raise RequestError(411, "a Content-Length header with the body size is required")
+    if length is not None and length > limit:
+        raise RequestError(413, f"the body has {length} bytes; the limit is {limit}")
     try:
-        body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise RequestError(400, f"the body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - _FIELDS)
-    if unknown:
-        raise RequestError(400, f"unknown fields {unknown}; known: {sorted(_FIELDS)}")
-    if "prompt" not in body:
-        raise RequestError(400, "'prompt' is required (a string or a list of strings)")
-    prompt = body["prompt"]
-    prompts = prompt if isinstance(prompt, list) else [prompt]
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise RequestError(400, "'prompt' must be a string or a non-empty list of strings")
-    if len(prompts) > limits.max_prompts:
-        raise RequestError(413, f"{len(prompts)} prompts in one request; the limit is {limits.max_prompts}")
-    max_new = _typed(body, "max_new_tokens", (int,), limits.default_max_new_tokens)
-    if max_new > limits.max_new_tokens_limit:
-        raise RequestError(413, f"max_new_tokens {max_new} exceeds this server's limit {limits.max_new_tokens_limit}")
-    params = SamplingParams(max_new_tokens=max_new, greedy=_typed(body, "greedy", (bool,), False),
-                            temperature=_typed(body, "temperature", (int, float), 1.0),
-                            top_k=_typed(body, "top_k", (int,), 0), top_p=_typed(body, "top_p", (int, float), 1.0),
-                            seed=_typed(body, "seed", (int,), None))
-    try:
-        params.validate()
-    except ValueError as error:
-        raise RequestError(400, str(error)) from None
-    return prompts, params
+        return await asyncio.wait_for(_read_until(request, limit), limits.read_timeout)
+    except asyncio.TimeoutError:
+        raise RequestError(408, f"the body did not arrive within {limits.read_timeout} s") from None
 
 
 class GenerationService:
-    """Validation, tokenization limits and the generation lock, independent of HTTP."""
+    """The limits, the generator and its worker: what the endpoints share, independent of aiohttp."""
 
-    def __init__(self, generator: Generator, limits: ServerLimits):
+    def __init__(self, generator: Generator, limits: ServerLimits, model_name: str = "megatron"):
         self.generator = generator
         self.limits = limits.validate()
-        self.lock = threading.Lock()
+        self.model_name = model_name
+        self.worker = GenerationWorker(generator, limits.max_pending_requests)
 
-    def generate(self, raw: bytes) -> dict:
+    async def generate(self, raw: bytes) -> dict:
         prompts, params = parse_generate_request(raw, self.limits)
-        for prompt in prompts:
-            n = len(self.generator.tokenizer.tokenize(prompt))
-            if n > self.limits.max_prompt_tokens:
-                raise RequestError(413, f"a prompt has {n} tokens; the limit is {self.limits.max_prompt_tokens}")
-            try:
-                self.generator.check_length(n, params.max_new_tokens)
-            except ValueError as error:
-                raise RequestError(400, str(error)) from None
-        with self.lock:
-            completions = self.generator.generate(prompts, params)
+        prompt_ids = tokenize_prompts(self.generator, prompts, self.limits, params.max_new_tokens)
+        completions = await self.worker.generate(prompts, params, prompt_ids)
         return {"completions": [c.to_json() for c in completions]}
 
     def health(self) -> dict:
         c = self.generator.config
         return {"status": "ok", "num_layers": c.num_layers, "hidden_size": c.hidden_size,
-                "vocab_size": self.generator.vocab_size, "limits": dataclasses.asdict(self.limits)}
+                "vocab_size": self.generator.vocab_size, "pending_requests": self.worker.pending,
+                "limits": dataclasses.asdict(self.limits)}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    service: GenerationService  # set on the subclass make_server creates
-    protocol_version = "HTTP/1.1"
+@dataclasses.dataclass(frozen=True)
+class _Path:
+    methods: dict[str, Callable[[web.BaseRequest, bytes], Awaitable[web.StreamResponse]]]
+    error: Callable[[RequestError], web.Response]  # the endpoint's error shape
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
-        if getattr(self.server, "verbose", False):
-            super().log_message(format, *args)
 
-    def log_error(self, format: str, *args) -> None:  # noqa: A002
-        super().log_message(format, *args)  # errors are always logged (stderr)
+class GenerationServer:
+    """The HTTP server: ``await start()`` / ``await stop()`` on a running loop, or ``serve_forever()``."""
 
-    def _reply(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    def __init__(self, generator: Generator, limits: ServerLimits, host: str = "127.0.0.1", port: int = 8000,
+                 verbose: bool = False, model_name: str = "megatron"):
+        self.service = GenerationService(generator, limits, model_name)
+        self.limits = self.service.limits
+        self.host, self.port, self.verbose = host, port, verbose
+        self.connections: Optional[_Server] = None
+        self._runner: Optional[web.ServerRunner] = None
+        plain = self._plain_error
+        self._paths = {"/generate": _Path({"POST": self._generate}, plain),
+                       "/health": _Path({"GET": self._health}, plain),
+                       "/v1/completions": _Path({"POST": self._completions}, openai_api.error_response)}
 
-    def _error(self, status: int, message: str, close: bool = False) -> None:
-        if close:
-            self.close_connection = True
-        self._reply(status, {"error": message, "status": status})
+    @staticmethod
+    def _plain_error(error: RequestError) -> web.Response:
+        return _json_response(error.status, _error_body(error.status, error.message),
+                              close=error.status in (405, 408, 411, 413))
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        if self.path == "/health":
-            self._reply(200, self.service.health())
-        elif self.path == "/generate":
-            self._error(405, "use POST for /generate")
-        else:
-            self._error(404, f"unknown path {self.path!r}; use POST /generate or GET /health")
+    async def start(self) -> None:
+        self.connections = _Server(self._dispatch, max_connections=self.limits.max_connections,
+                                   read_timeout=self.limits.read_timeout, keepalive_timeout=self.limits.read_timeout,
+                                   lingering_time=self.limits.read_timeout,
+                                   access_log=logging.getLogger("aiohttp.access") if self.verbose else None)
+        self._runner = web.ServerRunner(self.connections)
+        await self._runner.setup()
+        backlog = min(self.limits.max_connections, _MAX_BACKLOG)
+        sock = socket.create_server((self.host, self.port), backlog=backlog)
+        await web.SockSite(self._runner, sock, backlog=backlog).start()
+        self.host, self.port = sock.getsockname()[:2]
 
-    def do_POST(self) -> None:  # noqa: N802
-        raw = self._read_body()  # read first: answering before the body arrives can reset the connection
-        if raw is None:
-            return
-        if self.path == "/health":
-            return self._error(405, "use GET for /health")
-        if self.path != "/generate":
-            return self._error(404, f"unknown path {self.path!r}; use POST /generate or GET /health")
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.service.worker.close()
+
+    def serve_forever(self, on_started: Callable[["GenerationServer"], None] = lambda server: None) -> None:
+        """Serve until SIGINT or SIGTERM."""
+        async def serve() -> None:
+            stopped = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, stopped.set)
+            await self.start()
+            on_started(self)
+            try:
+                await stopped.wait()
+            finally:
+                await self.stop()
+
+        asyncio.run(serve())
+
+    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        self.connections.request_started(request.protocol)
         try:
-            self._reply(200, self.service.generate(raw))
+            return await self._respond(request)
+        finally:
+            self.connections.request_finished(request.protocol)
+
+    async def _respond(self, request: web.BaseRequest) -> web.StreamResponse:
+        path = self._paths.get(request.path)
+        if path is None:
+            return self._plain_error(RequestError(404, f"unknown path {request.path!r:.200}; use POST /generate, "
+                                                       f"POST /v1/completions or GET /health"))
+        handler = path.methods.get(request.method)
+        try:
+            if handler is None:
+                raise RequestError(405, f"method {request.method} is not supported for {request.path}; use "
+                                        f"{' or '.join(path.methods)}")
+            raw = await read_body(request, self.limits) if request.method == "POST" else b""
+            return await handler(request, raw)
         except RequestError as error:
-            self._error(error.status, error.message)
-        except Exception as error:  # noqa: BLE001 - answer, log, and keep serving
-            self.log_error("generation failed: %r", error)
-            self._error(500, f"internal error: {type(error).__name__}: {error}")
+            return path.error(error)
+        except Busy as error:
+            return path.error(RequestError(503, str(error)))
+        except ConnectionError:  # the client left while its body was read or its answer streamed
+            logger.debug("client %s disconnected during %s %s", request.remote, request.method, request.path)
+            return _json_response(400, _error_body(400, "the client disconnected"), close=True)  # never delivered
+        except Exception as error:  # noqa: BLE001 - answer, log once, and keep serving
+            logger.exception("generation failed for %s %s", request.method, request.path)
+            return path.error(RequestError(500, f"internal error: {type(error).__name__}: {error}"))
 
-    def _read_body(self) -> Optional[bytes]:
-        length = self.headers.get("Content-Length")
-        try:
-            length = int(length)
-        except (TypeError, ValueError):
-            self._error(411, "a Content-Length header with the body size is required", close=True)
-            return None
-        limit = self.service.limits.max_request_bytes
-        if length < 0:
-            self._error(400, f"Content-Length {length} is negative", close=True)
-            return None
-        if length > limit:
-            # Read (and drop) a moderately oversized body before answering: closing a socket with
-            # unread data makes the kernel reset the connection, and the client would never see the
-            # 413. Beyond _DRAIN_LIMIT, answer and close without reading it.
-            if 0 < length <= _DRAIN_LIMIT:
-                while length > 0:
-                    chunk = self.rfile.read(min(length, 1 << 16))
-                    if not chunk:  # the client stopped sending
-                        break
-                    length -= len(chunk)
-            self._error(413, f"the body has {self.headers.get('Content-Length')} bytes; the limit is {limit}",
-                        close=True)
-            return None
-        return self.rfile.read(length)
+    async def _generate(self, request: web.BaseRequest, raw: bytes) -> web.Response:
+        return _json_response(200, await self.service.generate(raw))
 
-    def _unsupported(self) -> None:
-        self._error(405, f"method {self.command} is not supported; use POST /generate or GET /health", close=True)
+    async def _health(self, request: web.BaseRequest, raw: bytes) -> web.Response:
+        reply = self.service.health()
+        reply["open_connections"] = self.connections.open_connections
+        return _json_response(200, reply)
 
-    do_PUT = do_DELETE = do_PATCH = _unsupported
+    async def _completions(self, request: web.BaseRequest, raw: bytes) -> web.StreamResponse:
+        return await openai_api.completions(self.service, request, raw)
 
 
 def make_server(generator: Generator, limits: ServerLimits, host: str = "127.0.0.1", port: int = 8000,
-                verbose: bool = False) -> ThreadingHTTPServer:
-    """A ThreadingHTTPServer bound to (host, port) (port 0: any free one); call ``serve_forever()``."""
-    handler = type("GenerationHandler", (_Handler,), {"service": GenerationService(generator, limits)})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    server.verbose = verbose
-    return server
+                verbose: bool = False, model_name: str = "megatron") -> GenerationServer:
+    """A GenerationServer for (host, port) (port 0: any free one, in ``.port`` once started)."""
+    return GenerationServer(generator, limits, host, port, verbose, model_name)

@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from megatron.inference.generation import (Generator, SamplingParams, generate_token_ids, sample_next_token,
-                                           tokenizer_from_record)
+from megatron.inference.generation import (MIN_TEMPERATURE, Generator, SamplingParams, StreamingText,
+                                           generate_token_ids, sample_next_token, tokenizer_from_record)
 from megatron.model import GPTModel
 
 from tests.checkpoint.helpers import random_state_dict, tiny_model_config, tokenizer_record
@@ -111,10 +111,74 @@ def test_top_k_and_top_p_keep_exactly_the_expected_tokens():
 @pytest.mark.parametrize("fields,match", [
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=True), "max_new_tokens"),
     (dict(temperature=0.0), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(seed=-1), "seed"), (dict(seed=1.5), "seed")])
+    (dict(top_p=1.5), "top_p"), (dict(seed=-1), "seed"), (dict(seed=1.5), "seed"),
+    (dict(temperature=1e-300), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(top_p=float("nan")), "top_p"),
+    (dict(stop=("",)), "stop"), (dict(stop="ab"), "stop")])
 def test_invalid_sampling_parameters_are_refused(fields, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**fields).validate()
+
+
+def test_tiny_temperature_and_top_p_are_sane_at_the_edge_of_fp32():
+    # logits / 1e-300 overflow to +-inf in fp32 (a NaN softmax): such a temperature is refused; the smallest
+    # accepted one behaves as argmax. A top_p of 1e-300 is 0 in fp32: the most likely token still stays.
+    logits = torch.log(torch.tensor([0.05, 0.5, 0.15, 0.3]))
+    generator = torch.Generator().manual_seed(0)
+    for params in (SamplingParams(1, temperature=MIN_TEMPERATURE), SamplingParams(1, top_p=1e-300),
+                   SamplingParams(1, top_p=5e-324, temperature=3.0)):
+        assert {sample_next_token(logits, params.validate(), generator) for _ in range(50)} == {1}, params
+
+
+class _Chars:
+    """A tokenizer whose ids are characters (id = code point), for exact expectations about text."""
+    eod = None
+
+    def tokenize(self, text):
+        return [ord(c) for c in text]
+
+    def detokenize(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_streaming_text_cuts_at_a_stop_string_and_holds_back_what_may_still_change():
+    text = StreamingText(_Chars(), stop=("END", "\n\n"))
+    pieces = []
+    for char in "ab\nc E":
+        assert not text.add(ord(char))
+        pieces.append(text.take())
+    assert pieces == ["a", "b", "", "\nc", " ", ""]  # "\n" and "E" may start a stop string: held back
+    assert not text.add(ord("N")) and text.take() == ""
+    assert text.add(ord("D")) and text.text == "ab\nc " and text.stopped
+    assert text.take() == "" and text.take(final=True) == ""
+    # A character whose bytes are not all out decodes to U+FFFD: held back until it is complete.
+    text = StreamingText(_Chars())
+    text.add(ord("x")), text.add(0xFFFD)
+    assert text.take() == "x" and text.take(final=True) == "\ufffd"
+
+
+def test_stop_strings_and_streamed_text_through_the_generator(tiny_corpus):
+    model = _model()
+    tokenizer = tokenizer_from_record(tokenizer_record(tiny_corpus))
+    generator = Generator(model, tokenizer, model.config)
+    prompts = ["The river", "Model data"]
+    free = generator.generate(prompts, SamplingParams(max_new_tokens=12, greedy=True))
+    pieces = {0: [], 1: []}
+    streamed = generator.generate(prompts, SamplingParams(max_new_tokens=12, greedy=True),
+                                  on_text=lambda index, piece: pieces[index].append(piece))
+    assert [c.to_json() for c in streamed] == [c.to_json() for c in free]
+    assert ["".join(pieces[i]) for i in (0, 1)] == [c.text for c in free]
+    assert len(pieces[0]) > 1  # given while generating, not in one piece at the end
+    # A stop string taken from the middle of the free text: the text ends right before it.
+    whole = free[0].text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 3]
+    [cut] = generator.generate(prompts[:1], SamplingParams(max_new_tokens=12, greedy=True, stop=(stop,)))
+    assert cut.finish_reason == "stop" and cut.text == whole[:whole.index(stop)]
+    assert cut.token_ids == free[0].token_ids[:len(cut.token_ids)] and len(cut.token_ids) < 12
+    pieces = {0: []}
+    generator.generate(prompts[:1], SamplingParams(max_new_tokens=12, greedy=True, stop=(stop,)),
+                       on_text=lambda index, piece: pieces[index].append(piece))
+    assert "".join(pieces[0]) == cut.text
 
 
 def test_learned_positions_limit_prompt_plus_new_tokens(tiny_corpus):

@@ -11,10 +11,10 @@ import threading
 import pytest
 
 from megatron.inference.generation import Generator, SamplingParams
-from megatron.inference.server import ServerLimits, make_server
-from tests.conftest import REPO_ROOT
+from megatron.inference.server import ServerLimits
 
 from tests.checkpoint.helpers import write_random_checkpoint
+from tests.inference.server_helpers import RunningServer, request, serve_tool
 
 LIMITS = ServerLimits(max_prompt_tokens=20, max_new_tokens_limit=16, max_request_bytes=2048, max_prompts=4,
                       default_max_new_tokens=8)
@@ -28,26 +28,19 @@ def checkpoint(tmp_path_factory, tiny_corpus):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
-    generator = Generator.from_checkpoint(checkpoint)
-    httpd = make_server(generator, LIMITS, "127.0.0.1", 0)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield httpd, generator
-    httpd.shutdown()
-    httpd.server_close()
+def generator(checkpoint):
+    return Generator.from_checkpoint(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def server(generator):
+    running = RunningServer(generator, LIMITS)
+    yield running, generator
+    running.close()
 
 
 def _request(server, method, path, body=None, raw=None, headers=None):
-    httpd, _ = server
-    conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=60)
-    try:
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        conn.request(method, path, body=data, headers=headers or {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
+    return request(server[0].port, method, path, body=body, raw=raw, headers=headers)
 
 
 def _good(server):
@@ -88,6 +81,28 @@ BAD_REQUESTS = [
     ("too many new tokens", dict(body={"prompt": "a", "max_new_tokens": 17}), 413, "limit 16"),
     ("too many prompts", dict(body={"prompt": ["a"] * 5}), 413, "limit is 4"),
     ("body over the byte limit", dict(raw=json.dumps({"prompt": "x" * 5000}).encode()), 413, "limit is 2048"),
+    # Each of these was a 500 (issue 11): a lone surrogate cannot be tokenized, and at 1e-300 the fp32
+    # logits / temperature overflow to +-inf. The JSON module alone also lets through NaN, Infinity,
+    # 1e999 (inf) and deep nesting (a RecursionError); ints of 5000 digits: tests/inference/test_validation.py.
+    ("lone surrogate", dict(raw=b'{"prompt": "The \\ud800 river"}'), 400, "not valid Unicode"),
+    ("lone surrogate in a list", dict(raw=b'{"prompt": ["a", "\\udfff"]}'), 400, "prompt 1 is not valid Unicode"),
+    ("temperature 1e-300", dict(body={"prompt": "a", "temperature": 1e-300}), 400, "temperature must be"),
+    ("NaN", dict(raw=b'{"prompt": "a", "temperature": NaN}'), 400, "NaN is not a JSON number"),
+    ("Infinity", dict(raw=b'{"prompt": "a", "top_p": Infinity}'), 400, "Infinity is not a JSON number"),
+    ("-Infinity", dict(raw=b'{"prompt": "a", "temperature": -Infinity}'), 400, "-Infinity is not a JSON number"),
+    ("1e999", dict(raw=b'{"prompt": "a", "temperature": 1e999}'), 400, "out of range"),
+    ("deep nesting", dict(raw=b"[" * 1000 + b"]" * 1000), 400, "nested too deeply"),
+    ("not UTF-8", dict(raw=b'{"prompt": "\xff"}'), 400, "not valid JSON"),
+    ("empty body", dict(raw=b""), 400, "not valid JSON"),
+    ("null prompt", dict(body={"prompt": None}), 400, "'prompt' must be"),
+    ("prompt list with a number", dict(body={"prompt": ["a", 3]}), 400, "'prompt' must be"),
+    ("temperature as string", dict(body={"prompt": "a", "temperature": "hot"}), 400, "'temperature' must be"),
+    ("top_k as float", dict(body={"prompt": "a", "top_k": 2.5}), 400, "'top_k' must be int"),
+    ("negative top_k", dict(body={"prompt": "a", "top_k": -1}), 400, "top_k"),
+    ("seed as list", dict(body={"prompt": "a", "seed": [1]}), 400, "'seed' must be int"),
+    ("negative seed", dict(body={"prompt": "a", "seed": -3}), 400, "seed"),
+    ("huge max_new_tokens", dict(body={"prompt": "a", "max_new_tokens": 10 ** 30}), 413, "limit 16"),
+    ("a prompt far over the token limit", dict(body={"prompt": "word " * 400}), 413, "the limit is 20"),
 ]
 
 
@@ -99,6 +114,13 @@ def test_bad_requests_get_json_errors_and_the_server_keeps_serving(server, name,
     _good(server)
 
 
+def test_a_top_p_below_fp32s_range_keeps_the_most_likely_token(server):
+    # top_p=1e-300 compares as 0 in fp32; it was a 500 (every token dropped). It now means argmax.
+    greedy = _request(server, "POST", "/generate", {"prompt": "The river", "max_new_tokens": 6, "greedy": True})
+    tiny = _request(server, "POST", "/generate", {"prompt": "The river", "max_new_tokens": 6, "top_p": 1e-300})
+    assert tiny[0] == 200 and tiny[1]["completions"][0]["token_ids"] == greedy[1]["completions"][0]["token_ids"]
+
+
 def test_wrong_paths_and_methods(server):
     assert _request(server, "GET", "/nowhere")[0] == 404
     assert _request(server, "POST", "/nowhere", {"prompt": "a"})[0] == 404
@@ -106,7 +128,7 @@ def test_wrong_paths_and_methods(server):
     assert _request(server, "POST", "/health", {})[0] == 405
     assert _request(server, "DELETE", "/generate")[0] == 405
     # A POST without Content-Length (raw socket: http.client would add one).
-    with socket.create_connection(("127.0.0.1", server[0].server_address[1]), timeout=60) as sock:
+    with socket.create_connection(("127.0.0.1", server[0].port), timeout=60) as sock:
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: localhost\r\n\r\n")
         reply = sock.makefile("rb").readline()
     assert reply.split()[1] == b"411", reply
@@ -117,7 +139,7 @@ def test_a_failure_inside_generation_is_a_500_and_the_server_keeps_serving(serve
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
 
-    monkeypatch.setattr(server[0].RequestHandlerClass.service.generator, "generate", broken)
+    monkeypatch.setattr(server[0].server.service.generator, "generate", broken)
     status, reply = _request(server, "POST", "/generate", {"prompt": "The river"})
     assert status == 500 and "out of memory (simulated)" in reply["error"]
     monkeypatch.undo()
@@ -136,17 +158,7 @@ def test_concurrent_requests_are_serialized_and_all_answered(server):
 
 
 def test_serve_tool_runs_as_a_process(checkpoint):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "tools" / "serve.py"), "--load", checkpoint, "--port", "0",
-                             "--max-new-tokens-limit", "8"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        line = ""
-        for line in proc.stdout:
-            if line.startswith("serving on"):
-                break
-        assert line.startswith("serving on http://127.0.0.1:"), line
-        port = int(line.split(":")[2].split(" ")[0])
+    with serve_tool(checkpoint, "--max-new-tokens-limit", "8", "--read-timeout", "5") as (port, _):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("POST", "/generate", body=json.dumps({"prompt": "The river", "max_new_tokens": 9}))
         response = conn.getresponse()
@@ -155,6 +167,4 @@ def test_serve_tool_runs_as_a_process(checkpoint):
         response = conn.getresponse()
         assert response.status == 200 and len(json.loads(response.read())["completions"][0]["token_ids"]) == 4
         conn.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        assert request(port, "GET", "/health")[1]["limits"]["read_timeout"] == 5.0

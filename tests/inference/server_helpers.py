@@ -1,0 +1,66 @@
+"""A GenerationServer on an event loop of its own thread, and a blocking client, for the server tests."""
+
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+
+from megatron.inference.server import make_server
+from tests.conftest import REPO_ROOT
+
+
+class RunningServer:
+    """``make_server(...)`` started on a background event loop; ``close()`` stops it."""
+
+    def __init__(self, generator, limits, **kwargs):
+        self.server = make_server(generator, limits, "127.0.0.1", 0, **kwargs)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="server-loop", daemon=True)
+        self.thread.start()
+        self.call(self.server.start())
+        self.port = self.server.port
+
+    def call(self, coroutine, timeout: float = 60):
+        """Run a coroutine on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.call(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+
+def request(port, method, path, body=None, raw=None, headers=None, timeout=60):
+    """(status, decoded JSON reply) of one request on a fresh connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers=headers or {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def serve_tool(checkpoint, *args):
+    """tools/serve.py --load checkpoint --port 0 *args as a process: yields (port, process); SIGTERM at the end,
+    which must stop it cleanly (exit status 0, nothing on stderr)."""
+    # PYTHONPATH: this checkout's megatron, whichever checkout the environment was installed from
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "tools" / "serve.py"), "--load", str(checkpoint),
+                             "--port", "0", *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving on http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        yield int(line.split(":")[2].split(" ")[0]), proc
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and stderr == "", (proc.returncode, stderr[-2000:])
