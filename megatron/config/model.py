@@ -5,8 +5,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi")
+POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi", "none")
+NORMALIZATIONS = ("layernorm", "rmsnorm")
 PARAMS_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def swiglu_default_ffn_size(hidden_size: int) -> int:
+    """Megatron's MLP width for --swiglu without --ffn-hidden-size: 2/3 of 4h (the gated MLP has three
+    matrices instead of two, so the parameter count stays that of a 4h GeLU MLP), rounded down to a
+    multiple of 64."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64
 
 
 def megatron_flops(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int, global_batch_size: int,
@@ -21,7 +29,13 @@ def megatron_flops(num_layers: int, hidden_size: int, vocab_size: int, seq_lengt
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A GPT / BLOOM decoder. Sequence-first activations [s, b, h]."""
+    """A GPT / BLOOM / Llama-style decoder. Sequence-first activations [s, b, h].
+
+    The variants are settings of one block: ``normalization`` (LayerNorm or RMSNorm), ``swiglu`` (gated
+    SiLU MLP instead of GeLU), ``num_key_value_heads`` (grouped-query attention; 1 is multi-query),
+    ``position_embedding_type``, ``add_bias_linear`` / ``add_qkv_bias`` and
+    ``untie_embeddings_and_output_weights``. Llama: rmsnorm, swiglu, rotary, no biases, untied.
+    """
 
     num_layers: int
     hidden_size: int
@@ -29,8 +43,14 @@ class ModelConfig:
     padded_vocab_size: int                 # rows of the word embedding, divisible by TP
     seq_length: int
     max_position_embeddings: Optional[int] = None  # learned positions only; defaults to seq_length
-    ffn_hidden_size: Optional[int] = None  # defaults to 4 * hidden_size
-    position_embedding_type: str = "absolute"      # absolute | rotary | alibi
+    ffn_hidden_size: Optional[int] = None  # defaults to 4 * hidden_size (swiglu: swiglu_default_ffn_size)
+    position_embedding_type: str = "absolute"      # absolute | rotary | alibi | none
+    num_key_value_heads: Optional[int] = None      # key / value heads (query groups); None: one per query head
+    normalization: str = "layernorm"       # layernorm | rmsnorm: every norm of the model (layernorm_epsilon)
+    swiglu: bool = False                   # MLP silu(x W_gate) * (x W_up) instead of gelu(x W1)
+    add_bias_linear: bool = True           # biases in every linear layer (False: --disable-bias-linear)
+    add_qkv_bias: bool = False             # a bias in the QKV projection even without add_bias_linear (Qwen2)
+    untie_embeddings_and_output_weights: bool = False  # an output head of its own instead of the word embedding
     embed_layernorm: bool = False          # LayerNorm right after the word embedding (BLOOM)
     layernorm_epsilon: float = 1e-5
     hidden_dropout: float = 0.1
@@ -43,7 +63,22 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return swiglu_default_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key / value heads: ``num_key_value_heads``, or one per query head (multi-head attention)."""
+        return self.num_key_value_heads if self.num_key_value_heads is not None else self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
 
     @property
     def max_positions(self) -> int:
@@ -71,6 +106,11 @@ class ModelConfig:
         if self.num_attention_heads % tp:
             raise ValueError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; each TP rank must hold whole heads")
+        self._validate_attention(tp)
+        if self.ffn_size < 1:
+            raise ValueError(f"ffn hidden size {self.ffn_size} must be positive: set --ffn-hidden-size "
+                             f"(--swiglu's default, 2/3 of 4 x --hidden-size {self.hidden_size} rounded down to a "
+                             f"multiple of 64, is 0)")
         if self.ffn_size % tp:
             raise ValueError(f"ffn hidden size {self.ffn_size} is not divisible by "
                              f"--tensor-model-parallel-size {tp}")
@@ -86,6 +126,8 @@ class ModelConfig:
         if self.position_embedding_type == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim} "
                              f"(--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads})")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"--normalization {self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}")
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"params_dtype {self.params_dtype!r} is not one of {', '.join(PARAMS_DTYPES)}")
         for name in ("hidden_dropout", "attention_dropout"):
@@ -95,4 +137,20 @@ class ModelConfig:
             raise ValueError(f"original vocabulary size {self.original_vocab_size} is larger than the padded "
                              f"size {self.padded_vocab_size}")
         return self
+
+    def _validate_attention(self, tp: int) -> None:
+        kv, heads = self.num_key_value_heads, self.num_attention_heads
+        if kv is None:
+            return
+        if not isinstance(kv, int) or kv < 1:
+            raise ValueError(f"--num-key-value-heads must be a positive integer, got {kv!r}")
+        if heads % kv:
+            raise ValueError(f"--num-key-value-heads {kv} does not divide --num-attention-heads {heads}: each key / "
+                             f"value head serves a whole group of query heads; use a divisor of {heads}")
+        if kv % tp:
+            raise ValueError(f"--num-key-value-heads {kv} is not divisible by --tensor-model-parallel-size {tp}: "
+                             f"each TP rank must hold whole query groups. Megatron-DeepSpeed refuses this too; "
+                             f"Megatron-LM instead replicates key / value heads when TP is a multiple of the "
+                             f"group count, which is not implemented here. Use a TP size dividing {kv}, or more "
+                             f"key / value heads")
 
