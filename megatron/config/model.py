@@ -18,13 +18,22 @@ def swiglu_default_ffn_size(hidden_size: int) -> int:
 
 
 def megatron_flops(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int, global_batch_size: int,
-                   recompute: bool) -> float:
-    """Megatron's FLOPs per iteration (its "TFLOPs" formula; ffn = 4h), read by the training log and the
-    planner alike:  24 c B s L h^2 (1 + s / (6h) + V / (16 L h)), with c = 4 (forward + recomputed
-    forward + backward) when activations are recomputed, else 3. V: the padded vocabulary."""
+                   recompute: bool, *, ffn_hidden_size: Optional[int] = None, kv_hidden_size: Optional[int] = None,
+                   swiglu: bool = False) -> float:
+    """Megatron's FLOPs per iteration (its "TFLOPs" formula), read by the training log and the planner alike.
+
+    c B s (L (2 P + 4 s h) + 1.5 V h), with c = 4 (forward + recomputed forward + backward) when
+    activations are recomputed, else 3; P the weights of one layer's matrices, h (h + 2 kv) + h h + m f h
+    (kv = kv_hidden_size, the key / value heads' width, default h; m = 3 matrices with SwiGLU, else 2;
+    f = ffn_hidden_size, default 4h); 4 s h the attention scores and context per token; V the padded
+    vocabulary. With the defaults (P = 12 h^2) this is Megatron's 24 c B s L h^2 (1 + s / (6h) + V / (16 L h)).
+    """
     s, L, h, V = seq_length, num_layers, hidden_size, vocab_size
+    f = ffn_hidden_size if ffn_hidden_size is not None else 4 * h
+    kv = kv_hidden_size if kv_hidden_size is not None else h
     c = 4 if recompute else 3
-    return 24 * c * global_batch_size * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    layer_weights = h * (h + 2 * kv) + h * h + (3 if swiglu else 2) * f * h
+    return c * global_batch_size * s * (L * (2 * layer_weights + 4 * s * h) + 1.5 * V * h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +100,8 @@ class ModelConfig:
     def flops_per_iteration(self, global_batch_size: int, recompute: bool) -> float:
         """``megatron_flops`` of this model (``padded_vocab_size`` rows) for one global batch."""
         return megatron_flops(self.num_layers, self.hidden_size, self.padded_vocab_size, self.seq_length,
-                              global_batch_size, recompute)
+                              global_batch_size, recompute, ffn_hidden_size=self.ffn_size,
+                              kv_hidden_size=self.num_kv_heads * self.head_dim, swiglu=self.swiglu)
 
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
         """Raise ValueError for an impossible configuration; return self so calls can chain."""
