@@ -268,6 +268,8 @@ def _no_effect_warnings(args) -> list[str]:
     if args.max_position_embeddings is not None and args.position_embedding_type != "absolute":
         out.append(f"--max-position-embeddings {args.max_position_embeddings} has no effect with "
                    f"--position-embedding-type {args.position_embedding_type} (no learned positions)")
+    if args.rope_scaling_factor != 8.0 and not args.use_rope_scaling:
+        out.append(f"--rope-scaling-factor {args.rope_scaling_factor} has no effect without --use-rope-scaling")
     if args.add_qkv_bias and args.add_bias_linear:
         out.append("--add-qkv-bias has no effect without --disable-bias-linear (every linear layer has a bias)")
     if args.deepspeed_activation_checkpointing and not args.checkpoint_activations:

@@ -61,6 +61,11 @@ def _model(parser):
                    default=10000.0,
                    help="Base of the rotary frequencies (Llama 2: 10000, Llama 3: 500000). "
                         "--rotary-position-embeddings-theta is Megatron-DeepSpeed's name.")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1's rope scaling (Megatron-LM's flag): rotary frequencies with wavelengths beyond "
+                        "8192 positions divided by --rope-scaling-factor, those below 2048 kept, interpolated between.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="With --use-rope-scaling: the factor (Llama 3.1: 8).")
     g.add_argument("--embed-layernorm", action="store_true",
                    help="Apply a LayerNorm right after the word embedding (BLOOM).")
     g.add_argument("--normalization", type=str.lower, default="layernorm", choices=NORMALIZATIONS,

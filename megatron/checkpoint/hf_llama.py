@@ -6,7 +6,8 @@ compute the same block: RMSNorm, rotary positions in the GPT-NeoX half-split for
 ``megatron.model.positional`` computes), grouped-query attention, SwiGLU. They differ in biases only:
 Llama has none (or, with ``attention_bias``, on q / k / v / o; ``mlp_bias`` on the MLP), Qwen2 has them
 on q / k / v alone (our ``add_qkv_bias`` with ``add_bias_linear`` off), Mistral has none. Mistral's
-sliding window is not implemented here and is refused.
+sliding window is not implemented here and is refused; Llama 3.1's rope scaling (rope_type llama3) maps
+to ``rope_scaling_factor`` and its three companions.
 
 Two of our tensors are fused where theirs are separate, both interleaved so that TP slicing along dim 0
 hands out whole units (``megatron.model.attention``, ``megatron.model.transformer``):
@@ -178,20 +179,35 @@ def llama_config_kwargs(config: ModelConfig, vocab_size: Optional[int] = None) -
                   num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
                   num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, hidden_act="silu",
                   max_position_embeddings=config.seq_length, rms_norm_eps=config.layernorm_epsilon,
-                  rope_theta=config.rotary_base, initializer_range=config.init_method_std,
+                  initializer_range=config.init_method_std,
                   attention_dropout=config.attention_dropout, tie_word_embeddings=config.tied_embeddings)
+    rope = {"rope_type": "default", "rope_theta": config.rotary_base}
+    if config.rope_scaling_factor is not None:
+        rope.update(rope_type="llama3", factor=config.rope_scaling_factor,
+                    low_freq_factor=config.rope_scaling_low_freq_factor,
+                    high_freq_factor=config.rope_scaling_high_freq_factor,
+                    original_max_position_embeddings=config.rope_scaling_original_max_positions)
+    kwargs["rope_parameters"] = rope
     if family == "llama":
         kwargs.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
     return kwargs
 
 
-def _rope_theta(hf_config: Any) -> float:
+def _rope_fields(hf_config: Any) -> dict[str, Any]:
+    """ModelConfig's rotary fields of a transformers config: the base, and Llama 3.1's scaling if any."""
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"rope_type {kind!r} (rope scaling) is not implemented here; only plain rotary positions")
     theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    return float(theta if theta is not None else 10000.0)
+    fields = {"rotary_base": float(theta if theta is not None else 10000.0)}
+    if kind == "llama3":
+        fields.update(rope_scaling_factor=float(rope["factor"]),
+                      rope_scaling_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_scaling_high_freq_factor=float(rope["high_freq_factor"]),
+                      rope_scaling_original_max_positions=int(rope["original_max_position_embeddings"]))
+    elif kind != "default":
+        raise ValueError(f"rope_type {kind!r} is not implemented here; plain rotary positions and Llama 3.1's "
+                         f"scaling (llama3) are")
+    return fields
 
 
 def model_config_from_llama(hf_config: Any, seq_length: int, **overrides) -> ModelConfig:
@@ -221,7 +237,7 @@ def model_config_from_llama(hf_config: Any, seq_length: int, **overrides) -> Mod
                   num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
                   padded_vocab_size=hf_config.vocab_size, seq_length=seq_length,
                   ffn_hidden_size=hf_config.intermediate_size, position_embedding_type="rotary",
-                  rotary_base=_rope_theta(hf_config), normalization="rmsnorm", swiglu=True,
+                  **_rope_fields(hf_config), normalization="rmsnorm", swiglu=True,
                   layernorm_epsilon=hf_config.rms_norm_eps, add_bias_linear=attention_bias,
                   add_qkv_bias=model_type == "qwen2",
                   untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),

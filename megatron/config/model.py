@@ -66,6 +66,13 @@ class ModelConfig:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02          # normal(0, std); output projections std / sqrt(2 * num_layers)
     rotary_base: float = 10000.0
+    # Llama 3.1's rope scaling (--use-rope-scaling): frequencies whose wavelength exceeds the original context
+    # / low_freq_factor are divided by the factor, those below original / high_freq_factor kept, the band
+    # between interpolated. None: plain rotary.
+    rope_scaling_factor: Optional[float] = None
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_positions: int = 8192
     params_dtype: str = "fp32"             # fp32 | bf16 | fp16: dtype of the module parameters
     original_vocab_size: Optional[int] = None      # the tokenizer's vocabulary before padding
     seed: int = 1234                       # initialization seed (each layer's weights depend on it and its index only)
@@ -136,6 +143,14 @@ class ModelConfig:
         if self.position_embedding_type == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim} "
                              f"(--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads})")
+        if self.rope_scaling_factor is not None:
+            if self.position_embedding_type != "rotary":
+                raise ValueError(f"--use-rope-scaling scales rotary frequencies, but --position-embedding-type is "
+                                 f"{self.position_embedding_type}; use rotary (rope) positions or drop it")
+            if self.rope_scaling_factor < 1 or self.rope_scaling_high_freq_factor <= self.rope_scaling_low_freq_factor:
+                raise ValueError(f"rope scaling needs factor >= 1 and high_freq_factor > low_freq_factor, got "
+                                 f"{self.rope_scaling_factor}, {self.rope_scaling_high_freq_factor}, "
+                                 f"{self.rope_scaling_low_freq_factor}")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"--normalization {self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}")
         if self.params_dtype not in PARAMS_DTYPES:

@@ -112,6 +112,10 @@ class SelfAttention(nn.Module):
             config.hidden_size, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
             input_is_parallel=True,
             init_method=normal_init(output_layer_std(config), config.seed, f"{prefix}.dense.weight"))
+        self._rope_scaling = None
+        if config.rope_scaling_factor is not None:
+            self._rope_scaling = (config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
+                                  config.rope_scaling_high_freq_factor, config.rope_scaling_original_max_positions)
         if config.position_embedding_type == "alibi":
             # Not a buffer: it must stay fp32 when the module is cast to bf16, and it is not state.
             self._alibi_slopes = alibi_slopes_for_rank(config.num_attention_heads, group_rank(tp_group), tp_size)
@@ -135,7 +139,7 @@ class SelfAttention(nn.Module):
 
         positions = torch.arange(offset, offset + sq, device=hidden.device)  # [sq]
         if self.config.position_embedding_type == "rotary":
-            cos, sin = rotary_cos_sin(positions, hn, self.config.rotary_base)  # 2 x [sq, hn]
+            cos, sin = rotary_cos_sin(positions, hn, self.config.rotary_base, self._rope_scaling)  # 2 x [sq, hn]
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         if kv_cache is not None:
             key, value = kv_cache.append(key, value)  # 2 x [sk, b, ng, hn]

@@ -47,6 +47,19 @@ def test_swiglu_default_width_is_megatrons_two_thirds_of_4h_in_multiples_of_64(f
     assert _model(files, ["--hidden-size", "128"]).ffn_size == 512
 
 
+def test_llama_3_1_rope_scaling_flags(files):
+    m = _model(files, ["--position-embedding-type", "rope", "--use-rope-scaling"])
+    assert (m.rope_scaling_factor, m.rope_scaling_original_max_positions) == (8.0, 8192)
+    assert _model(files, ["--use-rotary-position-embeddings", "--use-rope-scaling", "--rope-scaling-factor", "4"]
+                  ).rope_scaling_factor == 4.0
+    assert _model(files, ["--position-embedding-type", "rope"]).rope_scaling_factor is None
+    with pytest.raises(ValueError, match="--use-rope-scaling scales rotary frequencies"):
+        _model(files, ["--use-rope-scaling"])
+    config = run_config_from_argv(tiny_config_argv(files) + ["--rope-scaling-factor", "4"], world_size=1,
+                                  with_vocab=False)
+    assert any("--rope-scaling-factor 4.0 has no effect" in w for w in config.startup_warnings)
+
+
 def test_qkv_bias_alone(files):
     m = _model(files, ["--disable-bias-linear", "--add-qkv-bias"])
     assert (m.add_bias_linear, m.qkv_bias) == (False, True)

@@ -174,15 +174,42 @@ def test_models_no_transformers_class_holds_are_refused(overrides, words):
     assert words in str(info.value)
 
 
-def test_sliding_window_and_rope_scaling_are_refused():
+def test_llama_3_1_rope_scaling_matches_transformers_both_ways():
+    import dataclasses
+
+    import transformers
+
+    from megatron.checkpoint.hf_llama import llama_config_kwargs, llama_state_dict_to_ours, model_config_from_llama
+    from megatron.model import GPTModel
+
+    # original context 16 < seq 32, head dim 16: long waves scaled, one band interpolated, short waves kept
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    torch.manual_seed(5)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, num_key_value_heads=2, rope_parameters=rope))
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(SCALE * torch.randn_like(param))
+    hf.eval()
+    config = model_config_from_llama(hf.config, seq_length=32, padded_vocab_size=512)
+    assert (config.rope_scaling_factor, config.rope_scaling_original_max_positions) == (8.0, 16)
+    assert llama_config_kwargs(config)["rope_parameters"] == rope
+    state = llama_state_dict_to_ours(hf.state_dict(), config)
+    diff = _hf_logits_diff(hf, config, state)
+    assert diff < 1e-5, diff
+    unscaled = dataclasses.replace(config, rope_scaling_factor=None)
+    assert _hf_logits_diff(hf, unscaled, state) > 1e-3  # the scaling matters at these positions
+    GPTModel(config)  # builds
+
+
+def test_sliding_window_and_other_rope_types_are_refused():
     import transformers
 
     from megatron.checkpoint.hf_llama import model_config_from_llama
 
     with pytest.raises(ValueError, match="sliding-window attention is not implemented"):
         model_config_from_llama(transformers.MistralConfig(**SIZES, sliding_window=16), seq_length=32)
-    scaled = transformers.LlamaConfig(**SIZES, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                                "original_max_position_embeddings": 8192})
-    with pytest.raises(ValueError, match="rope_type 'llama3'"):
-        model_config_from_llama(scaled, seq_length=32)
+    yarn = transformers.LlamaConfig(**SIZES, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                              "original_max_position_embeddings": 32})
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not implemented"):
+        model_config_from_llama(yarn, seq_length=32)
