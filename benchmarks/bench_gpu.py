@@ -54,7 +54,7 @@ def train_throughput(name: str, sizes: dict, seq: int, mbs: int, steps: int, war
 
     from megatron.planner import GPUS, estimate_memory
     from megatron.planner.layout import Layout
-    from megatron.planner.measure import model_shape_of
+    from megatron.planner.specs import model_shape_of
     from megatron.training.metrics import current_device_name, peak_tflops_for_device, throughput_metrics
 
     corpus = tiny_corpus()

@@ -3,6 +3,8 @@
 
     python tools/plan_parallelism.py --model 176B --num-gpus 384 --gpu A100-80GB \
         --cluster jean-zay-a100 --seq-length 2048 --global-batch-size 2048 --top 5
+    python tools/plan_parallelism.py --model llama-3-70b --num-gpus 64 --gpu H100-80GB --seq-length 8192 \
+        --global-batch-size 512
     python tools/plan_parallelism.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
         --num-gpus 8 --gpu H100-80GB --global-batch-size 512 --json
 
@@ -18,17 +20,21 @@ import dataclasses
 import json
 import sys
 
-from megatron.planner import BLOOM_SIZES, CLUSTERS, GPUS, ModelShape, plan_layouts
+from megatron.planner import CLUSTERS, GPUS, MODEL_SIZES, ModelShape, plan_layouts
 from megatron.planner.specs import DEFAULT_CLUSTER, GiB
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=sorted(BLOOM_SIZES), help="a named BLOOM size (its real hyper-parameters)")
+    p.add_argument("--model", choices=sorted(MODEL_SIZES),
+                   help="a named BLOOM or Llama size (its real hyper-parameters, vocabulary included)")
     p.add_argument("--num-layers", type=int)
     p.add_argument("--hidden-size", type=int)
     p.add_argument("--num-attention-heads", type=int)
     p.add_argument("--ffn-hidden-size", type=int)
+    p.add_argument("--num-key-value-heads", type=int, help="grouped-query attention (default: one per head)")
+    p.add_argument("--swiglu", action="store_true", help="Llama's gated MLP (three ffn x hidden matrices)")
+    p.add_argument("--untie-embeddings-and-output-weights", action="store_true", help="an output head of its own")
     p.add_argument("--padded-vocab-size", type=int, default=250880)
     p.add_argument("--num-gpus", type=int, required=True)
     p.add_argument("--gpu", choices=sorted(GPUS), default="A100-80GB")
@@ -55,12 +61,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_from_args(args) -> ModelShape:
     if args.model:
-        return BLOOM_SIZES[args.model]
+        return MODEL_SIZES[args.model]
     missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads") if getattr(args, f) is None]
     if missing:
         raise SystemExit(f"give --model or all of --num-layers --hidden-size --num-attention-heads (missing {missing})")
     return ModelShape(args.num_layers, args.hidden_size, args.num_attention_heads, args.padded_vocab_size,
-                      args.ffn_hidden_size)
+                      args.ffn_hidden_size, num_key_value_heads=args.num_key_value_heads, swiglu=args.swiglu,
+                      tied_embeddings=not args.untie_embeddings_and_output_weights)
 
 
 def hardware_from_args(args):

@@ -56,7 +56,11 @@ def assemble_run_config(args) -> RunConfig:
         ffn_hidden_size=args.ffn_hidden_size, position_embedding_type=args.position_embedding_type,
         embed_layernorm=args.embed_layernorm, layernorm_epsilon=args.layernorm_epsilon,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, params_dtype=params_dtype, seed=args.seed)
+        init_method_std=args.init_method_std, params_dtype=params_dtype, seed=args.seed,
+        rotary_base=args.rotary_base, num_key_value_heads=args.num_key_value_heads, normalization=args.normalization,
+        swiglu=args.swiglu, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None)
     rampup = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
     return RunConfig(
         model=model,

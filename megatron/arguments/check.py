@@ -4,7 +4,8 @@
 checks here are the same functions, run one by one on the parts that do not depend on each other:
 
 1. the flags themselves (argparse: unknown flags; an unreadable value stops everything);
-2. what ``parse_namespace`` checks: required flags, the world size against TP x PP, the skip ranges,
+2. what ``parse_namespace`` checks: required flags, the model flags spelled two ways, the world size
+   against TP x PP, the skip ranges,
    the data flags, the DeepSpeed JSON, then the data files and the tokenizer files separately;
 3. the tokenizer, built (it is cheap): it gives the padded vocabulary the memory estimate needs;
 4. each config dataclass's own ``validate()`` (model, parallel layout, batch, optimizer, schedule, data,
@@ -28,7 +29,8 @@ from typing import Mapping, Optional, Sequence
 
 from megatron.arguments.build import assemble_run_config, resolve_vocab_size, run_config_from_argv
 from megatron.arguments.parse import (_check_files, _check_required, _derive_parallel, _load_deepspeed_json,
-                                      _parse_data, logger, merge_skip_ranges, parse_namespace)
+                                      _parse_data, logger, merge_skip_ranges, parse_namespace,
+                                      resolve_model_spellings)
 from megatron.arguments.parser import build_parser
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
@@ -167,6 +169,7 @@ def _check_flags(args: argparse.Namespace, world: Optional[int], problems: _Prob
     whose groups are stand-ins (their data files are not checked)."""
     args = _with(args, world_size=world, rank=0)
     ok = [problems.run(_check_required, copy.copy(args)),
+          problems.run(resolve_model_spellings, copy.copy(args)),
           world is not None and problems.run(_derive_parallel, copy.copy(args)),
           problems.run(merge_skip_ranges, args.skip_train_iteration_range),
           problems.run(_load_deepspeed_json, args.deepspeed_config)]

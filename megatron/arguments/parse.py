@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Optional, Sequence
 
-from megatron.arguments.parser import DRY_RUN_OPTIONS, build_parser
+from megatron.arguments.parser import DRY_RUN_OPTIONS, POSITION_EMBEDDING_ALIASES, build_parser
 from megatron.config import deepspeed_zero_stage
 from megatron.config.launch import detect_launch
 from megatron.data.hf_cache import resolve_tokenizer_path
@@ -43,6 +43,7 @@ def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: Optional[i
     args.world_size = world_size if world_size is not None else launch.world_size
     args.rank = launch.rank
     _check_required(args)
+    resolve_model_spellings(args)
     _derive_parallel(args)
     if args.global_batch_size is None:  # Megatron's default: one micro-batch per step
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
@@ -77,6 +78,38 @@ def _check_required(args) -> None:
     missing = [f"--{name.replace('_', '-')}" for name in REQUIRED if getattr(args, name) is None]
     if missing:
         raise ValueError(f"missing required flag(s): {', '.join(missing)}")
+
+
+def resolve_model_spellings(args) -> None:
+    """One value each for what Megatron-DeepSpeed and Megatron-LM spell in several ways: the position
+    type (``--position-embedding-type``, ``--use-rotary-position-embeddings``, ``--no-position-embedding``)
+    and the key / value heads (``--num-key-value-heads``, ``--group-query-attention --num-query-groups``).
+    Spellings that contradict each other are a ValueError naming both."""
+    given = args.position_embedding_type
+    position = POSITION_EMBEDDING_ALIASES.get(given, given)
+    if args.use_rotary_position_embeddings:
+        if position not in (None, "rotary"):
+            raise ValueError(f"--use-rotary-position-embeddings contradicts --position-embedding-type {given}; "
+                             "drop one of them")
+        position = "rotary"
+    if not args.add_position_embedding:
+        if position == "absolute":
+            raise ValueError(f"--no-position-embedding contradicts --position-embedding-type {given} (learned "
+                             "positions); drop one of them")
+        position = position or "none"
+    args.position_embedding_type = position or "absolute"
+
+    groups = args.num_query_groups
+    if groups is not None and not args.group_query_attention:
+        raise ValueError(f"--num-query-groups {groups} needs --group-query-attention (Megatron-LM ignores the group "
+                         f"count without it); add it, or use --num-key-value-heads {groups}")
+    if args.group_query_attention and groups is None:
+        raise ValueError("--group-query-attention needs --num-query-groups N (or use --num-key-value-heads N)")
+    if groups is not None:
+        if args.num_key_value_heads not in (None, groups):
+            raise ValueError(f"--num-query-groups {groups} and --num-key-value-heads {args.num_key_value_heads} are "
+                             "two names for the same count and differ; give one")
+        args.num_key_value_heads = groups
 
 
 def _derive_parallel(args) -> None:
@@ -235,6 +268,10 @@ def _no_effect_warnings(args) -> list[str]:
     if args.max_position_embeddings is not None and args.position_embedding_type != "absolute":
         out.append(f"--max-position-embeddings {args.max_position_embeddings} has no effect with "
                    f"--position-embedding-type {args.position_embedding_type} (no learned positions)")
+    if args.rope_scaling_factor != 8.0 and not args.use_rope_scaling:
+        out.append(f"--rope-scaling-factor {args.rope_scaling_factor} has no effect without --use-rope-scaling")
+    if args.add_qkv_bias and args.add_bias_linear:
+        out.append("--add-qkv-bias has no effect without --disable-bias-linear (every linear layer has a bias)")
     if args.deepspeed_activation_checkpointing and not args.checkpoint_activations:
         out.append("--deepspeed-activation-checkpointing has no effect without --checkpoint-activations")
     if args.distributed_backend == "nccl" and not _cuda_available():

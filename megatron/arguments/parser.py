@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.config import (DATA_IMPLS, DISTRIBUTED_BACKENDS, LR_DECAY_STYLES, OPTIMIZERS, PARTITION_METHODS,
-                             POSITION_EMBEDDING_TYPES, TOKENIZER_TYPES)
+from megatron.config import (DATA_IMPLS, DISTRIBUTED_BACKENDS, LR_DECAY_STYLES, NORMALIZATIONS, OPTIMIZERS,
+                             PARTITION_METHODS, POSITION_EMBEDDING_TYPES, TOKENIZER_TYPES)
 
 # Flags whose meaning is "no effect here" (see parse_args' startup warnings).
 NO_EFFECT_FLAGS = ("abort_on_unmet_fused_kernel_constraints",)
 # (flag, dest) of the options that only --dry-run reads (a real run refuses them).
+# Megatron-LM's spellings of --position-embedding-type -> ours.
+POSITION_EMBEDDING_ALIASES = {"rope": "rotary", "learned_absolute": "absolute"}
+POSITION_EMBEDDING_FLAG_VALUES = POSITION_EMBEDDING_TYPES + tuple(POSITION_EMBEDDING_ALIASES)
 DRY_RUN_OPTIONS = (("--world-size", "dry_run_world_size"), ("--dry-run-json", "dry_run_json"),
                    ("--dry-run-gpu", "dry_run_gpu"), ("--dry-run-cluster", "dry_run_cluster"))
 
@@ -37,16 +40,56 @@ def _model(parser):
                    help="Number of attention heads (required); must divide --hidden-size and be divisible by "
                         "--tensor-model-parallel-size.")
     g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="Hidden size of the MLP. Default: 4 x --hidden-size.")
+                   help="Hidden size of the MLP. Default: 4 x --hidden-size; with --swiglu, 2/3 of that rounded down "
+                        "to a multiple of 64 (Megatron's rule).")
     g.add_argument("--seq-length", type=int, default=None, help="Tokens per training sample (required).")
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="Rows of the learned position embedding (absolute positions only); must be >= "
                         "--seq-length. Default: --seq-length. Has no effect with rotary or alibi (a warning says so).")
-    g.add_argument("--position-embedding-type", default="absolute", choices=POSITION_EMBEDDING_TYPES,
-                   help="Position encoding: learned absolute positions, rotary, or ALiBi biases (BLOOM).")
+    g.add_argument("--position-embedding-type", default=None, choices=POSITION_EMBEDDING_FLAG_VALUES,
+                   help="Position encoding: learned absolute positions ('absolute', Megatron-LM's "
+                        "'learned_absolute'), rotary ('rotary', Megatron-LM's 'rope'), ALiBi biases (BLOOM), or "
+                        "none. Default: absolute, or what --use-rotary-position-embeddings / "
+                        "--no-position-embedding say.")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Rotary positions (Megatron-DeepSpeed's and Megatron-LM's older spelling of "
+                        "--position-embedding-type rotary).")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
+                   help="No learned position embedding: alone, no position information at all "
+                        "(--position-embedding-type none); beside rotary or alibi it changes nothing.")
+    g.add_argument("--rotary-base", "--rotary-position-embeddings-theta", dest="rotary_base", type=float,
+                   default=10000.0,
+                   help="Base of the rotary frequencies (Llama 2: 10000, Llama 3: 500000). "
+                        "--rotary-position-embeddings-theta is Megatron-DeepSpeed's name.")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1's rope scaling (Megatron-LM's flag): rotary frequencies with wavelengths beyond "
+                        "8192 positions divided by --rope-scaling-factor, those below 2048 kept, interpolated between.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="With --use-rope-scaling: the factor (Llama 3.1: 8).")
     g.add_argument("--embed-layernorm", action="store_true",
                    help="Apply a LayerNorm right after the word embedding (BLOOM).")
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="LayerNorm epsilon.")
+    g.add_argument("--normalization", type=str.lower, default="layernorm", choices=NORMALIZATIONS,
+                   help="The norm of every block and the final one: layernorm or rmsnorm (Llama); Megatron-LM's "
+                        "spellings LayerNorm / RMSNorm are accepted.")
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5,
+                   help="Epsilon of every norm (--norm-epsilon is Megatron-LM's name).")
+    g.add_argument("--swiglu", action="store_true",
+                   help="Gated MLP silu(x W_gate) * (x W_up) W_down (Llama) instead of GeLU.")
+    g.add_argument("--num-key-value-heads", type=int, default=None,
+                   help="Key / value heads for grouped-query attention (1: multi-query); must divide "
+                        "--num-attention-heads and be divisible by --tensor-model-parallel-size. Default: one per "
+                        "query head.")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Megatron-LM: use grouped-query attention with --num-query-groups groups.")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="Megatron-LM's name for --num-key-value-heads (needs --group-query-attention).")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Give the output head its own weight instead of reusing the word embedding (Llama).")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="No biases in the linear layers (attention and MLP), as Llama.")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="Keep a bias in the query / key / value projection even with --disable-bias-linear "
+                        "(Qwen2; Megatron-LM's flag).")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Standard deviation of the normal weight initialization; output projections use "
                         "std / sqrt(2 x num-layers).")

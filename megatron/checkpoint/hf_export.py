@@ -1,4 +1,5 @@
-"""Our full (TP=1) weights <-> transformers model directories: Bloom (ALiBi) and GPT-2 (learned positions).
+"""Our full (TP=1) weights <-> transformers model directories: Bloom (ALiBi), GPT-2 (learned positions),
+GPT-NeoX (rotary) and the Llama family (Llama, Mistral, Qwen2).
 
     write_hf_model(config, state_dict, out_dir, tokenizer=..., pretraining_tp=...)   -> config.json, model.safetensors
     config, state_dict, info = read_hf_model(hf_dir, padded_vocab_size=..., seq_length=...)
@@ -13,6 +14,11 @@ Which transformers architecture a configuration maps to:
 - rotary, no embedding LayerNorm -> ``GPTNeoXForCausalLM`` with sequential residuals
   (use_parallel_residual False), full rotary (partial_rotary_factor 1, rope_theta = rotary_base),
   biases, a tied head: again the same per-head fused QKV, renamed.
+- RMSNorm + SwiGLU + rotary (GQA, biases and head tying as configured) -> ``LlamaForCausalLM``, or
+  ``Qwen2ForCausalLM`` with q / k / v biases only (``megatron.checkpoint.hf_llama``); a Mistral
+  directory without sliding window reads as the same model.
+The first three need the GPT block: LayerNorm, GeLU, biases, one key / value head per query head and
+a tied head; anything else is refused rather than exported wrongly.
 
 The vocabulary is trimmed to ``original_vocab_size`` on export and zero-padded to the padded size on
 import: a zero row gives its (never real) token the logit 0 and leaves every real token's logit
@@ -35,6 +41,8 @@ from megatron.config import ModelConfig
 from megatron.model.layout import parameter_layout
 from megatron.checkpoint.hf_bloom import (bloom_config_kwargs, bloom_state_dict_to_ours, model_config_from_bloom,
                                      ours_to_bloom_state_dict)
+from megatron.checkpoint.hf_llama import (LLAMA_FAMILY, llama_config_kwargs, llama_family_of, llama_state_dict_to_ours,
+                                          model_config_from_llama, ours_to_llama_state_dict)
 
 __all__ = ["hf_architecture", "write_hf_model", "read_hf_model", "export_tokenizer", "ours_to_gpt2_state_dict",
            "gpt2_state_dict_to_ours", "ours_to_neox_state_dict", "neox_state_dict_to_ours"]
@@ -54,7 +62,17 @@ _GPT2_BLOCK = [  # (GPT-2 name, our name, transposed: GPT-2's Conv1D stores [in,
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """'bloom', 'gpt2' or 'gpt_neox', or ValueError for a configuration no transformers architecture maps."""
+    """'bloom', 'gpt2', 'gpt_neox', 'llama' or 'qwen2', or ValueError for a configuration no transformers
+    architecture maps."""
+    if config.normalization == "rmsnorm" or config.swiglu:
+        return llama_family_of(config)
+    gpt_block = {"biases": config.add_bias_linear, "one key / value head per query head":
+                 config.num_kv_heads == config.num_attention_heads, "a tied output head": config.tied_embeddings}
+    missing = [what for what, present in gpt_block.items() if not present]
+    if missing:
+        raise ValueError(f"Bloom, GPT-2 and GPT-NeoX need the GPT block (LayerNorm, GeLU, biases, multi-head "
+                         f"attention, tied head); this model lacks {', '.join(missing)}. With RMSNorm and SwiGLU it "
+                         f"would export to Llama")
     if config.position_embedding_type == "alibi" and config.embed_layernorm:
         return "bloom"
     if config.position_embedding_type == "absolute" and not config.embed_layernorm:
@@ -256,6 +274,14 @@ def write_hf_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], out
         tensors = ours_to_gpt2_state_dict(state_dict, config, vocab_size)
         hf_config = transformers.GPT2Config(**_gpt2_config_kwargs(config, vocab_size), **special)
         hf_config.architectures = ["GPT2LMHeadModel"]
+    elif arch in LLAMA_FAMILY:
+        tensors = ours_to_llama_state_dict(state_dict, config, vocab_size)
+        if config.tied_embeddings:
+            del tensors["lm_head.weight"]  # transformers ties it to embed_tokens (one stored tensor)
+        kind = {"llama": (transformers.LlamaConfig, "LlamaForCausalLM"),
+                "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM")}[arch]
+        hf_config = kind[0](**llama_config_kwargs(config, vocab_size), **special)
+        hf_config.architectures = [kind[1]]
     else:
         tensors = ours_to_neox_state_dict(state_dict, config, vocab_size)
         hf_config = transformers.GPTNeoXConfig(**_neox_config_kwargs(config, vocab_size), **special)
@@ -316,12 +342,12 @@ def _read_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
 
 def read_hf_model(hf_dir: str, *, padded_vocab_size_fn, seq_length: Optional[int] = None,
                   params_dtype: str = "fp32", seed: int = 1234) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
-    """(ModelConfig, TP=1 GPTModel state dict, architecture) of a local transformers Bloom / GPT-2 / GPT-NeoX
-    directory.
+    """(ModelConfig, TP=1 GPTModel state dict, architecture) of a local transformers Bloom / GPT-2 / GPT-NeoX /
+    Llama / Mistral / Qwen2 directory.
 
     padded_vocab_size_fn: vocab size -> padded size (Megatron's rule for the target TP).
     seq_length: the training length to record (default: 2048 for Bloom, n_positions for GPT-2,
-        max_position_embeddings for GPT-NeoX).
+        max_position_embeddings for the others).
     """
     import transformers
 
@@ -339,8 +365,12 @@ def read_hf_model(hf_dir: str, *, padded_vocab_size_fn, seq_length: Optional[int
     elif arch == "gpt_neox":
         config = _model_config_from_neox(hf_config, seq_length, common)
         state = neox_state_dict_to_ours(_read_hf_tensors(hf_dir), config)
+    elif arch in LLAMA_FAMILY:
+        config = model_config_from_llama(hf_config, seq_length or hf_config.max_position_embeddings, **common)
+        state = llama_state_dict_to_ours(_read_hf_tensors(hf_dir), config)
     else:
-        raise ValueError(f"{hf_dir!r} holds a {arch!r} model; this converter reads bloom, gpt2 and gpt_neox")
+        raise ValueError(f"{hf_dir!r} holds a {arch!r} model; this converter reads bloom, gpt2, gpt_neox, "
+                         f"{', '.join(LLAMA_FAMILY)}")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[params_dtype]
     return config, {name: tensor.to(dtype).contiguous() for name, tensor in state.items()}, arch
 

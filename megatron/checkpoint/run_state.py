@@ -22,6 +22,7 @@ import torch
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import RUN_STATE, CheckpointFormatError, resolve_tag
 from megatron.config import ModelConfig, RunConfig
+from megatron.config.model import swiglu_default_ffn_size
 from megatron.model.layout import LAYOUT, LEGACY_LAYOUT
 
 __all__ = ["build_run_state", "checkpoint_layout", "record_from_megatron_args", "megatron_args", "MEGATRON_CHECKPOINT_VERSION", "load_run_state", "model_config_from_dict", "check_model_config",
@@ -140,16 +141,21 @@ def model_config_from_dict(fields: dict) -> ModelConfig:
 # dropout, init std, seed...). The padded vocabulary may grow when a universal checkpoint is loaded
 # on a layout that pads more; it may never shrink.
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                       "position_embedding_type", "embed_layernorm", "layernorm_epsilon", "max_position_embeddings")
+                       "position_embedding_type", "embed_layernorm", "layernorm_epsilon", "max_position_embeddings",
+                       "num_key_value_heads", "normalization", "swiglu", "add_bias_linear", "add_qkv_bias",
+                       "untie_embeddings_and_output_weights")
 
 
 def check_model_config(saved: dict[str, Any], current: dict[str, Any], universal: bool = False) -> None:
     """Raise ValueError naming the first architecture field that differs (a default and the value it
-    stands for are the same: ffn_hidden_size None is 4 x hidden; learned positions None are seq_length)."""
+    stands for are the same: ffn_hidden_size None is 4 x hidden, or swiglu's width; learned positions None
+    are seq_length; num_key_value_heads None is one per query head)."""
     def effective(fields: dict, name: str):
         value = fields.get(name)
         if name == "ffn_hidden_size" and value is None:
-            return 4 * fields["hidden_size"]
+            return swiglu_default_ffn_size(fields["hidden_size"]) if fields.get("swiglu") else 4 * fields["hidden_size"]
+        if name == "num_key_value_heads" and value is None:
+            return fields.get("num_attention_heads")
         if name == "max_position_embeddings":
             learned = fields.get("position_embedding_type") == "absolute"
             return (value if value is not None else fields.get("seq_length")) if learned else None

@@ -5,23 +5,46 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi")
+POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi", "none")
+NORMALIZATIONS = ("layernorm", "rmsnorm")
 PARAMS_DTYPES = ("fp32", "bf16", "fp16")
 
 
+def swiglu_default_ffn_size(hidden_size: int) -> int:
+    """Megatron's MLP width for --swiglu without --ffn-hidden-size: 2/3 of 4h (the gated MLP has three
+    matrices instead of two, so the parameter count stays that of a 4h GeLU MLP), rounded down to a
+    multiple of 64."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64
+
+
 def megatron_flops(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int, global_batch_size: int,
-                   recompute: bool) -> float:
-    """Megatron's FLOPs per iteration (its "TFLOPs" formula; ffn = 4h), read by the training log and the
-    planner alike:  24 c B s L h^2 (1 + s / (6h) + V / (16 L h)), with c = 4 (forward + recomputed
-    forward + backward) when activations are recomputed, else 3. V: the padded vocabulary."""
+                   recompute: bool, *, ffn_hidden_size: Optional[int] = None, kv_hidden_size: Optional[int] = None,
+                   swiglu: bool = False) -> float:
+    """Megatron's FLOPs per iteration (its "TFLOPs" formula), read by the training log and the planner alike.
+
+    c B s (L (2 P + 4 s h) + 1.5 V h), with c = 4 (forward + recomputed forward + backward) when
+    activations are recomputed, else 3; P the weights of one layer's matrices, h (h + 2 kv) + h h + m f h
+    (kv = kv_hidden_size, the key / value heads' width, default h; m = 3 matrices with SwiGLU, else 2;
+    f = ffn_hidden_size, default 4h); 4 s h the attention scores and context per token; V the padded
+    vocabulary. With the defaults (P = 12 h^2) this is Megatron's 24 c B s L h^2 (1 + s / (6h) + V / (16 L h)).
+    """
     s, L, h, V = seq_length, num_layers, hidden_size, vocab_size
+    f = ffn_hidden_size if ffn_hidden_size is not None else 4 * h
+    kv = kv_hidden_size if kv_hidden_size is not None else h
     c = 4 if recompute else 3
-    return 24 * c * global_batch_size * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    layer_weights = h * (h + 2 * kv) + h * h + (3 if swiglu else 2) * f * h
+    return c * global_batch_size * s * (L * (2 * layer_weights + 4 * s * h) + 1.5 * V * h)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A GPT / BLOOM decoder. Sequence-first activations [s, b, h]."""
+    """A GPT / BLOOM / Llama-style decoder. Sequence-first activations [s, b, h].
+
+    The variants are settings of one block: ``normalization`` (LayerNorm or RMSNorm), ``swiglu`` (gated
+    SiLU MLP instead of GeLU), ``num_key_value_heads`` (grouped-query attention; 1 is multi-query),
+    ``position_embedding_type``, ``add_bias_linear`` / ``add_qkv_bias`` and
+    ``untie_embeddings_and_output_weights``. Llama: rmsnorm, swiglu, rotary, no biases, untied.
+    """
 
     num_layers: int
     hidden_size: int
@@ -29,21 +52,49 @@ class ModelConfig:
     padded_vocab_size: int                 # rows of the word embedding, divisible by TP
     seq_length: int
     max_position_embeddings: Optional[int] = None  # learned positions only; defaults to seq_length
-    ffn_hidden_size: Optional[int] = None  # defaults to 4 * hidden_size
-    position_embedding_type: str = "absolute"      # absolute | rotary | alibi
+    ffn_hidden_size: Optional[int] = None  # defaults to 4 * hidden_size (swiglu: swiglu_default_ffn_size)
+    position_embedding_type: str = "absolute"      # absolute | rotary | alibi | none
+    num_key_value_heads: Optional[int] = None      # key / value heads (query groups); None: one per query head
+    normalization: str = "layernorm"       # layernorm | rmsnorm: every norm of the model (layernorm_epsilon)
+    swiglu: bool = False                   # MLP silu(x W_gate) * (x W_up) instead of gelu(x W1)
+    add_bias_linear: bool = True           # biases in every linear layer (False: --disable-bias-linear)
+    add_qkv_bias: bool = False             # a bias in the QKV projection even without add_bias_linear (Qwen2)
+    untie_embeddings_and_output_weights: bool = False  # an output head of its own instead of the word embedding
     embed_layernorm: bool = False          # LayerNorm right after the word embedding (BLOOM)
     layernorm_epsilon: float = 1e-5
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02          # normal(0, std); output projections std / sqrt(2 * num_layers)
     rotary_base: float = 10000.0
+    # Llama 3.1's rope scaling (--use-rope-scaling): frequencies whose wavelength exceeds the original context
+    # / low_freq_factor are divided by the factor, those below original / high_freq_factor kept, the band
+    # between interpolated. None: plain rotary.
+    rope_scaling_factor: Optional[float] = None
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_positions: int = 8192
     params_dtype: str = "fp32"             # fp32 | bf16 | fp16: dtype of the module parameters
     original_vocab_size: Optional[int] = None      # the tokenizer's vocabulary before padding
     seed: int = 1234                       # initialization seed (each layer's weights depend on it and its index only)
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return swiglu_default_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key / value heads: ``num_key_value_heads``, or one per query head (multi-head attention)."""
+        return self.num_key_value_heads if self.num_key_value_heads is not None else self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
 
     @property
     def max_positions(self) -> int:
@@ -56,7 +107,8 @@ class ModelConfig:
     def flops_per_iteration(self, global_batch_size: int, recompute: bool) -> float:
         """``megatron_flops`` of this model (``padded_vocab_size`` rows) for one global batch."""
         return megatron_flops(self.num_layers, self.hidden_size, self.padded_vocab_size, self.seq_length,
-                              global_batch_size, recompute)
+                              global_batch_size, recompute, ffn_hidden_size=self.ffn_size,
+                              kv_hidden_size=self.num_kv_heads * self.head_dim, swiglu=self.swiglu)
 
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
         """Raise ValueError for an impossible configuration; return self so calls can chain."""
@@ -71,6 +123,11 @@ class ModelConfig:
         if self.num_attention_heads % tp:
             raise ValueError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; each TP rank must hold whole heads")
+        self._validate_attention(tp)
+        if self.ffn_size < 1:
+            raise ValueError(f"ffn hidden size {self.ffn_size} must be positive: set --ffn-hidden-size "
+                             f"(--swiglu's default, 2/3 of 4 x --hidden-size {self.hidden_size} rounded down to a "
+                             f"multiple of 64, is 0)")
         if self.ffn_size % tp:
             raise ValueError(f"ffn hidden size {self.ffn_size} is not divisible by "
                              f"--tensor-model-parallel-size {tp}")
@@ -86,6 +143,16 @@ class ModelConfig:
         if self.position_embedding_type == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim} "
                              f"(--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads})")
+        if self.rope_scaling_factor is not None:
+            if self.position_embedding_type != "rotary":
+                raise ValueError(f"--use-rope-scaling scales rotary frequencies, but --position-embedding-type is "
+                                 f"{self.position_embedding_type}; use rotary (rope) positions or drop it")
+            if self.rope_scaling_factor < 1 or self.rope_scaling_high_freq_factor <= self.rope_scaling_low_freq_factor:
+                raise ValueError(f"rope scaling needs factor >= 1 and high_freq_factor > low_freq_factor, got "
+                                 f"{self.rope_scaling_factor}, {self.rope_scaling_high_freq_factor}, "
+                                 f"{self.rope_scaling_low_freq_factor}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"--normalization {self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}")
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"params_dtype {self.params_dtype!r} is not one of {', '.join(PARAMS_DTYPES)}")
         for name in ("hidden_dropout", "attention_dropout"):
@@ -95,4 +162,20 @@ class ModelConfig:
             raise ValueError(f"original vocabulary size {self.original_vocab_size} is larger than the padded "
                              f"size {self.padded_vocab_size}")
         return self
+
+    def _validate_attention(self, tp: int) -> None:
+        kv, heads = self.num_key_value_heads, self.num_attention_heads
+        if kv is None:
+            return
+        if not isinstance(kv, int) or kv < 1:
+            raise ValueError(f"--num-key-value-heads must be a positive integer, got {kv!r}")
+        if heads % kv:
+            raise ValueError(f"--num-key-value-heads {kv} does not divide --num-attention-heads {heads}: each key / "
+                             f"value head serves a whole group of query heads; use a divisor of {heads}")
+        if kv % tp:
+            raise ValueError(f"--num-key-value-heads {kv} is not divisible by --tensor-model-parallel-size {tp}: "
+                             f"each TP rank must hold whole query groups. Megatron-DeepSpeed refuses this too; "
+                             f"Megatron-LM instead replicates key / value heads when TP is a multiple of the "
+                             f"group count, which is not implemented here. Use a TP size dividing {kv}, or more "
+                             f"key / value heads")
 

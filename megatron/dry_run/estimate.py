@@ -14,7 +14,7 @@ from megatron.config import RunConfig
 from megatron.model.layout import EMBEDDING, FINAL_NORM, HEAD, TRANSFORMER, pipeline_items
 from megatron.planner import CLUSTERS, GPUS, Layout, ModelShape, estimate_memory, estimate_step
 from megatron.planner.memory import MEMORY_HEADROOM
-from megatron.planner.specs import DEFAULT_CLUSTER, GiB
+from megatron.planner.specs import DEFAULT_CLUSTER, GiB, model_shape_of
 
 DEFAULT_GPU = "A100-80GB"  # what BLOOM-176B trained on (Jean Zay), the GPU these flags were written for
 
@@ -41,9 +41,7 @@ def model_shape(rc: RunConfig) -> ModelShape:
     if vocab is None:
         raise ValueError("the padded vocabulary is unknown (the tokenizer was not built and there is no "
                          "--pad-vocab-size-to)")
-    return ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, vocab, m.ffn_size,
-                      embed_layernorm=m.embed_layernorm,
-                      learned_positions=m.max_positions if m.position_embedding_type == "absolute" else 0)
+    return model_shape_of(m, vocab)
 
 
 def item_param_counts(rc: RunConfig) -> list[int]:
@@ -51,8 +49,8 @@ def item_param_counts(rc: RunConfig) -> list[int]:
     (it builds each layer spec: the head's module is the word embedding alone)."""
     shape, tp = model_shape(rc), rc.parallel.tensor_model_parallel_size
     h, word = shape.hidden_size, shape.vocab_size * shape.hidden_size // tp
-    per_kind = {EMBEDDING: word + shape.learned_positions * h + (2 * h if shape.embed_layernorm else 0),
-                TRANSFORMER: shape.layer_params(tp), FINAL_NORM: 2 * h, HEAD: word}
+    per_kind = {EMBEDDING: word + shape.learned_positions * h + (shape.norm_params if shape.embed_layernorm else 0),
+                TRANSFORMER: shape.layer_params(tp), FINAL_NORM: shape.norm_params, HEAD: word}
     return [per_kind.get(item.kind, 0) for item in pipeline_items(rc.model)]
 
 

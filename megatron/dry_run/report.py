@@ -12,7 +12,8 @@ import sys
 from typing import Mapping, Optional, Sequence
 
 from megatron.arguments.check import ArgvCheck, check_argv
-from megatron.dry_run.estimate import hardware, item_param_counts, memory_section, step_section, vocabulary_rows
+from megatron.dry_run.estimate import (hardware, item_param_counts, memory_section, model_shape, step_section,
+                                       vocabulary_rows)
 from megatron.dry_run.plan import RunSteps, batch_section, layout_section, lr_section, run_section
 from megatron.dry_run.text import render
 
@@ -61,7 +62,10 @@ def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
                        "seq_length": m.seq_length, "position_embedding_type": m.position_embedding_type,
                        "params_dtype": m.params_dtype, "original_vocab_size": m.original_vocab_size,
                        "padded_vocab_size": m.padded_vocab_size, "zero_stage": rc.precision.zero_stage,
-                       "deepspeed_zero_stage": rc.deepspeed_zero_stage}
+                       "deepspeed_zero_stage": rc.deepspeed_zero_stage, "num_key_value_heads": m.num_kv_heads,
+                       "normalization": m.normalization, "swiglu": m.swiglu, "add_bias_linear": m.add_bias_linear,
+                       "add_qkv_bias": m.qkv_bias, "tied_embeddings": m.tied_embeddings,
+                       "num_parameters": model_shape(rc).total_params() if vocabulary_rows(rc) else None}
     steps = RunSteps(rc)
     report["batch"], report["run"], report["lr_schedule"] = (batch_section(rc, steps), run_section(rc, steps),
                                                              lr_section(rc, steps))

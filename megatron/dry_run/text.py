@@ -35,9 +35,16 @@ def _model(m: dict) -> list[str]:
              f"vocabulary {_n(m['original_vocab_size'])} -> {_n(m['padded_vocab_size'])} rows (padded)")
     zero = (f"ZeRO stage {m['zero_stage']}" if m["zero_stage"] == m["deepspeed_zero_stage"] else
             f"ZeRO stage {m['zero_stage']} (runs as {m['deepspeed_zero_stage']})")
-    return [f"model        {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
-            f"ffn {m['ffn_hidden_size']}, seq {m['seq_length']}, {m['position_embedding_type']}, "
-            f"{m['params_dtype']}, {zero}; {vocab}"]
+    heads = f"{m['num_attention_heads']} heads"
+    if m["num_key_value_heads"] != m["num_attention_heads"]:
+        heads += f" ({m['num_key_value_heads']} key / value)"
+    block = ", ".join([m["normalization"], "SwiGLU" if m["swiglu"] else "GeLU",
+                       "biases" if m["add_bias_linear"] else "q/k/v biases only" if m["add_qkv_bias"] else "no biases",
+                       "tied head" if m["tied_embeddings"] else "untied head"])
+    params = "" if m["num_parameters"] is None else f"{m['num_parameters'] / 1e9:.2f}B parameters; "
+    return [f"model        {m['num_layers']} layers, hidden {m['hidden_size']}, {heads}, "
+            f"ffn {m['ffn_hidden_size']}, seq {m['seq_length']}, {m['position_embedding_type']}, {block}, "
+            f"{m['params_dtype']}, {zero}; {params}{vocab}"]
 
 
 def _layout(lay: dict) -> list[str]:

@@ -1,4 +1,4 @@
-"""The GPT/BLOOM model as a DeepSpeed ``PipelineModule``, built from the model's own modules.
+"""The GPT/BLOOM/Llama-style model as a DeepSpeed ``PipelineModule``, built from the model's own modules.
 
 There is one network, in ``megatron.model``; this file only lists its modules as pipeline layers,
 in the order ``megatron.model.layout.pipeline_items`` gives (the index checkpoints number files by):
@@ -13,12 +13,15 @@ in the order ``megatron.model.layout.pipeline_items`` gives (the index checkpoin
                                                  hidden -> vocab-parallel logits [s, b, vp]
     loss_fn = GPTLossFn                          (logits, (labels, loss_mask)) -> scalar
 
+With --untie-embeddings-and-output-weights there is no tied module: the embedding is a plain
+``LayerSpec(EmbeddingPipe)`` and the head ``LayerSpec(OutputLayer)`` with its own weight.
+
 The pass-through slots are plain functions, so DeepSpeed writes no file for them, as for BLOOM's.
 (With --checkpoint-num-layers above 1, a run of layers that includes a slot is not recomputed:
 DeepSpeed recomputes only runs made of TransformerLayers.) The embedding's layer file uses
 BLOOM's key for its LayerNorm (``word_embeddings.norm.*``; ``embed_layernorm.*`` in memory).
 
-The word embedding lives on the first and the last stage (DeepSpeed keeps the two copies tied and
+A tied word embedding lives on the first and the last stage (DeepSpeed keeps the two copies tied and
 all-reduces their gradients). Every module initializes from (seed, its own identity) only, so a
 stage holding layers 4..7 starts exactly as the same layers of a single-stage model.
 
@@ -38,7 +41,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSp
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.config import PARTITION_METHODS, ModelConfig
-from megatron.model import EmbeddingLayer, FinalLayerNorm, TransformerLayer, gpt_loss
+from megatron.model import EmbeddingLayer, FinalLayerNorm, OutputLayer, TransformerLayer, gpt_loss
 from megatron.model.layout import (EMBEDDING, FINAL_NORM, HEAD, PASS_THROUGH, TRANSFORMER, PipelineItem, file_key,
                                    local_name_of_file_key, pipeline_items)
 from megatron.parallel.random import RNGStatesTracker
@@ -137,6 +140,8 @@ def tracked_checkpoint_func(tracker: Optional[RNGStatesTracker]):
 def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker: Optional[RNGStatesTracker]):
     embed = dict(tied_weight_attr="word_embeddings.weight", tp_group=state.tp_group)
     if item.kind == EMBEDDING:
+        if not config.tied_embeddings:
+            return LayerSpec(EmbeddingPipe, config, tp_group=state.tp_group)
         return TiedLayerSpec("embed", EmbeddingPipe, config, **embed)
     if item.kind == TRANSFORMER:
         return LayerSpec(TransformerLayer, config, tp_group=state.tp_group, layer_number=item.layer_number,
@@ -144,6 +149,8 @@ def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker
     if item.kind == FINAL_NORM:
         return LayerSpec(FinalLayerNorm, config)
     if item.kind == HEAD:
+        if not config.tied_embeddings:
+            return LayerSpec(OutputLayer, config, tp_group=state.tp_group)
         return TiedLayerSpec("embed", LMHeadPipe, config, forward_fn=lm_head_forward, **embed)
     if item.kind == PASS_THROUGH:
         return pass_through

@@ -1,9 +1,12 @@
-"""GPT / BLOOM model math, tensor-parallel, sequence-first [s, b, h].
+"""GPT / BLOOM / Llama-style model math, tensor-parallel, sequence-first [s, b, h].
 
     EmbeddingLayer     token ids -> [s, b, h]; learned positions, BLOOM's embedding LayerNorm;
                        ``lm_logits`` is the tied output head -> vocab-parallel [s, b, vp]
-    TransformerLayer   pre-LN attention (fused per-head QKV; ALiBi / rotary / none) + GeLU MLP
-    FinalLayerNorm     the LayerNorm before the head
+    OutputLayer        the untied output head (its own vocab-parallel weight)
+    TransformerLayer   pre-norm attention (fused QKV per query group: MHA / GQA / MQA; ALiBi / rotary /
+                       none) + GeLU or SwiGLU MLP; biases optional
+    Norm               LayerNorm or RMSNorm, as the config says
+    FinalLayerNorm     the norm before the head
     GPTModel           the three composed on one pipeline stage; ``gpt_loss`` the masked mean loss
     KVCache            per-layer keys / values for incremental decoding
     layout             the pipeline layers and how every parameter is split across TP ranks (from the
@@ -21,11 +24,12 @@ hp = np * hn, v / vp vocabulary (per partition).
 """
 
 from megatron.model.attention import KVCache, SelfAttention
-from megatron.model.embedding import EmbeddingLayer
+from megatron.model.embedding import EmbeddingLayer, OutputLayer
 from megatron.model.gpt import GPTModel, gpt_loss, per_token_loss
 from megatron.model.layout import ParameterLayout, PipelineItem, parameter_layout, pipeline_items
+from megatron.model.norm import Norm
 from megatron.model.transformer import FinalLayerNorm, ParallelMLP, TransformerLayer
 
-__all__ = ["EmbeddingLayer", "TransformerLayer", "FinalLayerNorm", "GPTModel", "gpt_loss", "per_token_loss",
+__all__ = ["EmbeddingLayer", "OutputLayer", "Norm", "TransformerLayer", "FinalLayerNorm", "GPTModel", "gpt_loss", "per_token_loss",
            "KVCache", "SelfAttention", "ParallelMLP", "ParameterLayout", "PipelineItem",
            "parameter_layout", "pipeline_items"]

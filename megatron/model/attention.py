@@ -1,15 +1,21 @@
-"""Tensor-parallel causal self-attention with a fused, per-head interleaved QKV projection.
+"""Tensor-parallel causal self-attention with a fused QKV projection laid out per query group.
 
-    qkv = x @ W_qkv (column-parallel: each TP rank holds np = heads / tp whole heads)
+    qkv = x @ W_qkv (column-parallel: each TP rank holds np = heads / tp query heads and
+                     ng = kv_heads / tp whole query groups)
     attention per head with causal masking and ALiBi / rotary / no position information
     out = context @ W_dense (row-parallel: partial sums all-reduced over the TP group)
 
-The fused weight's rows are ordered [heads, 3, hn] (BLOOM's and transformers' Bloom layout), so
-rank r's rows [r * np * 3 * hn, (r + 1) * np * 3 * hn) are exactly its heads' q, k and v: TP
-slicing, DeepSpeed's universal-checkpoint dim-0 merging and transformers' layout all agree.
+Grouped-query attention (Ainslie et al. 2023): the kv_heads key / value heads each serve a group of
+heads / kv_heads consecutive query heads (kv_heads = heads is multi-head attention, 1 multi-query).
+The fused weight's rows are ordered [kv_heads, heads / kv_heads + 2, hn]: per group its query
+heads, then its key head, then its value head (Megatron-LM's layout). So rank r's rows are
+exactly its groups' q, k and v: TP slicing, DeepSpeed's universal-checkpoint dim-0 merging and the
+transformers mappings all agree. With one query head per group this is [heads, 3, hn], BLOOM's
+and transformers' Bloom layout.
 
 Shape letters: s sequence (sq queries, sk keys incl. cached ones), b micro-batch, h hidden,
-np heads per partition, hn head dim, hp = np * hn, v / vp vocabulary (per partition).
+np heads per partition, ng query groups (key / value heads) per partition, hn head dim,
+hp = np * hn, v / vp vocabulary (per partition).
 """
 
 from __future__ import annotations
@@ -57,28 +63,28 @@ class KVCache:
     """
 
     def __init__(self) -> None:
-        self.key: Optional[torch.Tensor] = None    # [sk, b, np, hn]
-        self.value: Optional[torch.Tensor] = None  # [sk, b, np, hn]
+        self.key: Optional[torch.Tensor] = None    # [sk, b, ng, hn]
+        self.value: Optional[torch.Tensor] = None  # [sk, b, ng, hn]
 
     @property
     def length(self) -> int:
         return 0 if self.key is None else self.key.shape[0]
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add this step's keys and values [sq, b, np, hn]; return all of them [sk, b, np, hn]."""
+        """Add this step's keys and values [sq, b, ng, hn]; return all of them [sk, b, ng, hn]."""
         if self.key is None:
             self.key, self.value = key, value
         else:
             if key.shape[1:] != self.key.shape[1:]:
-                raise ValueError(f"KV cache holds [sk, b, np, hn] = {list(self.key.shape)} but got keys "
+                raise ValueError(f"KV cache holds [sk, b, ng, hn] = {list(self.key.shape)} but got keys "
                                  f"{list(key.shape)}; use a fresh cache for a new batch")
-            self.key = torch.cat((self.key, key), dim=0)  # [sk, b, np, hn]
-            self.value = torch.cat((self.value, value), dim=0)  # [sk, b, np, hn]
+            self.key = torch.cat((self.key, key), dim=0)  # [sk, b, ng, hn]
+            self.value = torch.cat((self.value, value), dim=0)  # [sk, b, ng, hn]
         return self.key, self.value
 
 
 class SelfAttention(nn.Module):
-    """Causal multi-head self-attention, heads split across the tensor-parallel group.
+    """Causal multi-head / grouped-query self-attention, query groups split across the tensor-parallel group.
 
     Args:
         config: the model configuration (sizes, position type, dropout, init std, seed).
@@ -95,14 +101,21 @@ class SelfAttention(nn.Module):
         self.rng_tracker = rng_tracker
         tp_size = group_size(tp_group)
         self.num_heads_per_partition = config.num_attention_heads // tp_size  # np
+        self.num_groups_per_partition = config.num_kv_heads // tp_size  # ng
         self.head_dim = config.head_dim  # hn
         prefix = f"layers.{layer_number}.self_attention"
+        qkv_size = (config.num_attention_heads + 2 * config.num_kv_heads) * config.head_dim
         self.query_key_value = ColumnParallelLinear(
-            config.hidden_size, 3 * config.hidden_size, tp_group=tp_group, bias=True, gather_output=False,
+            config.hidden_size, qkv_size, tp_group=tp_group, bias=config.qkv_bias, gather_output=False,
             init_method=normal_init(config.init_method_std, config.seed, f"{prefix}.query_key_value.weight"))
         self.dense = RowParallelLinear(
-            config.hidden_size, config.hidden_size, tp_group=tp_group, bias=True, input_is_parallel=True,
+            config.hidden_size, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
+            input_is_parallel=True,
             init_method=normal_init(output_layer_std(config), config.seed, f"{prefix}.dense.weight"))
+        self._rope_scaling = None
+        if config.rope_scaling_factor is not None:
+            self._rope_scaling = (config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
+                                  config.rope_scaling_high_freq_factor, config.rope_scaling_original_max_positions)
         if config.position_embedding_type == "alibi":
             # Not a buffer: it must stay fp32 when the module is cast to bf16, and it is not state.
             self._alibi_slopes = alibi_slopes_for_rank(config.num_attention_heads, group_rank(tp_group), tp_size)
@@ -116,30 +129,34 @@ class SelfAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         """hidden [sq, b, h] (already layer-normed) -> attention output [sq, b, h] (bias added)."""
         sq, b, _ = hidden.shape
-        np_, hn = self.num_heads_per_partition, self.head_dim
+        np_, ng, hn = self.num_heads_per_partition, self.num_groups_per_partition, self.head_dim
         offset = 0 if kv_cache is None else kv_cache.length
-        mixed, _ = self.query_key_value(hidden)  # [sq, b, np * 3 * hn]
-        mixed = mixed.view(sq, b, np_, 3, hn)  # [sq, b, np, 3, hn]
-        query, key, value = mixed.unbind(dim=3)  # 3 x [sq, b, np, hn]
+        mixed, _ = self.query_key_value(hidden)  # [sq, b, ng * (np/ng + 2) * hn]
+        mixed = mixed.view(sq, b, ng, np_ // ng + 2, hn)  # [sq, b, ng, np/ng + 2, hn]
+        query, key, value = mixed.split([np_ // ng, 1, 1], dim=3)
+        query = query.reshape(sq, b, np_, hn)  # [sq, b, np, hn]: group 0's query heads first
+        key, value = key.squeeze(3), value.squeeze(3)  # 2 x [sq, b, ng, hn]
 
         positions = torch.arange(offset, offset + sq, device=hidden.device)  # [sq]
         if self.config.position_embedding_type == "rotary":
-            cos, sin = rotary_cos_sin(positions, hn, self.config.rotary_base)  # 2 x [sq, hn]
+            cos, sin = rotary_cos_sin(positions, hn, self.config.rotary_base, self._rope_scaling)  # 2 x [sq, hn]
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         if kv_cache is not None:
-            key, value = kv_cache.append(key, value)  # 2 x [sk, b, np, hn]
+            key, value = kv_cache.append(key, value)  # 2 x [sk, b, ng, hn]
         sk = key.shape[0]
 
         # SDPA wants [b, np, s, hn]. Its fused kernels accumulate the softmax in fp32.
         query = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
-        key = key.permute(1, 2, 0, 3)  # [b, np, sk, hn]
-        value = value.permute(1, 2, 0, 3)  # [b, np, sk, hn]
+        key = key.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
+        value = value.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
         mask = self._attention_mask(positions, offset, sk, query.dtype)
         dropout_p = self.config.attention_dropout if self.training else 0.0
+        # enable_gqa: query head i attends with key / value head i // (np / ng), as the layout groups them.
+        gqa = {"enable_gqa": True} if ng != np_ else {}
         with self._dropout_rng(dropout_p):
             context = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=mask, dropout_p=dropout_p,
-                is_causal=mask is None and sq > 1, scale=1.0 / math.sqrt(hn))  # [b, np, sq, hn]
+                is_causal=mask is None and sq > 1, scale=1.0 / math.sqrt(hn), **gqa)  # [b, np, sq, hn]
         context = context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, hp]
         output, _ = self.dense(context)  # [sq, b, h]
         return output

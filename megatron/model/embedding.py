@@ -1,10 +1,12 @@
-"""Input embedding (vocab-parallel words, optional learned positions and LayerNorm) and the tied head.
+"""Input embedding (vocab-parallel words, optional learned positions and norm) and the output head.
 
-    x = dropout(LN?(E_word[ids] + E_pos[positions]?))      [b, s] -> [s, b, h]
-    logits = y @ E_word^T                                 [s, b, h] -> [s, b, vp]
+    x = dropout(N?(E_word[ids] + E_pos[positions]?))       [b, s] -> [s, b, h]
+    logits = y @ E_word^T   (tied)                        [s, b, h] -> [s, b, vp]
+    logits = y @ W_out^T    (untied, OutputLayer)         [s, b, h] -> [s, b, vp]
 
 The word embedding is split along the vocabulary: rank r holds rows [r * vp, (r + 1) * vp). The
-output head reuses that same weight (tied), so its logits are vocab-parallel too.
+output head reuses that same weight (tied), or has its own split the same way
+(--untie-embeddings-and-output-weights, Llama); its logits are vocab-parallel either way.
 
 Shape letters: s sequence, b micro-batch, h hidden, np heads per partition, hn head dim,
 hp = np * hn, v / vp vocabulary (per partition).
@@ -20,11 +22,12 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.initialization import normal_init, params_torch_dtype
-from megatron.parallel.layers import VocabParallelEmbedding
+from megatron.model.norm import Norm
+from megatron.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.parallel.state import group_size
 
-__all__ = ["EmbeddingLayer"]
+__all__ = ["EmbeddingLayer", "OutputLayer"]
 
 
 class EmbeddingLayer(nn.Module):
@@ -55,7 +58,7 @@ class EmbeddingLayer(nn.Module):
                 self.position_embeddings.weight)
         self.embed_layernorm = None
         if config.embed_layernorm:
-            self.embed_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+            self.embed_layernorm = Norm(config)
         self.to(params_torch_dtype(config))
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -83,3 +86,23 @@ class EmbeddingLayer(nn.Module):
         """
         hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)  # [s, b, h]
         return F.linear(hidden, self.word_embeddings.weight)  # [s, b, vp]
+
+
+class OutputLayer(ColumnParallelLinear):
+    """The untied output head: hidden [s, b, h] -> vocab-parallel logits [s, b, vp].
+
+    logits = hidden @ W^T with W [v, h] split along the vocabulary (rank r: rows [r * vp, (r + 1) * vp)),
+    no bias; the column-parallel input copy (forward identity, backward all-reduce) gives every rank
+    the full gradient of the replicated hidden state, as the tied head's does. Parameter
+    ``weight`` [vp, h], tagged ``vocab_parallel`` (rows are the padded vocabulary).
+    """
+
+    def __init__(self, config: ModelConfig, tp_group=None):
+        super().__init__(config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
+                         gather_output=False, params_dtype=params_torch_dtype(config),
+                         init_method=normal_init(config.init_method_std, config.seed, "output_layer.weight"))
+        self.weight.vocab_parallel = True
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits, _ = super().forward(hidden)  # [s, b, vp]
+        return logits

@@ -1,6 +1,6 @@
-"""GPTModel: embedding -> transformer layers -> final LayerNorm -> tied head, on one pipeline stage.
+"""GPTModel: embedding -> transformer layers -> final norm -> output head, on one pipeline stage.
 
-The same modules (EmbeddingLayer, TransformerLayer, FinalLayerNorm) are what a pipeline engine
+The same modules (EmbeddingLayer, TransformerLayer, FinalLayerNorm, OutputLayer) are what a pipeline engine
 stages one by one; this class only composes them for a single stage and adds the loss.
 
 Shape letters: s sequence, b micro-batch, h hidden, np heads per partition, hn head dim,
@@ -16,7 +16,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.attention import KVCache
-from megatron.model.embedding import EmbeddingLayer
+from megatron.model.embedding import EmbeddingLayer, OutputLayer
 from megatron.model.transformer import FinalLayerNorm, TransformerLayer
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.parallel.state import ParallelState
@@ -54,7 +54,7 @@ def gpt_loss(logits_parallel: torch.Tensor, labels: torch.Tensor, loss_mask: tor
 
 
 class GPTModel(nn.Module):
-    """A GPT / BLOOM decoder on a single pipeline stage, tensor-parallel over ``parallel_state.tp_group``.
+    """A GPT / BLOOM / Llama-style decoder on a single pipeline stage, tensor-parallel over ``parallel_state.tp_group``.
 
     Args:
         config: the model configuration.
@@ -66,7 +66,8 @@ class GPTModel(nn.Module):
     ``embedding.embed_layernorm.*``, ``layers.{i}.input_layernorm.*``,
     ``layers.{i}.self_attention.query_key_value.*``, ``layers.{i}.self_attention.dense.*``,
     ``layers.{i}.post_attention_layernorm.*``, ``layers.{i}.mlp.dense_h_to_4h.*``,
-    ``layers.{i}.mlp.dense_4h_to_h.*``, ``final_layernorm.*``.
+    ``layers.{i}.mlp.dense_4h_to_h.*``, ``final_layernorm.*``, and with untied embeddings
+    ``output_layer.weight``.
     """
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, rng_tracker=None):
@@ -79,6 +80,7 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, self.tp_group, i, rng_tracker)
                                     for i in range(config.num_layers))
         self.final_layernorm = FinalLayerNorm(config)
+        self.output_layer = None if config.tied_embeddings else OutputLayer(config, self.tp_group)
 
     def new_kv_caches(self) -> list[KVCache]:
         """One empty KV cache per layer, for :meth:`forward`'s ``kv_caches``."""
@@ -103,7 +105,10 @@ class GPTModel(nn.Module):
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, None if kv_caches is None else kv_caches[i])  # [s, b, h]
         hidden = self.final_layernorm(hidden)  # [s, b, h]
-        logits = self.embedding.lm_logits(hidden)  # [s, b, vp]
+        if self.output_layer is not None:
+            logits = self.output_layer(hidden)  # [s, b, vp]
+        else:
+            logits = self.embedding.lm_logits(hidden)  # [s, b, vp]
         if labels is None:
             if loss_mask is not None:
                 raise ValueError("loss_mask was given without labels")

@@ -6,7 +6,8 @@ Two facts, both derived from the model's own modules:
   (``layer_XX-model_YY-model_states.pt``), BLOOM's numbering (bigscience's Megatron-DeepSpeed
   ``GPTModelPipe``): 0 a parameter-free slot (BLOOM's fp16 cast), 1 the embedding, 2 a slot (BLOOM's
   transpose to [s, b, h]), 3..L+2 the transformer layers, L+3 a slot (the transpose back), L+4 the
-  final LayerNorm, L+5 the tied output head (no parameters of its own: the word embedding). Our
+  final norm, L+5 the output head (tied: no parameters of its own, it uses the word embedding;
+  untied, --untie-embeddings-and-output-weights: ``output_layer.weight``, in its own file). Our
   activations are sequence-first throughout, so the slots pass their input on unchanged; they keep
   the file numbers BLOOM's tools expect (transformers' converter among them). Checkpoints written
   before 2026-12-01 used ``LEGACY_LAYOUT`` (0 embedding, 1..L blocks, L+1 final LayerNorm);
@@ -71,6 +72,7 @@ class ParameterLayout:
     vocab_parallel: bool = False   # rows are the (padded) vocabulary
     tied_to_head: bool = False     # the output head on the last stage uses it too (a second copy there)
     file_key: str = ""             # its key in the layer file (BLOOM's name); "" means local_name
+    in_tied_module: bool = False   # a DeepSpeed tied module holds it (the embedding, when tied to the head)
 
     @property
     def replicated(self) -> bool:
@@ -86,17 +88,18 @@ def pipeline_items(config: ModelConfig, layout: str = LAYOUT) -> list[PipelineIt
     """The model's pipeline layers in order (see the module docstring), in ``layout``'s numbering."""
     _check_layout(layout)
     n = config.num_layers
+    head = None if config.tied_embeddings else "output_layer."
     if layout == LEGACY_LAYOUT:
         kinds = [(EMBEDDING, "embedding.", "")]
         kinds += [(TRANSFORMER, f"layers.{i}.", "") for i in range(n)]
-        kinds += [(FINAL_NORM, "final_layernorm.", ""), (HEAD, None, "")]
+        kinds += [(FINAL_NORM, "final_layernorm.", ""), (HEAD, head, "")]
     else:
         kinds = [(PASS_THROUGH, None, "BLOOM: cast to fp16 (ours: the dtype is the parameters')"),
                  (EMBEDDING, "embedding.", ""),
                  (PASS_THROUGH, None, "BLOOM: transpose [b, s, h] -> [s, b, h] (ours: already [s, b, h])")]
         kinds += [(TRANSFORMER, f"layers.{i}.", "") for i in range(n)]
         kinds += [(PASS_THROUGH, None, "BLOOM: transpose [s, b, h] -> [b, s, h] (ours: stays [s, b, h])"),
-                  (FINAL_NORM, "final_layernorm.", ""), (HEAD, None, "")]
+                  (FINAL_NORM, "final_layernorm.", ""), (HEAD, head, "")]
     return [PipelineItem(i, kind, prefix, note) for i, (kind, prefix, note) in enumerate(kinds)]
 
 
@@ -161,8 +164,9 @@ def parameter_layout(config: ModelConfig, layout: str = LAYOUT) -> dict[str, Par
 
     def add(item: PipelineItem, local: str, dim: Optional[int], vocab: bool) -> None:
         name = item.prefix + local
-        params[name] = ParameterLayout(name, item.index, local, dim, vocab, tied_to_head=vocab and item.kind == EMBEDDING,
-                                       file_key=file_key(local, layout))
+        tied = config.tied_embeddings and item.kind == EMBEDDING
+        params[name] = ParameterLayout(name, item.index, local, dim, vocab, tied_to_head=vocab and tied,
+                                       file_key=file_key(local, layout), in_tied_module=tied)
 
     layer_params = [(name[len("layers.0."):], dim, vocab) for name, dim, vocab in template if name.startswith("layers.0.")]
     for name, dim, vocab in template:
@@ -172,9 +176,10 @@ def parameter_layout(config: ModelConfig, layout: str = LAYOUT) -> dict[str, Par
         if item.kind == TRANSFORMER:
             for local, dim, vocab in layer_params:
                 add(item, local, dim, vocab)
-    for name, dim, vocab in template:
-        if name.startswith("final_layernorm."):
-            add(by_prefix["final_layernorm."], name[len("final_layernorm."):], dim, vocab)
+    for prefix in ("final_layernorm.", "output_layer."):
+        for name, dim, vocab in template:
+            if name.startswith(prefix):
+                add(by_prefix[prefix], name[len(prefix):], dim, vocab)
     return params
 
 
@@ -195,6 +200,6 @@ def model_name(name: str, config: ModelConfig) -> str:
 def pipeline_name(param: ParameterLayout) -> str:
     """The parameter's name in a pipeline module: the tied embedding's under DeepSpeed's tied-module
     prefix, every other one under its layer index."""
-    if param.name.startswith("embedding."):
+    if param.in_tied_module:
         return TIED_MODULE_PREFIX + param.local_name
     return f"{param.pipeline_index}.{param.local_name}"

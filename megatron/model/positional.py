@@ -9,10 +9,11 @@ hn head dim, hp = np * hn, v / vp vocabulary (per partition).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
-__all__ = ["alibi_slopes", "alibi_slopes_for_rank", "alibi_bias", "rotary_cos_sin", "rotate_half",
+__all__ = ["alibi_slopes", "alibi_slopes_for_rank", "alibi_bias", "rotary_inv_freq", "rotary_cos_sin", "rotate_half",
            "apply_rotary"]
 
 
@@ -63,15 +64,35 @@ def alibi_bias(slopes: torch.Tensor, query_positions: torch.Tensor, key_position
     return bias.masked_fill(future[None, :, :], float("-inf"))
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [s, hn] (fp32) of the rotary angles position * base^(-2i / hn) (Su et al. 2021).
+def rotary_inv_freq(head_dim: int, base: float, scaling: Optional[tuple[float, float, float, int]] = None,
+                    device=None) -> torch.Tensor:
+    """The rotary frequencies base^(-2i / hn), i < hn/2 (fp32 [hn/2]), optionally with Llama 3.1's scaling.
+
+    scaling (factor, low_freq_factor, high_freq_factor, original_max_positions): a frequency whose wavelength
+    2 pi / f is longer than original / low_freq_factor is divided by factor (those positions were never seen
+    in training), one shorter than original / high_freq_factor is kept, and the band between is interpolated
+    linearly in original / wavelength.
+    """
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)  # [hn/2]
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    wavelength = 2 * math.pi / inv_freq
+    smooth = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short waves
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float,
+                   scaling: Optional[tuple[float, float, float, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [s, hn] (fp32) of the rotary angles position * base^(-2i / hn) (Su et al. 2021);
+    ``scaling``: see :func:`rotary_inv_freq`.
 
     The i-th frequency is used for the pair (x[i], x[i + hn/2]) that :func:`rotate_half` forms,
     hence each frequency appears twice (GPT-NeoX / Megatron layout).
     """
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head dimension, got {head_dim}")
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    inv_freq = rotary_inv_freq(head_dim, base, scaling, positions.device)  # [hn/2]
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [s, hn/2]
     angles = torch.cat((angles, angles), dim=-1)  # [s, hn]
     return angles.cos(), angles.sin()

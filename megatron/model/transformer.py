@@ -1,7 +1,9 @@
-"""The pre-LayerNorm transformer layer (attention + MLP), its MLP, and the final LayerNorm.
+"""The pre-norm transformer layer (attention + MLP), its MLP, its norms, and the final norm.
 
-    x = x + dropout(attention(LN1(x)))
-    x = x + dropout(MLP(LN2(x)))        MLP(y) = gelu_tanh(y @ W1 + b1) @ W2 + b2
+    x = x + dropout(attention(N1(x)))
+    x = x + dropout(MLP(N2(x)))         MLP(y) = gelu_tanh(y @ W1 + b1) @ W2 + b2          (GPT, BLOOM)
+                                        MLP(y) = (silu(y @ W_gate) * (y @ W_up)) @ W2      (--swiglu, Llama)
+    N = LayerNorm, or RMSNorm (--normalization rmsnorm); biases only with add_bias_linear.
 
 Every module here takes and returns one tensor [s, b, h] so that a pipeline engine can stage the
 layers one by one. Hidden dropout sits outside the tensor-parallel region and uses the default
@@ -22,6 +24,7 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.model.attention import KVCache, SelfAttention
 from megatron.model.initialization import normal_init, output_layer_std, params_torch_dtype
+from megatron.model.norm import Norm
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.state import group_size
 
@@ -37,31 +40,41 @@ def zero_biases(module: nn.Module) -> None:
 
 
 class ParallelMLP(nn.Module):
-    """h -> f (column-parallel) -> GeLU (tanh approximation) -> h (row-parallel, all-reduced).
+    """h -> f (column-parallel) -> GeLU (tanh approximation) or SwiGLU -> h (row-parallel, all-reduced).
 
     The tanh GeLU is what BLOOM (bias_gelu) and transformers' Bloom / gpt2 (gelu_new) compute.
+    With ``config.swiglu`` the first projection is fused, 2f rows interleaved [f, 2] (gate row,
+    then up row, per unit of the MLP): TP slicing along dim 0 then hands each rank whole
+    (gate, up) pairs, so DeepSpeed's universal dim-0 merge of the shards is exactly the full
+    weight. (A [gate; up] stack, Megatron's per-rank layout, would merge wrongly.)
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0):
         super().__init__()
         prefix = f"layers.{layer_number}.mlp"
+        self.swiglu = config.swiglu
+        width = 2 * config.ffn_size if config.swiglu else config.ffn_size
         self.dense_h_to_4h = ColumnParallelLinear(
-            config.hidden_size, config.ffn_size, tp_group=tp_group, bias=True, gather_output=False,
+            config.hidden_size, width, tp_group=tp_group, bias=config.add_bias_linear, gather_output=False,
             init_method=normal_init(config.init_method_std, config.seed, f"{prefix}.dense_h_to_4h.weight"))
         self.dense_4h_to_h = RowParallelLinear(
-            config.ffn_size, config.hidden_size, tp_group=tp_group, bias=True, input_is_parallel=True,
+            config.ffn_size, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear, input_is_parallel=True,
             init_method=normal_init(output_layer_std(config), config.seed, f"{prefix}.dense_4h_to_h.weight"))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [s, b, h] -> [s, b, h]."""
-        intermediate, _ = self.dense_h_to_4h(hidden)  # [s, b, fp]
-        intermediate = F.gelu(intermediate, approximate="tanh")
+        intermediate, _ = self.dense_h_to_4h(hidden)  # [s, b, fp] (swiglu: [s, b, 2 fp])
+        if self.swiglu:
+            gate, up = intermediate.unflatten(-1, (-1, 2)).unbind(-1)  # 2 x [s, b, fp]
+            intermediate = F.silu(gate) * up  # [s, b, fp]
+        else:
+            intermediate = F.gelu(intermediate, approximate="tanh")
         output, _ = self.dense_4h_to_h(intermediate)  # [s, b, h]
         return output
 
 
 class TransformerLayer(nn.Module):
-    """One pre-LayerNorm decoder layer, tensor-parallel over ``tp_group``.
+    """One pre-norm decoder layer, tensor-parallel over ``tp_group``.
 
     Args:
         config: the model configuration.
@@ -82,9 +95,9 @@ class TransformerLayer(nn.Module):
                              f"with num_layers {config.num_layers}")
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.input_layernorm = Norm(config)
         self.self_attention = SelfAttention(config, tp_group, layer_number, rng_tracker)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.post_attention_layernorm = Norm(config)
         self.mlp = ParallelMLP(config, tp_group, layer_number)
         zero_biases(self)
         self.to(params_torch_dtype(config))
@@ -97,12 +110,9 @@ class TransformerLayer(nn.Module):
         return hidden + F.dropout(mlp, p=self.hidden_dropout, training=self.training)
 
 
-class FinalLayerNorm(nn.LayerNorm):
-    """The LayerNorm after the last transformer layer: [s, b, h] -> [s, b, h].
-
-    A plain ``nn.LayerNorm`` (parameters ``weight`` and ``bias``), replicated on every TP rank.
-    """
+class FinalLayerNorm(Norm):
+    """The norm after the last transformer layer (LayerNorm or RMSNorm): [s, b, h] -> [s, b, h]."""
 
     def __init__(self, config: ModelConfig):
-        super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
+        super().__init__(config)
         self.to(params_torch_dtype(config))

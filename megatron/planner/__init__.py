@@ -1,6 +1,7 @@
 """Planning and accounting for parallel layouts: what fits, how fast it should run, what it sends.
 
-    specs.py        GPU types, cluster fabrics (documented constants) and named BLOOM sizes
+    specs.py        GPU types, cluster fabrics (documented constants), model shapes (GPT / BLOOM / Llama-style:
+                    GQA, SwiGLU, untied head) and named BLOOM and Llama sizes
     memory.py       bytes per rank: weights, gradients, optimizer state (per DeepSpeed optimizer),
                     activations (Korthikanti et al. 2022), 1F1B in-flight micro-batches
     performance.py  step time from a compute + communication model, TFLOPs, MFU
@@ -15,7 +16,9 @@ Pure arithmetic on plain dataclasses: nothing here imports deepspeed, and torch 
 from megatron.planner.memory import MemoryEstimate, estimate_memory, stage_param_counts
 from megatron.planner.performance import StepEstimate, estimate_step
 from megatron.planner.search import Layout, Plan, plan_layouts
-from megatron.planner.specs import BLOOM_SIZES, CLUSTERS, GPUS, ClusterSpec, GPUSpec, ModelShape
+from megatron.planner.specs import (BLOOM_SIZES, CLUSTERS, GPUS, LLAMA_SIZES, MODEL_SIZES, ClusterSpec, GPUSpec,
+                                    ModelShape, model_shape_of)
 
-__all__ = ["BLOOM_SIZES", "CLUSTERS", "GPUS", "ClusterSpec", "GPUSpec", "Layout", "MemoryEstimate", "ModelShape",
-           "Plan", "StepEstimate", "estimate_memory", "estimate_step", "plan_layouts", "stage_param_counts"]
+__all__ = ["BLOOM_SIZES", "LLAMA_SIZES", "MODEL_SIZES", "CLUSTERS", "GPUS", "ClusterSpec", "GPUSpec", "Layout",
+           "MemoryEstimate", "ModelShape", "Plan", "StepEstimate", "estimate_memory", "estimate_step", "model_shape_of",
+           "plan_layouts", "stage_param_counts"]

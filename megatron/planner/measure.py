@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron.planner.specs import ModelShape
 
 
 def _nbytes(tensors) -> int:
@@ -42,14 +41,6 @@ def optimizer_group_numels(engine) -> list[int]:
         return [sum(p.numel() for p in group) for group in opt.bf16_groups]
     inner = getattr(opt, "optimizer", opt)
     return [sum(p.numel() for p in g["params"]) for g in inner.param_groups]
-
-
-def model_shape_of(config) -> ModelShape:
-    """The planner's ModelShape for a megatron ModelConfig."""
-    return ModelShape(num_layers=config.num_layers, hidden_size=config.hidden_size,
-                      num_attention_heads=config.num_attention_heads, vocab_size=config.padded_vocab_size,
-                      ffn_hidden_size=config.ffn_hidden_size, embed_layernorm=config.embed_layernorm,
-                      learned_positions=config.max_positions if config.position_embedding_type == "absolute" else 0)
 
 
 def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: Optional[int] = None) -> dict:

@@ -47,17 +47,18 @@ def stage_param_counts(model: ModelShape, layout: Layout) -> list[int]:
     """Parameters held by one TP rank of each pipeline stage."""
     h, t = model.hidden_size, layout.tp
     counts = stage_layer_counts(model, layout)
-    embedding = model.vocab_size * h // t + model.learned_positions * h + (2 * h if model.embed_layernorm else 0)
+    norm = model.norm_params
+    embedding = model.vocab_size * h // t + model.learned_positions * h + (norm if model.embed_layernorm else 0)
     # The output head: the tied copy is a whole EmbeddingPipe (DeepSpeed's TiedLayerSpec builds the
     # module), so the last stage also holds an unused copy of the embedding LayerNorm.
-    head = model.vocab_size * h // t + (2 * h if model.embed_layernorm and model.tied_embeddings else 0)
+    head = model.vocab_size * h // t + (norm if model.embed_layernorm and model.tied_embeddings else 0)
     out = []
     for i, n_layers in enumerate(counts):
         n = n_layers * model.layer_params(t)
         if i == 0:
             n += embedding
         if i == layout.pp - 1:
-            n += 2 * h  # final LayerNorm
+            n += norm  # final norm
             if layout.pp > 1 or not model.tied_embeddings:
                 n += head  # the tied copy of the word embedding (or an untied head)
         out.append(n)
@@ -86,10 +87,16 @@ def static_bytes(num_params: int, layout: Layout) -> dict[str, float]:
 
 
 def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int) -> float:
-    """One layer, one micro-batch, everything kept for backward (Korthikanti eq. 2, bf16)."""
+    """One layer, one micro-batch, everything kept for backward (Korthikanti eq. 2, bf16).
+
+    Its 24/t term is the TP region: 8 for q, k, v and the context (2 bytes each per h), 16 for the MLP
+    (the h -> 4h output and its GeLU, 2 bytes x 4h each). With GQA k and v are kv_hidden wide; SwiGLU
+    keeps gate and up (2f), silu(gate) and the product (f each): twice a GeLU MLP's f + f.
+    """
     s, b, h, a, t = seq_length, layout.micro_batch_size, model.hidden_size, model.num_attention_heads, layout.tp
-    ffn_scale = model.ffn / (4 * h)  # the 24/t term is mostly the MLP (16 of 24 at ffn = 4h)
-    return s * b * h * (10 + (8 + 16 * ffn_scale) / t + 5 * a * s / (h * t))
+    attention = 4 + 4 * model.kv_hidden / h
+    mlp = 16 * model.ffn / (4 * h) * (2 if model.swiglu else 1)
+    return s * b * h * (10 + (attention + mlp) / t + 5 * a * s / (h * t))
 
 
 @dataclasses.dataclass(frozen=True)

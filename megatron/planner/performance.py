@@ -3,7 +3,8 @@
 Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
 
   matmul      FLOPs / (peak * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)), rows = b*s.
-              Per layer forward 24*b*s*h^2 (dense, ffn = 4h) at that rate plus 4*b*s^2*h (attention
+              Per layer forward 2*b*s*h*(2h + 2kv + m*f) (dense: qkv, output, m = 2 MLP matrices, 3
+              with SwiGLU; 24*b*s*h^2 for GPT) at that rate plus 4*b*s^2*h (attention
               scores and context) at ATTENTION_EFFICIENCY of peak; backward = 2 x forward;
               recomputation adds one forward. The last stage adds the logits, 2*b*s*h*V x 3.
               All divided by t.
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron.config.model import megatron_flops
 from megatron.planner.layout import Layout, stage_layer_counts
 from megatron.planner.memory import layer_activation_bytes, stage_param_counts
 from megatron.planner.specs import ClusterSpec, GPUSpec, ModelShape
@@ -107,7 +107,8 @@ def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cluste
     rows = b * s
     gemm_rate = gpu.peak_bf16_tflops * 1e12 * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)
     attn_rate = gpu.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY
-    dense = 2 * b * s * h * (3 * h + h + 2 * model.ffn) * passes / t  # qkv, dense, two MLP matmuls
+    mlp_matrices = 3 if model.swiglu else 2
+    dense = 2 * b * s * h * (h + 2 * model.kv_hidden + h + mlp_matrices * model.ffn) * passes / t  # qkv, dense, MLP
     attn = 4 * b * s * s * h * passes / t
     matmul = n_layers * (dense / gemm_rate + attn / attn_rate)
     if last:
@@ -153,9 +154,7 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
     step = pipe + dp + tied + optimizer
     return StepEstimate(
         step_s=step, slot_s=slot_s, bubble_s=(layout.pp - 1) * slot_s, components_s=components,
-        model_flops=megatron_flops(model.num_layers, model.hidden_size, model.vocab_size, seq_length,
-                                   global_batch_size, False),
-        hardware_flops=megatron_flops(model.num_layers, model.hidden_size, model.vocab_size, seq_length,
-                                      global_batch_size, layout.recompute),
+        model_flops=model.flops_per_iteration(seq_length, global_batch_size, False),
+        hardware_flops=model.flops_per_iteration(seq_length, global_batch_size, layout.recompute),
         num_gpus=layout.world_size, tokens_per_step=global_batch_size * seq_length,
         peak_tflops=gpu.peak_bf16_tflops)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron.config.model import ModelConfig, megatron_flops, swiglu_default_ffn_size
+
 GiB = 1024 ** 3
 
 
@@ -62,7 +64,8 @@ DEFAULT_CLUSTER = {"A100-40GB": "dgx-a100", "A100-80GB": "dgx-a100", "H100-80GB"
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """The sizes that set memory and FLOPs of a GPT / BLOOM decoder (pre-LN, ffn = 4h by default)."""
+    """The sizes that set memory and FLOPs of a pre-norm decoder: GPT / BLOOM by default (LayerNorm,
+    GeLU MLP of 4h, biases, one key / value head per query head), Llama-style with the fields below."""
 
     num_layers: int
     hidden_size: int
@@ -72,23 +75,63 @@ class ModelShape:
     embed_layernorm: bool = True         # BLOOM's LayerNorm after the word embedding
     learned_positions: int = 0           # rows of a learned position embedding (0: ALiBi / rotary)
     tied_embeddings: bool = True         # output head = word embedding (a second copy on the last stage when PP > 1)
+    num_key_value_heads: Optional[int] = None  # grouped-query attention; None: one per query head
+    swiglu: bool = False                 # gated MLP: three f x h matrices instead of two
+    add_bias_linear: bool = True         # biases in every linear layer
+    add_qkv_bias: bool = False           # a QKV bias even without add_bias_linear (Qwen2)
+    normalization: str = "layernorm"     # layernorm (weight + bias) | rmsnorm (weight)
 
     @property
     def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return swiglu_default_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of the keys (and of the values): key / value heads x head dim."""
+        heads = self.num_key_value_heads or self.num_attention_heads
+        return heads * (self.hidden_size // self.num_attention_heads)
+
+    @property
+    def norm_params(self) -> int:
+        return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
 
     def layer_params(self, tp: int = 1) -> int:
         """Parameters of one transformer layer held by one TP rank (column/row-parallel split, norms
         and row-parallel biases replicated)."""
-        h, f = self.hidden_size, self.ffn
-        split = (3 * h * h + 3 * h) + h * h + (h * f + f) + f * h   # qkv w+b, dense w, h->4h w+b, 4h->h w
-        replicated = 4 * h + h + h                                    # two LayerNorms, dense and 4h->h biases
+        h, f, qkv = self.hidden_size, self.ffn, self.hidden_size + 2 * self.kv_hidden
+        fc1 = 2 * f if self.swiglu else f
+        split = qkv * h + h * h + fc1 * h + f * h            # qkv, dense, h -> ffn (gate and up), ffn -> h
+        if self.add_bias_linear or self.add_qkv_bias:
+            split += qkv
+        if self.add_bias_linear:
+            split += fc1
+        replicated = 2 * self.norm_params + (2 * h if self.add_bias_linear else 0)  # norms, dense and ffn -> h biases
         return split // tp + replicated
 
     def total_params(self) -> int:
         h = self.hidden_size
-        extra = 2 * h if self.embed_layernorm else 0
-        return self.vocab_size * h + self.learned_positions * h + extra + self.num_layers * self.layer_params() + 2 * h
+        extra = self.norm_params if self.embed_layernorm else 0
+        head = 0 if self.tied_embeddings else self.vocab_size * h
+        return (self.vocab_size * h + self.learned_positions * h + extra + self.num_layers * self.layer_params()
+                + self.norm_params + head)
+
+    def flops_per_iteration(self, seq_length: int, global_batch_size: int, recompute: bool) -> float:
+        """``megatron_flops`` of this shape."""
+        return megatron_flops(self.num_layers, self.hidden_size, self.vocab_size, seq_length, global_batch_size,
+                              recompute, ffn_hidden_size=self.ffn, kv_hidden_size=self.kv_hidden, swiglu=self.swiglu)
+
+
+def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> ModelShape:
+    """The ModelShape of a ModelConfig (``vocab_size``: the padded rows, default ``config.padded_vocab_size``)."""
+    return ModelShape(config.num_layers, config.hidden_size, config.num_attention_heads,
+                      vocab_size if vocab_size is not None else config.padded_vocab_size, config.ffn_size,
+                      embed_layernorm=config.embed_layernorm,
+                      learned_positions=config.max_positions if config.position_embedding_type == "absolute" else 0,
+                      tied_embeddings=config.tied_embeddings, num_key_value_heads=config.num_kv_heads,
+                      swiglu=config.swiglu, add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
+                      normalization=config.normalization)
 
 
 def _bloom(layers: int, hidden: int, heads: int) -> ModelShape:
@@ -107,3 +150,20 @@ BLOOM_SIZES = {
     "7B1": _bloom(30, 4096, 32),
     "176B": _bloom(70, 14336, 112),  # tr11-176B-ml, bloom
 }
+
+
+def _llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> ModelShape:
+    return ModelShape(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=vocab,
+                      ffn_hidden_size=ffn, embed_layernorm=False, tied_embeddings=False, num_key_value_heads=kv_heads,
+                      swiglu=True, add_bias_linear=False, normalization="rmsnorm")
+
+
+# Meta's Llama shapes (their params.json / transformers configs): RMSNorm, SwiGLU, rotary, no biases,
+# untied head. The vocabularies are multiples of 128, so Megatron's padding leaves them as they are.
+LLAMA_SIZES = {
+    "llama-2-7b": _llama(32, 4096, 32, 32, 11008, 32000),
+    "llama-2-70b": _llama(80, 8192, 64, 8, 28672, 32000),
+    "llama-3-8b": _llama(32, 4096, 32, 8, 14336, 128256),
+    "llama-3-70b": _llama(80, 8192, 64, 8, 28672, 128256),
+}
+MODEL_SIZES = {**BLOOM_SIZES, **LLAMA_SIZES}

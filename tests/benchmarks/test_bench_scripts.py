@@ -28,6 +28,7 @@ def test_pipeline_names_map_to_gpt_model_names():
 
     class FakeConfig:
         num_layers = 2
+        tied_embeddings = True
 
     ours = bench.Ours.__new__(bench.Ours)
     ours.engine = type("E", (), {"module": FakeModule()})()

@@ -42,8 +42,8 @@ def _hf_greedy(hf_model, tokenizer, prompts, max_new_tokens=32):
     return out
 
 
-def _generate_tool(ckpt, out_json, prompts):
-    argv = ["--load", str(ckpt), "--greedy", "--max-new-tokens", "32", "--output-json", str(out_json)]
+def _generate_tool(ckpt, out_json, prompts, max_new_tokens=32):
+    argv = ["--load", str(ckpt), "--greedy", "--max-new-tokens", str(max_new_tokens), "--output-json", str(out_json)]
     for prompt in prompts:
         argv += ["--prompt", prompt]
     assert generate_tool.main(argv) == 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert a local transformers Bloom (or GPT-2) directory into a training checkpoint at a chosen TP / PP.
+"""Convert a local transformers directory (Bloom, GPT-2, GPT-NeoX, Llama, Mistral, Qwen2) into a training checkpoint.
 
     python tools/convert_checkpoint/from_hf.py --hf-dir DIR --save CKPT \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
@@ -27,7 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     parser.add_argument("--pad-vocab-size-to", type=int, default=None)
     parser.add_argument("--seq-length", type=int, default=None,
-                        help="training length to record (default: 2048 for Bloom, n_positions for GPT-2)")
+                        help="training length to record (default: 2048 for Bloom, n_positions for GPT-2, "
+                             "max_position_embeddings for the others)")
     parser.add_argument("--params-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="dtype of the saved weights; match the run's (--bf16: bf16)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the recorded RNG state")

@@ -4,7 +4,8 @@
     python tools/convert_checkpoint/to_hf.py --load CKPT --output-dir DIR [--tag global_stepN] [--dtype bf16]
 
 ALiBi + embedding LayerNorm (BLOOM) writes a ``BloomForCausalLM``, learned positions a
-``GPT2LMHeadModel`` (config.json + model.safetensors); rotary is refused. The vocabulary is cut to
+``GPT2LMHeadModel``, rotary a ``GPTNeoXForCausalLM``, RMSNorm + SwiGLU + rotary a ``LlamaForCausalLM``
+(``Qwen2ForCausalLM`` with q / k / v biases only) (config.json + model.safetensors). The vocabulary is cut to
 the tokenizer's (original_vocab_size); Bloom's ``pretraining_tp`` records the training TP. When the
 checkpoint's tokenizer record names existing files they are exported too, so
 ``AutoTokenizer.from_pretrained(DIR)`` works offline (GPT2BPETokenizer, PretrainedFromHF). The work is

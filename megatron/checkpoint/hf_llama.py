@@ -1,0 +1,247 @@
+"""Map full (TP=1) weights and configs between GPTModel and transformers' Llama family.
+
+transformers' ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` name their tensors
+alike (``model.layers.{i}.self_attn.q_proj`` ... ``mlp.down_proj``, ``model.norm``, ``lm_head``) and
+compute the same block: RMSNorm, rotary positions in the GPT-NeoX half-split form (what
+``megatron.model.positional`` computes), grouped-query attention, SwiGLU. They differ in biases only:
+Llama has none (or, with ``attention_bias``, on q / k / v / o; ``mlp_bias`` on the MLP), Qwen2 has them
+on q / k / v alone (our ``add_qkv_bias`` with ``add_bias_linear`` off), Mistral has none. Mistral's
+sliding window is not implemented here and is refused; Llama 3.1's rope scaling (rope_type llama3) maps
+to ``rope_scaling_factor`` and its three companions.
+
+Two of our tensors are fused where theirs are separate, both interleaved so that TP slicing along dim 0
+hands out whole units (``megatron.model.attention``, ``megatron.model.transformer``):
+
+    query_key_value  [kv_heads, heads / kv_heads + 2, hn, h]  <-> q_proj [heads * hn, h], k_proj, v_proj [kv_heads * hn, h]
+    dense_h_to_4h    [f, 2, h] (gate row, up row)             <-> gate_proj, up_proj [f, h]
+
+The vocabulary is zero-padded to the padded size on import and trimmed on export, the untied head too.
+Which tensors there are comes from ``megatron.model.layout``; nothing here imports transformers.
+Shape letters: v vocabulary, h hidden, hn head dim, f ffn hidden size.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+
+from megatron.config import ModelConfig
+from megatron.model.layout import parameter_layout
+
+__all__ = ["LLAMA_FAMILY", "llama_family_of", "ours_to_llama_state_dict", "llama_state_dict_to_ours",
+           "llama_config_kwargs", "model_config_from_llama"]
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # transformers' model_type values mapped here
+
+# Per block: our name -> theirs, for the tensors that are only renamed.
+_BLOCK_RENAMES = {"input_layernorm.weight": "input_layernorm.weight",
+                  "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+                  "self_attention.dense.weight": "self_attn.o_proj.weight",
+                  "self_attention.dense.bias": "self_attn.o_proj.bias",
+                  "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight",
+                  "mlp.dense_4h_to_h.bias": "mlp.down_proj.bias"}
+_QKV, _FC1 = "self_attention.query_key_value.", "mlp.dense_h_to_4h."
+
+
+def llama_family_of(config: ModelConfig) -> str:
+    """'llama' or 'qwen2' (the transformers model_type ``config`` exports to), or ValueError naming what
+    no member of the family has."""
+    wrong = []
+    if config.normalization != "rmsnorm":
+        wrong.append(f"normalization {config.normalization!r} (needs rmsnorm)")
+    if not config.swiglu:
+        wrong.append("a GeLU MLP (needs swiglu)")
+    if config.position_embedding_type != "rotary":
+        wrong.append(f"position_embedding_type {config.position_embedding_type!r} (needs rotary)")
+    if config.embed_layernorm:
+        wrong.append("an embedding LayerNorm")
+    if wrong:
+        raise ValueError(f"transformers' Llama family cannot hold this model: {', '.join(wrong)}")
+    return "qwen2" if config.add_qkv_bias and not config.add_bias_linear else "llama"
+
+
+def _split_qkv(tensor: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our fused QKV rows [kv, q/kv + 2, hn] (any trailing dims) -> q [heads * hn], k, v [kv * hn]."""
+    kv, per_group, hn, rest = config.num_kv_heads, config.num_attention_heads // config.num_kv_heads, config.head_dim, tensor.shape[1:]
+    grouped = tensor.reshape(kv, per_group + 2, hn, *rest)  # [kv, q/kv + 2, hn, ...]
+    q = grouped[:, :per_group].reshape(kv * per_group * hn, *rest)  # [heads * hn, ...]
+    return q, grouped[:, per_group].reshape(kv * hn, *rest), grouped[:, per_group + 1].reshape(kv * hn, *rest)
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The inverse of :func:`_split_qkv`."""
+    kv, hn, rest = config.num_kv_heads, config.head_dim, q.shape[1:]
+    grouped = torch.cat((q.reshape(kv, -1, hn, *rest), k.reshape(kv, 1, hn, *rest), v.reshape(kv, 1, hn, *rest)),
+                        dim=1)  # [kv, q/kv + 2, hn, ...]
+    return grouped.reshape(-1, *rest)
+
+
+def _split_fc1(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our fused SwiGLU rows [f, 2] (gate, up interleaved; any trailing dims) -> gate [f], up [f]."""
+    pairs = tensor.reshape(-1, 2, *tensor.shape[1:])  # [f, 2, ...]
+    return pairs[:, 0], pairs[:, 1]
+
+
+def _fuse_fc1(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.stack((gate, up), dim=1).reshape(-1, *gate.shape[1:])  # [2f, ...]
+
+
+def ours_to_llama_state_dict(state: dict[str, torch.Tensor], config: ModelConfig,
+                             vocab_size: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """A TP=1 GPTModel state dict -> a ``LlamaForCausalLM`` (Qwen2 / Mistral) state dict.
+
+    vocab_size: keep only the first rows of the embedding and the head (drop our padding); default all.
+    A tied model gets ``lm_head.weight`` = the word embedding (set ``tie_word_embeddings`` then).
+    """
+    llama_family_of(config)
+    expected = set(parameter_layout(config))
+    if set(state) != expected:
+        raise ValueError(f"not a GPTModel state dict of this configuration: missing {sorted(expected - set(state))}, "
+                         f"unexpected {sorted(set(state) - expected)}")
+    rows = slice(None, vocab_size)
+    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][rows],
+           "model.norm.weight": state["final_layernorm.weight"],
+           "lm_head.weight": state.get("output_layer.weight", state["embedding.word_embeddings.weight"])[rows]}
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        for mine, hf in _BLOCK_RENAMES.items():
+            if ours + mine in state:
+                out[theirs + hf] = state[ours + mine]
+        for kind in ("weight", "bias"):
+            if ours + _QKV + kind in state:
+                q, k, v = _split_qkv(state[ours + _QKV + kind], config)
+                out.update({f"{theirs}self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", (q, k, v))})
+            if ours + _FC1 + kind in state:
+                gate, up = _split_fc1(state[ours + _FC1 + kind])
+                out.update({f"{theirs}mlp.gate_proj.{kind}": gate, f"{theirs}mlp.up_proj.{kind}": up})
+    return out
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+    if tensor.shape[0] > rows:
+        raise ValueError(f"{what} has {tensor.shape[0]} rows, more than padded_vocab_size {rows}")
+    return torch.cat((tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])), dim=0)  # [padded, h]
+
+
+def llama_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A ``LlamaForCausalLM`` / Mistral / Qwen2 state dict -> a TP=1 GPTModel state dict of ``config``.
+
+    A tied ``config`` needs ``lm_head.weight`` (if present) equal to the embedding. ValueError for any
+    tensor left unmapped or missing.
+    """
+    llama_family_of(config)
+    state = dict(hf_state)
+    layers = {int(m.group(1)) for name in state if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    if layers != set(range(config.num_layers)):
+        raise ValueError(f"the state dict has layers {sorted(layers)}, the config num_layers {config.num_layers}")
+    take = state.pop
+    padded = config.padded_vocab_size
+    words = take("model.embed_tokens.weight")  # [v, h]
+    ours = {"embedding.word_embeddings.weight": _pad_rows(words, padded, "model.embed_tokens.weight"),
+            "final_layernorm.weight": take("model.norm.weight")}
+    head = take("lm_head.weight", None)
+    if config.tied_embeddings:
+        if head is not None and not torch.equal(head, words):
+            raise ValueError("lm_head.weight differs from the embedding but the model ties them: set "
+                             "untie_embeddings_and_output_weights")
+    else:
+        if head is None:
+            raise ValueError("lm_head.weight is missing but the model has an untied output head")
+        ours["output_layer.weight"] = _pad_rows(head, padded, "lm_head.weight")
+    expected = set(parameter_layout(config))
+    for i in range(config.num_layers):
+        mine, theirs = f"layers.{i}.", f"model.layers.{i}."
+        for ours_name, hf in _BLOCK_RENAMES.items():
+            if mine + ours_name in expected:
+                ours[mine + ours_name] = take(theirs + hf)
+        for kind in ("weight", "bias"):
+            if mine + _QKV + kind in expected:
+                q, k, v = (take(f"{theirs}self_attn.{p}_proj.{kind}") for p in "qkv")
+                ours[mine + _QKV + kind] = _fuse_qkv(q, k, v, config)
+            if mine + _FC1 + kind in expected:
+                ours[mine + _FC1 + kind] = _fuse_fc1(take(f"{theirs}mlp.gate_proj.{kind}"),
+                                                     take(f"{theirs}mlp.up_proj.{kind}"))
+    if state:
+        raise ValueError(f"tensors this model configuration has no place for: {sorted(state)} (biases? check "
+                         f"add_bias_linear / add_qkv_bias)")
+    return ours
+
+
+def llama_config_kwargs(config: ModelConfig, vocab_size: Optional[int] = None) -> dict[str, Any]:
+    """Keyword arguments for ``transformers.LlamaConfig`` (or ``Qwen2Config`` when
+    ``llama_family_of(config)`` says qwen2) describing ``config``."""
+    family = llama_family_of(config)
+    if vocab_size is None:
+        vocab_size = config.original_vocab_size or config.padded_vocab_size
+    kwargs = dict(vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
+                  num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+                  num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, hidden_act="silu",
+                  max_position_embeddings=config.seq_length, rms_norm_eps=config.layernorm_epsilon,
+                  initializer_range=config.init_method_std,
+                  attention_dropout=config.attention_dropout, tie_word_embeddings=config.tied_embeddings)
+    rope = {"rope_type": "default", "rope_theta": config.rotary_base}
+    if config.rope_scaling_factor is not None:
+        rope.update(rope_type="llama3", factor=config.rope_scaling_factor,
+                    low_freq_factor=config.rope_scaling_low_freq_factor,
+                    high_freq_factor=config.rope_scaling_high_freq_factor,
+                    original_max_position_embeddings=config.rope_scaling_original_max_positions)
+    kwargs["rope_parameters"] = rope
+    if family == "llama":
+        kwargs.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
+    return kwargs
+
+
+def _rope_fields(hf_config: Any) -> dict[str, Any]:
+    """ModelConfig's rotary fields of a transformers config: the base, and Llama 3.1's scaling if any."""
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    fields = {"rotary_base": float(theta if theta is not None else 10000.0)}
+    if kind == "llama3":
+        fields.update(rope_scaling_factor=float(rope["factor"]),
+                      rope_scaling_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_scaling_high_freq_factor=float(rope["high_freq_factor"]),
+                      rope_scaling_original_max_positions=int(rope["original_max_position_embeddings"]))
+    elif kind != "default":
+        raise ValueError(f"rope_type {kind!r} is not implemented here; plain rotary positions and Llama 3.1's "
+                         f"scaling (llama3) are")
+    return fields
+
+
+def model_config_from_llama(hf_config: Any, seq_length: int, **overrides) -> ModelConfig:
+    """A ModelConfig for a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config``.
+
+    seq_length: the training / inference length. overrides: any other ModelConfig field (padded_vocab_size...).
+    """
+    model_type = getattr(hf_config, "model_type", "llama")
+    if model_type not in LLAMA_FAMILY:
+        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(LLAMA_FAMILY)}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) is mapped")
+    if getattr(hf_config, "sliding_window", None) is not None and (
+            model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)):
+        raise ValueError(f"{model_type} with sliding_window {hf_config.sliding_window}: sliding-window attention is "
+                         f"not implemented here (set sliding_window None for full attention)")
+    head_dim = getattr(hf_config, "head_dim", None)
+    if head_dim not in (None, hf_config.hidden_size // hf_config.num_attention_heads):
+        raise ValueError(f"head_dim {head_dim} is not hidden_size / num_attention_heads; not supported here")
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
+    if attention_bias != mlp_bias:
+        raise ValueError(f"attention_bias {attention_bias} with mlp_bias {mlp_bias}: biases are all or none here "
+                         f"(add_bias_linear), or q / k / v only (Qwen2)")
+    fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+                  num_attention_heads=hf_config.num_attention_heads,
+                  num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+                  padded_vocab_size=hf_config.vocab_size, seq_length=seq_length,
+                  ffn_hidden_size=hf_config.intermediate_size, position_embedding_type="rotary",
+                  **_rope_fields(hf_config), normalization="rmsnorm", swiglu=True,
+                  layernorm_epsilon=hf_config.rms_norm_eps, add_bias_linear=attention_bias,
+                  add_qkv_bias=model_type == "qwen2",
+                  untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
+                  attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0,
+                  init_method_std=getattr(hf_config, "initializer_range", 0.02))
+    fields.update(overrides)
+    return ModelConfig(**fields).validate()
