@@ -115,6 +115,12 @@ def _parallelism(parser):
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="Minutes a collective may wait for the other ranks before the job fails (every process "
                         "group, gloo and NCCL; Megatron-LM's flag, minutes may be fractional). Default 10.")
+    g.add_argument("--zero-hpz-partition-size", type=int, default=1,
+                   help="With --zero-stage 3: keep a secondary copy of the parameters sharded within groups of "
+                        "this many data-parallel ranks (DeepSpeed ZeRO++'s hpZ, zero_optimization."
+                        "zero_hpz_partition_size), so that the all-gathers of the backward pass stay inside a group "
+                        "(a node); the optimizer state and gradients stay sharded over all data-parallel ranks. "
+                        "Must divide the data-parallel size. Default 1: no secondary copy.")
     g.add_argument("--sync-tp-duplicated-parameters", action="store_true",
                    help="Average the parameters replicated over tensor-parallel ranks (layer norms, row-parallel "
                         "biases) every step so they cannot drift apart (BLOOM).")
@@ -319,9 +325,12 @@ def _deepspeed(parser):
                         "a flag is an error, other keys are kept. It must not hold optimizer or scheduler "
                         "sections.")
     g.add_argument("--zero-stage", type=int, default=None,
-                   help="DeepSpeed ZeRO stage, 0 or 1 (the pipeline engine refuses 2 and 3). With --bf16, 0 "
-                        "(BLOOM's setting) runs DeepSpeed's BF16_Optimizer as stage 1, as 1 does (a startup "
-                        "warning says so). Default: the DeepSpeed JSON's stage, else 1 with --bf16 and 0 otherwise.")
+                   help="DeepSpeed ZeRO stage, 0-3. 0 and 1 run on the pipeline engine (3D parallelism); with "
+                        "--bf16, 0 (BLOOM's setting) runs DeepSpeed's BF16_Optimizer as stage 1, as 1 does (a "
+                        "startup warning says so). 2 (gradients sharded too) and 3 (parameters too) need "
+                        "--pipeline-model-parallel-size 1 and run on DeepSpeed's non-pipeline engine, with "
+                        "tensor parallelism. Default: the DeepSpeed JSON's stage, else 1 with --bf16 and 0 "
+                        "otherwise.")
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
                    help="With --checkpoint-activations, recompute through DeepSpeed's activation checkpointing "
                         "(adds its activation_checkpointing config section).")

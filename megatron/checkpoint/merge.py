@@ -103,6 +103,12 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
     config = model_config_from_dict(record["model_config"])
     numbering = checkpoint_layout(record)
     tag_dir = os.path.join(ckpt_dir, tag)
+    stage = record.get("parallel", {}).get("zero_stage", 0)
+    if stage >= 2:
+        raise CheckpointFormatError(f"{tag_dir!r} was written with --zero-stage {stage}, in the files of DeepSpeed's "
+                                    f"non-pipeline engine; the tools read the pipeline engine's layer files only "
+                                    f"(not yet ZeRO-2/3 checkpoints). Resume it with pretrain_gpt.py --zero-stage "
+                                    f"{stage} at the same TP and DP")
     files = _layer_files(tag_dir)
     tp = _check_layout(files, config, numbering, tag_dir)
     read = [os.path.basename(path) for ranks in files.values() for path in ranks.values()]

@@ -43,9 +43,10 @@ def _parallel(tp: int, pp: int, dp: Optional[int]) -> dict:
 def build_run_state(rc: RunConfig, progress: dict[str, int]) -> dict:
     """The ``run_state.json`` record of a training run at ``progress`` (the loop's counters)."""
     p = rc.parallel
-    return _record(dataclasses.asdict(rc.model),
-                   _parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size),
-                   dataclasses.asdict(rc.data.tokenizer), progress, rc.data.seq_length)
+    parallel = _parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
+    parallel["zero_stage"] = rc.deepspeed_zero_stage  # 2 and 3 write DeepSpeed's non-pipeline files
+    return _record(dataclasses.asdict(rc.model), parallel, dataclasses.asdict(rc.data.tokenizer), progress,
+                   rc.data.seq_length)
 
 
 MEGATRON_CHECKPOINT_VERSION = 3.0  # what Megatron-LM / Megatron-DeepSpeed write as 'checkpoint_version'

@@ -15,6 +15,7 @@ gradient_clipping                                     --clip-grad
 bf16.enabled / fp16.enabled                           --bf16 / --fp16 (fp32: both false)
 data_types.grad_accum_dtype = "fp32" (bf16 only)      --bf16: with zero_optimization.stage 1 this
                                                       selects DeepSpeed's BF16_Optimizer (BLOOM's path)
+zero_optimization.zero_hpz_partition_size             --zero-hpz-partition-size (when above 1)
 zero_optimization.stage                               --zero-stage; the JSON's must equal the flag, and
                                                       the built config holds the stage that runs
                                                       (``RunConfig.deepspeed_zero_stage``: --bf16 with
@@ -89,7 +90,10 @@ def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
         (("fp16", "enabled"), fp16, "--fp16" if fp16 else "the absence of --fp16"),
         (("zero_optimization", "stage"), p.zero_stage, f"--zero-stage {p.zero_stage}"),
     ]
-    if bf16:
+    hpz = rc.parallel.zero_hpz_partition_size
+    if hpz > 1:
+        out.append((("zero_optimization", "zero_hpz_partition_size"), hpz, f"--zero-hpz-partition-size {hpz}"))
+    if bf16 and rc.deepspeed_zero_stage <= 1:
         # Megatron accumulates bf16 gradients in fp32; DeepSpeed then picks BF16_Optimizer
         out.append((("data_types", "grad_accum_dtype"), "fp32", "--bf16 (gradients accumulate in fp32)"))
     if fp16:
@@ -109,6 +113,9 @@ def _defaults(rc) -> dict:
     if rc.fp16:
         config["fp16"] = {"loss_scale": 0, "initial_scale_power": 16, "min_loss_scale": 1,
                           "loss_scale_window": 1000, "hysteresis": 2}
+    if rc.deepspeed_zero_stage == 3:
+        # True (DeepSpeed's default) makes zero.Init replace torch.nn.functional.linear process-wide.
+        config["zero_optimization"] = {"memory_efficient_linear": False}
     if rc.training.deepspeed_activation_checkpointing:
         config["activation_checkpointing"] = {
             "partition_activations": False, "contiguous_memory_optimization": False, "cpu_checkpointing": False,

@@ -27,6 +27,8 @@ class ParallelConfig:
     pp_partition_method: str = "type:transformer"  # DeepSpeed PipelineModule partition_method, one of PARTITION_METHODS
     distributed_backend: str = "gloo"      # torch.distributed backend: nccl | gloo | ccl
     distributed_timeout_minutes: float = 10.0  # a collective waiting longer fails the job (every group)
+    zero_hpz_partition_size: int = 1       # ZeRO-3 only: a secondary copy of the parameters sharded within
+                                           # groups of this many data-parallel ranks (ZeRO++ hpZ); 1: none
 
     @property
     def world_size(self) -> int:
@@ -39,6 +41,11 @@ class ParallelConfig:
         if self.pp_partition_method not in PARTITION_METHODS:
             raise ValueError(f"--pp-partition-method {self.pp_partition_method!r} is not one of "
                              f"{', '.join(PARTITION_METHODS)}")
+        _positive("--zero-hpz-partition-size", self.zero_hpz_partition_size)
+        if self.data_parallel_size % self.zero_hpz_partition_size:
+            raise ValueError(f"--zero-hpz-partition-size {self.zero_hpz_partition_size} does not divide the "
+                             f"data-parallel size {self.data_parallel_size}; use a divisor of it (e.g. the GPUs per "
+                             f"node divided by --tensor-model-parallel-size)")
         if not self.distributed_timeout_minutes > 0:
             raise ValueError(f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
@@ -184,7 +191,8 @@ class PrecisionConfig:
     min_loss_scale: Optional[float] = None      # floor (default 1)
     loss_scale_window: Optional[int] = None     # steps without overflow before the scale doubles (default 1000)
     hysteresis: Optional[int] = None            # overflows tolerated before the scale halves (default 2)
-    zero_stage: int = 1                    # the ZeRO stage asked for, 0 or 1 (the pipeline engine refuses 2 and 3);
+    zero_stage: int = 1                    # the ZeRO stage asked for, 0-3 (2 and 3: one pipeline stage only, on
+                                           # DeepSpeed's non-pipeline engine, megatron.engine.sharded);
                                            # the command line's default: the JSON's, else 1 with bf16, 0 otherwise.
                                            # What DeepSpeed runs: RunConfig.deepspeed_zero_stage
 
@@ -196,9 +204,8 @@ class PrecisionConfig:
             if power != int(power):
                 raise ValueError(f"--initial-loss-scale {self.initial_loss_scale} must be a power of 2 "
                                  f"(DeepSpeed takes its exponent); e.g. {2 ** max(0, round(power))}")
-        if self.zero_stage not in (0, 1):
-            raise ValueError(f"--zero-stage {self.zero_stage} is not supported: DeepSpeed's pipeline engine (used "
-                             f"for every run here) accepts ZeRO stages 0 and 1 only")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage {self.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
         return self
 
 
@@ -385,6 +392,7 @@ class RunConfig:
         model.validate(tp)
         self.batch.validate(self.parallel.data_parallel_size)
         self._validate_pipeline(pp)
+        self._validate_sharding(pp)
         self._validate_schedule()
         if self.model.seq_length != self.data.seq_length:
             raise ValueError(f"model seq_length {self.model.seq_length} != data seq_length {self.data.seq_length}")
@@ -403,6 +411,36 @@ class RunConfig:
             raise ValueError(f"--num-layers {self.model.num_layers} gives {items} layers to partition with "
                              f"--pp-partition-method {method}, fewer than --pipeline-model-parallel-size {pp}: "
                              f"every stage needs at least one; use fewer stages or more layers")
+
+    @property
+    def sharded_data_parallel(self) -> bool:
+        """ZeRO stage 2 or 3: gradients (and with 3 the parameters) sharded over the data-parallel ranks, on
+        DeepSpeed's non-pipeline engine (``megatron.engine.sharded``); else the pipeline engine."""
+        return self.precision.zero_stage >= 2
+
+    def _validate_sharding(self, pp: int) -> None:
+        stage = self.precision.zero_stage
+        hpz = self.parallel.zero_hpz_partition_size
+        if hpz > 1 and stage != 3:
+            raise ValueError(f"--zero-hpz-partition-size {hpz} shards a secondary copy of the parameters, which only "
+                             f"ZeRO-3 has; add --zero-stage 3 (with --pipeline-model-parallel-size 1) or drop it")
+        if stage < 2:
+            return
+        if pp > 1:
+            raise ValueError(f"--zero-stage {stage} does not combine with --pipeline-model-parallel-size {pp}: "
+                             f"DeepSpeed's pipeline engine shards the optimizer state only (ZeRO-1). Either keep "
+                             f"the pipeline with --zero-stage 1 (3D parallelism, BLOOM's layout), or drop it "
+                             f"(--pipeline-model-parallel-size 1) and shard over data parallelism with ZeRO-{stage} "
+                             f"(tensor parallelism still applies)")
+        if self.training.checkpoint_activations:
+            raise ValueError(f"--checkpoint-activations is not wired for --zero-stage {stage} yet (only the pipeline "
+                             f"engine recomputes layers here); drop it or use --zero-stage 1")
+        if self.fp16:
+            raise ValueError(f"--fp16 with --zero-stage {stage} is not supported here (not testable on CPU); use "
+                             f"--bf16 or fp32")
+        if stage == 3 and self.training.sync_tp_duplicated_parameters:
+            raise ValueError("--sync-tp-duplicated-parameters does not combine with --zero-stage 3 (each rank holds "
+                             "only a partition of every parameter); drop it or use --zero-stage 2")
 
     def _validate_schedule(self) -> None:
         s, t = self.lr_schedule, self.training

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.model import GPTModel
 from megatron.model.layout import model_name
 
 
@@ -22,10 +23,13 @@ def nonfinite_tensors(engine, config) -> list[str]:
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     state = getattr(inner, "state", {})
     bad = []
+    pipeline = not isinstance(engine.module, GPTModel)  # GPTModel itself under ZeRO-2/3 (megatron.engine.sharded)
     for name, param in engine.module.named_parameters():
-        label = model_name(name, config)
+        label = model_name(name, config) if pipeline else name
         if not _finite(param):
             bad.append(f"weights of {label}")
+        if not _finite(getattr(param, "ds_tensor", None)):  # ZeRO-3: this rank's partition of the weights
+            bad.append(f"weights (this rank's ZeRO-3 partition) of {label}")
         mapping = getattr(param, "_hp_mapping", None)  # BF16_Optimizer / ZeRO: this rank's fp32 fragment
         if mapping is not None and not _finite(mapping.get_hp_fragment()):
             bad.append(f"fp32 master weights of {label}")

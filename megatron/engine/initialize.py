@@ -4,7 +4,8 @@
     loss = engine.train_batch(data_iterator)
 
 The returned object is DeepSpeed's ``PipelineEngine`` (also for a single stage, so there is one code
-path). Its optimizer: in bf16 with ``zero_optimization.stage`` 1 and fp32 gradient accumulation (what
+path), except with ``--zero-stage`` 2 or 3: DeepSpeed's non-pipeline engine behind the same
+``train_batch`` / ``eval_batch`` (``megatron.engine.sharded``). Its optimizer: in bf16 with ``zero_optimization.stage`` 1 and fp32 gradient accumulation (what
 ``--bf16`` with ``--zero-stage`` 0 or 1 gives), ``BF16_Optimizer`` (BLOOM's path); in fp32 with
 ZeRO-1, ``DeepSpeedZeroOptimizer`` (its grad norm counts replicated parameters on TP rank 0 of every
 stage, correctly); in fp32 without ZeRO, the client optimizer wrapped by our grad-norm clipper
@@ -27,6 +28,7 @@ from megatron.engine.checkpoint_engine import use_safe_loading
 from megatron.engine.cpu import avoid_cpu_jit_builds, on_cpu_accelerator
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
+from megatron.engine.sharded import DeepSpeedMPU, ShardedEngine, build_sharded_module, set_hpz_group
 from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState
 
@@ -59,6 +61,8 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
     if config.get("fp16", {}).get("enabled") and on_cpu_accelerator():
         raise ValueError("--fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 support; use --bf16 (or fp32) "
                          "on CPU")
+    if rc.sharded_data_parallel:
+        return _build_sharded_engine(rc, state, config, tracker)
     t = rc.training
     module = build_pipeline_module(rc.model, state, partition_method=rc.parallel.pp_partition_method,
                                    activation_checkpoint_interval=t.checkpoint_num_layers if t.checkpoint_activations
@@ -76,3 +80,14 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
     use_safe_loading(engine)  # --load never unpickles code (megatron.engine.checkpoint_engine)
     return engine
+
+
+def _build_sharded_engine(rc: RunConfig, state: ParallelState, config: dict, tracker: Optional[RNGStatesTracker]):
+    """ZeRO-2/3 (one stage): the model on DeepSpeed's non-pipeline engine, with our groups as its mpu."""
+    mpu = DeepSpeedMPU(state)
+    hpz_ranks = set_hpz_group(state, rc.parallel.zero_hpz_partition_size)
+    module = build_sharded_module(rc, state, config, mpu, tracker)
+    client = build_client_optimizer(module, rc.optimizer)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config, mpu=mpu)
+    use_safe_loading(engine)
+    return ShardedEngine(engine, state, mpu, hpz_ranks)

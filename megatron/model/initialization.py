@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from megatron.config import ModelConfig
+from megatron.parallel.utils import fp32_empty
 
 __all__ = ["init_generator", "normal_init", "output_layer_std", "params_torch_dtype"]
 
@@ -50,7 +51,7 @@ def normal_init(std: float, seed: int, name: str) -> Callable[[torch.Tensor], to
             if weight.device.type == "cpu" and weight.dtype == torch.float32:
                 return weight.normal_(0.0, std, generator=generator)
             # Draw on CPU in fp32 so the values do not depend on the device or the dtype.
-            full = torch.empty(weight.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            full = fp32_empty(weight.shape).normal_(0.0, std, generator=generator)
             return weight.copy_(full)
 
     return init_

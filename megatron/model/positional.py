@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from megatron.parallel.utils import fp32_tensor
+
 __all__ = ["alibi_slopes", "alibi_slopes_for_rank", "alibi_bias", "rotary_inv_freq", "rotary_cos_sin", "rotate_half",
            "apply_rotary"]
 
@@ -46,7 +48,7 @@ def alibi_slopes_for_rank(num_heads: int, tp_rank: int, tp_size: int) -> torch.T
         raise ValueError(f"tp_rank {tp_rank} is outside a tensor-parallel group of {tp_size}")
     per_rank = num_heads // tp_size
     full = alibi_slopes(num_heads)
-    return torch.tensor(full[tp_rank * per_rank:(tp_rank + 1) * per_rank], dtype=torch.float32)
+    return fp32_tensor(full[tp_rank * per_rank:(tp_rank + 1) * per_rank])
 
 
 def alibi_bias(slopes: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor

@@ -26,7 +26,7 @@ from megatron.parallel.mappings import (
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
 from megatron.parallel.state import group_rank, group_size
-from megatron.parallel.utils import divide, set_tensor_model_parallel_attributes
+from megatron.parallel.utils import divide, fp32_empty, set_tensor_model_parallel_attributes
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "default_init_method"]
@@ -43,7 +43,7 @@ def _sharded_weight(full_shape: tuple[int, int], partition_dim: int, tp_group,
                     init_method: Optional[InitMethod], params_dtype: torch.dtype,
                     device: Optional[torch.device]) -> torch.nn.Parameter:
     """Fill the full fp32 weight with init_method, keep this rank's slice along partition_dim."""
-    master = torch.empty(full_shape, dtype=torch.float32)  # full, unsharded, on the CPU
+    master = fp32_empty(full_shape)  # full, unsharded, on the CPU
     (init_method or default_init_method)(master)
     per_partition = full_shape[partition_dim] // group_size(tp_group)
     start = group_rank(tp_group) * per_partition

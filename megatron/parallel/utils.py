@@ -12,7 +12,23 @@ from __future__ import annotations
 import torch
 
 __all__ = ["divide", "split_tensor_along_last_dim", "set_tensor_model_parallel_attributes",
-           "param_is_tensor_parallel", "copy_tensor_model_parallel_attributes"]
+           "param_is_tensor_parallel", "copy_tensor_model_parallel_attributes", "fp32_empty", "fp32_tensor"]
+
+# Made at import, outside any deepspeed.zero.Init: new tensors are made from it with Tensor methods.
+# Inside zero.Init (ZeRO-3 construction) torch.empty / torch.tensor / ... make tensors of the engine's
+# dtype whatever dtype they are asked for; the master weights drawn before slicing and ALiBi's slopes
+# must be fp32 whatever it is, so that a bf16 run starts as it does on the pipeline engine.
+_FP32_CPU = torch.empty(0, dtype=torch.float32)
+
+
+def fp32_empty(shape) -> torch.Tensor:
+    """An uninitialized fp32 CPU tensor of ``shape``, fp32 even inside ``deepspeed.zero.Init``."""
+    return _FP32_CPU.new_empty(shape)
+
+
+def fp32_tensor(values) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.float32)`` on the CPU, fp32 even inside ``deepspeed.zero.Init``."""
+    return _FP32_CPU.new_tensor(values)
 
 _TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 

@@ -73,6 +73,9 @@ def static_bytes(num_params: int, layout: Layout) -> dict[str, float]:
     (``grads``, the modules' .grad, live only from the first backward to the optimizer step, which
     frees them; the other components are RESIDENT)."""
     n, shard = num_params, (layout.dp if layout.zero_stage >= 1 else 1)
+    if layout.zero_stage >= 2:
+        raise ValueError(f"ZeRO stage {layout.zero_stage} is not in the planner's memory model yet (it models the "
+                         f"pipeline engine's stages 0 and 1, measured against the engines); its figures are left out")
     if layout.precision == "bf16":
         return {"weights": 2 * n, "grad_buffer": 4 * n, "master": 4 * n / shard, "adam": 8 * n / shard,
                 "grads": 2 * n}

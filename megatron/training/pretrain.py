@@ -127,7 +127,7 @@ def pretrain(rc: RunConfig) -> PretrainResult:
                       world_size=dist.get_world_size())
     lock = _lock_save_folder(rc)  # one writer per --save folder (megatron.checkpoint.lock)
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
-                 f"TP={state.tp_size} PP={state.pp_size} DP={state.dp_size}); training")
+                 f"TP={state.tp_size} PP={state.pp_size} DP={state.dp_size}, {_sharding_summary(rc)}); training")
     try:
         reason = trainer.train()
         test = {}
@@ -146,6 +146,15 @@ def pretrain(rc: RunConfig) -> PretrainResult:
         if writer is not None:
             writer.close()
     return PretrainResult(reason, progress, trainer.history, trainer.last_validation, test, engine)
+
+
+def _sharding_summary(rc: RunConfig) -> str:
+    stage, dp = rc.deepspeed_zero_stage, rc.parallel.data_parallel_size
+    sharded = {0: "nothing sharded", 1: "optimizer state", 2: "optimizer state and gradients",
+               3: "optimizer state, gradients and parameters"}[stage]
+    hpz = rc.parallel.zero_hpz_partition_size
+    secondary = f", a secondary parameter shard in {dp // hpz} groups of {hpz} (hpZ)" if hpz > 1 else ""
+    return f"ZeRO-{stage}: {sharded}" + (f" over DP={dp}" if stage else "") + secondary
 
 
 def _lock_save_folder(rc: RunConfig):
@@ -199,6 +208,10 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, recorded: dict) -> None:
                                                 p.pipeline_model_parallel_size)}
     if not (ck.no_load_optim or ck.finetune):
         sizes["data-parallel size"] = (recorded.get("data_parallel_size"), p.data_parallel_size)
+    saved_stage = recorded.get("zero_stage")
+    if saved_stage is not None and saved_stage != rc.deepspeed_zero_stage and max(saved_stage, rc.deepspeed_zero_stage) >= 2:
+        # ZeRO-2 and ZeRO-3 write DeepSpeed's non-pipeline engine's files, each its own way
+        sizes["ZeRO stage"] = (saved_stage, rc.deepspeed_zero_stage)
     differ = {name: pair for name, pair in sizes.items() if pair[0] is not None and pair[0] != pair[1]}
     if differ:
         said = ", ".join(f"{name} {saved} (this run: {now})" for name, (saved, now) in differ.items())

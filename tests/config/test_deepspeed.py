@@ -128,3 +128,18 @@ def test_deepspeed_accepts_the_config(dtype, precision):
         assert str(parsed.grad_accum_dtype) in ("fp32", "torch.float32")
     if rc.fp16:
         assert parsed.float16_config.initial_scale_power == 12
+
+
+def test_zero2_and_zero3_sections():
+    zero2 = build_deepspeed_config(run_config("bf16", PrecisionConfig(zero_stage=2)))
+    # no fp32 accumulation override: that is what selects BF16_Optimizer, a stage-1 optimizer
+    assert zero2["zero_optimization"] == {"stage": 2} and "data_types" not in zero2
+    from megatron.config import ParallelConfig
+
+    zero3 = build_deepspeed_config(run_config("fp32", PrecisionConfig(zero_stage=3), dp=4,
+                                              parallel=ParallelConfig(data_parallel_size=4, zero_hpz_partition_size=2)))
+    assert zero3["zero_optimization"] == {"stage": 3, "memory_efficient_linear": False, "zero_hpz_partition_size": 2}
+    with pytest.raises(ValueError, match="zero_hpz_partition_size = 4 .* contradicts --zero-hpz-partition-size 2"):
+        build_deepspeed_config(run_config("fp32", PrecisionConfig(zero_stage=3), dp=4,
+                                          parallel=ParallelConfig(data_parallel_size=4, zero_hpz_partition_size=2)),
+                               {"zero_optimization": {"zero_hpz_partition_size": 4}})

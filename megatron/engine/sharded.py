@@ -1,0 +1,200 @@
+"""ZeRO-2 / ZeRO-3 data parallelism with our tensor parallelism, on DeepSpeed's non-pipeline engine.
+
+DeepSpeed's pipeline engine refuses ZeRO stages 2 and 3, so a run with ``--zero-stage 2`` or ``3``
+(and ``--pipeline-model-parallel-size 1``) trains the same ``megatron.model.GPTModel`` on
+``deepspeed.DeepSpeedEngine``:
+
+- ``DeepSpeedMPU`` gives DeepSpeed our ``ParallelState``'s groups (its "mpu"): ZeRO partitions over
+  the data-parallel group, and its gradient norm counts TP-sliced parameters (tagged
+  ``tensor_model_parallel``) on every TP rank and replicated ones once;
+- with ZeRO-3 the model is built inside ``deepspeed.zero.Init``: each module's parameters are
+  partitioned over the data-parallel ranks as soon as the module is built (after its own
+  initialization, which draws from (seed, parameter name) only), so no rank ever holds the whole
+  model, and the weights equal those of a (1, 1, 1) run;
+- ``ShardedEngine`` puts the engine behind the few methods of DeepSpeed's ``PipelineEngine`` that
+  the training loop calls (``train_batch`` / ``eval_batch`` over the same micro-batch iterator,
+  the loss averaged over micro-batches and data-parallel ranks as the pipeline engine does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from megatron.config import RunConfig
+from megatron.model import GPTModel
+from megatron.parallel.random import RNGStatesTracker
+from megatron.parallel.state import ParallelState
+
+__all__ = ["DeepSpeedMPU", "ShardedEngine", "build_sharded_module", "hpz_group_ranks", "set_hpz_group",
+           "zero_stage3_init"]
+
+
+def _groups_of(lists: list[list[int]], rank: int):
+    """Every group of ``lists`` created (collective: all ranks, same order), this rank's one returned;
+    unlike ``ParallelState``, groups of one rank are real groups too (DeepSpeed reads None as the world)."""
+    mine = None
+    for ranks in lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+class DeepSpeedMPU:
+    """DeepSpeed's model-parallel-unit interface over a one-stage ``ParallelState`` (TP x DP)."""
+
+    def __init__(self, state: ParallelState):
+        if state.pp_size != 1:
+            raise ValueError(f"ZeRO-2/3 runs on one pipeline stage; this layout has {state.pp_size}")
+        self.state = state
+        layout = state.layout
+        self._tp_group = state.tp_group if state.tp_size > 1 else _groups_of(layout.tensor, state.rank)
+        self._dp_group = state.dp_group if state.dp_size > 1 else _groups_of(layout.data, state.rank)
+        self._dp_ranks = next(ranks for ranks in layout.data if state.rank in ranks)
+        self._tp_ranks = next(ranks for ranks in layout.tensor if state.rank in ranks)
+
+    # tensor (= model, with one stage) parallelism
+    def get_model_parallel_rank(self) -> int:
+        return self.state.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.state.tp_size
+
+    def get_model_parallel_group(self):
+        return self._tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self._tp_ranks[0]
+
+    # data parallelism
+    def get_data_parallel_rank(self) -> int:
+        return self.state.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.state.dp_size
+
+    def get_data_parallel_group(self):
+        return self._dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self._dp_ranks)
+
+    # one pipeline stage
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+
+def hpz_group_ranks(state: ParallelState, size: int) -> list[list[int]]:
+    """The hpZ groups (``--zero-hpz-partition-size``): each data-parallel group (ranks of one TP rank) cut into
+    runs of ``size`` consecutive data-parallel ranks."""
+    return [ranks[i:i + size] for ranks in state.layout.data for i in range(0, len(ranks), size)]
+
+
+def set_hpz_group(state: ParallelState, size: int) -> Optional[list[int]]:
+    """Give DeepSpeed this run's hpZ group (None when ``size`` is 1); the ranks of this rank's group.
+
+    DeepSpeed 0.19 builds its own from consecutive world ranks (``groups._create_zero_param_parallel_group``),
+    which with TP > 1 would put tensor-parallel peers, holding different slices, in one group; it uses
+    the group already set in ``deepspeed.utils.groups`` instead, so that is set here (each run anew:
+    several runs may share one process).
+    """
+    from deepspeed.utils import groups
+
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    if size == 1:
+        return None
+    lists = hpz_group_ranks(state, size)
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = _groups_of(lists, state.rank)
+    return next(ranks for ranks in lists if state.rank in ranks)
+
+
+def zero_stage3_init(rc: RunConfig, config: dict, mpu: DeepSpeedMPU):
+    """The context the model is built in: ``deepspeed.zero.Init`` for ZeRO-3 (parameters partitioned
+    as each module is built), nothing otherwise."""
+    if rc.deepspeed_zero_stage != 3:
+        return contextlib.nullcontext()
+    # Inside, torch.empty / zeros / tensor / ... make tensors of the config's dtype (bf16 with --bf16, else
+    # fp32); the few tensors that must stay fp32 are made with megatron.parallel.utils.fp32_empty /
+    # fp32_tensor. Its ``dtype`` argument is left out: on CPU, DeepSpeed 0.19 then picks bf16 whatever it
+    # is given. The config's zero_optimization.memory_efficient_linear is false (megatron.config.deepspeed):
+    # it would replace torch.nn.functional.linear for the whole process.
+    from deepspeed.utils import groups
+
+    return deepspeed.zero.Init(data_parallel_group=mpu.get_data_parallel_group(), config_dict_or_path=config,
+                               mpu=mpu, zero_param_parallel_group=groups._get_zero_param_intra_parallel_group())
+
+
+def build_sharded_module(rc: RunConfig, state: ParallelState, config: dict, mpu: DeepSpeedMPU,
+                         tracker: Optional[RNGStatesTracker] = None) -> GPTModel:
+    """This rank's TP slice of the model (partitioned over DP under ZeRO-3)."""
+    with zero_stage3_init(rc, config, mpu):
+        model = GPTModel(rc.model, state, rng_tracker=tracker)
+    return model
+
+
+class ShardedEngine:
+    """A ``deepspeed.DeepSpeedEngine`` with ``train_batch`` / ``eval_batch`` as the pipeline engine has them.
+
+    Anything else (``optimizer``, ``module``, ``save_checkpoint``, ``was_step_applied``, ...) is the
+    engine's own.
+    """
+
+    def __init__(self, engine, state: ParallelState, mpu: DeepSpeedMPU, hpz_ranks: Optional[list[int]] = None):
+        self.engine = engine
+        self.state = state
+        self.mpu = mpu
+        self.hpz_ranks = hpz_ranks  # this rank's hpZ group (world ranks), or None
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def _loss(self, micro_batch) -> torch.Tensor:
+        (input_ids, position_ids), (labels, loss_mask) = micro_batch
+        device = self.engine.device
+        return self.engine(input_ids.to(device), position_ids.to(device), labels.to(device), loss_mask.to(device))
+
+    def _mean_over_data_parallel(self, total: torch.Tensor, count: int) -> torch.Tensor:
+        loss = total.detach().float() / count
+        if self.state.dp_size > 1:
+            dist.all_reduce(loss, group=self.mpu.get_data_parallel_group())
+            loss /= self.state.dp_size
+        return loss
+
+    def train_batch(self, data_iter: Iterator) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches; their mean loss."""
+        steps = self.engine.gradient_accumulation_steps()
+        total = torch.zeros((), device=self.engine.device)
+        for _ in range(steps):
+            loss = self._loss(next(data_iter))
+            self.engine.backward(loss)  # scaled by 1 / steps inside, as the pipeline engine does
+            self.engine.step()          # applies the update at the accumulation boundary only
+            total += loss.detach().float()
+        return self._mean_over_data_parallel(total, steps)
+
+    def eval_batch(self, data_iter: Iterator) -> torch.Tensor:
+        steps = self.engine.gradient_accumulation_steps()
+        total = torch.zeros((), device=self.engine.device)
+        with torch.no_grad():
+            for _ in range(steps):
+                total += self._loss(next(data_iter)).float()
+        return self._mean_over_data_parallel(total, steps)
+
+    def train(self, mode: bool = True):
+        self.engine.train(mode)
+        return self
+
+    def eval(self):
+        self.engine.eval()
+        return self

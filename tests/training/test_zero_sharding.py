@@ -1,0 +1,163 @@
+"""ZeRO-2 / ZeRO-3 (and ZeRO++'s hpZ) with our tensor parallelism train exactly as (1, 1, 1) does.
+
+fp32, no dropout, 10 iterations: losses within 1e-5 (relative) and grad norms within 1e-4 of a
+single process, for ZeRO-2 DP=4, ZeRO-3 DP=4, ZeRO-3 TP=2 x DP=2 and hpZ groups of 2 (DP=4, and
+TP=2 x DP=2 where DeepSpeed's own grouping of consecutive ranks would pair TP peers); bf16 variants
+track fp32; resuming a ZeRO-2 or ZeRO-3 checkpoint continues bit for bit. One 4-process launch
+trains every layout in turn (launches are the expensive part).
+"""
+
+import json
+
+import pytest
+
+from megatron.testing import run_distributed, tiny_argv
+from tests.training.helpers import pretrain_error
+
+ITERS = 10
+
+
+def _train(rank, world_size, runs):
+    """Each argv of ``runs`` in turn: its losses and grad norms, and how the engine holds the model."""
+    from deepspeed.utils import groups
+    import torch.distributed as dist
+
+    from megatron.arguments import run_config_from_argv
+    from megatron.training.pretrain import pretrain
+
+    out = []
+    for argv in runs:
+        result = pretrain(run_config_from_argv(argv, world_size=world_size))
+        engine = result.engine
+        params = list(engine.module.parameters())
+        hpz = groups._get_zero_param_intra_parallel_group()
+        out.append({
+            "losses": [r.loss for r in result.history], "grad_norms": [r.grad_norm for r in result.history],
+            "iterations": [r.iteration for r in result.history],
+            "optimizer": type(engine.optimizer).__name__,
+            "held_numel": sum(p.numel() for p in params),  # 0 under ZeRO-3: placeholders only
+            "partition_numel": sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor")),
+            "full_numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            "hpz_ranks": dist.get_process_group_ranks(hpz) if hpz is not None else None,
+            "hpz_ranks_engine": getattr(engine, "hpz_ranks", None),
+        })
+    return out
+
+
+def _layout(argv, *flags):
+    return list(argv) + [str(f) for f in flags]
+
+
+def _assert_same_run(reference, other, label, rel_loss=1e-5, rel_norm=1e-4):
+    assert len(other["losses"]) == len(reference["losses"]), label
+    for i, (a, b) in enumerate(zip(reference["losses"], other["losses"])):
+        assert abs(a - b) <= rel_loss * abs(a), f"{label}: iteration {i + 1} loss {b} vs {a} on (1,1,1)"
+    for i, (a, b) in enumerate(zip(reference["grad_norms"], other["grad_norms"])):
+        assert abs(a - b) <= rel_norm * abs(a), f"{label}: iteration {i + 1} grad norm {b} vs {a} on (1,1,1)"
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_corpus, tmp_path_factory):
+    argv = tiny_argv(tiny_corpus, train_iters=ITERS)
+    (reference,) = run_distributed(_train, world_size=1, args=([argv],), timeout=300)[0]
+    assert reference["losses"][-1] < reference["losses"][0] - 0.05, reference["losses"]  # it learns
+    save2, save3 = (str(tmp_path_factory.mktemp(name)) for name in ("zero2", "zero3"))
+    tp2 = ["--tensor-model-parallel-size", 2]
+    # DeepSpeed keeps parameters under 1e5 elements gathered (stage3_param_persistence_threshold): all of
+    # this tiny model's. 0 makes every parameter live in partitions only, as a large model's do.
+    no_persistence = tmp_path_factory.mktemp("ds") / "zero3.json"
+    no_persistence.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    partitioned = ["--deepspeed_config", no_persistence]
+    layouts = {
+        "zero2 dp4": _layout(argv, "--zero-stage", 2),
+        "zero3 dp4": _layout(argv, "--zero-stage", 3, *partitioned),
+        "zero3 tp2 dp2": _layout(argv, "--zero-stage", 3, *tp2, *partitioned),
+        "hpz2 dp4": _layout(argv, "--zero-stage", 3, "--zero-hpz-partition-size", 2),
+        "hpz2 tp2 dp2": _layout(argv, "--zero-stage", 3, "--zero-hpz-partition-size", 2, *tp2),
+        "bf16 zero2": _layout(argv, "--zero-stage", 2, "--bf16"),
+        "bf16 zero3 tp2": _layout(argv, "--zero-stage", 3, "--bf16", *tp2),
+        "zero2 first half": _layout(argv, "--zero-stage", 2, "--save", save2, "--save-interval", 100,
+                                    "--exit-interval", 5),
+        "zero2 resumed": _layout(argv, "--zero-stage", 2, "--load", save2),
+        "zero3 first half": _layout(argv, "--zero-stage", 3, *tp2, "--save", save3, "--save-interval", 100,
+                                    "--exit-interval", 5),
+        "zero3 resumed": _layout(argv, "--zero-stage", 3, *tp2, "--load", save3),
+    }
+    results = run_distributed(_train, world_size=4, args=(list(layouts.values()),), timeout=900)
+    return argv, reference, {rank: dict(zip(layouts, per_rank)) for rank, per_rank in enumerate(results)}, save3
+
+
+@pytest.mark.multiprocess
+def test_zero2_zero3_and_hpz_match_single_process_in_fp32(runs):
+    _, reference, by_rank, _ = runs
+    for rank, results in by_rank.items():
+        for label in ("zero2 dp4", "zero3 dp4", "zero3 tp2 dp2", "hpz2 dp4", "hpz2 tp2 dp2"):
+            _assert_same_run(reference, results[label], f"rank {rank}: {label}")
+        assert results["zero2 dp4"]["optimizer"] == "DeepSpeedZeroOptimizer"
+        assert results["zero3 dp4"]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+
+
+@pytest.mark.multiprocess
+def test_zero3_holds_only_partitions(runs):
+    _, reference, by_rank, _ = runs
+    for rank, results in by_rank.items():
+        for label, dp in (("zero3 dp4", 4), ("zero3 tp2 dp2", 2)):
+            run = results[label]
+            assert run["held_numel"] == 0, f"rank {rank} {label}: parameters materialized"
+            # each rank's partitions hold 1 / DP of its TP slice (DeepSpeed pads each to a multiple of DP)
+            slice_numel = run["full_numel"]
+            assert slice_numel / dp <= run["partition_numel"] <= slice_numel / dp + 64 * dp, (rank, label, run)
+
+
+@pytest.mark.multiprocess
+def test_hpz_groups_are_runs_of_data_parallel_ranks(runs):
+    _, _, by_rank, _ = runs
+    # Computed here from the layout's definition (TP fastest: rank = dp_rank * TP + tp_rank), not read
+    # from megatron.parallel: groups of 2 consecutive data-parallel ranks of the same TP rank.
+    expected = {"hpz2 dp4": {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]},
+                "hpz2 tp2 dp2": {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}}
+    for label, groups in expected.items():
+        for rank, ranks in groups.items():
+            assert by_rank[rank][label]["hpz_ranks"] == ranks, (label, rank, by_rank[rank][label]["hpz_ranks"])
+            assert by_rank[rank][label]["hpz_ranks_engine"] == ranks
+    assert by_rank[0]["zero3 dp4"]["hpz_ranks"] is None
+
+
+@pytest.mark.multiprocess
+def test_bf16_zero2_and_zero3_track_fp32(runs):
+    _, reference, by_rank, _ = runs
+    for label in ("bf16 zero2", "bf16 zero3 tp2"):
+        run = by_rank[3][label]
+        _assert_same_run(reference, run, label, rel_loss=2e-2, rel_norm=2e-1)
+        assert run["losses"][-1] < run["losses"][0] - 0.05, run["losses"]
+
+
+@pytest.mark.multiprocess
+def test_zero2_and_zero3_checkpoints_resume_bit_for_bit(runs):
+    _, _, by_rank, _ = runs
+    for rank, results in by_rank.items():
+        for stage, straight in (("zero2", "zero2 dp4"), ("zero3", "zero3 tp2 dp2")):
+            first, resumed = results[f"{stage} first half"], results[f"{stage} resumed"]
+            assert first["iterations"] == list(range(1, 6)) and resumed["iterations"] == list(range(6, 11))
+            assert first["losses"] + resumed["losses"] == results[straight]["losses"], (rank, stage)
+            assert first["grad_norms"] + resumed["grad_norms"] == results[straight]["grad_norms"], (rank, stage)
+
+
+@pytest.mark.multiprocess
+def test_a_zero3_checkpoint_at_another_stage_names_the_conversion(runs):
+    argv, _, _, save3 = runs
+    error = run_distributed(pretrain_error, world_size=4, args=(_layout(argv, "--zero-stage", 1,
+                                                                        "--tensor-model-parallel-size", 2,
+                                                                        "--load", save3),), timeout=300)[0]
+    assert error and "ZeRO stage 3 (this run: 1)" in error and "ds_to_universal.py" in error, error
+
+
+@pytest.mark.multiprocess
+def test_tools_refuse_a_zero3_checkpoint_by_name(runs):
+    from megatron.checkpoint.merge import load_full_state_dict
+    from megatron.checkpoint.tags import CheckpointFormatError
+
+    *_, save3 = runs
+    with pytest.raises(CheckpointFormatError, match="written with --zero-stage 3, in the files of DeepSpeed's "
+                                                    "non-pipeline engine"):
+        load_full_state_dict(save3)
