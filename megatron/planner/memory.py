@@ -49,9 +49,9 @@ def stage_param_counts(model: ModelShape, layout: Layout) -> list[int]:
     counts = stage_layer_counts(model, layout)
     norm = model.norm_params
     embedding = model.vocab_size * h // t + model.learned_positions * h + (norm if model.embed_layernorm else 0)
-    # The output head: the tied copy is a whole EmbeddingPipe (DeepSpeed's TiedLayerSpec builds the
-    # module), so the last stage also holds an unused copy of the embedding LayerNorm.
-    head = model.vocab_size * h // t + (norm if model.embed_layernorm and model.tied_embeddings else 0)
+    # The output head: the word embedding alone (the tied copy on the last stage is LMHeadPipe, without
+    # positions or the embedding LayerNorm), or the untied output layer.
+    head = model.vocab_size * h // t
     out = []
     for i, n_layers in enumerate(counts):
         n = n_layers * model.layer_params(t)

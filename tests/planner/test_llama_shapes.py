@@ -59,6 +59,17 @@ def test_stage_counts_put_the_untied_head_on_the_last_stage():
     assert first + last == shape.total_params()
 
 
+def test_stage_counts_put_only_the_word_embedding_on_a_tied_last_stage():
+    """BLOOM's tied head on the last stage is LMHeadPipe: the word embedding alone, no embedding LayerNorm."""
+    config = ModelConfig(**{**LLAMA_TINY, "normalization": "layernorm", "swiglu": False, "num_key_value_heads": None,
+                            "add_bias_linear": True, "untie_embeddings_and_output_weights": False,
+                            "embed_layernorm": True, "position_embedding_type": "alibi", "ffn_hidden_size": None}
+                         ).validate()
+    shape = model_shape_of(config)
+    first, last = stage_param_counts(shape, Layout(tp=1, pp=2, dp=1, micro_batch_size=1))
+    assert first + last == shape.total_params() + 256 * 64  # the tied copy, and nothing else, counted twice
+
+
 def test_flops_count_swiglu_and_gqa():
     s, b = 4096, 1024
     llama = LLAMA_SIZES["llama-3-70b"]
