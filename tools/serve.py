@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Serve text generation from a training checkpoint over HTTP (aiohttp, one event loop, one generation thread).
+"""Serve text generation from a training checkpoint over HTTP (aiohttp, one event loop, one batched generation thread).
 
     python tools/serve.py --load CKPT [--host 127.0.0.1] [--port 8000]
     curl -s localhost:8000/generate -d '{"prompt": "The river", "max_new_tokens": 16, "greedy": true}'
@@ -9,8 +9,8 @@
 POST /generate takes {"prompt": str or [str], "max_new_tokens", "greedy", "temperature", "top_k",
 "top_p", "seed"} and answers {"completions": [...]} with the objects tools/generate.py writes;
 POST /v1/completions is OpenAI's completions API (streaming included). Bad requests get a JSON
-error (400, 408 too slow, 411, 413 too large, 404, 405, 503 too busy); generation runs one request
-at a time off the event loop. Binds 127.0.0.1 unless --host says otherwise. The work is in
+error (400, 408 too slow, 411, 413 too large, 404, 405, 503 too busy); generation runs off the event
+loop, the prompts of all requests decoded together in one running batch (--max-batch-size). Binds 127.0.0.1 unless --host says otherwise. The work is in
 ``megatron.inference.server`` (docs/serving.md).
 """
 
@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-pending-requests", type=int, default=64,
                         help="generation requests waiting or running at most; one more is answered 503 "
                              "(default 64)")
+    parser.add_argument("--max-batch-size", type=int, default=32,
+                        help="sequences (prompts) decoded together in one running batch; a sequence joins when "
+                             "another finishes (default 32; 1: one sequence at a time)")
     parser.add_argument("--model-name", default=None,
                         help="the model's name in /v1/completions replies (default: the --load folder's name)")
     parser.add_argument("--verbose", action="store_true", help="log every request")
@@ -65,7 +68,8 @@ def main(argv=None) -> int:
                           max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
                           default_max_new_tokens=min(32, args.max_new_tokens_limit), read_timeout=args.read_timeout,
                           max_connections=args.max_connections,
-                          max_pending_requests=args.max_pending_requests).validate()
+                          max_pending_requests=args.max_pending_requests,
+                          max_batch_size=args.max_batch_size).validate()
     _allow_open_files(limits.max_connections)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -23,7 +23,8 @@ How each limit is enforced (``ServerLimits``):
   ``read_timeout``, so the client sees the 413 instead of a reset). A prompt is counted piece by piece
   and refused at twice ``max_prompt_tokens`` without tokenizing the rest (``validation.tokenize_prompt``).
 - Workers: generation (blocking torch work) runs on the one thread of ``GenerationWorker``, which
-  holds at most ``max_pending_requests`` (503 past it); the loop keeps serving /health meanwhile.
+  holds at most ``max_pending_requests`` (503 past it) and decodes up to ``max_batch_size`` sequences
+  together (continuous batching); the loop keeps serving /health meanwhile.
 
 Errors are JSON {"error": message, "status": code}: 400 (malformed HTTP or JSON, NaN / Infinity, wrong
 types, unknown fields, invalid values, lone surrogates, an empty prompt), 404, 405, 408 (body too
@@ -170,11 +171,11 @@ async def read_body(request: web.BaseRequest, limits: ServerLimits) -> bytes:
 class GenerationService:
     """The limits, the generator and its worker: what the endpoints share, independent of aiohttp."""
 
-    def __init__(self, generator: Generator, limits: ServerLimits, model_name: str = "megatron"):
+    def __init__(self, generator: Generator, limits: ServerLimits, model_name: str = "megatron", runner=None):
         self.generator = generator
         self.limits = limits.validate()
         self.model_name = model_name
-        self.worker = GenerationWorker(generator, limits.max_pending_requests)
+        self.worker = GenerationWorker(generator, limits.max_pending_requests, limits.max_batch_size, runner)
 
     async def generate(self, raw: bytes) -> dict:
         prompts, params = parse_generate_request(raw, self.limits)
