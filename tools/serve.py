@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Serve text generation from a training checkpoint over HTTP (aiohttp, one event loop, one batched generation thread).
 
-    python tools/serve.py --load CKPT [--host 127.0.0.1] [--port 8000]
+    python tools/serve.py --load CKPT [--host 127.0.0.1] [--port 8000] [--max-batch-size 32]
+    torchrun --nproc_per_node 2 tools/serve.py --load CKPT     # the model split over 2 processes (TP)
     curl -s localhost:8000/generate -d '{"prompt": "The river", "max_new_tokens": 16, "greedy": true}'
     curl -s localhost:8000/v1/completions -d '{"model": "m", "prompt": "The river", "max_tokens": 16, "temperature": 0}'
     curl -s localhost:8000/health
@@ -58,6 +59,42 @@ def _allow_open_files(max_connections: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
+def _serve_tensor_parallel(args, limits, model_name: str) -> int:
+    """Under torchrun: every rank holds its part of the model; rank 0 serves and the others follow it."""
+    import signal
+
+    import torch.distributed as dist
+
+    from megatron.inference.batching import BatchRunner
+    from megatron.inference.server import make_server
+    from megatron.inference.tp import BroadcastRunner, follow, init_serving_group, serving_device
+
+    state = init_serving_group()
+    generator = load_generator(args, parallel_state=state)
+    generator.model.to(serving_device())
+    try:
+        if state.rank != 0:
+            for signum in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop, and says so
+                signal.signal(signum, signal.SIG_IGN)
+            follow(BatchRunner(generator.model, generator.vocab_size), state.tp_group)
+            return 0
+        runner = BroadcastRunner(generator.model, generator.vocab_size, state.tp_group)
+        server = make_server(generator, limits, args.host, args.port, verbose=args.verbose, model_name=model_name,
+                             runner=runner)
+        try:
+            server.serve_forever(on_started=_announce(f", tensor-parallel over {state.tp_size} processes"))
+        finally:
+            runner.stop()
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+def _announce(extra: str = ""):
+    return lambda s: print(f"serving on http://{s.host}:{s.port} (POST /generate, POST /v1/completions, "
+                           f"GET /health){extra}", flush=True)
+
+
 def main(argv=None) -> int:
     import logging
 
@@ -74,10 +111,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_name = args.model_name or os.path.basename(os.path.normpath(args.load))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _serve_tensor_parallel(args, limits, model_name)
     server = make_server(load_generator(args), limits, args.host, args.port, verbose=args.verbose,
                          model_name=model_name)
-    server.serve_forever(on_started=lambda s: print(
-        f"serving on http://{s.host}:{s.port} (POST /generate, POST /v1/completions, GET /health)", flush=True))
+    server.serve_forever(on_started=_announce())
     return 0
 
 

@@ -86,6 +86,10 @@ class BatchRunner:
         """Drop every row (after a failed step, whose caches may be half written)."""
         self.caches = [BatchKVCache() for _ in self.model.layers]
 
+    def idle(self) -> None:
+        """Called while nothing runs, every ``IDLE_SECONDS`` at least (a tensor-parallel runner tells the
+        other ranks, which would otherwise time out waiting)."""
+
 
 class GeneratingSequence:
     """One prompt being generated: its settings, sampling generator, ids so far and stop state.

@@ -35,8 +35,9 @@ import torch
 
 from megatron.config import ModelConfig, TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer
-from megatron.checkpoint.merge import load_full_state_dict
-from megatron.model import GPTModel
+from megatron.checkpoint.merge import load_full_state_dict, split_for_tp
+from megatron.model import GPTModel, parameter_layout
+from megatron.parallel.state import ParallelState
 
 __all__ = ["SamplingParams", "Completion", "Generator", "StreamingText", "sample_next_token", "generate_token_ids",
            "tokenizer_from_record", "sequence_generator", "DTYPES", "MIN_TEMPERATURE"]
@@ -169,15 +170,21 @@ class Generator:
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str, *, tag: Optional[str] = None, dtype: str = "fp32",
-                        tokenizer=None, **tokenizer_overrides) -> "Generator":
+                        tokenizer=None, parallel_state: Optional[ParallelState] = None,
+                        **tokenizer_overrides) -> "Generator":
         """Load a training checkpoint of any TP / PP into one TP=1 GPTModel (dropout off) in ``dtype``
-        ('fp32', 'bf16', 'fp16', or 'saved': the checkpoint's params_dtype)."""
+        ('fp32', 'bf16', 'fp16', or 'saved': the checkpoint's params_dtype); with ``parallel_state``, this
+        rank's part of a GPTModel split over its tensor-parallel group (merged to TP=1, then split again)."""
         if dtype not in DTYPES and dtype != "saved":
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}, saved")
         config, state, record = load_full_state_dict(ckpt_dir, tag)
         dtype = config.params_dtype if dtype == "saved" else dtype
         config = dataclasses.replace(config, params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0)
-        model = GPTModel(config)
+        model = GPTModel(config, parallel_state)
+        if parallel_state is not None and parallel_state.tp_size > 1:
+            layout, tp = parameter_layout(config), parallel_state.tp_size
+            state = {name: split_for_tp(layout[name], tensor, tp)[parallel_state.tp_rank]
+                     for name, tensor in state.items()}
         model.load_state_dict({name: tensor.to(DTYPES[dtype]) for name, tensor in state.items()})
         if tokenizer is None:
             tokenizer = tokenizer_from_record(record.get("tokenizer", {}), **tokenizer_overrides)

@@ -31,6 +31,8 @@ __all__ = ["Busy", "TextPiece", "Finished", "GenerationWorker"]
 
 logger = logging.getLogger(__name__)
 
+IDLE_SECONDS = 60.0  # how often an idle worker tells its runner (under TP: the other ranks, whose collectives time out)
+
 
 class Busy(Exception):
     """More requests than ``max_pending`` would be waiting."""
@@ -155,9 +157,12 @@ class GenerationWorker:
         """Move the submitted jobs' sequences to the waiting line; False once closed."""
         while True:
             try:
-                job = self._jobs.get(block=block)
+                job = self._jobs.get(block=block, timeout=IDLE_SECONDS if block else None)
             except queue.Empty:
-                return True
+                if not block:
+                    return True
+                self.decoder.runner.idle()
+                continue
             if job is None:
                 return False
             block = False

@@ -51,6 +51,7 @@ from megatron.inference.generation import Generator
 from megatron.inference.scheduler import Busy, GenerationWorker
 from megatron.inference.validation import (RequestError, ServerLimits, parse_generate_request,
                                            tokenize_prompts)
+from megatron.parallel.state import group_size
 
 __all__ = ["ServerLimits", "RequestError", "GenerationService", "GenerationServer", "make_server"]
 
@@ -187,6 +188,8 @@ class GenerationService:
         c = self.generator.config
         return {"status": "ok", "num_layers": c.num_layers, "hidden_size": c.hidden_size,
                 "vocab_size": self.generator.vocab_size, "pending_requests": self.worker.pending,
+                "tensor_model_parallel_size": group_size(self.generator.model.tp_group),
+                "running_sequences": len(self.worker.decoder.rows),
                 "limits": dataclasses.asdict(self.limits)}
 
 
@@ -200,8 +203,8 @@ class GenerationServer:
     """The HTTP server: ``await start()`` / ``await stop()`` on a running loop, or ``serve_forever()``."""
 
     def __init__(self, generator: Generator, limits: ServerLimits, host: str = "127.0.0.1", port: int = 8000,
-                 verbose: bool = False, model_name: str = "megatron"):
-        self.service = GenerationService(generator, limits, model_name)
+                 verbose: bool = False, model_name: str = "megatron", runner=None):
+        self.service = GenerationService(generator, limits, model_name, runner)
         self.limits = self.service.limits
         self.host, self.port, self.verbose = host, port, verbose
         self.connections: Optional[_Server] = None
@@ -292,6 +295,8 @@ class GenerationServer:
 
 
 def make_server(generator: Generator, limits: ServerLimits, host: str = "127.0.0.1", port: int = 8000,
-                verbose: bool = False, model_name: str = "megatron") -> GenerationServer:
-    """A GenerationServer for (host, port) (port 0: any free one, in ``.port`` once started)."""
-    return GenerationServer(generator, limits, host, port, verbose, model_name)
+                verbose: bool = False, model_name: str = "megatron", runner=None) -> GenerationServer:
+    """A GenerationServer for (host, port) (port 0: any free one, in ``.port`` once started). ``runner``: the
+    model's side of the batch (default a ``BatchRunner`` of the generator's model; ``tp.BroadcastRunner``
+    under tensor parallelism)."""
+    return GenerationServer(generator, limits, host, port, verbose, model_name, runner)
