@@ -31,10 +31,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tokenizer-name-or-path", default=None)
 
 
-def load_generator(args: argparse.Namespace):
+def load_generator(args: argparse.Namespace, parallel_state=None):
+    """The checkpoint's Generator (with ``parallel_state``: this rank's part of a tensor-parallel model)."""
     from megatron.inference.generation import Generator  # torch and the model: only when a tool loads one
 
-    return Generator.from_checkpoint(args.load, tag=args.tag, dtype=args.dtype, tokenizer_type=args.tokenizer_type,
+    return Generator.from_checkpoint(args.load, tag=args.tag, dtype=args.dtype, parallel_state=parallel_state,
+                                     tokenizer_type=args.tokenizer_type,
                                      vocab_file=args.vocab_file, merge_file=args.merge_file,
                                      tokenizer_model=args.tokenizer_model,
                                      tokenizer_name_or_path=args.tokenizer_name_or_path)

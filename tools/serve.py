@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Serve text generation from a training checkpoint over HTTP (aiohttp, one event loop, one generation thread).
+"""Serve text generation from a training checkpoint over HTTP (aiohttp, one event loop, one batched generation thread).
 
-    python tools/serve.py --load CKPT [--host 127.0.0.1] [--port 8000]
+    python tools/serve.py --load CKPT [--host 127.0.0.1] [--port 8000] [--max-batch-size 32]
+    torchrun --nproc_per_node 2 tools/serve.py --load CKPT     # the model split over 2 processes (TP)
     curl -s localhost:8000/generate -d '{"prompt": "The river", "max_new_tokens": 16, "greedy": true}'
     curl -s localhost:8000/v1/completions -d '{"model": "m", "prompt": "The river", "max_tokens": 16, "temperature": 0}'
     curl -s localhost:8000/health
@@ -9,8 +10,8 @@
 POST /generate takes {"prompt": str or [str], "max_new_tokens", "greedy", "temperature", "top_k",
 "top_p", "seed"} and answers {"completions": [...]} with the objects tools/generate.py writes;
 POST /v1/completions is OpenAI's completions API (streaming included). Bad requests get a JSON
-error (400, 408 too slow, 411, 413 too large, 404, 405, 503 too busy); generation runs one request
-at a time off the event loop. Binds 127.0.0.1 unless --host says otherwise. The work is in
+error (400, 408 too slow, 411, 413 too large, 404, 405, 503 too busy); generation runs off the event
+loop, the prompts of all requests decoded together in one running batch (--max-batch-size). Binds 127.0.0.1 unless --host says otherwise. The work is in
 ``megatron.inference.server`` (docs/serving.md).
 """
 
@@ -38,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-pending-requests", type=int, default=64,
                         help="generation requests waiting or running at most; one more is answered 503 "
                              "(default 64)")
+    parser.add_argument("--max-batch-size", type=int, default=32,
+                        help="sequences (prompts) decoded together in one running batch; a sequence joins when "
+                             "another finishes (default 32; 1: one sequence at a time)")
     parser.add_argument("--model-name", default=None,
                         help="the model's name in /v1/completions replies (default: the --load folder's name)")
     parser.add_argument("--verbose", action="store_true", help="log every request")
@@ -55,6 +59,42 @@ def _allow_open_files(max_connections: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
+def _serve_tensor_parallel(args, limits, model_name: str) -> int:
+    """Under torchrun: every rank holds its part of the model; rank 0 serves and the others follow it."""
+    import signal
+
+    import torch.distributed as dist
+
+    from megatron.inference.batching import BatchRunner
+    from megatron.inference.server import make_server
+    from megatron.inference.tp import BroadcastRunner, follow, init_serving_group, serving_device
+
+    state = init_serving_group()
+    generator = load_generator(args, parallel_state=state)
+    generator.model.to(serving_device())
+    try:
+        if state.rank != 0:
+            for signum in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop, and says so
+                signal.signal(signum, signal.SIG_IGN)
+            follow(BatchRunner(generator.model, generator.vocab_size), state.tp_group)
+            return 0
+        runner = BroadcastRunner(generator.model, generator.vocab_size, state.tp_group)
+        server = make_server(generator, limits, args.host, args.port, verbose=args.verbose, model_name=model_name,
+                             runner=runner)
+        try:
+            server.serve_forever(on_started=_announce(f", tensor-parallel over {state.tp_size} processes"))
+        finally:
+            runner.stop()
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+def _announce(extra: str = ""):
+    return lambda s: print(f"serving on http://{s.host}:{s.port} (POST /generate, POST /v1/completions, "
+                           f"GET /health){extra}", flush=True)
+
+
 def main(argv=None) -> int:
     import logging
 
@@ -65,15 +105,17 @@ def main(argv=None) -> int:
                           max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
                           default_max_new_tokens=min(32, args.max_new_tokens_limit), read_timeout=args.read_timeout,
                           max_connections=args.max_connections,
-                          max_pending_requests=args.max_pending_requests).validate()
+                          max_pending_requests=args.max_pending_requests,
+                          max_batch_size=args.max_batch_size).validate()
     _allow_open_files(limits.max_connections)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_name = args.model_name or os.path.basename(os.path.normpath(args.load))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _serve_tensor_parallel(args, limits, model_name)
     server = make_server(load_generator(args), limits, args.host, args.port, verbose=args.verbose,
                          model_name=model_name)
-    server.serve_forever(on_started=lambda s: print(
-        f"serving on http://{s.host}:{s.port} (POST /generate, POST /v1/completions, GET /health)", flush=True))
+    server.serve_forever(on_started=_announce())
     return 0
 
 

@@ -3,7 +3,9 @@
     generation   Generator: a TP=1 GPTModel with a KV cache, greedy / top-k / top-p sampling, stop strings,
                  text handed out while it is generated
     validation   the server's limits and the strict checks of every request body
-    scheduler    GenerationWorker: the queue of requests and the one thread that runs the model
+    batching     continuous batching: BatchDecoder (sequences join and leave a running batch), BatchRunner
+                 (the model and the batch's per-row KV caches), GeneratingSequence (sampling and stops)
+    scheduler    GenerationWorker: the queue of requests and the one thread that decodes them in one batch
     server       the aiohttp server behind tools/serve.py: /generate, /health, the connection limits
     openai_api   OpenAI's POST /v1/completions (streaming with server-sent events)
 

@@ -6,6 +6,7 @@
 
 Each prompt is decoded on its own (batch 1): the prompt goes through the model once, filling one
 KV cache per layer, then every new token is a one-position forward that attends to the cache.
+(The server decodes many prompts together, ``megatron.inference.batching``; this is its reference.)
 Generation stops after ``max_new_tokens``, when the end-of-document token is produced (it is
 kept as the last id of ``token_ids`` and left out of ``text``), or when the text contains one of
 ``stop`` (the text is cut before it; ``token_ids`` keep the token that completed it). Only real
@@ -16,7 +17,8 @@ string, is held back): the pieces of a prompt add up to its final ``text``.
 
 Sampling: logits / temperature, then keep the ``top_k`` largest (0: all), then the smallest set
 whose probability reaches ``top_p`` (1.0: all; the most likely token always stays), then draw from
-a ``torch.Generator`` seeded with ``seed``: the same seed gives the same text. The logits are fp32:
+a ``torch.Generator`` seeded with ``seed`` (prompt i of a request: ``seed + i``): the same seed gives
+the same text. The logits are fp32:
 a temperature below ``MIN_TEMPERATURE`` is refused, as logits / 1e-300 overflow to +-inf (and the
 softmax of those is NaN).
 
@@ -33,11 +35,12 @@ import torch
 
 from megatron.config import ModelConfig, TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer
-from megatron.checkpoint.merge import load_full_state_dict
-from megatron.model import GPTModel
+from megatron.checkpoint.merge import load_full_state_dict, split_for_tp
+from megatron.model import GPTModel, parameter_layout
+from megatron.parallel.state import ParallelState
 
 __all__ = ["SamplingParams", "Completion", "Generator", "StreamingText", "sample_next_token", "generate_token_ids",
-           "tokenizer_from_record", "DTYPES", "MIN_TEMPERATURE"]
+           "tokenizer_from_record", "sequence_generator", "DTYPES", "MIN_TEMPERATURE"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIN_TEMPERATURE = 1e-4  # far below it sampling is argmax in all but name; at 1e-300 the fp32 logits overflow
@@ -85,6 +88,15 @@ class Completion:
     def to_json(self) -> dict:
         return {"prompt": self.prompt, "token_ids": list(self.token_ids), "text": self.text,
                 "finish_reason": self.finish_reason, "prompt_token_ids": list(self.prompt_token_ids)}
+
+
+def sequence_generator(params: SamplingParams, index: int = 0) -> Optional[torch.Generator]:
+    """The sampling generator of a request's ``index``-th prompt: seeded with ``seed + index`` (so that copies
+    of one prompt differ, and each prompt draws the same tokens whatever is generated beside it); None
+    (torch's default generator) without a seed or when greedy."""
+    if params.seed is None or params.greedy:
+        return None
+    return torch.Generator().manual_seed((params.seed + index) % 2 ** 63)
 
 
 def sample_next_token(logits: torch.Tensor, params: SamplingParams,
@@ -158,15 +170,21 @@ class Generator:
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str, *, tag: Optional[str] = None, dtype: str = "fp32",
-                        tokenizer=None, **tokenizer_overrides) -> "Generator":
+                        tokenizer=None, parallel_state: Optional[ParallelState] = None,
+                        **tokenizer_overrides) -> "Generator":
         """Load a training checkpoint of any TP / PP into one TP=1 GPTModel (dropout off) in ``dtype``
-        ('fp32', 'bf16', 'fp16', or 'saved': the checkpoint's params_dtype)."""
+        ('fp32', 'bf16', 'fp16', or 'saved': the checkpoint's params_dtype); with ``parallel_state``, this
+        rank's part of a GPTModel split over its tensor-parallel group (merged to TP=1, then split again)."""
         if dtype not in DTYPES and dtype != "saved":
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}, saved")
         config, state, record = load_full_state_dict(ckpt_dir, tag)
         dtype = config.params_dtype if dtype == "saved" else dtype
         config = dataclasses.replace(config, params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0)
-        model = GPTModel(config)
+        model = GPTModel(config, parallel_state)
+        if parallel_state is not None and parallel_state.tp_size > 1:
+            layout, tp = parameter_layout(config), parallel_state.tp_size
+            state = {name: split_for_tp(layout[name], tensor, tp)[parallel_state.tp_rank]
+                     for name, tensor in state.items()}
         model.load_state_dict({name: tensor.to(DTYPES[dtype]) for name, tensor in state.items()})
         if tokenizer is None:
             tokenizer = tokenizer_from_record(record.get("tokenizer", {}), **tokenizer_overrides)
@@ -193,9 +211,6 @@ class Generator:
         encoded = [self.tokenizer.tokenize(prompt) for prompt in prompts] if prompt_ids is None else prompt_ids
         for ids in encoded:
             self.check_length(len(ids), params.max_new_tokens)
-        generator = None
-        if params.seed is not None and not params.greedy:
-            generator = torch.Generator().manual_seed(params.seed)
         eod = getattr(self.tokenizer, "eod", None)
         completions = []
         for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
@@ -209,7 +224,8 @@ class Generator:
                 return stopped
 
             generated, reason = generate_token_ids(self.model, ids, params, vocab_size=self.vocab_size, eod=eod,
-                                                   generator=generator, on_token=on_token if text else None)
+                                                   generator=sequence_generator(params, index),
+                                                   on_token=on_token if text else None)
             if text is None:
                 final = self.tokenizer.detokenize(generated[:-1] if reason == "eod" else generated)
             else:

@@ -23,7 +23,8 @@ How each limit is enforced (``ServerLimits``):
   ``read_timeout``, so the client sees the 413 instead of a reset). A prompt is counted piece by piece
   and refused at twice ``max_prompt_tokens`` without tokenizing the rest (``validation.tokenize_prompt``).
 - Workers: generation (blocking torch work) runs on the one thread of ``GenerationWorker``, which
-  holds at most ``max_pending_requests`` (503 past it); the loop keeps serving /health meanwhile.
+  holds at most ``max_pending_requests`` (503 past it) and decodes up to ``max_batch_size`` sequences
+  together (continuous batching); the loop keeps serving /health meanwhile.
 
 Errors are JSON {"error": message, "status": code}: 400 (malformed HTTP or JSON, NaN / Infinity, wrong
 types, unknown fields, invalid values, lone surrogates, an empty prompt), 404, 405, 408 (body too
@@ -50,6 +51,7 @@ from megatron.inference.generation import Generator
 from megatron.inference.scheduler import Busy, GenerationWorker
 from megatron.inference.validation import (RequestError, ServerLimits, parse_generate_request,
                                            tokenize_prompts)
+from megatron.parallel.state import group_size
 
 __all__ = ["ServerLimits", "RequestError", "GenerationService", "GenerationServer", "make_server"]
 
@@ -170,11 +172,11 @@ async def read_body(request: web.BaseRequest, limits: ServerLimits) -> bytes:
 class GenerationService:
     """The limits, the generator and its worker: what the endpoints share, independent of aiohttp."""
 
-    def __init__(self, generator: Generator, limits: ServerLimits, model_name: str = "megatron"):
+    def __init__(self, generator: Generator, limits: ServerLimits, model_name: str = "megatron", runner=None):
         self.generator = generator
         self.limits = limits.validate()
         self.model_name = model_name
-        self.worker = GenerationWorker(generator, limits.max_pending_requests)
+        self.worker = GenerationWorker(generator, limits.max_pending_requests, limits.max_batch_size, runner)
 
     async def generate(self, raw: bytes) -> dict:
         prompts, params = parse_generate_request(raw, self.limits)
@@ -186,6 +188,8 @@ class GenerationService:
         c = self.generator.config
         return {"status": "ok", "num_layers": c.num_layers, "hidden_size": c.hidden_size,
                 "vocab_size": self.generator.vocab_size, "pending_requests": self.worker.pending,
+                "tensor_model_parallel_size": group_size(self.generator.model.tp_group),
+                "running_sequences": len(self.worker.decoder.rows),
                 "limits": dataclasses.asdict(self.limits)}
 
 
@@ -199,8 +203,8 @@ class GenerationServer:
     """The HTTP server: ``await start()`` / ``await stop()`` on a running loop, or ``serve_forever()``."""
 
     def __init__(self, generator: Generator, limits: ServerLimits, host: str = "127.0.0.1", port: int = 8000,
-                 verbose: bool = False, model_name: str = "megatron"):
-        self.service = GenerationService(generator, limits, model_name)
+                 verbose: bool = False, model_name: str = "megatron", runner=None):
+        self.service = GenerationService(generator, limits, model_name, runner)
         self.limits = self.service.limits
         self.host, self.port, self.verbose = host, port, verbose
         self.connections: Optional[_Server] = None
@@ -291,6 +295,8 @@ class GenerationServer:
 
 
 def make_server(generator: Generator, limits: ServerLimits, host: str = "127.0.0.1", port: int = 8000,
-                verbose: bool = False, model_name: str = "megatron") -> GenerationServer:
-    """A GenerationServer for (host, port) (port 0: any free one, in ``.port`` once started)."""
-    return GenerationServer(generator, limits, host, port, verbose, model_name)
+                verbose: bool = False, model_name: str = "megatron", runner=None) -> GenerationServer:
+    """A GenerationServer for (host, port) (port 0: any free one, in ``.port`` once started). ``runner``: the
+    model's side of the batch (default a ``BatchRunner`` of the generator's model; ``tp.BroadcastRunner``
+    under tensor parallelism)."""
+    return GenerationServer(generator, limits, host, port, verbose, model_name, runner)

@@ -33,6 +33,7 @@ class ServerLimits:
     read_timeout: float = 30.0          # seconds for a request's headers to arrive, and then for its body
     max_connections: int = 1024         # open connections; one more is answered 503 and closed
     max_pending_requests: int = 64      # generation requests waiting or running; one more is answered 503
+    max_batch_size: int = 32            # sequences decoded together; the next waits for one to finish
 
     def validate(self) -> "ServerLimits":
         for field in dataclasses.fields(self):

@@ -9,6 +9,7 @@
     FinalLayerNorm     the norm before the head
     GPTModel           the three composed on one pipeline stage; ``gpt_loss`` the masked mean loss
     KVCache            per-layer keys / values for incremental decoding
+    BatchKVCache       the same for a batch of sequences of different lengths (continuous batching)
     layout             the pipeline layers and how every parameter is split across TP ranks (from the
                        modules' own tags): what the pipeline and every checkpoint converter read
 
@@ -25,11 +26,12 @@ hp = np * hn, v / vp vocabulary (per partition).
 
 from megatron.model.attention import KVCache, SelfAttention
 from megatron.model.embedding import EmbeddingLayer, OutputLayer
+from megatron.model.kv_cache import BatchKVCache
 from megatron.model.gpt import GPTModel, gpt_loss, per_token_loss
 from megatron.model.layout import ParameterLayout, PipelineItem, parameter_layout, pipeline_items
 from megatron.model.norm import Norm
 from megatron.model.transformer import FinalLayerNorm, ParallelMLP, TransformerLayer
 
-__all__ = ["EmbeddingLayer", "OutputLayer", "Norm", "TransformerLayer", "FinalLayerNorm", "GPTModel", "gpt_loss", "per_token_loss",
-           "KVCache", "SelfAttention", "ParallelMLP", "ParameterLayout", "PipelineItem",
+__all__ = ["EmbeddingLayer", "OutputLayer", "Norm", "TransformerLayer", "FinalLayerNorm", "GPTModel", "gpt_loss",
+           "per_token_loss", "KVCache", "BatchKVCache", "SelfAttention", "ParallelMLP", "ParameterLayout", "PipelineItem",
            "parameter_layout", "pipeline_items"]

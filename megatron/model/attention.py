@@ -31,6 +31,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.initialization import normal_init, output_layer_std
+from megatron.model.kv_cache import BatchKVCache
 from megatron.model.positional import alibi_bias, alibi_slopes_for_rank, apply_rotary, rotary_cos_sin
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.state import group_rank, group_size
@@ -126,8 +127,11 @@ class SelfAttention(nn.Module):
         """This rank's ALiBi slopes [np] (fp32), or None when ALiBi is not used."""
         return getattr(self, "_alibi_slopes", None)
 
-    def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        """hidden [sq, b, h] (already layer-normed) -> attention output [sq, b, h] (bias added)."""
+    def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache | BatchKVCache] = None) -> torch.Tensor:
+        """hidden [sq, b, h] (already layer-normed) -> attention output [sq, b, h] (bias added).
+
+        kv_cache: a ``KVCache`` (every row at the same position), or a ``BatchKVCache`` whose rows
+        are sequences of different lengths (each row's queries at its own positions, its own mask)."""
         sq, b, _ = hidden.shape
         np_, ng, hn = self.num_heads_per_partition, self.num_groups_per_partition, self.head_dim
         offset = 0 if kv_cache is None else kv_cache.length
@@ -137,9 +141,15 @@ class SelfAttention(nn.Module):
         query = query.reshape(sq, b, np_, hn)  # [sq, b, np, hn]: group 0's query heads first
         key, value = key.squeeze(3), value.squeeze(3)  # 2 x [sq, b, ng, hn]
 
-        positions = torch.arange(offset, offset + sq, device=hidden.device)  # [sq]
+        if isinstance(kv_cache, BatchKVCache):
+            positions = kv_cache.position_ids(sq, hidden.device)  # [b, sq]
+        else:
+            positions = torch.arange(offset, offset + sq, device=hidden.device)  # [sq]
         if self.config.position_embedding_type == "rotary":
-            cos, sin = rotary_cos_sin(positions, hn, self.config.rotary_base, self._rope_scaling)  # 2 x [sq, hn]
+            cos, sin = rotary_cos_sin(positions.reshape(-1), hn, self.config.rotary_base,
+                                      self._rope_scaling)  # 2 x [sq or b * sq, hn]
+            if positions.dim() == 2:
+                cos, sin = (t.view(b, sq, hn).transpose(0, 1) for t in (cos, sin))  # 2 x [sq, b, hn]
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         if kv_cache is not None:
             key, value = kv_cache.append(key, value)  # 2 x [sk, b, ng, hn]
@@ -163,13 +173,19 @@ class SelfAttention(nn.Module):
 
     def _attention_mask(self, query_positions: torch.Tensor, offset: int, sk: int, dtype: torch.dtype
                         ) -> Optional[torch.Tensor]:
-        """The additive bias [1, np, sq, sk], a boolean mask [sq, sk], or None for SDPA's is_causal.
+        """The additive bias [1, np, sq, sk], a boolean mask [sq, sk], or None for SDPA's is_causal;
+        for query positions per row [b, sq]: a bias [b, np, sq, sk] or a boolean mask [b, 1, sq, sk].
 
         is_causal aligns queries with the FIRST keys, which is wrong once cached keys precede the
         queries; then (and for ALiBi, which needs a bias anyway) the mask is built explicitly.
         """
-        sq = query_positions.shape[0]
+        sq = query_positions.shape[-1]
         key_positions = torch.arange(sk, device=query_positions.device)  # [sk]
+        if query_positions.dim() == 2:  # keys past a row's own position (its future, or padding) are masked
+            if self.alibi_slopes is not None:
+                slopes = self.alibi_slopes.to(query_positions.device)
+                return alibi_bias(slopes, query_positions, key_positions).to(dtype)  # [b, np, sq, sk]
+            return (key_positions[None, None, :] <= query_positions[:, :, None])[:, None]  # [b, 1, sq, sk]
         if self.alibi_slopes is not None:
             return shared_alibi_bias(self._alibi_slope_values, offset, sq, sk, dtype,
                                      query_positions.device)  # [1, np, sq, sk]

@@ -17,6 +17,7 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.model.attention import KVCache
 from megatron.model.embedding import EmbeddingLayer, OutputLayer
+from megatron.model.kv_cache import BatchKVCache
 from megatron.model.transformer import FinalLayerNorm, TransformerLayer
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.parallel.state import ParallelState
@@ -94,11 +95,14 @@ class GPTModel(nn.Module):
 
         kv_caches: from :meth:`new_kv_caches`, reused across calls to decode incrementally; the
         positions of the new tokens then continue after the cached ones (position_ids, if None,
-        too).
+        too). ``BatchKVCache`` s (one per layer) decode rows of different lengths together, each
+        continuing after its own cached positions.
         """
         if kv_caches is not None and len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        if position_ids is None and kv_caches is not None and kv_caches[0].length > 0:
+        if position_ids is None and kv_caches is not None and isinstance(kv_caches[0], BatchKVCache):
+            position_ids = kv_caches[0].position_ids(input_ids.shape[1], input_ids.device)  # [b, s]
+        elif position_ids is None and kv_caches is not None and kv_caches[0].length > 0:
             start = kv_caches[0].length
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None, :]
         hidden = self.embedding(input_ids, position_ids)  # [s, b, h]

@@ -55,15 +55,17 @@ def alibi_bias(slopes: torch.Tensor, query_positions: torch.Tensor, key_position
                ) -> torch.Tensor:
     """Additive attention bias [np, sq, sk] in fp32: slope * (key - query), -inf on future keys.
 
+    query_positions [sq], or [b, sq] for rows at different positions (a batch of sequences of
+    different lengths decoding together): the bias is then [b, np, sq, sk].
     The bias -slope * distance penalizes far keys linearly. Using the relative distance (rather
     than slope * key position, which gives the same softmax) keeps the values of nearby keys small
     and therefore exact even when the bias is later rounded to bf16.
     """
-    # [sq, sk]: how far each key lies before each query (negative or zero where visible)
-    relative = (key_positions[None, :] - query_positions[:, None]).to(torch.float32)
-    bias = slopes.to(torch.float32)[:, None, None] * relative[None, :, :]  # [np, sq, sk]
-    future = relative > 0  # [sq, sk]
-    return bias.masked_fill(future[None, :, :], float("-inf"))
+    # [..., sq, sk]: how far each key lies before each query (negative or zero where visible)
+    relative = (key_positions - query_positions[..., None]).to(torch.float32)
+    bias = slopes.to(torch.float32)[:, None, None] * relative[..., None, :, :]  # [..., np, sq, sk]
+    future = relative > 0  # [..., sq, sk]
+    return bias.masked_fill(future[..., None, :, :], float("-inf"))
 
 
 def rotary_inv_freq(head_dim: int, base: float, scaling: Optional[tuple[float, float, float, int]] = None,
@@ -107,11 +109,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate queries or keys x [s, b, np, hn] by their positions' angles (cos, sin: [s, hn]).
+    """Rotate queries or keys x [s, b, np, hn] by their positions' angles (cos, sin: [s, hn], or
+    [s, b, hn] when each row of the batch is at positions of its own).
 
     Computed in fp32 and cast back: the angles of late positions need more than bf16's precision.
     """
-    cos = cos[:, None, None, :]  # [s, 1, 1, hn]
-    sin = sin[:, None, None, :]  # [s, 1, 1, hn]
+    cos = cos[:, None, None, :] if cos.dim() == 2 else cos[:, :, None, :]  # [s, 1 or b, 1, hn]
+    sin = sin[:, None, None, :] if sin.dim() == 2 else sin[:, :, None, :]  # [s, 1 or b, 1, hn]
     x32 = x.float()
     return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)

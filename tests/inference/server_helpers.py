@@ -5,6 +5,7 @@ import contextlib
 import http.client
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -48,19 +49,25 @@ def request(port, method, path, body=None, raw=None, headers=None, timeout=60):
 
 
 @contextlib.contextmanager
-def serve_tool(checkpoint, *args):
-    """tools/serve.py --load checkpoint --port 0 *args as a process: yields (port, process); SIGTERM at the end,
-    which must stop it cleanly (exit status 0, nothing on stderr)."""
+def serve_tool(checkpoint, *args, launcher=(), env=None):
+    """tools/serve.py --load checkpoint --port 0 *args as a process (``launcher``: e.g. torchrun's module and
+    flags before the script, whose processes then get the SIGTERM): yields (port, process); SIGTERM at the
+    end, which must stop it cleanly (exit status 0, nothing on stderr)."""
     # PYTHONPATH: this checkout's megatron, whichever checkout the environment was installed from
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "tools" / "serve.py"), "--load", str(checkpoint),
-                             "--port", "0", *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO_ROOT), **(env or {}))
+    proc = subprocess.Popen([sys.executable, *launcher, str(REPO_ROOT / "tools" / "serve.py"), "--load",
+                             str(checkpoint), "--port", "0", *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("serving on http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
         yield int(line.split(":")[2].split(" ")[0]), proc
     finally:
-        proc.terminate()
+        if launcher:  # torchrun itself fails on SIGTERM; the servers it started stop cleanly
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                for child in f.read().split():
+                    os.kill(int(child), signal.SIGTERM)
+        else:
+            proc.terminate()
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0 and stderr == "", (proc.returncode, stderr[-2000:])

@@ -12,7 +12,11 @@ from tests.checkpoint.helpers import random_state_dict, tiny_model_config, token
 
 POSITIONS = {"alibi": {}, "absolute": dict(position_embedding_type="absolute", embed_layernorm=False,
                                            max_position_embeddings=64),
-             "rotary": dict(position_embedding_type="rotary", embed_layernorm=False)}
+             "rotary": dict(position_embedding_type="rotary", embed_layernorm=False),
+             # Llama-style: rotary, RMSNorm, SwiGLU, grouped-query attention, untied head, no biases
+             "llama": dict(position_embedding_type="rotary", embed_layernorm=False, normalization="rmsnorm",
+                           swiglu=True, num_key_value_heads=2, add_bias_linear=False,
+                           untie_embeddings_and_output_weights=True)}
 
 
 def _model(kind="alibi"):

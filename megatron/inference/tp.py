@@ -1,0 +1,104 @@
+"""Tensor-parallel serving: one model split over the N processes of ``torchrun --nproc_per_node N``.
+
+    torchrun --nproc_per_node 2 tools/serve.py --load CKPT --port 8000
+
+Every rank loads its part of the model (a checkpoint of any TP / PP: merged, then split for this TP
+size, ``Generator.from_checkpoint(parallel_state=...)``). Rank 0 runs the HTTP server and the batch
+scheduler; whatever its ``BatchRunner`` does to the model (a prompt's pass, a batch step, rows
+leaving, a reset) it first broadcasts to the other ranks (``BroadcastRunner``), which replay it on
+their part (``follow``). So all ranks run the same forwards, whose all-reduces and the final
+all-gather of the logits pair up; only rank 0 samples, and its tokens travel in the next step's
+message. The messages are small Python objects (``broadcast_object_list``); the collectives run on
+gloo on CPU, NCCL on GPU. An idle rank 0 sends a heartbeat every ``IDLE_SECONDS`` so that the others
+do not time out; rank 0 stopping sends "stop" and every rank exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.config.launch import detect_launch
+from megatron.inference.batching import BatchRunner
+from megatron.parallel.state import ParallelState
+
+__all__ = ["init_serving_group", "BroadcastRunner", "follow"]
+
+logger = logging.getLogger(__name__)
+
+
+def init_serving_group(backend: Optional[str] = None, timeout_minutes: float = 10.0) -> ParallelState:
+    """Join the launch's process group (torchrun's variables) as one tensor-parallel group of all ranks."""
+    info = detect_launch()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(info.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size,
+                                init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    return ParallelState.create(tp=info.world_size, pp=1, dp=1)
+
+
+def serving_device() -> torch.device:
+    """This rank's GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class BroadcastRunner(BatchRunner):
+    """Rank 0's runner: each call is sent to the other ranks of ``group`` before it runs here."""
+
+    def __init__(self, model, vocab_size: int, group):
+        super().__init__(model, vocab_size)
+        self.group = group
+        self._source = dist.get_global_rank(group, 0)
+
+    def _send(self, *message) -> None:
+        dist.broadcast_object_list([message], src=self._source, group=self.group)
+
+    def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        self._send("prefill", list(prompt_ids))
+        return super().prefill(prompt_ids)
+
+    def decode(self, tokens: Sequence[int]) -> torch.Tensor:
+        self._send("decode", list(tokens))
+        return super().decode(tokens)
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        self._send("keep_rows", list(rows))
+        super().keep_rows(rows)
+
+    def reset(self) -> None:
+        self._send("reset")
+        super().reset()
+
+    def idle(self) -> None:
+        self._send("idle")
+
+    def stop(self) -> None:
+        """Tell the other ranks to return from ``follow``."""
+        self._send("stop")
+
+
+def follow(runner: BatchRunner, group) -> None:
+    """On ranks other than 0: replay rank 0's calls on this rank's part of the model until "stop"."""
+    source = dist.get_global_rank(group, 0)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=source, group=group)
+        operation, *args = box[0]
+        if operation == "stop":
+            return
+        if operation == "idle":
+            continue
+        try:
+            getattr(runner, operation)(*args)
+        except Exception:  # noqa: BLE001 - rank 0 failed the same way; it answers the request and resets
+            logger.debug("replayed %s failed", operation, exc_info=True)
