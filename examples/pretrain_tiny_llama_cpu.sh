@@ -12,6 +12,8 @@
 #   NPROC        processes (default 8); TP x PP must divide it, DP = NPROC / (TP x PP)
 #   TP, PP       tensor / pipeline parallel sizes (default 2 and 2; TP must divide the 4 key / value heads)
 #   TRAIN_ITERS  iterations (default 300); SAVE_INTERVAL (default 100)
+#   ZERO_STAGE   1 (default: BF16_Optimizer, ZeRO-1), or 2 / 3 (gradients / parameters sharded too; PP=1):
+#                e.g. ZERO_STAGE=3 NPROC=4 TP=2 PP=1 (docs/parallelism.md)
 #   RUN_DIR      checkpoints and tensorboard go under it (default runs/tiny-llama)
 #   DATA_PREFIX, VOCAB_FILE, MERGE_FILE  a Megatron .bin/.idx prefix and its GPT-2 BPE tokenizer files;
 #                default: the offline corpus built by tools/prepare_default_corpus.py
@@ -25,6 +27,7 @@ NPROC=${NPROC:-8}
 TP=${TP:-2}
 PP=${PP:-2}
 TRAIN_ITERS=${TRAIN_ITERS:-300}
+ZERO_STAGE=${ZERO_STAGE:-1}
 SAVE_INTERVAL=${SAVE_INTERVAL:-100}
 RUN_DIR=${RUN_DIR:-runs/tiny-llama}
 
@@ -50,7 +53,7 @@ GBS=$(( 4 * DP * 4 ))
     --ffn-hidden-size 352 --normalization rmsnorm --norm-epsilon 1e-5 --swiglu \
     --position-embedding-type rope --rotary-base 10000 --disable-bias-linear --untie-embeddings-and-output-weights \
     --micro-batch-size 4 --global-batch-size "$GBS" --train-iters "$TRAIN_ITERS" \
-    --bf16 --zero-stage 1 \
+    --bf16 --zero-stage "$ZERO_STAGE" \
     --init-method-std 0.02 --hidden-dropout 0.0 --attention-dropout 0.0 \
     --optimizer adam --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-5 --weight-decay 0.1 --clip-grad 1.0 \
     --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters $(( TRAIN_ITERS / 10 )) \

@@ -21,7 +21,10 @@
 
 write_ds_config() {
     local path=$1 precision
-    if [[ ${PRECISION:-bf16} == bf16 ]]; then
+    if [[ ${PRECISION:-bf16} == bf16 && ${ZERO_STAGE:-1} -ge 2 ]]; then
+        # ZeRO-2/3 keep their own fp32 master partitions (no BF16_Optimizer)
+        precision='"bf16": {"enabled": true},'
+    elif [[ ${PRECISION:-bf16} == bf16 ]]; then
         # fp32 gradient accumulation: with ZeRO stage 1 DeepSpeed then picks BF16_Optimizer (BLOOM's
         # optimizer: bf16 weights, fp32 master weights and Adam moments sharded over data parallelism)
         precision='"bf16": {"enabled": true},

@@ -432,9 +432,9 @@ class RunConfig:
                              f"the pipeline with --zero-stage 1 (3D parallelism, BLOOM's layout), or drop it "
                              f"(--pipeline-model-parallel-size 1) and shard over data parallelism with ZeRO-{stage} "
                              f"(tensor parallelism still applies)")
-        if self.training.checkpoint_activations:
-            raise ValueError(f"--checkpoint-activations is not wired for --zero-stage {stage} yet (only the pipeline "
-                             f"engine recomputes layers here); drop it or use --zero-stage 1")
+        if self.training.deepspeed_activation_checkpointing:
+            raise ValueError(f"--deepspeed-activation-checkpointing is for the pipeline engine; with --zero-stage "
+                             f"{stage}, --checkpoint-activations alone recomputes the layers")
         if self.fp16:
             raise ValueError(f"--fp16 with --zero-stage {stage} is not supported here (not testable on CPU); use "
                              f"--bf16 or fp32")

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import RunConfig
+from megatron.engine.pipeline import tracked_checkpoint_func
 from megatron.model import GPTModel
 from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState
@@ -138,9 +139,13 @@ def zero_stage3_init(rc: RunConfig, config: dict, mpu: DeepSpeedMPU):
 
 def build_sharded_module(rc: RunConfig, state: ParallelState, config: dict, mpu: DeepSpeedMPU,
                          tracker: Optional[RNGStatesTracker] = None) -> GPTModel:
-    """This rank's TP slice of the model (partitioned over DP under ZeRO-3)."""
+    """This rank's TP slice of the model (partitioned over DP under ZeRO-3), recomputing its layers'
+    activations with --checkpoint-activations (every --checkpoint-num-layers)."""
     with zero_stage3_init(rc, config, mpu):
         model = GPTModel(rc.model, state, rng_tracker=tracker)
+    t = rc.training
+    if t.checkpoint_activations:
+        model.recompute_activations(tracked_checkpoint_func(tracker), t.checkpoint_num_layers)
     return model
 
 

@@ -9,7 +9,7 @@ hp = np * hn, v / vp vocabulary (per partition).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -82,6 +82,33 @@ class GPTModel(nn.Module):
                                     for i in range(config.num_layers))
         self.final_layernorm = FinalLayerNorm(config)
         self.output_layer = None if config.tied_embeddings else OutputLayer(config, self.tp_group)
+        self._recompute: Optional[tuple[Callable, int]] = None
+
+    def recompute_activations(self, checkpoint_fn: Callable, num_layers: int = 1) -> None:
+        """While training, keep only the input of each run of ``num_layers`` transformer layers and recompute
+        the rest in backward, through ``checkpoint_fn(function, hidden)`` (e.g. the RNG-tracking one of
+        ``megatron.engine.pipeline``); the layers are called as modules, so their hooks (ZeRO-3's gathers)
+        run again for the recomputation. Decoding with KV caches never recomputes."""
+        if num_layers < 1:
+            raise ValueError(f"--checkpoint-num-layers must be >= 1, got {num_layers}")
+        self._recompute = (checkpoint_fn, num_layers)
+
+    def _run_layers(self, hidden: torch.Tensor, kv_caches) -> torch.Tensor:
+        if self._recompute is None or not self.training or kv_caches is not None:
+            for i, layer in enumerate(self.layers):
+                hidden = layer(hidden, None if kv_caches is None else kv_caches[i])  # [s, b, h]
+            return hidden
+        checkpoint_fn, size = self._recompute
+        for start in range(0, len(self.layers), size):
+            chunk = self.layers[start:start + size]
+
+            def run(x, chunk=chunk):
+                for layer in chunk:
+                    x = layer(x)
+                return x
+
+            hidden = checkpoint_fn(run, hidden)  # [s, b, h]
+        return hidden
 
     def new_kv_caches(self) -> list[KVCache]:
         """One empty KV cache per layer, for :meth:`forward`'s ``kv_caches``."""
@@ -106,8 +133,7 @@ class GPTModel(nn.Module):
             start = kv_caches[0].length
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None, :]
         hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
-        for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, None if kv_caches is None else kv_caches[i])  # [s, b, h]
+        hidden = self._run_layers(hidden, kv_caches)  # [s, b, h]
         hidden = self.final_layernorm(hidden)  # [s, b, h]
         if self.output_layer is not None:
             logits = self.output_layer(hidden)  # [s, b, vp]

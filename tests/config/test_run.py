@@ -75,7 +75,8 @@ def test_with_vocab_size_fills_the_model_and_revalidates():
                                                                           zero_hpz_partition_size=4)),
      "--zero-hpz-partition-size 4 does not divide the data-parallel size 2"),
     (dict(precision=PrecisionConfig(zero_stage=2), activation_checkpointing=True),
-     "--checkpoint-activations is not wired for --zero-stage 2 yet"),
+     "--deepspeed-activation-checkpointing is for the pipeline engine; with --zero-stage 2, --checkpoint-activations "
+     "alone recomputes the layers"),
     (dict(checkpoint=CheckpointConfig(save="/tmp/x")), "--save '/tmp/x' needs --save-interval"),
     (dict(precision=PrecisionConfig(initial_loss_scale=1000.0)),
      "--initial-loss-scale 1000.0 must be a power of 2 (DeepSpeed takes its exponent); e.g. 1024"),

@@ -74,6 +74,42 @@ def test_llama2_7b_dry_run_plan(llama_files, tmp_path):
                for problem in json.loads(out.read_text())["problems"])
 
 
+def test_llama2_7b_script_as_zero3_with_hpz(llama_files, tmp_path):
+    """The sharded alternative: ZERO_STAGE=3 TP_SIZE=1 HPZ_SIZE=8 is ZeRO-3 over all 32 GPUs with a secondary
+    parameter shard per node; with the pipeline it is refused before anything starts, naming both choices."""
+    world_size, argv = _dry_run(SCRIPT, tmp_path, dict(llama_files, ZERO_STAGE="3", TP_SIZE="1", HPZ_SIZE="8"))
+    rc = _run_config(argv, world_size)
+    p = rc.parallel
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size) == (1, 1, 32)
+    assert (rc.deepspeed_zero_stage, p.zero_hpz_partition_size, rc.bf16) == (3, 8, True)
+    assert rc.deepspeed_user_config["zero_optimization"] == {"stage": 3} and "data_types" not in rc.deepspeed_user_config
+    out = tmp_path / "zero3.json"
+    assert dry_run(argv + ["--dry-run", "--world-size", str(world_size), "--dry-run-json", str(out)],
+                   out=io.StringIO()) == 0
+    _, piped = _dry_run(SCRIPT, tmp_path, dict(llama_files, ZERO_STAGE="3", PP_SIZE="2"))
+    assert dry_run(piped + ["--dry-run", "--world-size", "32", "--dry-run-json", str(out)], out=io.StringIO()) == 1
+    assert any("--zero-stage 3 does not combine with --pipeline-model-parallel-size 2" in problem
+               for problem in json.loads(out.read_text())["problems"])
+
+
+@pytest.mark.multiprocess
+def test_tiny_llama_script_trains_under_zero3_with_tp(tmp_path):
+    from megatron.testing.corpus import make_tiny_corpus
+
+    corpus = make_tiny_corpus(str(tmp_path / "corpus"))
+    env = dict(os.environ, PY=sys.executable, RUN_DIR=str(tmp_path / "run"), TRAIN_ITERS="6", SAVE_INTERVAL="6",
+               ZERO_STAGE="3", NPROC="4", TP="2", PP="1", DATA_PREFIX=corpus["data_prefix"],
+               VOCAB_FILE=corpus["vocab_file"], MERGE_FILE=corpus["merge_file"], DS_ACCELERATOR="cpu",
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_tiny_llama_cpu.sh"), "--log-interval", "1",
+                           "--eval-iters", "0"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "TP=2 PP=1 DP=2, ZeRO-3: optimizer state, gradients and parameters over DP=2" in proc.stdout
+    losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in proc.stdout.splitlines() if "lm loss:" in line]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "global_step6"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_tiny_llama_script_trains_and_exports_to_llama(tmp_path):

@@ -170,3 +170,31 @@ def test_attention_dropout_draws_from_the_tracker_not_the_default_rng():
     tracker.set_states({"model-parallel-rng": tracked_before})
     assert torch.equal(layer(hidden), out1)  # same tracked state, same dropout mask
     assert not torch.equal(layer.eval()(hidden), out1)
+
+
+@pytest.mark.parametrize("num_layers,chunk", [(3, 1), (3, 2)])
+def test_recomputed_layers_give_the_same_loss_and_gradients(num_layers, chunk):
+    """GPTModel.recompute_activations (the ZeRO-2/3 path's --checkpoint-activations): every run of ``chunk``
+    layers goes through the checkpoint function once per forward, and nothing changes numerically."""
+    from megatron.engine.pipeline import tracked_checkpoint_func
+
+    config = tiny_config(num_layers=num_layers)
+    plain, recomputed = GPTModel(config), GPTModel(config)
+    calls = []
+    checkpoint = tracked_checkpoint_func(None)
+    recomputed.recompute_activations(lambda fn, x: calls.append(1) or checkpoint(fn, x), chunk)
+    ids = _ids()
+    mask = torch.ones(ids.shape)
+    grads = []
+    for model in (plain, recomputed):
+        model.train()
+        loss = model(ids, labels=ids, loss_mask=mask)
+        loss.backward()
+        grads.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert len(calls) == -(-num_layers // chunk)
+    assert grads[0][0] == grads[1][0]
+    assert all(torch.equal(grads[0][1][n], grads[1][1][n]) for n in grads[0][1])
+    recomputed.eval()
+    with torch.no_grad():
+        recomputed(ids)
+    assert len(calls) == -(-num_layers // chunk)  # not in eval

@@ -74,6 +74,8 @@ def runs(tiny_corpus, tmp_path_factory):
         "zero3 tp2 dp2": _layout(argv, "--zero-stage", 3, *tp2, *partitioned),
         "hpz2 dp4": _layout(argv, "--zero-stage", 3, "--zero-hpz-partition-size", 2),
         "hpz2 tp2 dp2": _layout(argv, "--zero-stage", 3, "--zero-hpz-partition-size", 2, *tp2),
+        "zero3 tp2 recompute": _layout(argv, "--zero-stage", 3, *tp2, *partitioned, "--checkpoint-activations"),
+        "zero2 recompute 2": _layout(argv, "--zero-stage", 2, "--checkpoint-activations", "--checkpoint-num-layers", 2),
         "bf16 zero2": _layout(argv, "--zero-stage", 2, "--bf16"),
         "bf16 zero3 tp2": _layout(argv, "--zero-stage", 3, "--bf16", *tp2),
         "zero2 first half": _layout(argv, "--zero-stage", 2, "--save", save2, "--save-interval", 100,
@@ -91,7 +93,8 @@ def runs(tiny_corpus, tmp_path_factory):
 def test_zero2_zero3_and_hpz_match_single_process_in_fp32(runs):
     _, reference, by_rank, _ = runs
     for rank, results in by_rank.items():
-        for label in ("zero2 dp4", "zero3 dp4", "zero3 tp2 dp2", "hpz2 dp4", "hpz2 tp2 dp2"):
+        for label in ("zero2 dp4", "zero3 dp4", "zero3 tp2 dp2", "hpz2 dp4", "hpz2 tp2 dp2", "zero3 tp2 recompute",
+                      "zero2 recompute 2"):
             _assert_same_run(reference, results[label], f"rank {rank}: {label}")
         assert results["zero2 dp4"]["optimizer"] == "DeepSpeedZeroOptimizer"
         assert results["zero3 dp4"]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
