@@ -26,7 +26,7 @@ ALLOWED = {
 }
 # Harnesses that run the real thing, at the level of an entry point.
 EXTRA = {"planner/measure.py": {"arguments", "training", "testing"}}
-DEEPSPEED_IMPORTERS = ("engine/", "checkpoint/universal.py", "planner/measure.py")
+DEEPSPEED_IMPORTERS = ("engine/", "checkpoint/universal.py", "checkpoint/zero_files.py", "planner/measure.py")
 
 
 def _imports(path: pathlib.Path) -> set[str]:

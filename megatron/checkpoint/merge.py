@@ -96,19 +96,22 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
     """(ModelConfig, TP=1 GPTModel state dict, run record) of a checkpoint of any TP / PP.
 
     The word embedding keeps its padded rows (``config.padded_vocab_size``); exporters trim them.
-    Tensors keep the dtype they were saved in.
+    Tensors keep the dtype they were saved in; a ZeRO-2 / ZeRO-3 checkpoint gives its fp32 master weights
+    (``megatron.checkpoint.zero_files``).
     """
     tag = resolve_tag(ckpt_dir, tag, required=True)
     record = load_run_state(ckpt_dir, tag)
     config = model_config_from_dict(record["model_config"])
     numbering = checkpoint_layout(record)
     tag_dir = os.path.join(ckpt_dir, tag)
-    stage = record.get("parallel", {}).get("zero_stage", 0)
-    if stage >= 2:
-        raise CheckpointFormatError(f"{tag_dir!r} was written with --zero-stage {stage}, in the files of DeepSpeed's "
-                                    f"non-pipeline engine; the tools read the pipeline engine's layer files only "
-                                    f"(not yet ZeRO-2/3 checkpoints). Resume it with pretrain_gpt.py --zero-stage "
-                                    f"{stage} at the same TP and DP")
+    parallel = record.get("parallel", {})
+    if parallel.get("zero_stage", 0) >= 2:  # DeepSpeed's non-pipeline engine's files (megatron.engine.sharded)
+        from megatron.checkpoint.zero_files import sharded_state_dict
+
+        problems = verify_checksums(tag_dir, distributed=False)
+        if problems:
+            raise CheckpointFormatError(f"checkpoint {tag_dir!r} is damaged: " + "; ".join(problems))
+        return config, sharded_state_dict(tag_dir, config, parallel.get("tensor_model_parallel_size", 1)), record
     files = _layer_files(tag_dir)
     tp = _check_layout(files, config, numbering, tag_dir)
     read = [os.path.basename(path) for ranks in files.values() for path in ranks.values()]

@@ -11,16 +11,11 @@ bigscience's Megatron-DeepSpeed wrote, whose args pickle its ``megatron.enums`` 
 from __future__ import annotations
 
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 
 from megatron.checkpoint.safe_load import safe_load
+from megatron.checkpoint.zero_files import DEEPSPEED_GLOBALS  # the DeepSpeed classes its files hold
 
-# The DeepSpeed classes its own checkpoint files hold: the optimizer states' parameter mappings and,
-# for ZeRO / fp16 optimizers, their loss scaler and ZeRO stage. Plain data classes: restoring them
-# sets attributes, it runs nothing of the file's choosing.
-DEEPSPEED_GLOBALS = (fragment_address, LossScaler, DynamicLossScaler, ZeroStageEnum)
+__all__ = ["DEEPSPEED_GLOBALS", "SafeTorchCheckpointEngine", "use_safe_loading"]
 
 
 class SafeTorchCheckpointEngine(TorchCheckpointEngine):

@@ -59,9 +59,10 @@ def _assert_same_run(reference, other, label, rel_loss=1e-5, rel_norm=1e-4):
 @pytest.fixture(scope="module")
 def runs(tiny_corpus, tmp_path_factory):
     argv = tiny_argv(tiny_corpus, train_iters=ITERS)
-    (reference,) = run_distributed(_train, world_size=1, args=([argv],), timeout=300)[0]
+    save1, save2, save3 = (str(tmp_path_factory.mktemp(name)) for name in ("one", "zero2", "zero3"))
+    reference, _ = run_distributed(_train, world_size=1, timeout=300, args=(
+        [argv, _layout(argv, "--save", save1, "--save-interval", 100, "--exit-interval", 5)],))[0]
     assert reference["losses"][-1] < reference["losses"][0] - 0.05, reference["losses"]  # it learns
-    save2, save3 = (str(tmp_path_factory.mktemp(name)) for name in ("zero2", "zero3"))
     tp2 = ["--tensor-model-parallel-size", 2]
     # DeepSpeed keeps parameters under 1e5 elements gathered (stage3_param_persistence_threshold): all of
     # this tiny model's. 0 makes every parameter live in partitions only, as a large model's do.
@@ -86,7 +87,8 @@ def runs(tiny_corpus, tmp_path_factory):
         "zero3 resumed": _layout(argv, "--zero-stage", 3, *tp2, "--load", save3),
     }
     results = run_distributed(_train, world_size=4, args=(list(layouts.values()),), timeout=900)
-    return argv, reference, {rank: dict(zip(layouts, per_rank)) for rank, per_rank in enumerate(results)}, save3
+    return argv, reference, {rank: dict(zip(layouts, per_rank)) for rank, per_rank in enumerate(results)}, \
+        {"one": save1, "zero2": save2, "zero3": save3}
 
 
 @pytest.mark.multiprocess
@@ -148,19 +150,84 @@ def test_zero2_and_zero3_checkpoints_resume_bit_for_bit(runs):
 
 @pytest.mark.multiprocess
 def test_a_zero3_checkpoint_at_another_stage_names_the_conversion(runs):
-    argv, _, _, save3 = runs
+    argv, _, _, saves = runs
     error = run_distributed(pretrain_error, world_size=4, args=(_layout(argv, "--zero-stage", 1,
                                                                         "--tensor-model-parallel-size", 2,
-                                                                        "--load", save3),), timeout=300)[0]
+                                                                        "--load", saves["zero3"]),), timeout=300)[0]
     assert error and "ZeRO stage 3 (this run: 1)" in error and "ds_to_universal.py" in error, error
 
 
 @pytest.mark.multiprocess
-def test_tools_refuse_a_zero3_checkpoint_by_name(runs):
+def test_zero2_and_zero3_checkpoints_give_the_single_process_weights_and_export(runs, tmp_path):
+    """The tools read ZeRO-2 / ZeRO-3 checkpoints (megatron.checkpoint.zero_files): the fp32 masters put back
+    together over DP and TP equal the weights a single process saved at the same iteration, and the
+    Hugging Face export of the ZeRO-3 TP=2 checkpoint equals that of the single-process one."""
+    import torch
+
+    from megatron.checkpoint.merge import load_full_state_dict
+    from tools.convert_checkpoint import to_hf
+
+    *_, saves = runs
+    _, reference, _ = load_full_state_dict(saves["one"])
+    for stage in ("zero2", "zero3"):
+        _, state, record = load_full_state_dict(saves[stage])
+        assert record["parallel"]["zero_stage"] == int(stage[-1]) and set(state) == set(reference)
+        for name, tensor in reference.items():
+            assert state[name].dtype == torch.float32 and state[name].shape == tensor.shape, name
+            assert torch.allclose(state[name], tensor.float(), rtol=1e-4, atol=1e-6), \
+                f"{stage} {name}: max diff {(state[name] - tensor.float()).abs().max().item()}"
+    exports = {}
+    for name in ("one", "zero3"):
+        assert to_hf.main(["--load", saves[name], "--output-dir", str(tmp_path / name)]) == 0
+        from transformers import AutoModelForCausalLM
+
+        exports[name] = AutoModelForCausalLM.from_pretrained(str(tmp_path / name)).state_dict()
+    assert set(exports["one"]) == set(exports["zero3"])
+    for name, tensor in exports["one"].items():
+        assert torch.allclose(exports["zero3"][name], tensor, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.multiprocess
+def test_a_crafted_zero3_file_is_refused_by_name(runs, tmp_path):
+    import os
+    import shutil
+
+    import torch
+
+    from megatron.checkpoint.integrity import record_checksums
     from megatron.checkpoint.merge import load_full_state_dict
     from megatron.checkpoint.tags import CheckpointFormatError
 
-    *_, save3 = runs
-    with pytest.raises(CheckpointFormatError, match="written with --zero-stage 3, in the files of DeepSpeed's "
-                                                    "non-pipeline engine"):
-        load_full_state_dict(save3)
+    *_, saves = runs
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saves["zero3"], copy)
+    tag = copy / "global_step5"
+    target = tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt"
+    marker = tmp_path / "payload_ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save(dict(torch.load(target, weights_only=False), extra=Payload()), target)
+    record_checksums(str(tag), distributed=False)
+    with pytest.raises(CheckpointFormatError, match="zero_pp_rank_1_mp_rank_01_optim_states.pt"):
+        load_full_state_dict(str(copy))
+    assert not marker.exists() and os.path.exists(target)
+
+
+@pytest.mark.multiprocess
+def test_universal_conversion_of_a_zero3_checkpoint_is_refused_by_name(runs, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    *_, saves = runs
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_checkpoint/ds_to_universal.py"),
+                           "--input_folder", os.path.join(saves["zero3"], "global_step5"),
+                           "--output_folder", str(tmp_path / "universal")],
+                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert proc.returncode != 0 and "was saved with --zero-stage 3" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "universal").exists()

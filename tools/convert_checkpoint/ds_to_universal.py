@@ -18,6 +18,7 @@ Options other than the two folders are passed through to DeepSpeed's converter.
 """
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -40,6 +41,12 @@ def main(argv=None) -> int:
     if not os.path.isfile(os.path.join(known.input_folder, COMPLETE_MARKER)):
         raise SystemExit(f"{known.input_folder} has no '{COMPLETE_MARKER}' marker: it is not a finished checkpoint "
                          f"(was the save interrupted?); convert a complete one")
+    with open(os.path.join(known.input_folder, RUN_STATE)) as f:
+        stage = json.load(f).get("parallel", {}).get("zero_stage", 0)
+    if stage >= 2:
+        raise SystemExit(f"{known.input_folder} was saved with --zero-stage {stage} (DeepSpeed's non-pipeline engine); "
+                         f"converting it to a universal checkpoint is not supported yet. Its weights export "
+                         f"(tools/convert_checkpoint/to_hf.py) and resume at its own TP and DP")
     problems = verify_checksums(known.input_folder, distributed=False)
     if problems:
         raise SystemExit(f"{known.input_folder} is damaged: " + "; ".join(problems)
