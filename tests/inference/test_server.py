@@ -2,10 +2,7 @@
 
 import http.client
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 
 import pytest
