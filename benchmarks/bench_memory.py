@@ -2,8 +2,10 @@
 
 A tiny BLOOM-style model (4 layers, hidden 128, 4 heads, seq 64, vocab 512) trains 2 iterations
 in bf16 (BF16_Optimizer: bf16 weights, fp32 gradient buffer, fp32 masters and Adam states sharded
-over DP) and in fp32, on (TP, PP, DP) = (1, 1, 1), (2, 2, 2) and (1, 1, 4) (one launch per world
-size, gloo on CPU). After the step each rank reads its resident bytes from the engine
+over DP) and in fp32, on (TP, PP, DP) = (1, 1, 1), (2, 2, 2), (1, 1, 4) and (2, 1, 2), and where
+PP = 1 with ZeRO-2 and ZeRO-3 too (DeepSpeed's non-pipeline engine; ZeRO-3 with
+stage3_param_persistence_threshold 0, so that every parameter lives in partitions), one launch per
+layout, gloo on CPU. After the step each rank reads its resident bytes from the engine
 (megatron.planner.measure.engine_static_bytes: the flat bf16 buffers, the fp32 gradient buffer,
 the fp32 master partitions, Adam's exp_avg / exp_avg_sq) and compares them with the planner's
 formula (megatron.planner.memory.static_bytes on stage_param_counts). The modules' .grad are
@@ -16,12 +18,15 @@ Goal: within 5% per rank. Prints ONE JSON line.
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
 
 import _common  # noqa: F401
 from _common import emit, machine, tiny_argv, tiny_corpus
 
-LAYOUTS = [(1, 1, 1), (2, 2, 2), (1, 1, 4)]
+LAYOUTS = [(1, 1, 1), (2, 2, 2), (1, 1, 4), (2, 1, 2)]
+NO_PERSISTENCE = None
 MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64, micro_batch_size=2,
              global_batch_size=16)
 
@@ -46,12 +51,21 @@ def main() -> None:
 
     before = machine()
     corpus = tiny_corpus()
+    global NO_PERSISTENCE
+    NO_PERSISTENCE = os.path.join(tempfile.mkdtemp(), "zero3.json")
+    with open(NO_PERSISTENCE, "w") as f:  # ZeRO-3 keeps parameters under 1e5 elements gathered by default
+        f.write('{"zero_optimization": {"stage3_param_persistence_threshold": 0}}')
     rows, worst = [], 0.0
     start = time.time()
     for tp, pp, dp in LAYOUTS:
         base = tiny_argv(corpus, train_iters=2, lr_warmup_iters=1, **MODEL) + [
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
         runs = {"bf16": base + ["--bf16"], "fp32": base}
+        if pp == 1 and dp > 1:  # ZeRO-2 / ZeRO-3 on DeepSpeed's non-pipeline engine (megatron.engine.sharded)
+            for stage in (2, 3):
+                extra = ["--zero-stage", str(stage)] + (["--deepspeed_config", NO_PERSISTENCE] if stage == 3 else [])
+                runs[f"bf16 zero{stage}"] = base + ["--bf16"] + extra
+                runs[f"fp32 zero{stage}"] = base + extra
         per_rank = run_distributed(_rank, world_size=tp * pp * dp, args=(list(runs.values()),), timeout=900)
         for i, precision in enumerate(runs):
             for r in per_rank:
@@ -64,6 +78,7 @@ def main() -> None:
                              "measured_total": total_m, "predicted_total": round(total_p),
                              "ratio": total_m / total_p, "grads_after_step_bytes": r[i]["static_bytes"]["grads"]})
     emit({"benchmark": "memory", "config": dict(MODEL, layouts=LAYOUTS, precisions=["bf16", "fp32"],
+                                                zero_stages="1 (bf16) / 0 (fp32) on every layout; 2 and 3 where PP=1, DP>1",
                                                 vocab="tiny corpus BPE, padded to 512", train_iters=2),
           "compared_with": "megatron.planner.memory.static_bytes (planner formula, resident components)",
           "goal": "within 5% per rank", "max_abs_relative_error": worst, "within_goal": worst <= 0.05,

@@ -48,9 +48,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--pp-partition-method", default="type:transformer",
                    choices=["type:transformer", "type:transformer|embedding"])
-    p.add_argument("--zero-stages", type=int, nargs="+", default=[1], choices=[0, 1],
-                   help="planner ZeRO stages to consider. 1: masters and Adam sharded over DP (BF16_Optimizer; "
-                        "our --bf16 requires it). 0: a replicated optimizer, which our bf16 path does not offer")
+    p.add_argument("--zero-stages", type=int, nargs="+", default=[1, 2, 3], choices=[0, 1, 2, 3],
+                   help="planner ZeRO stages to consider. 1: masters and Adam sharded over DP (BF16_Optimizer, "
+                        "with the pipeline; our --bf16 requires at least it). 2: gradients sharded too, 3: "
+                        "parameters too (both without the pipeline, DeepSpeed's non-pipeline engine). 0: a "
+                        "replicated optimizer, which our bf16 path does not offer")
     p.add_argument("--recompute", choices=["auto", "yes", "no"], default="auto",
                    help="activation checkpointing: try both (auto) or fix it")
     p.add_argument("--top", type=int, default=10)

@@ -19,6 +19,7 @@ DeepSpeed's pipeline engine refuses ZeRO stages 2 and 3, so a run with ``--zero-
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator, Optional
 
 import deepspeed
@@ -141,6 +142,11 @@ def build_sharded_module(rc: RunConfig, state: ParallelState, config: dict, mpu:
                          tracker: Optional[RNGStatesTracker] = None) -> GPTModel:
     """This rank's TP slice of the model (partitioned over DP under ZeRO-3), recomputing its layers'
     activations with --checkpoint-activations (every --checkpoint-num-layers)."""
+    # DeepSpeed 0.19.8's ZeRO-2/3 call torch.distributed.all_gather_into_tensor / reduce_scatter_tensor,
+    # which torch 2.13 renamed (*_single, the same collectives): its FutureWarning, repeated by every rank,
+    # says nothing a user can act on. Exactly those two are silenced.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
     with zero_stage3_init(rc, config, mpu):
         model = GPTModel(rc.model, state, rng_tracker=tracker)
     t = rc.training

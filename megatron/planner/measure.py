@@ -30,8 +30,17 @@ def engine_static_bytes(engine) -> dict[str, int]:
                 "adam": _nbytes(t for st in inner.state.values() for t in st.values()
                                 if torch.is_tensor(t) and t.dim() > 0)}
     inner = getattr(opt, "optimizer", opt)
-    return {"weights": _nbytes(params), "grads": _nbytes(p.grad for p in params), "grad_buffer": 0, "master": 0,
-            "adam": _nbytes(t for st in inner.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)}
+    adam = _nbytes(t for st in inner.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+    grads = _nbytes(p.grad for p in params)
+    if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3: partitions of weights, masters and gradients
+        # (plus the full copies of parameters small enough to stay gathered: stage3_param_persistence_threshold)
+        return {"weights": _nbytes(opt.fp16_partitioned_groups_flat) + _nbytes(p.data for p in params),
+                "grads": grads, "grad_buffer": _nbytes([opt.grad_partitions_flat_buffer]),
+                "master": _nbytes(opt.fp32_partitioned_groups_flat), "adam": adam}
+    if hasattr(opt, "single_partition_of_fp32_groups"):  # ZeRO-1/2 (DeepSpeedZeroOptimizer): full flat weights
+        return {"weights": _nbytes(opt.bit16_groups_flat), "grads": grads, "grad_buffer": 0,
+                "master": _nbytes(opt.single_partition_of_fp32_groups), "adam": adam}
+    return {"weights": _nbytes(params), "grads": grads, "grad_buffer": 0, "master": 0, "adam": adam}
 
 
 def optimizer_group_numels(engine) -> list[int]:
@@ -50,6 +59,7 @@ def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: O
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     from megatron.arguments import run_config_from_argv
+    from megatron.engine.sharded import ShardedEngine
     from megatron.parallel.state import group_layout
     from megatron.planner.comm_count import CollectiveRecorder
     from megatron.training.pretrain import pretrain
@@ -58,7 +68,8 @@ def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: O
     p = rc.parallel
     layout = group_layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                           world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size))
-    original = PipelineEngine.train_batch
+    engine_class = ShardedEngine if rc.sharded_data_parallel else PipelineEngine
+    original = engine_class.train_batch
     calls = {"n": 0}
     with CollectiveRecorder(layout) as recorder:
         def train_batch(self, *args, **kwargs):
@@ -69,11 +80,11 @@ def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: O
             finally:
                 recorder.active = False
 
-        PipelineEngine.train_batch = train_batch
+        engine_class.train_batch = train_batch
         try:
             result = pretrain(rc)
         finally:
-            PipelineEngine.train_batch = original
+            engine_class.train_batch = original
     engine = result.engine
     stage_layers = sum(1 for m in engine.module.modules() if type(m).__name__ == "TransformerLayer")
     return {"rank": dist.get_rank(), "summary": {f"{a}/{o}": v for (a, o), v in recorder.summary().items()},
@@ -100,7 +111,7 @@ def predicted_static_bytes(result: dict) -> dict[str, float]:
     c = result["config"]
     model = ModelShape(c["num_layers"], c["hidden_size"], c["num_attention_heads"], c["padded_vocab_size"])
     layout = Layout(c["tp"], c["pp"], c["dp"], c["micro_batch_size"], c["checkpoint_activations"],
-                    1 if c["bf16"] else 0, "bf16" if c["bf16"] else "fp32")
+                    c["zero_stage"], "bf16" if c["bf16"] else "fp32")
     pp_rank = group_layout(c["tp"], c["pp"], c["dp"]).coords(result["rank"])[0]
     n = stage_param_counts(model, layout)[pp_rank]
     return {k: v for k, v in static_bytes(n, layout).items() if k in RESIDENT}

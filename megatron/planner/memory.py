@@ -74,8 +74,7 @@ def static_bytes(num_params: int, layout: Layout) -> dict[str, float]:
     frees them; the other components are RESIDENT)."""
     n, shard = num_params, (layout.dp if layout.zero_stage >= 1 else 1)
     if layout.zero_stage >= 2:
-        raise ValueError(f"ZeRO stage {layout.zero_stage} is not in the planner's memory model yet (it models the "
-                         f"pipeline engine's stages 0 and 1, measured against the engines); its figures are left out")
+        return _sharded_static_bytes(n, layout)
     if layout.precision == "bf16":
         return {"weights": 2 * n, "grad_buffer": 4 * n, "master": 4 * n / shard, "adam": 8 * n / shard,
                 "grads": 2 * n}
@@ -87,6 +86,25 @@ def static_bytes(num_params: int, layout: Layout) -> dict[str, float]:
         return {"weights": 4 * n, "grad_buffer": 0.0, "master": 0.0, "adam": 8 * n / shard, "grads": 4 * n}
     raise ValueError(f"precision {layout.precision!r} with ZeRO stage {layout.zero_stage} is not modelled (bf16, "
                      f"fp32, and fp16 with ZeRO stage 0 are)")
+
+
+def _sharded_static_bytes(n: int, layout: Layout) -> dict[str, float]:
+    """ZeRO-2 / ZeRO-3 on DeepSpeed's non-pipeline engine (megatron.engine.sharded), d = DP:
+
+    ZeRO-2: the full flat weights (2 or 4 bytes) N, fp32 master partition 4N/d, Adam 8N/d; gradients
+        are reduced bucket by bucket into the partition's fp32 gradients (4N/d, during the step).
+    ZeRO-3: weight partition (2 or 4 bytes) N/d, fp32 masters 4N/d, a resident gradient partition in the
+        weights' dtype N/d, Adam 8N/d; the gathered working set (the layers being computed, prefetched) is
+        not itemized, nor the parameters small enough to stay gathered (stage3_param_persistence_threshold).
+    """
+    d, width = layout.dp, (2 if layout.precision == "bf16" else 4)
+    if layout.precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision {layout.precision!r} with ZeRO stage {layout.zero_stage} is not modelled "
+                         f"(bf16 and fp32 are)")
+    if layout.zero_stage == 2:
+        return {"weights": width * n, "grad_buffer": 0.0, "master": 4 * n / d, "adam": 8 * n / d, "grads": 4 * n / d}
+    return {"weights": width * n / d, "grad_buffer": width * n / d, "master": 4 * n / d, "adam": 8 * n / d,
+            "grads": 0.0}
 
 
 def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int) -> float:
@@ -139,6 +157,10 @@ def estimate_memory(model: ModelShape, layout: Layout, seq_length: int, global_b
         if i == layout.pp - 1:
             act += 10 * s * b * model.vocab_size / t
         stage = dict(static_bytes(n_params, layout))
+        if layout.zero_stage == 3:
+            # the gathered full weights of the layer being computed and of the one prefetched (an estimate:
+            # DeepSpeed's stage3_prefetch_bucket_size / max_live_parameters bound it, not modelled exactly)
+            stage["gathered"] = 2 * (2 if layout.precision == "bf16" else 4) * model.layer_params(t)
         stage.update(activations=act, overhead=RUNTIME_OVERHEAD)
         stages.append(stage)
     return MemoryEstimate(stages)

@@ -139,9 +139,19 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
     slot_s = sum(slot.values())
     n = max(params)
     bytes_grad = 4 if layout.precision == "fp32" else 2  # bf16: cast to communication_data_type; fp16 grads as they are
-    dp = _allreduce_s(bytes_grad * n, layout.dp, dp_bw, cluster.collective_latency_us)
-    if layout.precision == "bf16" and layout.zero_stage >= 1:
-        dp += _allgather_s(2 * n, layout.dp, dp_bw, cluster.collective_latency_us)
+    latency = cluster.collective_latency_us
+    if layout.zero_stage >= 2:
+        # ZeRO-2: each micro-batch's gradients reduce-scattered (half an all-reduce), the updated weights
+        # all-gathered once; ZeRO-3: every micro-batch all-gathers the weights for forward and again for
+        # backward and reduce-scatters its gradients; no overlap with compute is assumed (pessimistic)
+        width = 2 if layout.precision == "bf16" else 4
+        scatter = m * _allgather_s(bytes_grad * n, layout.dp, dp_bw, latency)
+        gathers = _allgather_s(width * n, layout.dp, dp_bw, latency) * (2 * m if layout.zero_stage == 3 else 1)
+        dp = scatter + gathers
+    else:
+        dp = _allreduce_s(bytes_grad * n, layout.dp, dp_bw, latency)
+        if layout.precision == "bf16" and layout.zero_stage >= 1:
+            dp += _allgather_s(2 * n, layout.dp, dp_bw, latency)
     tied = 0.0
     if layout.pp > 1 and model.tied_embeddings:
         tied = _allreduce_s(4 * model.vocab_size * model.hidden_size / layout.tp, 2, cluster.inter_node_gbps,

@@ -46,7 +46,7 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(model: ModelShape, num_gpus: int, gpus_per_node: int, global_batch_size: int,
                       micro_batch_sizes: Iterable[int] = (1, 2, 4, 8), recompute: Iterable[bool] = (True, False),
-                      zero_stages: Iterable[int] = (1, 0), precision: str = "bf16",
+                      zero_stages: Iterable[int] = (1, 0, 2, 3), precision: str = "bf16",
                       partition_method: str = "type:transformer") -> list[Layout]:
     out = []
     for tp in _divisors(min(num_gpus, gpus_per_node)):
@@ -62,15 +62,17 @@ def candidate_layouts(model: ModelShape, num_gpus: int, gpus_per_node: int, glob
                     continue
                 for rc in recompute:
                     for zero in zero_stages:
-                        if dp == 1 and zero == 1:
+                        if dp == 1 and zero >= 1:
                             continue  # nothing to shard
+                        if zero >= 2 and pp > 1:
+                            continue  # ZeRO-2/3 run on DeepSpeed's non-pipeline engine: one stage
                         out.append(Layout(tp, pp, dp, mbs, rc, zero, precision, partition_method))
     return out
 
 
 def plan_layouts(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus: int, seq_length: int,
                  global_batch_size: int, *, micro_batch_sizes: Iterable[int] = (1, 2, 4, 8),
-                 recompute: Iterable[bool] = (True, False), zero_stages: Iterable[int] = (1, 0),
+                 recompute: Iterable[bool] = (True, False), zero_stages: Iterable[int] = (1, 0, 2, 3),
                  partition_method: str = "type:transformer", memory_limit: Optional[float] = None,
                  include_infeasible: bool = False) -> list[Plan]:
     """Every candidate layout with its memory and step estimates; fitting ones first, fastest first."""

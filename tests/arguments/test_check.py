@@ -66,7 +66,7 @@ def test_a_real_run_refuses_the_dry_run_flags(files, flag):
         run_config_from_argv(tiny_config_argv(files) + flag, world_size=2, with_vocab=False)
 
 
-def test_zero3_with_tp_and_hpz_is_checked_and_its_estimates_are_left_out_by_name(files):
+def test_zero3_with_tp_and_hpz_is_checked_and_estimated(files):
     argv = tiny_config_argv(files) + ["--dry-run", "--world-size", "8", "--zero-stage", "3",
                                       "--tensor-model-parallel-size", "2", "--zero-hpz-partition-size", "2"]
     check = check_argv(argv)
@@ -75,8 +75,8 @@ def test_zero3_with_tp_and_hpz_is_checked_and_its_estimates_are_left_out_by_name
     from megatron.dry_run.report import build_report
 
     report = build_report(argv + ["--dry-run-gpu", "H100-80GB"])
-    assert report["ok"] and report["memory"] is None
-    assert any("ZeRO stage 3 is not in the planner's memory model yet" in line for line in report["not_checked"])
+    assert report["ok"] and report["memory"]["fits"] and "gathered" in report["memory"]["per_stage_gib"][0]
+    assert "dp_comm" in report["step"]["components_s"]
     bad = check_argv(argv[:-2] + ["--zero-hpz-partition-size", "3"])
     assert not bad.ok and any("--zero-hpz-partition-size 3 does not divide the data-parallel size 4" in p
                               for p in bad.problems)

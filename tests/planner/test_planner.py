@@ -99,3 +99,31 @@ def test_given_stage_layers_replace_the_partition_rule():
     assert [b - a for a, b in zip(*weights)] == [2 * 8 * model.layer_params(), -2 * 8 * model.layer_params()]
     with pytest.raises(ValueError, match="must give 2 stages holding 24 layers"):
         estimate_memory(model, Layout(tp=1, pp=2, dp=1, micro_batch_size=1, stage_layers=(20, 3)), 2048, 8)
+
+
+def test_zero2_and_zero3_bytes_and_communication_by_hand():
+    """ZeRO-2 / ZeRO-3 (no pipeline): the static bytes per rank and the data-parallel traffic, by hand."""
+    from megatron.planner.memory import static_bytes
+    from megatron.planner.performance import _allgather_s, _bandwidths, estimate_step
+    from megatron.planner.search import candidate_layouts
+    from megatron.planner.specs import CLUSTERS, GPUS
+
+    n, d = 1_000_000, 8
+    assert static_bytes(n, Layout(1, 1, d, 1, zero_stage=2, precision="bf16")) == {
+        "weights": 2 * n, "grad_buffer": 0.0, "master": 4 * n / d, "adam": 8 * n / d, "grads": 4 * n / d}
+    assert static_bytes(n, Layout(1, 1, d, 1, zero_stage=3, precision="bf16")) == {
+        "weights": 2 * n / d, "grad_buffer": 2 * n / d, "master": 4 * n / d, "adam": 8 * n / d, "grads": 0.0}
+    assert static_bytes(n, Layout(1, 1, d, 1, zero_stage=3, precision="fp32"))["weights"] == 4 * n / d
+
+    model = ModelShape(4, 1024, 16, 50304, embed_layernorm=False, learned_positions=0)
+    gpu, cluster = GPUS["A100-80GB"], CLUSTERS["dgx-a100"]
+    layout = Layout(1, 1, 8, 2, zero_stage=3, precision="bf16")
+    step = estimate_step(model, layout, gpu, cluster, 1024, 64)  # 4 micro-batches
+    params = model.total_params()
+    _, dp_bw, _ = _bandwidths(layout, gpu, cluster)
+    one = _allgather_s(2 * params, 8, dp_bw, cluster.collective_latency_us)
+    assert step.components_s["dp_comm"] == pytest.approx(4 * 3 * one)  # 2 gathers + 1 reduce-scatter each
+    # ZeRO-2/3 are candidates only without the pipeline, and never at DP 1
+    layouts = candidate_layouts(model, 16, 8, 64)
+    assert {(lay.pp, lay.zero_stage) for lay in layouts if lay.zero_stage >= 2} == {(1, 2), (1, 3)}
+    assert all(lay.dp > 1 for lay in layouts if lay.zero_stage >= 1)
