@@ -177,13 +177,20 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
                          f"{state.pp_size}: every stage needs at least one transformer layer")
     topology = PipeModelDataParallelTopology(num_pp=state.pp_size, num_mp=state.tp_size, num_dp=state.dp_size)
     assert topology.get_rank(pipe=state.pp_rank, data=state.dp_rank, model=state.tp_rank) == dist.get_rank()
-    return PipelineModule(
-        layers=layer_specs(config, state, tracker),
-        topology=topology,
-        loss_fn=GPTLossFn(state.tp_group),
-        partition_method=partition_method,
-        activation_checkpoint_interval=activation_checkpoint_interval,
-        activation_checkpoint_func=tracked_checkpoint_func(tracker),
-        checkpointable_layers=["TransformerLayer"],
-        seed_layers=False,
-    )
+    # The constructor copies the tied word embedding from the first stage to the last with an in-place
+    # dist.broadcast of the parameter. c10d::broadcast_ has no autograd kernel: in grad mode torch's fallback
+    # then warns on every backward that reaches the parameter ("c10d::broadcast_: an autograd kernel was not
+    # registered ... may lead to silently incorrect behavior"), on each rank holding the tie. The gradients
+    # were right (the fallback passes them through), but copying weights is not part of the model's function:
+    # no grad is what is meant. checkpoint/training_io.load_checkpoint does the same for DeepSpeed's re-sync.
+    with torch.no_grad():
+        return PipelineModule(
+            layers=layer_specs(config, state, tracker),
+            topology=topology,
+            loss_fn=GPTLossFn(state.tp_group),
+            partition_method=partition_method,
+            activation_checkpoint_interval=activation_checkpoint_interval,
+            activation_checkpoint_func=tracked_checkpoint_func(tracker),
+            checkpointable_layers=["TransformerLayer"],
+            seed_layers=False,
+        )
