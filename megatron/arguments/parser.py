@@ -347,6 +347,11 @@ def _speed(parser):
                         "ALiBi without attention dropout, else sdpa. Incremental decoding always uses sdpa. "
                         "Megatron-LM's flag of this name selects Transformer Engine kernels (flash, fused, unfused, "
                         "local); of those only flash exists here.")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="Compile each transformer layer with torch.compile (in place: same modules, parameter names "
+                        "and checkpoints), with pipeline stages, tensor parallelism and activation checkpointing. "
+                        "The first iteration includes the compilation (its time is logged once). On CPU inductor "
+                        "needs a C++ compiler (g++); the run refuses to start without one.")
 
 
 def _dry_run(parser):

@@ -39,6 +39,7 @@ from megatron.parallel.state import group_rank, group_size
 __all__ = ["KVCache", "SelfAttention"]
 
 
+@torch.compiler.disable  # under --torch-compile: a cached tensor, not something to trace
 @functools.lru_cache(maxsize=8)
 def shared_alibi_bias(slopes: tuple[float, ...], offset: int, sq: int, sk: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
