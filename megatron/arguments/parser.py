@@ -347,6 +347,18 @@ def _speed(parser):
                         "ALiBi without attention dropout, else sdpa. Incremental decoding always uses sdpa. "
                         "Megatron-LM's flag of this name selects Transformer Engine kernels (flash, fused, unfused, "
                         "local); of those only flash exists here.")
+    g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
+                   help="Megatron-LM's recomputation: full = --checkpoint-activations (every layer's activations "
+                        "recomputed in backward, --recompute-num-layers layers per chunk); selective = only the "
+                        "attention core softmax(QK^T)V, whose [np, s, s] scores are the largest activations, "
+                        "recomputed from the kept q, k, v. Selective with --checkpoint-activations is refused "
+                        "(full already recomputes the core).")
+    g.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
+                   help="With --recompute-granularity full: uniform (chunks of --recompute-num-layers layers, "
+                        "DeepSpeed's interval; the default). Megatron-LM's block (only the first N layers of a stage) "
+                        "is not available on DeepSpeed's pipeline engine and is refused.")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="With --recompute-granularity full: layers per recomputed chunk (= --checkpoint-num-layers).")
     g.add_argument("--torch-compile", action="store_true",
                    help="Compile each transformer layer with torch.compile (in place: same modules, parameter names "
                         "and checkpoints), with pipeline stages, tensor parallelism and activation checkpointing. "

@@ -79,6 +79,9 @@ class ModelConfig:
     seed: int = 1234                       # initialization seed (each layer's weights depend on it and its index only)
     # How, not what: execution choices a checkpoint does not record (like the dropout rates above).
     attention_backend: str = "auto"        # auto | sdpa | flex | flash: the attention core's kernel (attention_core.py)
+    # --recompute-granularity selective: keep only the attention core's inputs (q, k, v) in forward and recompute
+    # softmax(QK^T)V in backward (Korthikanti et al. 2022: the 5as/h part of the activations, for little compute).
+    recompute_core_attention: bool = False
 
     @property
     def ffn_size(self) -> int:

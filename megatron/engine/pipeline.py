@@ -44,7 +44,7 @@ from megatron.config import PARTITION_METHODS, ModelConfig
 from megatron.model import EmbeddingLayer, FinalLayerNorm, OutputLayer, TransformerLayer, gpt_loss
 from megatron.model.layout import (EMBEDDING, FINAL_NORM, HEAD, PASS_THROUGH, TRANSFORMER, PipelineItem, file_key,
                                    local_name_of_file_key, pipeline_items)
-from megatron.parallel.random import RNGStatesTracker
+from megatron.parallel.random import RNGStatesTracker, tracked_checkpoint_func
 from megatron.parallel.state import ParallelState
 
 
@@ -106,35 +106,6 @@ class GPTLossFn:
     def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
         target, loss_mask = labels
         return gpt_loss(logits, target, loss_mask, self.tp_group)
-
-
-def tracked_checkpoint_func(tracker: Optional[RNGStatesTracker]):
-    """An activation-checkpoint function that replays dropout exactly on recomputation.
-
-    torch's non-reentrant checkpoint restores the default generators before recomputing; the
-    tensor-parallel RNG tracker keeps its own states, so those are saved at the first forward
-    and swapped back in for the recomputation (then restored), making the recomputed dropout
-    masks equal to the original ones.
-    """
-
-    def checkpoint(function, *args):
-        saved = tracker.get_states() if tracker is not None else None
-        calls = {"n": 0}
-
-        def run(*inner):
-            calls["n"] += 1
-            if calls["n"] == 1 or tracker is None:
-                return function(*inner)
-            after = tracker.get_states()
-            tracker.set_states(saved)
-            try:
-                return function(*inner)
-            finally:
-                tracker.set_states(after)
-
-        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
-
-    return checkpoint
 
 
 def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker: Optional[RNGStatesTracker]):

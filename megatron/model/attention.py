@@ -34,6 +34,7 @@ from megatron.model.attention_core import flash_core_attention, flex_core_attent
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.positional import alibi_bias, alibi_slopes_for_rank, apply_rotary, rotary_cos_sin
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.parallel.random import tracked_checkpoint_func
 from megatron.parallel.state import group_rank, group_size
 
 __all__ = ["KVCache", "SelfAttention"]
@@ -151,7 +152,12 @@ class SelfAttention(nn.Module):
         query = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         key = key.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
         value = value.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
-        context = self._core_attention(query, key, value, positions, offset, kv_cache is not None)  # [b, np, sq, hn]
+        if self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
+            # Recomputed in backward; the tracked checkpoint replays the attention dropout's TP-rank stream.
+            context = tracked_checkpoint_func(self.rng_tracker)(
+                self._core_attention, query, key, value, positions, offset, False)  # [b, np, sq, hn]
+        else:
+            context = self._core_attention(query, key, value, positions, offset, kv_cache is not None)
         context = context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, hp]
         output, _ = self.dense(context)  # [sq, b, h]
         return output
