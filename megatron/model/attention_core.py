@@ -147,6 +147,8 @@ def flex_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if needs_grad and query.device.type == "cpu":
         return _flex_cpu_training(query, key, value, slopes, scale)
+    if not needs_grad:  # torch's CPU check looks at requires_grad, even under no_grad
+        query, key, value = query.detach(), key.detach(), value.detach()
     return _flex_forward(query, key, value, slopes, scale)
 
 
