@@ -34,6 +34,7 @@ import statistics
 import time
 
 import _common  # noqa: F401
+import bench_attention
 from _common import emit, machine, tiny_argv, tiny_corpus
 
 import torch  # noqa: E402
@@ -158,16 +159,10 @@ def attention_kernels(b: int, heads: int, seq: int, head_dim: int, reps: int, de
 
         for _ in range(2):  # warm-up (compilation for flex)
             run()
-        times = []
-        for _ in range(reps):
-            _sync(device)
-            t = time.perf_counter()
-            run()
-            _sync(device)
-            times.append(time.perf_counter() - t)
+        median = bench_attention.median_time(run, reps, device)
         flops = 4 * b * heads * seq * seq * head_dim * 3 / 2  # fwd + bwd, causal half
-        out[name] = {"median_fwd_bwd_s": statistics.median(times), "forward_only": forward_only,
-                     "tflops_causal": flops / statistics.median(times) / 1e12}
+        out[name] = {"median_fwd_bwd_s": median, "forward_only": forward_only,
+                     "tflops_causal": flops / median / 1e12}
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             run()
@@ -194,11 +189,14 @@ def main() -> None:
     if args.dry_run:
         models, seq, mbs, steps, warmup = {"tiny": DRY["tiny"]}, 64, 2, 2, 1
         attn = attention_kernels(1, 4, 64, 16, 2, device)
+        backends = bench_attention.run([64], 1, 4, 16, "fp32", device, 1)
     else:
         models, seq, mbs = {m: SIZES[m] for m in args.models}, args.seq_length, args.micro_batch_size
         steps, warmup = args.steps, args.warmup
         attn = {"s2048": attention_kernels(mbs, 16, seq, 128, 10, device),
                 "s2048_hn64": attention_kernels(mbs, 16, seq, 64, 10, device)}
+        # The model's own paths (--attention-backend sdpa / flex / flash where installed), bf16.
+        backends = bench_attention.run([2048, 8192], 1, 16, 128, "bf16", device, 5)
     training = {name: train_throughput(name, sizes, seq, mbs, steps, warmup, device, args.peak_tflops)
                 for name, sizes in models.items()}
     gpu = {"name": torch.cuda.get_device_name(), "cuda": torch.version.cuda} if device == "cuda" else None
@@ -207,7 +205,7 @@ def main() -> None:
                      "precision": "bf16 + BF16_Optimizer", "layout": "TP=PP=DP=1", "recompute": False},
           "compared_with": "the device's dense bf16 peak (MFU) and the planner's memory prediction; "
                            "attention: plain SDPA+bias vs FlexAttention ALiBi vs causal SDPA",
-          "training": training, "attention": attn, "machine": before}, args.output)
+          "training": training, "attention": attn, "attention_backends": backends, "machine": before}, args.output)
 
 
 if __name__ == "__main__":

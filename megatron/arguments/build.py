@@ -60,7 +60,8 @@ def assemble_run_config(args) -> RunConfig:
         rotary_base=args.rotary_base, num_key_value_heads=args.num_key_value_heads, normalization=args.normalization,
         swiglu=args.swiglu, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None)
+        rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
+        attention_backend=args.attention_backend, recompute_core_attention=args.recompute_core_attention)
     rampup = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
     return RunConfig(
         model=model,

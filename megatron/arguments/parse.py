@@ -44,6 +44,7 @@ def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: Optional[i
     args.rank = launch.rank
     _check_required(args)
     resolve_model_spellings(args)
+    resolve_recompute_spellings(args)
     _derive_parallel(args)
     if args.global_batch_size is None:  # Megatron's default: one micro-batch per step
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
@@ -110,6 +111,30 @@ def resolve_model_spellings(args) -> None:
             raise ValueError(f"--num-query-groups {groups} and --num-key-value-heads {args.num_key_value_heads} are "
                              "two names for the same count and differ; give one")
         args.num_key_value_heads = groups
+
+
+def resolve_recompute_spellings(args) -> None:
+    """Megatron-LM's --recompute-granularity / -method / -num-layers onto Megatron-DeepSpeed's
+    --checkpoint-activations / --checkpoint-num-layers (full) and ``recompute_core_attention`` (selective)."""
+    granularity, method, num_layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    args.recompute_core_attention = granularity == "selective"
+    if granularity != "full":
+        if method is not None or num_layers is not None:
+            raise ValueError(f"--recompute-method / --recompute-num-layers apply to --recompute-granularity full; "
+                             f"got granularity {granularity}: drop them or use full")
+        if granularity == "selective" and args.checkpoint_activations:
+            raise ValueError("--recompute-granularity selective with --checkpoint-activations: full recomputation "
+                             "already recomputes the attention core; keep one of them")
+        return
+    if method == "block":
+        raise ValueError("--recompute-method block (recompute only the first --recompute-num-layers layers of each "
+                         "stage) is not available on DeepSpeed's pipeline engine; use uniform")
+    if num_layers is not None:
+        if args.checkpoint_activations and args.checkpoint_num_layers not in (1, num_layers):
+            raise ValueError(f"--recompute-num-layers {num_layers} and --checkpoint-num-layers "
+                             f"{args.checkpoint_num_layers} are two names for the same count and differ; give one")
+        args.checkpoint_num_layers = num_layers
+    args.checkpoint_activations = True
 
 
 def _derive_parallel(args) -> None:

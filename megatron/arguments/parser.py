@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.config import (DATA_IMPLS, DISTRIBUTED_BACKENDS, LR_DECAY_STYLES, NORMALIZATIONS, OPTIMIZERS,
+from megatron.config import (ATTENTION_BACKENDS, DATA_IMPLS, DISTRIBUTED_BACKENDS, LR_DECAY_STYLES, NORMALIZATIONS, OPTIMIZERS,
                              PARTITION_METHODS, POSITION_EMBEDDING_TYPES, TOKENIZER_TYPES)
 
 # Flags whose meaning is "no effect here" (see parse_args' startup warnings).
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pretrain_gpt.py", allow_abbrev=False,
         description="Pretrain a GPT/BLOOM model. Flag names and meanings follow Megatron-DeepSpeed.")
     for add in (_model, _parallelism, _data, _tokenizer, _training, _learning_rate, _regularization,
-                _mixed_precision, _checkpointing, _logging, _exit, _deepspeed, _dry_run):
+                _mixed_precision, _speed, _checkpointing, _logging, _exit, _deepspeed, _dry_run):
         add(parser)
     return parser
 
@@ -334,6 +334,36 @@ def _deepspeed(parser):
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
                    help="With --checkpoint-activations, recompute through DeepSpeed's activation checkpointing "
                         "(adds its activation_checkpointing config section).")
+
+
+def _speed(parser):
+    g = parser.add_argument_group("speed (docs/performance.md)")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="The attention core's kernel: sdpa (torch's scaled_dot_product_attention, ALiBi as a "
+                        "materialized [np, s, s] bias), flex (torch's flex_attention compiled, ALiBi as a score_mod "
+                        "and a causal block mask: no [np, s, s] tensor; needs --attention-dropout 0), flash "
+                        "(FlashAttention-2 with alibi_slopes; needs the flash-attn package and a CUDA GPU, bf16 / "
+                        "fp16). auto: sdpa on CPU (measured faster); on CUDA flash where installed, else flex for "
+                        "ALiBi without attention dropout, else sdpa. Incremental decoding always uses sdpa. "
+                        "Megatron-LM's flag of this name selects Transformer Engine kernels (flash, fused, unfused, "
+                        "local); of those only flash exists here.")
+    g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
+                   help="Megatron-LM's recomputation: full = --checkpoint-activations (every layer's activations "
+                        "recomputed in backward, --recompute-num-layers layers per chunk); selective = only the "
+                        "attention core softmax(QK^T)V, whose [np, s, s] scores are the largest activations, "
+                        "recomputed from the kept q, k, v. Selective with --checkpoint-activations is refused "
+                        "(full already recomputes the core).")
+    g.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
+                   help="With --recompute-granularity full: uniform (chunks of --recompute-num-layers layers, "
+                        "DeepSpeed's interval; the default). Megatron-LM's block (only the first N layers of a stage) "
+                        "is not available on DeepSpeed's pipeline engine and is refused.")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="With --recompute-granularity full: layers per recomputed chunk (= --checkpoint-num-layers).")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="Compile each transformer layer with torch.compile (in place: same modules, parameter names "
+                        "and checkpoints), with pipeline stages, tensor parallelism and activation checkpointing. "
+                        "The first iteration includes the compilation (its time is logged once). On CPU inductor "
+                        "needs a C++ compiler (g++); the run refuses to start without one.")
 
 
 def _dry_run(parser):

@@ -85,8 +85,11 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict[st
 def load_checkpoint(engine, load_dir: str, tag: str, *, load_optimizer_states: bool = True) -> dict[str, Any]:
     """Load ``tag`` of ``load_dir`` into the engine (weights, optimizer, DeepSpeed's own state) and return
     our client state."""
-    path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                                                load_lr_scheduler_states=False)
+    # No grad: DeepSpeed re-broadcasts tied weights after loading them (see engine/pipeline.py's
+    # build_pipeline_module for why that must not be seen by autograd).
+    with torch.no_grad():
+        path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                                    load_lr_scheduler_states=False)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {os.path.join(load_dir, tag)}")
     return client_state

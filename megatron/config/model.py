@@ -8,6 +8,7 @@ from typing import Optional
 POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi", "none")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 PARAMS_DTYPES = ("fp32", "bf16", "fp16")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash")
 
 
 def swiglu_default_ffn_size(hidden_size: int) -> int:
@@ -76,6 +77,11 @@ class ModelConfig:
     params_dtype: str = "fp32"             # fp32 | bf16 | fp16: dtype of the module parameters
     original_vocab_size: Optional[int] = None      # the tokenizer's vocabulary before padding
     seed: int = 1234                       # initialization seed (each layer's weights depend on it and its index only)
+    # How, not what: execution choices a checkpoint does not record (like the dropout rates above).
+    attention_backend: str = "auto"        # auto | sdpa | flex | flash: the attention core's kernel (attention_core.py)
+    # --recompute-granularity selective: keep only the attention core's inputs (q, k, v) in forward and recompute
+    # softmax(QK^T)V in backward (Korthikanti et al. 2022: the 5as/h part of the activations, for little compute).
+    recompute_core_attention: bool = False
 
     @property
     def ffn_size(self) -> int:
@@ -153,6 +159,11 @@ class ModelConfig:
                                  f"{self.rope_scaling_low_freq_factor}")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"--normalization {self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend {self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.attention_backend == "flex" and self.attention_dropout > 0:
+            raise ValueError(f"--attention-backend flex has no attention dropout; set --attention-dropout 0 (got "
+                             f"{self.attention_dropout}) or use sdpa")
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"params_dtype {self.params_dtype!r} is not one of {', '.join(PARAMS_DTYPES)}")
         for name in ("hidden_dropout", "attention_dropout"):

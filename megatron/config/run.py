@@ -234,6 +234,7 @@ class TrainingConfig:
     checkpoint_num_layers: int = 1         # layers per checkpointed chunk
     deepspeed_activation_checkpointing: bool = False  # use DeepSpeed's checkpointing (only with checkpoint_activations)
     sync_tp_duplicated_parameters: bool = False  # average TP-replicated parameters (norms, biases) every step
+    torch_compile: bool = False            # compile each transformer layer with torch.compile (megatron/model/compile.py)
     max_nonfinite_steps: Optional[int] = None    # stop after this many consecutive NaN/inf losses; None: never
 
     @property

@@ -9,10 +9,16 @@ taking most of a minute on a fresh machine (see ../shared/ARCHITECTURE.md):
 - CPU FusedAdam, avoided by always handing DeepSpeed a client ``torch.optim.AdamW`` (see
   ``megatron.engine.optimizer``) and never an ``optimizer`` section in the DeepSpeed config.
 
+``check_cpu_compiler``: --torch-compile on CPU needs a C++ compiler (inductor writes C++); a clear refusal
+before training where none is installed.
+
 On GPUs nothing here changes anything.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import deepspeed
 from deepspeed.accelerator import get_accelerator
@@ -29,3 +35,15 @@ def avoid_cpu_jit_builds() -> None:
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+def check_cpu_compiler() -> str:
+    """The C++ compiler inductor uses for CPU code (``$CXX``, else g++ / c++ / clang++); ValueError if none."""
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    for name in candidates:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise ValueError(f"--torch-compile on CPU needs a C++ compiler for torch inductor's generated code; none of "
+                     f"{', '.join(candidates)} is on PATH. Install one (e.g. apt-get install g++) or drop "
+                     f"--torch-compile")

@@ -25,10 +25,11 @@ import torch.distributed as dist
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
 from megatron.engine.checkpoint_engine import use_safe_loading
-from megatron.engine.cpu import avoid_cpu_jit_builds, on_cpu_accelerator
+from megatron.engine.cpu import avoid_cpu_jit_builds, check_cpu_compiler, on_cpu_accelerator
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
 from megatron.engine.sharded import DeepSpeedMPU, ShardedEngine, build_sharded_module, set_hpz_group
+from megatron.model.compile import compile_transformer_layers
 from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState
 
@@ -67,6 +68,8 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
     module = build_pipeline_module(rc.model, state, partition_method=rc.parallel.pp_partition_method,
                                    activation_checkpoint_interval=t.checkpoint_num_layers if t.checkpoint_activations
                                    else 0, tracker=tracker)
+    if t.torch_compile:
+        _compile_layers(module)
     client = build_client_optimizer(module, rc.optimizer)
     mixed = config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled")
     zero = config.get("zero_optimization", {}).get("stage", 0)
@@ -82,11 +85,20 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
     return engine
 
 
+def _compile_layers(module) -> None:
+    """--torch-compile: each transformer layer compiled in place (megatron/model/compile.py)."""
+    if on_cpu_accelerator():
+        check_cpu_compiler()
+    compile_transformer_layers(module)
+
+
 def _build_sharded_engine(rc: RunConfig, state: ParallelState, config: dict, tracker: Optional[RNGStatesTracker]):
     """ZeRO-2/3 (one stage): the model on DeepSpeed's non-pipeline engine, with our groups as its mpu."""
     mpu = DeepSpeedMPU(state)
     hpz_ranks = set_hpz_group(state, rc.parallel.zero_hpz_partition_size)
     module = build_sharded_module(rc, state, config, mpu, tracker)
+    if rc.training.torch_compile:
+        _compile_layers(module)
     client = build_client_optimizer(module, rc.optimizer)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config, mpu=mpu)
     use_safe_loading(engine)

@@ -44,7 +44,7 @@ from megatron.config import PARTITION_METHODS, ModelConfig
 from megatron.model import EmbeddingLayer, FinalLayerNorm, OutputLayer, TransformerLayer, gpt_loss
 from megatron.model.layout import (EMBEDDING, FINAL_NORM, HEAD, PASS_THROUGH, TRANSFORMER, PipelineItem, file_key,
                                    local_name_of_file_key, pipeline_items)
-from megatron.parallel.random import RNGStatesTracker
+from megatron.parallel.random import RNGStatesTracker, tracked_checkpoint_func
 from megatron.parallel.state import ParallelState
 
 
@@ -108,35 +108,6 @@ class GPTLossFn:
         return gpt_loss(logits, target, loss_mask, self.tp_group)
 
 
-def tracked_checkpoint_func(tracker: Optional[RNGStatesTracker]):
-    """An activation-checkpoint function that replays dropout exactly on recomputation.
-
-    torch's non-reentrant checkpoint restores the default generators before recomputing; the
-    tensor-parallel RNG tracker keeps its own states, so those are saved at the first forward
-    and swapped back in for the recomputation (then restored), making the recomputed dropout
-    masks equal to the original ones.
-    """
-
-    def checkpoint(function, *args):
-        saved = tracker.get_states() if tracker is not None else None
-        calls = {"n": 0}
-
-        def run(*inner):
-            calls["n"] += 1
-            if calls["n"] == 1 or tracker is None:
-                return function(*inner)
-            after = tracker.get_states()
-            tracker.set_states(saved)
-            try:
-                return function(*inner)
-            finally:
-                tracker.set_states(after)
-
-        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
-
-    return checkpoint
-
-
 def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker: Optional[RNGStatesTracker]):
     embed = dict(tied_weight_attr="word_embeddings.weight", tp_group=state.tp_group)
     if item.kind == EMBEDDING:
@@ -177,13 +148,20 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
                          f"{state.pp_size}: every stage needs at least one transformer layer")
     topology = PipeModelDataParallelTopology(num_pp=state.pp_size, num_mp=state.tp_size, num_dp=state.dp_size)
     assert topology.get_rank(pipe=state.pp_rank, data=state.dp_rank, model=state.tp_rank) == dist.get_rank()
-    return PipelineModule(
-        layers=layer_specs(config, state, tracker),
-        topology=topology,
-        loss_fn=GPTLossFn(state.tp_group),
-        partition_method=partition_method,
-        activation_checkpoint_interval=activation_checkpoint_interval,
-        activation_checkpoint_func=tracked_checkpoint_func(tracker),
-        checkpointable_layers=["TransformerLayer"],
-        seed_layers=False,
-    )
+    # The constructor copies the tied word embedding from the first stage to the last with an in-place
+    # dist.broadcast of the parameter. c10d::broadcast_ has no autograd kernel: in grad mode torch's fallback
+    # then warns on every backward that reaches the parameter ("c10d::broadcast_: an autograd kernel was not
+    # registered ... may lead to silently incorrect behavior"), on each rank holding the tie. The gradients
+    # were right (the fallback passes them through), but copying weights is not part of the model's function:
+    # no grad is what is meant. checkpoint/training_io.load_checkpoint does the same for DeepSpeed's re-sync.
+    with torch.no_grad():
+        return PipelineModule(
+            layers=layer_specs(config, state, tracker),
+            topology=topology,
+            loss_fn=GPTLossFn(state.tp_group),
+            partition_method=partition_method,
+            activation_checkpoint_interval=activation_checkpoint_interval,
+            activation_checkpoint_func=tracked_checkpoint_func(tracker),
+            checkpointable_layers=["TransformerLayer"],
+            seed_layers=False,
+        )

@@ -30,15 +30,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.model.attention_core import flash_core_attention, flex_core_attention, resolve_attention_backend
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.kv_cache import BatchKVCache
 from megatron.model.positional import alibi_bias, alibi_slopes_for_rank, apply_rotary, rotary_cos_sin
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.parallel.random import tracked_checkpoint_func
 from megatron.parallel.state import group_rank, group_size
 
 __all__ = ["KVCache", "SelfAttention"]
 
 
+@torch.compiler.disable  # under --torch-compile: a cached tensor, not something to trace
 @functools.lru_cache(maxsize=8)
 def shared_alibi_bias(slopes: tuple[float, ...], offset: int, sq: int, sk: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
@@ -159,17 +162,38 @@ class SelfAttention(nn.Module):
         query = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         key = key.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
         value = value.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
-        mask = self._attention_mask(positions, offset, sk, query.dtype)
-        dropout_p = self.config.attention_dropout if self.training else 0.0
-        # enable_gqa: query head i attends with key / value head i // (np / ng), as the layout groups them.
-        gqa = {"enable_gqa": True} if ng != np_ else {}
-        with self._dropout_rng(dropout_p):
-            context = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, dropout_p=dropout_p,
-                is_causal=mask is None and sq > 1, scale=1.0 / math.sqrt(hn), **gqa)  # [b, np, sq, hn]
+        if self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
+            # Recomputed in backward; the tracked checkpoint replays the attention dropout's TP-rank stream.
+            context = tracked_checkpoint_func(self.rng_tracker)(
+                self._core_attention, query, key, value, positions, offset, False)  # [b, np, sq, hn]
+        else:
+            context = self._core_attention(query, key, value, positions, offset, kv_cache is not None)
         context = context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, hp]
         output, _ = self.dense(context)  # [sq, b, h]
         return output
+
+    def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                        offset: int, decoding: bool) -> torch.Tensor:
+        """softmax(Q K^T / sqrt(hn) + bias, causal) V by --attention-backend's kernel (attention_core.py).
+
+        query [b, np, sq, hn], key / value [b, ng, sk, hn] -> context [b, np, sq, hn].
+        """
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        scale = 1.0 / math.sqrt(self.head_dim)
+        backend = resolve_attention_backend(self.config.attention_backend, query, alibi=self.alibi_slopes is not None,
+                                            dropout_p=dropout_p, decoding=decoding)
+        if backend == "flex":
+            slopes = self._alibi_slope_values if self.alibi_slopes is not None else None
+            return flex_core_attention(query, key, value, slopes, scale)
+        with self._dropout_rng(dropout_p):
+            if backend == "flash":
+                return flash_core_attention(query, key, value, self.alibi_slopes, dropout_p, scale)
+            mask = self._attention_mask(positions, offset, key.shape[2], query.dtype)
+            # enable_gqa: query head i attends with key / value head i // (np / ng), as the layout groups them.
+            gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, dropout_p=dropout_p,
+                is_causal=mask is None and query.shape[2] > 1, scale=scale, **gqa)  # [b, np, sq, hn]
 
     def _attention_mask(self, query_positions: torch.Tensor, offset: int, sk: int, dtype: torch.dtype
                         ) -> Optional[torch.Tensor]:

@@ -20,9 +20,10 @@ import contextlib
 from typing import Iterator, Optional, Union
 
 import torch
+import torch.utils.checkpoint
 
 __all__ = ["RNGStatesTracker", "MODEL_PARALLEL_RNG", "MODEL_PARALLEL_SEED_OFFSET",
-           "model_parallel_rng_seed", "get_rng_tracker"]
+           "model_parallel_rng_seed", "get_rng_tracker", "tracked_checkpoint_func"]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 MODEL_PARALLEL_SEED_OFFSET = 2718  # Megatron's offset: any positive constant keeps the streams apart
@@ -136,3 +137,32 @@ def model_parallel_rng_seed(seed: int, tp_rank: int,
     tracker.reset()
     tracker.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
     return tracker
+
+
+def tracked_checkpoint_func(tracker: Optional[RNGStatesTracker]):
+    """An activation-checkpoint function that replays dropout exactly on recomputation.
+
+    torch's non-reentrant checkpoint restores the default generators before recomputing; the
+    tensor-parallel RNG tracker keeps its own states, so those are saved at the first forward
+    and swapped back in for the recomputation (then restored), making the recomputed dropout
+    masks equal to the original ones.
+    """
+
+    def checkpoint(function, *args):
+        saved = tracker.get_states() if tracker is not None else None
+        calls = {"n": 0}
+
+        def run(*inner):
+            calls["n"] += 1
+            if calls["n"] == 1 or tracker is None:
+                return function(*inner)
+            after = tracker.get_states()
+            tracker.set_states(saved)
+            try:
+                return function(*inner)
+            finally:
+                tracker.set_states(after)
+
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+
+    return checkpoint

@@ -181,7 +181,11 @@ class Trainer:
         window_start = time.time()
         self.engine.train()
         while not self._done():
+            step_start = time.time()
             record = self.train_step()
+            if t.torch_compile and len(self.history) == 1:
+                self.logger.print_fn(f"torch.compile: iteration {record.iteration} took {time.time() - step_start:.1f} s, "
+                             f"compiling the transformer layers' forward and backward included", flush=True)
             pending.append(record)
             it = self.progress.iteration
             if it % self.rc.logging.tensorboard_log_interval == 0:

@@ -35,3 +35,13 @@ def test_pipeline_names_map_to_gpt_model_names():
     ours.rc = type("RC", (), {"model": FakeConfig()})()
     assert ours.gpt_state_dict() == {"embedding.word_embeddings.weight": 0, "layers.0.input_layernorm.weight": 1,
                                      "layers.1.mlp.dense_4h_to_h.bias": 2, "final_layernorm.weight": 3}
+
+
+def test_bench_attention_runs_every_path_and_reports_time_and_memory():
+    import bench_attention
+
+    row = bench_attention.run([32], b=1, heads=4, head_dim=16, dtype_name="fp32", device="cpu", reps=1)["s32"]
+    assert set(row) >= {"sdpa", "flex"}
+    assert row["sdpa"]["materialized_bias_mib"] > 0 and row["flex"]["materialized_bias_mib"] == 0
+    assert row["flex"]["saved_for_backward_mib"] < row["sdpa"]["saved_for_backward_mib"]
+    assert row["sdpa"]["fwd_bwd_s"] > 0 and row["flex"]["fwd_s"] > 0

@@ -1,0 +1,167 @@
+"""The attention core, softmax(Q K^T / sqrt(hn) + position bias, causal) V, by one of several kernels.
+
+    sdpa   torch's scaled_dot_product_attention (the default path, see attention.py): ALiBi as a materialized
+           bias [1, np, sq, sk] shared by a stage's layers, causality by is_causal or a boolean [sq, sk] mask.
+    flex   torch.nn.attention.flex_attention, compiled: ALiBi as a score_mod (slope * (key - query) added to
+           each score), causality as a block mask; no [np, s, s] tensor exists. No dropout. torch 2.13 has no
+           flex backward on CPU: there the forward is flex and the backward recomputes the attention per block
+           of FLEX_CPU_BACKWARD_BLOCK queries with SDPA autograd ([np, block, sk] at a time, never [np, s, s]).
+    flash  FlashAttention-2's flash_attn_func (the optional ``flash-attn`` package; CUDA, bf16 / fp16) with
+           its alibi_slopes and causal=True: -slope * |i - j| on visible keys is exactly our bias. It cannot
+           run here (no GPU, no package): written to its documented interface, untested.
+
+``resolve_attention_backend`` turns --attention-backend (auto or a name) into the kernel of one call;
+``auto`` picks sdpa on CPU (measured faster at every length, docs/performance.md), on CUDA flash where the
+package is importable and the dtype allows, else flex for ALiBi (SDPA's bias rules out its flash kernels),
+else sdpa (is_causal reaches the flash kernels). Incremental decoding with a KV cache is always sdpa.
+
+Shape letters: s sequence (sq queries, sk keys), b micro-batch, np heads per partition, ng key / value heads
+per partition, hn head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.model.positional import alibi_bias
+
+__all__ = ["FLEX_CPU_BACKWARD_BLOCK", "flash_attn_available", "resolve_attention_backend",
+           "flex_core_attention", "flash_core_attention"]
+
+FLEX_CPU_BACKWARD_BLOCK = 256  # queries per recomputed block in flex's CPU backward
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attention_backend(requested: str, query: torch.Tensor, *, alibi: bool, dropout_p: float,
+                              decoding: bool) -> str:
+    """The kernel for one attention call: ``requested`` unless it is auto; ValueError where it cannot run.
+    (flex with attention dropout is refused by ModelConfig.validate.)"""
+    if decoding:
+        return "sdpa"  # cached keys before the queries: SDPA's explicit mask handles any offset
+    cuda = query.device.type == "cuda"
+    half = query.dtype in (torch.bfloat16, torch.float16)
+    if requested == "auto":
+        if cuda and half and flash_attn_available():
+            return "flash"
+        return "flex" if cuda and alibi and dropout_p == 0.0 else "sdpa"
+    if requested == "flash" and not (cuda and half and flash_attn_available()):
+        raise ValueError(f"--attention-backend flash needs the flash-attn package, a CUDA device and bf16 / fp16 "
+                         f"(here: flash-attn {'importable' if flash_attn_available() else 'not installed'}, "
+                         f"{query.device.type}, {query.dtype}); use flex or sdpa")
+    return requested
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex_attention():
+    # Imported here: flex_attention pulls in torch's compiler stack, which only this backend needs.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _causal(batch, head, query_index, key_index):
+    return query_index >= key_index
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_block_mask(sq: int, sk: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_causal, None, None, sq, sk, device=device)
+
+
+@functools.lru_cache(maxsize=8)
+def _alibi_score_mod(slopes: tuple[float, ...], device: torch.device):
+    """score + slope[head] * (key - query): one function per slope set, so every layer of a rank shares it
+    (and torch.compile's cache entry)."""
+    slopes_t = torch.tensor(slopes, dtype=torch.float32, device=device)  # [np]
+
+    def alibi(score, batch, head, query_index, key_index):
+        return score + slopes_t[head] * (key_index - query_index)
+
+    return alibi
+
+
+def _flex_forward(query, key, value, slopes, scale):
+    score_mod = _alibi_score_mod(slopes, query.device) if slopes is not None else None
+    block_mask = _causal_block_mask(query.shape[2], key.shape[2], query.device)
+    return _compiled_flex_attention()(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                      enable_gqa=query.shape[1] != key.shape[1])  # [b, np, sq, hn]
+
+
+class _FlexWithBlockwiseBackward(torch.autograd.Function):
+    """flex forward; backward by SDPA autograd over blocks of queries (exact: each output row depends on its
+    own query row only, so the blocks' gradients are the full gradient, up to summation order in dK, dV)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, slopes, scale):
+        ctx.save_for_backward(query, key, value)
+        ctx.slopes, ctx.scale = slopes, scale
+        return _flex_forward(query.detach(), key.detach(), value.detach(), slopes, scale)
+
+    @staticmethod
+    def backward(ctx, grad_context):
+        query, key, value = ctx.saved_tensors
+        sq, sk = query.shape[2], key.shape[2]
+        key_positions = torch.arange(sk, device=query.device)  # [sk]
+        slopes = None if ctx.slopes is None else torch.tensor(ctx.slopes, dtype=torch.float32, device=query.device)
+        with torch.enable_grad():
+            key_ = key.detach().requires_grad_()
+            value_ = value.detach().requires_grad_()
+            grad_query = []
+            for start in range(0, sq, FLEX_CPU_BACKWARD_BLOCK):
+                stop = min(start + FLEX_CPU_BACKWARD_BLOCK, sq)
+                query_block = query[:, :, start:stop].detach().requires_grad_()  # [b, np, c, hn]
+                query_positions = torch.arange(start, stop, device=query.device)  # [c]
+                if slopes is None:
+                    mask = key_positions[None, :] <= query_positions[:, None]  # [c, sk]
+                else:
+                    mask = alibi_bias(slopes, query_positions, key_positions)[None]  # [1, np, c, sk] fp32
+                context = F.scaled_dot_product_attention(
+                    query_block, key_, value_, attn_mask=mask.to(query.dtype) if slopes is not None else mask,
+                    scale=ctx.scale, enable_gqa=query.shape[1] != key.shape[1])  # [b, np, c, hn]
+                context.backward(grad_context[:, :, start:stop])
+                grad_query.append(query_block.grad)
+        return torch.cat(grad_query, dim=2), key_.grad, value_.grad, None, None
+
+
+@torch.compiler.disable  # the blockwise backward calls autograd itself; dynamo runs it as it is
+def _flex_cpu_training(query, key, value, slopes, scale):
+    return _FlexWithBlockwiseBackward.apply(query, key, value, slopes, scale)
+
+
+def flex_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        slopes: Optional[tuple[float, ...]], scale: float) -> torch.Tensor:
+    """Causal attention, ALiBi when ``slopes`` (this rank's, one per query head) are given.
+
+    query [b, np, sq, hn], key / value [b, ng, sk, hn] with sq = sk (no cache) -> context [b, np, sq, hn].
+    """
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if needs_grad and query.device.type == "cpu":
+        return _flex_cpu_training(query, key, value, slopes, scale)
+    if not needs_grad:  # torch's CPU check looks at requires_grad, even under no_grad
+        query, key, value = query.detach(), key.detach(), value.detach()
+    return _flex_forward(query, key, value, slopes, scale)
+
+
+def flash_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         slopes: Optional[torch.Tensor], dropout_p: float, scale: float) -> torch.Tensor:
+    """FlashAttention-2, causal, ALiBi when ``slopes`` (fp32 [np], this rank's) are given; GQA natively.
+
+    query [b, np, sq, hn], key / value [b, ng, sk, hn] -> context [b, np, sq, hn].
+    """
+    from flash_attn import flash_attn_func  # optional package (CUDA only); resolve_attention_backend checked it
+
+    context = flash_attn_func(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [b, s, heads, hn]
+        dropout_p=dropout_p, softmax_scale=scale, causal=True,
+        alibi_slopes=None if slopes is None else slopes.to(query.device, torch.float32))  # [b, sq, np, hn]
+    return context.transpose(1, 2)  # [b, np, sq, hn]

@@ -1,0 +1,107 @@
+"""--attention-backend flex equals the SDPA path: outputs and gradients of a whole GPTModel (ALiBi, learned
+positions, a Llama-style rotary + GQA block), fp32 tightly and bf16 within its rounding, at TP=1 and TP=2 (each
+rank its own ALiBi slopes); incremental decoding with a KV cache still equals the full forward; auto keeps SDPA
+on CPU; flash and flex refuse what they cannot run. torch.compile makes each new shape cost seconds: the
+configurations are few and tiny."""
+
+import pytest
+import torch
+
+import megatron.model.attention_core as attention_core
+from megatron.model import GPTModel
+from megatron.model.attention import KVCache, SelfAttention
+from megatron.model.attention_core import resolve_attention_backend
+from megatron.parallel.state import ParallelState
+from megatron.testing import run_distributed
+
+from .helpers import tiny_config
+
+SEQ = 48  # three blocks of the CPU backward below: the blockwise gradients are stitched, not one block
+LLAMA = dict(position_embedding_type="rotary", normalization="rmsnorm", swiglu=True, num_key_value_heads=2,
+             add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=96)
+CONFIGS = {"alibi": dict(position_embedding_type="alibi", embed_layernorm=True),
+           "absolute": dict(position_embedding_type="absolute"), "llama": LLAMA}
+
+
+def _loss_and_grads(config, state):
+    model = GPTModel(config, state)
+    ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    labels = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        logits = model(ids)  # [s, b, vp]
+    model(ids, labels=labels, loss_mask=torch.ones(2, SEQ)).backward()
+    return logits.float(), {name: p.grad.float() for name, p in model.named_parameters()}
+
+
+def _max_diffs(position, params_dtype, state):
+    fields = dict(CONFIGS[position], seq_length=SEQ, params_dtype=params_dtype)
+    sdpa_logits, sdpa_grads = _loss_and_grads(tiny_config(attention_backend="sdpa", **fields), state)
+    flex_logits, flex_grads = _loss_and_grads(tiny_config(attention_backend="flex", **fields), state)
+    grad_diff = max((flex_grads[n] - sdpa_grads[n]).abs().max().item() / (sdpa_grads[n].abs().max().item() + 1e-12)
+                    for n in sdpa_grads)
+    return (flex_logits - sdpa_logits).abs().max().item(), grad_diff
+
+
+@pytest.fixture
+def small_backward_blocks(monkeypatch):
+    monkeypatch.setattr(attention_core, "FLEX_CPU_BACKWARD_BLOCK", 16)
+
+
+@pytest.mark.parametrize("position, params_dtype, logits_tol, grad_tol", [
+    ("alibi", "fp32", 1e-5, 1e-4), ("absolute", "fp32", 1e-5, 1e-4), ("llama", "fp32", 1e-5, 1e-4),
+    ("alibi", "bf16", 0.1, 0.1)])
+def test_flex_equals_sdpa_at_tp1(small_backward_blocks, position, params_dtype, logits_tol, grad_tol):
+    logits_diff, grad_diff = _max_diffs(position, params_dtype, ParallelState.single())
+    assert logits_diff <= logits_tol and grad_diff <= grad_tol, (logits_diff, grad_diff)
+
+
+def _tp2_diffs(rank, world_size):
+    attention_core.FLEX_CPU_BACKWARD_BLOCK = 16
+    state = ParallelState.create(tp=2, pp=1)
+    layer = SelfAttention(tiny_config(position_embedding_type="alibi"), state.tp_group)
+    return _max_diffs("alibi", "fp32", state), layer.alibi_slopes.tolist()
+
+
+@pytest.mark.multiprocess
+def test_flex_equals_sdpa_at_tp2_with_each_ranks_slopes():
+    (diffs0, slopes0), (diffs1, slopes1) = run_distributed(_tp2_diffs, world_size=2, timeout=240,
+                                                             start_method="spawn")  # no fork after torch.compile
+    assert slopes0 != slopes1  # rank 1's heads have other slopes, so a wrong score_mod would show
+    for rank, (logits_diff, grad_diff) in enumerate((diffs0, diffs1)):
+        assert logits_diff <= 1e-5 and grad_diff <= 1e-4, f"rank {rank}: {logits_diff}, {grad_diff}"
+
+
+def test_decoding_with_a_kv_cache_under_flex_equals_its_full_forward():
+    layer = SelfAttention(tiny_config(position_embedding_type="alibi", seq_length=SEQ, attention_backend="flex"))
+    hidden = torch.randn(SEQ, 2, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = layer(hidden)  # flex (no grad: torch's own CPU forward)
+        cache = KVCache()
+        steps = [layer(hidden[:32], cache)] + [layer(hidden[i:i + 1], cache) for i in range(32, SEQ)]  # SDPA
+    assert (torch.cat(steps) - full).abs().max().item() < 1e-5
+
+
+def test_auto_keeps_sdpa_on_cpu_and_the_kv_cache_path_is_sdpa():
+    query = torch.zeros(1, 4, 8, 16)
+    for alibi in (True, False):
+        assert resolve_attention_backend("auto", query, alibi=alibi, dropout_p=0.0, decoding=False) == "sdpa"
+    assert resolve_attention_backend("flex", query, alibi=True, dropout_p=0.0, decoding=True) == "sdpa"
+    assert resolve_attention_backend("flex", query, alibi=True, dropout_p=0.0, decoding=False) == "flex"
+
+
+def test_flash_and_flex_refuse_what_they_cannot_run():
+    with pytest.raises(ValueError, match="flash-attn package, a CUDA device"):
+        resolve_attention_backend("flash", torch.zeros(1, 4, 8, 16), alibi=True, dropout_p=0.0, decoding=False)
+    with pytest.raises(ValueError, match="set --attention-dropout 0"):
+        tiny_config(attention_backend="flex", attention_dropout=0.1)
+    with pytest.raises(ValueError, match="--attention-backend 'fast' is not one of auto, sdpa, flex, flash"):
+        tiny_config(attention_backend="fast")
+
+
+def test_the_flag_reaches_the_model_config(tiny_corpus):
+    from megatron.arguments import run_config_from_argv
+    from megatron.testing.corpus import tiny_argv
+
+    assert run_config_from_argv(tiny_argv(tiny_corpus), world_size=1).model.attention_backend == "auto"
+    chosen = run_config_from_argv(tiny_argv(tiny_corpus, attention_backend="flex"), world_size=1)
+    assert chosen.model.attention_backend == "flex"

@@ -1,0 +1,42 @@
+"""--torch-compile (each transformer layer compiled) trains to the eager losses at TP=2 x PP=2 with activation
+checkpointing, in fp32. One launch, eager then compiled on the same ranks; spawned, not forked, since the
+test session may already hold torch.compile's worker threads."""
+
+import pytest
+
+from megatron.testing import run_distributed
+from megatron.testing.corpus import tiny_argv
+from tests.training.helpers import run_single
+
+
+@pytest.mark.multiprocess
+def test_compiled_layers_train_to_the_eager_losses_with_tp_pp_and_recompute(tiny_corpus):
+    flags = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, train_iters=3, lr_warmup_iters=1,
+                 global_batch_size=4, checkpoint_activations=True)
+    eager = tiny_argv(tiny_corpus, **flags)
+    compiled = tiny_argv(tiny_corpus, "--torch-compile", **flags)
+    results = run_distributed(run_single, world_size=4, args=([eager, compiled],), timeout=600, start_method="spawn")
+    eager_run, compiled_run = results[0]
+    eager_losses = [h[1] for h in eager_run["history"]]
+    compiled_losses = [h[1] for h in compiled_run["history"]]
+    assert len(compiled_losses) == 3
+    diffs = [abs(a - b) / abs(a) for a, b in zip(eager_losses, compiled_losses)]
+    assert max(diffs) < 1e-5, (eager_losses, compiled_losses)
+
+
+def test_every_transformer_layer_is_compiled_in_place_and_a_missing_compiler_is_named(monkeypatch):
+    from megatron.engine.cpu import check_cpu_compiler
+    from megatron.model import GPTModel
+    from megatron.model.compile import compile_transformer_layers
+    from megatron.parallel.state import ParallelState
+    from tests.model.helpers import tiny_config
+
+    model = GPTModel(tiny_config(), ParallelState.single())
+    names = [n for n, _ in model.named_parameters()]
+    assert compile_transformer_layers(model) == 2
+    assert all(layer._compiled_call_impl is not None for layer in model.layers)
+    assert [n for n, _ in model.named_parameters()] == names  # checkpoints keep their keys
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ValueError, match="needs a C\\+\\+ compiler.*g\\+\\+, c\\+\\+, clang\\+\\+"):
+        check_cpu_compiler()
