@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import RunConfig
-from megatron.engine.pipeline import tracked_checkpoint_func
+from megatron.parallel.random import tracked_checkpoint_func
 from megatron.model import GPTModel
 from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState

@@ -176,7 +176,7 @@ def test_attention_dropout_draws_from_the_tracker_not_the_default_rng():
 def test_recomputed_layers_give_the_same_loss_and_gradients(num_layers, chunk):
     """GPTModel.recompute_activations (the ZeRO-2/3 path's --checkpoint-activations): every run of ``chunk``
     layers goes through the checkpoint function once per forward, and nothing changes numerically."""
-    from megatron.engine.pipeline import tracked_checkpoint_func
+    from megatron.parallel.random import tracked_checkpoint_func
 
     config = tiny_config(num_layers=num_layers)
     plain, recomputed = GPTModel(config), GPTModel(config)
