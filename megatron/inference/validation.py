@@ -12,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Any, Sequence
+
+import numpy as np
 
 from megatron.inference.generation import SamplingParams
 
@@ -70,8 +73,25 @@ def _finite_float(text: str) -> float:
     return value
 
 
+MAX_JSON_DEPTH = 32  # a request nests 3 deep; far deeper is refused before parsing
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep ``raw``'s arrays and objects nest (brackets inside strings do not count). Counted before
+    parsing, so the answer does not depend on the interpreter's recursion limit (which other libraries
+    raise) and a deep body never reaches the parser."""
+    codes = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
+    if codes.size == 0:
+        return 0
+    steps = np.isin(codes, (ord("["), ord("{"))).astype(np.int32) - np.isin(codes, (ord("]"), ord("}")))
+    return int(np.cumsum(steps).max(initial=0))
+
+
 def load_json_object(raw: bytes) -> dict:
     """A JSON object from a request body, or RequestError(400)."""
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise RequestError(400, f"the body is not valid JSON: nested too deeply (more than {MAX_JSON_DEPTH} levels)")
     try:
         body = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError) as error:  # JSONDecodeError, NaN, 1e999, an int over 4300 digits

@@ -59,3 +59,21 @@ def test_generate_request_fields():
     prompts, params = parse_generate_request(b'{"prompt": ["a", "b"], "max_new_tokens": 3, "top_p": 0.5, "seed": 2}',
                                              ServerLimits())
     assert prompts == ["a", "b"] and (params.max_new_tokens, params.top_p, params.seed) == (3, 0.5, 2)
+
+
+def test_nesting_depth_is_counted_before_parsing_whatever_the_recursion_limit():
+    import sys
+
+    from megatron.inference.validation import MAX_JSON_DEPTH, RequestError, json_depth, load_json_object
+
+    assert json_depth(b'{"prompt": ["a[[[", "b"], "x": {"y": [1]}}') == 3  # brackets in strings do not count
+    assert json_depth(b'"\\"[[[["') == 0
+    deep = b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)  # as torch.compile's dynamo does: the parser alone would accept it
+    try:
+        with pytest.raises(RequestError, match="nested too deeply"):
+            load_json_object(deep)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert load_json_object(b'{"prompt": [[1, 2]]}') == {"prompt": [[1, 2]]}
