@@ -121,12 +121,12 @@ def server_threads(port: int) -> int:
 def median_of_rounds(rounds: list[dict], key: str) -> dict:
     """The round with the median ``key`` (tokens_per_s), with every round's value and load beside it."""
     middle = sorted(rounds, key=lambda r: r[key])[len(rounds) // 2]
-    return dict(middle, rounds_tokens_per_s=[r[key] for r in rounds], rounds_loadavg_1min=[r["loadavg_1min"]
-                                                                                            for r in rounds])
+    return dict(middle, rounds_tokens_per_s=[r[key] for r in rounds],
+                rounds_loadavg_1min=[r["loadavg_1min"] for r in rounds])
+
+
 def transformers_generate(model, tokenizer, batch: int, args) -> dict:
     """BloomForCausalLM.generate on one left-padded batch of the same prompts (static batching)."""
-    out = {}
-    for batch in CLIENTS:
     encoded = [tokenizer.tokenize(PROMPTS[i % len(PROMPTS)]) for i in range(batch)]
     width = max(map(len, encoded))
     ids = torch.tensor([[0] * (width - len(e)) + e for e in encoded])  # [b, s], left-padded
