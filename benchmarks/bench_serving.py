@@ -3,14 +3,18 @@
     python benchmarks/bench_serving.py [--output benchmarks/results/serving_DATE.json]
 
 One random BLOOM-style checkpoint (ALiBi, fp32, the tiny corpus's 400-token tokenizer) is served by
-``tools/serve.py`` in a process of its own (one torch thread), twice: ``--max-batch-size 64``
-(continuous batching) and ``--max-batch-size 1`` (the one-at-a-time baseline). For each of 1, 4, 16
-and 64 concurrent clients (a bounded loopback load: each client sends its next request when the last
-is answered, ``--requests-per-client`` each), it reports the generated tokens per second over the
-whole run and the p50 / p99 latency of a request (greedy, ``--max-new-tokens`` each, prompts of 1 to
-about 40 tokens). The same weights exported to transformers (BloomForCausalLM) run ``generate``
-(greedy, one thread) on batches of the same sizes, left-padded: the static batching a script would
-do, every row waiting for the batch's last one.
+``tools/serve.py`` in two processes of their own (``--torch-threads``, default 1): ``--max-batch-size
+64`` (continuous batching) and ``--max-batch-size 1`` (the one-at-a-time baseline). For each of 1, 4,
+16 and 64 concurrent clients (a bounded loopback load: each client sends its next request when the
+last is answered, ``--requests-per-client`` each), it reports the generated tokens per second over
+the whole run and the p50 / p99 latency of a request (greedy, ``--max-new-tokens`` each, prompts of
+1 to 24 tokens). The same weights exported to transformers (BloomForCausalLM) run ``generate``
+(greedy, as many threads) on batches of the same sizes, left-padded: the static batching a script
+would do, every row waiting for the batch's last one.
+
+On a shared machine the load changes from minute to minute, so the three are measured interleaved
+(for each client count: batched, one at a time, transformers), ``--rounds`` times; each figure is the
+median over the rounds (every round's throughput is kept beside it), with the load average at each.
 """
 
 from __future__ import annotations
@@ -58,11 +62,12 @@ def write_checkpoint(out_dir: str, corpus: dict, args) -> tuple:
     return config, state
 
 
-def start_server(ckpt: str, max_batch_size: int):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=_common.REPO, OMP_NUM_THREADS="1")
+def start_server(ckpt: str, max_batch_size: int, torch_threads: int):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=_common.REPO)
     proc = subprocess.Popen([sys.executable, os.path.join(_common.REPO, "tools", "serve.py"), "--load", ckpt,
                              "--port", "0", "--max-batch-size", str(max_batch_size), "--max-pending-requests", "256",
-                             "--max-new-tokens-limit", "256"], env=env, stdout=subprocess.PIPE, text=True)
+                             "--max-new-tokens-limit", "256", "--torch-threads", str(torch_threads)],
+                            env=env, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line.startswith("serving on http://"):
         proc.kill()
@@ -105,18 +110,42 @@ async def load(port: int, clients: int, requests_per_client: int, max_new_tokens
             "p99_latency_s": quantile(0.99)}
 
 
-def serve_and_measure(ckpt: str, max_batch_size: int, args) -> list[dict]:
-    proc, port = start_server(ckpt, max_batch_size)
-    try:
-        return [asyncio.run(load(port, clients, args.requests_per_client, args.max_new_tokens))
-                for clients in CLIENTS]
-    finally:
-        proc.terminate()
-        proc.wait(60)
+def server_threads(port: int) -> int:
+    """torch.get_num_threads() in the server process, from its /health."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=60) as reply:
+        return json.load(reply)["torch_threads"]
 
 
-def transformers_generate(config, state, ckpt: str, args) -> list[dict]:
-    """BloomForCausalLM.generate on left-padded batches of the same prompts (static batching)."""
+def median_of_rounds(rounds: list[dict], key: str) -> dict:
+    """The round with the median ``key`` (tokens_per_s), with every round's value and load beside it."""
+    middle = sorted(rounds, key=lambda r: r[key])[len(rounds) // 2]
+    return dict(middle, rounds_tokens_per_s=[r[key] for r in rounds],
+                rounds_loadavg_1min=[r["loadavg_1min"] for r in rounds])
+
+
+def transformers_generate(model, tokenizer, batch: int, args) -> dict:
+    """BloomForCausalLM.generate on one left-padded batch of the same prompts (static batching)."""
+    encoded = [tokenizer.tokenize(PROMPTS[i % len(PROMPTS)]) for i in range(batch)]
+    width = max(map(len, encoded))
+    ids = torch.tensor([[0] * (width - len(e)) + e for e in encoded])  # [b, s], left-padded
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+    kwargs = dict(attention_mask=mask, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
+                  do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+        seconds = time.perf_counter() - start
+    return {"batch": batch, "tokens": batch * args.max_new_tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(batch * args.max_new_tokens / seconds, 1), "latency_s": round(seconds, 4),
+            "loadavg_1min": round(os.getloadavg()[0], 2)}
+
+
+def measure_interleaved(ckpt: str, config, state, args) -> tuple[list, list, list, list]:
+    """For each client count and round: batched, one at a time, transformers; the medians per count, and the
+    servers' torch threads."""
     from transformers import BloomForCausalLM
 
     from megatron.checkpoint.hf_export import write_hf_model
@@ -126,24 +155,25 @@ def transformers_generate(config, state, ckpt: str, args) -> list[dict]:
     write_hf_model(config, state, hf_dir)
     model = BloomForCausalLM.from_pretrained(hf_dir).eval()
     tokenizer = Generator.from_checkpoint(ckpt).tokenizer
-    torch.set_num_threads(1)
-    out = []
-    for batch in CLIENTS:
-        encoded = [tokenizer.tokenize(PROMPTS[i % len(PROMPTS)]) for i in range(batch)]
-        width = max(map(len, encoded))
-        ids = torch.tensor([[0] * (width - len(e)) + e for e in encoded])  # [b, s], left-padded
-        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-        kwargs = dict(attention_mask=mask, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
-                      do_sample=False, pad_token_id=0)
-        with torch.inference_mode():
-            model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
-            start = time.perf_counter()
-            model.generate(ids, **kwargs)
-            seconds = time.perf_counter() - start
-        out.append({"batch": batch, "tokens": batch * args.max_new_tokens, "seconds": round(seconds, 3),
-                    "tokens_per_s": round(batch * args.max_new_tokens / seconds, 1),
-                    "latency_s": round(seconds, 4)})
-    return out
+    torch.set_num_threads(args.torch_threads)
+    servers = [start_server(ckpt, size, args.torch_threads) for size in (64, 1)]
+    try:
+        threads = [server_threads(port) for _, port in servers]
+        batched, baseline, hf = [], [], []
+        for clients in CLIENTS:
+            rounds = [[], [], []]
+            for _ in range(args.rounds):
+                for (_, port), out in zip(servers, rounds):
+                    result = asyncio.run(load(port, clients, args.requests_per_client, args.max_new_tokens))
+                    out.append(dict(result, loadavg_1min=round(os.getloadavg()[0], 2)))
+                rounds[2].append(transformers_generate(model, tokenizer, clients, args))
+            for out, measured in zip((batched, baseline, hf), rounds):
+                out.append(median_of_rounds(measured, "tokens_per_s"))
+    finally:
+        for proc, _ in servers:
+            proc.terminate()
+            proc.wait(60)
+    return batched, baseline, hf, threads
 
 
 def main() -> None:
@@ -153,19 +183,20 @@ def main() -> None:
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     corpus = _common.tiny_corpus()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "ckpt")
         config, state = write_checkpoint(ckpt, corpus, args)
         machine = _common.machine()
-        batched = serve_and_measure(ckpt, 64, args)
-        baseline = serve_and_measure(ckpt, 1, args)
-        hf = transformers_generate(config, state, ckpt, args)
+        batched, baseline, hf, threads = measure_interleaved(ckpt, config, state, args)
     speedup = {str(b["clients"]): round(b["tokens_per_s"] / o["tokens_per_s"], 2) for b, o in zip(batched, baseline)}
     _common.emit({"benchmark": "serving", "machine": machine, "cpu_flags": cpu_flags(),
                   "config": {"num_layers": args.num_layers, "hidden_size": args.hidden_size, "heads": 8,
-                             "vocab": 400, "position": "alibi", "dtype": "fp32", "torch_threads": 1,
+                             "vocab": 400, "position": "alibi", "dtype": "fp32", "torch_threads": args.torch_threads,
+                             "server_torch_threads": threads, "rounds": args.rounds, "interleaved": True,
                              "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client,
                              "endpoint": "/generate greedy"},
                   "batched_max_batch_size_64": batched, "one_at_a_time_max_batch_size_1": baseline,

@@ -19,6 +19,8 @@ import argparse
 import os
 import resource
 
+import torch
+
 from megatron.cli import add_model_args, load_generator
 
 
@@ -42,6 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-batch-size", type=int, default=32,
                         help="sequences (prompts) decoded together in one running batch; a sequence joins when "
                              "another finishes (default 32; 1: one sequence at a time)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="threads of torch's matrix kernels (default: torch's, one per core); /health reports "
+                             "them. On cores other work also uses, 1 is much faster: a kernel's threads wait for "
+                             "each other at every barrier (docs/serving.md)")
     parser.add_argument("--model-name", default=None,
                         help="the model's name in /v1/completions replies (default: the --load folder's name)")
     parser.add_argument("--verbose", action="store_true", help="log every request")
@@ -101,6 +107,10 @@ def main(argv=None) -> int:
     from megatron.inference.server import ServerLimits, make_server
 
     args = parse_args(argv)
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+        torch.set_num_threads(args.torch_threads)
     limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
                           max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
                           default_max_new_tokens=min(32, args.max_new_tokens_limit), read_timeout=args.read_timeout,

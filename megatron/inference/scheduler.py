@@ -5,8 +5,8 @@ awaits it, so it keeps accepting connections and answering /health while generat
 worker owns the requests waiting or running (at most ``max_pending``; one more is ``Busy``). Its
 thread runs continuous batching (``megatron.inference.batching``): each prompt of a request is one
 sequence; sequences join the batch, oldest first, whenever a slot of the ``max_batch_size`` is
-free, and leave it when they finish, while the others keep decoding. A request is answered once all
-its sequences have finished. ``max_batch_size=1`` is generation one sequence at a time.
+free (those joining at one step run their prompts together), and leave it when they finish, while
+the others keep decoding. A request is answered once all its sequences have finished. ``max_batch_size=1`` is generation one sequence at a time.
 
 Text reaches the loop through ``loop.call_soon_threadsafe``, in order. A request whose client has
 gone (its task cancelled) is marked cancelled: its sequences are dropped before the next step,
@@ -149,8 +149,7 @@ class GenerationWorker:
     def _serve(self) -> None:
         while self._take_jobs(block=not (self.decoder.rows or self._waiting)):
             self._drop(lambda job: job.cancelled.is_set())
-            while self._waiting and self.decoder.free_slots > 0:
-                self._admit(self._waiting.popleft())
+            self._admit([self._waiting.popleft() for _ in range(min(len(self._waiting), self.decoder.free_slots))])
             self._step()
 
     def _take_jobs(self, block: bool) -> bool:
@@ -173,13 +172,16 @@ class GenerationWorker:
             except Exception as error:  # noqa: BLE001 - handed to the request, which answers 500 and logs it
                 self._fail([job], error)
 
-    def _admit(self, sequence: GeneratingSequence) -> None:
-        try:
-            finished = self.decoder.add(sequence)
-        except Exception as error:  # noqa: BLE001 - as above
-            self._fail([sequence.tag], error)
+    def _admit(self, sequences: list[GeneratingSequence]) -> None:
+        """Their prompts run together (``BatchDecoder.add``) and they join the batch."""
+        if not sequences:
             return
-        if finished:
+        try:
+            finished = self.decoder.add(sequences)
+        except Exception as error:  # noqa: BLE001 - as above
+            self._fail({sequence.tag for sequence in sequences}, error)
+            return
+        for sequence in finished:
             sequence.tag.sequence_finished()
 
     def _step(self) -> None:

@@ -44,6 +44,7 @@ import signal
 import socket
 from typing import Awaitable, Callable, Optional
 
+import torch
 from aiohttp import web
 
 from megatron.inference import openai_api
@@ -189,7 +190,7 @@ class GenerationService:
         return {"status": "ok", "num_layers": c.num_layers, "hidden_size": c.hidden_size,
                 "vocab_size": self.generator.vocab_size, "pending_requests": self.worker.pending,
                 "tensor_model_parallel_size": group_size(self.generator.model.tp_group),
-                "running_sequences": len(self.worker.decoder.rows),
+                "running_sequences": len(self.worker.decoder.rows), "torch_threads": torch.get_num_threads(),
                 "limits": dataclasses.asdict(self.limits)}
 
 

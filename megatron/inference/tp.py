@@ -63,9 +63,9 @@ class BroadcastRunner(BatchRunner):
     def _send(self, *message) -> None:
         dist.broadcast_object_list([message], src=self._source, group=self.group)
 
-    def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
-        self._send("prefill", list(prompt_ids))
-        return super().prefill(prompt_ids)
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        self._send("prefill", [list(prompt) for prompt in prompts])
+        return super().prefill(prompts)
 
     def decode(self, tokens: Sequence[int]) -> torch.Tensor:
         self._send("decode", list(tokens))

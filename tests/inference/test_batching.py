@@ -17,7 +17,7 @@ import asyncio
 import pytest
 import torch
 
-from megatron.inference.batching import BatchDecoder, BatchRunner, GeneratingSequence
+from megatron.inference.batching import BatchDecoder, BatchRunner, GeneratingSequence, prefill_groups
 from megatron.inference.generation import Generator, SamplingParams, generate_token_ids
 from megatron.inference.scheduler import GenerationWorker
 
@@ -60,10 +60,13 @@ class _Recording(BatchRunner):
         super().__init__(model, VOCAB)
         self.decoder = None
         self.logits: dict[int, list[torch.Tensor]] = {}
+        self.passes: list[int] = []  # the prompts of each prompt pass
 
-    def prefill(self, prompt_ids):
-        logits = super().prefill(prompt_ids)
-        self.logits[len(self.logits)] = [logits]
+    def prefill(self, prompts):
+        logits = super().prefill(prompts)
+        self.passes.append(len(prompts))
+        for prompt, row in zip(prompts, logits):
+            self.logits[PROMPTS.index(list(prompt))] = [row]
         return logits
 
     def decode(self, tokens):
@@ -82,12 +85,13 @@ def _batched(model):
     waiting, joined_mid_batch, step = [], 0, 0
     while step <= max(ARRIVALS) or waiting or decoder.rows:
         waiting += [s for s, arrival in zip(sequences, ARRIVALS) if arrival == step]
-        while waiting and decoder.free_slots:
-            joined_mid_batch += bool(decoder.rows)
-            decoder.add(waiting.pop(0))
+        joining, waiting = waiting[:decoder.free_slots], waiting[decoder.free_slots:]
+        joined_mid_batch += len(joining) if decoder.rows else 0
+        decoder.add(joining)
         decoder.step()
         step += 1
     assert joined_mid_batch >= 12 and all(s.finish_reason == "length" for s in sequences)
+    assert max(runner.passes) > 1  # some prompts joined in one pass
     return [(s.token_ids, runner.logits[s.tag]) for s in sequences]
 
 
@@ -118,6 +122,32 @@ def test_a_batch_gives_each_prompt_its_greedy_tokens_alone(checkpoint, dtype):
     assert len({tuple(tokens[:5]) for tokens, _ in batched}) >= 12  # the continuations differ between prompts
 
 
+def test_prompts_of_different_lengths_joining_at_once_share_passes_and_give_their_tokens_alone(checkpoint):
+    kind, path = checkpoint
+    model = Generator.from_checkpoint(str(path)).model
+    runner = _Recording(model)
+    decoder = runner.decoder = BatchDecoder(runner, 8)
+    sequences = [GeneratingSequence(p, SamplingParams(max_new_tokens=8, greedy=True), tag=i)
+                 for i, p in enumerate(PROMPTS[:8])]  # 1 to 24 tokens
+    decoder.add(sequences)
+    assert runner.passes == [5, 2, 1], runner.passes  # [1, 2, 3, 5, 7], [11, 19] and [24] tokens (PAD_BUDGET 8)
+    while decoder.rows:
+        decoder.step()
+    for i, sequence in enumerate(sequences):
+        reference, reference_logits = _alone(model, PROMPTS[i], 8)
+        assert sequence.token_ids == reference, (kind, i)
+        for batched, alone in zip(runner.logits[i], reference_logits):
+            assert (batched - alone).abs().max().item() <= TOLERANCE["fp32"], (kind, i)
+
+
+def test_prefill_groups_pad_a_pass_by_at_most_the_budget_per_prompt_added():
+    sequences = [GeneratingSequence([1] * n, SamplingParams(greedy=True)) for n in (30, 1, 4, 2, 9, 3)]
+    groups = prefill_groups(sequences, pad_budget=4)
+    assert [[len(s.prompt_ids) for s in group] for group in groups] == [[1, 2, 3, 4], [9], [30]]
+    assert len(prefill_groups(sequences, pad_budget=0)) == 6
+    assert len(prefill_groups(sequences, pad_budget=10 ** 6)) == 1
+
+
 def test_a_seeded_sequence_draws_the_same_tokens_whatever_else_is_in_the_batch(checkpoint):
     kind, path = checkpoint
     generator = Generator.from_checkpoint(str(path))
@@ -128,13 +158,10 @@ def test_a_seeded_sequence_draws_the_same_tokens_whatever_else_is_in_the_batch(c
         decoder = BatchDecoder(BatchRunner(generator.model, VOCAB), 8)
         neighbours = [GeneratingSequence(p, SamplingParams(max_new_tokens=12, temperature=1.5, seed=i))
                       for i, p in enumerate(PROMPTS[5:5 + others])]
-        for sequence in neighbours[:others // 2]:
-            decoder.add(sequence)
+        decoder.add(neighbours[:others // 2])
         decoder.step()
         seeded = GeneratingSequence(PROMPTS[3], params, generator=torch.Generator().manual_seed(42))
-        decoder.add(seeded)
-        for sequence in neighbours[others // 2:]:
-            decoder.add(sequence)
+        decoder.add([seeded, *neighbours[others // 2:]])  # its prompt's pass is shared with neighbours
         while decoder.rows:
             decoder.step()
         return seeded.token_ids

@@ -155,7 +155,8 @@ def test_concurrent_requests_are_all_answered(server):
 
 
 def test_serve_tool_runs_as_a_process(checkpoint):
-    with serve_tool(checkpoint, "--max-new-tokens-limit", "8", "--read-timeout", "5") as (port, _):
+    with serve_tool(checkpoint, "--max-new-tokens-limit", "8", "--read-timeout", "5", "--torch-threads", "1",
+                    env={"OMP_NUM_THREADS": "2"}) as (port, _):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("POST", "/generate", body=json.dumps({"prompt": "The river", "max_new_tokens": 9}))
         response = conn.getresponse()
@@ -164,4 +165,5 @@ def test_serve_tool_runs_as_a_process(checkpoint):
         response = conn.getresponse()
         assert response.status == 200 and len(json.loads(response.read())["completions"][0]["token_ids"]) == 4
         conn.close()
-        assert request(port, "GET", "/health")[1]["limits"]["read_timeout"] == 5.0
+        health = request(port, "GET", "/health")[1]
+        assert health["limits"]["read_timeout"] == 5.0 and health["torch_threads"] == 1

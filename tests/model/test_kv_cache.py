@@ -19,11 +19,17 @@ def test_rows_of_different_lengths_decode_as_they_would_alone(kind):
     continuations = [torch.randint(0, 400, (6,), generator=generator).tolist() for _ in prompts]
     batch = [BatchKVCache() for _ in model.layers]
     with torch.no_grad():
-        for prompt in prompts:  # each prompt fills a cache alone, which becomes a row
+        for prompt in prompts[:2]:  # each prompt fills a cache alone, which becomes a row
             alone = model.new_kv_caches()
             model(torch.tensor([prompt]), kv_caches=alone)
             for cache, filled in zip(batch, alone):
-                cache.add_row(filled.key, filled.value)
+                cache.add_rows(filled.key, filled.value, [len(prompt)])
+        padded = model.new_kv_caches()  # the long prompt beside a short one, right-padded to 20: rows 2 and 3
+        model(torch.tensor([prompts[2], [9, 9, 9] + [0] * 17]), kv_caches=padded)
+        for cache, filled in zip(batch, padded):
+            cache.add_rows(filled.key, filled.value, [20, 3])
+            assert cache.key[3, :, 3:].abs().max() == 0  # the padding's keys are not kept
+            cache.keep_rows([0, 1, 2])  # the short one leaves at once
         assert batch[0].row_lengths.tolist() == [1, 4, 20]
         steps = [model(torch.tensor([[c[i]] for c in continuations]), kv_caches=batch)[-1] for i in range(3)]
         for cache in batch:
