@@ -59,7 +59,8 @@ def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
     return Layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
                   rc.batch.micro_batch_size, recompute=rc.training.checkpoint_activations,
                   zero_stage=rc.deepspeed_zero_stage, precision=rc.model.params_dtype,
-                  partition_method=p.pp_partition_method, stage_layers=tuple(stage_layers))
+                  partition_method=p.pp_partition_method, stage_layers=tuple(stage_layers),
+                  hpz=p.zero_hpz_partition_size)
 
 
 def memory_section(rc: RunConfig, stage_layers: list[int], gpu) -> dict:

@@ -21,6 +21,11 @@ class Layout:
     # transformer layers on each stage when known from the real partition (pretrain_gpt.py --dry-run
     # takes DeepSpeed's); None: ``layers_per_stage``'s rule for ``partition_method``
     stage_layers: Optional[tuple[int, ...]] = None
+    hpz: int = 1                        # ZeRO-3 only: ZeRO++ hpZ, a secondary weight shard per group of hpz DP ranks
+
+    @property
+    def zero_label(self) -> str:
+        return f"{self.zero_stage}+hpZ{self.hpz}" if self.hpz > 1 else str(self.zero_stage)
 
     @property
     def world_size(self) -> int:
@@ -35,7 +40,7 @@ class Layout:
 
     def short(self) -> str:
         return (f"TP={self.tp} PP={self.pp} DP={self.dp} MBS={self.micro_batch_size} "
-                f"{'recompute' if self.recompute else 'no-recompute'} ZeRO-{self.zero_stage} {self.precision}")
+                f"{'recompute' if self.recompute else 'no-recompute'} ZeRO-{self.zero_label} {self.precision}")
 
 
 def stage_layer_counts(model: ModelShape, layout: Layout) -> list[int]:

@@ -93,8 +93,8 @@ def _sharded_static_bytes(n: int, layout: Layout) -> dict[str, float]:
 
     ZeRO-2: the full flat weights (2 or 4 bytes) N, fp32 master partition 4N/d, Adam 8N/d; gradients
         are reduced bucket by bucket into the partition's fp32 gradients (4N/d, during the step).
-    ZeRO-3: weight partition (2 or 4 bytes) N/d, fp32 masters 4N/d, a resident gradient partition in the
-        weights' dtype N/d, Adam 8N/d; the gathered working set (the layers being computed, prefetched) is
+    ZeRO-3: weight partition (2 or 4 bytes) N/d (+ N/K for hpZ's secondary shard over groups of K),
+        fp32 masters 4N/d, a resident gradient partition in the weights' dtype N/d, Adam 8N/d; the gathered working set (the layers being computed, prefetched) is
         not itemized, nor the parameters small enough to stay gathered (stage3_param_persistence_threshold).
     """
     d, width = layout.dp, (2 if layout.precision == "bf16" else 4)
@@ -103,8 +103,11 @@ def _sharded_static_bytes(n: int, layout: Layout) -> dict[str, float]:
                          f"(bf16 and fp32 are)")
     if layout.zero_stage == 2:
         return {"weights": width * n, "grad_buffer": 0.0, "master": 4 * n / d, "adam": 8 * n / d, "grads": 4 * n / d}
-    return {"weights": width * n / d, "grad_buffer": width * n / d, "master": 4 * n / d, "adam": 8 * n / d,
-            "grads": 0.0}
+    out = {"weights": width * n / d, "grad_buffer": width * n / d, "master": 4 * n / d, "adam": 8 * n / d,
+           "grads": 0.0}
+    if layout.hpz > 1:  # hpZ's secondary copy of the weights, sharded over the hpz ranks of a group
+        out["weights"] += width * n / layout.hpz
+    return out
 
 
 def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int) -> float:

@@ -146,7 +146,15 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
         # backward and reduce-scatters its gradients; no overlap with compute is assumed (pessimistic)
         width = 2 if layout.precision == "bf16" else 4
         scatter = m * _allgather_s(bytes_grad * n, layout.dp, dp_bw, latency)
-        gathers = _allgather_s(width * n, layout.dp, dp_bw, latency) * (2 * m if layout.zero_stage == 3 else 1)
+        gather = _allgather_s(width * n, layout.dp, dp_bw, latency)
+        if layout.zero_stage == 2:
+            gathers = gather
+        elif layout.hpz > 1:
+            # hpZ: the backward gathers run within a group of hpz DP ranks (NVLink while TP x hpz fits a node)
+            group_bw = gpu.nvlink_busbw_gbps if layout.tp * layout.hpz <= cluster.gpus_per_node else dp_bw
+            gathers = m * (gather + _allgather_s(width * n, layout.hpz, group_bw, latency))
+        else:
+            gathers = 2 * m * gather
         dp = scatter + gathers
     else:
         dp = _allreduce_s(bytes_grad * n, layout.dp, dp_bw, latency)

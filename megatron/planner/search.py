@@ -2,7 +2,8 @@
 
 Candidates: TP a divisor of the GPUs per node that divides the heads and the vocabulary, PP a
 divisor of num_gpus / TP no larger than the layer count, DP the rest, every micro-batch size in
-``micro_batch_sizes`` that divides global_batch / DP, recomputation on and off, ZeRO stage 0 and 1.
+``micro_batch_sizes`` that divides global_batch / DP, recomputation on and off, ZeRO stages 0 and 1 (any
+PP) and 2 and 3 (PP 1; ZeRO-3 also with hpZ groups of one node).
 A layout fits when its busiest stage's predicted memory is at most MEMORY_HEADROOM of the GPU's memory.
 """
 
@@ -31,7 +32,7 @@ class Plan:
         lay, st = self.layout, self.step
         return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
                 "num_micro_batches": self.num_micro_batches,
-                "recompute": lay.recompute, "zero_stage": lay.zero_stage,
+                "recompute": lay.recompute, "zero_stage": lay.zero_stage, "hpz": lay.hpz,
                 "memory_gib": round(self.memory.peak / 2 ** 30, 2), "peak_stage": self.memory.peak_stage,
                 "fits": self.fits, "step_s": round(st.step_s, 3),
                 "hardware_tflops_per_gpu": round(st.hardware_tflops_per_gpu, 1),
@@ -67,6 +68,10 @@ def candidate_layouts(model: ModelShape, num_gpus: int, gpus_per_node: int, glob
                         if zero >= 2 and pp > 1:
                             continue  # ZeRO-2/3 run on DeepSpeed's non-pipeline engine: one stage
                         out.append(Layout(tp, pp, dp, mbs, rc, zero, precision, partition_method))
+                        node_group = gpus_per_node // tp  # hpZ: one group per node
+                        if zero == 3 and 1 < node_group < dp and dp % node_group == 0:
+                            out.append(Layout(tp, pp, dp, mbs, rc, zero, precision, partition_method,
+                                              hpz=node_group))
     return out
 
 

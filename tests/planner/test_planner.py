@@ -123,7 +123,14 @@ def test_zero2_and_zero3_bytes_and_communication_by_hand():
     _, dp_bw, _ = _bandwidths(layout, gpu, cluster)
     one = _allgather_s(2 * params, 8, dp_bw, cluster.collective_latency_us)
     assert step.components_s["dp_comm"] == pytest.approx(4 * 3 * one)  # 2 gathers + 1 reduce-scatter each
-    # ZeRO-2/3 are candidates only without the pipeline, and never at DP 1
+    # hpZ (groups of 4 DP ranks in one node): a secondary shard of the weights, and the backward gathers in the group
+    hpz = Layout(1, 1, 8, 2, zero_stage=3, precision="bf16", hpz=4)
+    assert static_bytes(n, hpz)["weights"] == 2 * n / d + 2 * n / 4
+    in_group = _allgather_s(2 * params, 4, gpu.nvlink_busbw_gbps, cluster.collective_latency_us)
+    assert estimate_step(model, hpz, gpu, cluster, 1024, 64).components_s["dp_comm"] == pytest.approx(
+        4 * (2 * one + in_group))
+    # ZeRO-2/3 are candidates only without the pipeline, and never at DP 1; hpZ one group per node
     layouts = candidate_layouts(model, 16, 8, 64)
     assert {(lay.pp, lay.zero_stage) for lay in layouts if lay.zero_stage >= 2} == {(1, 2), (1, 3)}
     assert all(lay.dp > 1 for lay in layouts if lay.zero_stage >= 1)
+    assert {(lay.tp, lay.dp, lay.hpz) for lay in layouts if lay.hpz > 1} == {(1, 16, 8), (2, 8, 4), (4, 4, 2)}
