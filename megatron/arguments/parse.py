@@ -61,6 +61,7 @@ def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: Optional[i
         # bf16: ZeRO-1 partitions BF16_Optimizer's fp32 master weights over DP. fp32/fp16: stage 0, as a
         # ZeRO wrapper refuses the fp32 path's grad-norm-clipping client optimizer (megatron.engine.optimizer)
         args.zero_stage = int(stage) if stage is not None else (1 if args.bf16 else 0)
+    args.profile_ranks = tuple(args.profile_ranks)
     args.startup_warnings = tuple(_no_effect_warnings(args))
     if args.rank == 0:
         for message in args.startup_warnings:

@@ -305,6 +305,25 @@ def _logging(parser):
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="Peak TFLOP/s of one device, for the model-FLOPs utilization that is logged. Default: "
                         "the training loop's own estimate for the device. New in this project.")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=(0, 1, 2),
+                   help="Per-phase timers after the log line (ms per iteration, across ranks): 0 none (no "
+                        "overhead); 1 the step's phases (train-batch, optimizer-inner-step; forward-backward and "
+                        "optimizer under ZeRO-2/3); 2 also batch-generator (and forward-compute, backward-compute "
+                        "under ZeRO-2/3). 1 and 2 synchronize the device around each phase.")
+    g.add_argument("--timing-log-option", default="minmax", choices=("max", "minmax", "all"),
+                   help="Timers across ranks: the max, (min, max), or every rank's. TensorBoard gets the max.")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="Write memory each log interval: CUDA allocated / reserved bytes (mem-allocated-bytes, "
+                        "mem-max-allocated-bytes, ...), on CPU the process RSS (mem-rss-bytes, mem-max-rss-bytes).")
+    g.add_argument("--profile", action="store_true",
+                   help="Profile iterations --profile-step-start+1 .. --profile-step-end: nsys ranges "
+                        "(cudaProfilerStart/Stop; CUDA only), or torch.profiler with --use-pytorch-profiler.")
+    g.add_argument("--profile-step-start", type=int, default=10, help="Iterations completed before the window.")
+    g.add_argument("--profile-step-end", type=int, default=12, help="The last iteration of the window.")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=(), help="Ranks to profile. Default: all.")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="With --profile: torch.profiler, its trace (*.pt.trace.json) written into "
+                        "--tensorboard-dir for TensorBoard's profiler plugin.")
 
 
 def _exit(parser):

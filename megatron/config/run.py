@@ -270,6 +270,16 @@ class LoggingConfig:
     log_batch_size_to_tensorboard: bool = False
     log_validation_ppl_to_tensorboard: bool = False
     peak_tflops: Optional[float] = None    # device peak TFLOP/s for utilization (MFU); None: the loop's own guess
+    timing_log_level: int = 0              # 0: iteration time only; 1: per-step phases; 2: per-micro-batch ones too
+    timing_log_option: str = "minmax"      # across ranks: 'max', 'minmax' or 'all' (every rank)
+    log_memory_to_tensorboard: bool = False  # device (CUDA) or process (CPU RSS) memory, each log interval
+    # A profiling window over iterations START+1 .. END (Megatron's counting): nsys ranges on CUDA, or
+    # torch.profiler with use_pytorch_profiler, its trace written into tensorboard_dir.
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple[int, ...] = ()    # () profiles every rank
+    use_pytorch_profiler: bool = False
 
     def validate(self) -> "LoggingConfig":
         _positive("--log-interval", self.log_interval)
@@ -277,7 +287,27 @@ class LoggingConfig:
         _positive("--tensorboard-log-interval", self.tensorboard_log_interval)
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"--peak-tflops must be positive, got {self.peak_tflops}")
+        if self.timing_log_level not in (0, 1, 2):
+            raise ValueError(f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}")
+        if self.timing_log_option not in ("max", "minmax", "all"):
+            raise ValueError(f"--timing-log-option must be max, minmax or all, got {self.timing_log_option!r}")
+        if self.log_memory_to_tensorboard and not self.tensorboard_dir:
+            raise ValueError("--log-memory-to-tensorboard needs --tensorboard-dir")
+        if self.profile:
+            self._validate_profile()
+        elif self.use_pytorch_profiler:
+            raise ValueError("--use-pytorch-profiler only chooses the profiler of --profile; add --profile")
         return self
+
+    def _validate_profile(self) -> None:
+        start, end = self.profile_step_start, self.profile_step_end
+        if start < 0 or end <= start:
+            raise ValueError(f"--profile-step-start {start} --profile-step-end {end}: need 0 <= START < END "
+                             f"(iterations START+1 .. END are profiled)")
+        if self.use_pytorch_profiler and not self.tensorboard_dir:
+            raise ValueError("--profile --use-pytorch-profiler writes its trace into --tensorboard-dir; give one")
+        if any(rank < 0 for rank in self.profile_ranks):
+            raise ValueError(f"--profile-ranks must be ranks >= 0, got {list(self.profile_ranks)}")
 
 
 @dataclasses.dataclass(frozen=True)

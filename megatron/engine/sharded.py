@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import RunConfig
+from megatron.engine.timers import NO_TIMERS
 from megatron.parallel.random import tracked_checkpoint_func
 from megatron.model import GPTModel
 from megatron.parallel.random import RNGStatesTracker
@@ -167,6 +168,7 @@ class ShardedEngine:
         self.state = state
         self.mpu = mpu
         self.hpz_ranks = hpz_ranks  # this rank's hpZ group (world ranks), or None
+        self.phase_timers = NO_TIMERS  # the training loop sets its own (--timing-log-level)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -187,10 +189,16 @@ class ShardedEngine:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; their mean loss."""
         steps = self.engine.gradient_accumulation_steps()
         total = torch.zeros((), device=self.engine.device)
+        timers = self.phase_timers
         for _ in range(steps):
-            loss = self._loss(next(data_iter))
-            self.engine.backward(loss)  # scaled by 1 / steps inside, as the pipeline engine does
-            self.engine.step()          # applies the update at the accumulation boundary only
+            with timers("forward-backward", 1):
+                micro_batch = next(data_iter)  # the training loop times it ('batch-generator')
+                with timers("forward-compute", 2):
+                    loss = self._loss(micro_batch)
+                with timers("backward-compute", 2):
+                    self.engine.backward(loss)  # scaled by 1 / steps inside, as the pipeline engine does
+            with timers("optimizer", 1):
+                self.engine.step()  # applies the update at the accumulation boundary only
             total += loss.detach().float()
         return self._mean_over_data_parallel(total, steps)
 

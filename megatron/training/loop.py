@@ -18,11 +18,15 @@ import time
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron.config import RunConfig
+from megatron.engine.timers import PhaseTimers, time_optimizer_inner_step
 from megatron.training.exit import ExitMonitor
 from megatron.training.metrics import (TrainingLogger, current_device_name, peak_tflops_for_device,
                                       throughput_metrics)
+from megatron.training.profiling import ProfilerWindow
+from megatron.training.timing import format_timers, gather_timers, memory_scalars, timer_scalars
 
 
 class NonFiniteLossError(RuntimeError):
@@ -72,6 +76,20 @@ class Trainer:
         # MFU needs the device's peak: known GPUs by name, or --peak-tflops; None on CPU (TFLOPs only).
         self.peak_tflops = peak_tflops_for_device(current_device_name(), rc.logging.peak_tflops)
         self._consecutive_nonfinite = 0
+        self._setup_instruments()
+
+    def _setup_instruments(self) -> None:
+        """The phase timers (--timing-log-level), shared with the engine, and the --profile window."""
+        log = self.rc.logging
+        self.device = getattr(self.engine, "device", None)
+        on_cuda = isinstance(self.device, torch.device) and self.device.type == "cuda"
+        self.timers = PhaseTimers(log.timing_log_level, torch.cuda.synchronize if on_cuda else None)
+        if hasattr(self.engine, "phase_timers"):  # ShardedEngine times its forward-backward and optimizer
+            self.engine.phase_timers = self.timers
+        time_optimizer_inner_step(getattr(self.engine, "optimizer", None), self.timers)
+        if log.timing_log_level >= 2:
+            self.train_iterator = _TimedIterator(self.train_iterator, self.timers)
+        self.profiler = ProfilerWindow(log, dist.get_rank() if dist.is_initialized() else 0)
 
     # ---- schedule ---------------------------------------------------------------------------
     def _done(self) -> bool:
@@ -108,8 +126,9 @@ class Trainer:
             self.lr_scheduler.step(gbs)  # the schedule follows consumed samples, trained on or not
             record = IterationRecord(iteration, float("nan"), None, self.lr_scheduler.get_lr(), gbs, True)
         else:
-            loss = self.engine.train_batch(self.train_iterator)
-            loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)
+            with self.timers("train-batch", 1):
+                loss = self.engine.train_batch(self.train_iterator)
+                loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)
             applied = self.engine.was_step_applied()
             grad_norm = self.engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None else None
@@ -162,6 +181,7 @@ class Trainer:
         trained = [r for r in records if math.isfinite(r.loss)]
         loss = sum(r.loss for r in trained) / len(trained) if trained else float("nan")
         ms = 1000.0 * elapsed_s / len(records)
+        timers_text = self._report_instruments(last.iteration, len(records))
         rates = throughput_metrics(self.rc.model, last.global_batch_size, self.rc.training.checkpoint_activations,
                                    max(ms, 1e-9) / 1000.0, self.world_size, self.peak_tflops)
         self.logger.training(tflops_per_gpu=rates["hardware_tflops_per_gpu"],
@@ -171,18 +191,38 @@ class Trainer:
                              consumed_tokens=self.progress.consumed_tokens, elapsed_ms_per_iter=ms, lr=last.lr,
                              global_batch_size=last.global_batch_size, loss=loss, grad_norm=last.grad_norm,
                              skipped=self.progress.skipped_iterations, nan_iters=self.progress.nonfinite_iterations,
-                             seq_length=self.rc.data.seq_length, world_size=self.world_size)
+                             seq_length=self.rc.data.seq_length, world_size=self.world_size, timers=timers_text)
+
+    def _report_instruments(self, iteration: int, num_iterations: int) -> str:
+        """Timers across ranks (a collective, every rank) and memory to TensorBoard; the log line's part."""
+        log = self.rc.logging
+        if log.log_memory_to_tensorboard:
+            self.logger.write_scalars(memory_scalars(self.device), iteration)
+        if log.timing_log_level == 0:
+            return ""
+        per_rank = gather_timers(self.timers.elapsed_ms(), num_iterations)
+        if log.log_timers_to_tensorboard:
+            self.logger.write_scalars(timer_scalars(per_rank), iteration)
+        return format_timers(per_rank, log.timing_log_option)
 
     def train(self) -> str:
         """Train until the end of the schedule or an exit condition; return the exit reason ('' at the end)."""
-        log_interval = self.rc.logging.log_interval
-        ckpt, t = self.rc.checkpoint, self.rc.training
         pending: list[IterationRecord] = []
         window_start = time.time()
         self.engine.train()
+        try:
+            return self._train_loop(pending, window_start)
+        finally:
+            self.profiler.close()
+
+    def _train_loop(self, pending: list[IterationRecord], window_start: float) -> str:
+        log_interval = self.rc.logging.log_interval
+        ckpt, t = self.rc.checkpoint, self.rc.training
         while not self._done():
             step_start = time.time()
+            self.profiler.before_step(self.progress.iteration)
             record = self.train_step()
+            self.profiler.after_step(self.progress.iteration)
             if t.torch_compile and len(self.history) == 1:
                 self.logger.print_fn(f"torch.compile: iteration {record.iteration} took {time.time() - step_start:.1f} s, "
                              f"compiling the transformer layers' forward and backward included", flush=True)
@@ -210,3 +250,18 @@ class Trainer:
         if ckpt.save and self.save_fn is not None and not (ckpt.save_interval and self.progress.iteration % ckpt.save_interval == 0):
             self.save_fn(self.progress)
         return ""
+
+
+class _TimedIterator:
+    """The training batches, each ``next`` timed as Megatron's 'batch-generator' (level 2)."""
+
+    def __init__(self, iterator, timers: PhaseTimers):
+        self.iterator = iterator
+        self.timers = timers
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        with self.timers("batch-generator", 2):
+            return next(self.iterator)

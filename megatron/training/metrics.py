@@ -83,7 +83,7 @@ class TrainingLogger:
                  elapsed_ms_per_iter: float, lr: float, global_batch_size: int, loss: float,
                  grad_norm: Optional[float], skipped: int, nan_iters: int, seq_length: int,
                  tflops_per_gpu: float, world_size: int, model_tflops_per_gpu: Optional[float] = None,
-                 mfu: Optional[float] = None) -> str:
+                 mfu: Optional[float] = None, timers: str = "") -> str:
         samples_per_s = global_batch_size / (elapsed_ms_per_iter / 1000.0) if elapsed_ms_per_iter > 0 else 0.0
         tokens_per_s = samples_per_s * seq_length
         line = (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:12d} | "
@@ -97,6 +97,7 @@ class TrainingLogger:
             line += f" model TFLOPs: {model_tflops_per_gpu:.3g} |"
         if mfu is not None:
             line += f" MFU: {100 * mfu:.1f}% |"
+        line += timers  # --timing-log-level: megatron.training.timing.format_timers
         self.print_fn(line, flush=True)
         if self.log_timers and self.writer is not None:
             self.writer.add_scalar("iteration-time/iteration-time", elapsed_ms_per_iter / 1000.0, iteration)
@@ -106,6 +107,12 @@ class TrainingLogger:
             if mfu is not None:
                 self.writer.add_scalar("iteration-time/MFU", mfu, iteration)
         return line
+
+    def write_scalars(self, values: dict[str, float], iteration: int) -> None:
+        """Flat tags (timers, memory), as Megatron-LM writes them."""
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, iteration)
 
     def scalars(self, *, iteration: int, consumed_samples: int, consumed_tokens: int, loss: float, lr: float,
                 global_batch_size: int, grad_norm: Optional[float]) -> None:

@@ -40,6 +40,7 @@ from megatron.training.loop import Progress, Trainer
 from megatron.training.lr_schedule import LRScheduler
 from megatron.training.metrics import TrainingLogger
 from megatron.training.microbatches import build_num_microbatches_calculator
+from megatron.training.profiling import check_profiler_device
 
 
 @dataclasses.dataclass
@@ -85,6 +86,7 @@ def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> d
 def pretrain(rc: RunConfig) -> PretrainResult:
     start = time.time()
     point = resume_point(rc)  # a checkpoint that cannot be resumed fails here, before any process group
+    check_profiler_device(rc.logging)
     p = rc.parallel
     info = init_process_group(p.distributed_backend, p.distributed_timeout_minutes)
     init_deepspeed_comm(p.distributed_backend, timeout_s=60.0 * p.distributed_timeout_minutes)
