@@ -25,19 +25,27 @@ UNIVERSAL_CHECKPOINT_INFO = C.UNIVERSAL_CHECKPOINT_INFO
 _ANY_PREFIX = r"^(?:.*\.)?"
 
 
-def _pattern(param: ParameterLayout) -> str:
+def _pattern(param: ParameterLayout, naming: str) -> str:
     """A pattern for ``param`` in every layer of its kind: its name inside the layer, or, for a module
-    staged directly as a pipeline layer (a bare ``weight``), that name under the layer's index."""
+    staged directly as a pipeline layer (a bare ``weight``), that name under the layer's index (pipeline
+    naming) or its GPTModel name (``final_layernorm.weight``; model naming)."""
     if "." in param.local_name:
         return _ANY_PREFIX + re.escape(param.local_name) + "$"
+    if naming == "model":
+        return _ANY_PREFIX + re.escape(param.name) + "$"
     return _ANY_PREFIX + rf"{param.pipeline_index}\." + re.escape(param.local_name) + "$"
 
 
-def _patterns(params) -> list[str]:
-    return list(dict.fromkeys(_pattern(p) for p in params))  # ordered, without repeats
+def universal_checkpoint_info(config: ModelConfig, naming: str = "pipeline") -> dict:
+    """``naming``: "pipeline" for the pipeline engine's parameter names, "model" for GPTModel's (ZeRO-2/3 on
+    DeepSpeed's non-pipeline engine, megatron.engine.sharded). DeepSpeed's converter refuses a pattern
+    that matches nothing, so the lists follow the names the checkpoint holds."""
+    if naming not in ("pipeline", "model"):
+        raise ValueError(f"naming must be 'pipeline' or 'model', got {naming!r}")
 
+    def _patterns(params) -> list[str]:
+        return list(dict.fromkeys(_pattern(p, naming) for p in params))  # ordered, without repeats
 
-def universal_checkpoint_info(config: ModelConfig) -> dict:
     layout = parameter_layout(config).values()
     return {
         C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE,

@@ -79,7 +79,8 @@ def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> d
     Megatron's own top-level keys ('args', 'checkpoint_version'; 'iteration' is added by the writer)."""
     counters = dataclasses.asdict(progress)
     return {"progress": counters, "lr_scheduler": lr_scheduler.state_dict(), "rng": training_io.rng_state(tracker),
-            UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(rc.model),
+            UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(rc.model,
+                                                                 "model" if rc.sharded_data_parallel else "pipeline"),
             "args": run_state.megatron_args(rc, counters), "checkpoint_version": run_state.MEGATRON_CHECKPOINT_VERSION}
 
 
@@ -198,6 +199,14 @@ def resume_point(rc: RunConfig, tag: Optional[str] = None) -> Optional[tuple[str
                          f"weights with a new schedule")
     if not ck.universal_checkpoint:
         _check_same_layout(rc, os.path.join(ck.load, tag), saved.get("parallel", {}))
+    elif (saved.get("parallel", {}).get("zero_stage", 0) >= 2) != rc.sharded_data_parallel:
+        # the universal files are named after the engine's parameters: GPTModel's under ZeRO-2/3, the
+        # pipeline module's otherwise
+        was = f"ZeRO-{saved['parallel']['zero_stage']}" if rc.sharded_data_parallel is False else "the pipeline engine"
+        raise ValueError(f"{os.path.join(ck.load, tag)} is a universal checkpoint of a run on {was}; it loads into "
+                         f"runs of the same kind only (any TP and DP): "
+                         + ("add --zero-stage 3 --pipeline-model-parallel-size 1" if not rc.sharded_data_parallel
+                            else "use --zero-stage 0 or 1") + ". Between ZeRO-3 and 3D layouts is not supported yet")
     return tag, saved
 
 

@@ -217,17 +217,28 @@ def test_a_crafted_zero3_file_is_refused_by_name(runs, tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_universal_conversion_of_a_zero3_checkpoint_is_refused_by_name(runs, tmp_path):
+def test_a_zero3_checkpoint_reshapes_through_a_universal_checkpoint(runs, tiny_corpus, tmp_path):
+    """ZeRO-3 at TP=2 x DP=2, converted by ds_to_universal.py, resumes at TP=1 x DP=4 exactly on the straight
+    run's losses; a 3D run refuses it by name."""
     import os
     import subprocess
     import sys
 
     from tests.conftest import REPO_ROOT
 
-    *_, saves = runs
+    argv, _, by_rank, saves = runs
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_checkpoint/ds_to_universal.py"),
                            "--input_folder", os.path.join(saves["zero3"], "global_step5"),
-                           "--output_folder", str(tmp_path / "universal")],
+                           "--output_folder", os.path.join(saves["zero3"], "global_step5_universal")],
                           capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-    assert proc.returncode != 0 and "was saved with --zero-stage 3" in proc.stderr, proc.stderr[-2000:]
-    assert not (tmp_path / "universal").exists()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = run_distributed(_train, world_size=4, timeout=600, args=(
+        [_layout(argv, "--zero-stage", 3, "--load", saves["zero3"], "--universal-checkpoint")],))
+    straight = by_rank[0]["zero3 tp2 dp2"]
+    for rank, (run,) in enumerate(resumed):
+        assert run["iterations"] == list(range(6, 11)), run["iterations"]
+        for i, (a, b) in enumerate(zip(straight["losses"][5:], run["losses"])):
+            assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank}: iteration {i + 6} loss {b} vs {a} straight"
+    error = run_distributed(pretrain_error, world_size=4, timeout=300, args=(
+        _layout(argv, "--zero-stage", 1, "--load", saves["zero3"], "--universal-checkpoint"),))[0]
+    assert error and "universal checkpoint of a run on ZeRO-3" in error and "--zero-stage 3" in error, error

@@ -14,6 +14,8 @@ Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), whic
   - records the checksums of every output file, copies our ``run_state.json`` and marks the output
     ``complete`` last (our loader refuses tags without it), so a crashed conversion is never loaded
     and a damaged one is named when loaded.
+A ZeRO-3 checkpoint converts too, and loads into a ZeRO-3 run of any TP and DP (not yet into a 3D
+one, nor a 3D one into ZeRO-3; a ZeRO-2 checkpoint is refused).
 Options other than the two folders are passed through to DeepSpeed's converter.
 """
 
@@ -43,10 +45,10 @@ def main(argv=None) -> int:
                          f"(was the save interrupted?); convert a complete one")
     with open(os.path.join(known.input_folder, RUN_STATE)) as f:
         stage = json.load(f).get("parallel", {}).get("zero_stage", 0)
-    if stage >= 2:
-        raise SystemExit(f"{known.input_folder} was saved with --zero-stage {stage} (DeepSpeed's non-pipeline engine); "
-                         f"converting it to a universal checkpoint is not supported yet. Its weights export "
-                         f"(tools/convert_checkpoint/to_hf.py) and resume at its own TP and DP")
+    if stage == 2:
+        raise SystemExit(f"{known.input_folder} was saved with --zero-stage 2; converting a ZeRO-2 checkpoint to a "
+                         f"universal one is not supported yet (ZeRO-3's is). Its weights export "
+                         f"(tools/convert_checkpoint/to_hf.py) and it resumes at its own TP and DP")
     problems = verify_checksums(known.input_folder, distributed=False)
     if problems:
         raise SystemExit(f"{known.input_folder} is damaged: " + "; ".join(problems)
