@@ -156,7 +156,6 @@ class SelfAttention(nn.Module):
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         if kv_cache is not None:
             key, value = kv_cache.append(key, value)  # 2 x [sk, b, ng, hn]
-        sk = key.shape[0]
 
         # SDPA wants [b, np, s, hn]. Its fused kernels accumulate the softmax in fp32.
         query = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
