@@ -24,10 +24,6 @@ from megatron.planner import CLUSTERS, GPUS, MODEL_SIZES, ModelShape, plan_layou
 from megatron.planner.specs import DEFAULT_CLUSTER, GiB
 
 
-def _zero(row: dict) -> str:
-    return f"{row['zero_stage']}+hpZ{row['hpz']}" if row.get("hpz", 1) > 1 else str(row["zero_stage"])
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(MODEL_SIZES),
@@ -96,7 +92,7 @@ def format_table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
         lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['micro_batch_size']:>3} "
-                     f"{r['num_micro_batches']:>5} {'yes' if r['recompute'] else 'no':>6} {_zero(r):>8} "
+                     f"{r['num_micro_batches']:>5} {'yes' if r['recompute'] else 'no':>6} {r['zero']:>8} "
                      f"{r['memory_gib']:>8.1f} {r['step_s']:>8.2f} {r['hardware_tflops_per_gpu']:>9.1f} "
                      f"{r['model_tflops_per_gpu']:>10.1f} {r['mfu']:>6.3f} {r['bubble_fraction']:>6.3f} "
                      f"{r['tokens_per_s']:>10.0f}" + ("" if r["fits"] else "  (does not fit)"))

@@ -73,9 +73,14 @@ def _serve_tensor_parallel(args, limits, model_name: str) -> int:
 
     from megatron.inference.batching import BatchRunner
     from megatron.inference.server import make_server
-    from megatron.inference.tp import BroadcastRunner, follow, init_serving_group, serving_device
+    import torch
 
-    state = init_serving_group()
+    from megatron.inference.tp import BroadcastRunner, follow, serving_device
+    from megatron.parallel.state import ParallelState
+    from megatron.training.distributed import init_process_group  # the training jobs' own join
+
+    info = init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    state = ParallelState.create(tp=info.world_size, pp=1, dp=1)  # one tensor-parallel group of all ranks
     generator = load_generator(args, parallel_state=state)
     generator.model.to(serving_device())
     try:

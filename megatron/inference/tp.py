@@ -15,34 +15,18 @@ do not time out; rank 0 stopping sends "stop" and every rank exits.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron.config.launch import detect_launch
 from megatron.inference.batching import BatchRunner
-from megatron.parallel.state import ParallelState
 
-__all__ = ["init_serving_group", "BroadcastRunner", "follow"]
+__all__ = ["BroadcastRunner", "follow", "serving_device"]
 
 logger = logging.getLogger(__name__)
-
-
-def init_serving_group(backend: Optional[str] = None, timeout_minutes: float = 10.0) -> ParallelState:
-    """Join the launch's process group (torchrun's variables) as one tensor-parallel group of all ranks."""
-    info = detect_launch()
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(info.local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size,
-                                init_method=f"tcp://{info.master_addr}:{info.master_port}",
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
-    return ParallelState.create(tp=info.world_size, pp=1, dp=1)
 
 
 def serving_device() -> torch.device:

@@ -32,7 +32,7 @@ class Plan:
         lay, st = self.layout, self.step
         return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
                 "num_micro_batches": self.num_micro_batches,
-                "recompute": lay.recompute, "zero_stage": lay.zero_stage, "hpz": lay.hpz,
+                "recompute": lay.recompute, "zero_stage": lay.zero_stage, "hpz": lay.hpz, "zero": lay.zero_label,
                 "memory_gib": round(self.memory.peak / 2 ** 30, 2), "peak_stage": self.memory.peak_stage,
                 "fits": self.fits, "step_s": round(st.step_s, 3),
                 "hardware_tflops_per_gpu": round(st.hardware_tflops_per_gpu, 1),

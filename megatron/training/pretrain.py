@@ -202,7 +202,7 @@ def resume_point(rc: RunConfig, tag: Optional[str] = None) -> Optional[tuple[str
     elif (saved.get("parallel", {}).get("zero_stage", 0) >= 2) != rc.sharded_data_parallel:
         # the universal files are named after the engine's parameters: GPTModel's under ZeRO-2/3, the
         # pipeline module's otherwise
-        was = f"ZeRO-{saved['parallel']['zero_stage']}" if rc.sharded_data_parallel is False else "the pipeline engine"
+        was = "the pipeline engine" if rc.sharded_data_parallel else f"ZeRO-{saved['parallel']['zero_stage']}"
         raise ValueError(f"{os.path.join(ck.load, tag)} is a universal checkpoint of a run on {was}; it loads into "
                          f"runs of the same kind only (any TP and DP): "
                          + ("add --zero-stage 3 --pipeline-model-parallel-size 1" if not rc.sharded_data_parallel

@@ -1,4 +1,6 @@
-"""The ``files`` fixture of the command-line tests."""
+"""The ``files`` fixtures of the command-line tests."""
+
+import shutil
 
 import pytest
 
@@ -14,3 +16,12 @@ def files(tmp_path):
     for name in ("vocab.json", "merges.txt"):
         (tmp_path / name).write_text("")
     return tmp_path
+
+
+@pytest.fixture
+def tokenizer_files(files, tiny_corpus):
+    """``files`` with a real GPT-2 tokenizer (the tiny corpus's) in place of the empty files: for the dry
+    run, which builds it."""
+    shutil.copy(tiny_corpus["vocab_file"], files / "vocab.json")
+    shutil.copy(tiny_corpus["merge_file"], files / "merges.txt")
+    return files

@@ -1,7 +1,6 @@
 """check_argv (pretrain_gpt.py --dry-run): every problem at once, what could not be checked said, and the
 dry-run flags refused by a real run."""
 
-import shutil
 
 import pytest
 
@@ -11,11 +10,9 @@ from tests.arguments.helpers import ds_json, tiny_config_argv
 
 
 @pytest.fixture
-def files(files, tiny_corpus):
-    """The ``files`` of the command-line tests with a real GPT-2 tokenizer (the dry run builds it)."""
-    shutil.copy(tiny_corpus["vocab_file"], files / "vocab.json")
-    shutil.copy(tiny_corpus["merge_file"], files / "merges.txt")
-    return files
+def files(tokenizer_files):
+    """The dry run builds the tokenizer: a real one (conftest's ``tokenizer_files``)."""
+    return tokenizer_files
 
 
 def test_a_valid_command_gives_the_run_config_of_the_public_path(files):

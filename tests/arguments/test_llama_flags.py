@@ -1,7 +1,6 @@
 """Llama-style flags (issue 15): Megatron-DeepSpeed's and Megatron-LM's spellings reach one ModelConfig, and
 every combination that cannot work is refused before launch, by the real path and by --dry-run alike."""
 
-import shutil
 
 import pytest
 
@@ -101,27 +100,20 @@ def test_add_qkv_bias_without_disable_bias_linear_warns(files):
     assert any("--add-qkv-bias has no effect" in w for w in config.startup_warnings)
 
 
-@pytest.fixture
-def real_tokenizer(files, tiny_corpus):
-    shutil.copy(tiny_corpus["vocab_file"], files / "vocab.json")
-    shutil.copy(tiny_corpus["merge_file"], files / "merges.txt")
-    return files
-
-
-def test_dry_run_knows_the_llama_flags(real_tokenizer):
-    argv = tiny_config_argv(real_tokenizer) + LLAMA + ["--dry-run", "--world-size", "2",
+def test_dry_run_knows_the_llama_flags(tokenizer_files):
+    argv = tiny_config_argv(tokenizer_files) + LLAMA + ["--dry-run", "--world-size", "2",
                                                        "--tensor-model-parallel-size", "2"]
     check = check_argv(argv)
     assert check.ok, check.problems
     assert check.run_config.model == run_config_from_argv(argv, world_size=2).model
 
 
-def test_dry_run_lists_llama_problems_beside_others(real_tokenizer):
-    argv = tiny_config_argv(real_tokenizer, micro_batch_size=None) + [
+def test_dry_run_lists_llama_problems_beside_others(tokenizer_files):
+    argv = tiny_config_argv(tokenizer_files, micro_batch_size=None) + [
         "--num-query-groups", "2", "--dry-run", "--world-size", "1"]
     problems = check_argv(argv).problems
     assert any("--num-query-groups 2 needs --group-query-attention" in p for p in problems), problems
     assert any("--micro-batch-size" in p for p in problems), problems
-    argv = tiny_config_argv(real_tokenizer) + ["--num-key-value-heads", "1", "--tensor-model-parallel-size", "2",
+    argv = tiny_config_argv(tokenizer_files) + ["--num-key-value-heads", "1", "--tensor-model-parallel-size", "2",
                                                "--dry-run", "--world-size", "2"]
     assert any("--num-key-value-heads 1 is not divisible" in p for p in check_argv(argv).problems)

@@ -20,7 +20,6 @@ Options other than the two folders are passed through to DeepSpeed's converter.
 """
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -32,6 +31,7 @@ def main(argv=None) -> int:
     from deepspeed.checkpoint import ds_to_universal as converter
 
     from megatron.checkpoint.integrity import record_checksums, verify_checksums
+    from megatron.checkpoint.run_state import load_run_state
     from megatron.checkpoint.safe_load import only_safe_loading
     from megatron.checkpoint.tags import COMPLETE_MARKER, RUN_STATE, write_complete_marker
     from megatron.engine.checkpoint_engine import DEEPSPEED_GLOBALS
@@ -43,8 +43,8 @@ def main(argv=None) -> int:
     if not os.path.isfile(os.path.join(known.input_folder, COMPLETE_MARKER)):
         raise SystemExit(f"{known.input_folder} has no '{COMPLETE_MARKER}' marker: it is not a finished checkpoint "
                          f"(was the save interrupted?); convert a complete one")
-    with open(os.path.join(known.input_folder, RUN_STATE)) as f:
-        stage = json.load(f).get("parallel", {}).get("zero_stage", 0)
+    tag_dir = os.path.normpath(known.input_folder)
+    stage = load_run_state(os.path.dirname(tag_dir), os.path.basename(tag_dir)).get("parallel", {}).get("zero_stage", 0)
     if stage == 2:
         raise SystemExit(f"{known.input_folder} was saved with --zero-stage 2; converting a ZeRO-2 checkpoint to a "
                          f"universal one is not supported yet (ZeRO-3's is). Its weights export "
