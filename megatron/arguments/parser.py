@@ -362,10 +362,12 @@ def _speed(parser):
                         "materialized [np, s, s] bias), flex (torch's flex_attention compiled, ALiBi as a score_mod "
                         "and a causal block mask: no [np, s, s] tensor; needs --attention-dropout 0), flash "
                         "(FlashAttention-2 with alibi_slopes; needs the flash-attn package and a CUDA GPU, bf16 / "
-                        "fp16). auto: sdpa on CPU (measured faster); on CUDA flash where installed, else flex for "
-                        "ALiBi without attention dropout, else sdpa. Incremental decoding always uses sdpa. "
-                        "Megatron-LM's flag of this name selects Transformer Engine kernels (flash, fused, unfused, "
-                        "local); of those only flash exists here.")
+                        "fp16), unfused (Megatron-LM's name: plain matmuls and an fp32 softmax, keeping the [np, s, s] "
+                        "probabilities; fused by --torch-compile). auto: on CPU unfused inside --torch-compile's "
+                        "layers up to s = 1024, else sdpa (both measured fastest there); on CUDA flash where "
+                        "installed, else flex for ALiBi without attention dropout, else sdpa. Incremental decoding "
+                        "always uses sdpa. Megatron-LM's flag of this name selects Transformer Engine kernels "
+                        "(flash, fused, unfused, local); flash and unfused exist here.")
     g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
                    help="Megatron-LM's recomputation: full = --checkpoint-activations (every layer's activations "
                         "recomputed in backward, --recompute-num-layers layers per chunk); selective = only the "

@@ -8,7 +8,7 @@ from typing import Optional
 POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi", "none")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 PARAMS_DTYPES = ("fp32", "bf16", "fp16")
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash", "unfused")
 
 
 def swiglu_default_ffn_size(hidden_size: int) -> int:
@@ -78,7 +78,7 @@ class ModelConfig:
     original_vocab_size: Optional[int] = None      # the tokenizer's vocabulary before padding
     seed: int = 1234                       # initialization seed (each layer's weights depend on it and its index only)
     # How, not what: execution choices a checkpoint does not record (like the dropout rates above).
-    attention_backend: str = "auto"        # auto | sdpa | flex | flash: the attention core's kernel (attention_core.py)
+    attention_backend: str = "auto"        # auto | sdpa | flex | flash | unfused: the attention core's kernel (attention_core.py)
     # --recompute-granularity selective: keep only the attention core's inputs (q, k, v) in forward and recompute
     # softmax(QK^T)V in backward (Korthikanti et al. 2022: the 5as/h part of the activations, for little compute).
     recompute_core_attention: bool = False

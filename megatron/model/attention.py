@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.model.attention_core import flash_core_attention, flex_core_attention, resolve_attention_backend
+from megatron.model.attention_core import (flash_core_attention, flex_core_attention, resolve_attention_backend,
+                                           unfused_core_attention)
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.kv_cache import BatchKVCache
 from megatron.model.positional import alibi_bias, alibi_slopes_for_rank, apply_rotary, rotary_cos_sin
@@ -188,6 +189,8 @@ class SelfAttention(nn.Module):
             if backend == "flash":
                 return flash_core_attention(query, key, value, self.alibi_slopes, dropout_p, scale)
             mask = self._attention_mask(positions, offset, key.shape[2], query.dtype)
+            if backend == "unfused":
+                return unfused_core_attention(query, key, value, mask, dropout_p, scale)  # [b, np, sq, hn]
             # enable_gqa: query head i attends with key / value head i // (np / ng), as the layout groups them.
             gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
             return F.scaled_dot_product_attention(

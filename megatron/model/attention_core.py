@@ -6,14 +6,21 @@
            each score), causality as a block mask; no [np, s, s] tensor exists. No dropout. torch 2.13 has no
            flex backward on CPU: there the forward is flex and the backward recomputes the attention per block
            of FLEX_CPU_BACKWARD_BLOCK queries with SDPA autograd ([np, block, sk] at a time, never [np, s, s]).
+    unfused  Megatron-LM's name: Q K^T, the bias or mask added, softmax in fp32, dropout, times V, as plain
+           matmuls. It keeps the [b, np, sq, sk] probabilities for backward (s^2 memory, like transformers'
+           eager Bloom attention), but under --torch-compile inductor fuses the scale, bias, mask and softmax
+           around two matmuls, which on the CPU beats SDPA's fused kernel at short sequences (measured in
+           benchmarks/bench_train_vs_transformers.py).
     flash  FlashAttention-2's flash_attn_func (the optional ``flash-attn`` package; CUDA, bf16 / fp16) with
            its alibi_slopes and causal=True: -slope * |i - j| on visible keys is exactly our bias. It cannot
            run here (no GPU, no package): written to its documented interface, untested.
 
 ``resolve_attention_backend`` turns --attention-backend (auto or a name) into the kernel of one call;
-``auto`` picks sdpa on CPU (measured faster at every length, docs/performance.md), on CUDA flash where the
-package is importable and the dtype allows, else flex for ALiBi (SDPA's bias rules out its flash kernels),
-else sdpa (is_causal reaches the flash kernels). Incremental decoding with a KV cache is always sdpa.
+``auto`` picks, on CPU, unfused while torch.compile traces the layer (--torch-compile) and sq x sk is at most
+UNFUSED_AUTO_MAX_SCORES, else sdpa (eager SDPA was measured faster than flex at every length,
+docs/performance.md); on CUDA flash where the package is importable and the dtype allows, else flex for ALiBi
+(SDPA's bias rules out its flash kernels), else sdpa (is_causal reaches the flash kernels). Incremental
+decoding with a KV cache is always sdpa.
 
 Shape letters: s sequence (sq queries, sk keys), b micro-batch, np heads per partition, ng key / value heads
 per partition, hn head dim.
@@ -30,10 +37,11 @@ import torch.nn.functional as F
 
 from megatron.model.positional import alibi_bias
 
-__all__ = ["FLEX_CPU_BACKWARD_BLOCK", "flash_attn_available", "resolve_attention_backend",
-           "flex_core_attention", "flash_core_attention"]
+__all__ = ["FLEX_CPU_BACKWARD_BLOCK", "UNFUSED_AUTO_MAX_SCORES", "flash_attn_available", "resolve_attention_backend",
+           "flex_core_attention", "flash_core_attention", "unfused_core_attention"]
 
 FLEX_CPU_BACKWARD_BLOCK = 256  # queries per recomputed block in flex's CPU backward
+UNFUSED_AUTO_MAX_SCORES = 1024 * 1024  # auto's unfused path on CPU: sq x sk at most this (s <= 1024)
 
 
 def flash_attn_available() -> bool:
@@ -51,7 +59,10 @@ def resolve_attention_backend(requested: str, query: torch.Tensor, *, alibi: boo
     if requested == "auto":
         if cuda and half and flash_attn_available():
             return "flash"
-        return "flex" if cuda and alibi and dropout_p == 0.0 else "sdpa"
+        if not cuda:
+            compiling = torch.compiler.is_compiling()
+            return "unfused" if compiling and query.shape[2] ** 2 <= UNFUSED_AUTO_MAX_SCORES else "sdpa"
+        return "flex" if alibi and dropout_p == 0.0 else "sdpa"
     if requested == "flash" and not (cuda and half and flash_attn_available()):
         raise ValueError(f"--attention-backend flash needs the flash-attn package, a CUDA device and bf16 / fp16 "
                          f"(here: flash-attn {'importable' if flash_attn_available() else 'not installed'}, "
@@ -165,3 +176,28 @@ def flash_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         dropout_p=dropout_p, softmax_scale=scale, causal=True,
         alibi_slopes=None if slopes is None else slopes.to(query.device, torch.float32))  # [b, sq, np, hn]
     return context.transpose(1, 2)  # [b, np, sq, hn]
+
+
+def unfused_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
+                           dropout_p: float, scale: float) -> torch.Tensor:
+    """softmax(Q K^T * scale + bias) V as plain matmuls; the probabilities in fp32, then the input dtype.
+
+    query [b, np, sq, hn], key / value [b, ng, sk, hn]; mask: an additive bias [1 or b, np, sq, sk], a boolean
+    mask [sq, sk] or [b, 1, sq, sk] (True = attend), or None for causal with sq = sk -> context [b, np, sq, hn].
+    Dropout (on the probabilities, as SDPA's) draws from the caller's RNG state.
+    """
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # query head i uses key / value head i // groups
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # [b, np, sk, hn]
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale  # [b, np, sq, sk]
+    sq, sk = scores.shape[-2:]
+    if mask is None:
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril_(sk - sq)  # [sq, sk] causal
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)  # [b, np, sq, sk]
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, value)  # [b, np, sq, hn]

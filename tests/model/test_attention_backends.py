@@ -33,10 +33,10 @@ def _loss_and_grads(config, state):
     return logits.float(), {name: p.grad.float() for name, p in model.named_parameters()}
 
 
-def _max_diffs(position, params_dtype, state):
+def _max_diffs(position, params_dtype, state, backend="flex"):
     fields = dict(CONFIGS[position], seq_length=SEQ, params_dtype=params_dtype)
     sdpa_logits, sdpa_grads = _loss_and_grads(tiny_config(attention_backend="sdpa", **fields), state)
-    flex_logits, flex_grads = _loss_and_grads(tiny_config(attention_backend="flex", **fields), state)
+    flex_logits, flex_grads = _loss_and_grads(tiny_config(attention_backend=backend, **fields), state)
     grad_diff = max((flex_grads[n] - sdpa_grads[n]).abs().max().item() / (sdpa_grads[n].abs().max().item() + 1e-12)
                     for n in sdpa_grads)
     return (flex_logits - sdpa_logits).abs().max().item(), grad_diff
@@ -52,6 +52,16 @@ def small_backward_blocks(monkeypatch):
     ("alibi", "bf16", 0.1, 0.1)])
 def test_flex_equals_sdpa_at_tp1(small_backward_blocks, position, params_dtype, logits_tol, grad_tol):
     logits_diff, grad_diff = _max_diffs(position, params_dtype, ParallelState.single())
+    assert logits_diff <= logits_tol and grad_diff <= grad_tol, (logits_diff, grad_diff)
+
+
+@pytest.mark.parametrize("position, params_dtype, logits_tol, grad_tol", [
+    ("alibi", "fp32", 1e-5, 1e-4), ("absolute", "fp32", 1e-5, 1e-4), ("llama", "fp32", 1e-5, 1e-4),
+    ("alibi", "bf16", 0.1, 0.1), ("llama", "bf16", 0.1, 0.1)])
+def test_unfused_equals_sdpa(position, params_dtype, logits_tol, grad_tol):
+    """The plain-matmul path (GQA by repeating key / value heads, the causal mask built when SDPA would use
+    is_causal) gives SDPA's logits and gradients."""
+    logits_diff, grad_diff = _max_diffs(position, params_dtype, ParallelState.single(), backend="unfused")
     assert logits_diff <= logits_tol and grad_diff <= grad_tol, (logits_diff, grad_diff)
 
 
@@ -81,10 +91,16 @@ def test_decoding_with_a_kv_cache_under_flex_equals_its_full_forward():
     assert (torch.cat(steps) - full).abs().max().item() < 1e-5
 
 
-def test_auto_keeps_sdpa_on_cpu_and_the_kv_cache_path_is_sdpa():
+def test_auto_keeps_sdpa_on_cpu_and_the_kv_cache_path_is_sdpa(monkeypatch):
     query = torch.zeros(1, 4, 8, 16)
     for alibi in (True, False):
         assert resolve_attention_backend("auto", query, alibi=alibi, dropout_p=0.0, decoding=False) == "sdpa"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # inside --torch-compile's trace
+    assert resolve_attention_backend("auto", query, alibi=True, dropout_p=0.0, decoding=False) == "unfused"
+    long_query = torch.zeros(1, 4, 2048, 16)  # s^2 probabilities kept for backward: too many, stay on sdpa
+    assert resolve_attention_backend("auto", long_query, alibi=True, dropout_p=0.0, decoding=False) == "sdpa"
+    assert resolve_attention_backend("auto", query, alibi=True, dropout_p=0.0, decoding=True) == "sdpa"
+    monkeypatch.undo()
     assert resolve_attention_backend("flex", query, alibi=True, dropout_p=0.0, decoding=True) == "sdpa"
     assert resolve_attention_backend("flex", query, alibi=True, dropout_p=0.0, decoding=False) == "flex"
 
@@ -94,7 +110,7 @@ def test_flash_and_flex_refuse_what_they_cannot_run():
         resolve_attention_backend("flash", torch.zeros(1, 4, 8, 16), alibi=True, dropout_p=0.0, decoding=False)
     with pytest.raises(ValueError, match="set --attention-dropout 0"):
         tiny_config(attention_backend="flex", attention_dropout=0.1)
-    with pytest.raises(ValueError, match="--attention-backend 'fast' is not one of auto, sdpa, flex, flash"):
+    with pytest.raises(ValueError, match="--attention-backend 'fast' is not one of auto, sdpa, flex, flash, unfused"):
         tiny_config(attention_backend="fast")
 
 
