@@ -8,7 +8,7 @@
     python tools/plan_parallelism.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
         --num-gpus 8 --gpu H100-80GB --global-batch-size 512 --json
     python tools/plan_parallelism.py --model 7B1 --num-gpus 8 --gpu A100-80GB --global-batch-size 8 \
-        --longest-sequence --ulysses-sizes 1 2 4 8
+        --longest-sequence --ulysses-sizes 1 2 4 8 --attention fused
 
 Memory per GPU (weights, gradients, optimizer state, activations, overhead) and step time
 (compute, TP / PP / DP communication, bubble) come from megatron.planner; every constant is
@@ -62,10 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Megatron sequence parallelism (layouts with TP > 1): try both, or fix it")
     p.add_argument("--ulysses-sizes", type=int, nargs="+", default=[1],
                    help="DeepSpeed-Ulysses degrees to consider (heads divisible by TP x u, TP x u within a node, PP 1)")
-    p.add_argument("--attention", choices=["fused", "materialized"], default="fused",
-                   help="fused: the core attention keeps no [heads, s, s] scores for backward (flash / flex / SDPA's "
-                        "fused kernels, which --attention-backend auto runs on CUDA; or selective recomputation); "
-                        "materialized: Korthikanti's 5as/h bytes per layer (Megatron's fused softmax)")
+    p.add_argument("--attention", choices=["fused", "materialized"], default="materialized",
+                   help="materialized (the default, the published runs' numbers): Korthikanti's 5as/h bytes per "
+                        "layer (Megatron's fused softmax); fused: the core attention keeps no [heads, s, s] scores "
+                        "for backward (flash / flex / SDPA's fused kernels, which --attention-backend auto runs on "
+                        "CUDA; or selective recomputation): use it for long sequences")
     p.add_argument("--longest-sequence", action="store_true",
                    help="instead of ranking layouts at --seq-length: the longest sequence (a multiple of 256) each "
                         "family fits (plain 3D/ZeRO, +SP, +Ulysses over --ulysses-sizes, both), with activation "

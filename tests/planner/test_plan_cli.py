@@ -35,7 +35,8 @@ def test_longest_sequence_json_parses_and_is_the_librarys(capsys):
     from megatron.planner.search import longest_sequences
 
     argv = ["--model", "7B1", "--num-gpus", "8", "--gpu", "A100-80GB", "--global-batch-size", "8",
-            "--longest-sequence", "--ulysses-sizes", "1", "2", "4", "8", "--zero-stages", "0", "1", "2", "3"]
+            "--longest-sequence", "--ulysses-sizes", "1", "2", "4", "8", "--zero-stages", "0", "1", "2", "3",
+            "--attention", "fused"]
     assert plan_parallelism.main(argv + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     expected = longest_sequences(BLOOM_SIZES["7B1"], GPUS["A100-80GB"], CLUSTERS["dgx-a100"], 8, 8,
