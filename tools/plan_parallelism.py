@@ -7,6 +7,8 @@
         --global-batch-size 512
     python tools/plan_parallelism.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
         --num-gpus 8 --gpu H100-80GB --global-batch-size 512 --json
+    python tools/plan_parallelism.py --model 7B1 --num-gpus 8 --gpu A100-80GB --global-batch-size 8 \
+        --longest-sequence --ulysses-sizes 1 2 4 8 --attention fused
 
 Memory per GPU (weights, gradients, optimizer state, activations, overhead) and step time
 (compute, TP / PP / DP communication, bubble) come from megatron.planner; every constant is
@@ -21,6 +23,7 @@ import json
 import sys
 
 from megatron.planner import CLUSTERS, GPUS, MODEL_SIZES, ModelShape, plan_layouts
+from megatron.planner.search import longest_sequences
 from megatron.planner.specs import DEFAULT_CLUSTER, GiB
 
 
@@ -55,6 +58,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "replicated optimizer, which our bf16 path does not offer")
     p.add_argument("--recompute", choices=["auto", "yes", "no"], default="auto",
                    help="activation checkpointing: try both (auto) or fix it")
+    p.add_argument("--sequence-parallel", choices=["on", "off", "both"], default="both",
+                   help="Megatron sequence parallelism (layouts with TP > 1): try both, or fix it")
+    p.add_argument("--ulysses-sizes", type=int, nargs="+", default=[1],
+                   help="DeepSpeed-Ulysses degrees to consider (heads divisible by TP x u, TP x u within a node, PP 1)")
+    p.add_argument("--attention", choices=["fused", "materialized"], default="materialized",
+                   help="materialized (the default, the published runs' numbers): Korthikanti's 5as/h bytes per "
+                        "layer (Megatron's fused softmax); fused: the core attention keeps no [heads, s, s] scores "
+                        "for backward (flash / flex / SDPA's fused kernels, which --attention-backend auto runs on "
+                        "CUDA; or selective recomputation): use it for long sequences")
+    p.add_argument("--longest-sequence", action="store_true",
+                   help="instead of ranking layouts at --seq-length: the longest sequence (a multiple of 256) each "
+                        "family fits (plain 3D/ZeRO, +SP, +Ulysses over --ulysses-sizes, both), with activation "
+                        "checkpointing and without, at micro-batch 1")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--show-infeasible", action="store_true", help="also list layouts that do not fit")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON document")
@@ -87,11 +103,12 @@ def hardware_from_args(args):
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {'MBS':>3} {'m':>5} {'recomp':>6} {'ZeRO':>8} "
+    head = (f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {'seq':>6} {'MBS':>3} {'m':>5} {'recomp':>6} {'ZeRO':>8} "
             f"{'mem GiB':>8} {'step s':>8} {'TFLOPs hw':>9} {'TFLOPs mdl':>10} {'MFU':>6} {'bubble':>6} {'tokens/s':>10}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
-        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['micro_batch_size']:>3} "
+        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['sequence'] or '-':>6} "
+                     f"{r['micro_batch_size']:>3} "
                      f"{r['num_micro_batches']:>5} {'yes' if r['recompute'] else 'no':>6} {r['zero']:>8} "
                      f"{r['memory_gib']:>8.1f} {r['step_s']:>8.2f} {r['hardware_tflops_per_gpu']:>9.1f} "
                      f"{r['model_tflops_per_gpu']:>10.1f} {r['mfu']:>6.3f} {r['bubble_fraction']:>6.3f} "
@@ -99,15 +116,59 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+SEQUENCE_PARALLEL = {"both": (False, True), "on": (True,), "off": (False,)}
+
+
+def format_longest(results) -> str:
+    head = (f"{'family':<12} {'recompute':>9} {'longest seq':>11} {'layout':<44} {'mem GiB':>7} {'step s':>7} "
+            f"{'tokens/s':>9}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r.plan is None:
+            lines.append(f"{r.family:<12} {'yes' if r.recompute else 'no':>9} {'none fits':>11}")
+            continue
+        lay = r.plan.layout
+        label = f"TP={lay.tp} PP={lay.pp} DP={lay.dp} {lay.sequence_label or '-'} ZeRO-{lay.zero_label}"
+        lines.append(f"{r.family:<12} {'yes' if r.recompute else 'no':>9} {r.seq_length:>11} {label:<44} "
+                     f"{r.plan.memory.peak / GiB:>7.1f} {r.plan.step.step_s:>7.2f} {r.plan.step.tokens_per_s:>9.0f}")
+    return "\n".join(lines)
+
+
+def main_longest(args, model, gpu, cluster) -> int:
+    results = longest_sequences(model, gpu, cluster, args.num_gpus, args.global_batch_size,
+                                ulysses_sizes=tuple(args.ulysses_sizes), zero_stages=tuple(args.zero_stages),
+                                partition_method=args.pp_partition_method,
+                                store_attention_scores=args.attention == "materialized")
+    if args.json:
+        print(json.dumps({"model": dataclasses.asdict(model), "gpu": dataclasses.asdict(gpu),
+                          "cluster": dataclasses.asdict(cluster), "num_gpus": args.num_gpus,
+                          "global_batch_size": args.global_batch_size, "attention": args.attention,
+                          "longest": [{"family": r.family, "recompute": r.recompute, "seq_length": r.seq_length,
+                                       "layout": r.plan.row() if r.plan else None} for r in results]}))
+    else:
+        print(f"{model.total_params() / 1e9:.1f}B parameters on {args.num_gpus} x {gpu.name} ({cluster.name}), "
+              f"global batch {args.global_batch_size}, micro-batch 1, {args.attention} attention: the longest "
+              f"sequence that fits")
+        print(format_longest(results))
+    return 0 if any(r.plan for r in results) else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = model_from_args(args)
     gpu, cluster = hardware_from_args(args)
+    if any(u < 1 for u in args.ulysses_sizes):
+        raise SystemExit(f"--ulysses-sizes must be positive (got {args.ulysses_sizes})")
+    if args.longest_sequence:
+        return main_longest(args, model, gpu, cluster)
     plans = plan_layouts(model, gpu, cluster, args.num_gpus, args.seq_length, args.global_batch_size,
                          micro_batch_sizes=args.micro_batch_sizes, partition_method=args.pp_partition_method,
                          recompute={"auto": (True, False), "yes": (True,), "no": (False,)}[args.recompute],
                          zero_stages=tuple(args.zero_stages),
-                         include_infeasible=args.show_infeasible)
+                         include_infeasible=args.show_infeasible,
+                         sequence_parallel=SEQUENCE_PARALLEL[args.sequence_parallel],
+                         ulysses_sizes=tuple(args.ulysses_sizes),
+                         store_attention_scores=args.attention == "materialized")
     rows = [p.row() for p in plans[:args.top]]
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(model), "gpu": dataclasses.asdict(gpu),

@@ -54,21 +54,33 @@ def item_param_counts(rc: RunConfig) -> list[int]:
     return [per_kind.get(item.kind, 0) for item in pipeline_items(rc.model)]
 
 
+def stores_attention_scores(rc: RunConfig) -> bool:
+    """Whether the core attention keeps [np, s, s] scores for backward on the GPU the estimate assumes:
+    not with selective recomputation, flash or flex, nor with ``auto`` (on CUDA it runs flash, flex or
+    SDPA's fused kernels); an explicit ``sdpa`` is counted as materializing them (its math kernel may run)."""
+    m = rc.model
+    return not m.recompute_core_attention and m.attention_backend == "sdpa"
+
+
 def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
     p = rc.parallel
+    # Megatron sequence parallelism and DeepSpeed-Ulysses, when the parser has them (read defensively)
     return Layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
                   rc.batch.micro_batch_size, recompute=rc.training.checkpoint_activations,
                   zero_stage=rc.deepspeed_zero_stage, precision=rc.model.params_dtype,
                   partition_method=p.pp_partition_method, stage_layers=tuple(stage_layers),
-                  hpz=p.zero_hpz_partition_size)
+                  hpz=p.zero_hpz_partition_size, sequence_parallel=bool(getattr(p, "sequence_parallel", False)),
+                  ulysses=getattr(p, "ds_sequence_parallel_size", 1) or 1,
+                  store_attention_scores=stores_attention_scores(rc))
 
 
 def memory_section(rc: RunConfig, stage_layers: list[int], gpu) -> dict:
     """Bytes per GPU of every stage at the full global batch (the busiest stage decides)."""
-    memory = estimate_memory(model_shape(rc), planner_layout(rc, stage_layers), rc.data.seq_length,
-                             rc.batch.global_batch_size)
+    layout = planner_layout(rc, stage_layers)
+    memory = estimate_memory(model_shape(rc), layout, rc.data.seq_length, rc.batch.global_batch_size)
     limit = gpu.memory_bytes * MEMORY_HEADROOM
-    return {"gpu": gpu.name, "gpu_memory_gib": round(gpu.memory_bytes / GiB, 1),
+    return {"gpu": gpu.name, "gpu_memory_gib": round(gpu.memory_bytes / GiB, 1), "sequence": layout.sequence_label,
+            "attention_scores_stored": layout.store_attention_scores,
             "limit_gib": round(limit / GiB, 1), "headroom": MEMORY_HEADROOM,
             "peak_gib": round(memory.peak / GiB, 2), "peak_stage": memory.peak_stage, "fits": memory.peak <= limit,
             "per_stage_gib": [{k: round(v / GiB, 2) for k, v in stage.items()} for stage in memory.per_stage]}

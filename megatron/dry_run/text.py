@@ -91,8 +91,10 @@ def _lr(s: dict) -> list[str]:
 def _memory(m: dict) -> list[str]:
     peak = m["per_stage_gib"][m["peak_stage"]]
     parts = ", ".join(f"{k} {v:g}" for k, v in peak.items())
+    seq = f", sequence split {m['sequence']}" if m["sequence"] else ""
+    scores = "attention scores kept" if m["attention_scores_stored"] else "fused attention (no scores kept)"
     return ["", f"memory       planner estimate per GPU, {m['gpu']} assumed ({m['gpu_memory_gib']} GiB; "
-            f"--dry-run-gpu), limit {m['limit_gib']} GiB ({m['headroom']:.0%})",
+            f"--dry-run-gpu), limit {m['limit_gib']} GiB ({m['headroom']:.0%}){seq}, {scores}",
             f"  busiest    stage {m['peak_stage']}: {m['peak_gib']} GiB ({parts} GiB) -> "
             f"{'fits' if m['fits'] else 'DOES NOT FIT'}",
             "  per stage  " + " ".join(f"{sum(stage.values()):.1f}" for stage in m["per_stage_gib"]) + " GiB"]

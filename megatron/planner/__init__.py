@@ -3,9 +3,10 @@
     specs.py        GPU types, cluster fabrics (documented constants), model shapes (GPT / BLOOM / Llama-style:
                     GQA, SwiGLU, untied head) and named BLOOM and Llama sizes
     memory.py       bytes per rank: weights, gradients, optimizer state (per DeepSpeed optimizer),
-                    activations (Korthikanti et al. 2022), 1F1B in-flight micro-batches
+                    activations (Korthikanti et al. 2022; with SP and Ulysses), 1F1B in-flight micro-batches
     performance.py  step time from a compute + communication model, TFLOPs, MFU
-    search.py       enumerate (TP, PP, DP, micro-batch, recompute, ZeRO) layouts, rank them
+    search.py       enumerate (TP, PP, DP, SP, Ulysses, micro-batch, recompute, ZeRO) layouts, rank them;
+                    the longest sequence each family of layouts fits
     comm_count.py   the analytic count of collectives / p2p in one step, and a recorder that
                     counts the real ones (wrapping torch.distributed) to compare with
 

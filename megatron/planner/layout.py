@@ -22,6 +22,17 @@ class Layout:
     # takes DeepSpeed's); None: ``layers_per_stage``'s rule for ``partition_method``
     stage_layers: Optional[tuple[int, ...]] = None
     hpz: int = 1                        # ZeRO-3 only: ZeRO++ hpZ, a secondary weight shard per group of hpz DP ranks
+    # Megatron sequence parallelism inside the TP group: norms, dropout and residuals on [s/t, b, h]
+    # shards, each TP all-reduce a reduce-scatter + all-gather (a no-op at tp = 1)
+    sequence_parallel: bool = False
+    ulysses: int = 1                    # DeepSpeed-Ulysses degree: every layer on s/u tokens, all-to-all around attention
+    # the core attention keeps its [np, s, s] softmax and dropout output for backward (Korthikanti's 5as/h);
+    # False: a fused kernel (flash / flex / SDPA's fused ones) or selective recomputation of the core attention
+    store_attention_scores: bool = True
+
+    def __post_init__(self):
+        if self.ulysses < 1:
+            raise ValueError(f"the Ulysses degree must be at least 1 (got {self.ulysses})")
 
     @property
     def zero_label(self) -> str:
@@ -29,7 +40,18 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.ulysses
+
+    @property
+    def weight_replicas(self) -> int:
+        """Ranks holding the same weights: DP x Ulysses (a sequence group's ranks see the same parameters
+        and different tokens). ZeRO shards over them and gradients are averaged over them."""
+        return self.dp * self.ulysses
+
+    @property
+    def sequence_split(self) -> int:
+        """How many ranks share one sample's tokens outside the TP region: Ulysses x (TP with SP)."""
+        return self.ulysses * (self.tp if self.sequence_parallel else 1)
 
     def num_micro_batches(self, global_batch_size: int) -> int:
         per_step = self.micro_batch_size * self.dp
@@ -38,8 +60,15 @@ class Layout:
                              f"{self.micro_batch_size} x DP {self.dp}")
         return global_batch_size // per_step
 
+    @property
+    def sequence_label(self) -> str:
+        """"SP", "U2", "SP+U2" or "" (neither)."""
+        parts = (["SP"] if self.sequence_parallel else []) + ([f"U{self.ulysses}"] if self.ulysses > 1 else [])
+        return "+".join(parts)
+
     def short(self) -> str:
-        return (f"TP={self.tp} PP={self.pp} DP={self.dp} MBS={self.micro_batch_size} "
+        seq = f" {self.sequence_label}" if self.sequence_label else ""
+        return (f"TP={self.tp} PP={self.pp} DP={self.dp}{seq} MBS={self.micro_batch_size} "
                 f"{'recompute' if self.recompute else 'no-recompute'} ZeRO-{self.zero_label} {self.precision}")
 
 

@@ -1,7 +1,8 @@
 """Bytes per GPU of one pipeline stage: parameters, gradients, optimizer state, activations.
 
 Static memory, N = parameters held by the rank (its TP shard of its stage; the tied word embedding
-is on the first AND the last stage when PP > 1), d = DP size. What DeepSpeed 0.19.8 allocates:
+is on the first AND the last stage when PP > 1), d = DP size x Ulysses degree (the ranks that hold
+the same weights; ZeRO shards over all of them). What DeepSpeed 0.19.8 allocates:
 
   bf16 (BF16_Optimizer, the BLOOM path; DeepSpeed ZeRO "stage 0" and "1" both give it):
       bf16 weights 2N + fp32 gradient accumulation buffer 4N (the WHOLE stage, not sharded)
@@ -15,17 +16,27 @@ is on the first AND the last stage when PP > 1), d = DP size. What DeepSpeed 0.1
 
 Each optimizer group's flat buffer is padded to a multiple of 2d elements (ignored: < 2d * 2 groups).
 
-Activations, bf16, per transformer layer and micro-batch, without sequence parallelism
-(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2):
+Activations per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", eqs. 2 and 4), bf16, t = TP, u = Ulysses degree:
 
-      s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes          (34 + 5as/h at t = 1)
+      no SP:  s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes          (34 + 5as/h at t = 1)
+      SP:     s*b*h*(34/t + 5*a*s/(h*t))
+      Ulysses: s -> s/u in front (each rank holds s/u tokens); the scores, [a/(t*u), s, s] per rank,
+              keep s in the 5as/h term: (s/u)*b*h*(... + 5*a*s/(h*t)).
 
-  the 5as/h term is the materialized attention scores/softmax/dropout mask; with full recomputation
-  a layer keeps only its input, 2*s*b*h bytes, and one layer's full set is alive while it is
+  The 10 is what lies outside the TP region (both norms' inputs, the QKV and MLP inputs, two 1-byte
+  dropout masks); sequence parallelism splits it over the TP ranks (the all-gathered QKV and MLP inputs
+  are gathered again in backward, as Megatron-LM does; ``sp_saves_gathered_inputs`` for an
+  implementation that keeps them). The 5as/h term is the materialized attention softmax, its dropout
+  mask and output; ``Layout.store_attention_scores = False`` (a flash / flex kernel, or selective
+  recomputation of the core attention) drops it (flash's [b, np, s] fp32 log-sum-exp is negligible).
+  With full recomputation a layer keeps only its input, 2*s*b*h bytes (/t with SP, /u with Ulysses:
+  the layer's input is the rank's own shard), and one layer's full set is alive while it is
   recomputed and back-propagated. Under 1F1B (non-interleaved) stage i holds min(p - i, m)
   micro-batches in flight, so the first stage holds p of them. The first stage also keeps the
-  embedding dropout mask (s*b*h bytes per micro-batch); the last stage the logits of one
-  micro-batch: bf16 logits + fp32 copy for the loss + fp32 gradient = 10*s*b*V/t bytes.
+  embedding dropout mask (s*b*h bytes per micro-batch, split like a layer's input); the last stage the
+  logits of one micro-batch: bf16 logits + fp32 copy for the loss + fp32 gradient = 10*s*b*V/t bytes
+  (/u with Ulysses). fp32 runs: 4-byte activations (``activation_bytes_per_element``).
 The layer being back-propagated adds its activation gradients (~ one layer's set) and, with
 recomputation, its recomputed activations. Runtime overhead (CUDA context, NCCL buffers): a flat
 RUNTIME_OVERHEAD. A layout fits when the total is at most MEMORY_HEADROOM of the GPU's memory (the
@@ -72,7 +83,7 @@ def static_bytes(num_params: int, layout: Layout) -> dict[str, float]:
     """Weights, gradients and optimizer state of one rank holding ``num_params`` parameters
     (``grads``, the modules' .grad, live only from the first backward to the optimizer step, which
     frees them; the other components are RESIDENT)."""
-    n, shard = num_params, (layout.dp if layout.zero_stage >= 1 else 1)
+    n, shard = num_params, (layout.weight_replicas if layout.zero_stage >= 1 else 1)
     if layout.zero_stage >= 2:
         return _sharded_static_bytes(n, layout)
     if layout.precision == "bf16":
@@ -97,7 +108,7 @@ def _sharded_static_bytes(n: int, layout: Layout) -> dict[str, float]:
         fp32 masters 4N/d, a resident gradient partition in the weights' dtype N/d, Adam 8N/d; the gathered working set (the layers being computed, prefetched) is
         not itemized, nor the parameters small enough to stay gathered (stage3_param_persistence_threshold).
     """
-    d, width = layout.dp, (2 if layout.precision == "bf16" else 4)
+    d, width = layout.weight_replicas, (2 if layout.precision == "bf16" else 4)
     if layout.precision not in ("bf16", "fp32"):
         raise ValueError(f"precision {layout.precision!r} with ZeRO stage {layout.zero_stage} is not modelled "
                          f"(bf16 and fp32 are)")
@@ -110,17 +121,39 @@ def _sharded_static_bytes(n: int, layout: Layout) -> dict[str, float]:
     return out
 
 
-def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int) -> float:
-    """One layer, one micro-batch, everything kept for backward (Korthikanti eq. 2, bf16).
+def activation_bytes_per_element(layout: Layout) -> int:
+    return 4 if layout.precision == "fp32" else 2
 
-    Its 24/t term is the TP region: 8 for q, k, v and the context (2 bytes each per h), 16 for the MLP
-    (the h -> 4h output and its GeLU, 2 bytes x 4h each). With GQA k and v are kv_hidden wide; SwiGLU
-    keeps gate and up (2f), silu(gate) and the product (f each): twice a GeLU MLP's f + f.
+
+def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int = 2, *,
+                           sp_saves_gathered_inputs: bool = False) -> float:
+    """One layer, one micro-batch, on one rank: everything kept for backward (Korthikanti eqs. 2 and 4).
+
+    With bytes_per_element w (2: bf16, Korthikanti's numbers), in units of s*b*h elements:
+      outside TP  the two norms' inputs and outputs (the QKV and MLP inputs): 4w, plus 2 one-byte dropout
+                  masks: 10 at w = 2. Divided by t with sequence parallelism.
+      TP region   q and the context (w each per h), k and v (kv_hidden wide); the MLP: the h -> 4h output
+                  and its GeLU (w x 4h each), 24 at w = 2. SwiGLU keeps gate and up (2f), silu(gate) and
+                  the product (f each): twice a GeLU MLP's f + f. Divided by t.
+      scores      softmax output and its dropout output (w each), the dropout mask (1 byte): (2w + 1)as/h,
+                  5as/h at w = 2; divided by t; absent when ``layout.store_attention_scores`` is False.
+    All of it for s/u tokens with Ulysses degree u; the scores keep s (full-sequence attention over a/(tu) heads).
+
+    sp_saves_gathered_inputs: the SP implementation keeps the all-gathered [s, b, h] inputs of the QKV and
+    MLP column-parallel layers for their weight gradients (2w at full size) instead of gathering them again.
+    A tiny CPU model in fp32: ``layer_activation_bytes(model_shape_of(config), Layout(...), seq, 4)``.
     """
-    s, b, h, a, t = seq_length, layout.micro_batch_size, model.hidden_size, model.num_attention_heads, layout.tp
-    attention = 4 + 4 * model.kv_hidden / h
-    mlp = 16 * model.ffn / (4 * h) * (2 if model.swiglu else 1)
-    return s * b * h * (10 + (attention + mlp) / t + 5 * a * s / (h * t))
+    s, b, h, a = seq_length, layout.micro_batch_size, model.hidden_size, model.num_attention_heads
+    t, u, w = layout.tp, layout.ulysses, bytes_per_element
+    outside = 4 * w + 2
+    if layout.sequence_parallel:
+        outside /= t
+        if sp_saves_gathered_inputs:
+            outside += 2 * w * (1 - 1 / t)
+    attention = (2 + 2 * model.kv_hidden / h) * w
+    mlp = (4 if model.swiglu else 2) * model.ffn / h * w
+    scores = (2 * w + 1) * a * s / h if layout.store_attention_scores else 0.0
+    return s / u * b * h * (outside + (attention + mlp + scores) / t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,22 +176,24 @@ class MemoryEstimate:
 
 def estimate_memory(model: ModelShape, layout: Layout, seq_length: int, global_batch_size: int) -> MemoryEstimate:
     s, b, h, t = seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
+    w = activation_bytes_per_element(layout)
     m = layout.num_micro_batches(global_batch_size)
     layers = stage_layer_counts(model, layout)
-    full_layer = layer_activation_bytes(model, layout, seq_length)
+    full_layer = layer_activation_bytes(model, layout, seq_length, w)
+    local_tokens = s * b / layout.sequence_split  # a layer's input and the embedding output: this rank's shard
     stages = []
     for i, n_params in enumerate(stage_param_counts(model, layout)):
         in_flight = min(layout.pp - i, m)
         # + the layer being back-propagated: its activation gradients (about one layer's set), and
         # with recomputation also its recomputed activations.
         if layout.recompute:
-            act = in_flight * layers[i] * 2 * s * b * h + 2 * full_layer
+            act = in_flight * layers[i] * w * local_tokens * h + 2 * full_layer
         else:
             act = in_flight * layers[i] * full_layer + full_layer
         if i == 0:
-            act += in_flight * s * b * h  # embedding dropout mask (1 byte per element)
+            act += in_flight * local_tokens * h  # embedding dropout mask (1 byte per element)
         if i == layout.pp - 1:
-            act += 10 * s * b * model.vocab_size / t
+            act += (w + 8) * s / layout.ulysses * b * model.vocab_size / t  # logits, fp32 copy, fp32 gradient
         stage = dict(static_bytes(n_params, layout))
         if layout.zero_stage == 3:
             # the gathered full weights of the layer being computed and of the one prefetched (an estimate:

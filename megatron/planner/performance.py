@@ -14,6 +14,15 @@ Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
               recompute: torch's non-reentrant checkpoint stops replaying before the MLP's), and
               1 + 1 for the embedding and the output head:
               2(t-1)/t * bytes / busbw + latency, busbw = NVLink inside a node.
+  SP          (sequence parallelism) each TP all-reduce becomes a reduce-scatter + an all-gather of
+              the same bytes (an all-reduce is both: no change in volume, twice the calls), and backward
+              gathers the QKV and MLP inputs again for the weight gradients (2 all-gathers per layer).
+              Once per step the norms' (and row-parallel biases') gradients, partial sums over a rank's
+              s/t tokens, are all-reduced over TP in fp32.
+  Ulysses     with degree u every layer runs on s/u tokens (GEMM rows b*s/u; attention over the full s
+              for a/(t*u) heads): compute / u. Around the core attention 4 all-to-alls in forward (q, k,
+              v, the context: s/u*b*h/t bf16 values each, k and v kv_hidden wide), 4 in backward, 4 more in
+              a recomputed forward, each moving (u-1)/u of its tensor: NVLink while t*u fits a node.
   PP          one activation forward and one gradient backward of s*b*h bf16 per micro-batch; with
               TP > 1 DeepSpeed sends 1/t of it and all-gathers it over the TP group (3 per slot).
   grad accum  BF16_Optimizer adds the bf16 .grad into the fp32 buffer after every micro-batch
@@ -21,7 +30,8 @@ Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
 
 Step = (m + p - 1) * slot + DP + tied embedding + optimizer, where slot is the slowest stage's
 micro-batch time (1F1B: m micro-batches plus p-1 slots of fill and drain; bubble (p-1)/m).
-  DP          BF16_Optimizer all-reduces the fp32 gradient buffer cast to bf16, DeepSpeed's default
+  DP          over d = DP x Ulysses ranks (all of them hold the same weights).
+              BF16_Optimizer all-reduces the fp32 gradient buffer cast to bf16, DeepSpeed's default
               communication_data_type (2N bytes: 2(d-1)/d * 2N / bw),
               then all-gathers the updated bf16 weights from their DP owners ((d-1)/d * 2N / bw).
               DeepSpeed's pipeline engine does both after the last micro-batch: no overlap.
@@ -87,38 +97,75 @@ def _allgather_s(num_bytes: float, ranks: int, busbw_gbps: float, latency_us: fl
     return (ranks - 1) / ranks * num_bytes / (busbw_gbps * 1e9) + latency_us * 1e-6
 
 
+def _alltoall_s(num_bytes: float, ranks: int, busbw_gbps: float, latency_us: float) -> float:
+    """Each rank keeps 1/ranks of its tensor and sends the rest: (ranks-1)/ranks of it crosses links."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) / ranks * num_bytes / (busbw_gbps * 1e9) + latency_us * 1e-6
+
+
 def _bandwidths(layout: Layout, gpu: GPUSpec, cluster: ClusterSpec) -> tuple[float, float, float]:
     """(TP, DP, PP) bus bandwidths in GB/s: NVLink while the group fits in a node (TP innermost,
-    then DP, then PP in DeepSpeed's rank order), else the inter-node bandwidth its ring gets."""
+    then the Ulysses group, then DP, then PP, in DeepSpeed's rank order), else the inter-node
+    bandwidth its ring gets. DP here is the weight replicas' group, DP x Ulysses."""
     node, inter, nv = cluster.gpus_per_node, cluster.inter_node_gbps, gpu.nvlink_busbw_gbps
+    replicas = layout.weight_replicas
     tp_bw = nv if layout.tp <= node else inter
     # A ring over nodes crosses each node once per group: the node's NICs are shared by the
     # node // (members on the node) groups, so a group gets inter * members-per-node.
-    dp_members_per_node = max(1, min(layout.dp, node // layout.tp))
-    dp_bw = nv if layout.tp * layout.dp <= node else inter * dp_members_per_node
-    pp_bw = nv if layout.tp * layout.dp * layout.pp <= node else inter
+    dp_members_per_node = max(1, min(replicas, node // layout.tp))
+    dp_bw = nv if layout.tp * replicas <= node else inter * dp_members_per_node
+    pp_bw = nv if layout.world_size <= node else inter
     return tp_bw, dp_bw, pp_bw
+
+
+def _tp_comm_s(model: ModelShape, layout: Layout, cluster: ClusterSpec, seq_length: int, n_layers: int,
+               first: bool, last: bool, tp_bw: float) -> float:
+    """TP collectives of one micro-batch: all-reduces, or with SP reduce-scatter + all-gather pairs."""
+    t, latency = layout.tp, cluster.collective_latency_us
+    nbytes = 2 * seq_length / layout.ulysses * layout.micro_batch_size * model.hidden_size
+    calls = n_layers * (5 if layout.recompute else 4) + (1 if first else 0) + (1 if last else 0)  # see comm_count
+    if not layout.sequence_parallel:
+        return calls * _allreduce_s(nbytes, t, tp_bw, latency)
+    regathers = 2 * n_layers  # the QKV and MLP inputs, gathered again for the weight gradients
+    return (2 * calls + regathers) * _allgather_s(nbytes, t, tp_bw, latency)
+
+
+def _ulysses_comm_s(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
+                    n_layers: int) -> float:
+    """The all-to-alls around the core attention of one micro-batch (forward, backward, recomputation)."""
+    u, t = layout.ulysses, layout.tp
+    if u == 1:
+        return 0.0
+    bw = gpu.nvlink_busbw_gbps if t * u <= cluster.gpus_per_node else cluster.inter_node_gbps
+    tokens = seq_length / u * layout.micro_batch_size
+    widths = (model.hidden_size, model.kv_hidden, model.kv_hidden, model.hidden_size)  # q, k, v, context
+    one_pass = sum(_alltoall_s(2 * tokens * width / t, u, bw, cluster.collective_latency_us) for width in widths)
+    return n_layers * one_pass * (3 if layout.recompute else 2)
 
 
 def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
                 n_layers: int, n_params: int, first: bool, last: bool, tp_bw: float) -> dict:
-    s, b, h, t, V = seq_length, layout.micro_batch_size, model.hidden_size, layout.tp, model.vocab_size
+    b, h, t, V, u = layout.micro_batch_size, model.hidden_size, layout.tp, model.vocab_size, layout.ulysses
+    s = seq_length
     passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
-    rows = b * s
+    rows = b * s / u
     gemm_rate = gpu.peak_bf16_tflops * 1e12 * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)
     attn_rate = gpu.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY
     mlp_matrices = 3 if model.swiglu else 2
-    dense = 2 * b * s * h * (h + 2 * model.kv_hidden + h + mlp_matrices * model.ffn) * passes / t  # qkv, dense, MLP
-    attn = 4 * b * s * s * h * passes / t
+    dense = 2 * rows * h * (h + 2 * model.kv_hidden + h + mlp_matrices * model.ffn) * passes / t  # qkv, dense, MLP
+    attn = 4 * b * s * s * h * passes / (t * u)  # s/u queries against s keys, or all s for a/(tu) heads
     matmul = n_layers * (dense / gemm_rate + attn / attn_rate)
     if last:
-        matmul += 2 * b * s * h * V * 3 / t / gemm_rate
+        matmul += 2 * rows * h * V * 3 / t / gemm_rate
     elementwise = n_layers * layer_activation_bytes(model, layout, seq_length) * (
         ELEMENTWISE_PASSES + (1 if layout.recompute else 0)) / (gpu.hbm_gbps * 1e9)
-    calls = n_layers * (5 if layout.recompute else 4) + (1 if first else 0) + (1 if last else 0)  # see comm_count
-    tp = calls * _allreduce_s(2 * s * b * h, t, tp_bw, cluster.collective_latency_us)
+    tp = _tp_comm_s(model, layout, cluster, seq_length, n_layers, first, last, tp_bw)
     accum = (12 * n_params if layout.precision == "bf16" else 0) / (gpu.hbm_gbps * 1e9)
-    return {"matmul": matmul, "elementwise": elementwise, "tp_comm": tp, "grad_accum": accum}
+    out = {"matmul": matmul, "elementwise": elementwise, "tp_comm": tp, "grad_accum": accum}
+    if u > 1:
+        out["ulysses_comm"] = _ulysses_comm_s(model, layout, gpu, cluster, seq_length, n_layers)
+    return out
 
 
 def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
@@ -133,20 +180,21 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
     slot = dict(slots[slowest])
     if layout.pp > 1:
         # DeepSpeed sends 1/t of the activation (pipe_partitioned) and all-gathers it over the TP group
-        act_bytes = 2 * seq_length * layout.micro_batch_size * model.hidden_size
+        act_bytes = 2 * seq_length / layout.ulysses * layout.micro_batch_size * model.hidden_size
         slot["pp_comm"] = 2 * (act_bytes / layout.tp / (pp_bw * 1e9) + cluster.p2p_latency_us * 1e-6)
         slot["pp_comm"] += 3 * _allgather_s(act_bytes, layout.tp, tp_bw, cluster.collective_latency_us)
     slot_s = sum(slot.values())
     n = max(params)
     bytes_grad = 4 if layout.precision == "fp32" else 2  # bf16: cast to communication_data_type; fp16 grads as they are
     latency = cluster.collective_latency_us
+    d = layout.weight_replicas
     if layout.zero_stage >= 2:
         # ZeRO-2: each micro-batch's gradients reduce-scattered (half an all-reduce), the updated weights
         # all-gathered once; ZeRO-3: every micro-batch all-gathers the weights for forward and again for
         # backward and reduce-scatters its gradients; no overlap with compute is assumed (pessimistic)
         width = 2 if layout.precision == "bf16" else 4
-        scatter = m * _allgather_s(bytes_grad * n, layout.dp, dp_bw, latency)
-        gather = _allgather_s(width * n, layout.dp, dp_bw, latency)
+        scatter = m * _allgather_s(bytes_grad * n, d, dp_bw, latency)
+        gather = _allgather_s(width * n, d, dp_bw, latency)
         if layout.zero_stage == 2:
             gathers = gather
         elif layout.hpz > 1:
@@ -157,19 +205,26 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
             gathers = 2 * m * gather
         dp = scatter + gathers
     else:
-        dp = _allreduce_s(bytes_grad * n, layout.dp, dp_bw, latency)
+        dp = _allreduce_s(bytes_grad * n, d, dp_bw, latency)
         if layout.precision == "bf16" and layout.zero_stage >= 1:
-            dp += _allgather_s(2 * n, layout.dp, dp_bw, latency)
+            dp += _allgather_s(2 * n, d, dp_bw, latency)
     tied = 0.0
     if layout.pp > 1 and model.tied_embeddings:
         tied = _allreduce_s(4 * model.vocab_size * model.hidden_size / layout.tp, 2, cluster.inter_node_gbps,
                             cluster.collective_latency_us)
-    shard = layout.dp if layout.zero_stage >= 1 else 1
+    sp_norms = 0.0
+    if layout.sequence_parallel:
+        # each rank's norm (and row-parallel bias) gradients cover its s/t tokens only: summed over TP
+        replicated = 2 * model.norm_params + (2 * model.hidden_size if model.add_bias_linear else 0)
+        sp_norms = _allreduce_s(4 * max(layers) * replicated, layout.tp, tp_bw, latency)
+    shard = d if layout.zero_stage >= 1 else 1
     optimizer = (32 * n / shard + 4 * n) / (gpu.hbm_gbps * 1e9)
     pipe = (m + layout.pp - 1) * slot_s
     components = {k: v * (m + layout.pp - 1) for k, v in slot.items()}
     components.update(dp_comm=dp, tied_embedding=tied, optimizer=optimizer)
-    step = pipe + dp + tied + optimizer
+    if layout.sequence_parallel:
+        components["sp_norm_grads"] = sp_norms
+    step = pipe + dp + tied + optimizer + sp_norms
     return StepEstimate(
         step_s=step, slot_s=slot_s, bubble_s=(layout.pp - 1) * slot_s, components_s=components,
         model_flops=model.flops_per_iteration(seq_length, global_batch_size, False),

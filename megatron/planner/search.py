@@ -1,10 +1,16 @@
 """Enumerate the layouts of a model on a number of GPUs and rank them by predicted step time.
 
-Candidates: TP a divisor of the GPUs per node that divides the heads and the vocabulary, PP a
-divisor of num_gpus / TP no larger than the layer count, DP the rest, every micro-batch size in
-``micro_batch_sizes`` that divides global_batch / DP, recomputation on and off, ZeRO stages 0 and 1 (any
-PP) and 2 and 3 (PP 1; ZeRO-3 also with hpZ groups of one node).
+Candidates: TP a divisor of the GPUs per node that divides the heads and the vocabulary, a Ulysses
+degree u from ``ulysses_sizes`` with the query and key / value heads divisible by TP x u and TP x u
+within a node (Ulysses runs on DeepSpeed's non-pipeline engine: PP 1), PP a divisor of
+num_gpus / (TP x u) no larger than the layer count, DP the rest, sequence parallelism off and (at
+TP > 1) on, every micro-batch size in ``micro_batch_sizes`` that divides global_batch / DP,
+recomputation on and off, ZeRO stages 0 and 1 (any PP) and 2 and 3 (PP 1; ZeRO-3 also with hpZ
+groups of one node, without Ulysses). A layout runs a sequence length divisible by u (x TP with SP).
 A layout fits when its busiest stage's predicted memory is at most MEMORY_HEADROOM of the GPU's memory.
+
+``longest_sequence`` answers the other question: the longest sequence (a multiple of 256) that some
+layout of a family (plain, +SP, +Ulysses, +both) fits, found by doubling and then bisection.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ class Plan:
     def row(self) -> dict:
         """A flat, JSON-ready summary (memory in GiB)."""
         lay, st = self.layout, self.step
-        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
+        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "sequence_parallel": lay.sequence_parallel,
+                "ulysses": lay.ulysses, "sequence": lay.sequence_label, "micro_batch_size": lay.micro_batch_size,
                 "num_micro_batches": self.num_micro_batches,
                 "recompute": lay.recompute, "zero_stage": lay.zero_stage, "hpz": lay.hpz, "zero": lay.zero_label,
                 "memory_gib": round(self.memory.peak / 2 ** 30, 2), "peak_stage": self.memory.peak_stage,
@@ -48,46 +55,78 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(model: ModelShape, num_gpus: int, gpus_per_node: int, global_batch_size: int,
                       micro_batch_sizes: Iterable[int] = (1, 2, 4, 8), recompute: Iterable[bool] = (True, False),
                       zero_stages: Iterable[int] = (1, 0, 2, 3), precision: str = "bf16",
-                      partition_method: str = "type:transformer") -> list[Layout]:
+                      partition_method: str = "type:transformer", sequence_parallel: Iterable[bool] = (False,),
+                      ulysses_sizes: Iterable[int] = (1,), store_attention_scores: bool = True,
+                      ulysses_across_nodes: bool = False) -> list[Layout]:
+    """Every layout of the module docstring's rules; ``ulysses_across_nodes`` lets TP x u exceed a node."""
     out = []
+    kv_heads = model.num_key_value_heads or model.num_attention_heads
     for tp in _divisors(min(num_gpus, gpus_per_node)):
         if model.num_attention_heads % tp or model.vocab_size % tp:
             continue
-        for pp in _divisors(num_gpus // tp):
-            min_layers = model.num_layers + (2 if partition_method == "type:transformer|embedding" else 0)
-            if pp > model.num_layers or min_layers // pp < 1:
+        for u in ulysses_sizes:
+            if num_gpus % (tp * u) or model.num_attention_heads % (tp * u) or kv_heads % (tp * u):
                 continue
-            dp = num_gpus // (tp * pp)
-            for mbs in micro_batch_sizes:
-                if global_batch_size % (mbs * dp):
+            if tp * u > gpus_per_node and not ulysses_across_nodes and u > 1:
+                continue
+            for pp in _divisors(num_gpus // (tp * u)):
+                min_layers = model.num_layers + (2 if partition_method == "type:transformer|embedding" else 0)
+                if pp > model.num_layers or min_layers // pp < 1 or (u > 1 and pp > 1):
                     continue
-                for rc in recompute:
-                    for zero in zero_stages:
-                        if dp == 1 and zero >= 1:
-                            continue  # nothing to shard
-                        if zero >= 2 and pp > 1:
-                            continue  # ZeRO-2/3 run on DeepSpeed's non-pipeline engine: one stage
-                        out.append(Layout(tp, pp, dp, mbs, rc, zero, precision, partition_method))
-                        node_group = gpus_per_node // tp  # hpZ: one group per node
-                        if zero == 3 and 1 < node_group < dp and dp % node_group == 0:
-                            out.append(Layout(tp, pp, dp, mbs, rc, zero, precision, partition_method,
-                                              hpz=node_group))
+                dp = num_gpus // (tp * pp * u)
+                for sp in sequence_parallel:
+                    if sp and tp == 1:
+                        continue  # nothing to split the sequence over
+                    common = dict(sequence_parallel=sp, ulysses=u, store_attention_scores=store_attention_scores)
+                    out.extend(_batch_variants(tp, pp, dp, global_batch_size, micro_batch_sizes, recompute,
+                                               zero_stages, precision, partition_method, gpus_per_node, common))
     return out
+
+
+def _batch_variants(tp, pp, dp, global_batch_size, micro_batch_sizes, recompute, zero_stages, precision,
+                    partition_method, gpus_per_node, common) -> list[Layout]:
+    out = []
+    replicas = dp * common["ulysses"]
+    zero_stages = tuple(zero_stages)
+    for mbs in micro_batch_sizes:
+        if global_batch_size % (mbs * dp):
+            continue
+        for rc in recompute:
+            for zero in zero_stages:
+                if replicas == 1 and zero >= 1:
+                    if zero > 1 or 0 in zero_stages:
+                        continue  # nothing to shard
+                    zero = 0  # ZeRO-1 over one rank: BF16_Optimizer with nothing sharded, the planner's stage 0
+                if zero >= 2 and pp > 1:
+                    continue  # ZeRO-2/3 run on DeepSpeed's non-pipeline engine: one stage
+                out.append(Layout(tp, pp, dp, mbs, rc, zero, precision, partition_method, **common))
+                node_group = gpus_per_node // tp  # hpZ: one group per node
+                if zero == 3 and common["ulysses"] == 1 and 1 < node_group < dp and dp % node_group == 0:
+                    out.append(Layout(tp, pp, dp, mbs, rc, zero, precision, partition_method, hpz=node_group,
+                                      **common))
+    return out
+
+
+def runs_sequence(layout: Layout, seq_length: int) -> bool:
+    """Ulysses splits the sequence over u ranks, SP (within them) over t."""
+    return seq_length % layout.sequence_split == 0
 
 
 def plan_layouts(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus: int, seq_length: int,
                  global_batch_size: int, *, micro_batch_sizes: Iterable[int] = (1, 2, 4, 8),
                  recompute: Iterable[bool] = (True, False), zero_stages: Iterable[int] = (1, 0, 2, 3),
                  partition_method: str = "type:transformer", memory_limit: Optional[float] = None,
-                 include_infeasible: bool = False) -> list[Plan]:
+                 include_infeasible: bool = False, sequence_parallel: Iterable[bool] = (False,),
+                 ulysses_sizes: Iterable[int] = (1,), store_attention_scores: bool = True) -> list[Plan]:
     """Every candidate layout with its memory and step estimates; fitting ones first, fastest first."""
-    if num_gpus < 1 or global_batch_size < 1 or seq_length < 1:
-        raise ValueError(f"num_gpus {num_gpus}, global batch {global_batch_size} and seq length {seq_length} "
-                         f"must be positive")
-    limit = gpu.memory_bytes * MEMORY_HEADROOM if memory_limit is None else memory_limit
+    _check_positive(num_gpus, global_batch_size, seq_length)
+    limit = _limit(gpu, memory_limit)
     plans = []
     for layout in candidate_layouts(model, num_gpus, cluster.gpus_per_node, global_batch_size, micro_batch_sizes,
-                                    recompute, zero_stages, "bf16", partition_method):
+                                    recompute, zero_stages, "bf16", partition_method, sequence_parallel,
+                                    ulysses_sizes, store_attention_scores):
+        if not runs_sequence(layout, seq_length):
+            continue
         try:
             memory = estimate_memory(model, layout, seq_length, global_batch_size)
         except ValueError:
@@ -98,3 +137,88 @@ def plan_layouts(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus
             plans.append(Plan(layout, memory, step, fits, layout.num_micro_batches(global_batch_size)))
     plans.sort(key=lambda p: (not p.fits, p.step.step_s, p.memory.peak))
     return plans
+
+
+def _check_positive(num_gpus: int, global_batch_size: int, seq_length: int) -> None:
+    if num_gpus < 1 or global_batch_size < 1 or seq_length < 1:
+        raise ValueError(f"num_gpus {num_gpus}, global batch {global_batch_size} and seq length {seq_length} "
+                         f"must be positive")
+
+
+def _limit(gpu: GPUSpec, memory_limit: Optional[float]) -> float:
+    return gpu.memory_bytes * MEMORY_HEADROOM if memory_limit is None else memory_limit
+
+
+# (name, sequence parallelism options, whether Ulysses degrees beyond 1 are allowed): each family
+# contains the one before it, so its longest sequence is at least as long.
+SEQUENCE_FAMILIES = (("3D/ZeRO", (False,), False), ("+SP", (False, True), False),
+                     ("+Ulysses", (False,), True), ("+SP+Ulysses", (False, True), True))
+SEQUENCE_STEP = 256          # the answer is a multiple of this
+MAX_SEQUENCE = 1 << 24       # doubling stops here (16M tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class LongestSequence:
+    family: str
+    recompute: bool
+    seq_length: int                 # 0: not even SEQUENCE_STEP tokens fit
+    plan: Optional[Plan]            # the fastest fitting layout at seq_length
+
+
+def longest_sequence(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus: int, global_batch_size: int,
+                     *, sequence_parallel: Iterable[bool] = (False,), ulysses_sizes: Iterable[int] = (1,),
+                     recompute: bool = True, micro_batch_sizes: Iterable[int] = (1,),
+                     zero_stages: Iterable[int] = (0, 1, 2, 3), partition_method: str = "type:transformer",
+                     store_attention_scores: bool = False, memory_limit: Optional[float] = None,
+                     family: str = "") -> LongestSequence:
+    """The longest multiple of SEQUENCE_STEP tokens that some candidate layout fits in memory.
+
+    Every layout's memory grows with the sequence, so "some layout fits" is monotone in it: double
+    from SEQUENCE_STEP until nothing fits, then bisect between the last fit and the first miss.
+    """
+    _check_positive(num_gpus, global_batch_size, SEQUENCE_STEP)
+    limit = _limit(gpu, memory_limit)
+    layouts = candidate_layouts(model, num_gpus, cluster.gpus_per_node, global_batch_size, micro_batch_sizes,
+                                (recompute,), zero_stages, "bf16", partition_method, tuple(sequence_parallel),
+                                tuple(ulysses_sizes), store_attention_scores)
+
+    def fits(steps: int) -> bool:
+        seq = steps * SEQUENCE_STEP
+        for layout in layouts:
+            if not runs_sequence(layout, seq):
+                continue
+            try:
+                if estimate_memory(model, layout, seq, global_batch_size).peak <= limit:
+                    return True
+            except ValueError:
+                continue
+        return False
+
+    if not fits(1):
+        return LongestSequence(family, recompute, 0, None)
+    good, bad = 1, 2
+    while fits(bad):
+        good, bad = bad, 2 * bad
+        if bad * SEQUENCE_STEP > MAX_SEQUENCE:
+            raise ValueError(f"more than {MAX_SEQUENCE} tokens fit: a memory limit this large is not meaningful")
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    seq = good * SEQUENCE_STEP
+    plans = plan_layouts(model, gpu, cluster, num_gpus, seq, global_batch_size, micro_batch_sizes=micro_batch_sizes,
+                         recompute=(recompute,), zero_stages=zero_stages, partition_method=partition_method,
+                         memory_limit=limit, sequence_parallel=tuple(sequence_parallel),
+                         ulysses_sizes=tuple(ulysses_sizes), store_attention_scores=store_attention_scores)
+    return LongestSequence(family, recompute, seq, plans[0])
+
+
+def longest_sequences(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus: int, global_batch_size: int,
+                      ulysses_sizes: Iterable[int] = (1, 2, 4, 8), **kwargs) -> list[LongestSequence]:
+    """``longest_sequence`` for each of SEQUENCE_FAMILIES, with activation checkpointing and without."""
+    out = []
+    for recompute in (False, True):
+        for name, sp, ulysses in SEQUENCE_FAMILIES:
+            sizes = tuple(ulysses_sizes) if ulysses else (1,)
+            out.append(longest_sequence(model, gpu, cluster, num_gpus, global_batch_size, sequence_parallel=sp,
+                                        ulysses_sizes=sizes, recompute=recompute, family=name, **kwargs))
+    return out

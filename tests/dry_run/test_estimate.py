@@ -35,3 +35,22 @@ def test_an_unknown_gpu_or_fabric_lists_the_known_ones():
         hardware("V100-32GB", None)
     with pytest.raises(ValueError, match="dgx-a100, dgx-h100, jean-zay-a100"):
         hardware("H100-80GB", "slingshot")
+
+
+def test_planner_layout_reads_sequence_parallelism_and_the_attention_kernel(files):  # noqa: F811
+    """The SP / Ulysses settings are read by name where the config has them (getattr, so the flags wire
+    themselves in); the attention scores count only for an explicit sdpa without selective recomputation."""
+    import dataclasses
+    import types
+
+    rc = parse(files, world_size=8, tensor_model_parallel_size=2, bf16=True, global_batch_size=16)
+    plain = planner_layout(rc, [rc.model.num_layers])
+    assert (plain.sequence_parallel, plain.ulysses, plain.store_attention_scores) == (False, 1, False)
+    parallel = types.SimpleNamespace(**dataclasses.asdict(rc.parallel), sequence_parallel=True,
+                                     ds_sequence_parallel_size=2)
+    fake = types.SimpleNamespace(parallel=parallel, batch=rc.batch, training=rc.training, model=rc.model,
+                                 deepspeed_zero_stage=rc.deepspeed_zero_stage)
+    layout = planner_layout(fake, [rc.model.num_layers])
+    assert (layout.sequence_parallel, layout.ulysses, layout.sequence_label) == (True, 2, "SP+U2")
+    sdpa = dataclasses.replace(rc, model=dataclasses.replace(rc.model, attention_backend="sdpa"))
+    assert planner_layout(sdpa, [rc.model.num_layers]).store_attention_scores

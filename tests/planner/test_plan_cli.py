@@ -28,3 +28,36 @@ def test_table_and_no_fit_exit_code(capsys):
     assert table.count("\n") >= 5 and "TFLOPs hw" in table
     assert plan_parallelism.main(["--model", "176B", "--num-gpus", "8", "--gpu", "A100-40GB",
                                   "--global-batch-size", "512"]) == 1
+
+
+def test_longest_sequence_json_parses_and_is_the_librarys(capsys):
+    from megatron.planner import BLOOM_SIZES, CLUSTERS, GPUS
+    from megatron.planner.search import longest_sequences
+
+    argv = ["--model", "7B1", "--num-gpus", "8", "--gpu", "A100-80GB", "--global-batch-size", "8",
+            "--longest-sequence", "--ulysses-sizes", "1", "2", "4", "8", "--zero-stages", "0", "1", "2", "3",
+            "--attention", "fused"]
+    assert plan_parallelism.main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = longest_sequences(BLOOM_SIZES["7B1"], GPUS["A100-80GB"], CLUSTERS["dgx-a100"], 8, 8,
+                                 store_attention_scores=False)
+    assert [(r["family"], r["recompute"], r["seq_length"]) for r in out["longest"]] == \
+        [(r.family, r.recompute, r.seq_length) for r in expected]
+    for r in out["longest"]:
+        lay = r["layout"]
+        assert lay["fits"] and lay["tp"] * lay["pp"] * lay["dp"] * lay["ulysses"] == 8, r
+        assert ("SP" in r["family"]) or not lay["sequence_parallel"]
+    assert plan_parallelism.main(argv) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 3 + 8 and table[3].split()[:3] == ["3D/ZeRO", "no", str(out["longest"][0]["seq_length"])]
+
+
+def test_ranking_with_sp_and_ulysses_counts_every_gpu(capsys):
+    argv = ["--model", "llama-2-7b", "--num-gpus", "16", "--gpu", "H100-80GB", "--global-batch-size", "64",
+            "--seq-length", "16384", "--ulysses-sizes", "1", "2", "4", "--json", "--top", "200"]
+    assert plan_parallelism.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert all(r["tp"] * r["pp"] * r["dp"] * r["ulysses"] == 16 for r in rows)
+    assert {r["ulysses"] for r in rows} == {1, 2, 4} and {r["sequence_parallel"] for r in rows} == {False, True}
+    assert plan_parallelism.main(argv[:-2] + ["--sequence-parallel", "off"]) == 0
+    assert not any(r["sequence_parallel"] for r in json.loads(capsys.readouterr().out)["layouts"])
