@@ -7,8 +7,12 @@ NOT RUN YET: written and dry-run on CPU only (the build machine has no GPU). On 
 
 1. Training: our engine (the same DeepSpeed PipelineEngine + BF16_Optimizer pretrain() builds,
    TP = PP = DP = 1, nccl) on a BLOOM-1B3-like model (24 layers, hidden 2048, 16 heads, seq 2048,
-   250,880-row vocabulary) and a BLOOM-350M-like one (24 layers, hidden 1024, 16 heads), bf16,
-   micro-batch = global batch (--micro-batch-size), --steps timed steps after --warmup ones.
+   250,880-row vocabulary) and a Llama-style 1B (Llama-3.2-1B's shape: 16 layers, hidden 2048, 32 heads
+   in 8 query groups, SwiGLU 8192, RMSNorm, rotary, untied, 128,256-row vocabulary), bf16,
+   micro-batch = global batch (--micro-batch-size), --steps timed steps after --warmup ones, per
+   VARIANTS entry: --attention-backend sdpa / auto (flash if installed, else flex for ALiBi) and
+   --torch-compile (first step, compilation included, reported apart). A failing variant reports its
+   error and the others still run.
    Reported: median step time, tokens/s, model and hardware TFLOP/s (megatron.training.metrics,
    Megatron's formula), MFU against the device's dense bf16 peak (--peak-tflops overrides), and
    torch.cuda.max_memory_allocated, next to the planner's prediction for the same layout.
@@ -39,9 +43,22 @@ from _common import emit, machine, tiny_argv, tiny_corpus
 
 import torch  # noqa: E402
 
+LLAMA = dict(position_embedding_type="rotary", normalization="rmsnorm", swiglu=True, disable_bias_linear=True,
+             untie_embeddings_and_output_weights=True, embed_layernorm=False)
 SIZES = {"1B3": dict(num_layers=24, hidden_size=2048, num_attention_heads=16),
-         "350M": dict(num_layers=24, hidden_size=1024, num_attention_heads=16)}
-DRY = {"tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4)}
+         "350M": dict(num_layers=24, hidden_size=1024, num_attention_heads=16),
+         # Llama-3.2-1B-like: 16 layers, hidden 2048, 32 heads in 8 query groups, SwiGLU 8192, 128256-row vocabulary
+         "llama1B": dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+                         ffn_hidden_size=8192, **LLAMA)}
+VOCAB = {"1B3": 250880, "350M": 250880, "llama1B": 128256}
+DRY = {"tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4),
+       "tiny_llama": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          ffn_hidden_size=128, **LLAMA)}
+# (model, --attention-backend, --torch-compile): every path the model has, on the sizes the issue names.
+# auto on CUDA: flash where flash-attn is installed, else flex for ALiBi and sdpa (is_causal) for rotary.
+VARIANTS = (("1B3", "sdpa", False), ("1B3", "auto", False), ("1B3", "auto", True),
+            ("llama1B", "sdpa", False), ("llama1B", "sdpa", True))
+DRY_VARIANTS = (("tiny", "sdpa", False), ("tiny", "flex", False), ("tiny_llama", "auto", False))
 
 
 def _sync(device: str) -> None:
@@ -50,7 +67,7 @@ def _sync(device: str) -> None:
 
 
 def train_throughput(name: str, sizes: dict, seq: int, mbs: int, steps: int, warmup: int, device: str,
-                     peak_override) -> dict:
+                     peak_override, attention_backend: str = "auto", compiled: bool = False) -> dict:
     from bench_train_vs_transformers import Ours  # same engine construction as pretrain()
 
     from megatron.planner import GPUS, estimate_memory
@@ -61,9 +78,11 @@ def train_throughput(name: str, sizes: dict, seq: int, mbs: int, steps: int, war
     corpus = tiny_corpus()
     argv = tiny_argv(corpus, train_iters=1000, lr_warmup_iters=0, lr_decay_style="constant", min_lr=0.0,
                      seq_length=seq, micro_batch_size=mbs, global_batch_size=mbs, **sizes,
-                     distributed_backend="nccl" if device == "cuda" else "gloo")
+                     distributed_backend="nccl" if device == "cuda" else "gloo", attention_backend=attention_backend,
+                     torch_compile=compiled)
     if device == "cuda":
-        argv += ["--pad-vocab-size-to", "250880"]
+        argv += ["--pad-vocab-size-to", str(VOCAB[name])]
+    start = time.perf_counter()
     ours = Ours(argv + ["--bf16"], backend="nccl" if device == "cuda" else "gloo")
     it = ours.iterator_factory()
     batches = [[next(it)] for _ in range(4)]
@@ -71,23 +90,31 @@ def train_throughput(name: str, sizes: dict, seq: int, mbs: int, steps: int, war
         batches = [[tuple(tuple(t.cuda() for t in part) for part in mb) for mb in b] for b in batches]
         torch.cuda.reset_peak_memory_stats()
     times = []
+    first_step_s = None
     for i in range(warmup + steps):
         _sync(device)
         t = time.perf_counter()
         ours.step(batches[i % len(batches)])
         _sync(device)
+        if i == 0:
+            first_step_s = time.perf_counter() - t  # compilation included under --torch-compile
         if i >= warmup:
             times.append(time.perf_counter() - t)
     step = statistics.median(times)
     peak = peak_tflops_for_device(current_device_name(), peak_override)
     flops = throughput_metrics(ours.rc.model, mbs, False, step, 1, peak)
-    out = {"model": name, **sizes, "seq_length": seq, "micro_batch_size": mbs,
+    out = {"model": name, **sizes, "attention_backend": attention_backend, "torch_compile": compiled,
+           "first_step_s": first_step_s, "build_and_first_step_s": time.perf_counter() - start - sum(times),
+           "seq_length": seq, "micro_batch_size": mbs,
            "padded_vocab_size": ours.rc.model.padded_vocab_size, "median_step_s": step,
            "tokens_per_s": mbs * seq / step, **flops, "peak_tflops": peak, "step_s_all": times}
     if device == "cuda":
         out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         gpu = GPUS["H200-141GB"] if "H200" in current_device_name() else GPUS["H100-80GB"]
-        layout = Layout(1, 1, 1, mbs, recompute=False, zero_stage=0)
+        # flash / flex / SDPA's fused kernels keep no [np, s, s] scores; the explicit ALiBi bias of sdpa does
+        alibi = sizes.get("position_embedding_type", "alibi") == "alibi"
+        layout = Layout(1, 1, 1, mbs, recompute=False, zero_stage=0,
+                        store_attention_scores=alibi and attention_backend == "sdpa")
         mem = estimate_memory(model_shape_of(ours.rc.model), layout, seq, mbs)
         out["planner_predicted_gib"] = mem.peak / 2 ** 30
         out["planner_gpu"] = gpu.name
@@ -174,7 +201,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--output")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script, no figures")
-    p.add_argument("--models", nargs="+", default=["350M", "1B3"])
+    p.add_argument("--models", nargs="+", default=["1B3", "llama1B"], choices=sorted(SIZES),
+                   help="models whose VARIANTS run (every attention path and --torch-compile of each)")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
@@ -187,21 +215,32 @@ def main() -> None:
     os.environ["DS_ACCELERATOR"] = "cpu" if device == "cpu" else "cuda"
     before = machine()
     if args.dry_run:
-        models, seq, mbs, steps, warmup = {"tiny": DRY["tiny"]}, 64, 2, 2, 1
+        sizes, variants, seq, mbs, steps, warmup = DRY, DRY_VARIANTS, 64, 2, 2, 1
         attn = attention_kernels(1, 4, 64, 16, 2, device)
         backends = bench_attention.run([64], 1, 4, 16, "fp32", device, 1)
     else:
-        models, seq, mbs = {m: SIZES[m] for m in args.models}, args.seq_length, args.micro_batch_size
+        sizes, seq, mbs = SIZES, args.seq_length, args.micro_batch_size
+        variants = [v for v in VARIANTS if v[0] in args.models]
         steps, warmup = args.steps, args.warmup
         attn = {"s2048": attention_kernels(mbs, 16, seq, 128, 10, device),
                 "s2048_hn64": attention_kernels(mbs, 16, seq, 64, 10, device)}
         # The model's own paths (--attention-backend sdpa / flex / flash where installed), bf16.
         backends = bench_attention.run([2048, 8192], 1, 16, 128, "bf16", device, 5)
-    training = {name: train_throughput(name, sizes, seq, mbs, steps, warmup, device, args.peak_tflops)
-                for name, sizes in models.items()}
+    training = {}
+    for name, backend, compiled in variants:
+        key = f"{name}/{backend}{'/compiled' if compiled else ''}"
+        try:
+            training[key] = train_throughput(name, sizes[name], seq, mbs, steps, warmup, device, args.peak_tflops,
+                                             backend, compiled)
+        except Exception as exc:  # noqa: BLE001 - one failing path must not lose the others' figures
+            training[key] = {"error": repr(exc)[:2000]}
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    models = {name: sizes[name] for name, _, _ in variants}
     gpu = {"name": torch.cuda.get_device_name(), "cuda": torch.version.cuda} if device == "cuda" else None
     emit({"benchmark": "gpu", "dry_run": args.dry_run, "device": device, "gpu": gpu,
           "config": {"models": models, "seq_length": seq, "micro_batch_size": mbs, "steps": steps, "warmup": warmup,
+                     "variants": [list(v) for v in variants],
                      "precision": "bf16 + BF16_Optimizer", "layout": "TP=PP=DP=1", "recompute": False},
           "compared_with": "the device's dense bf16 peak (MFU) and the planner's memory prediction; "
                            "attention: plain SDPA+bias vs FlexAttention ALiBi vs causal SDPA",
