@@ -4,7 +4,7 @@ fp32, no dropout, 10 iterations of pretrain(): losses within 1e-5 (relative) and
 1e-4 of the same layout without --sequence-parallel, for TP=2, TP=2 with --checkpoint-activations,
 TP=4, TP=2 x PP=2 (DeepSpeed's pipeline engine, activations sent unpartitioned) and TP=2 x DP=2 under
 ZeRO-3 (the non-pipeline engine, every parameter partitioned); a run saved at iteration 5 and resumed
-continues as the straight run. One launch per world size (launches are the expensive part).
+continues as the straight run, and its checkpoint serves (decoding builds the model without it). One launch per world size (launches are the expensive part).
 """
 
 import json
@@ -76,6 +76,24 @@ def test_two_ranks_tp2_recompute_and_exact_resume(tiny_corpus, tmp_path):
         # bit for bit: the resumed run continues exactly where the straight one went on
         assert first["losses"] + resumed["losses"] == straight["losses"], rank
         assert first["grad_norms"] + resumed["grad_norms"] == straight["grad_norms"], rank
+    _assert_serves(save)
+
+
+def _assert_serves(ckpt_dir):
+    """A checkpoint trained with --sequence-parallel loads for serving, built without it (one token at a time)."""
+    import torch
+
+    from megatron.inference.generation import Generator
+
+    generator = Generator.from_checkpoint(ckpt_dir)
+    assert not generator.config.sequence_parallel
+    model = generator.model
+    ids = torch.tensor([[5, 17, 42, 8, 99]])
+    with torch.no_grad():
+        full = model(ids)  # [s, b, vp]
+        caches = model.new_kv_caches()
+        steps = [model(ids[:, i:i + 1], kv_caches=caches) for i in range(ids.shape[1])]
+    assert torch.allclose(torch.cat(steps), full, atol=1e-5), (torch.cat(steps) - full).abs().max()
 
 
 @pytest.mark.multiprocess
