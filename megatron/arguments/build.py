@@ -61,7 +61,9 @@ def assemble_run_config(args) -> RunConfig:
         swiglu=args.swiglu, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
-        attention_backend=args.attention_backend, recompute_core_attention=args.recompute_core_attention)
+        attention_backend=args.attention_backend, recompute_core_attention=args.recompute_core_attention,
+        # with one TP rank there is no sequence to split (the startup warnings say so)
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1)
     rampup = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
     return RunConfig(
         model=model,

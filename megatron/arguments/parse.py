@@ -284,6 +284,9 @@ def _no_effect_warnings(args) -> list[str]:
         out.append(f"--zero-stage {args.zero_stage} with --bf16 runs DeepSpeed's BF16_Optimizer (ZeRO stage {stage}), "
                    "BLOOM's optimizer: fp32 master weights and Adam states sharded over the data-parallel ranks, "
                    "what bigscience's DeepSpeed ran under stage 0 (DeepSpeed 0.19 selects it by stage 1)")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        out.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1 (there is no tensor-parallel "
+                   "group to split the sequence over); the model runs without it")
     if args.abort_on_unmet_fused_kernel_constraints:
         out.append("--abort-on-unmet-fused-kernel-constraints is ignored: there are no CUDA fused kernels here "
                    "(torch's own kernels have no constraints to meet)")

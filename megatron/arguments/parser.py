@@ -121,6 +121,12 @@ def _parallelism(parser):
                         "zero_hpz_partition_size), so that the all-gathers of the backward pass stay inside a group "
                         "(a node); the optimizer state and gradients stay sharded over all data-parallel ranks. "
                         "Must divide the data-parallel size. Default 1: no secondary copy.")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism (Korthikanti et al. 2022): inside each tensor-parallel "
+                        "group, layer norms, dropout and residual adds run on a 1/TP shard of the sequence, the "
+                        "column-parallel layers all-gather their input along the sequence and the row-parallel "
+                        "layers reduce-scatter their output instead of all-reducing it. Saves activation memory "
+                        "(docs/parallelism.md); needs --seq-length divisible by TP; no effect with TP 1.")
     g.add_argument("--sync-tp-duplicated-parameters", action="store_true",
                    help="Average the parameters replicated over tensor-parallel ranks (layer norms, row-parallel "
                         "biases) every step so they cannot drift apart (BLOOM).")

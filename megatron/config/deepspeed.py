@@ -20,6 +20,10 @@ zero_optimization.stage                               --zero-stage; the JSON's m
                                                       the built config holds the stage that runs
                                                       (``RunConfig.deepspeed_zero_stage``: --bf16 with
                                                       0, BLOOM's setting, runs as 1)
+pipeline.pipe_partitioned / grad_partitioned = false  --sequence-parallel (with TP > 1): each TP rank's
+                                                      activation is its own sequence shard, so DeepSpeed
+                                                      must not send 1/TP of it and rebuild the rest from
+                                                      the TP peers (that assumes replicated activations)
 fp16.loss_scale                                       --loss-scale (0: dynamic), when given
 fp16.initial_scale_power                              log2(--initial-loss-scale), when given
 fp16.min_loss_scale / loss_scale_window / hysteresis  --min-loss-scale / --loss-scale-window /
@@ -93,6 +97,9 @@ def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
     hpz = rc.parallel.zero_hpz_partition_size
     if hpz > 1:
         out.append((("zero_optimization", "zero_hpz_partition_size"), hpz, f"--zero-hpz-partition-size {hpz}"))
+    if rc.model.sequence_parallel:
+        why = "--sequence-parallel (TP ranks hold different sequence shards, not copies of one activation)"
+        out += [(("pipeline", "pipe_partitioned"), False, why), (("pipeline", "grad_partitioned"), False, why)]
     if bf16 and rc.deepspeed_zero_stage <= 1:
         # Megatron accumulates bf16 gradients in fp32; DeepSpeed then picks BF16_Optimizer
         out.append((("data_types", "grad_accum_dtype"), "fp32", "--bf16 (gradients accumulate in fp32)"))

@@ -82,6 +82,10 @@ class ModelConfig:
     # --recompute-granularity selective: keep only the attention core's inputs (q, k, v) in forward and recompute
     # softmax(QK^T)V in backward (Korthikanti et al. 2022: the 5as/h part of the activations, for little compute).
     recompute_core_attention: bool = False
+    # --sequence-parallel (Korthikanti et al. 2022) with TP > 1: norms, dropout and residual adds run on this TP
+    # rank's [s/tp, b, h] shard of the sequence; column-parallel inputs are all-gathered along s, row-parallel
+    # outputs reduce-scattered. Changes no parameter; a model built for decoding leaves it False.
+    sequence_parallel: bool = False
 
     @property
     def ffn_size(self) -> int:
@@ -130,6 +134,10 @@ class ModelConfig:
             raise ValueError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; each TP rank must hold whole heads")
         self._validate_attention(tp)
+        if self.sequence_parallel and self.seq_length % tp:
+            raise ValueError(f"--sequence-parallel splits the sequence over the {tp} tensor-parallel ranks, but "
+                             f"--seq-length {self.seq_length} is not a multiple of --tensor-model-parallel-size {tp}; "
+                             f"use a multiple of {tp} or drop --sequence-parallel")
         if self.ffn_size < 1:
             raise ValueError(f"ffn hidden size {self.ffn_size} must be positive: set --ffn-hidden-size "
                              f"(--swiglu's default, 2/3 of 4 x --hidden-size {self.hidden_size} rounded down to a "

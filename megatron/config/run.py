@@ -29,6 +29,8 @@ class ParallelConfig:
     distributed_timeout_minutes: float = 10.0  # a collective waiting longer fails the job (every group)
     zero_hpz_partition_size: int = 1       # ZeRO-3 only: a secondary copy of the parameters sharded within
                                            # groups of this many data-parallel ranks (ZeRO++ hpZ); 1: none
+    sequence_parallel: bool = False        # --sequence-parallel as asked; the model runs it only with TP > 1
+                                           # (ModelConfig.sequence_parallel is what the modules read)
 
     @property
     def world_size(self) -> int:

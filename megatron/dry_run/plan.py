@@ -46,8 +46,8 @@ def layout_section(rc: RunConfig, item_param_counts: Optional[Sequence[int]] = N
             "holds": [item.kind for item in held if item.kind in (EMBEDDING, FINAL_NORM, HEAD)],
         })
     return {"world_size": rc.world_size, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-            "data_parallel_size": dp, "pp_partition_method": p.pp_partition_method, "num_pipeline_items": len(items),
-            "stages": stages}
+            "data_parallel_size": dp, "sequence_parallel": rc.model.sequence_parallel,
+            "pp_partition_method": p.pp_partition_method, "num_pipeline_items": len(items), "stages": stages}
 
 
 class RunSteps:

@@ -48,7 +48,8 @@ def _model(m: dict) -> list[str]:
 
 
 def _layout(lay: dict) -> list[str]:
-    lines = ["", f"layout       TP {lay['tensor_model_parallel_size']} x PP {lay['pipeline_model_parallel_size']} x "
+    sp = " (sequence parallel)" if lay.get("sequence_parallel") else ""
+    lines = ["", f"layout       TP {lay['tensor_model_parallel_size']}{sp} x PP {lay['pipeline_model_parallel_size']} x "
              f"DP {lay['data_parallel_size']} = {lay['world_size']} ranks; {lay['num_pipeline_items']} pipeline "
              f"items split by --pp-partition-method {lay['pp_partition_method']} (DeepSpeed's rule)"]
     for s in lay["stages"]:

@@ -63,8 +63,8 @@ class EmbeddingPipe(EmbeddingLayer):
     """The embedding as a pipeline layer: takes the (input_ids, position_ids) tuple DeepSpeed passes.
     Its state dict (hence its layer file) uses the checkpoint layout's keys (``file_key``)."""
 
-    def __init__(self, config: ModelConfig, tp_group=None):
-        super().__init__(config, tp_group)
+    def __init__(self, config: ModelConfig, tp_group=None, rng_tracker=None):
+        super().__init__(config, tp_group, rng_tracker)
         self.register_state_dict_post_hook(_to_file_keys)
         self.register_load_state_dict_pre_hook(_from_file_keys)
 
@@ -81,8 +81,8 @@ class LMHeadPipe(EmbeddingLayer):
     (With a single stage, DeepSpeed builds the tied module once, from the first spec: EmbeddingPipe.)
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None):
-        super().__init__(config, tp_group)
+    def __init__(self, config: ModelConfig, tp_group=None, rng_tracker=None):
+        super().__init__(config, tp_group, rng_tracker)
         self.position_embeddings = None
         self.embed_layernorm = None
 
@@ -109,16 +109,16 @@ class GPTLossFn:
 
 
 def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker: Optional[RNGStatesTracker]):
-    embed = dict(tied_weight_attr="word_embeddings.weight", tp_group=state.tp_group)
+    embed = dict(tied_weight_attr="word_embeddings.weight", tp_group=state.tp_group, rng_tracker=tracker)
     if item.kind == EMBEDDING:
         if not config.tied_embeddings:
-            return LayerSpec(EmbeddingPipe, config, tp_group=state.tp_group)
+            return LayerSpec(EmbeddingPipe, config, tp_group=state.tp_group, rng_tracker=tracker)
         return TiedLayerSpec("embed", EmbeddingPipe, config, **embed)
     if item.kind == TRANSFORMER:
         return LayerSpec(TransformerLayer, config, tp_group=state.tp_group, layer_number=item.layer_number,
                          rng_tracker=tracker)
     if item.kind == FINAL_NORM:
-        return LayerSpec(FinalLayerNorm, config)
+        return LayerSpec(FinalLayerNorm, config, tp_group=state.tp_group)
     if item.kind == HEAD:
         if not config.tied_embeddings:
             return LayerSpec(OutputLayer, config, tp_group=state.tp_group)

@@ -179,7 +179,9 @@ class Generator:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}, saved")
         config, state, record = load_full_state_dict(ckpt_dir, tag)
         dtype = config.params_dtype if dtype == "saved" else dtype
-        config = dataclasses.replace(config, params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0)
+        # Decoding feeds one token at a time: no sequence to split, whatever the training run used.
+        config = dataclasses.replace(config, params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0,
+                                     sequence_parallel=False)
         model = GPTModel(config, parallel_state)
         if parallel_state is not None and parallel_state.tp_size > 1:
             layout, tp = parameter_layout(config), parallel_state.tp_size

@@ -110,12 +110,16 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim  # hn
         prefix = f"layers.{layer_number}.self_attention"
         qkv_size = (config.num_attention_heads + 2 * config.num_kv_heads) * config.head_dim
+        # --sequence-parallel: the input is this rank's [s/tp, b, h], gathered along s by the QKV projection;
+        # the output is reduce-scattered back to [s/tp, b, h]
+        sequence_parallel = config.sequence_parallel and tp_size > 1
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size, qkv_size, tp_group=tp_group, bias=config.qkv_bias, gather_output=False,
+            sequence_parallel=sequence_parallel,
             init_method=normal_init(config.init_method_std, config.seed, f"{prefix}.query_key_value.weight"))
         self.dense = RowParallelLinear(
             config.hidden_size, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
-            input_is_parallel=True,
+            input_is_parallel=True, sequence_parallel=sequence_parallel,
             init_method=normal_init(output_layer_std(config), config.seed, f"{prefix}.dense.weight"))
         self._rope_scaling = None
         if config.rope_scaling_factor is not None:
@@ -132,14 +136,15 @@ class SelfAttention(nn.Module):
         return getattr(self, "_alibi_slopes", None)
 
     def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache | BatchKVCache] = None) -> torch.Tensor:
-        """hidden [sq, b, h] (already layer-normed) -> attention output [sq, b, h] (bias added).
+        """hidden [sq, b, h] (already layer-normed) -> attention output [sq, b, h] (bias added);
+        with sequence parallelism [sq/tp, b, h] -> [sq/tp, b, h].
 
         kv_cache: a ``KVCache`` (every row at the same position), or a ``BatchKVCache`` whose rows
         are sequences of different lengths (each row's queries at its own positions, its own mask)."""
-        sq, b, _ = hidden.shape
         np_, ng, hn = self.num_heads_per_partition, self.num_groups_per_partition, self.head_dim
         offset = 0 if kv_cache is None else kv_cache.length
         mixed, _ = self.query_key_value(hidden)  # [sq, b, ng * (np/ng + 2) * hn]
+        sq, b, _ = mixed.shape  # the whole sequence even where hidden is a sequence-parallel shard
         mixed = mixed.view(sq, b, ng, np_ // ng + 2, hn)  # [sq, b, ng, np/ng + 2, hn]
         query, key, value = mixed.split([np_ // ng, 1, 1], dim=3)
         query = query.reshape(sq, b, np_, hn)  # [sq, b, np, hn]: group 0's query heads first

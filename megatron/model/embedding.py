@@ -8,6 +8,10 @@ The word embedding is split along the vocabulary: rank r holds rows [r * vp, (r 
 output head reuses that same weight (tied), or has its own split the same way
 (--untie-embeddings-and-output-weights, Llama); its logits are vocab-parallel either way.
 
+With ``config.sequence_parallel`` the embedding hands on this TP rank's [s/tp, b, h] shard (scattered
+after the positions are added, before the norm and dropout), and the head all-gathers the sequence
+first (its backward reduce-scatters: each rank keeps the summed gradient of its own tokens).
+
 Shape letters: s sequence, b micro-batch, h hidden, np heads per partition, hn head dim,
 hp = np * hn, v / vp vocabulary (per partition).
 """
@@ -24,7 +28,8 @@ from megatron.config import ModelConfig
 from megatron.model.initialization import normal_init, params_torch_dtype
 from megatron.model.norm import Norm
 from megatron.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from megatron.parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.parallel.mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                                        scatter_to_sequence_parallel_region)
 from megatron.parallel.state import group_size
 
 __all__ = ["EmbeddingLayer", "OutputLayer"]
@@ -38,16 +43,23 @@ class EmbeddingLayer(nn.Module):
             ``position_embedding_type == 'absolute'``; ``embed_layernorm`` adds BLOOM's LayerNorm;
             ``hidden_dropout`` is the embedding dropout.
         tp_group: the tensor-parallel process group (None: one rank).
+        rng_tracker: the ``RNGStatesTracker`` whose model-parallel stream draws the dropout of a
+            sequence-parallel shard (needed with sequence parallelism and a dropout above 0).
 
     Parameters: ``word_embeddings.weight`` [vp, h] (vocab-parallel), ``position_embeddings.weight``
     [max_positions, h] and ``embed_layernorm.{weight,bias}`` (both replicated across TP).
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None):
+    def __init__(self, config: ModelConfig, tp_group=None, rng_tracker=None):
         super().__init__()
         config.validate(group_size(tp_group))
         self.tp_group = tp_group
         self.dropout = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
+        self.rng_tracker = rng_tracker
+        if self.sequence_parallel and self.dropout > 0 and rng_tracker is None:
+            raise ValueError(f"sequence parallelism with --hidden-dropout {self.dropout} needs an RNG tracker for "
+                             f"the embedding dropout (each TP rank drops its own tokens); pass rng_tracker")
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, tp_group=tp_group,
             init_method=normal_init(config.init_method_std, config.seed, "embedding.word_embeddings.weight"))
@@ -58,7 +70,7 @@ class EmbeddingLayer(nn.Module):
                 self.position_embeddings.weight)
         self.embed_layernorm = None
         if config.embed_layernorm:
-            self.embed_layernorm = Norm(config)
+            self.embed_layernorm = Norm(config, tp_group)
         self.to(params_torch_dtype(config))
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -74,17 +86,27 @@ class EmbeddingLayer(nn.Module):
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]  # [1, s]
             embeddings = embeddings + self.position_embeddings(position_ids)  # [b, s, h]
         embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.sequence_parallel:
+            embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)  # [s/tp, b, h]
         if self.embed_layernorm is not None:
             embeddings = self.embed_layernorm(embeddings)
+        if self.sequence_parallel and self.training and self.dropout > 0:
+            with self.rng_tracker.fork():  # each TP rank drops its own tokens
+                return F.dropout(embeddings, p=self.dropout, training=True)
         return F.dropout(embeddings, p=self.dropout, training=self.training)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [s, b, h] -> vocab-parallel logits [s, b, vp] with the tied word embedding.
 
         copy_to (forward identity, backward all-reduce) gives every rank the full gradient of the
-        replicated hidden state, since each rank's logits depend on it through its own rows.
+        replicated hidden state, since each rank's logits depend on it through its own rows. With
+        sequence parallelism hidden is this rank's [s/tp, b, h]; the gather's backward reduce-scatters,
+        the same sum kept for this rank's tokens only.
         """
-        hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)  # [s, b, h]
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)  # [s, b, h]
+        else:
+            hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)  # [s, b, h]
         return F.linear(hidden, self.word_embeddings.weight)  # [s, b, vp]
 
 
@@ -93,13 +115,15 @@ class OutputLayer(ColumnParallelLinear):
 
     logits = hidden @ W^T with W [v, h] split along the vocabulary (rank r: rows [r * vp, (r + 1) * vp)),
     no bias; the column-parallel input copy (forward identity, backward all-reduce) gives every rank
-    the full gradient of the replicated hidden state, as the tied head's does. Parameter
+    the full gradient of the replicated hidden state, as the tied head's does (with sequence parallelism
+    the layer's input all-gather along s instead, backward reduce-scatter). Parameter
     ``weight`` [vp, h], tagged ``vocab_parallel`` (rows are the padded vocabulary).
     """
 
     def __init__(self, config: ModelConfig, tp_group=None):
         super().__init__(config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
                          gather_output=False, params_dtype=params_torch_dtype(config),
+                         sequence_parallel=config.sequence_parallel and group_size(tp_group) > 1,
                          init_method=normal_init(config.init_method_std, config.seed, "output_layer.weight"))
         self.weight.vocab_parallel = True
 

@@ -61,7 +61,8 @@ class GPTModel(nn.Module):
         config: the model configuration.
         parallel_state: this rank's groups (``ParallelState.single()`` for one process). Only the
             tensor-parallel group is used; pipeline parallelism stages the same modules elsewhere.
-        rng_tracker: optional ``RNGStatesTracker`` for attention dropout inside the TP region.
+        rng_tracker: optional ``RNGStatesTracker`` for attention dropout inside the TP region (and, with
+            ``config.sequence_parallel``, the dropout of the sequence shards).
 
     Parameter names: ``embedding.word_embeddings.weight``, ``embedding.position_embeddings.weight``,
     ``embedding.embed_layernorm.*``, ``layers.{i}.input_layernorm.*``,
@@ -77,10 +78,10 @@ class GPTModel(nn.Module):
         config.validate(parallel_state.tp_size)
         self.config = config
         self.tp_group = parallel_state.tp_group
-        self.embedding = EmbeddingLayer(config, self.tp_group)
+        self.embedding = EmbeddingLayer(config, self.tp_group, rng_tracker)
         self.layers = nn.ModuleList(TransformerLayer(config, self.tp_group, i, rng_tracker)
                                     for i in range(config.num_layers))
-        self.final_layernorm = FinalLayerNorm(config)
+        self.final_layernorm = FinalLayerNorm(config, self.tp_group)
         self.output_layer = None if config.tied_embeddings else OutputLayer(config, self.tp_group)
         self._recompute: Optional[tuple[Callable, int]] = None
 
@@ -125,6 +126,10 @@ class GPTModel(nn.Module):
         too). ``BatchKVCache`` s (one per layer) decode rows of different lengths together, each
         continuing after its own cached positions.
         """
+        if kv_caches is not None and self.embedding.sequence_parallel:
+            raise ValueError("decoding with KV caches needs a model built without sequence parallelism (it splits "
+                             "the sequence, one token while decoding); build it from a config with "
+                             "sequence_parallel=False (the checkpoint is the same)")
         if kv_caches is not None and len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         if position_ids is None and kv_caches is not None and isinstance(kv_caches[0], BatchKVCache):

@@ -1,6 +1,7 @@
 """``Norm``: the LayerNorm or RMSNorm every block, the final norm and BLOOM's embedding norm use.
 
-Which one is ``ModelConfig.normalization``; both act on the last (hidden) dimension of [s, b, h].
+Which one is ``ModelConfig.normalization``; both act on the last (hidden) dimension of [s, b, h]
+(with sequence parallelism, this TP rank's [s/tp, b, h]).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.parallel.state import group_size
 
 __all__ = ["Norm"]
 
@@ -22,22 +25,34 @@ class Norm(nn.Module):
     x / sqrt(mean(x^2) + eps) * weight, parameter ``weight`` only; normalized in fp32 and cast back
     before the weight, as Llama computes it (bf16 squares lose the small components).
     Replicated on every TP rank.
+
+    With ``config.sequence_parallel`` and a ``tp_group`` of several ranks, each rank normalizes only
+    its own tokens, so its weight (and bias) gradient is a partial sum over the group: the parameters
+    pass through copy_to (forward identity, backward all-reduce over ``tp_group``) and are tagged
+    ``sequence_parallel = True``. That works under any engine, recomputation and ZeRO-3.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp_group=None):
         super().__init__()
+        self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
+        self.tp_group = tp_group if self.sequence_parallel else None
         self.normalized_shape, self.eps = (config.hidden_size,), config.layernorm_epsilon
         self.weight = nn.Parameter(torch.ones(config.hidden_size))
         if config.normalization == "layernorm":
             self.bias = nn.Parameter(torch.zeros(config.hidden_size))
         else:
             self.register_parameter("bias", None)
+        for param in self.parameters():
+            param.sequence_parallel = self.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # tp_group is None without sequence parallelism: copy_to is then the identity.
+        weight = copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
         if self.bias is not None:
-            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+            bias = copy_to_tensor_model_parallel_region(self.bias, self.tp_group)
+            return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
         normed = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype)
-        return normed * self.weight
+        return normed * weight
 
     def extra_repr(self) -> str:
         kind = "layernorm" if self.bias is not None else "rmsnorm"

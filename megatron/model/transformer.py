@@ -9,6 +9,12 @@ Every module here takes and returns one tensor [s, b, h] so that a pipeline engi
 layers one by one. Hidden dropout sits outside the tensor-parallel region and uses the default
 RNG, which must be the same on every TP rank (identical masks on identical activations).
 
+With ``config.sequence_parallel`` (Megatron's --sequence-parallel) the tensor is this TP rank's
+[s/tp, b, h] shard of the sequence: the norms, dropout and residual adds see only its tokens, the
+column-parallel layers (QKV, h -> 4h) all-gather it along s and the row-parallel ones (dense,
+4h -> h) reduce-scatter back to [s/tp, b, h]. Dropout then runs in the RNG tracker's
+model-parallel stream, different on every TP rank (each holds other tokens).
+
 Shape letters: s sequence, b micro-batch, h hidden, np heads per partition, hn head dim,
 hp = np * hn, f ffn hidden size, fp = f / tp, v / vp vocabulary (per partition).
 """
@@ -28,7 +34,7 @@ from megatron.model.norm import Norm
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.state import group_size
 
-__all__ = ["ParallelMLP", "TransformerLayer", "FinalLayerNorm", "zero_biases"]
+__all__ = ["ParallelMLP", "TransformerLayer", "FinalLayerNorm", "zero_biases", "sequence_parallel_dropout"]
 
 
 def zero_biases(module: nn.Module) -> None:
@@ -37,6 +43,22 @@ def zero_biases(module: nn.Module) -> None:
         for name, param in module.named_parameters():
             if name == "bias" or name.endswith(".bias"):
                 param.zero_()
+
+
+def sequence_parallel_dropout(x: torch.Tensor, p: float, training: bool, rng_tracker) -> torch.Tensor:
+    """Dropout of a sequence shard [s/tp, b, h]: drawn from the tracker's model-parallel stream, so each
+    TP rank draws its own mask for its own tokens (the default stream is the same on every TP rank)."""
+    if not training or p == 0.0:
+        return x
+    with rng_tracker.fork():
+        return F.dropout(x, p=p, training=True)
+
+
+def _check_dropout_stream(config: ModelConfig, tp_group, rng_tracker) -> None:
+    if config.sequence_parallel and group_size(tp_group) > 1 and config.hidden_dropout > 0 and rng_tracker is None:
+        raise ValueError(f"sequence parallelism with --hidden-dropout {config.hidden_dropout} needs an RNG tracker "
+                         f"(megatron.parallel.random) so that every TP rank draws its own dropout mask; pass "
+                         f"rng_tracker, or set the dropout to 0")
 
 
 class ParallelMLP(nn.Module):
@@ -54,22 +76,25 @@ class ParallelMLP(nn.Module):
         prefix = f"layers.{layer_number}.mlp"
         self.swiglu = config.swiglu
         width = 2 * config.ffn_size if config.swiglu else config.ffn_size
+        sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, width, tp_group=tp_group, bias=config.add_bias_linear, gather_output=False,
+            sequence_parallel=sequence_parallel,
             init_method=normal_init(config.init_method_std, config.seed, f"{prefix}.dense_h_to_4h.weight"))
         self.dense_4h_to_h = RowParallelLinear(
             config.ffn_size, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear, input_is_parallel=True,
+            sequence_parallel=sequence_parallel,
             init_method=normal_init(output_layer_std(config), config.seed, f"{prefix}.dense_4h_to_h.weight"))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [s, b, h] -> [s, b, h]."""
+        """hidden [s, b, h] -> [s, b, h] (sequence parallel: [s/tp, b, h] -> [s/tp, b, h])."""
         intermediate, _ = self.dense_h_to_4h(hidden)  # [s, b, fp] (swiglu: [s, b, 2 fp])
         if self.swiglu:
             gate, up = intermediate.unflatten(-1, (-1, 2)).unbind(-1)  # 2 x [s, b, fp]
             intermediate = F.silu(gate) * up  # [s, b, fp]
         else:
             intermediate = F.gelu(intermediate, approximate="tanh")
-        output, _ = self.dense_4h_to_h(intermediate)  # [s, b, h]
+        output, _ = self.dense_4h_to_h(intermediate)  # [s, b, h] (sequence parallel: [s/tp, b, h])
         return output
 
 
@@ -82,7 +107,8 @@ class TransformerLayer(nn.Module):
         layer_number: 0-based index of this layer in the WHOLE model. The initial weights depend
             only on (config.seed, layer_number), so a pipeline stage holding layers 3..5 starts
             exactly as layers 3..5 of the full model do.
-        rng_tracker: optional ``RNGStatesTracker`` for attention dropout (see SelfAttention).
+        rng_tracker: optional ``RNGStatesTracker`` for attention dropout (see SelfAttention) and, with
+            sequence parallelism, the hidden dropout (required then if the dropout is not 0).
 
     Parameters are created in fp32, initialized, then cast to ``config.params_dtype``.
     """
@@ -93,26 +119,36 @@ class TransformerLayer(nn.Module):
         if not isinstance(layer_number, int) or not 0 <= layer_number < config.num_layers:
             raise ValueError(f"layer_number {layer_number!r} is not a 0-based layer index of a model "
                              f"with num_layers {config.num_layers}")
+        _check_dropout_stream(config, tp_group, rng_tracker)
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
-        self.input_layernorm = Norm(config)
+        self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
+        self.rng_tracker = rng_tracker
+        self.input_layernorm = Norm(config, tp_group)
         self.self_attention = SelfAttention(config, tp_group, layer_number, rng_tracker)
-        self.post_attention_layernorm = Norm(config)
+        self.post_attention_layernorm = Norm(config, tp_group)
         self.mlp = ParallelMLP(config, tp_group, layer_number)
         zero_biases(self)
         self.to(params_torch_dtype(config))
 
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return sequence_parallel_dropout(x, self.hidden_dropout, self.training, self.rng_tracker)
+        return F.dropout(x, p=self.hidden_dropout, training=self.training)
+
     def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        """hidden [s, b, h] -> [s, b, h]. ``kv_cache``: this layer's cache when decoding incrementally."""
+        """hidden [s, b, h] -> [s, b, h] (sequence parallel: [s/tp, b, h] -> [s/tp, b, h]).
+        ``kv_cache``: this layer's cache when decoding incrementally (not with sequence parallelism)."""
         attention = self.self_attention(self.input_layernorm(hidden), kv_cache)  # [s, b, h]
-        hidden = hidden + F.dropout(attention, p=self.hidden_dropout, training=self.training)
+        hidden = hidden + self._dropout(attention)
         mlp = self.mlp(self.post_attention_layernorm(hidden))  # [s, b, h]
-        return hidden + F.dropout(mlp, p=self.hidden_dropout, training=self.training)
+        return hidden + self._dropout(mlp)
 
 
 class FinalLayerNorm(Norm):
-    """The norm after the last transformer layer (LayerNorm or RMSNorm): [s, b, h] -> [s, b, h]."""
+    """The norm after the last transformer layer (LayerNorm or RMSNorm): [s, b, h] -> [s, b, h]
+    (sequence parallel: this rank's [s/tp, b, h]; the output head gathers the sequence)."""
 
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, tp_group=None):
+        super().__init__(config, tp_group)
         self.to(params_torch_dtype(config))

@@ -164,6 +164,8 @@ class RowParallelLinear(torch.nn.Module):
                                       params_dtype, device)  # [o, h/tp]
         if bias:
             self.bias = _zero_bias(output_size, False, params_dtype, device)
+            # its gradient is summed over the TP group in forward (_bias_for_use); tooling reads the tag
+            self.bias.sequence_parallel = sequence_parallel and tp > 1
         else:
             self.register_parameter("bias", None)
 

@@ -24,6 +24,16 @@ BF16_Optimizer (formulas in docs/performance.md):
        a multiple of 2*d) after the last micro-batch, all-gather of the updated bf16 weights
        (each rank contributes its 1/d shard); the last stage all-reduces the mean loss over DP.
   EMB  PP > 1: the tied word embedding's fp32 gradient (v/t * h) all-reduced between first and last stage.
+  SP   --sequence-parallel (``StepShape.sequence_parallel``) replaces each layer's TP all-reduces: per
+       micro-batch and layer 4 all-gathers of the s/t*b*h shard (forward: inputs of QKV and h->4h;
+       backward: the adjoints of the two reduce-scatters) and 4 reduce-scatters of s*b*h partial sums
+       (forward: attention and MLP outputs; backward: the gathered inputs' gradients); recomputation
+       replays 2 all-gathers and 1 reduce-scatter per layer (it stops before the MLP's). The first stage
+       keeps the embedding's all-reduce and all-gathers the scattered output's gradient; the last stage
+       all-gathers the final norm's output for the head (backward: a reduce-scatter) instead of the
+       head's all-reduce. Every replicated parameter used on the shards (norm weights and biases, the
+       row-parallel biases) all-reduces its gradient (h values) once per micro-batch. The pipeline sends
+       each rank's own shard unpartitioned (s/t*b*h per message, no TP all-gather).
 """
 
 from __future__ import annotations
@@ -39,6 +49,10 @@ WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_ba
            "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce", "send", "recv", "isend",
            "irecv", "barrier", "all_reduce_coalesced")
 P2P = ("send", "recv", "isend", "irecv")
+# torch 2.13's names of the tensor collectives (megatron.parallel.mappings calls them where they exist), recorded
+# under the older names DeepSpeed calls, so the counts do not depend on the torch version
+ALIASES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+WRAPPED += tuple(ALIASES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +91,7 @@ def _tensor_of(op: str, args, kwargs):
         if key in kwargs:
             return kwargs[key]
     if op in ("all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
-              "reduce_scatter_tensor", "_reduce_scatter_base"):
+              "reduce_scatter_tensor", "_reduce_scatter_base", *ALIASES):
         return args[1] if len(args) > 1 else None
     return args[0] if args else None
 
@@ -141,7 +155,8 @@ class CollectiveRecorder:
         if group is None:
             positional = {"all_reduce": 2, "broadcast": 2, "reduce": 3, "all_gather": 2, "all_gather_into_tensor": 2,
                           "_all_gather_base": 2, "reduce_scatter": 3, "reduce_scatter_tensor": 3,
-                          "_reduce_scatter_base": 3, "barrier": 0, "all_reduce_coalesced": 2}
+                          "_reduce_scatter_base": 3, "barrier": 0, "all_reduce_coalesced": 2,
+                          "all_gather_single": 2, "reduce_scatter_single": 3}
             index = positional.get(op)
             if index is not None and len(args) > index and not isinstance(args[index], (int, float)):
                 group = args[index]
@@ -160,7 +175,8 @@ class CollectiveRecorder:
             if current is not None and current.active:
                 numel, nbytes = _size(_tensor_of(op, args, kwargs))
                 ranks = current._group_ranks(op, args, kwargs)
-                current.records.append(CallRecord(op, classify(op, ranks, current.layout), ranks, numel, nbytes))
+                name = ALIASES.get(op, op)
+                current.records.append(CallRecord(name, classify(name, ranks, current.layout), ranks, numel, nbytes))
             return original(*args, **kwargs)
 
         wrapper._recorder_wrapped = True
@@ -189,8 +205,28 @@ class StepShape:
     hidden_size: int
     padded_vocab_size: int
     num_micro_batches: int
-    activation_bytes: int = 2        # bf16 activations; 4 in fp32
+    activation_bytes: int = 2        # bf16 activations; 4 in fp32 (the parameters' dtype too)
     recompute: bool = False
+    sequence_parallel: bool = False  # --sequence-parallel (with TP > 1)
+    norm_params: int = 2             # parameters of one norm: 2 LayerNorm (weight, bias), 1 RMSNorm
+    linear_biases: bool = True       # row-parallel biases (False: --disable-bias-linear)
+    embed_layernorm: bool = False    # BLOOM's norm after the embedding
+
+
+def _sequence_parallel_tp(shape: StepShape, layers: int, first: bool, last: bool, t: int) -> dict:
+    """One micro-batch's TP collectives under --sequence-parallel: {op: (calls, bytes)} (module docstring, SP)."""
+    act = shape.seq_length * shape.micro_batch_size * shape.hidden_size * shape.activation_bytes
+    shard = act // t
+    gathers = layers * (6 if shape.recompute else 4) + (1 if first else 0) + (1 if last else 0)
+    scatters = layers * (5 if shape.recompute else 4) + (1 if last else 0)
+    replicated = (layers * (2 * shape.norm_params + (2 if shape.linear_biases else 0))
+                  + (shape.norm_params if first and shape.embed_layernorm else 0)
+                  + (shape.norm_params if last else 0))
+    embedding = 1 if first else 0
+    return {"all_gather_into_tensor": (gathers, gathers * shard),
+            "reduce_scatter_tensor": (scatters, scatters * act),
+            "all_reduce": (replicated + embedding,
+                           replicated * shape.hidden_size * shape.activation_bytes + embedding * act)}
 
 
 def _bucket_calls(numels: list[int], per_bucket: int) -> int:
@@ -226,7 +262,12 @@ def analytic_step_counts(shape: StepShape, layout: GroupLayout, rank: int, num_l
             entry["calls"] += calls
             entry["bytes"] += nbytes
 
-    if t > 1:
+    if t > 1 and shape.sequence_parallel:
+        for op, (calls, nbytes) in _sequence_parallel_tp(shape, num_layers_on_stage, first, last, t).items():
+            add("tp", op, m * calls, m * nbytes)
+        if last:  # cross-entropy: max over the vocab shards, then the three sums, fp32
+            add("tp", "all_reduce", 2 * m, m * (s * b * 4 + 3 * s * b * 4))
+    elif t > 1:
         # Recomputation replays the forward up to the last tensor backward needs: torch's non-reentrant
         # checkpoint stops early, before the MLP's output all-reduce, so it adds ONE per layer, not two.
         per_layer = 5 if shape.recompute else 4
@@ -241,7 +282,10 @@ def analytic_step_counts(shape: StepShape, layout: GroupLayout, rank: int, num_l
         # rebuilds the whole with an all-gather over the TP group; a non-last stage also rebuilds its
         # own partitioned output before its backward.
         messages = (0 if last else 1) + (0 if first else 1)   # sent = received, per micro-batch
-        if t > 1:
+        if t > 1 and shape.sequence_parallel:  # each rank sends its own shard, whole (pipe_partitioned off)
+            add("pp", "send", m * messages, m * messages * (act // t))
+            add("pp", "recv", m * messages, m * messages * (act // t))
+        elif t > 1:
             part = act // t
             meta = (t + 7) * 8
             add("pp", "send", 2 * m * messages, m * messages * (part + meta))

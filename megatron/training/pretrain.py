@@ -130,7 +130,8 @@ def pretrain(rc: RunConfig) -> PretrainResult:
                       world_size=dist.get_world_size())
     lock = _lock_save_folder(rc)  # one writer per --save folder (megatron.checkpoint.lock)
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
-                 f"TP={state.tp_size} PP={state.pp_size} DP={state.dp_size}, {_sharding_summary(rc)}); training")
+                 f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "
+                 f"PP={state.pp_size} DP={state.dp_size}, {_sharding_summary(rc)}); training")
     try:
         reason = trainer.train()
         test = {}

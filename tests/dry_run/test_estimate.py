@@ -46,11 +46,14 @@ def test_planner_layout_reads_sequence_parallelism_and_the_attention_kernel(file
     rc = parse(files, world_size=8, tensor_model_parallel_size=2, bf16=True, global_batch_size=16)
     plain = planner_layout(rc, [rc.model.num_layers])
     assert (plain.sequence_parallel, plain.ulysses, plain.store_attention_scores) == (False, 1, False)
-    parallel = types.SimpleNamespace(**dataclasses.asdict(rc.parallel), sequence_parallel=True,
-                                     ds_sequence_parallel_size=2)
+    parallel = types.SimpleNamespace(**{**dataclasses.asdict(rc.parallel), "sequence_parallel": True,
+                                        "ds_sequence_parallel_size": 2})
     fake = types.SimpleNamespace(parallel=parallel, batch=rc.batch, training=rc.training, model=rc.model,
                                  deepspeed_zero_stage=rc.deepspeed_zero_stage)
     layout = planner_layout(fake, [rc.model.num_layers])
     assert (layout.sequence_parallel, layout.ulysses, layout.sequence_label) == (True, 2, "SP+U2")
     sdpa = dataclasses.replace(rc, model=dataclasses.replace(rc.model, attention_backend="sdpa"))
     assert planner_layout(sdpa, [rc.model.num_layers]).store_attention_scores
+    with_flag = parse(files, world_size=8, tensor_model_parallel_size=2, bf16=True, global_batch_size=16,
+                      sequence_parallel=True)
+    assert planner_layout(with_flag, [rc.model.num_layers]).sequence_parallel  # --sequence-parallel reaches it

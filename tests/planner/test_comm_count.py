@@ -58,3 +58,44 @@ def test_measured_step_equals_analytic_count(tiny_corpus):
             m, a = measured.get(key, {}), analytic.get(key, {})
             assert (m.get("calls"), m.get("bytes")) == (a.get("calls"), a.get("bytes")), \
                 f"rank {r['rank']} {key}: measured {m}, analytic {a}"
+
+
+def _run_sequence_parallel(rank, world_size, runs):
+    """Each argv: run_recorded's facts, plus what the SP formula needs that it does not report."""
+    from megatron.arguments import run_config_from_argv
+    from megatron.planner.measure import run_recorded
+
+    out = []
+    for argv in runs:
+        m = run_config_from_argv(argv, world_size=world_size).model
+        out.append(dict(run_recorded(argv, world_size), sequence_parallel=m.sequence_parallel,
+                        norm_params=2 if m.normalization == "layernorm" else 1, linear_biases=m.add_bias_linear,
+                        embed_layernorm=m.embed_layernorm))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_measured_sequence_parallel_step_equals_analytic_count(tiny_corpus):
+    """(TP, PP, DP) = (2, 2, 1), bf16, --sequence-parallel, with and without recomputation: all-gathers and
+    reduce-scatters instead of the TP all-reduces, the norms' gradient all-reduces, whole shards over the pipe."""
+    argv = tiny_argv(tiny_corpus, train_iters=2, lr_warmup_iters=1) + [
+        "--bf16", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+    results = run_distributed(_run_sequence_parallel, world_size=4, args=([argv, argv + ["--checkpoint-activations"]],),
+                              timeout=600)
+    for per_rank in results:
+        for r in per_rank:
+            c = r["config"]
+            assert r["sequence_parallel"]
+            lay = group_layout(c["tp"], c["pp"], c["dp"])
+            shape = StepShape(c["seq_length"], c["micro_batch_size"], c["hidden_size"], c["padded_vocab_size"],
+                              c["global_batch_size"] // (c["micro_batch_size"] * c["dp"]),
+                              recompute=c["checkpoint_activations"], sequence_parallel=True,
+                              norm_params=r["norm_params"], linear_biases=r["linear_biases"],
+                              embed_layernorm=r["embed_layernorm"])
+            analytic = analytic_step_counts(shape, lay, r["rank"], r["stage_layers"], r["group_numels"])
+            measured = {tuple(k.split("/")): v for k, v in r["summary"].items()}
+            assert ("tp", "reduce_scatter_tensor") in measured  # the SP collectives were seen at all
+            for key in set(analytic) | set(measured):
+                m, a = measured.get(key, {}), analytic.get(key, {})
+                assert (m.get("calls"), m.get("bytes")) == (a.get("calls"), a.get("bytes")), \
+                    f"rank {r['rank']} recompute={c['checkpoint_activations']} {key}: measured {m}, analytic {a}"

@@ -1,0 +1,139 @@
+"""--sequence-parallel trains exactly as the same layout without it, on both engines.
+
+fp32, no dropout, 10 iterations of pretrain(): losses within 1e-5 (relative) and grad norms within
+1e-4 of the same layout without --sequence-parallel, for TP=2, TP=2 with --checkpoint-activations,
+TP=4, TP=2 x PP=2 (DeepSpeed's pipeline engine, activations sent unpartitioned) and TP=2 x DP=2 under
+ZeRO-3 (the non-pipeline engine, every parameter partitioned); a run saved at iteration 5 and resumed
+continues as the straight run, and its checkpoint serves (decoding builds the model without it). One launch per world size (launches are the expensive part).
+"""
+
+import json
+
+import pytest
+
+from megatron.testing import run_distributed, tiny_argv
+
+ITERS = 10
+SP = "--sequence-parallel"
+
+
+def _train(rank, world_size, runs):
+    from megatron.arguments import run_config_from_argv
+    from megatron.training.pretrain import pretrain
+
+    out = []
+    for argv in runs:
+        rc = run_config_from_argv(argv, world_size=world_size)
+        result = pretrain(rc)
+        engine = result.engine
+        out.append({"losses": [r.loss for r in result.history], "grad_norms": [r.grad_norm for r in result.history],
+                    "iterations": [r.iteration for r in result.history],
+                    "model_sp": rc.model.sequence_parallel, "engine": type(engine).__name__,
+                    "pipe_partitioned": getattr(engine, "is_pipe_partitioned", None)})
+    return out
+
+
+def _assert_same_run(reference, other, label):
+    assert len(other["losses"]) == len(reference["losses"]) == ITERS, label
+    for i, (a, b) in enumerate(zip(reference["losses"], other["losses"])):
+        assert abs(a - b) <= 1e-5 * abs(a), f"{label}: iteration {i + 1} loss {b} vs {a} without {SP}"
+    for i, (a, b) in enumerate(zip(reference["grad_norms"], other["grad_norms"])):
+        assert abs(a - b) <= 1e-4 * abs(a), f"{label}: iteration {i + 1} grad norm {b} vs {a} without {SP}"
+
+
+def _layout(argv, *flags):
+    return list(argv) + [str(f) for f in flags]
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_tp2_recompute_and_exact_resume(tiny_corpus, tmp_path):
+    argv = tiny_argv(tiny_corpus, train_iters=ITERS, tensor_model_parallel_size=2)
+    save = str(tmp_path / "sp")
+    runs = {
+        "tp2": argv,
+        "tp2 sp": _layout(argv, SP),
+        "tp2 sp recompute": _layout(argv, SP, "--checkpoint-activations"),
+        # ZeRO-1, as tests/training/test_checkpoints.py resumes: the fp32 ZeRO-0 path does not resume bit for bit
+        # (without --sequence-parallel either: iteration 8 of a run resumed at 5 differs, found here)
+        "tp2 sp zero1": _layout(argv, SP, "--zero-stage", 1),
+        "tp2 sp first half": _layout(argv, SP, "--zero-stage", 1, "--save", save, "--save-interval", 100,
+                                     "--exit-interval", 5),
+        "tp2 sp resumed": _layout(argv, SP, "--zero-stage", 1, "--load", save),
+    }
+    results = run_distributed(_train, world_size=2, args=(list(runs.values()),), timeout=600)
+    for rank, per_rank in enumerate(results):
+        by = dict(zip(runs, per_rank))
+        reference = by["tp2"]
+        assert reference["losses"][-1] < reference["losses"][0] - 0.05, reference["losses"]  # it learns
+        assert not reference["model_sp"] and by["tp2 sp"]["model_sp"]
+        assert by["tp2 sp"]["pipe_partitioned"] is False and reference["pipe_partitioned"] is True
+        for label in ("tp2 sp", "tp2 sp recompute"):
+            _assert_same_run(reference, by[label], f"rank {rank}: {label}")
+        first, resumed, straight = by["tp2 sp first half"], by["tp2 sp resumed"], by["tp2 sp zero1"]
+        _assert_same_run(reference, straight, f"rank {rank}: tp2 sp zero1")
+        assert first["iterations"] == [1, 2, 3, 4, 5] and resumed["iterations"] == [6, 7, 8, 9, 10], (rank, first,
+                                                                                                        resumed)
+        # bit for bit: the resumed run continues exactly where the straight one went on
+        assert first["losses"] + resumed["losses"] == straight["losses"], rank
+        assert first["grad_norms"] + resumed["grad_norms"] == straight["grad_norms"], rank
+    _assert_serves(save)
+
+
+def _assert_serves(ckpt_dir):
+    """A checkpoint trained with --sequence-parallel loads for serving, built without it (one token at a time)."""
+    import torch
+
+    from megatron.inference.generation import Generator
+
+    generator = Generator.from_checkpoint(ckpt_dir)
+    assert not generator.config.sequence_parallel
+    model = generator.model
+    ids = torch.tensor([[5, 17, 42, 8, 99]])
+    with torch.no_grad():
+        full = model(ids)  # [s, b, vp]
+        caches = model.new_kv_caches()
+        steps = [model(ids[:, i:i + 1], kv_caches=caches) for i in range(ids.shape[1])]
+    assert torch.allclose(torch.cat(steps), full, atol=1e-5), (torch.cat(steps) - full).abs().max()
+
+
+@pytest.mark.multiprocess
+def test_four_ranks_tp4_pipeline_and_zero3(tiny_corpus, tmp_path):
+    argv = tiny_argv(tiny_corpus, train_iters=ITERS)
+    # every parameter partitioned under ZeRO-3, the norms too (DeepSpeed keeps small ones whole by default)
+    no_persistence = tmp_path / "zero3.json"
+    no_persistence.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    tp4 = ["--tensor-model-parallel-size", 4]
+    tp2pp2 = ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2]
+    zero3 = ["--tensor-model-parallel-size", 2, "--zero-stage", 3, "--deepspeed_config", no_persistence]
+    runs = {"tp4": _layout(argv, *tp4), "tp4 sp": _layout(argv, *tp4, SP),
+            "tp2 pp2": _layout(argv, *tp2pp2), "tp2 pp2 sp": _layout(argv, *tp2pp2, SP),
+            "zero3 tp2 dp2": _layout(argv, *zero3), "zero3 tp2 dp2 sp": _layout(argv, *zero3, SP)}
+    results = run_distributed(_train, world_size=4, args=(list(runs.values()),), timeout=900)
+    for rank, per_rank in enumerate(results):
+        by = dict(zip(runs, per_rank))
+        for plain in ("tp4", "tp2 pp2", "zero3 tp2 dp2"):
+            _assert_same_run(by[plain], by[f"{plain} sp"], f"rank {rank}: {plain} {SP}")
+        assert by["zero3 tp2 dp2 sp"]["engine"] == "ShardedEngine", by["zero3 tp2 dp2 sp"]["engine"]
+        assert by["tp2 pp2 sp"]["pipe_partitioned"] is False
+
+
+def test_sequence_not_divisible_by_tp_is_refused_before_launch(tiny_corpus):
+    from megatron.arguments import run_config_from_argv
+
+    argv = tiny_argv(tiny_corpus, seq_length=30, tensor_model_parallel_size=4)
+    with pytest.raises(ValueError, match=r"--seq-length 30 is not a multiple of --tensor-model-parallel-size 4"):
+        run_config_from_argv(argv + [SP], world_size=4)
+    run_config_from_argv(argv, world_size=4)  # fine without it
+    one = run_config_from_argv(tiny_argv(tiny_corpus) + [SP], world_size=1)
+    assert one.parallel.sequence_parallel and not one.model.sequence_parallel  # TP 1: kept, said, not run
+    assert any("--sequence-parallel has no effect" in w for w in one.startup_warnings), one.startup_warnings
+
+
+def test_deepspeed_json_partitioning_the_pipeline_contradicts_the_flag(tiny_corpus, tmp_path):
+    from megatron.arguments import run_config_from_argv
+
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"pipeline": {"pipe_partitioned": True}}))
+    argv = tiny_argv(tiny_corpus, tensor_model_parallel_size=2) + [SP, "--deepspeed_config", str(user)]
+    with pytest.raises(ValueError, match="pipeline.pipe_partitioned"):
+        run_config_from_argv(argv, world_size=2)
