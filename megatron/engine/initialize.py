@@ -71,19 +71,23 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
                                    else 0, tracker=tracker)
     if t.torch_compile:
         _compile_layers(module)
-    client = build_client_optimizer(module, rc.optimizer)
-    mixed = config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled")
-    zero = config.get("zero_optimization", {}).get("stage", 0)
-    if not mixed and not zero:
-        # fp32: DeepSpeed's own clipping miscounts replicated parameters on later pipeline stages
-        # (see megatron.engine.optimizer); clip with our norm instead. 0 must be explicit: DeepSpeed's
-        # default for a missing gradient_clipping is 1.0.
-        config["gradient_clipping"] = 0.0
-        client = GradNormClippingOptimizer(client, clip_grad=rc.optimizer.clip_grad, tp_rank=state.tp_rank,
-                                           model_group=state.model_group)
+    client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
     use_safe_loading(engine)  # --load never unpickles code (megatron.engine.checkpoint_engine)
     return engine
+
+
+def _fp32_clipping(client, config: dict, rc: RunConfig, state: ParallelState):
+    """fp32 without ZeRO: the client optimizer behind our grad-norm clipper, DeepSpeed's clipping off."""
+    mixed = config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled")
+    if mixed or config.get("zero_optimization", {}).get("stage", 0):
+        return client
+    # DeepSpeed's own clipping miscounts replicated parameters on later pipeline stages (see
+    # megatron.engine.optimizer), and on its non-pipeline engine (Ulysses at ZeRO-0) reports no norm; clip
+    # with our norm instead. 0 must be explicit: DeepSpeed's default for a missing gradient_clipping is 1.0.
+    config["gradient_clipping"] = 0.0
+    return GradNormClippingOptimizer(client, clip_grad=rc.optimizer.clip_grad, tp_rank=state.tp_rank,
+                                     model_group=state.model_group)
 
 
 def _compile_layers(module) -> None:
@@ -101,7 +105,7 @@ def _build_sharded_engine(rc: RunConfig, state: ParallelState, config: dict, tra
     enable_ulysses(module, state)  # --ds-sequence-parallel-size: all-to-all attention (megatron.engine.ulysses)
     if rc.training.torch_compile:
         _compile_layers(module)
-    client = build_client_optimizer(module, rc.optimizer)
+    client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config, mpu=mpu)
     use_safe_loading(engine)
     return ShardedEngine(engine, state, mpu, hpz_ranks)

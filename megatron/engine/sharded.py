@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron.config import RunConfig
 from megatron.engine.timers import NO_TIMERS
-from megatron.engine.ulysses import sequence_parallel_loss
+from megatron.engine.ulysses import backward_loss_scale, sequence_parallel_loss
 from megatron.parallel.random import tracked_checkpoint_func
 from megatron.model import GPTModel
 from megatron.parallel.random import RNGStatesTracker
@@ -198,6 +198,7 @@ class ShardedEngine:
         self.mpu = mpu
         self.hpz_ranks = hpz_ranks  # this rank's hpZ group (world ranks), or None
         self.phase_timers = NO_TIMERS  # the training loop sets its own (--timing-log-level)
+        self.backward_scale = backward_loss_scale(engine.zero_optimization_stage(), state.sp_size)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -230,7 +231,8 @@ class ShardedEngine:
                 with timers("forward-compute", 2):
                     loss = self._loss(micro_batch)
                 with timers("backward-compute", 2):
-                    self.engine.backward(loss)  # scaled by 1 / steps inside, as the pipeline engine does
+                    # scaled by 1 / steps inside, as the pipeline engine does (backward_scale: Ulysses, ZeRO-3)
+                    self.engine.backward(loss * self.backward_scale if self.backward_scale != 1.0 else loss)
             with timers("optimizer", 1):
                 self.engine.step()  # applies the update at the accumulation boundary only
             total += loss.detach().float()

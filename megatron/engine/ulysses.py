@@ -11,6 +11,10 @@ returns its tokens' part, sum over its tokens / the mask count all-reduced over 
 (engine, ZeRO 1-3, BF16_Optimizer) reduces gradients over the sequence-data-parallel group (dp x sp ranks)
 dividing by dp x sp / sp = dp, i.e. it SUMS over the SP ranks and averages over data parallelism: the
 sum of the SP ranks' parts is exactly the full-sequence loss, so its gradient is the (1, 1, 1) gradient.
+Except ZeRO-3: DeepSpeed 0.19.8's stage 3 reduce-scatter path (``__avg_scatter_grads``, its default
+``reduce_scatter: true``, which the DeepSpeed config pins for Ulysses runs) averages over all dp x sp ranks,
+so there each rank's part is multiplied by sp before the backward (:func:`backward_loss_scale`); measured:
+without it the grad norm of a ZeRO-3 SP=2 run is exactly half the (1, 1, 1) one.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from deepspeed.sequence.layer import DistributedAttention
 from megatron.model.attention import SelfAttention
 from megatron.parallel.state import ParallelState
 
-__all__ = ["distributed_attention", "enable_ulysses", "sequence_parallel_loss"]
+__all__ = ["backward_loss_scale", "distributed_attention", "enable_ulysses", "sequence_parallel_loss"]
 
 # DistributedAttention's all-to-all indices for sequence-first [s, b, heads, hn] tensors: forward scatter the
 # heads (dim 2) and gather the sequence (dim 0); the context goes back the other way.
@@ -59,3 +63,10 @@ def sequence_parallel_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor
     count = mask.sum()
     dist.all_reduce(count, group=sp_group)
     return (per_token_loss.float() * mask).sum() / count.clamp(min=1.0)
+
+
+def backward_loss_scale(zero_stage: int, sp_size: int) -> float:
+    """What this rank's loss part is multiplied by before the backward so that DeepSpeed's gradient
+    reduction gives the whole-sequence gradient: sp under ZeRO-3 (it averages over dp x sp), else 1 (it
+    sums over the SP ranks, averages over dp)."""
+    return float(sp_size) if zero_stage == 3 else 1.0
