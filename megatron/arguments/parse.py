@@ -140,14 +140,16 @@ def resolve_recompute_spellings(args) -> None:
 
 def _derive_parallel(args) -> None:
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
-    if tp < 1 or pp < 1 or world < 1:
-        raise ValueError(f"world size {world}, --tensor-model-parallel-size {tp} and "
-                         f"--pipeline-model-parallel-size {pp} must be positive")
-    if world % (tp * pp):
+    sp = args.ds_sequence_parallel_size
+    if tp < 1 or pp < 1 or sp < 1 or world < 1:
+        raise ValueError(f"world size {world}, --tensor-model-parallel-size {tp}, --pipeline-model-parallel-size "
+                         f"{pp} and --ds-sequence-parallel-size {sp} must be positive")
+    if world % (tp * pp * sp):
+        ulysses = f" x --ds-sequence-parallel-size {sp}" if sp > 1 else ""
         raise ValueError(f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
-                         f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
-                         f"processes or change TP/PP")
-    args.data_parallel_size = world // (tp * pp)
+                         f"--pipeline-model-parallel-size {pp}{ulysses} = {tp * pp * sp}; launch a multiple of "
+                         f"{tp * pp * sp} processes or change TP/PP" + ("/SP" if sp > 1 else ""))
+    args.data_parallel_size = world // (tp * pp * sp)
 
 
 def merge_skip_ranges(ranges: Optional[Sequence[str]]) -> tuple[tuple[int, int], ...]:

@@ -105,6 +105,13 @@ def _parallelism(parser):
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="Number of pipeline stages. Data-parallel size = world size / (TP x PP); the world "
                         "size must be a multiple of TP x PP.")
+    g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
+                   help="DeepSpeed-Ulysses sequence parallelism (Megatron-DeepSpeed's flag): each sample's sequence "
+                        "is split over this many ranks, which exchange query, key and value heads for tokens by "
+                        "all-to-all around the core attention (deepspeed.sequence.layer.DistributedAttention). "
+                        "Data-parallel size = world size / (TP x PP x SP); --seq-length, the attention heads and "
+                        "the key / value heads must be divisible by it (heads by TP x SP). Pipeline size 1 only; "
+                        "runs on DeepSpeed's non-pipeline engine at any --zero-stage. Default 1: off.")
     g.add_argument("--pp-partition-method", default="type:transformer", metavar="{" + ",".join(PARTITION_METHODS) + "}",
                    help="How DeepSpeed splits the layers over pipeline stages: 'type:transformer' balances "
                         "transformer layers; 'type:transformer|embedding' also counts the tied embedding on the "

@@ -45,6 +45,8 @@ def build_run_state(rc: RunConfig, progress: dict[str, int]) -> dict:
     p = rc.parallel
     parallel = _parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
     parallel["zero_stage"] = rc.deepspeed_zero_stage  # 2 and 3 write DeepSpeed's non-pipeline files
+    if p.ds_sequence_parallel_size > 1:  # ZeRO shards over dp x sp ranks
+        parallel["ds_sequence_parallel_size"] = p.ds_sequence_parallel_size
     return _record(dataclasses.asdict(rc.model), parallel, dataclasses.asdict(rc.data.tokenizer), progress,
                    rc.data.seq_length)
 

@@ -100,6 +100,11 @@ def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
     if rc.model.sequence_parallel:
         why = "--sequence-parallel (TP ranks hold different sequence shards, not copies of one activation)"
         out += [(("pipeline", "pipe_partitioned"), False, why), (("pipeline", "grad_partitioned"), False, why)]
+    sp = rc.parallel.ds_sequence_parallel_size
+    if sp > 1 and rc.deepspeed_zero_stage == 3:
+        # megatron.engine.ulysses scales the loss for this path's averaging over dp x sp ranks
+        out.append((("zero_optimization", "reduce_scatter"), True,
+                    f"--ds-sequence-parallel-size {sp} with --zero-stage 3 (DeepSpeed's reduce-scatter path)"))
     if bf16 and rc.deepspeed_zero_stage <= 1:
         # Megatron accumulates bf16 gradients in fp32; DeepSpeed then picks BF16_Optimizer
         out.append((("data_types", "grad_accum_dtype"), "fp32", "--bf16 (gradients accumulate in fp32)"))

@@ -19,11 +19,13 @@ OPTIMIZERS = ("adam", "sgd")
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """How the world's processes are laid out: world = TP x PP x DP (DeepSpeed's topology order)."""
+    """How the world's processes are laid out: world = TP x PP x DP x SP (megatron.parallel.state's order)."""
 
     tensor_model_parallel_size: int = 1    # ranks that split each layer's matrices (whole heads each)
     pipeline_model_parallel_size: int = 1  # pipeline stages; each holds a contiguous run of layers
-    data_parallel_size: int = 1            # derived: world_size // (TP * PP), never given directly
+    data_parallel_size: int = 1            # derived: world_size // (TP * PP * SP), never given directly
+    ds_sequence_parallel_size: int = 1     # DeepSpeed-Ulysses: ranks that split each sample's sequence (an
+                                           # all-to-all around the core attention); 1: off
     pp_partition_method: str = "type:transformer"  # DeepSpeed PipelineModule partition_method, one of PARTITION_METHODS
     distributed_backend: str = "gloo"      # torch.distributed backend: nccl | gloo | ccl
     distributed_timeout_minutes: float = 10.0  # a collective waiting longer fails the job (every group)
@@ -34,10 +36,12 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+                * self.ds_sequence_parallel_size)
 
     def validate(self) -> "ParallelConfig":
         _positive("--tensor-model-parallel-size", self.tensor_model_parallel_size)
+        _positive("--ds-sequence-parallel-size", self.ds_sequence_parallel_size)
         _positive("--pipeline-model-parallel-size", self.pipeline_model_parallel_size)
         _positive("data-parallel size", self.data_parallel_size)
         if self.pp_partition_method not in PARTITION_METHODS:
@@ -426,6 +430,7 @@ class RunConfig:
         self.batch.validate(self.parallel.data_parallel_size)
         self._validate_pipeline(pp)
         self._validate_sharding(pp)
+        self._validate_ulysses(pp)
         self._validate_schedule()
         if self.model.seq_length != self.data.seq_length:
             raise ValueError(f"model seq_length {self.model.seq_length} != data seq_length {self.data.seq_length}")
@@ -447,9 +452,45 @@ class RunConfig:
 
     @property
     def sharded_data_parallel(self) -> bool:
-        """ZeRO stage 2 or 3: gradients (and with 3 the parameters) sharded over the data-parallel ranks, on
-        DeepSpeed's non-pipeline engine (``megatron.engine.sharded``); else the pipeline engine."""
-        return self.precision.zero_stage >= 2
+        """On DeepSpeed's non-pipeline engine (``megatron.engine.sharded``), else the pipeline engine: ZeRO
+        stage 2 or 3 (gradients, and with 3 the parameters, sharded over the data-parallel ranks), and every
+        DeepSpeed-Ulysses run (only that engine reduces gradients over the sequence-parallel ranks too)."""
+        return self.precision.zero_stage >= 2 or self.parallel.ds_sequence_parallel_size > 1
+
+    def _validate_ulysses(self, pp: int) -> None:
+        """DeepSpeed-Ulysses: whole tokens per rank, whole heads (and key / value heads) after the all-to-all."""
+        sp = self.parallel.ds_sequence_parallel_size
+        if sp == 1:
+            return
+        tp, m = self.parallel.tensor_model_parallel_size, self.model
+        flag = f"--ds-sequence-parallel-size {sp}"
+        if pp > 1:
+            raise ValueError(f"{flag} does not combine with --pipeline-model-parallel-size {pp}: DeepSpeed's "
+                             f"pipeline engine reduces gradients over the data-parallel group only, not over the "
+                             f"sequence-parallel ranks. Use --pipeline-model-parallel-size 1 (any --zero-stage, "
+                             f"with tensor and data parallelism), or drop {flag} and keep the pipeline")
+        if m.seq_length % sp:
+            raise ValueError(f"--seq-length {m.seq_length} is not divisible by {flag}: each rank holds seq-length / "
+                             f"sp tokens of every sample; use a multiple of {sp}")
+        for name, count in (("--num-attention-heads", m.num_attention_heads), ("key / value heads (--num-key-value-"
+                            "heads / --num-query-groups)", m.num_kv_heads)):
+            if count % (tp * sp):
+                raise ValueError(f"{name} {count} is not divisible by --tensor-model-parallel-size {tp} x {flag} = "
+                                 f"{tp * sp}: after the all-to-all each rank attends with whole heads; choose sizes "
+                                 f"whose product divides it")
+        if self.parallel.zero_hpz_partition_size > 1:
+            raise ValueError(f"--zero-hpz-partition-size does not combine with {flag} here (its groups would have to "
+                             f"span the sequence-parallel ranks); drop one of them")
+        if self.training.deepspeed_activation_checkpointing:
+            raise ValueError(f"--deepspeed-activation-checkpointing is for the pipeline engine; with {flag}, "
+                             f"--checkpoint-activations alone recomputes the layers")
+        if self.fp16:
+            raise ValueError(f"--fp16 with {flag} is not supported here (not testable on CPU); use --bf16 or fp32")
+        if self.checkpoint.universal_checkpoint:
+            raise ValueError(f"--universal-checkpoint does not load into a run with {flag} yet; resume from a "
+                             f"regular checkpoint of the same layout, or convert without sequence parallelism")
+        if self.training.torch_compile:
+            raise ValueError(f"--torch-compile with {flag} is not tested here; drop one of them")
 
     def _validate_sharding(self, pp: int) -> None:
         stage = self.precision.zero_stage

@@ -4,7 +4,7 @@
     loss = engine.train_batch(data_iterator)
 
 The returned object is DeepSpeed's ``PipelineEngine`` (also for a single stage, so there is one code
-path), except with ``--zero-stage`` 2 or 3: DeepSpeed's non-pipeline engine behind the same
+path), except with ``--zero-stage`` 2 or 3 or ``--ds-sequence-parallel-size`` > 1: DeepSpeed's non-pipeline engine behind the same
 ``train_batch`` / ``eval_batch`` (``megatron.engine.sharded``). Its optimizer: in bf16 with ``zero_optimization.stage`` 1 and fp32 gradient accumulation (what
 ``--bf16`` with ``--zero-stage`` 0 or 1 gives), ``BF16_Optimizer`` (BLOOM's path); in fp32 with
 ZeRO-1, ``DeepSpeedZeroOptimizer`` (its grad norm counts replicated parameters on TP rank 0 of every
@@ -29,6 +29,7 @@ from megatron.engine.cpu import avoid_cpu_jit_builds, check_cpu_compiler, on_cpu
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
 from megatron.engine.sharded import DeepSpeedMPU, ShardedEngine, build_sharded_module, set_hpz_group
+from megatron.engine.ulysses import enable_ulysses
 from megatron.model.compile import compile_transformer_layers
 from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState
@@ -70,19 +71,23 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
                                    else 0, tracker=tracker)
     if t.torch_compile:
         _compile_layers(module)
-    client = build_client_optimizer(module, rc.optimizer)
-    mixed = config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled")
-    zero = config.get("zero_optimization", {}).get("stage", 0)
-    if not mixed and not zero:
-        # fp32: DeepSpeed's own clipping miscounts replicated parameters on later pipeline stages
-        # (see megatron.engine.optimizer); clip with our norm instead. 0 must be explicit: DeepSpeed's
-        # default for a missing gradient_clipping is 1.0.
-        config["gradient_clipping"] = 0.0
-        client = GradNormClippingOptimizer(client, clip_grad=rc.optimizer.clip_grad, tp_rank=state.tp_rank,
-                                           model_group=state.model_group)
+    client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
     use_safe_loading(engine)  # --load never unpickles code (megatron.engine.checkpoint_engine)
     return engine
+
+
+def _fp32_clipping(client, config: dict, rc: RunConfig, state: ParallelState):
+    """fp32 without ZeRO: the client optimizer behind our grad-norm clipper, DeepSpeed's clipping off."""
+    mixed = config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled")
+    if mixed or config.get("zero_optimization", {}).get("stage", 0):
+        return client
+    # DeepSpeed's own clipping miscounts replicated parameters on later pipeline stages (see
+    # megatron.engine.optimizer), and on its non-pipeline engine (Ulysses at ZeRO-0) reports no norm; clip
+    # with our norm instead. 0 must be explicit: DeepSpeed's default for a missing gradient_clipping is 1.0.
+    config["gradient_clipping"] = 0.0
+    return GradNormClippingOptimizer(client, clip_grad=rc.optimizer.clip_grad, tp_rank=state.tp_rank,
+                                     model_group=state.model_group)
 
 
 def _compile_layers(module) -> None:
@@ -93,13 +98,14 @@ def _compile_layers(module) -> None:
 
 
 def _build_sharded_engine(rc: RunConfig, state: ParallelState, config: dict, tracker: Optional[RNGStatesTracker]):
-    """ZeRO-2/3 (one stage): the model on DeepSpeed's non-pipeline engine, with our groups as its mpu."""
+    """ZeRO-2/3 or Ulysses (one stage): the model on DeepSpeed's non-pipeline engine, our groups as its mpu."""
     mpu = DeepSpeedMPU(state)
     hpz_ranks = set_hpz_group(state, rc.parallel.zero_hpz_partition_size)
     module = build_sharded_module(rc, state, config, mpu, tracker)
+    enable_ulysses(module, state)  # --ds-sequence-parallel-size: all-to-all attention (megatron.engine.ulysses)
     if rc.training.torch_compile:
         _compile_layers(module)
-    client = build_client_optimizer(module, rc.optimizer)
+    client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config, mpu=mpu)
     use_safe_loading(engine)
     return ShardedEngine(engine, state, mpu, hpz_ranks)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron.config import RunConfig
 from megatron.engine.timers import NO_TIMERS
+from megatron.engine.ulysses import backward_loss_scale, sequence_parallel_loss
 from megatron.parallel.random import tracked_checkpoint_func
 from megatron.model import GPTModel
 from megatron.parallel.random import RNGStatesTracker
@@ -49,17 +50,23 @@ def _groups_of(lists: list[list[int]], rank: int):
 
 
 class DeepSpeedMPU:
-    """DeepSpeed's model-parallel-unit interface over a one-stage ``ParallelState`` (TP x DP)."""
+    """DeepSpeed's model-parallel-unit interface over a one-stage ``ParallelState`` (TP x DP, x SP with
+    DeepSpeed-Ulysses: DeepSpeed then reduces gradients and shards ZeRO state over the sequence-data-parallel
+    group, dp x sp ranks, ``deepspeed.utils.groups._get_sequence_data_parallel_group``)."""
 
     def __init__(self, state: ParallelState):
         if state.pp_size != 1:
-            raise ValueError(f"ZeRO-2/3 runs on one pipeline stage; this layout has {state.pp_size}")
+            raise ValueError(f"DeepSpeed's non-pipeline engine runs one pipeline stage; this layout has {state.pp_size}")
         self.state = state
         layout = state.layout
         self._tp_group = state.tp_group if state.tp_size > 1 else _groups_of(layout.tensor, state.rank)
         self._dp_group = state.dp_group if state.dp_size > 1 else _groups_of(layout.data, state.rank)
         self._dp_ranks = next(ranks for ranks in layout.data if state.rank in ranks)
         self._tp_ranks = next(ranks for ranks in layout.tensor if state.rank in ranks)
+        # sp = 1: the sequence-data-parallel group is the data-parallel group, as DeepSpeed's default
+        self._sp_group = state.sp_group if state.sp_size > 1 else None
+        self._sp_data_group = state.sp_data_group if state.sp_size > 1 else self._dp_group
+        self._sp_data_ranks = next(ranks for ranks in layout.sequence_data if state.rank in ranks)
 
     # tensor (= model, with one stage) parallelism
     def get_model_parallel_rank(self) -> int:
@@ -90,6 +97,27 @@ class DeepSpeedMPU:
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return list(self._dp_ranks)
+
+    # DeepSpeed-Ulysses
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.state.sp_size
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.state.sp_rank
+
+    def get_sequence_parallel_group(self):
+        if self._sp_group is None:
+            raise KeyError("this run has no sequence-parallel group (--ds-sequence-parallel-size 1)")
+        return self._sp_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.state.dp_size * self.state.sp_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self._sp_data_ranks.index(self.state.rank)
+
+    def get_sequence_data_parallel_group(self):
+        return self._sp_data_group
 
     # one pipeline stage
     def get_pipeline_model_parallel_rank(self) -> int:
@@ -135,7 +163,8 @@ def zero_stage3_init(rc: RunConfig, config: dict, mpu: DeepSpeedMPU):
     # it would replace torch.nn.functional.linear for the whole process.
     from deepspeed.utils import groups
 
-    return deepspeed.zero.Init(data_parallel_group=mpu.get_data_parallel_group(), config_dict_or_path=config,
+    # partitioned over dp x sp ranks with Ulysses (the engine reduces gradients over that group)
+    return deepspeed.zero.Init(data_parallel_group=mpu.get_sequence_data_parallel_group(), config_dict_or_path=config,
                                mpu=mpu, zero_param_parallel_group=groups._get_zero_param_intra_parallel_group())
 
 
@@ -169,19 +198,25 @@ class ShardedEngine:
         self.mpu = mpu
         self.hpz_ranks = hpz_ranks  # this rank's hpZ group (world ranks), or None
         self.phase_timers = NO_TIMERS  # the training loop sets its own (--timing-log-level)
+        self.backward_scale = backward_loss_scale(engine.zero_optimization_stage(), state.sp_size)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def _loss(self, micro_batch) -> torch.Tensor:
+        """The micro-batch loss (with Ulysses this rank's part of it, megatron.engine.ulysses)."""
         (input_ids, position_ids), (labels, loss_mask) = micro_batch
         device = self.engine.device
-        return self.engine(input_ids.to(device), position_ids.to(device), labels.to(device), loss_mask.to(device))
+        if self.state.sp_size == 1:
+            return self.engine(input_ids.to(device), position_ids.to(device), labels.to(device), loss_mask.to(device))
+        per_token = self.engine(input_ids.to(device), position_ids.to(device), labels.to(device))  # [b, s/sp]
+        return sequence_parallel_loss(per_token, loss_mask.to(device), self.state.sp_group)
 
     def _mean_over_data_parallel(self, total: torch.Tensor, count: int) -> torch.Tensor:
+        """Mean over micro-batches and data-parallel ranks; with Ulysses the SP ranks' parts are summed first."""
         loss = total.detach().float() / count
-        if self.state.dp_size > 1:
-            dist.all_reduce(loss, group=self.mpu.get_data_parallel_group())
+        if self.state.dp_size * self.state.sp_size > 1:
+            dist.all_reduce(loss, group=self.mpu.get_sequence_data_parallel_group())
             loss /= self.state.dp_size
         return loss
 
@@ -196,7 +231,8 @@ class ShardedEngine:
                 with timers("forward-compute", 2):
                     loss = self._loss(micro_batch)
                 with timers("backward-compute", 2):
-                    self.engine.backward(loss)  # scaled by 1 / steps inside, as the pipeline engine does
+                    # scaled by 1 / steps inside, as the pipeline engine does (backward_scale: Ulysses, ZeRO-3)
+                    self.engine.backward(loss * self.backward_scale if self.backward_scale != 1.0 else loss)
             with timers("optimizer", 1):
                 self.engine.step()  # applies the update at the accumulation boundary only
             total += loss.detach().float()

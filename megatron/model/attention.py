@@ -13,6 +13,13 @@ exactly its groups' q, k and v: TP slicing, DeepSpeed's universal-checkpoint dim
 transformers mappings all agree. With one query head per group this is [heads, 3, hn], BLOOM's
 and transformers' Bloom layout.
 
+DeepSpeed-Ulysses (:meth:`SelfAttention.use_sequence_parallel`): each of sp ranks holds s / sp tokens
+of every sample. The projections, rotary (at the tokens' GLOBAL positions) and the dense layer run on
+those; an all-to-all (built by megatron.engine, this package knows no deepspeed) hands the core
+attention the whole sequence for np / sp heads, [s/sp, b, np, hn] -> [s, b, np/sp, hn], and back. The
+query heads are ordered group by group, so rank j's np / sp query heads are exactly those of its
+ng / sp key / value heads; ALiBi takes the slopes of those heads.
+
 Shape letters: s sequence (sq queries, sk keys incl. cached ones), b micro-batch, h hidden,
 np heads per partition, ng query groups (key / value heads) per partition, hn head dim,
 hp = np * hn, v / vp vocabulary (per partition).
@@ -23,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +136,33 @@ class SelfAttention(nn.Module):
             # Not a buffer: it must stay fp32 when the module is cast to bf16, and it is not state.
             self._alibi_slopes = alibi_slopes_for_rank(config.num_attention_heads, group_rank(tp_group), tp_size)
             self._alibi_slope_values = tuple(self._alibi_slopes.tolist())  # the key of the shared bias
+        self._sp_rank, self._sp_size = 0, 1
+        self._sequence_exchange = None  # Ulysses' all-to-all attention, see use_sequence_parallel
+
+    def use_sequence_parallel(self, make_exchange: Callable[[Callable], Callable], sp_rank: int, sp_size: int) -> None:
+        """Attend over a sequence split across ``sp_size`` ranks (DeepSpeed-Ulysses); this rank holds the
+        tokens sp_rank * s/sp .. (sp_rank + 1) * s/sp - 1 of every sample.
+
+        ``make_exchange(local_attention)`` returns ``exchange(query, key, value, batch_dim_idx)``: q, k, v
+        [s/sp, b, heads, hn] all-to-all'd into [s, b, heads/sp, hn], ``local_attention`` on those, the
+        context all-to-all'd back to [s/sp, b, np, hn] (DeepSpeed's DistributedAttention has this call).
+        """
+        tp_size, tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
+        if self.num_heads_per_partition % sp_size or self.num_groups_per_partition % sp_size:
+            raise ValueError(f"{self.num_heads_per_partition} query heads and {self.num_groups_per_partition} key / "
+                             f"value heads per tensor-parallel rank do not split over {sp_size} sequence-parallel "
+                             f"ranks; the head counts must be divisible by TP x SP = {tp_size * sp_size}")
+        if not 0 <= sp_rank < sp_size:
+            raise ValueError(f"sp_rank {sp_rank} is outside a sequence-parallel group of {sp_size}")
+        self._sp_rank, self._sp_size = sp_rank, sp_size
+        # Not a submodule (it holds no state; ZeRO-3's hooks and state_dict need not see it).
+        object.__setattr__(self, "_sequence_exchange",
+                           make_exchange(self._ulysses_local_attention) if sp_size > 1 else None)
+        if self.config.position_embedding_type == "alibi":
+            # After the all-to-all this rank holds heads tp_rank * np + sp_rank * np/sp + j of the model's.
+            self._alibi_slopes = alibi_slopes_for_rank(self.config.num_attention_heads, tp_rank * sp_size + sp_rank,
+                                                       tp_size * sp_size)
+            self._alibi_slope_values = tuple(self._alibi_slopes.tolist())
 
     @property
     def alibi_slopes(self) -> Optional[torch.Tensor]:
@@ -142,9 +176,12 @@ class SelfAttention(nn.Module):
         kv_cache: a ``KVCache`` (every row at the same position), or a ``BatchKVCache`` whose rows
         are sequences of different lengths (each row's queries at its own positions, its own mask)."""
         np_, ng, hn = self.num_heads_per_partition, self.num_groups_per_partition, self.head_dim
-        offset = 0 if kv_cache is None else kv_cache.length
+        if self._sequence_exchange is not None and kv_cache is not None:
+            raise ValueError("decoding with a KV cache runs without sequence parallelism (SP = 1 when serving)")
         mixed, _ = self.query_key_value(hidden)  # [sq, b, ng * (np/ng + 2) * hn]
         sq, b, _ = mixed.shape  # the whole sequence even where hidden is a sequence-parallel shard
+        # Ulysses: this rank's tokens start at sp_rank * sq of the whole sequence
+        offset = self._sp_rank * sq if kv_cache is None else kv_cache.length
         mixed = mixed.view(sq, b, ng, np_ // ng + 2, hn)  # [sq, b, ng, np/ng + 2, hn]
         query, key, value = mixed.split([np_ // ng, 1, 1], dim=3)
         query = query.reshape(sq, b, np_, hn)  # [sq, b, np, hn]: group 0's query heads first
@@ -162,6 +199,10 @@ class SelfAttention(nn.Module):
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         if kv_cache is not None:
             key, value = kv_cache.append(key, value)  # 2 x [sk, b, ng, hn]
+        if self._sequence_exchange is not None:
+            context = self._sequence_exchange(query, key, value, 1)  # [sq, b, np, hn]; batch is dim 1
+            output, _ = self.dense(context.reshape(sq, b, np_ * hn))  # [sq, b, h]
+            return output
 
         # SDPA wants [b, np, s, hn]. Its fused kernels accumulate the softmax in fp32.
         query = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
@@ -176,6 +217,21 @@ class SelfAttention(nn.Module):
         context = context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, hp]
         output, _ = self.dense(context)  # [sq, b, h]
         return output
+
+    def _ulysses_local_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The core attention on the whole sequence after the all-to-all: query [s, b, np/sp, hn], key / value
+        [s, b, ng/sp, hn] -> context [s, b, np/sp, hn]; causal over all s positions."""
+        s = query.shape[0]
+        positions = torch.arange(s, device=query.device)  # [s]
+        query = query.permute(1, 2, 0, 3)  # [b, np/sp, s, hn]
+        key = key.permute(1, 2, 0, 3)  # [b, ng/sp, s, hn]
+        value = value.permute(1, 2, 0, 3)  # [b, ng/sp, s, hn]
+        if self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
+            context = tracked_checkpoint_func(self.rng_tracker)(
+                self._core_attention, query, key, value, positions, 0, False)  # [b, np/sp, s, hn]
+        else:
+            context = self._core_attention(query, key, value, positions, 0, False)  # [b, np/sp, s, hn]
+        return context.permute(2, 0, 1, 3).contiguous()  # [s, b, np/sp, hn]
 
     def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
                         offset: int, decoding: bool) -> torch.Tensor:

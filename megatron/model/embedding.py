@@ -35,6 +35,19 @@ from megatron.parallel.state import group_size
 __all__ = ["EmbeddingLayer", "OutputLayer"]
 
 
+class _PositionEmbedding(nn.Embedding):
+    """nn.Embedding initialized by ``init_method`` inside its own constructor: under ZeRO-3's zero.Init a
+    module's parameters are partitioned when its constructor returns, so an init applied afterwards would
+    write into an empty placeholder (and the learned positions would start from torch's N(0, 1))."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, init_method):
+        self._init_method = init_method
+        super().__init__(num_embeddings, embedding_dim)
+
+    def reset_parameters(self) -> None:
+        self._init_method(self.weight)
+
+
 class EmbeddingLayer(nn.Module):
     """Token ids -> hidden states [s, b, h]; also the tied output head (:meth:`lm_logits`).
 
@@ -65,9 +78,9 @@ class EmbeddingLayer(nn.Module):
             init_method=normal_init(config.init_method_std, config.seed, "embedding.word_embeddings.weight"))
         self.position_embeddings = None
         if config.position_embedding_type == "absolute":
-            self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size)
-            normal_init(config.init_method_std, config.seed, "embedding.position_embeddings.weight")(
-                self.position_embeddings.weight)
+            self.position_embeddings = _PositionEmbedding(
+                config.max_positions, config.hidden_size,
+                normal_init(config.init_method_std, config.seed, "embedding.position_embeddings.weight"))
         self.embed_layernorm = None
         if config.embed_layernorm:
             self.embed_layernorm = Norm(config, tp_group)

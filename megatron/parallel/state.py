@@ -1,4 +1,4 @@
-"""ParallelState: the tensor / pipeline / data-parallel process groups of one rank.
+"""ParallelState: the tensor / pipeline / data / sequence-parallel process groups of one rank.
 
 The rank layout is exactly DeepSpeed's ``PipeModelDataParallelTopology(num_pp, num_mp, num_dp)``:
 axes (pipe, data, model) with the model (tensor-parallel) axis innermost, i.e.
@@ -6,6 +6,16 @@ axes (pipe, data, model) with the model (tensor-parallel) axis innermost, i.e.
     rank = (pp_rank * dp + dp_rank) * tp + tp_rank
 
 so that our tensor-parallel layers and DeepSpeed's pipeline engine agree on who is who.
+
+DeepSpeed-Ulysses (``--ds-sequence-parallel-size``, sp) adds an axis between data and model:
+
+    rank = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank
+
+The two axes that move the most bytes, TP (all-reduces of activations) and SP (all-to-alls of
+q, k, v and the context), are the two innermost, so consecutive ranks (one node) hold them, as in
+Megatron-DeepSpeed. With sp = 1 the layout is the one above. The sequence-data-parallel group (every
+(dp, sp) rank of one (pipe, model) coordinate) is where DeepSpeed reduces gradients and shards ZeRO
+state when sp > 1: every SP rank holds the same weights and sees other tokens of the same samples.
 Groups are handed to layers explicitly; nothing here reads globals or the environment.
 
 A group of ``None`` everywhere in ``megatron.parallel`` means "no parallelism on this axis"
@@ -34,56 +44,68 @@ def group_rank(group) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GroupLayout:
-    """The global ranks of every group for a (tp, pp, dp) layout. Pure data, no torch.distributed."""
+    """The global ranks of every group for a (tp, pp, dp, sp) layout. Pure data, no torch.distributed."""
 
     tp: int
     pp: int
     dp: int
-    tensor: list[list[int]]      # one list per (pipe, data): the TP group, consecutive ranks
-    pipeline: list[list[int]]    # one list per (data, model): ranks of the stages, first to last
-    data: list[list[int]]        # one list per (pipe, model)
-    model: list[list[int]]       # one list per data index: every TP x PP rank of one model replica
+    tensor: list[list[int]]      # one list per (pipe, data, seq): the TP group, consecutive ranks
+    pipeline: list[list[int]]    # one list per (data, seq, model): ranks of the stages, first to last
+    data: list[list[int]]        # one list per (pipe, seq, model)
+    model: list[list[int]]       # one list per (data, seq): every TP x PP rank of one model replica
     embedding: list[list[int]]   # first and last pipeline stage of each pipeline (one rank if pp == 1)
+    sp: int = 1                  # DeepSpeed-Ulysses sequence-parallel size
+    sequence: list[list[int]] = dataclasses.field(default_factory=list)       # one per (pipe, data, model)
+    sequence_data: list[list[int]] = dataclasses.field(default_factory=list)  # one per (pipe, model): dp x sp
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.sp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        """(pp_rank, dp_rank, tp_rank) of a global rank (its sp_rank: :meth:`sp_rank_of`)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size} ranks")
         tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
+        dp_rank = (rank // (self.tp * self.sp)) % self.dp
+        pp_rank = rank // (self.tp * self.sp * self.dp)
         return pp_rank, dp_rank, tp_rank
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+    def sp_rank_of(self, rank: int) -> int:
+        """The sequence-parallel rank of a global rank: which slice of each sample's tokens it holds."""
+        self.coords(rank)  # range check
+        return (rank // self.tp) % self.sp
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int, sp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp + dp_rank) * self.sp + sp_rank) * self.tp + tp_rank
 
 
-def _check_sizes(tp: int, pp: int, dp: int, world_size: Optional[int]) -> None:
+def _check_sizes(tp: int, pp: int, dp: int, world_size: Optional[int], sp: int = 1) -> None:
     for name, value in (("tensor-model-parallel size", tp), ("pipeline-model-parallel size", pp),
-                        ("data-parallel size", dp)):
+                        ("data-parallel size", dp), ("sequence-parallel size", sp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if world_size is not None and tp * pp * dp != world_size:
+    if world_size is not None and tp * pp * dp * sp != world_size:
+        ulysses = f" x sequence-parallel size {sp}" if sp > 1 else ""
         raise ValueError(
             f"world size {world_size} != tensor-model-parallel size {tp} x pipeline-model-parallel "
-            f"size {pp} x data-parallel size {dp} = {tp * pp * dp}; choose sizes whose product is "
+            f"size {pp} x data-parallel size {dp}{ulysses} = {tp * pp * dp * sp}; choose sizes whose product is "
             f"the number of processes")
 
 
-def group_layout(tp: int, pp: int, dp: int) -> GroupLayout:
-    """Every group's ranks for the layout, in PipeModelDataParallelTopology's order."""
-    _check_sizes(tp, pp, dp, None)
-    rank = lambda p, d, t: (p * dp + d) * tp + t  # noqa: E731  (same formula as GroupLayout.rank_of)
-    tensor = [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)]
-    pipeline = [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    data = [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
-    model = [[rank(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)]
+def group_layout(tp: int, pp: int, dp: int, sp: int = 1) -> GroupLayout:
+    """Every group's ranks for the layout, in PipeModelDataParallelTopology's order (SP between data and model)."""
+    _check_sizes(tp, pp, dp, None, sp)
+    rank = lambda p, d, s, t: ((p * dp + d) * sp + s) * tp + t  # noqa: E731  (GroupLayout.rank_of's formula)
+    P, D, S, T = range(pp), range(dp), range(sp), range(tp)
+    tensor = [[rank(p, d, s, t) for t in T] for p in P for d in D for s in S]
+    pipeline = [[rank(p, d, s, t) for p in P] for d in D for s in S for t in T]
+    data = [[rank(p, d, s, t) for d in D] for p in P for s in S for t in T]
+    model = [[rank(p, d, s, t) for p in P for t in T] for d in D for s in S]
     embedding = [sorted({ranks[0], ranks[-1]}) for ranks in pipeline]
-    return GroupLayout(tp, pp, dp, tensor, pipeline, data, model, embedding)
+    sequence = [[rank(p, d, s, t) for s in S] for p in P for d in D for t in T]
+    sequence_data = [[rank(p, d, s, t) for d in D for s in S] for p in P for t in T]
+    return GroupLayout(tp, pp, dp, tensor, pipeline, data, model, embedding, sp, sequence, sequence_data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +123,8 @@ class ParallelState:
     dp_group: Optional[object] = None         # data-parallel group
     model_group: Optional[object] = None      # TP x PP ranks of one model replica
     embedding_group: Optional[object] = None  # first + last stage (tied embedding); None if not a member
+    sp_group: Optional[object] = None         # DeepSpeed-Ulysses sequence-parallel group (slices of one sample)
+    sp_data_group: Optional[object] = None    # dp x sp ranks of one (pipe, model) coordinate (gradients, ZeRO)
 
     # ---- sizes and coordinates -------------------------------------------------------------
     @property
@@ -116,8 +140,16 @@ class ParallelState:
         return self.layout.dp
 
     @property
+    def sp_size(self) -> int:
+        return self.layout.sp
+
+    @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+    @property
+    def sp_rank(self) -> int:
+        return self.layout.sp_rank_of(self.rank)
 
     @property
     def pp_rank(self) -> int:
@@ -150,9 +182,9 @@ class ParallelState:
         return cls(layout=group_layout(1, 1, 1), rank=0)
 
     @classmethod
-    def create(cls, tp: int, pp: int, dp: Optional[int] = None, backend: Optional[str] = None
+    def create(cls, tp: int, pp: int, dp: Optional[int] = None, backend: Optional[str] = None, sp: int = 1
                ) -> "ParallelState":
-        """Create the groups over the initialized world. ``dp`` defaults to world / (tp * pp).
+        """Create the groups over the initialized world. ``dp`` defaults to world / (tp * pp * sp).
 
         Collective: every rank of the world must call it with the same sizes.
         """
@@ -161,14 +193,15 @@ class ParallelState:
                                "(or use ParallelState.single() for one process)")
         world_size = dist.get_world_size()
         if dp is None:
-            if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+            if tp < 1 or pp < 1 or sp < 1 or world_size % (tp * pp * sp) != 0:
+                ulysses = f" x sequence-parallel size {sp}" if sp != 1 else ""
                 raise ValueError(
                     f"world size {world_size} is not divisible by tensor-model-parallel size {tp} x "
-                    f"pipeline-model-parallel size {pp} = {tp * pp}; the data-parallel size would not "
-                    f"be a whole number")
-            dp = world_size // (tp * pp)
-        _check_sizes(tp, pp, dp, world_size)
-        layout = group_layout(tp, pp, dp)
+                    f"pipeline-model-parallel size {pp}{ulysses} = {tp * pp * sp}; the data-parallel size "
+                    f"would not be a whole number")
+            dp = world_size // (tp * pp * sp)
+        _check_sizes(tp, pp, dp, world_size, sp)
+        layout = group_layout(tp, pp, dp, sp)
         rank = dist.get_rank()
 
         def mine(all_ranks: list[list[int]]):
@@ -184,17 +217,19 @@ class ParallelState:
         return cls(layout=layout, rank=rank,
                    tp_group=mine(layout.tensor), pp_group=mine(layout.pipeline),
                    dp_group=mine(layout.data), model_group=mine(layout.model),
-                   embedding_group=mine(layout.embedding))
+                   embedding_group=mine(layout.embedding), sp_group=mine(layout.sequence),
+                   sp_data_group=mine(layout.sequence_data))
 
     def destroy(self) -> None:
         """Destroy the groups this rank holds (the default group is left to the caller)."""
         seen = set()
         for group in (self.tp_group, self.pp_group, self.dp_group, self.model_group,
-                      self.embedding_group):
+                      self.embedding_group, self.sp_group, self.sp_data_group):
             if group is not None and id(group) not in seen:
                 seen.add(id(group))
                 dist.destroy_process_group(group)
 
     def __repr__(self) -> str:
         return (f"ParallelState(rank={self.rank}, tp={self.tp_rank}/{self.tp_size}, "
-                f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size})")
+                f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}"
+                + (f", sp={self.sp_rank}/{self.sp_size})" if self.sp_size > 1 else ")"))

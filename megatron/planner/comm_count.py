@@ -47,7 +47,7 @@ from megatron.parallel.state import GroupLayout
 
 WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
            "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce", "send", "recv", "isend",
-           "irecv", "barrier", "all_reduce_coalesced")
+           "irecv", "barrier", "all_reduce_coalesced", "all_to_all_single")
 P2P = ("send", "recv", "isend", "irecv")
 # torch 2.13's names of the tensor collectives (megatron.parallel.mappings calls them where they exist), recorded
 # under the older names DeepSpeed calls, so the counts do not depend on the torch version
@@ -75,7 +75,7 @@ def classify(op: str, ranks: tuple, layout: GroupLayout) -> str:
     # With PP = 2 the embedding group (first + last stage) IS the pipeline group: an all-reduce
     # there is the tied-embedding gradient, a broadcast the pipeline's loss.
     pipeline_first = op != "all_reduce"
-    named = (("tp", layout.tensor), ("pp", layout.pipeline if pipeline_first else []),
+    named = (("tp", layout.tensor), ("sp", layout.sequence), ("pp", layout.pipeline if pipeline_first else []),
              ("embedding", layout.embedding), ("pp", layout.pipeline), ("dp", layout.data),
              ("model", layout.model))
     for axis, groups in named:
@@ -313,6 +313,28 @@ def analytic_step_counts(shape: StepShape, layout: GroupLayout, rank: int, num_l
     if t * layout.pp > 1 and bf16:
         add("model", "all_reduce", 1, 4)  # BF16_Optimizer's squared grad norm over the model replica
     return out
+
+
+def analytic_ulysses_counts(shape: StepShape, layout: GroupLayout, num_layers: int, num_attention_heads: int,
+                            num_kv_heads: int, head_dim: int) -> dict:
+    """DeepSpeed-Ulysses' all-to-alls of one rank in one step: {("sp", "all_to_all_single"): {calls, bytes}}.
+
+    Per micro-batch and layer, forward: q, k, v [s/sp, b, heads/tp, hn] in and the context out (4 calls),
+    backward: each one's adjoint, the same sizes (4 more); with full recomputation the forward's 4 again.
+    Each call hands over this rank's s/sp tokens of its heads: (s/sp) * b * (np or ng) * hn elements of
+    ``shape.activation_bytes``; ``shape.recompute``: full-layer recomputation.
+    """
+    sp, tp = layout.sp, layout.tp
+    if sp == 1:
+        return {}
+    tokens = shape.seq_length // sp * shape.micro_batch_size
+    q = tokens * num_attention_heads // tp * head_dim  # the context has q's size
+    kv = tokens * num_kv_heads // tp * head_dim
+    passes = 3 if shape.recompute else 2  # forward, backward (+ the replayed forward)
+    per_layer_elements = passes * (2 * q + 2 * kv)
+    micro = shape.num_micro_batches * num_layers
+    return {("sp", "all_to_all_single"): {"calls": 4 * passes * micro,
+                                          "bytes": micro * per_layer_elements * shape.activation_bytes}}
 
 
 def compare(measured: dict, analytic: dict) -> dict:

@@ -6,7 +6,9 @@ A sample is ``seq_length + 1`` tokens; a micro-batch for DeepSpeed's pipeline en
 
 the first tuple read by the first stage, the second by the last stage's loss. Every tensor-parallel
 rank of a stage reads the same samples itself (the sampler depends on the data-parallel rank only),
-so nothing is broadcast.
+so nothing is broadcast. With DeepSpeed-Ulysses (``--ds-sequence-parallel-size`` sp) every rank of a
+sequence-parallel group reads the same samples too and keeps its slice of the sequence, tokens
+sp_rank * s/sp .. (sp_rank + 1) * s/sp - 1 of each of the four tensors (the position ids stay global).
 """
 
 from __future__ import annotations
@@ -27,12 +29,28 @@ def gpt_micro_batch(tokens: torch.Tensor):
     return (input_ids, position_ids), (labels, loss_mask)
 
 
-class MicroBatchIterator:
-    """Wraps a DataLoader of {'text': [b, s + 1]} batches into pipeline micro-batches. It ends with the
-    loader: training never wraps around its data (the sampler covers the whole run)."""
+def sequence_slice(micro_batch, sp_rank: int, sp_size: int):
+    """This sequence-parallel rank's tokens of a micro-batch: every [b, s] tensor -> [b, s/sp]."""
+    if sp_size == 1:
+        return micro_batch
+    (input_ids, position_ids), (labels, loss_mask) = micro_batch
+    s = input_ids.shape[1]
+    if s % sp_size:
+        raise ValueError(f"sequence length {s} is not divisible by the sequence-parallel size {sp_size}")
+    part = s // sp_size
+    cut = slice(sp_rank * part, (sp_rank + 1) * part)
+    return ((input_ids[:, cut].contiguous(), position_ids[:, cut].contiguous()),
+            (labels[:, cut].contiguous(), loss_mask[:, cut].contiguous()))  # 4 x [b, s/sp]
 
-    def __init__(self, loader: Iterable):
+
+class MicroBatchIterator:
+    """Wraps a DataLoader of {'text': [b, s + 1]} batches into pipeline micro-batches (this sequence-parallel
+    rank's slice of them). It ends with the loader: training never wraps around its data (the sampler covers
+    the whole run)."""
+
+    def __init__(self, loader: Iterable, sp_rank: int = 0, sp_size: int = 1):
         self.loader = loader
+        self.sp_rank, self.sp_size = sp_rank, sp_size
         self._it: Optional[Iterator] = None
 
     def __iter__(self):
@@ -41,4 +59,4 @@ class MicroBatchIterator:
     def __next__(self):
         if self._it is None:
             self._it = iter(self.loader)
-        return gpt_micro_batch(next(self._it)["text"])
+        return sequence_slice(gpt_micro_batch(next(self._it)["text"]), self.sp_rank, self.sp_size)

@@ -54,8 +54,9 @@ def build_datasets(rc: RunConfig) -> RunDatasets:
 
 
 def micro_batch_iterator(dataset, rc: RunConfig, *, consumed_samples: int, dp_rank: int, dp_size: int,
-                         num_workers: int) -> MicroBatchIterator:
-    """This data-parallel rank's pipeline micro-batches of ``dataset``, from ``consumed_samples`` on."""
+                         num_workers: int, sp_rank: int = 0, sp_size: int = 1) -> MicroBatchIterator:
+    """This data-parallel rank's pipeline micro-batches of ``dataset``, from ``consumed_samples`` on (with
+    Ulysses, sp_size > 1, this sequence-parallel rank's slice of each)."""
     loader = build_pretraining_data_loader(dataset, consumed_samples, rc.batch.micro_batch_size, dp_rank, dp_size,
                                            num_workers=num_workers)
-    return MicroBatchIterator(loader)
+    return MicroBatchIterator(loader, sp_rank, sp_size)

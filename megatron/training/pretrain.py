@@ -59,11 +59,12 @@ def print_rank_0(*args, **kwargs) -> None:
 
 
 def set_seeds(seed: int, state: ParallelState) -> RNGStatesTracker:
-    """Megatron's seeding: one seed per pipeline stage, equal across TP and DP ranks; TP-distinct tracker."""
+    """Megatron's seeding: one seed per pipeline stage, equal across TP and DP ranks; a tracker distinct per
+    TP rank and, with Ulysses, per SP rank (attention dropout: each holds other heads after the all-to-all)."""
     stage_seed = seed + 100 * state.pp_rank
     random.seed(stage_seed)
     np.random.seed(stage_seed)
-    return model_parallel_rng_seed(stage_seed, state.tp_rank, RNGStatesTracker())
+    return model_parallel_rng_seed(stage_seed, state.sp_rank * state.tp_size + state.tp_rank, RNGStatesTracker())
 
 
 def _tensorboard_writer(rc: RunConfig, is_last_rank: bool):
@@ -92,7 +93,8 @@ def pretrain(rc: RunConfig) -> PretrainResult:
     info = init_process_group(p.distributed_backend, p.distributed_timeout_minutes)
     init_deepspeed_comm(p.distributed_backend, timeout_s=60.0 * p.distributed_timeout_minutes)
     point = intact_resume_point(rc, point)  # every file against its checksum, the hashing shared out
-    state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                 sp=p.ds_sequence_parallel_size)
     tracker = set_seeds(rc.training.seed, state)
 
     datasets = build_datasets(rc)
@@ -101,7 +103,7 @@ def pretrain(rc: RunConfig) -> PretrainResult:
     lr_scheduler = LRScheduler.from_run_config(engine.optimizer, rc)
     progress = _resume(rc, engine, lr_scheduler, tracker, point)
 
-    dp = dict(dp_rank=state.dp_rank, dp_size=state.dp_size)
+    dp = dict(dp_rank=state.dp_rank, dp_size=state.dp_size, sp_rank=state.sp_rank, sp_size=state.sp_size)
     train_iter = micro_batch_iterator(datasets.train, rc, consumed_samples=progress.consumed_samples,
                                       num_workers=rc.data.num_workers, **dp)
     valid_iters = {name: micro_batch_iterator(ds, rc, consumed_samples=0, num_workers=rc.data.valid_num_workers,
@@ -131,7 +133,9 @@ def pretrain(rc: RunConfig) -> PretrainResult:
     lock = _lock_save_folder(rc)  # one writer per --save folder (megatron.checkpoint.lock)
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
                  f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "
-                 f"PP={state.pp_size} DP={state.dp_size}, {_sharding_summary(rc)}); training")
+                 f"PP={state.pp_size} DP={state.dp_size}"
+                 + (f" SP={state.sp_size} (DeepSpeed-Ulysses)" if state.sp_size > 1 else "")
+                 + f", {_sharding_summary(rc)}); training")
     try:
         reason = trainer.train()
         test = {}
@@ -158,7 +162,9 @@ def _sharding_summary(rc: RunConfig) -> str:
                3: "optimizer state, gradients and parameters"}[stage]
     hpz = rc.parallel.zero_hpz_partition_size
     secondary = f", a secondary parameter shard in {dp // hpz} groups of {hpz} (hpZ)" if hpz > 1 else ""
-    return f"ZeRO-{stage}: {sharded}" + (f" over DP={dp}" if stage else "") + secondary
+    sp = rc.parallel.ds_sequence_parallel_size
+    over = f" over DP={dp}" if sp == 1 else f" over DP x SP={dp * sp}"
+    return f"ZeRO-{stage}: {sharded}" + (over if stage else "") + secondary
 
 
 def _lock_save_folder(rc: RunConfig):
@@ -220,6 +226,9 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, recorded: dict) -> None:
                                                 p.pipeline_model_parallel_size)}
     if not (ck.no_load_optim or ck.finetune):
         sizes["data-parallel size"] = (recorded.get("data_parallel_size"), p.data_parallel_size)
+        # ZeRO shards the optimizer state over dp x sp ranks
+        sizes["--ds-sequence-parallel-size"] = (recorded.get("ds_sequence_parallel_size", 1),
+                                                p.ds_sequence_parallel_size)
     saved_stage = recorded.get("zero_stage")
     if saved_stage is not None and saved_stage != rc.deepspeed_zero_stage and max(saved_stage, rc.deepspeed_zero_stage) >= 2:
         # ZeRO-2 and ZeRO-3 write DeepSpeed's non-pipeline engine's files, each its own way

@@ -98,3 +98,51 @@ def test_world_not_divisible_raises_on_every_rank():
         run_distributed(_bad_world, world_size=4)
     assert "world size 4 is not divisible by tensor-model-parallel size 3" in str(err.value)
     assert "rank 0" in str(err.value) and "rank 3" in str(err.value)
+
+
+@pytest.mark.parametrize("tp,pp,dp,sp", [(2, 1, 2, 2), (1, 1, 2, 4), (2, 2, 1, 2), (1, 2, 2, 2)])
+def test_ulysses_layout_against_an_independent_enumeration(tp, pp, dp, sp):
+    """SP sits between data and model: ranks enumerated here by nested loops (pipe, data, seq, model)."""
+    coords = {}
+    rank = 0
+    for p in range(pp):
+        for d in range(dp):
+            for s in range(sp):
+                for t in range(tp):
+                    coords[rank] = (p, d, s, t)
+                    rank += 1
+    layout = group_layout(tp, pp, dp, sp)
+
+    def groups(same):  # ranks sharing the coordinates ``same`` picks, as sorted lists
+        out = {}
+        for r, c in coords.items():
+            out.setdefault(same(c), []).append(r)
+        return sorted(out.values())
+
+    assert sorted(layout.sequence) == groups(lambda c: (c[0], c[1], c[3]))
+    assert sorted(layout.sequence_data) == groups(lambda c: (c[0], c[3]))
+    assert sorted(layout.tensor) == groups(lambda c: (c[0], c[1], c[2]))
+    assert sorted(layout.data) == groups(lambda c: (c[0], c[2], c[3]))
+    assert sorted(layout.pipeline) == groups(lambda c: (c[1], c[2], c[3]))
+    for r, (p, d, s, t) in coords.items():
+        assert layout.coords(r) == (p, d, t) and layout.sp_rank_of(r) == s and layout.rank_of(p, d, t, s) == r
+    assert all(g == list(range(g[0], g[0] + sp * tp, tp)) for g in layout.sequence)  # inside tp*sp consecutive
+
+
+def _ulysses_groups(rank, world_size, tp, sp):
+    state = ParallelState.create(tp=tp, pp=1, sp=sp)
+    try:
+        return {"sp": dist.get_process_group_ranks(state.sp_group), "sp_rank": state.sp_rank,
+                "sp_data": dist.get_process_group_ranks(state.sp_data_group), "dp_size": state.dp_size}
+    finally:
+        state.destroy()
+
+
+@pytest.mark.multiprocess
+def test_ulysses_groups_on_four_processes():
+    out = run_distributed(_ulysses_groups, world_size=4, args=(2, 2))
+    # TP = 2, SP = 2, DP = 1: rank = sp_rank * 2 + tp_rank
+    assert [o["sp"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [o["sp_rank"] for o in out] == [0, 0, 1, 1]
+    assert [o["sp_data"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert {o["dp_size"] for o in out} == {1}

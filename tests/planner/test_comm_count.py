@@ -99,3 +99,54 @@ def test_measured_sequence_parallel_step_equals_analytic_count(tiny_corpus):
                 m, a = measured.get(key, {}), analytic.get(key, {})
                 assert (m.get("calls"), m.get("bytes")) == (a.get("calls"), a.get("bytes")), \
                     f"rank {r['rank']} recompute={c['checkpoint_activations']} {key}: measured {m}, analytic {a}"
+
+
+def _ulysses_step(rank, world_size, config, tp, recompute):
+    """One forward + backward of a GPTModel with Ulysses attention over SP = world / tp, recorded."""
+    import torch
+
+    from megatron.engine.initialize import init_deepspeed_comm
+    from megatron.engine.ulysses import enable_ulysses
+    from megatron.model import GPTModel
+    from megatron.parallel.random import tracked_checkpoint_func
+    from megatron.parallel.state import ParallelState
+    from megatron.planner.comm_count import CollectiveRecorder
+
+    torch.set_num_threads(1)
+    init_deepspeed_comm("gloo")
+    state = ParallelState.create(tp=tp, pp=1, sp=world_size // tp)
+    try:
+        model = GPTModel(config, state)
+        enable_ulysses(model, state)
+        if recompute:
+            model.recompute_activations(tracked_checkpoint_func(None), 1)
+        s = config.seq_length // state.sp_size
+        tokens = torch.randint(0, 200, (2, s), generator=torch.Generator().manual_seed(1))
+        with CollectiveRecorder(state.layout) as recorder:
+            recorder.active = True
+            model(tokens, torch.arange(s)[None] + state.sp_rank * s, tokens).sum().backward()
+            recorder.active = False
+        return {"/".join(k): {"calls": v["calls"], "bytes": v["bytes"]} for k, v in recorder.summary().items()
+                if k[0] == "sp"}
+    finally:
+        state.destroy()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tp,sp,recompute", [(1, 2, False), (2, 2, False), (1, 2, True)])
+def test_ulysses_all_to_alls_equal_analytic_count(tp, sp, recompute):
+    """4 all-to-alls per layer forward (q, k, v, context), 4 adjoints backward, sizes per head count (GQA)."""
+    from megatron.planner.comm_count import analytic_ulysses_counts
+    from tests.model.helpers import tiny_config
+
+    config = tiny_config(num_attention_heads=8, num_key_value_heads=4, position_embedding_type="rotary",
+                         seq_length=16)
+    results = run_distributed(_ulysses_step, world_size=tp * sp, args=(config, tp, recompute), timeout=120)
+    shape = StepShape(config.seq_length, 2, config.hidden_size, config.padded_vocab_size, 1, activation_bytes=4,
+                      recompute=recompute)
+    analytic = analytic_ulysses_counts(shape, group_layout(tp, 1, 1, sp), config.num_layers,
+                                       config.num_attention_heads, config.num_kv_heads, config.head_dim)
+    expected = {"/".join(k): v for k, v in analytic.items()}
+    assert expected["sp/all_to_all_single"]["calls"] == (12 if recompute else 8) * config.num_layers
+    for rank, measured in enumerate(results):
+        assert measured == expected, f"rank {rank}: measured {measured}, analytic {expected}"

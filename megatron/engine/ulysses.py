@@ -1,0 +1,72 @@
+"""DeepSpeed-Ulysses sequence parallelism (``--ds-sequence-parallel-size``, Jacobs et al. 2023).
+
+Every rank of a sequence-parallel (SP) group holds the same weights and s / sp tokens of the same samples.
+Each layer runs on those tokens, except the core attention: DeepSpeed's ``DistributedAttention`` all-to-alls
+q, k and v from [s/sp, b, np, hn] (this rank's tokens, all of its TP rank's heads) to [s, b, np/sp, hn]
+(every token, 1/sp of the heads), attends causally over the whole sequence, and all-to-alls the context
+back. 4 all-to-alls per layer forward, 4 in backward (each one's adjoint is the reverse all-to-all).
+
+The loss of a micro-batch is Megatron's sum(loss * mask) / sum(mask) over the WHOLE sequence: each SP rank
+returns its tokens' part, sum over its tokens / the mask count all-reduced over the SP group. DeepSpeed
+(engine, ZeRO 1-3, BF16_Optimizer) reduces gradients over the sequence-data-parallel group (dp x sp ranks)
+dividing by dp x sp / sp = dp, i.e. it SUMS over the SP ranks and averages over data parallelism: the
+sum of the SP ranks' parts is exactly the full-sequence loss, so its gradient is the (1, 1, 1) gradient.
+Except ZeRO-3: DeepSpeed 0.19.8's stage 3 reduce-scatter path (``__avg_scatter_grads``, its default
+``reduce_scatter: true``, which the DeepSpeed config pins for Ulysses runs) averages over all dp x sp ranks,
+so there each rank's part is multiplied by sp before the backward (:func:`backward_loss_scale`); measured:
+without it the grad norm of a ZeRO-3 SP=2 run is exactly half the (1, 1, 1) one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from deepspeed.sequence.layer import DistributedAttention
+
+from megatron.model.attention import SelfAttention
+from megatron.parallel.state import ParallelState
+
+__all__ = ["backward_loss_scale", "distributed_attention", "enable_ulysses", "sequence_parallel_loss"]
+
+# DistributedAttention's all-to-all indices for sequence-first [s, b, heads, hn] tensors: forward scatter the
+# heads (dim 2) and gather the sequence (dim 0); the context goes back the other way.
+SCATTER_HEADS, GATHER_SEQUENCE = 2, 0
+
+
+def distributed_attention(sp_group, local_attention: Callable) -> DistributedAttention:
+    """DeepSpeed's all-to-all attention over ``sp_group`` around ``local_attention`` (one per layer)."""
+    return DistributedAttention(local_attention, sp_group, scatter_idx=SCATTER_HEADS, gather_idx=GATHER_SEQUENCE)
+
+
+def enable_ulysses(model: torch.nn.Module, state: ParallelState) -> int:
+    """Make every attention layer of ``model`` sequence-parallel over ``state.sp_group``; how many there are."""
+    if state.sp_size == 1:
+        return 0
+    make = functools.partial(distributed_attention, state.sp_group)
+    layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    for attention in layers:
+        attention.use_sequence_parallel(make, state.sp_rank, state.sp_size)
+    return len(layers)
+
+
+def sequence_parallel_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, sp_group) -> torch.Tensor:
+    """This rank's part of the micro-batch loss: sum over its tokens of loss * mask / the whole sequence's
+    mask count (all-reduced over ``sp_group``, no gradient). per_token_loss, loss_mask [b, s/sp] -> scalar fp32.
+
+    The SP ranks' parts add up to sum(loss * mask) / sum(mask) over the whole sequence, whatever the mask's
+    spread over the slices (EOD masking). clamp: a micro-batch with nothing to count gives 0, not NaN.
+    """
+    mask = loss_mask.to(torch.float32)
+    count = mask.sum()
+    dist.all_reduce(count, group=sp_group)
+    return (per_token_loss.float() * mask).sum() / count.clamp(min=1.0)
+
+
+def backward_loss_scale(zero_stage: int, sp_size: int) -> float:
+    """What this rank's loss part is multiplied by before the backward so that DeepSpeed's gradient
+    reduction gives the whole-sequence gradient: sp under ZeRO-3 (it averages over dp x sp), else 1 (it
+    sums over the SP ranks, averages over dp)."""
+    return float(sp_size) if zero_stage == 3 else 1.0

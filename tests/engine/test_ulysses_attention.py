@@ -1,0 +1,174 @@
+"""DeepSpeed-Ulysses attention (megatron.engine.ulysses) equals the unsplit attention, outputs and gradients.
+
+Each case runs the same layer (weights depend on (seed, name) only) on one process over the whole sequence,
+and on SP (x TP) gloo processes through DeepSpeed's DistributedAttention, each holding s / sp tokens: every
+rank's output must be its slice of the reference output, its input gradient the slice of the reference
+input gradient, and its parameter gradients summed over the SP group (what DeepSpeed's reduction does) the
+reference ones; for TP > 1 against the rank's TP slice. Then the whole GPTModel with the Ulysses loss
+(an uneven loss mask) against gpt_loss on one process.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.testing import run_distributed
+from tests.model.helpers import tiny_config
+
+S, B = 16, 2
+CASES = {  # name -> ModelConfig overrides
+    "absolute": dict(position_embedding_type="absolute"),
+    "rotary gqa": dict(position_embedding_type="rotary", num_attention_heads=8, num_key_value_heads=4,
+                       normalization="rmsnorm", swiglu=True, add_bias_linear=False),
+    "alibi": dict(position_embedding_type="alibi", num_attention_heads=8, embed_layernorm=True),
+}
+
+
+def _hidden(config):
+    return torch.randn(S, B, config.hidden_size, generator=torch.Generator().manual_seed(7))
+
+
+def _attention_reference(config):
+    from megatron.model.attention import SelfAttention
+
+    attention = SelfAttention(config, None, 0)
+    hidden = _hidden(config).requires_grad_()
+    out = attention(hidden)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(8))
+    (out * weight).sum().backward()
+    return out.detach(), hidden.grad, {n: p.grad.clone() for n, p in attention.named_parameters()}, weight
+
+
+def _attention_worker(rank, world_size, config, tp):
+    from megatron.engine.initialize import init_deepspeed_comm
+    from megatron.engine.ulysses import enable_ulysses
+    from megatron.model.attention import SelfAttention
+    from megatron.parallel.state import ParallelState
+
+    torch.set_num_threads(1)
+    init_deepspeed_comm("gloo")
+    state = ParallelState.create(tp=tp, pp=1, sp=world_size // tp)
+    try:
+        attention = SelfAttention(config, state.tp_group, 0)
+        assert enable_ulysses(attention, state) == 1
+        part = S // state.sp_size
+        cut = slice(state.sp_rank * part, (state.sp_rank + 1) * part)
+        _, _, _, weight = _attention_reference(config)
+        hidden = _hidden(config)[cut].clone().requires_grad_()
+        out = attention(hidden)  # [s/sp, b, h]
+        (out * weight[cut]).sum().backward()
+        grads = {}
+        for name, param in attention.named_parameters():
+            grad = param.grad.clone()
+            dist.all_reduce(grad, group=state.sp_group)  # DeepSpeed sums over the SP ranks
+            grads[name] = grad
+        slopes = attention.alibi_slopes.tolist() if attention.alibi_slopes is not None else None
+        return {"out": out.detach(), "input_grad": hidden.grad, "grads": grads, "cut": (cut.start, cut.stop),
+                "tp_rank": state.tp_rank, "slopes": slopes}
+    finally:
+        state.destroy()
+
+
+def _tensors(result: dict) -> dict:
+    """run_distributed hands results back as plain lists: the tensors again."""
+    out = dict(result)
+    for key in ("out", "input_grad"):
+        if key in out:
+            out[key] = torch.tensor(out[key])
+    out["grads"] = {n: torch.tensor(g) for n, g in out["grads"].items()}
+    return out
+
+
+def _tp_slice(full: torch.Tensor, name: str, tp: int, tp_rank: int) -> torch.Tensor:
+    """The TP rank's slice of a reference gradient: rows for column-parallel weights, columns for dense."""
+    if tp == 1 or name == "dense.bias":
+        return full
+    dim = 1 if name == "dense.weight" else 0
+    return full.chunk(tp, dim=dim)[tp_rank]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name,tp,sp", [(name, 1, 2) for name in CASES]
+                         + [("rotary gqa", 2, 2), ("alibi", 2, 2)])  # TP x SP: the head-dependent cases
+def test_ulysses_attention_equals_unsplit(name, tp, sp):
+    config = tiny_config(**CASES[name])
+    ref_out, ref_input_grad, ref_grads, _ = _attention_reference(config)
+    results = run_distributed(_attention_worker, world_size=tp * sp, args=(config, tp), timeout=120)
+    for rank, r in enumerate(results):
+        start, stop = r["cut"]
+        r = _tensors(r)
+        assert torch.allclose(r["out"], ref_out[start:stop], atol=1e-5, rtol=1e-5), \
+            f"rank {rank}: output differs by {(r['out'] - ref_out[start:stop]).abs().max()}"
+        if tp == 1:  # with TP the input gradient is a partial sum (the layer norm's copy all-reduces it)
+            assert torch.allclose(r["input_grad"], ref_input_grad[start:stop], atol=1e-5, rtol=1e-5), f"rank {rank}"
+        for pname, grad in r["grads"].items():
+            expected = _tp_slice(ref_grads[pname], pname, tp, r["tp_rank"])
+            assert torch.allclose(grad, expected, atol=1e-5, rtol=1e-4), \
+                f"rank {rank} {pname}: gradient differs by {(grad - expected).abs().max()}"
+    if name == "alibi":
+        from megatron.model.positional import alibi_slopes
+
+        full = alibi_slopes(config.num_attention_heads)
+        per = config.num_attention_heads // (tp * sp)
+        for rank, r in enumerate(results):
+            sp_rank = (rank // tp) % sp  # independent of megatron.parallel: rank = sp_rank * tp + tp_rank
+            first = r["tp_rank"] * (config.num_attention_heads // tp) + sp_rank * per
+            assert r["slopes"] == pytest.approx(full[first:first + per], rel=1e-6), rank
+
+
+def _model_loss_reference(config, tokens, mask):
+    from megatron.model import GPTModel
+
+    model = GPTModel(config)
+    positions = torch.arange(S)[None].expand(B, S)
+    loss = model(tokens[:, :-1], positions, tokens[:, 1:], mask)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _model_worker(rank, world_size, config, tokens, mask):
+    from megatron.engine.initialize import init_deepspeed_comm
+    from megatron.engine.ulysses import enable_ulysses, sequence_parallel_loss
+    from megatron.model import GPTModel
+    from megatron.parallel.state import ParallelState
+    from megatron.training.batches import sequence_slice
+
+    torch.set_num_threads(1)
+    init_deepspeed_comm("gloo")
+    state = ParallelState.create(tp=1, pp=1, sp=world_size)
+    try:
+        model = GPTModel(config, state)
+        assert enable_ulysses(model, state) == config.num_layers
+        positions = torch.arange(S)[None].expand(B, S)
+        (ids, pos), (labels, m) = sequence_slice(((tokens[:, :-1], positions), (tokens[:, 1:], mask)),
+                                                 state.sp_rank, state.sp_size)
+        loss = sequence_parallel_loss(model(ids, pos, labels), m, state.sp_group)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=state.sp_group)
+        grads = {}
+        for name, param in model.named_parameters():
+            grads[name] = param.grad.clone()
+            dist.all_reduce(grads[name], group=state.sp_group)
+        return {"loss": total.item(), "grads": grads}
+    finally:
+        state.destroy()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(CASES))
+def test_ulysses_model_loss_and_gradients_with_uneven_mask(name):
+    config = tiny_config(**CASES[name])
+    tokens = torch.randint(0, 200, (B, S + 1), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(B, S)
+    mask[0, :11] = 0.0  # the first slice of row 0 counts nothing, the second only 5 of its 8 tokens
+    mask[1, 12:] = 0.0
+    ref_loss, ref_grads = _model_loss_reference(config, tokens, mask)
+    # the mean of the slices' own means would differ: the test can tell the right average from that
+    results = run_distributed(_model_worker, world_size=2, args=(config, tokens, mask), timeout=120)
+    for rank, r in enumerate(results):
+        r = _tensors(r)
+        assert r["loss"] == pytest.approx(ref_loss, rel=1e-6), (rank, r["loss"], ref_loss)
+        for pname, grad in r["grads"].items():
+            assert torch.allclose(grad, ref_grads[pname], atol=1e-6, rtol=1e-4), \
+                f"rank {rank} {pname}: gradient differs by {(grad - ref_grads[pname]).abs().max()}"

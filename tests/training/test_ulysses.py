@@ -1,0 +1,127 @@
+"""DeepSpeed-Ulysses (--ds-sequence-parallel-size) trains exactly as (1, 1, 1) does.
+
+fp32, no dropout, 10 iterations of pretrain_gpt's path: losses within 1e-5 (relative) and grad norms within
+1e-4 of a single process, for BLOOM (ALiBi), a Llama-style model (rotary, SwiGLU, RMSNorm, GQA) and learned
+positions, at SP=2 (ZeRO 0, 1, 2 and 3), SP=4, SP=2 x TP=2 and SP=2 x DP=2; bf16 tracks fp32; a run saved at
+iteration 5 and resumed with SP=2 continues bit for bit; bad layouts are refused before launch. One launch
+per world size trains every layout of that size in turn.
+"""
+
+import pytest
+
+from megatron.testing import run_distributed, tiny_argv
+from tests.training.test_zero_sharding import _assert_same_run, _layout, _train
+
+ITERS = 10
+LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96")
+SP2, SP4, TP2 = ("--ds-sequence-parallel-size", 2), ("--ds-sequence-parallel-size", 4), \
+    ("--tensor-model-parallel-size", 2)
+
+
+def _models(corpus):
+    bloom = tiny_argv(corpus, train_iters=ITERS)
+    llama = tiny_argv(corpus, *LLAMA, train_iters=ITERS, position_embedding_type="rope", embed_layernorm=False)
+    learned = tiny_argv(corpus, train_iters=ITERS, position_embedding_type="learned_absolute", embed_layernorm=False)
+    return {"bloom": bloom, "llama": llama, "learned": learned}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_corpus, tmp_path_factory):
+    models = _models(tiny_corpus)
+    save = str(tmp_path_factory.mktemp("ulysses"))
+    refs = run_distributed(_train, world_size=1, timeout=300, args=(list(models.values()),))[0]
+    references = dict(zip(models, refs))
+    for name, ref in references.items():
+        assert ref["losses"][-1] < ref["losses"][0] - 0.05, (name, ref["losses"])  # it learns
+    bloom = models["bloom"]
+    two = {
+        "bloom sp2": (_layout(bloom, *SP2), "bloom"),
+        "bloom sp2 zero1": (_layout(bloom, *SP2, "--zero-stage", 1), "bloom"),
+        "bloom sp2 zero2": (_layout(bloom, *SP2, "--zero-stage", 2), "bloom"),
+        "bloom sp2 zero3": (_layout(bloom, *SP2, "--zero-stage", 3), "bloom"),
+        "llama sp2": (_layout(models["llama"], *SP2), "llama"),
+        "learned sp2": (_layout(models["learned"], *SP2), "learned"),
+        "bloom sp2 bf16": (_layout(bloom, *SP2, "--bf16"), "bloom"),
+        "first half": (_layout(bloom, *SP2, "--zero-stage", 1, "--save", save, "--save-interval", 100,
+                               "--exit-interval", 5), "bloom"),
+        "resumed": (_layout(bloom, *SP2, "--zero-stage", 1, "--load", save), "bloom"),
+    }
+    four = {
+        "bloom sp4": (_layout(bloom, *SP4), "bloom"),
+        "bloom sp2 tp2": (_layout(bloom, *SP2, *TP2), "bloom"),
+        "llama sp2 tp2": (_layout(models["llama"], *SP2, *TP2, "--zero-stage", 2), "llama"),
+        "bloom sp2 dp2": (_layout(bloom, *SP2, "--zero-stage", 1), "bloom"),
+        "learned sp2 dp2": (_layout(models["learned"], *SP2, "--zero-stage", 3), "learned"),
+    }
+    out = {}
+    for world, layouts in ((2, two), (4, four)):
+        results = run_distributed(_train, world_size=world, args=([argv for argv, _ in layouts.values()],),
+                                  timeout=900)
+        for rank, per_rank in enumerate(results):
+            for (label, (_, model)), result in zip(layouts.items(), per_rank):
+                out.setdefault(label, {})[rank] = (model, result)
+    return references, out
+
+
+EXACT = ["bloom sp2", "bloom sp2 zero1", "bloom sp2 zero2", "bloom sp2 zero3", "llama sp2", "learned sp2",
+         "bloom sp4", "bloom sp2 tp2", "llama sp2 tp2", "bloom sp2 dp2", "learned sp2 dp2"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("label", EXACT)
+def test_ulysses_matches_single_process_in_fp32(runs, label):
+    references, out = runs
+    for rank, (model, result) in out[label].items():
+        assert len(result["losses"]) == ITERS, (label, rank)
+        _assert_same_run(references[model], result, f"rank {rank}: {label}")
+
+
+@pytest.mark.multiprocess
+def test_ulysses_engine_and_optimizers(runs):
+    _, out = runs
+    expected = {"bloom sp2 zero1": "DeepSpeedZeroOptimizer", "bloom sp2 zero2": "DeepSpeedZeroOptimizer",
+                "bloom sp2 zero3": "DeepSpeedZeroOptimizer_Stage3", "bloom sp2 bf16": "BF16_Optimizer"}
+    for label, optimizer in expected.items():
+        for rank, (_, result) in out[label].items():
+            assert result["optimizer"] == optimizer, (label, rank, result["optimizer"])
+
+
+@pytest.mark.multiprocess
+def test_ulysses_bf16_tracks_fp32(runs):
+    references, out = runs
+    for rank, (model, result) in out["bloom sp2 bf16"].items():
+        _assert_same_run(references[model], result, f"rank {rank}: bf16", rel_loss=2e-2, rel_norm=2e-1)
+
+
+@pytest.mark.multiprocess
+def test_ulysses_resume_is_exact(runs):
+    _, out = runs
+    for rank in (0, 1):
+        first, resumed = out["first half"][rank][1], out["resumed"][rank][1]
+        straight = out["bloom sp2 zero1"][rank][1]
+        assert first["iterations"] == [1, 2, 3, 4, 5] and resumed["iterations"] == [6, 7, 8, 9, 10], rank
+        assert first["losses"] + resumed["losses"] == straight["losses"], rank
+        assert first["grad_norms"] + resumed["grad_norms"] == straight["grad_norms"], rank
+
+
+def _refused(tiny_corpus, *flags, world_size):
+    from megatron.arguments import run_config_from_argv
+
+    with pytest.raises(ValueError) as error:
+        run_config_from_argv(tiny_argv(tiny_corpus, *[str(f) for f in flags]), world_size=world_size)
+    return str(error.value)
+
+
+def test_bad_ulysses_layouts_are_refused_before_launch(tiny_corpus):
+    msg = _refused(tiny_corpus, *SP4, "--seq-length", 30, world_size=4)
+    assert "--seq-length 30 is not divisible by --ds-sequence-parallel-size 4" in msg
+    msg = _refused(tiny_corpus, *SP4, *TP2, world_size=8)  # 4 heads over TP x SP = 8
+    assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 2 x " \
+           "--ds-sequence-parallel-size 4 = 8" in msg
+    msg = _refused(tiny_corpus, *SP2, "--num-key-value-heads", 1, world_size=2)
+    assert "key / value heads" in msg and " 1 is not divisible" in msg
+    msg = _refused(tiny_corpus, *SP2, world_size=3)
+    assert "world size 3 is not a multiple of" in msg and "--ds-sequence-parallel-size 2 = 2" in msg
+    msg = _refused(tiny_corpus, *SP2, "--pipeline-model-parallel-size", 2, world_size=4)
+    assert "does not combine with --pipeline-model-parallel-size 2" in msg and "--pipeline-model-parallel-size 1" in msg
