@@ -96,6 +96,11 @@ class GradNormClippingOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         self.optimizer.load_state_dict(state_dict)
+        # torch's load_state_dict gives the wrapped optimizer NEW param_groups and state objects: share them
+        # again, or the learning-rate schedule (which sets lr through this wrapper's groups) would go on
+        # writing into the old ones while the wrapped optimizer steps with the lr it had at the save.
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
 
     def _params(self):
         return [p for group in self.optimizer.param_groups for p in group["params"]]

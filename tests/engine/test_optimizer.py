@@ -49,3 +49,29 @@ def test_client_optimizer_from_its_config():
     assert len(decay["params"]) == 1 and len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
     sgd = build_client_optimizer(module, OptimizerConfig(optimizer="sgd", sgd_momentum=0.25))
     assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.25
+
+
+def test_the_clipping_wrapper_still_shares_groups_and_state_after_loading_a_checkpoint():
+    """torch's load_state_dict replaces the wrapped optimizer's param_groups and state; the learning-rate
+    schedule sets lr through the wrapper, so a wrapper left on the old groups made a resumed fp32 run step
+    with the lr of its save from then on (a run resumed at iteration 5 differed from iteration 8)."""
+    from megatron.config import OptimizerConfig
+    from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    wrapper = GradNormClippingOptimizer(build_client_optimizer(module, OptimizerConfig(lr=1e-2)), clip_grad=1.0,
+                                        tp_rank=0, model_group=None)
+    module(torch.randn(2, 4)).sum().backward()
+    wrapper.step()
+    saved = wrapper.state_dict()
+    wrapper.load_state_dict(saved)
+    assert wrapper.param_groups is wrapper.optimizer.param_groups and wrapper.state is wrapper.optimizer.state
+    for group in wrapper.param_groups:  # what the schedule does each iteration
+        group["lr"] = 0.5
+    assert [g["lr"] for g in wrapper.optimizer.param_groups] == [0.5] * len(wrapper.optimizer.param_groups)
+    before = module.weight.detach().clone()
+    module.zero_grad()
+    module(torch.randn(2, 4)).sum().backward()
+    wrapper.step()
+    assert not torch.equal(before, module.weight)
