@@ -472,6 +472,10 @@ class RunConfig:
         if m.seq_length % sp:
             raise ValueError(f"--seq-length {m.seq_length} is not divisible by {flag}: each rank holds seq-length / "
                              f"sp tokens of every sample; use a multiple of {sp}")
+        if m.sequence_parallel and m.seq_length % (sp * tp):
+            raise ValueError(f"--seq-length {m.seq_length} is not divisible by {flag} x --tensor-model-parallel-size "
+                             f"{tp} = {sp * tp}: with --sequence-parallel too, each rank's seq-length / sp tokens are "
+                             f"split again across the TP group; use a multiple of {sp * tp}")
         for name, count in (("--num-attention-heads", m.num_attention_heads), ("key / value heads (--num-key-value-"
                             "heads / --num-query-groups)", m.num_kv_heads)):
             if count % (tp * sp):

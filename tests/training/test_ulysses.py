@@ -2,7 +2,8 @@
 
 fp32, no dropout, 10 iterations of pretrain_gpt's path: losses within 1e-5 (relative) and grad norms within
 1e-4 of a single process, for BLOOM (ALiBi), a Llama-style model (rotary, SwiGLU, RMSNorm, GQA) and learned
-positions, at SP=2 (ZeRO 0, 1, 2 and 3), SP=4, SP=2 x TP=2 and SP=2 x DP=2; bf16 tracks fp32; a run saved at
+positions, at SP=2 (ZeRO 0, 1, 2 and 3), SP=4, SP=2 x TP=2 (also with Megatron's --sequence-parallel) and
+SP=2 x DP=2; bf16 tracks fp32; a run saved at
 iteration 5 and resumed with SP=2 continues bit for bit; bad layouts are refused before launch. One launch
 per world size trains every layout of that size in turn.
 """
@@ -50,6 +51,8 @@ def runs(tiny_corpus, tmp_path_factory):
     four = {
         "bloom sp4": (_layout(bloom, *SP4), "bloom"),
         "bloom sp2 tp2": (_layout(bloom, *SP2, *TP2), "bloom"),
+        # both sequence axes: Ulysses over SP and Megatron's --sequence-parallel inside each TP group
+        "bloom sp2 tp2 megatron sp": (_layout(bloom, *SP2, *TP2, "--sequence-parallel"), "bloom"),
         "llama sp2 tp2": (_layout(models["llama"], *SP2, *TP2, "--zero-stage", 2), "llama"),
         "bloom sp2 dp2": (_layout(bloom, *SP2, "--zero-stage", 1), "bloom"),
         "learned sp2 dp2": (_layout(models["learned"], *SP2, "--zero-stage", 3), "learned"),
@@ -65,7 +68,7 @@ def runs(tiny_corpus, tmp_path_factory):
 
 
 EXACT = ["bloom sp2", "bloom sp2 zero1", "bloom sp2 zero2", "bloom sp2 zero3", "llama sp2", "learned sp2",
-         "bloom sp4", "bloom sp2 tp2", "llama sp2 tp2", "bloom sp2 dp2", "learned sp2 dp2"]
+         "bloom sp4", "bloom sp2 tp2", "bloom sp2 tp2 megatron sp", "llama sp2 tp2", "bloom sp2 dp2", "learned sp2 dp2"]
 
 
 @pytest.mark.multiprocess
@@ -121,6 +124,8 @@ def test_bad_ulysses_layouts_are_refused_before_launch(tiny_corpus):
            "--ds-sequence-parallel-size 4 = 8" in msg
     msg = _refused(tiny_corpus, *SP2, "--num-key-value-heads", 1, world_size=2)
     assert "key / value heads" in msg and " 1 is not divisible" in msg
+    msg = _refused(tiny_corpus, *SP2, *TP2, "--sequence-parallel", "--seq-length", 34, world_size=4)
+    assert "--seq-length 34 is not divisible by --ds-sequence-parallel-size 2 x --tensor-model-parallel-size 2" in msg
     msg = _refused(tiny_corpus, *SP2, world_size=3)
     assert "world size 3 is not a multiple of" in msg and "--ds-sequence-parallel-size 2 = 2" in msg
     msg = _refused(tiny_corpus, *SP2, "--pipeline-model-parallel-size", 2, world_size=4)
