@@ -116,6 +116,39 @@ def test_four_ranks_tp4_pipeline_and_zero3(tiny_corpus, tmp_path):
         assert by["tp2 pp2 sp"]["pipe_partitioned"] is False
 
 
+@pytest.mark.multiprocess
+def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus, tmp_path):
+    """--sequence-parallel changes no parameter: a TP=2 run with it (ZeRO-1, as universal conversion wants),
+    converted at iteration 5 by ds_to_universal.py, continues at TP=4 with it (shards of s/4 instead of s/2)
+    and at TP=1 x DP=4 without it, each within 1e-5 of the straight run's losses."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    argv = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1)
+    save = str(tmp_path / "sp")
+    tp2 = ["--tensor-model-parallel-size", 2, SP]
+    straight, _ = run_distributed(_train, world_size=2, args=(
+        [_layout(argv, *tp2), _layout(argv, *tp2, "--save", save, "--save-interval", 100, "--exit-interval", 5)],),
+        timeout=600)[0]
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_checkpoint/ds_to_universal.py"),
+                           "--input_folder", os.path.join(save, "global_step5"),
+                           "--output_folder", os.path.join(save, "global_step5_universal")],
+                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    targets = {"tp4 sp": ["--tensor-model-parallel-size", 4, SP], "tp1 dp4": []}
+    resumed = run_distributed(_train, world_size=4, timeout=600, args=(
+        [_layout(argv, *flags, "--load", save, "--universal-checkpoint") for flags in targets.values()],))
+    for rank, per_rank in enumerate(resumed):
+        for label, run in zip(targets, per_rank):
+            assert run["iterations"] == list(range(6, 11)), (label, run["iterations"])
+            assert run["model_sp"] == (label == "tp4 sp")
+            for i, (a, b) in enumerate(zip(straight["losses"][5:], run["losses"])):
+                assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank} {label}: iteration {i + 6} loss {b} vs {a} straight"
+
+
 def test_sequence_not_divisible_by_tp_is_refused_before_launch(tiny_corpus):
     from megatron.arguments import run_config_from_argv
 
