@@ -206,19 +206,20 @@ def resume_point(rc: RunConfig, tag: Optional[str] = None) -> Optional[tuple[str
 
 def _check_universal_engine(rc: RunConfig, tag_dir: str, saved: dict) -> None:
     """A universal checkpoint's parameter folders are named for one DeepSpeed engine (ds_to_universal.py
-    --target-engine): the pipeline engine's for ZeRO-0/1 runs, GPTModel's for ZeRO-3 runs at TP = 1."""
+    --target-engine): the pipeline engine's for ZeRO-0/1 runs, GPTModel's for ZeRO-2 runs and ZeRO-3 runs
+    at TP = 1."""
     stage, tp = rc.deepspeed_zero_stage, rc.parallel.tensor_model_parallel_size
-    if stage == 2:
-        raise ValueError(f"{tag_dir}: loading a universal checkpoint into a --zero-stage 2 run is not supported; "
-                         f"use --zero-stage 3 (TP = 1) or --zero-stage 0 / 1 (any TP and PP)")
+    if stage == 2 and run_state.UNIVERSAL_ENGINE not in saved:
+        raise ValueError(f"{tag_dir} was converted before ds_to_universal.py wrote checkpoints ZeRO-2 runs read; "
+                         f"convert its source checkpoint again (--target-engine model)")
     if stage == 3 and tp > 1:
         # DeepSpeed's ZeRO-3 universal loader partitions each full tensor over DP only: it would not cut
         # our tensor-parallel slices
         raise ValueError(f"{tag_dir}: a universal checkpoint loads into ZeRO-3 at --tensor-model-parallel-size 1 "
-                         f"only (this run: {tp}); resume at TP = 1 with any DP, or use --zero-stage 1 for TP > 1")
+                         f"only (this run: {tp}); resume at TP = 1 with any DP, or use --zero-stage 2 or 1 for TP > 1")
     engine, wanted = run_state.universal_engine(saved), "model" if rc.sharded_data_parallel else "pipeline"
     if engine != wanted:
-        runs = {"model": "ZeRO-3 runs", "pipeline": "--zero-stage 0 / 1 runs"}
+        runs = {"model": "ZeRO-2 / ZeRO-3 runs", "pipeline": "--zero-stage 0 / 1 runs"}
         raise ValueError(f"{tag_dir} is a universal checkpoint for the {engine} engine ({runs[engine]}); this run "
                          f"(--zero-stage {stage}) is on the {wanted} engine. Convert its source checkpoint again "
                          f"with: python tools/convert_checkpoint/ds_to_universal.py --input_folder SOURCE_TAG "

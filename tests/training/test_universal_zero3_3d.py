@@ -1,5 +1,5 @@
-"""Universal checkpoints between ZeRO-3 (DeepSpeed's non-pipeline engine, GPTModel's names) and 3D
-(the pipeline engine, its layer-indexed names), both ways.
+"""Universal checkpoints between ZeRO-3 / ZeRO-2 (DeepSpeed's non-pipeline engine, GPTModel's names) and
+3D (the pipeline engine, its layer-indexed names), both ways.
 
 ZeRO-3 at TP=1 x DP=4 and 3D at TP=2 x PP=2 x DP=2 each train 10 iterations straight, saving at 5 (the
 same run: saving does not change it, test_checkpoints.py). Each step-5 checkpoint, converted by
@@ -7,7 +7,9 @@ ds_to_universal.py --target-engine for the other engine, resumes there at iterat
 moments, step count, schedule and data position: the continued losses equal, within 1e-5 in fp32, both
 the source's own iterations 6-10 (the run continuing) and the target layout's straight run (the two
 layouts train alike, test_zero_sharding.py / test_equivalence.py). A run that loads and saves at once
-saves exactly the weights the source saved (merged to TP = 1 by megatron.checkpoint.merge).
+saves exactly the weights the source saved (merged to TP = 1 by megatron.checkpoint.merge). ZeRO-2 at
+TP=2 x DP=2 the same way: to 3D, and from the 3D checkpoint converted for ZeRO-3 (one conversion in
+GPTModel's names serves both stages).
 Tiny model (hidden 32, 2 layers, seq 16): one 4-process and one 8-process launch, then one 4-process.
 """
 
@@ -24,6 +26,7 @@ from tests.conftest import REPO_ROOT
 
 REL = 1e-5
 ZERO3 = ["--zero-stage", "3"]  # TP = 1, DP = 4 on 4 ranks
+ZERO2 = ["--zero-stage", "2", "--tensor-model-parallel-size", "2"]  # TP = 2, DP = 2
 THREE_D = ["--zero-stage", "1", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
 
@@ -68,21 +71,27 @@ def _to_universal(ckpt, engine, out_root):
 @pytest.fixture(scope="module")
 def reshaped(tiny_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("uni")
-    d = {name: str(root / name) for name in ("z3", "d3", "z3_for_3d", "d3_for_z3", "z3_loaded", "d3_loaded")}
-    z3, = run_distributed(_train, world_size=4, timeout=600, args=(
-        [_argv(tiny_corpus, *ZERO3, save=d["z3"], save_interval=5)],))[0]
+    d = {name: str(root / name) for name in ("z3", "z2", "d3", "z3_for_3d", "z2_for_3d", "d3_for_z3", "z3_loaded",
+                                             "d3_loaded")}
+    z3, z2 = run_distributed(_train, world_size=4, timeout=600, args=(
+        [_argv(tiny_corpus, *ZERO3, save=d["z3"], save_interval=5),
+         _argv(tiny_corpus, *ZERO2, save=d["z2"], save_interval=5)],))[0]
     _to_universal(d["z3"], "pipeline", d["z3_for_3d"])
+    _to_universal(d["z2"], "pipeline", d["z2_for_3d"])
     from_z3 = dict(load=d["z3_for_3d"], universal_checkpoint=True)
-    d3, d3_resumed, d3_loaded = run_distributed(_train, world_size=8, timeout=900, args=(
+    d3, d3_resumed, d3_loaded, d3_from_z2 = run_distributed(_train, world_size=8, timeout=900, args=(
         [_argv(tiny_corpus, *THREE_D, save=d["d3"], save_interval=5),
          _argv(tiny_corpus, *THREE_D, **from_z3),
-         _argv(tiny_corpus, *THREE_D, **from_z3, train_iters=5, save=d["d3_loaded"], save_interval=100)],))[-1]
+         _argv(tiny_corpus, *THREE_D, **from_z3, train_iters=5, save=d["d3_loaded"], save_interval=100),
+         _argv(tiny_corpus, *THREE_D, load=d["z2_for_3d"], universal_checkpoint=True)],))[-1]
     _to_universal(d["d3"], "model", d["d3_for_z3"])
     from_d3 = dict(load=d["d3_for_z3"], universal_checkpoint=True)
-    z3_resumed, z3_loaded = run_distributed(_train, world_size=4, timeout=600, args=(
+    z3_resumed, z3_loaded, z2_from_d3 = run_distributed(_train, world_size=4, timeout=600, args=(
         [_argv(tiny_corpus, *ZERO3, **from_d3),
-         _argv(tiny_corpus, *ZERO3, **from_d3, train_iters=5, save=d["z3_loaded"], save_interval=100)],))[0]
-    runs = dict(z3=z3, d3=d3, d3_resumed=d3_resumed, d3_loaded=d3_loaded, z3_resumed=z3_resumed, z3_loaded=z3_loaded)
+         _argv(tiny_corpus, *ZERO3, **from_d3, train_iters=5, save=d["z3_loaded"], save_interval=100),
+         _argv(tiny_corpus, *ZERO2, **from_d3)],))[0]
+    runs = dict(z3=z3, z2=z2, d3=d3, d3_resumed=d3_resumed, d3_loaded=d3_loaded, d3_from_z2=d3_from_z2,
+                z3_resumed=z3_resumed, z3_loaded=z3_loaded, z2_from_d3=z2_from_d3)
     return runs, d
 
 
@@ -107,6 +116,16 @@ def test_3d_checkpoint_continues_on_zero3(reshaped):
     assert runs["z3_resumed"]["iterations"] == list(range(6, 11))
     _assert_close(runs["d3"]["losses"][5:], runs["z3_resumed"]["losses"], "3D -> ZeRO-3 vs 3D continuing")
     _assert_close(runs["z3"]["losses"][5:], runs["z3_resumed"]["losses"], "3D -> ZeRO-3 vs ZeRO-3 straight")
+
+
+@pytest.mark.multiprocess
+def test_zero2_checkpoint_continues_on_3d_and_3d_on_zero2(reshaped):
+    runs, _ = reshaped
+    assert runs["d3_from_z2"]["iterations"] == list(range(6, 11)) == runs["z2_from_d3"]["iterations"]
+    _assert_close(runs["z2"]["losses"][5:], runs["d3_from_z2"]["losses"], "ZeRO-2 -> 3D vs ZeRO-2 continuing")
+    _assert_close(runs["d3"]["losses"][5:], runs["d3_from_z2"]["losses"], "ZeRO-2 -> 3D vs 3D straight")
+    _assert_close(runs["d3"]["losses"][5:], runs["z2_from_d3"]["losses"], "3D -> ZeRO-2 vs 3D continuing")
+    _assert_close(runs["z2"]["losses"][5:], runs["z2_from_d3"]["losses"], "3D -> ZeRO-2 vs ZeRO-2 straight")
 
 
 @pytest.mark.multiprocess
@@ -146,8 +165,8 @@ def test_a_universal_checkpoint_for_the_other_engine_is_refused_by_name(reshaped
               "--target-engine pipeline"),
              (_argv(tiny_corpus, *ZERO3, "--tensor-model-parallel-size", "2", load=d["d3_for_z3"],
                     universal_checkpoint=True), 4, "--tensor-model-parallel-size 1 only"),
-             (_argv(tiny_corpus, "--zero-stage", "2", load=d["d3_for_z3"], universal_checkpoint=True), 4,
-              "--zero-stage 2 run is not supported")]
+             (_argv(tiny_corpus, *ZERO2, load=d["z2_for_3d"], universal_checkpoint=True), 4,
+              "--target-engine model")]
     for argv, world_size, expected in cases:
         with pytest.raises(ValueError, match=expected):
             resume_point(run_config_from_argv(argv, world_size=world_size))

@@ -6,9 +6,10 @@
     pretrain_gpt.py ... --load CKPT --universal-checkpoint     # any new layout
 
 ``--target-engine`` names the DeepSpeed engine of the run that will load it: ``pipeline`` for
-``--zero-stage`` 0 / 1 (any TP, PP, DP), ``model`` for ``--zero-stage 3`` (PP = 1, TP = 1, any DP); by
-default the engine of the run that saved it. Between the two, the parameter folders are renamed and
-their files rewritten for the other engine's loader (``megatron.checkpoint.universal_engines``).
+``--zero-stage`` 0 / 1 (any TP, PP, DP), ``model`` for ``--zero-stage 2`` (PP = 1, any TP and DP) and
+``--zero-stage 3`` (PP = 1, TP = 1, any DP); by default the engine of the run that saved it. For the other
+engine the parameter folders are renamed and their files rewritten for its loader
+(``megatron.checkpoint.universal_engines``).
 
 Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), which writes
 ``CKPT/latest_universal``. Around it, this wrapper
@@ -19,9 +20,8 @@ Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), whic
   - records the checksums of every output file, copies our ``run_state.json`` and marks the output
     ``complete`` last (our loader refuses tags without it), so a crashed conversion is never loaded
     and a damaged one is named when loaded.
-A ZeRO-3 checkpoint converts too, for a ZeRO-3 run or (``--target-engine pipeline``) a 3D one; a 3D
-checkpoint converts for a ZeRO-3 run with ``--target-engine model``. A ZeRO-2 checkpoint is refused
-(DeepSpeed's converter cannot read the non-pipeline engine's ZeRO-2 files).
+ZeRO-2 and ZeRO-3 checkpoints convert too, for ZeRO-2 / ZeRO-3 runs or (``--target-engine pipeline``) a
+3D one; a 3D checkpoint converts for them with ``--target-engine model``.
 Options other than the two folders and ``--target-engine`` are passed through to DeepSpeed's converter.
 """
 
@@ -56,10 +56,6 @@ def main(argv=None) -> int:
     stage = record.get("parallel", {}).get("zero_stage", 0)
     source = "model" if stage >= 2 else "pipeline"  # the engine that saved it (megatron.engine.sharded: 2 and 3)
     target = known.target_engine or source
-    if stage == 2:
-        raise SystemExit(f"{known.input_folder} was saved with --zero-stage 2; converting a ZeRO-2 checkpoint to a "
-                         f"universal one is not supported yet (ZeRO-3's is). Its weights export "
-                         f"(tools/convert_checkpoint/to_hf.py) and it resumes at its own TP and DP")
     problems = verify_checksums(known.input_folder, distributed=False)
     if problems:
         raise SystemExit(f"{known.input_folder} is damaged: " + "; ".join(problems)
