@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -206,17 +207,13 @@ def resume_point(rc: RunConfig, tag: Optional[str] = None) -> Optional[tuple[str
 
 def _check_universal_engine(rc: RunConfig, tag_dir: str, saved: dict) -> None:
     """A universal checkpoint's parameter folders are named for one DeepSpeed engine (ds_to_universal.py
-    --target-engine): the pipeline engine's for ZeRO-0/1 runs, GPTModel's for ZeRO-2 runs and ZeRO-3 runs
-    at TP = 1."""
+    --target-engine): the pipeline engine's for ZeRO-0/1 runs, GPTModel's for ZeRO-2/3 runs."""
     stage, tp = rc.deepspeed_zero_stage, rc.parallel.tensor_model_parallel_size
-    if stage == 2 and run_state.UNIVERSAL_ENGINE not in saved:
-        raise ValueError(f"{tag_dir} was converted before ds_to_universal.py wrote checkpoints ZeRO-2 runs read; "
-                         f"convert its source checkpoint again (--target-engine model)")
-    if stage == 3 and tp > 1:
-        # DeepSpeed's ZeRO-3 universal loader partitions each full tensor over DP only: it would not cut
-        # our tensor-parallel slices
-        raise ValueError(f"{tag_dir}: a universal checkpoint loads into ZeRO-3 at --tensor-model-parallel-size 1 "
-                         f"only (this run: {tp}); resume at TP = 1 with any DP, or use --zero-stage 2 or 1 for TP > 1")
+    if (stage == 2 or stage == 3 and tp > 1) and run_state.UNIVERSAL_ENGINE not in saved:
+        # older conversions keep DeepSpeed's ZeRO-3 files: flat tensors, without ZeRO-2's model-states names
+        raise ValueError(f"{tag_dir} was converted before ds_to_universal.py wrote universal checkpoints that "
+                         f"ZeRO-2 runs and ZeRO-3 runs at TP > 1 read; convert its source checkpoint again "
+                         f"(--target-engine model), or load it at --zero-stage 3 --tensor-model-parallel-size 1")
     engine, wanted = run_state.universal_engine(saved), "model" if rc.sharded_data_parallel else "pipeline"
     if engine != wanted:
         runs = {"model": "ZeRO-2 / ZeRO-3 runs", "pipeline": "--zero-stage 0 / 1 runs"}
@@ -298,7 +295,9 @@ def _resume(rc: RunConfig, engine, lr_scheduler, tracker, point: Optional[tuple[
     own_groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
     # DeepSpeed's universal-checkpoint loader reads its files with its own torch.load(weights_only=False),
     # past the safe checkpoint engine: within this, every torch.load of the process is the safe one.
-    with only_safe_loading(DEEPSPEED_GLOBALS):
+    # ZeRO-3 at TP > 1 (megatron.engine.sharded) has its loader cut the universal tensors to TP slices
+    tp_restore = getattr(engine, "universal_tp_restore", None) if ck.universal_checkpoint else None
+    with only_safe_loading(DEEPSPEED_GLOBALS), (tp_restore() if tp_restore else contextlib.nullcontext()):
         client = training_io.load_checkpoint(engine, ck.load, tag,
                                              load_optimizer_states=not (ck.no_load_optim or ck.finetune))
     if ck.universal_checkpoint:

@@ -13,6 +13,7 @@ GPTModel's names serves both stages).
 Tiny model (hidden 32, 2 layers, seq 16): one 4-process and one 8-process launch, then one 4-process.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -72,7 +73,7 @@ def _to_universal(ckpt, engine, out_root):
 def reshaped(tiny_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("uni")
     d = {name: str(root / name) for name in ("z3", "z2", "d3", "z3_for_3d", "z2_for_3d", "d3_for_z3", "z3_loaded",
-                                             "d3_loaded")}
+                                             "d3_loaded", "z3_for_model")}
     z3, z2 = run_distributed(_train, world_size=4, timeout=600, args=(
         [_argv(tiny_corpus, *ZERO3, save=d["z3"], save_interval=5),
          _argv(tiny_corpus, *ZERO2, save=d["z2"], save_interval=5)],))[0]
@@ -85,13 +86,21 @@ def reshaped(tiny_corpus, tmp_path_factory):
          _argv(tiny_corpus, *THREE_D, **from_z3, train_iters=5, save=d["d3_loaded"], save_interval=100),
          _argv(tiny_corpus, *THREE_D, load=d["z2_for_3d"], universal_checkpoint=True)],))[-1]
     _to_universal(d["d3"], "model", d["d3_for_z3"])
+    _to_universal(d["z3"], "model", d["z3_for_model"])  # the saving run's own engine, for ZeRO-2 and 3 at any TP
     from_d3 = dict(load=d["d3_for_z3"], universal_checkpoint=True)
-    z3_resumed, z3_loaded, z2_from_d3 = run_distributed(_train, world_size=4, timeout=600, args=(
-        [_argv(tiny_corpus, *ZERO3, **from_d3),
-         _argv(tiny_corpus, *ZERO3, **from_d3, train_iters=5, save=d["z3_loaded"], save_interval=100),
-         _argv(tiny_corpus, *ZERO2, **from_d3)],))[0]
+    from_z3 = dict(load=d["z3_for_model"], universal_checkpoint=True)
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    z3_resumed, z3_loaded, z2_from_d3, z3_tp2_from_d3, z2_from_z3, z3_tp2_from_z3 = run_distributed(
+        _train, world_size=4, timeout=600, args=(
+            [_argv(tiny_corpus, *ZERO3, **from_d3),
+             _argv(tiny_corpus, *ZERO3, **from_d3, train_iters=5, save=d["z3_loaded"], save_interval=100),
+             _argv(tiny_corpus, *ZERO2, **from_d3),
+             _argv(tiny_corpus, *ZERO3, *tp2, **from_d3),
+             _argv(tiny_corpus, *ZERO2, **from_z3),
+             _argv(tiny_corpus, *ZERO3, *tp2, **from_z3)],))[0]
     runs = dict(z3=z3, z2=z2, d3=d3, d3_resumed=d3_resumed, d3_loaded=d3_loaded, d3_from_z2=d3_from_z2,
-                z3_resumed=z3_resumed, z3_loaded=z3_loaded, z2_from_d3=z2_from_d3)
+                z3_resumed=z3_resumed, z3_loaded=z3_loaded, z2_from_d3=z2_from_d3, z3_tp2_from_d3=z3_tp2_from_d3,
+                z2_from_z3=z2_from_z3, z3_tp2_from_z3=z3_tp2_from_z3)
     return runs, d
 
 
@@ -116,6 +125,9 @@ def test_3d_checkpoint_continues_on_zero3(reshaped):
     assert runs["z3_resumed"]["iterations"] == list(range(6, 11))
     _assert_close(runs["d3"]["losses"][5:], runs["z3_resumed"]["losses"], "3D -> ZeRO-3 vs 3D continuing")
     _assert_close(runs["z3"]["losses"][5:], runs["z3_resumed"]["losses"], "3D -> ZeRO-3 vs ZeRO-3 straight")
+    # at TP = 2 x DP = 2 too: the loader cuts the TP slices (megatron.engine.sharded.universal_tp_restore)
+    assert runs["z3_tp2_from_d3"]["iterations"] == list(range(6, 11))
+    _assert_close(runs["d3"]["losses"][5:], runs["z3_tp2_from_d3"]["losses"], "3D -> ZeRO-3 TP=2 vs 3D continuing")
 
 
 @pytest.mark.multiprocess
@@ -126,6 +138,16 @@ def test_zero2_checkpoint_continues_on_3d_and_3d_on_zero2(reshaped):
     _assert_close(runs["d3"]["losses"][5:], runs["d3_from_z2"]["losses"], "ZeRO-2 -> 3D vs 3D straight")
     _assert_close(runs["d3"]["losses"][5:], runs["z2_from_d3"]["losses"], "3D -> ZeRO-2 vs 3D continuing")
     _assert_close(runs["z2"]["losses"][5:], runs["z2_from_d3"]["losses"], "3D -> ZeRO-2 vs ZeRO-2 straight")
+
+
+@pytest.mark.multiprocess
+def test_zero3_tp1_checkpoint_continues_on_zero2_and_zero3_at_tp2(reshaped):
+    """ZeRO-3 at TP = 1 stores flat tensors; converted for its own engine they are rewritten full-shaped, so
+    ZeRO-2 and ZeRO-3 runs at TP = 2 x DP = 2 take their TP slices."""
+    runs, _ = reshaped
+    for label in ("z2_from_z3", "z3_tp2_from_z3"):
+        assert runs[label]["iterations"] == list(range(6, 11)), label
+        _assert_close(runs["z3"]["losses"][5:], runs[label]["losses"], f"{label} vs ZeRO-3 continuing")
 
 
 @pytest.mark.multiprocess
@@ -154,7 +176,7 @@ def test_loading_gives_the_saved_weights_and_optimizer_step(reshaped):
 
 
 @pytest.mark.multiprocess
-def test_a_universal_checkpoint_for_the_other_engine_is_refused_by_name(reshaped, tiny_corpus):
+def test_a_universal_checkpoint_for_the_other_engine_is_refused_by_name(reshaped, tiny_corpus, tmp_path):
     from megatron.arguments import run_config_from_argv
     from megatron.training.pretrain import resume_point
 
@@ -163,13 +185,25 @@ def test_a_universal_checkpoint_for_the_other_engine_is_refused_by_name(reshaped
               "--target-engine model"),
              (_argv(tiny_corpus, *THREE_D, load=d["d3_for_z3"], universal_checkpoint=True), 8,
               "--target-engine pipeline"),
-             (_argv(tiny_corpus, *ZERO3, "--tensor-model-parallel-size", "2", load=d["d3_for_z3"],
-                    universal_checkpoint=True), 4, "--tensor-model-parallel-size 1 only"),
              (_argv(tiny_corpus, *ZERO2, load=d["z2_for_3d"], universal_checkpoint=True), 4,
               "--target-engine model")]
     for argv, world_size, expected in cases:
         with pytest.raises(ValueError, match=expected):
             resume_point(run_config_from_argv(argv, world_size=world_size))
+    # converted before the record of its engine existed: DeepSpeed's own ZeRO-3 files, read at TP = 1 only
+    old = tmp_path / "old"
+    shutil.copytree(d["d3_for_z3"], old)
+    record_path = old / "global_step5_universal" / "run_state.json"
+    record = json.loads(record_path.read_text())
+    del record["universal_engine"]
+    record["parallel"]["zero_stage"] = 3
+    record_path.write_text(json.dumps(record))
+    for extra in (ZERO2, ZERO3 + ["--tensor-model-parallel-size", "2"]):
+        with pytest.raises(ValueError, match="convert its source checkpoint again"):
+            resume_point(run_config_from_argv(_argv(tiny_corpus, *extra, load=str(old), universal_checkpoint=True),
+                                              world_size=4))
+    assert resume_point(run_config_from_argv(_argv(tiny_corpus, *ZERO3, load=str(old), universal_checkpoint=True),
+                                             world_size=4))[0] == "global_step5_universal"
 
 
 @pytest.mark.multiprocess
@@ -180,8 +214,6 @@ def test_retargeted_files_carry_checksums_and_load_safely(reshaped, tmp_path):
     from megatron.checkpoint.run_state import load_run_state, model_config_from_dict
     from megatron.checkpoint.tags import CheckpointFormatError
     from megatron.checkpoint.universal_engines import folder_names, retarget
-
-    import json
 
     _, d = reshaped
     for out_root, engine in ((d["z3_for_3d"], "pipeline"), (d["d3_for_z3"], "model")):
@@ -218,3 +250,33 @@ def test_retargeted_files_carry_checksums_and_load_safely(reshaped, tmp_path):
         with pytest.raises(CheckpointFormatError, match=match):
             retarget(str(spoilt[name]), config, "model", "pipeline")
     assert not marker.exists()
+
+
+LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96",
+         "--position-embedding-type", "rope")
+
+
+@pytest.mark.multiprocess
+def test_llama_untied_head_moves_between_zero3_and_3d(tiny_corpus, tmp_path):
+    """Llama-style (untied output_layer.weight, grouped-query QKV, SwiGLU, RMSNorm): ZeRO-3 -> 3D and 3D -> ZeRO-3
+    continue within 1e-5 of the target layout's straight run."""
+    d = {name: str(tmp_path / name) for name in ("z3", "d3", "z3_for_3d", "d3_for_z3")}
+
+    def argv(*extra, **flags):
+        return _argv(tiny_corpus, *LLAMA, *extra, hidden_size=64, embed_layernorm=False, **flags)
+
+    z3, = run_distributed(_train, world_size=4, timeout=600, args=([argv(*ZERO3, save=d["z3"], save_interval=5)],))[0]
+    _to_universal(d["z3"], "pipeline", d["z3_for_3d"])
+    d3, d3_resumed = run_distributed(_train, world_size=8, timeout=900, args=(
+        [argv(*THREE_D, save=d["d3"], save_interval=5),
+         argv(*THREE_D, load=d["z3_for_3d"], universal_checkpoint=True)],))[-1]
+    _to_universal(d["d3"], "model", d["d3_for_z3"])
+    z3_resumed, = run_distributed(_train, world_size=4, timeout=600, args=(
+        [argv(*ZERO3, load=d["d3_for_z3"], universal_checkpoint=True)],))[0]
+    assert "output_layer.weight" in os.listdir(os.path.join(d["d3_for_z3"], "global_step5_universal", "zero"))
+    assert d3_resumed["iterations"] == list(range(6, 11)) == z3_resumed["iterations"]
+    _assert_close(d3["losses"][5:], d3_resumed["losses"], "Llama ZeRO-3 -> 3D vs 3D straight")
+    _assert_close(z3["losses"][5:], d3_resumed["losses"], "Llama ZeRO-3 -> 3D vs ZeRO-3 continuing")
+    _assert_close(z3["losses"][5:], z3_resumed["losses"], "Llama 3D -> ZeRO-3 vs ZeRO-3 straight")
+    _assert_close(d3["losses"][5:], z3_resumed["losses"], "Llama 3D -> ZeRO-3 vs 3D continuing")

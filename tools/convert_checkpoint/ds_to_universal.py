@@ -6,8 +6,8 @@
     pretrain_gpt.py ... --load CKPT --universal-checkpoint     # any new layout
 
 ``--target-engine`` names the DeepSpeed engine of the run that will load it: ``pipeline`` for
-``--zero-stage`` 0 / 1 (any TP, PP, DP), ``model`` for ``--zero-stage 2`` (PP = 1, any TP and DP) and
-``--zero-stage 3`` (PP = 1, TP = 1, any DP); by default the engine of the run that saved it. For the other
+``--zero-stage`` 0 / 1 (any TP, PP, DP), ``model`` for ``--zero-stage 2`` and ``3`` (PP = 1, any TP and
+DP); by default the engine of the run that saved it. For the other
 engine the parameter folders are renamed and their files rewritten for its loader
 (``megatron.checkpoint.universal_engines``).
 
