@@ -244,6 +244,17 @@ def test_retargeted_files_carry_checksums_and_load_safely(reshaped, tmp_path):
 
     target = spoilt["crafted"] / "zero" / "layers.0.self_attention.dense.weight" / "exp_avg.pt"
     torch.save({"param": torch.load(target, weights_only=False), "extra": Payload()}, target)
+    # a ZeRO-3 run saved before its weight-decay groups were mended has one parameter group: ZeRO-1's loader
+    # sets Adam's step only in groups the record lists, so the record for it lists the target's two
+    one_group = tmp_path / "one_group"
+    shutil.copytree(native, one_group)
+    state_path = one_group / "zero" / "optimizer_state.pt"
+    state = torch.load(state_path, weights_only=False)
+    state["param_groups"] = state["param_groups"][:1]
+    torch.save(state, state_path)
+    assert retarget(str(one_group), config, "model", "pipeline") == len(folder_names(config, "pipeline"))
+    groups = torch.load(state_path, weights_only=False)["param_groups"]
+    assert len(groups) == 2 and groups[0]["name"] == groups[1]["name"] == "decay", groups
     for name, match in (("unknown", r"not in the model: \['final_norm.weight'\]"),
                         ("missing", r"missing: \['layers.1.mlp.dense_4h_to_h.weight'\]"),
                         ("crafted", "layers.0.self_attention.dense.weight/exp_avg.pt")):

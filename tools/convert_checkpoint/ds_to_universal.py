@@ -7,9 +7,10 @@
 
 ``--target-engine`` names the DeepSpeed engine of the run that will load it: ``pipeline`` for
 ``--zero-stage`` 0 / 1 (any TP, PP, DP), ``model`` for ``--zero-stage 2`` and ``3`` (PP = 1, any TP and
-DP); by default the engine of the run that saved it. For the other
-engine the parameter folders are renamed and their files rewritten for its loader
-(``megatron.checkpoint.universal_engines``).
+DP); by default the engine of the run that saved it. Except from the pipeline engine to itself, the
+parameter folders are renamed and their files rewritten for the target's loaders
+(``megatron.checkpoint.universal_engines``), and ``run_state.json`` records the target
+(``universal_engine``), which ``--load`` checks.
 
 Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), which writes
 ``CKPT/latest_universal``. Around it, this wrapper
@@ -17,7 +18,7 @@ Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), whic
   - runs the converter with every ``torch.load`` made safe (``megatron.checkpoint.safe_load.
     only_safe_loading``: DeepSpeed's own calls unpickle anything), so a crafted pickle in any input
     file is refused, naming the file, and its code never runs;
-  - records the checksums of every output file, copies our ``run_state.json`` and marks the output
+  - records the checksums of every output file (after the renaming), writes our ``run_state.json`` and marks the output
     ``complete`` last (our loader refuses tags without it), so a crashed conversion is never loaded
     and a damaged one is named when loaded.
 ZeRO-2 and ZeRO-3 checkpoints convert too, for ZeRO-2 / ZeRO-3 runs or (``--target-engine pipeline``) a
