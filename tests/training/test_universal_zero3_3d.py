@@ -9,8 +9,11 @@ the source's own iterations 6-10 (the run continuing) and the target layout's st
 layouts train alike, test_zero_sharding.py / test_equivalence.py). A run that loads and saves at once
 saves exactly the weights the source saved (merged to TP = 1 by megatron.checkpoint.merge). ZeRO-2 at
 TP=2 x DP=2 the same way: to 3D, and from the 3D checkpoint converted for ZeRO-3 (one conversion in
-GPTModel's names serves both stages).
-Tiny model (hidden 32, 2 layers, seq 16): one 4-process and one 8-process launch, then one 4-process.
+GPTModel's names serves both stages), which ZeRO-3 at TP=2 x DP=2 loads too; a Llama-style model
+(untied head) both ways between ZeRO-3 and 3D. Wrong-engine and stale conversions are refused by name,
+the renamed files carry checksums, a crafted or incomplete folder is refused.
+Tiny model (hidden 32, 2 layers, seq 16): one 4-process and one 8-process launch, then one 4-process
+(and three more for the Llama case); about 2 minutes on 2 cores.
 """
 
 import json
