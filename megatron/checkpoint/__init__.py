@@ -8,6 +8,7 @@
     lock          ``SAVE/.lock``: one run writes into a --save folder
     merge         any TP / PP -> full TP=1 GPTModel weights, and back to a training checkpoint
     universal     the parameter patterns DeepSpeed's ``ds_to_universal`` needs (imports deepspeed's key names)
+    universal_engines  a converted universal checkpoint renamed and rewritten for the other DeepSpeed engine
     hf_bloom      full weights and configs <-> transformers' Bloom (names only, no transformers import)
     hf_export     full weights <-> transformers model directories: Bloom, GPT-2, GPT-NeoX; tokenizers
 

@@ -26,7 +26,7 @@ from megatron.config.model import swiglu_default_ffn_size
 from megatron.model.layout import LAYOUT, LEGACY_LAYOUT
 
 __all__ = ["build_run_state", "checkpoint_layout", "record_from_megatron_args", "megatron_args", "MEGATRON_CHECKPOINT_VERSION", "load_run_state", "model_config_from_dict", "check_model_config",
-           "ARCHITECTURE_FIELDS", "converted_client_state", "converted_run_state"]
+           "ARCHITECTURE_FIELDS", "converted_client_state", "converted_run_state", "UNIVERSAL_ENGINE", "universal_engine"]
 
 
 def _record(model: dict, parallel: dict, tokenizer: dict, progress: dict, seq_length: int) -> dict:
@@ -79,6 +79,17 @@ def megatron_args(rc: RunConfig, progress: dict[str, int]) -> argparse.Namespace
                 iteration=progress["iteration"], consumed_train_samples=progress["consumed_samples"],
                 consumed_train_tokens=progress["consumed_tokens"], deepspeed=True)
     return argparse.Namespace(**args)
+
+
+UNIVERSAL_ENGINE = "universal_engine"  # set by ds_to_universal.py: the engine whose names the zero/ folders use
+
+
+def universal_engine(record: dict) -> str:
+    """The DeepSpeed engine a universal checkpoint's parameter folders are named for: "pipeline" (ZeRO-0/1)
+    or "model" (GPTModel's names, ZeRO-2/3); conversions before the record existed kept the saving run's."""
+    if UNIVERSAL_ENGINE in record:
+        return record[UNIVERSAL_ENGINE]
+    return "model" if record.get("parallel", {}).get("zero_stage", 0) >= 2 else "pipeline"
 
 
 def checkpoint_layout(record: dict) -> str:

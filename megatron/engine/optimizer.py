@@ -31,7 +31,9 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     for name, param in module.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
+        # ZeRO-3 holds a partitioned parameter as an empty 1-D placeholder: its own shape is ds_shape
+        ndim = len(getattr(param, "ds_shape", param.shape))
+        (no_decay if ndim == 1 or name.endswith(".bias") else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     return [g for g in groups if g["params"]]

@@ -238,6 +238,36 @@ class ShardedEngine:
             total += loss.detach().float()
         return self._mean_over_data_parallel(total, steps)
 
+    @contextlib.contextmanager
+    def universal_tp_restore(self) -> Iterator[None]:
+        """Within: DeepSpeed's ZeRO-3 universal loader cuts each full tensor to this rank's TP slice before
+        partitioning it over DP (by itself it partitions the full tensor over DP only, and fails at TP > 1).
+        It does so for parameters carrying AutoTP's restore record (``ds_autotp_uc_meta``: the split dim and
+        full shape, or replicated) with DeepSpeed's tensor-parallel group set; both are given for the load only."""
+        tp = self.state.tp_size
+        if tp == 1 or self.engine.zero_optimization_stage() != 3:
+            yield
+            return
+        from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+        from deepspeed.utils import groups
+
+        params = list(self.engine.module.parameters())
+        for param in params:
+            shape = list(param.ds_shape)  # this TP rank's slice
+            if getattr(param, "tensor_model_parallel", False):
+                shape[param.partition_dim] *= tp
+                setattr(param, DS_AUTOTP_UC_META, {"partition_dim": param.partition_dim, "logical_shape": tuple(shape)})
+            else:
+                setattr(param, DS_AUTOTP_UC_META, {"replicated": True})
+        saved = groups._TENSOR_MODEL_PARALLEL_GROUP
+        groups._TENSOR_MODEL_PARALLEL_GROUP = self.mpu.get_tensor_model_parallel_group()
+        try:
+            yield
+        finally:
+            groups._TENSOR_MODEL_PARALLEL_GROUP = saved
+            for param in params:
+                delattr(param, DS_AUTOTP_UC_META)
+
     def eval_batch(self, data_iter: Iterator) -> torch.Tensor:
         steps = self.engine.gradient_accumulation_steps()
         total = torch.zeros((), device=self.engine.device)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -206,15 +207,27 @@ def resume_point(rc: RunConfig, tag: Optional[str] = None) -> Optional[tuple[str
                          f"weights with a new schedule")
     if not ck.universal_checkpoint:
         _check_same_layout(rc, os.path.join(ck.load, tag), saved.get("parallel", {}))
-    elif (saved.get("parallel", {}).get("zero_stage", 0) >= 2) != rc.sharded_data_parallel:
-        # the universal files are named after the engine's parameters: GPTModel's under ZeRO-2/3, the
-        # pipeline module's otherwise
-        was = "the pipeline engine" if rc.sharded_data_parallel else f"ZeRO-{saved['parallel']['zero_stage']}"
-        raise ValueError(f"{os.path.join(ck.load, tag)} is a universal checkpoint of a run on {was}; it loads into "
-                         f"runs of the same kind only (any TP and DP): "
-                         + ("add --zero-stage 3 --pipeline-model-parallel-size 1" if not rc.sharded_data_parallel
-                            else "use --zero-stage 0 or 1") + ". Between ZeRO-3 and 3D layouts is not supported yet")
+    else:
+        _check_universal_engine(rc, os.path.join(ck.load, tag), saved)
     return tag, saved
+
+
+def _check_universal_engine(rc: RunConfig, tag_dir: str, saved: dict) -> None:
+    """A universal checkpoint's parameter folders are named for one DeepSpeed engine (ds_to_universal.py
+    --target-engine): the pipeline engine's for ZeRO-0/1 runs, GPTModel's for ZeRO-2/3 runs."""
+    stage, tp = rc.deepspeed_zero_stage, rc.parallel.tensor_model_parallel_size
+    if (stage == 2 or stage == 3 and tp > 1) and run_state.UNIVERSAL_ENGINE not in saved:
+        # older conversions keep DeepSpeed's ZeRO-3 files: flat tensors, without ZeRO-2's model-states names
+        raise ValueError(f"{tag_dir} was converted before ds_to_universal.py wrote universal checkpoints that "
+                         f"ZeRO-2 runs and ZeRO-3 runs at TP > 1 read; convert its source checkpoint again "
+                         f"(--target-engine model), or load it at --zero-stage 3 --tensor-model-parallel-size 1")
+    engine, wanted = run_state.universal_engine(saved), "model" if rc.sharded_data_parallel else "pipeline"
+    if engine != wanted:
+        runs = {"model": "ZeRO-2 / ZeRO-3 runs", "pipeline": "--zero-stage 0 / 1 runs"}
+        raise ValueError(f"{tag_dir} is a universal checkpoint for the {engine} engine ({runs[engine]}); this run "
+                         f"(--zero-stage {stage}) is on the {wanted} engine. Convert its source checkpoint again "
+                         f"with: python tools/convert_checkpoint/ds_to_universal.py --input_folder SOURCE_TAG "
+                         f"--output_folder NEW_TAG --target-engine {wanted}")
 
 
 def _check_same_layout(rc: RunConfig, tag_dir: str, recorded: dict) -> None:
@@ -267,6 +280,19 @@ def intact_resume_point(rc: RunConfig, point: Optional[tuple[str, dict]]) -> Opt
                      + "; ".join(problems))
 
 
+def _mend_universal_optimizer(optimizer, own_groups: list[dict]) -> None:
+    """Undo two things DeepSpeed 0.19.8's universal loaders get wrong with more than one parameter group:
+    ZeRO-3's gives every group the first group's hyperparameters (weight decay on the biases and norms),
+    and hands every group one and the same step tensor, which Adam then counts up once per group per
+    step. The groups keep this run's hyperparameters (the learning rate is the scheduler's) and a step each."""
+    for group, own in zip(optimizer.param_groups, own_groups, strict=True):
+        group.update(own)
+    inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside DeepSpeed's ZeRO wrapper
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
 def _resume(rc: RunConfig, engine, lr_scheduler, tracker, point: Optional[tuple[str, dict]]) -> Progress:
     ck = rc.checkpoint
     if point is None:
@@ -274,11 +300,18 @@ def _resume(rc: RunConfig, engine, lr_scheduler, tracker, point: Optional[tuple[
             print_rank_0(f"no checkpoint in {ck.load} yet: starting from scratch")
         return Progress()
     tag, _ = point
+    # DeepSpeed's universal loaders set every parameter group's hyperparameters from the checkpoint's (ZeRO-3
+    # all from its first group); this run's flags say them (the learning rate is the scheduler's)
+    own_groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
     # DeepSpeed's universal-checkpoint loader reads its files with its own torch.load(weights_only=False),
     # past the safe checkpoint engine: within this, every torch.load of the process is the safe one.
-    with only_safe_loading(DEEPSPEED_GLOBALS):
+    # ZeRO-3 at TP > 1 (megatron.engine.sharded) has its loader cut the universal tensors to TP slices
+    tp_restore = getattr(engine, "universal_tp_restore", None) if ck.universal_checkpoint else None
+    with only_safe_loading(DEEPSPEED_GLOBALS), (tp_restore() if tp_restore else contextlib.nullcontext()):
         client = training_io.load_checkpoint(engine, ck.load, tag,
                                              load_optimizer_states=not (ck.no_load_optim or ck.finetune))
+    if ck.universal_checkpoint:
+        _mend_universal_optimizer(engine.optimizer, own_groups)
     check_finite_after_load(engine, rc.model, os.path.join(ck.load, tag))
     if ck.finetune:
         print_rank_0(f"loaded the weights of {os.path.join(ck.load, tag)} (--finetune: iteration 0, new schedule)")

@@ -219,7 +219,8 @@ def test_a_crafted_zero3_file_is_refused_by_name(runs, tmp_path):
 @pytest.mark.multiprocess
 def test_a_zero3_checkpoint_reshapes_through_a_universal_checkpoint(runs, tiny_corpus, tmp_path):
     """ZeRO-3 at TP=2 x DP=2, converted by ds_to_universal.py, resumes at TP=1 x DP=4 exactly on the straight
-    run's losses; a 3D run refuses it by name."""
+    run's losses; a ZeRO-1 run refuses it by name, naming the conversion for it, and resumes from that
+    (--target-engine pipeline) on the same losses (more in test_universal_zero3_3d.py)."""
     import os
     import subprocess
     import sys
@@ -241,4 +242,16 @@ def test_a_zero3_checkpoint_reshapes_through_a_universal_checkpoint(runs, tiny_c
             assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank}: iteration {i + 6} loss {b} vs {a} straight"
     error = run_distributed(pretrain_error, world_size=4, timeout=300, args=(
         _layout(argv, "--zero-stage", 1, "--load", saves["zero3"], "--universal-checkpoint"),))[0]
-    assert error and "universal checkpoint of a run on ZeRO-3" in error and "--zero-stage 3" in error, error
+    assert error and "universal checkpoint for the model engine" in error and "--target-engine pipeline" in error, error
+    # converted for the pipeline engine, the TP=2 slices (merged by DeepSpeed, not flat as at TP=1) resume there
+    for_pipeline = os.path.join(str(tmp_path), "for_pipeline")
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_checkpoint/ds_to_universal.py"),
+                           "--input_folder", os.path.join(saves["zero3"], "global_step5"),
+                           "--output_folder", os.path.join(for_pipeline, "global_step5_universal"),
+                           "--target-engine", "pipeline"],
+                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,), = run_distributed(_train, world_size=1, timeout=300, args=(
+        [_layout(argv, "--zero-stage", 1, "--load", for_pipeline, "--universal-checkpoint")],))
+    for i, (a, b) in enumerate(zip(straight["losses"][5:], run["losses"])):
+        assert abs(a - b) <= 1e-5 * abs(a), f"ZeRO-3 TP=2 -> (1,1,1) ZeRO-1: iteration {i + 6} loss {b} vs {a} straight"

@@ -2,8 +2,15 @@
 """Convert a DeepSpeed checkpoint tag into a universal checkpoint, loadable on any TP, PP and DP.
 
     tools/convert_checkpoint/ds_to_universal.py --input_folder CKPT/global_stepN \\
-        --output_folder CKPT/global_stepN_universal
+        --output_folder CKPT/global_stepN_universal [--target-engine pipeline|model]
     pretrain_gpt.py ... --load CKPT --universal-checkpoint     # any new layout
+
+``--target-engine`` names the DeepSpeed engine of the run that will load it: ``pipeline`` for
+``--zero-stage`` 0 / 1 (any TP, PP, DP), ``model`` for ``--zero-stage 2`` and ``3`` (PP = 1, any TP and
+DP); by default the engine of the run that saved it. Except from the pipeline engine to itself, the
+parameter folders are renamed and their files rewritten for the target's loaders
+(``megatron.checkpoint.universal_engines``), and ``run_state.json`` records the target
+(``universal_engine``), which ``--load`` checks.
 
 Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), which writes
 ``CKPT/latest_universal``. Around it, this wrapper
@@ -11,17 +18,17 @@ Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), whic
   - runs the converter with every ``torch.load`` made safe (``megatron.checkpoint.safe_load.
     only_safe_loading``: DeepSpeed's own calls unpickle anything), so a crafted pickle in any input
     file is refused, naming the file, and its code never runs;
-  - records the checksums of every output file, copies our ``run_state.json`` and marks the output
+  - records the checksums of every output file (after the renaming), writes our ``run_state.json`` and marks the output
     ``complete`` last (our loader refuses tags without it), so a crashed conversion is never loaded
     and a damaged one is named when loaded.
-A ZeRO-3 checkpoint converts too, and loads into a ZeRO-3 run of any TP and DP (not yet into a 3D
-one, nor a 3D one into ZeRO-3; a ZeRO-2 checkpoint is refused).
-Options other than the two folders are passed through to DeepSpeed's converter.
+ZeRO-2 and ZeRO-3 checkpoints convert too, for ZeRO-2 / ZeRO-3 runs or (``--target-engine pipeline``) a
+3D one; a 3D checkpoint converts for them with ``--target-engine model``.
+Options other than the two folders and ``--target-engine`` are passed through to DeepSpeed's converter.
 """
 
 import argparse
+import json
 import os
-import shutil
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -31,33 +38,39 @@ def main(argv=None) -> int:
     from deepspeed.checkpoint import ds_to_universal as converter
 
     from megatron.checkpoint.integrity import record_checksums, verify_checksums
-    from megatron.checkpoint.run_state import load_run_state
+    from megatron.checkpoint.run_state import UNIVERSAL_ENGINE, load_run_state, model_config_from_dict
     from megatron.checkpoint.safe_load import only_safe_loading
-    from megatron.checkpoint.tags import COMPLETE_MARKER, RUN_STATE, write_complete_marker
+    from megatron.checkpoint.tags import COMPLETE_MARKER, RUN_STATE, write_atomically, write_complete_marker
+    from megatron.checkpoint.universal_engines import ENGINES, retarget
     from megatron.engine.checkpoint_engine import DEEPSPEED_GLOBALS
 
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--input_folder", required=True)
     ours.add_argument("--output_folder", required=True)
-    known, _ = ours.parse_known_args(argv)
+    ours.add_argument("--target-engine", choices=ENGINES, default=None)
+    known, rest = ours.parse_known_args(sys.argv[1:] if argv is None else argv)
     if not os.path.isfile(os.path.join(known.input_folder, COMPLETE_MARKER)):
         raise SystemExit(f"{known.input_folder} has no '{COMPLETE_MARKER}' marker: it is not a finished checkpoint "
                          f"(was the save interrupted?); convert a complete one")
     tag_dir = os.path.normpath(known.input_folder)
-    stage = load_run_state(os.path.dirname(tag_dir), os.path.basename(tag_dir)).get("parallel", {}).get("zero_stage", 0)
-    if stage == 2:
-        raise SystemExit(f"{known.input_folder} was saved with --zero-stage 2; converting a ZeRO-2 checkpoint to a "
-                         f"universal one is not supported yet (ZeRO-3's is). Its weights export "
-                         f"(tools/convert_checkpoint/to_hf.py) and it resumes at its own TP and DP")
+    record = load_run_state(os.path.dirname(tag_dir), os.path.basename(tag_dir))
+    stage = record.get("parallel", {}).get("zero_stage", 0)
+    source = "model" if stage >= 2 else "pipeline"  # the engine that saved it (megatron.engine.sharded: 2 and 3)
+    target = known.target_engine or source
     problems = verify_checksums(known.input_folder, distributed=False)
     if problems:
         raise SystemExit(f"{known.input_folder} is damaged: " + "; ".join(problems)
                          + "; convert an intact checkpoint (an earlier global_step*)")
-    args = converter.parse_arguments() if argv is None else _parse_with(converter, argv)
+    args = _parse_with(converter, ["--input_folder", known.input_folder, "--output_folder", known.output_folder]
+                       + rest)
     with only_safe_loading(DEEPSPEED_GLOBALS):
         converter.main(args)
+    renamed = retarget(known.output_folder, model_config_from_dict(record["model_config"]), source, target)
+    if renamed:
+        print(f"{renamed} parameters renamed for the {target} engine")
     record_checksums(known.output_folder, distributed=False)
-    shutil.copyfile(os.path.join(known.input_folder, RUN_STATE), os.path.join(known.output_folder, RUN_STATE))
+    record[UNIVERSAL_ENGINE] = target
+    write_atomically(os.path.join(known.output_folder, RUN_STATE), json.dumps(record, indent=1, sort_keys=True))
     write_complete_marker(known.output_folder, os.path.basename(os.path.normpath(known.input_folder)))
     print(f"universal checkpoint written to {known.output_folder}")
     return 0
