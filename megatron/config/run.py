@@ -490,9 +490,6 @@ class RunConfig:
                              f"--checkpoint-activations alone recomputes the layers")
         if self.fp16:
             raise ValueError(f"--fp16 with {flag} is not supported here (not testable on CPU); use --bf16 or fp32")
-        if self.checkpoint.universal_checkpoint:
-            raise ValueError(f"--universal-checkpoint does not load into a run with {flag} yet; resume from a "
-                             f"regular checkpoint of the same layout, or convert without sequence parallelism")
         if self.training.torch_compile:
             raise ValueError(f"--torch-compile with {flag} is not tested here; drop one of them")
 

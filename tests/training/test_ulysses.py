@@ -108,6 +108,47 @@ def test_ulysses_resume_is_exact(runs):
         assert first["grad_norms"] + resumed["grad_norms"] == straight["grad_norms"], rank
 
 
+@pytest.mark.multiprocess
+def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus, tmp_path):
+    """The SP ranks hold the same weights: an SP=2 ZeRO-1 checkpoint, converted at iteration 5 by
+    ds_to_universal.py (for the non-pipeline engine, which Ulysses runs on, and with --target-engine pipeline),
+    continues at SP=4, at SP=2 x DP=2, at SP=1 x DP=4 under ZeRO-2 and in 3D (TP=2 x PP=2), each within 1e-5
+    of the straight SP=2 run."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    argv = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1)
+    save = str(tmp_path / "sp2")
+    straight, _ = run_distributed(_train, world_size=2, timeout=600, args=(
+        [_layout(argv, *SP2), _layout(argv, *SP2, "--save", save, "--save-interval", 100, "--exit-interval", 5)],))[0]
+
+    def convert(name, *flags):
+        proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_checkpoint/ds_to_universal.py"),
+                               "--input_folder", os.path.join(save, "global_step5"), "--output_folder",
+                               os.path.join(save, name), *flags],
+                              capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+        assert proc.returncode == 0, proc.stderr[-3000:]  # it points latest_universal at its output
+
+    def resume(runs):
+        per_rank = run_distributed(_train, world_size=4, timeout=600, args=(
+            [_layout(a, "--load", save, "--universal-checkpoint") for a in runs.values()],))
+        for rank, results in enumerate(per_rank):
+            for label, run in zip(runs, results):
+                assert run["iterations"] == list(range(6, 11)), (label, run["iterations"])
+                for i, (a, b) in enumerate(zip(straight["losses"][5:], run["losses"])):
+                    assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank} {label}: iteration {i + 6} loss {b} vs {a}"
+
+    convert("global_step5_universal")
+    resume({"sp4": _layout(argv, *SP4), "sp2 dp2": _layout(argv, *SP2),
+            "sp1 dp4 zero2": tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=2)})
+    convert("global_step5_universal_pipeline", "--target-engine", "pipeline")
+    resume({"3d tp2 pp2": tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1, tensor_model_parallel_size=2,
+                                    pipeline_model_parallel_size=2)})
+
+
 def _refused(tiny_corpus, *flags, world_size):
     from megatron.arguments import run_config_from_argv
 

@@ -54,8 +54,10 @@ def main(argv=None) -> int:
                          f"(was the save interrupted?); convert a complete one")
     tag_dir = os.path.normpath(known.input_folder)
     record = load_run_state(os.path.dirname(tag_dir), os.path.basename(tag_dir))
-    stage = record.get("parallel", {}).get("zero_stage", 0)
-    source = "model" if stage >= 2 else "pipeline"  # the engine that saved it (megatron.engine.sharded: 2 and 3)
+    parallel = record.get("parallel", {})
+    # the engine that saved it: megatron.engine.sharded for ZeRO-2/3 and for any DeepSpeed-Ulysses run
+    sharded = parallel.get("zero_stage", 0) >= 2 or parallel.get("ds_sequence_parallel_size", 1) > 1
+    source = "model" if sharded else "pipeline"
     target = known.target_engine or source
     problems = verify_checksums(known.input_folder, distributed=False)
     if problems:
