@@ -27,10 +27,11 @@ ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``)
                         output projection: the replay stops before it); the tied word embedding is fetched
                         twice in forward (its module, then the output head) and not in backward
                       after the step: each persistent parameter alone, ceil(n / d) of it
-  hpz all_gather      --zero-hpz-partition-size K (with reuse distance 0): the backward fetches move to the hpZ
-                      group, gathering the secondary shard, (ceil(n / d) d) / K of each parameter; the forward
-                      stays on the dp group, and the tied embedding is fetched once in forward and once in
-                      backward
+  hpz all_gather      --zero-hpz-partition-size K (with reuse distance 0): only the step's first forward gathers
+                      the primary shards over dp (the update invalidated the secondary copy); every later pass
+                      (each backward, the next micro-batches' forwards: 2 m - 1 passes) gathers the secondary
+                      shard, (ceil(n / d) d) / K of each parameter, in the hpZ group, each module once a pass
+                      (the tied embedding too: its head use is served in backward)
   dp all_reduce       one fp64 squared gradient norm (TP > 1: also over tp), and the fp32 mean loss
 """
 
@@ -147,13 +148,13 @@ def analytic_zero_counts(settings: ZeroSettings, modules: ModuleParams, group_nu
     persistent = [n for n in modules.numels() if n <= settings.param_persistence_threshold]
     if persistent:
         _add(out, "dp", "all_gather_into_tensor", len(persistent), sum(_ceil_div(n, dp) for n in persistent) * param_bytes)
-    for (axis, op), (calls, elements) in _zero3_fetches(settings, modules, dp, recompute).items():
-        _add(out, axis, op, None if calls is None else m * calls, m * elements * param_bytes)
+    for (axis, op), (calls, elements) in _zero3_fetches(settings, modules, dp, recompute, m).items():
+        _add(out, axis, op, calls, elements * param_bytes)
     return out
 
 
-def _zero3_fetches(settings: ZeroSettings, modules: ModuleParams, dp: int, recompute: bool) -> dict:
-    """One micro-batch's parameter fetches: {(axis, "all_gather_into_tensor"): (calls or None, elements)}."""
+def _zero3_fetches(settings: ZeroSettings, modules: ModuleParams, dp: int, recompute: bool, m: int) -> dict:
+    """The parameter fetches of m micro-batches: {(axis, "all_gather_into_tensor"): (calls or None, elements)}."""
     total = sum(modules.numels())
     threshold = settings.param_persistence_threshold
     keep = settings.max_reuse_distance >= 3 * total  # no parameter leaves before its last use in the step
@@ -180,16 +181,19 @@ def _zero3_fetches(settings: ZeroSettings, modules: ModuleParams, dp: int, recom
     forward = passes(everything, dp)
     predicted = settings.prefetch_bucket_size == 0
 
-    def result(calls, elements):
-        return (calls if predicted else None), elements
+    def result(calls, elements, times=m):
+        return (times * calls if predicted else None), times * elements
 
     if keep:
         return {("dp", "all_gather_into_tensor"): result(*forward)}
     tied = [mod for mod in everything if mod[0] == modules.tied_embedding]
     if hpz > 1:
-        # the tied weight's second use (the head) is served in backward, on the hpZ group like the rest
-        backward = passes(everything, hpz)
-        return {("dp", "all_gather_into_tensor"): result(*forward), ("hpz", "all_gather_into_tensor"): result(*backward)}
+        # Only the first forward after the step gathers the primary shard: the update invalidated the secondary
+        # copy. Every later fetch (backward, and the next micro-batches' forward) gathers the secondary one in the
+        # hpZ group, each module once a pass (the tied weight's second use, the head, is served in backward).
+        secondary = passes(everything, hpz)
+        return {("dp", "all_gather_into_tensor"): result(*forward, times=1),
+                ("hpz", "all_gather_into_tensor"): result(*secondary, times=2 * m - 1)}
     head = passes(tied, dp)
     replay = (0, 0)
     if recompute:  # each recomputed layer replays all its modules but the last (the MLP's output projection)

@@ -86,12 +86,16 @@ def test_zero_dp2_measured_equals_analytic(tiny_corpus, tmp_path):
 
 @pytest.mark.multiprocess
 def test_zero3_tp2_and_hpz_measured_equals_analytic(tiny_corpus, tmp_path):
-    """4 ranks: ZeRO-3 TP=2 x DP=2 bf16 (with ZeRO-2 for its TP norms), and hpZ groups of 2 over DP=4."""
+    """4 ranks: ZeRO-3 TP=2 x DP=2 bf16 (with ZeRO-2 for its TP norms), and hpZ groups of 2 over DP=4 with 1 and 2
+    micro-batches per step."""
     base = tiny_argv(tiny_corpus, train_iters=3, lr_warmup_iters=1)
     runs = {"zero3_tp2_bf16": base + ["--zero-stage", "3", "--bf16", "--tensor-model-parallel-size", "2"]
             + _config(tmp_path, "r", RELEASE),
             "zero2_tp2": base + ["--zero-stage", "2", "--tensor-model-parallel-size", "2"],
-            "hpz2_dp4": base + ["--zero-stage", "3", "--zero-hpz-partition-size", "2"] + _config(tmp_path, "h", RELEASE)}
+            "hpz2_dp4": base + ["--zero-stage", "3", "--zero-hpz-partition-size", "2"] + _config(tmp_path, "h", RELEASE),
+            # 2 micro-batches: the second forward gathers the secondary shards too
+            "hpz2_dp4_accumulate": base + ["--zero-stage", "3", "--zero-hpz-partition-size", "2", "--global-batch-size",
+                                           "16"] + _config(tmp_path, "h", RELEASE)}
     results = run_distributed(_run, world_size=4, args=(list(runs.values()),), timeout=600)
     assert any(k.startswith("hpz/") for k in results[0][2]["summary"])  # the secondary gathers were seen
     _check(results, list(runs), runs)
