@@ -60,7 +60,9 @@ def zero_facts(engine, rc) -> Optional[dict]:
     groups = getattr(opt, "fp16_groups", None) if rc.deepspeed_zero_stage == 3 else getattr(opt, "bit16_groups", None)
     if rc.deepspeed_zero_stage < 2 or groups is None:
         return None
-    numel = lambda p: int(getattr(p, "ds_numel", p.numel()))  # noqa: E731 (ZeRO-3 parameters hold no data)
+    def numel(p) -> int:  # a ZeRO-3 parameter holds no data between uses: its full size is ds_numel
+        return int(getattr(p, "ds_numel", p.numel()))
+
     pre, layers, post = [], [], []
     for name, module in engine.module.named_modules():
         if type(module).__name__ == "TransformerLayer":
