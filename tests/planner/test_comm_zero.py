@@ -91,7 +91,7 @@ def test_zero3_tp2_and_hpz_measured_equals_analytic(tiny_corpus, tmp_path):
     base = tiny_argv(tiny_corpus, train_iters=3, lr_warmup_iters=1)
     runs = {"zero3_tp2_bf16": base + ["--zero-stage", "3", "--bf16", "--tensor-model-parallel-size", "2"]
             + _config(tmp_path, "r", RELEASE),
-            "zero2_tp2": base + ["--zero-stage", "2", "--tensor-model-parallel-size", "2"],
+            "zero2_tp2_bf16": base + ["--zero-stage", "2", "--bf16", "--tensor-model-parallel-size", "2"],
             "hpz2_dp4": base + ["--zero-stage", "3", "--zero-hpz-partition-size", "2"] + _config(tmp_path, "h", RELEASE),
             # 2 micro-batches: the second forward gathers the secondary shards too
             "hpz2_dp4_accumulate": base + ["--zero-stage", "3", "--zero-hpz-partition-size", "2", "--global-batch-size",
