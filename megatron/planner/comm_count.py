@@ -120,6 +120,8 @@ class CollectiveRecorder:
         self.layout = layout
         self.records: list[CallRecord] = []
         self.active = False
+        # groups the layout does not know, checked first: {axis: [ranks, ...]} (ZeRO++'s hpZ groups)
+        self.extra_groups: dict[str, list[tuple]] = {}
         self._originals: dict[str, object] = {}
 
     def __enter__(self) -> "CollectiveRecorder":
@@ -176,7 +178,10 @@ class CollectiveRecorder:
                 numel, nbytes = _size(_tensor_of(op, args, kwargs))
                 ranks = current._group_ranks(op, args, kwargs)
                 name = ALIASES.get(op, op)
-                current.records.append(CallRecord(name, classify(name, ranks, current.layout), ranks, numel, nbytes))
+                axis = next((a for a, groups in current.extra_groups.items()
+                             if any(tuple(sorted(g)) == tuple(sorted(ranks)) for g in groups)), None)
+                axis = axis or classify(name, ranks, current.layout)
+                current.records.append(CallRecord(name, axis, ranks, numel, nbytes))
             return original(*args, **kwargs)
 
         wrapper._recorder_wrapped = True

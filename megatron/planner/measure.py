@@ -52,6 +52,37 @@ def optimizer_group_numels(engine) -> list[int]:
     return [sum(p.numel() for p in g["params"]) for g in inner.param_groups]
 
 
+def zero_facts(engine, rc) -> Optional[dict]:
+    """What megatron.planner.comm_zero needs about a ZeRO-2/3 engine: its zero_optimization settings, the
+    full parameter count per optimizer group, and each module's own parameters (comm_zero.ModuleParams's
+    fields, as plain lists); None on the pipeline engine."""
+    opt = engine.optimizer
+    groups = getattr(opt, "fp16_groups", None) if rc.deepspeed_zero_stage == 3 else getattr(opt, "bit16_groups", None)
+    if rc.deepspeed_zero_stage < 2 or groups is None:
+        return None
+    def numel(p) -> int:  # a ZeRO-3 parameter holds no data between uses: its full size is ds_numel
+        return int(getattr(p, "ds_numel", p.numel()))
+
+    pre, layers, post = [], [], []
+    for name, module in engine.module.named_modules():
+        if type(module).__name__ == "TransformerLayer":
+            layers.append([])
+        own = tuple(numel(p) for p in module.parameters(recurse=False))
+        if own:
+            (layers[-1] if layers and name.startswith("layers.") else post if layers else pre).append((name, own))
+    z = engine._config.zero_config
+    return {"settings": {"stage": rc.deepspeed_zero_stage, "reduce_bucket_size": int(z.reduce_bucket_size),
+                         "param_persistence_threshold": int(z.param_persistence_threshold),
+                         "prefetch_bucket_size": int(z.prefetch_bucket_size),
+                         "max_reuse_distance": int(z.max_reuse_distance),
+                         "max_live_parameters": int(z.max_live_parameters),
+                         "hpz_partition_size": int(z.zero_hpz_partition_size),
+                         "check_grad_overflow": bool(getattr(opt, "check_grad_overflow", False))},
+            "group_numels": [sum(numel(p) for p in g) for g in groups],
+            "modules": {"pre": pre, "layers": layers, "post": post,
+                        "tied_embedding": "embedding.word_embeddings" if rc.model.tied_embeddings else None}}
+
+
 def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: Optional[int] = None) -> dict:
     """Train ``argv`` with pretrain() in this (already joined) process; record the collectives of the
     ``record_call``-th ``train_batch`` (later calls: no one-off metadata sends); return per-rank facts."""
@@ -74,6 +105,9 @@ def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: O
     with CollectiveRecorder(layout) as recorder:
         def train_batch(self, *args, **kwargs):
             calls["n"] += 1
+            hpz = getattr(self, "hpz_ranks", None)
+            if hpz and len(hpz) < layout.dp:  # ZeRO++'s secondary groups, inside the data-parallel group
+                recorder.extra_groups["hpz"] = [tuple(hpz)]
             recorder.active = calls["n"] == record_call
             try:
                 return original(self, *args, **kwargs)
@@ -91,7 +125,7 @@ def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: O
             "records": [(r.op, r.axis, r.ranks, r.numel, r.nbytes) for r in recorder.records],
             "group_numels": optimizer_group_numels(engine), "stage_layers": stage_layers,
             "static_bytes": engine_static_bytes(engine), "losses": [h.loss for h in result.history],
-            "optimizer": type(engine.optimizer).__name__,
+            "optimizer": type(engine.optimizer).__name__, "zero": zero_facts(engine, rc),
             "config": {"seq_length": rc.data.seq_length, "micro_batch_size": rc.batch.micro_batch_size,
                        "global_batch_size": rc.batch.global_batch_size, "hidden_size": rc.model.hidden_size,
                        "num_layers": rc.model.num_layers, "num_attention_heads": rc.model.num_attention_heads,
@@ -122,3 +156,27 @@ def measured_resident_bytes(result: dict) -> dict[str, float]:
     the modules' .grad have been freed)."""
     s = result["static_bytes"]
     return {"weights": s["weights"], "grad_buffer": s["grad_buffer"], "master": s["master"], "adam": s["adam"]}
+
+
+def analytic_sharded_counts(result: dict) -> dict:
+    """The analytic {(axis, op): {"calls", "bytes"}} of a ZeRO-2/3 run_recorded() result: the model's own TP
+    collectives (comm_count, one stage) plus ZeRO's (comm_zero); "calls" None where prefetching makes it
+    unpredictable."""
+    from megatron.parallel.state import group_layout
+    from megatron.planner.comm_count import StepShape, analytic_step_counts
+    from megatron.planner.comm_zero import ModuleParams, ZeroSettings, analytic_zero_counts
+
+    c, z = result["config"], result["zero"]
+    m = c["global_batch_size"] // (c["micro_batch_size"] * c["dp"])
+    shape = StepShape(c["seq_length"], c["micro_batch_size"], c["hidden_size"], c["padded_vocab_size"], m,
+                      2 if c["bf16"] else 4, c["checkpoint_activations"])
+    layout = group_layout(c["tp"], 1, c["dp"])
+    out = {k: dict(v) for k, v in analytic_step_counts(shape, layout, result["rank"], result["stage_layers"],
+                                                       bf16=False).items()}
+    zero = analytic_zero_counts(ZeroSettings(**z["settings"]), ModuleParams(**z["modules"]), z["group_numels"],
+                                c["dp"], c["tp"], m, 2 if c["bf16"] else 4, c["checkpoint_activations"])
+    for key, v in zero.items():
+        entry = out.setdefault(key, {"calls": 0, "bytes": 0})
+        entry["calls"] = None if v["calls"] is None else entry["calls"] + v["calls"]
+        entry["bytes"] += v["bytes"]
+    return out

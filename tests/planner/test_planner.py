@@ -104,7 +104,7 @@ def test_given_stage_layers_replace_the_partition_rule():
 def test_zero2_and_zero3_bytes_and_communication_by_hand():
     """ZeRO-2 / ZeRO-3 (no pipeline): the static bytes per rank and the data-parallel traffic, by hand."""
     from megatron.planner.memory import static_bytes
-    from megatron.planner.performance import _allgather_s, _bandwidths, estimate_step
+    from megatron.planner.performance import _allgather_s, _allreduce_s, _bandwidths, estimate_step
     from megatron.planner.search import candidate_layouts
     from megatron.planner.specs import CLUSTERS, GPUS
 
@@ -123,6 +123,10 @@ def test_zero2_and_zero3_bytes_and_communication_by_hand():
     _, dp_bw, _ = _bandwidths(layout, gpu, cluster)
     one = _allgather_s(2 * params, 8, dp_bw, cluster.collective_latency_us)
     assert step.components_s["dp_comm"] == pytest.approx(4 * 3 * one)  # 2 gathers + 1 reduce-scatter each
+    # ZeRO-2: each micro-batch all-reduces its gradients whole (measured, megatron.planner.comm_zero), one gather
+    zero2 = estimate_step(model, Layout(1, 1, 8, 2, zero_stage=2, precision="bf16"), gpu, cluster, 1024, 64)
+    assert zero2.components_s["dp_comm"] == pytest.approx(
+        4 * _allreduce_s(2 * params, 8, dp_bw, cluster.collective_latency_us) + one)
     # hpZ (groups of 4 DP ranks in one node): a secondary shard of the weights, and the backward gathers in the group
     hpz = Layout(1, 1, 8, 2, zero_stage=3, precision="bf16", hpz=4)
     assert static_bytes(n, hpz)["weights"] == 2 * n / d + 2 * n / 4
