@@ -32,7 +32,7 @@ ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``)
                       (each backward, the next micro-batches' forwards: 2 m - 1 passes) gathers the secondary
                       shard, (ceil(n / d) d) / K of each parameter, in the hpZ group, each module once a pass
                       (the tied embedding too: its head use is served in backward)
-  dp all_reduce       one fp64 squared gradient norm (TP > 1: also over tp), and the fp32 mean loss
+  dp all_reduce       an fp64 squared gradient norm per optimizer group (TP > 1: also over tp), and the fp32 mean loss
 """
 
 from __future__ import annotations
@@ -142,9 +142,12 @@ def analytic_zero_counts(settings: ZeroSettings, modules: ModuleParams, group_nu
         return out
     _add(out, "dp", "reduce_scatter_tensor", m * _bucket_calls(grads, settings.reduce_bucket_size),
          m * sum(_ceil_div(n, dp) * dp for n in grads) * param_bytes)
-    _add(out, "dp", "all_reduce", 2, 8 + 4)  # fp64 squared norm, fp32 loss
+    # an fp64 squared norm per sub-group (one per optimizer group: each is below DeepSpeed's sub_group_size of 1e9
+    # elements here), over dp and again over tp; the fp32 loss
+    groups = len(group_numels)
+    _add(out, "dp", "all_reduce", groups + 1, 8 * groups + 4)
     if tp > 1:
-        _add(out, "tp", "all_reduce", 1, 8)
+        _add(out, "tp", "all_reduce", groups, 8 * groups)
     persistent = [n for n in modules.numels() if n <= settings.param_persistence_threshold]
     if persistent:
         _add(out, "dp", "all_gather_into_tensor", len(persistent), sum(_ceil_div(n, dp) for n in persistent) * param_bytes)
