@@ -12,7 +12,8 @@ Storage is [rows, ng, cap, hn], allocated ahead along both rows and cap (doublin
 in place: a step writes one position per row, a joining row writes its own slot, a leaving row moves
 only the rows after it (each row's whole slot, so positions past a row's length stay zeros). Each (row,
 head)'s keys are contiguous, the layout the fused attention kernel reads fastest (with [cap, b, ng, hn]
-SDPA took 9x longer at 64 rows on CPU). ``append`` hands attention a view [sk, b, ng, hn] (the layout
+SDPA took 9x longer at 64 rows on CPU). The room is kept when rows leave (the next ones reuse it): a cache
+holds up to twice the most rows and positions it has had at once, until it is dropped. ``append`` hands attention a view [sk, b, ng, hn] (the layout
 ``KVCache`` returns), sk = the longest row, which attention permutes back to [b, ng, sk, hn] without a copy.
 
 The lengths are kept twice: ``lengths``, a tuple of ints (the longest row, and the key of the masks
