@@ -15,6 +15,10 @@ would do, every row waiting for the batch's last one.
 On a shared machine the load changes from minute to minute, so the three are measured interleaved
 (for each client count: batched, one at a time, transformers), ``--rounds`` times; each figure is the
 median over the rounds (every round's throughput is kept beside it), with the load average at each.
+Beside the wall-clock figures, each server's CPU time over the measured requests (its threads' user +
+system time from /proc, the HTTP loop's included) per generated token: other jobs on the cores stretch
+the wall clock far more than they stretch a process's own CPU time, so ``cpu_ratio_one_at_a_time_over_batched``
+is the steadier comparison on a loaded machine (it is not throughput: a server waiting for its clients uses none).
 """
 
 from __future__ import annotations
@@ -75,7 +79,14 @@ def start_server(ckpt: str, max_batch_size: int, torch_threads: int):
     return proc, int(line.split(":")[2].split(" ")[0])
 
 
-async def load(port: int, clients: int, requests_per_client: int, max_new_tokens: int) -> dict:
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads, from /proc/PID/stat (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+async def load(port: int, pid: int, clients: int, requests_per_client: int, max_new_tokens: int) -> dict:
     import aiohttp
 
     latencies, tokens = [], 0
@@ -97,9 +108,9 @@ async def load(port: int, clients: int, requests_per_client: int, max_new_tokens
         await asyncio.gather(*(client(session, c) for c in range(clients)))
         latencies.clear()
         tokens = 0
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), process_cpu_seconds(pid)
         await asyncio.gather(*(client(session, c) for c in range(clients)))
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, process_cpu_seconds(pid) - cpu_start
     latencies.sort()
 
     def quantile(q: float) -> float:
@@ -107,7 +118,8 @@ async def load(port: int, clients: int, requests_per_client: int, max_new_tokens
 
     return {"clients": clients, "requests": len(latencies), "tokens": tokens, "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1), "p50_latency_s": quantile(0.5),
-            "p99_latency_s": quantile(0.99)}
+            "p99_latency_s": quantile(0.99), "server_cpu_s": round(cpu_seconds, 3),
+            "server_cpu_ms_per_token": round(1e3 * cpu_seconds / tokens, 4)}
 
 
 def server_threads(port: int) -> int:
@@ -121,8 +133,13 @@ def server_threads(port: int) -> int:
 def median_of_rounds(rounds: list[dict], key: str) -> dict:
     """The round with the median ``key`` (tokens_per_s), with every round's value and load beside it."""
     middle = sorted(rounds, key=lambda r: r[key])[len(rounds) // 2]
+    extra = {}
+    if "server_cpu_ms_per_token" in middle:  # the servers' rounds (not transformers')
+        cpu = sorted(r["server_cpu_ms_per_token"] for r in rounds)
+        extra = {"rounds_server_cpu_ms_per_token": [r["server_cpu_ms_per_token"] for r in rounds],
+                 "median_server_cpu_ms_per_token": cpu[len(cpu) // 2]}
     return dict(middle, rounds_tokens_per_s=[r[key] for r in rounds],
-                rounds_loadavg_1min=[r["loadavg_1min"] for r in rounds])
+                rounds_loadavg_1min=[r["loadavg_1min"] for r in rounds], **extra)
 
 
 def transformers_generate(model, tokenizer, batch: int, args) -> dict:
@@ -160,11 +177,11 @@ def measure_interleaved(ckpt: str, config, state, args) -> tuple[list, list, lis
     try:
         threads = [server_threads(port) for _, port in servers]
         batched, baseline, hf = [], [], []
-        for clients in CLIENTS:
+        for clients in args.clients:
             rounds = [[], [], []]
             for _ in range(args.rounds):
-                for (_, port), out in zip(servers, rounds):
-                    result = asyncio.run(load(port, clients, args.requests_per_client, args.max_new_tokens))
+                for (proc, port), out in zip(servers, rounds):
+                    result = asyncio.run(load(port, proc.pid, clients, args.requests_per_client, args.max_new_tokens))
                     out.append(dict(result, loadavg_1min=round(os.getloadavg()[0], 2)))
                 rounds[2].append(transformers_generate(model, tokenizer, clients, args))
             for out, measured in zip((batched, baseline, hf), rounds):
@@ -185,7 +202,12 @@ def main() -> None:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--clients", default=",".join(map(str, CLIENTS)),
+                   help="comma-separated concurrent client counts (a larger model may take fewer: one at a time is slow)")
     args = p.parse_args()
+    args.clients = [int(c) for c in args.clients.split(",")]
+    if not args.clients or min(args.clients) < 1:
+        raise ValueError(f"--clients must list positive client counts, got {args.clients}")
     corpus = _common.tiny_corpus()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "ckpt")
@@ -193,14 +215,17 @@ def main() -> None:
         machine = _common.machine()
         batched, baseline, hf, threads = measure_interleaved(ckpt, config, state, args)
     speedup = {str(b["clients"]): round(b["tokens_per_s"] / o["tokens_per_s"], 2) for b, o in zip(batched, baseline)}
+    cpu_ratio = {str(b["clients"]): round(o["median_server_cpu_ms_per_token"] / b["median_server_cpu_ms_per_token"], 2)
+                 for b, o in zip(batched, baseline)}
     _common.emit({"benchmark": "serving", "machine": machine, "cpu_flags": cpu_flags(),
                   "config": {"num_layers": args.num_layers, "hidden_size": args.hidden_size, "heads": 8,
                              "vocab": 400, "position": "alibi", "dtype": "fp32", "torch_threads": args.torch_threads,
                              "server_torch_threads": threads, "rounds": args.rounds, "interleaved": True,
                              "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client,
-                             "endpoint": "/generate greedy"},
+                             "clients": args.clients, "endpoint": "/generate greedy"},
                   "batched_max_batch_size_64": batched, "one_at_a_time_max_batch_size_1": baseline,
-                  "transformers_generate_static_batches": hf, "throughput_batched_over_one_at_a_time": speedup},
+                  "transformers_generate_static_batches": hf, "throughput_batched_over_one_at_a_time": speedup,
+                  "cpu_ratio_one_at_a_time_over_batched": cpu_ratio},
                  args.output)
 
 

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.model.attention_core import (flash_core_attention, flex_core_attention, resolve_attention_backend,
-                                           unfused_core_attention)
+from megatron.model.attention_core import (decode_core_attention, flash_core_attention, flex_core_attention,
+                                           resolve_attention_backend, unfused_core_attention)
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.kv_cache import BatchKVCache
 from megatron.model.positional import alibi_bias, alibi_slopes_for_rank, apply_rotary, rotary_cos_sin
@@ -64,6 +64,25 @@ def shared_alibi_bias(slopes: tuple[float, ...], offset: int, sq: int, sk: int, 
     key_positions = torch.arange(sk, device=device)  # [sk]
     slopes_t = torch.tensor(slopes, dtype=torch.float32, device=device)  # [np]
     return alibi_bias(slopes_t, query_positions, key_positions).to(dtype)[None]  # [1, np, sq, sk]
+
+
+@torch.compiler.disable
+@functools.lru_cache(maxsize=8)
+def rows_attention_mask(slopes: Optional[tuple[float, ...]], row_lengths: tuple[int, ...], sq: int, sk: int,
+                        dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The mask of rows at different positions (a ``BatchKVCache``): row r's queries sit at row_lengths[r] ..
+    row_lengths[r] + sq - 1 and see no key after their own. With ALiBi slopes the bias [b, np, sq, sk],
+    else a boolean mask [b, 1, sq, sk] (True = attend).
+
+    Keyed on the lengths, so every layer of one decode step shares one tensor instead of building its own
+    (a step's layers all see the same lengths). Nothing writes to it.
+    """
+    query_positions = torch.tensor(row_lengths, device=device)[:, None] + torch.arange(sq, device=device)  # [b, sq]
+    key_positions = torch.arange(sk, device=device)  # [sk]
+    if slopes is not None:
+        slopes_t = torch.tensor(slopes, dtype=torch.float32, device=device)  # [np]
+        return alibi_bias(slopes_t, query_positions, key_positions).to(dtype)  # [b, np, sq, sk]
+    return (key_positions[None, None, :] <= query_positions[:, :, None])[:, None]  # [b, 1, sq, sk]
 
 
 class KVCache:
@@ -187,7 +206,9 @@ class SelfAttention(nn.Module):
         query = query.reshape(sq, b, np_, hn)  # [sq, b, np, hn]: group 0's query heads first
         key, value = key.squeeze(3), value.squeeze(3)  # 2 x [sq, b, ng, hn]
 
+        row_lengths = None  # the rows' lengths before this step, for a BatchKVCache (the key of their mask)
         if isinstance(kv_cache, BatchKVCache):
+            row_lengths = kv_cache.lengths
             positions = kv_cache.position_ids(sq, hidden.device)  # [b, sq]
         else:
             positions = torch.arange(offset, offset + sq, device=hidden.device)  # [sq]
@@ -213,7 +234,7 @@ class SelfAttention(nn.Module):
             context = tracked_checkpoint_func(self.rng_tracker)(
                 self._core_attention, query, key, value, positions, offset, False)  # [b, np, sq, hn]
         else:
-            context = self._core_attention(query, key, value, positions, offset, kv_cache is not None)
+            context = self._core_attention(query, key, value, positions, offset, kv_cache is not None, row_lengths)
         context = context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, hp]
         output, _ = self.dense(context)  # [sq, b, h]
         return output
@@ -234,10 +255,11 @@ class SelfAttention(nn.Module):
         return context.permute(2, 0, 1, 3).contiguous()  # [s, b, np/sp, hn]
 
     def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                        offset: int, decoding: bool) -> torch.Tensor:
+                        offset: int, decoding: bool, row_lengths: Optional[tuple[int, ...]] = None) -> torch.Tensor:
         """softmax(Q K^T / sqrt(hn) + bias, causal) V by --attention-backend's kernel (attention_core.py).
 
-        query [b, np, sq, hn], key / value [b, ng, sk, hn] -> context [b, np, sq, hn].
+        query [b, np, sq, hn], key / value [b, ng, sk, hn] -> context [b, np, sq, hn]. ``row_lengths``: the
+        cached lengths of rows at different positions (``positions`` [b, sq] then starts at them).
         """
         dropout_p = self.config.attention_dropout if self.training else 0.0
         scale = 1.0 / math.sqrt(self.head_dim)
@@ -246,10 +268,13 @@ class SelfAttention(nn.Module):
         if backend == "flex":
             slopes = self._alibi_slope_values if self.alibi_slopes is not None else None
             return flex_core_attention(query, key, value, slopes, scale)
+        if backend == "decode":  # no dropout while decoding
+            mask = self._attention_mask(positions, offset, key.shape[2], query.dtype, row_lengths)
+            return decode_core_attention(query, key, value, mask, scale)  # [b, np, 1, hn]
         with self._dropout_rng(dropout_p):
             if backend == "flash":
                 return flash_core_attention(query, key, value, self.alibi_slopes, dropout_p, scale)
-            mask = self._attention_mask(positions, offset, key.shape[2], query.dtype)
+            mask = self._attention_mask(positions, offset, key.shape[2], query.dtype, row_lengths)
             if backend == "unfused":
                 return unfused_core_attention(query, key, value, mask, dropout_p, scale)  # [b, np, sq, hn]
             # enable_gqa: query head i attends with key / value head i // (np / ng), as the layout groups them.
@@ -258,26 +283,24 @@ class SelfAttention(nn.Module):
                 query, key, value, attn_mask=mask, dropout_p=dropout_p,
                 is_causal=mask is None and query.shape[2] > 1, scale=scale, **gqa)  # [b, np, sq, hn]
 
-    def _attention_mask(self, query_positions: torch.Tensor, offset: int, sk: int, dtype: torch.dtype
-                        ) -> Optional[torch.Tensor]:
-        """The additive bias [1, np, sq, sk], a boolean mask [sq, sk], or None for SDPA's is_causal;
-        for query positions per row [b, sq]: a bias [b, np, sq, sk] or a boolean mask [b, 1, sq, sk].
+    def _attention_mask(self, query_positions: torch.Tensor, offset: int, sk: int, dtype: torch.dtype,
+                        row_lengths: Optional[tuple[int, ...]] = None) -> Optional[torch.Tensor]:
+        """The additive bias [1, np, sq, sk], a boolean mask [sq, sk], or None for SDPA's is_causal; for
+        rows at their own positions (``row_lengths``, positions [b, sq]): ``rows_attention_mask``'s.
 
         is_causal aligns queries with the FIRST keys, which is wrong once cached keys precede the
         queries; then (and for ALiBi, which needs a bias anyway) the mask is built explicitly.
         """
         sq = query_positions.shape[-1]
-        key_positions = torch.arange(sk, device=query_positions.device)  # [sk]
-        if query_positions.dim() == 2:  # keys past a row's own position (its future, or padding) are masked
-            if self.alibi_slopes is not None:
-                slopes = self.alibi_slopes.to(query_positions.device)
-                return alibi_bias(slopes, query_positions, key_positions).to(dtype)  # [b, np, sq, sk]
-            return (key_positions[None, None, :] <= query_positions[:, :, None])[:, None]  # [b, 1, sq, sk]
+        if row_lengths is not None:  # shared by the layers of a step
+            slopes = self._alibi_slope_values if self.alibi_slopes is not None else None
+            return rows_attention_mask(slopes, row_lengths, sq, sk, dtype, query_positions.device)
         if self.alibi_slopes is not None:
             return shared_alibi_bias(self._alibi_slope_values, offset, sq, sk, dtype,
                                      query_positions.device)  # [1, np, sq, sk]
         if sq == sk or sq == 1:
             return None  # is_causal, or one new token that may see every cached key
+        key_positions = torch.arange(sk, device=query_positions.device)  # [sk]
         return key_positions[None, :] <= query_positions[:, None]  # [sq, sk], True = attend
 
     def _dropout_rng(self, dropout_p: float):

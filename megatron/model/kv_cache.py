@@ -8,10 +8,17 @@ its length are zeros that the attention masks out, and ALiBi, rotary and learned
 filled (``add_rows``: one prompt alone, or several right-padded in one pass) and leave when their
 sequences end (``keep_rows``); the rows in between keep decoding.
 
-Storage is [b, ng, cap, hn], grown along cap by doubling: each (row, head)'s keys are contiguous, the
-layout the fused attention kernel reads fastest (with [cap, b, ng, hn] SDPA took 9x longer at 64 rows
-on CPU). ``append`` hands attention a view [sk, b, ng, hn] (the layout ``KVCache`` returns), sk = the
-longest row, which attention permutes back to [b, ng, sk, hn] without a copy.
+Storage is [rows, ng, cap, hn], allocated ahead along both rows and cap (doubling when full) and written
+in place: a step writes one position per row, a joining row writes its own slot, a leaving row moves
+only the rows after it (each row's whole slot, so positions past a row's length stay zeros). Each (row,
+head)'s keys are contiguous, the layout the fused attention kernel reads fastest (with [cap, b, ng, hn]
+SDPA took 9x longer at 64 rows on CPU). The room is kept when rows leave (the next ones reuse it): a cache
+holds up to twice the most rows and positions it has had at once, until it is dropped. ``append`` hands attention a view [sk, b, ng, hn] (the layout
+``KVCache`` returns), sk = the longest row, which attention permutes back to [b, ng, sk, hn] without a copy.
+
+The lengths are kept twice: ``lengths``, a tuple of ints (the longest row, and the key of the masks
+that every layer of one step shares, without reading a tensor back), and ``row_lengths`` [b] on the
+cache's device (the positions).
 
 Shape letters: sk keys, sq new positions, b rows (sequences), k joining rows, ng key / value heads per
 partition, hn head dim, cap allocated positions.
@@ -25,29 +32,40 @@ import torch
 
 __all__ = ["BatchKVCache"]
 
+MIN_POSITIONS = 16  # positions allocated at least, so that short prompts do not regrow at every step
+
 
 class BatchKVCache:
-    """Per-row keys and values [b, ng, cap, hn] with per-row lengths [b]; a drop-in for ``KVCache`` in a
-    model's forward (``length``, ``position_ids``, ``append``) plus ``row_lengths`` for the masks."""
+    """Per-row keys and values [rows, ng, cap, hn] (the first ``num_rows`` rows in use) with per-row lengths;
+    a drop-in for ``KVCache`` in a model's forward (``length``, ``position_ids``, ``append``) plus ``lengths``
+    and ``row_lengths`` for the masks."""
 
     def __init__(self) -> None:
-        self.key: Optional[torch.Tensor] = None    # [b, ng, cap, hn]
-        self.value: Optional[torch.Tensor] = None  # [b, ng, cap, hn]
-        self.row_lengths = torch.zeros(0, dtype=torch.long)  # [b]: cached positions of each row
+        self.key: Optional[torch.Tensor] = None    # [rows, ng, cap, hn]; rows >= num_rows
+        self.value: Optional[torch.Tensor] = None  # [rows, ng, cap, hn]
+        self.lengths: tuple[int, ...] = ()         # cached positions of each row
+        self.row_lengths = torch.zeros(0, dtype=torch.long)  # [b]: the same, on the cache's device
 
     @property
     def num_rows(self) -> int:
-        return self.row_lengths.shape[0]
+        return len(self.lengths)
 
     @property
     def length(self) -> int:
         """The longest row (the keys attention sees span this many positions)."""
-        return int(self.row_lengths.max()) if self.num_rows else 0
+        return max(self.lengths, default=0)
 
     def position_ids(self, sq: int, device: torch.device) -> torch.Tensor:
         """The positions [b, sq] of the next sq tokens of each row."""
         lengths = self.row_lengths.to(device)
+        if sq == 1:
+            return lengths[:, None]  # [b, 1]
         return lengths[:, None] + torch.arange(sq, device=device)[None, :]  # [b, sq]
+
+    def _set_lengths(self, lengths: Sequence[int]) -> None:
+        self.lengths = tuple(lengths)
+        device = self.key.device if self.key is not None else None
+        self.row_lengths = torch.tensor(self.lengths, dtype=torch.long, device=device)
 
     def add_rows(self, key: torch.Tensor, value: torch.Tensor, lengths: Sequence[int]) -> None:
         """New last rows from a ``KVCache`` filled by right-padded prompts, keys and values [s, k, ng, hn]:
@@ -56,30 +74,34 @@ class BatchKVCache:
         if len(lengths) != k or not all(0 < n <= s for n in lengths):
             raise ValueError(f"lengths {list(lengths)} must give 1 .. {s} positions for each of the {k} rows")
         if self.key is None:
-            self.key = key.new_zeros((0, key.shape[2], max(s, 16), key.shape[3]))  # [0, ng, cap, hn]
+            self.key = key.new_zeros((k, key.shape[2], max(s, MIN_POSITIONS), key.shape[3]))  # [k, ng, cap, hn]
             self.value = value.new_zeros(self.key.shape)
         elif key.shape[2:] != (self.key.shape[1], self.key.shape[3]) or key.dtype != self.key.dtype:
             raise ValueError(f"rows of keys {list(key.shape)} ({key.dtype}) do not fit a cache of "
                              f"{list(self.key.shape)} ({self.key.dtype})")
-        self._reserve(s)
-        lengths_t = torch.tensor(list(lengths), dtype=torch.long)
-        padding = torch.arange(s)[None, :] >= lengths_t[:, None]  # [k, s]
-        rows = []
-        for new in (key, value):
-            row = new.new_zeros((k, self.key.shape[1], self.key.shape[2], self.key.shape[3]))  # [k, ng, cap, hn]
-            row[:, :, :s] = new.permute(1, 2, 0, 3).masked_fill(padding[:, None, :, None].to(new.device), 0)
-            rows.append(row)
-        self.key = torch.cat((self.key, rows[0]), dim=0)  # [b + k, ng, cap, hn]
-        self.value = torch.cat((self.value, rows[1]), dim=0)  # [b + k, ng, cap, hn]
-        self.row_lengths = torch.cat((self.row_lengths, lengths_t))
+        b = self.num_rows
+        self._reserve(b + k, s)
+        padding = (torch.arange(s)[None, :] >= torch.tensor(list(lengths))[:, None]).to(key.device)  # [k, s]
+        for store, new in ((self.key, key), (self.value, value)):
+            store[b:b + k] = 0  # a slot that an earlier row left holds its keys
+            store[b:b + k, :, :s] = new.permute(1, 2, 0, 3).masked_fill(padding[:, None, :, None], 0)
+        self._set_lengths(self.lengths + tuple(lengths))
 
     def keep_rows(self, rows: Sequence[int]) -> None:
-        """Keep only ``rows`` (in that order); the others' sequences have ended."""
-        index = torch.tensor(list(rows), dtype=torch.long)
-        self.row_lengths = self.row_lengths[index]
-        if self.key is not None:
-            self.key = self.key.index_select(0, index.to(self.key.device))  # [b', ng, cap, hn]
-            self.value = self.value.index_select(0, index.to(self.key.device))  # [b', ng, cap, hn]
+        """Keep only ``rows`` (in that order); the others' sequences have ended. Only the rows whose slot
+        changes are copied (none when the ones leaving are the last)."""
+        rows = list(rows)
+        if len(set(rows)) != len(rows) or not all(0 <= r < self.num_rows for r in rows):
+            raise ValueError(f"rows {rows} must be distinct rows of the {self.num_rows} in the cache")
+        first = next((i for i, r in enumerate(rows) if r != i), len(rows))  # rows before it stay where they are
+        if self.key is not None and first < len(rows):
+            moved = torch.tensor(rows[first:], dtype=torch.long, device=self.key.device)
+            # storage filled under inference_mode can only be written under it (a step runs there; this may not)
+            with torch.inference_mode(self.key.is_inference()):
+                # index_select copies the moved rows out first, so sources and destinations may overlap
+                self.key[first:len(rows)] = self.key.index_select(0, moved)  # [m, ng, cap, hn]
+                self.value[first:len(rows)] = self.value.index_select(0, moved)
+        self._set_lengths([self.lengths[r] for r in rows])
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's keys and values [sq, b, ng, hn] at each row's own positions; return the keys
@@ -89,23 +111,29 @@ class BatchKVCache:
         if self.key is None or b != self.num_rows:
             raise ValueError(f"the cache holds {self.num_rows} rows but got keys for {b}; add each sequence "
                              f"with add_rows first")
-        self._reserve(self.length + sq)
+        self._reserve(b, self.length + sq)
         positions = self.position_ids(sq, self.key.device)  # [b, sq]
         rows = torch.arange(b, device=self.key.device)[:, None].expand(b, sq)  # [b, sq]
         # the two index tensors are apart (ng between them), so the indexed view is [b, sq, ng, hn]
         self.key[rows, :, positions] = key.transpose(0, 1)
         self.value[rows, :, positions] = value.transpose(0, 1)
+        self.lengths = tuple(n + sq for n in self.lengths)
         self.row_lengths = self.row_lengths + sq
         sk = self.length
-        return self.key[:, :, :sk].permute(2, 0, 1, 3), self.value[:, :, :sk].permute(2, 0, 1, 3)  # [sk, b, ng, hn]
+        return (self.key[:b, :, :sk].permute(2, 0, 1, 3),
+                self.value[:b, :, :sk].permute(2, 0, 1, 3))  # 2 x [sk, b, ng, hn]
 
-    def _reserve(self, positions: int) -> None:
-        cap = self.key.shape[2]
-        if positions <= cap:
+    def _reserve(self, rows: int, positions: int) -> None:
+        """Room for this many rows and positions; the storage doubles along each dim that is short."""
+        slots, cap = self.key.shape[0], self.key.shape[2]
+        if rows <= slots and positions <= cap:
             return
+        while slots < rows:
+            slots *= 2
         while cap < positions:
             cap *= 2
-        grown = self.key.new_zeros((self.key.shape[0], self.key.shape[1], cap, self.key.shape[3]))  # [b, ng, cap, hn]
-        grown_value = grown.clone()
-        grown[:, :, :self.key.shape[2]], grown_value[:, :, :self.key.shape[2]] = self.key, self.value
+        b, old_cap = self.num_rows, self.key.shape[2]
+        shape = (slots, self.key.shape[1], cap, self.key.shape[3])  # [rows, ng, cap, hn]
+        grown, grown_value = self.key.new_zeros(shape), self.value.new_zeros(shape)
+        grown[:b, :, :old_cap], grown_value[:b, :, :old_cap] = self.key[:b], self.value[:b]
         self.key, self.value = grown, grown_value

@@ -45,3 +45,26 @@ def test_bench_attention_runs_every_path_and_reports_time_and_memory():
     assert row["sdpa"]["materialized_bias_mib"] > 0 and row["flex"]["materialized_bias_mib"] == 0
     assert row["flex"]["saved_for_backward_mib"] < row["sdpa"]["saved_for_backward_mib"]
     assert row["sdpa"]["fwd_bwd_s"] > 0 and row["flex"]["fwd_s"] > 0
+
+
+def test_bench_decode_step_splits_a_step_into_its_matrix_products_attention_and_the_rest():
+    import argparse
+
+    import bench_decode_step
+
+    model = bench_decode_step.build_model(argparse.Namespace(num_layers=2, hidden_size=64))
+    row = bench_decode_step.measure(model, b=3, reps=1)
+    assert row["num_linears"] == 2 * 4 + 1  # QKV, dense, two MLP matrices per layer, and the tied output layer
+    assert row["step_ms"] > 0 and row["forward_ms"] > row["linears_ms"] > 0 and row["attention_ms"] > 0
+    assert abs(row["rest_ms"] - (row["forward_ms"] - row["linears_ms"] - row["attention_ms"])) < 2e-3
+
+
+def test_bench_serving_reads_a_process_cpu_time_that_grows_with_its_work():
+    import bench_serving
+
+    before, cpu_before = bench_serving.process_cpu_seconds(os.getpid()), os.times()
+    total = 0
+    while os.times().user - cpu_before.user < 0.2:  # burn 0.2 s of this process's CPU
+        total += sum(range(10000))
+    grown = bench_serving.process_cpu_seconds(os.getpid()) - before
+    assert 0.15 <= grown <= 0.2 + (os.times().system - cpu_before.system) + 0.05, grown

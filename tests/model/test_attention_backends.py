@@ -121,3 +121,31 @@ def test_the_flag_reaches_the_model_config(tiny_corpus):
     assert run_config_from_argv(tiny_argv(tiny_corpus), world_size=1).model.attention_backend == "auto"
     chosen = run_config_from_argv(tiny_argv(tiny_corpus, attention_backend="flex"), world_size=1)
     assert chosen.model.attention_backend == "flex"
+
+
+@pytest.mark.parametrize("mask_kind", ["rows_bias", "shared_bias", "rows_bool", "none"])
+@pytest.mark.parametrize("groups", [4, 2])
+def test_the_decode_core_equals_sdpa_for_one_token_per_row_reading_a_cache_view(mask_kind, groups):
+    generator = torch.Generator().manual_seed(7)
+    b, np_, hn, sk = 3, 4, 8, 10
+    query = torch.randn(1, b, np_, hn, generator=generator).permute(1, 2, 0, 3)  # [b, np, 1, hn], not contiguous
+    storage = torch.randn(2, 5, groups, 16, hn, generator=generator)  # [k / v, rows, ng, cap, hn], as BatchKVCache
+    key, value = storage[0, :b, :, :sk], storage[1, :b, :, :sk]  # [b, ng, sk, hn] views
+    lengths = torch.tensor([3, 10, 6])
+    visible = torch.arange(sk)[None, :] < lengths[:, None]  # [b, sk]
+    masks = {"rows_bias": torch.randn(b, np_, 1, sk, generator=generator).masked_fill(~visible[:, None, None], float("-inf")),
+             "shared_bias": torch.randn(1, np_, 1, sk, generator=generator),
+             "rows_bool": visible[:, None, None, :], "none": None}
+    mask = masks[mask_kind]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=0.3, enable_gqa=groups != np_)  # [b, np, 1, hn]
+    got = attention_core.decode_core_attention(query, key, value, mask, 0.3)
+    assert got.shape == (b, np_, 1, hn)
+    assert (got - expected).abs().max().item() < 1e-6
+
+
+def test_one_fp32_token_per_row_on_cpu_decodes_with_the_decode_core():
+    for dtype, sq, backend in ((torch.float32, 1, "decode"), (torch.bfloat16, 1, "sdpa"), (torch.float32, 3, "sdpa")):
+        query = torch.zeros(2, 4, sq, 16, dtype=dtype)
+        assert resolve_attention_backend("auto", query, alibi=True, dropout_p=0.0, decoding=True) == backend
+        assert resolve_attention_backend("sdpa", query, alibi=False, dropout_p=0.0, decoding=True) == backend
