@@ -11,7 +11,7 @@ prompts of 1 to 24 tokens join a decoder whose caches persist between batches (a
     forward_ms         BatchRunner.decode alone (the model's forward over the batch's caches)
     linears_ms         the model's 17 weight matrices applied with F.linear to [1, b, in] inputs alone, the
                        matrix products that batching cannot amortize: their cost grows with b
-    attention_ms       decode_core_attention at 40 keys, once per layer, alone
+    attention_ms       unfused_core_attention (the decode path) at 40 keys, once per layer, alone
     rest_ms            forward_ms - linears_ms - attention_ms: the small ops and Python of the forward
     tokens_per_s       b / step
     speedup_over_b1    tokens_per_s / that of b = 1 (what a batched server could gain at most, were the
@@ -34,7 +34,7 @@ from megatron.config import ModelConfig
 from megatron.inference.batching import BatchDecoder, BatchRunner, GeneratingSequence
 from megatron.inference.generation import SamplingParams
 from megatron.model import GPTModel
-from megatron.model.attention_core import decode_core_attention
+from megatron.model.attention_core import unfused_core_attention
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 STEPS = 32  # the benchmark's max_new_tokens
@@ -82,7 +82,7 @@ def measure(model: GPTModel, b: int, reps: int) -> dict:
     query, mask = torch.randn(b, heads, 1, hn), torch.zeros(b, heads, 1, 40)
     with torch.inference_mode():
         linears = lower_quartile(lambda _: [F.linear(inputs[w.shape[1]], w, bias) for w, bias in weights], reps)
-        attention = lower_quartile(lambda _: [decode_core_attention(query, store[:, :, :40], store[:, :, :40], mask, 0.2)
+        attention = lower_quartile(lambda _: [unfused_core_attention(query, store[:, :, :40], store[:, :, :40], mask, 0.0, 0.2)
                                               for _ in model.layers], reps)
     ms = lambda seconds: round(seconds * 1e3, 3)  # noqa: E731
     return {"batch": b, "step_ms": ms(step), "forward_ms": ms(forward), "linears_ms": ms(linears),

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.model.attention_core import (decode_core_attention, flash_core_attention, flex_core_attention,
+from megatron.model.attention_core import (flash_core_attention, flex_core_attention,
                                            resolve_attention_backend, unfused_core_attention)
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.kv_cache import BatchKVCache
@@ -270,7 +270,7 @@ class SelfAttention(nn.Module):
             return flex_core_attention(query, key, value, slopes, scale)
         if backend == "decode":  # no dropout while decoding
             mask = self._attention_mask(positions, offset, key.shape[2], query.dtype, row_lengths)
-            return decode_core_attention(query, key, value, mask, scale)  # [b, np, 1, hn]
+            return unfused_core_attention(query, key, value, mask, 0.0, scale)  # [b, np, 1, hn]
         with self._dropout_rng(dropout_p):
             if backend == "flash":
                 return flash_core_attention(query, key, value, self.alibi_slopes, dropout_p, scale)

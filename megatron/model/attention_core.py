@@ -14,10 +14,10 @@
     flash  FlashAttention-2's flash_attn_func (the optional ``flash-attn`` package; CUDA, bf16 / fp16) with
            its alibi_slopes and causal=True: -slope * |i - j| on visible keys is exactly our bias. It cannot
            run here (no GPU, no package): written to its documented interface, untested.
-    decode   one new token per row (incremental decoding, sq = 1) in fp32 on CPU: Q K^T, the bias, softmax, times V
-           as two batched products, the query heads of a group in one product. SDPA's CPU kernel, tiled for
-           long query blocks, took 63 us where this takes 44 at 16 rows x 8 heads x 40 keys (1.6x at 64 rows;
-           measured for benchmarks/bench_serving.py, about 15% of a decode step there).
+    decode   one new token per row (incremental decoding, sq = 1) in fp32 on CPU: the unfused path (two batched
+           products, the query heads of a group in one product). SDPA's CPU kernel, tiled for long query blocks,
+           took 65 / 55 us where this takes 55 / 50 (boolean mask / bias) at 16 rows x 8 heads x 40 keys
+           (about 15% of a decode step in benchmarks/bench_serving.py).
 
 ``resolve_attention_backend`` turns --attention-backend (auto or a name) into the kernel of one call;
 ``auto`` picks, on CPU, unfused while torch.compile traces the layer (--torch-compile) and sq x sk is at most
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from megatron.model.positional import alibi_bias
 
 __all__ = ["FLEX_CPU_BACKWARD_BLOCK", "UNFUSED_AUTO_MAX_SCORES", "flash_attn_available", "resolve_attention_backend",
-           "flex_core_attention", "flash_core_attention", "unfused_core_attention", "decode_core_attention"]
+           "flex_core_attention", "flash_core_attention", "unfused_core_attention"]
 
 FLEX_CPU_BACKWARD_BLOCK = 256  # queries per recomputed block in flex's CPU backward
 UNFUSED_AUTO_MAX_SCORES = 1024 * 1024  # auto's unfused path on CPU: sq x sk at most this (s <= 1024)
@@ -191,11 +191,12 @@ def unfused_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     mask [sq, sk] or [b, 1, sq, sk] (True = attend), or None for causal with sq = sk -> context [b, np, sq, hn].
     Dropout (on the probabilities, as SDPA's) draws from the caller's RNG state.
     """
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # query head i uses key / value head i // groups
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # [b, np, sk, hn]
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale  # [b, np, sq, sk]
-    sq, sk = scores.shape[-2:]
+    b, np_, sq, hn = query.shape
+    ng, sk = key.shape[1], key.shape[2]
+    # Query head i uses key / value head i // (np / ng): a group's query heads side by side in one product, with
+    # no copies of the keys and values (views of a KV cache merge b and ng without a copy).
+    grouped = query.reshape(b, ng, np_ // ng * sq, hn)  # [b, ng, np/ng * sq, hn]
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).view(b, np_, sq, sk).float() * scale  # [b, np, sq, sk]
     if mask is None:
         mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril_(sk - sq)  # [sq, sk] causal
     if mask.dtype == torch.bool:
@@ -205,26 +206,4 @@ def unfused_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     probs = torch.softmax(scores, dim=-1).to(query.dtype)  # [b, np, sq, sk]
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs, value)  # [b, np, sq, hn]
-
-
-def decode_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
-                          scale: float) -> torch.Tensor:
-    """softmax(q K^T * scale + bias) V for ONE query position per row, as two batched matrix products.
-
-    query [b, np, 1, hn], key / value [b, ng, sk, hn] (views of a cache are fine: b and ng merge without a
-    copy); mask: an additive bias [1 or b, np, 1, sk], a boolean mask [b, 1, 1, sk] (True = attend), or None
-    (every key visible) -> context [b, np, 1, hn]. Query head i uses key / value head i // (np / ng).
-    """
-    b, np_, sq, hn = query.shape
-    ng, sk = key.shape[1], key.shape[2]
-    assert sq == 1, f"decode_core_attention takes one query position per row, got {sq}"
-    q = query.reshape(b * ng, np_ // ng, hn)  # [b * ng, np/ng, hn]: a group's query heads side by side
-    scores = torch.bmm(q, key.reshape(b * ng, sk, hn).transpose(1, 2)).view(b, np_, sk)  # [b, np, sk]
-    scores.mul_(scale)
-    if mask is not None and mask.dtype == torch.bool:
-        scores.masked_fill_(~mask.view(b, 1, sk), float("-inf"))
-    elif mask is not None:
-        scores.add_(mask.view(mask.shape[0], np_, sk))
-    probs = torch.softmax(scores, dim=-1).view(b * ng, np_ // ng, sk)  # [b * ng, np/ng, sk]
-    return torch.bmm(probs, value.reshape(b * ng, sk, hn)).view(b, np_, 1, hn)  # [b, np, 1, hn]
+    return torch.matmul(probs.view(b, ng, np_ // ng * sq, sk), value).view(b, np_, sq, hn)  # [b, np, sq, hn]

@@ -139,7 +139,7 @@ def test_the_decode_core_equals_sdpa_for_one_token_per_row_reading_a_cache_view(
     mask = masks[mask_kind]
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=0.3, enable_gqa=groups != np_)  # [b, np, 1, hn]
-    got = attention_core.decode_core_attention(query, key, value, mask, 0.3)
+    got = attention_core.unfused_core_attention(query, key, value, mask, 0.0, 0.3)
     assert got.shape == (b, np_, 1, hn)
     assert (got - expected).abs().max().item() < 1e-6
 
