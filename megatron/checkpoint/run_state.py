@@ -26,7 +26,8 @@ from megatron.config.model import swiglu_default_ffn_size
 from megatron.model.layout import LAYOUT, LEGACY_LAYOUT
 
 __all__ = ["build_run_state", "checkpoint_layout", "record_from_megatron_args", "megatron_args", "MEGATRON_CHECKPOINT_VERSION", "load_run_state", "model_config_from_dict", "check_model_config",
-           "ARCHITECTURE_FIELDS", "converted_client_state", "converted_run_state", "UNIVERSAL_ENGINE", "universal_engine"]
+           "ARCHITECTURE_FIELDS", "converted_client_state", "converted_run_state", "UNIVERSAL_ENGINE", "universal_engine",
+           "saving_engine"]
 
 
 def _record(model: dict, parallel: dict, tokenizer: dict, progress: dict, seq_length: int) -> dict:
@@ -84,12 +85,21 @@ def megatron_args(rc: RunConfig, progress: dict[str, int]) -> argparse.Namespace
 UNIVERSAL_ENGINE = "universal_engine"  # set by ds_to_universal.py: the engine whose names the zero/ folders use
 
 
+def saving_engine(record: dict) -> str:
+    """The DeepSpeed engine that saved a checkpoint (RunConfig.sharded_data_parallel's rule on its record):
+    "model" (the non-pipeline engine, GPTModel's names) for ZeRO-2/3 and every DeepSpeed-Ulysses run, else
+    "pipeline"."""
+    parallel = record.get("parallel", {})
+    sharded = parallel.get("zero_stage", 0) >= 2 or parallel.get("ds_sequence_parallel_size", 1) > 1
+    return "model" if sharded else "pipeline"
+
+
 def universal_engine(record: dict) -> str:
     """The DeepSpeed engine a universal checkpoint's parameter folders are named for: "pipeline" (ZeRO-0/1)
     or "model" (GPTModel's names, ZeRO-2/3); conversions before the record existed kept the saving run's."""
     if UNIVERSAL_ENGINE in record:
         return record[UNIVERSAL_ENGINE]
-    return "model" if record.get("parallel", {}).get("zero_stage", 0) >= 2 else "pipeline"
+    return saving_engine(record)
 
 
 def checkpoint_layout(record: dict) -> str:

@@ -64,13 +64,12 @@ def stores_attention_scores(rc: RunConfig) -> bool:
 
 def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
     p = rc.parallel
-    # Megatron sequence parallelism and DeepSpeed-Ulysses, when the parser has them (read defensively)
     return Layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
                   rc.batch.micro_batch_size, recompute=rc.training.checkpoint_activations,
                   zero_stage=rc.deepspeed_zero_stage, precision=rc.model.params_dtype,
                   partition_method=p.pp_partition_method, stage_layers=tuple(stage_layers),
-                  hpz=p.zero_hpz_partition_size, sequence_parallel=bool(getattr(p, "sequence_parallel", False)),
-                  ulysses=getattr(p, "ds_sequence_parallel_size", 1) or 1,
+                  hpz=p.zero_hpz_partition_size, sequence_parallel=p.sequence_parallel,
+                  ulysses=p.ds_sequence_parallel_size,
                   store_attention_scores=stores_attention_scores(rc))
 
 

@@ -38,8 +38,8 @@ def test_an_unknown_gpu_or_fabric_lists_the_known_ones():
 
 
 def test_planner_layout_reads_sequence_parallelism_and_the_attention_kernel(files):  # noqa: F811
-    """The SP / Ulysses settings are read by name where the config has them (getattr, so the flags wire
-    themselves in); the attention scores count only for an explicit sdpa without selective recomputation."""
+    """The SP / Ulysses settings reach the planner's layout; the attention scores count only for an explicit
+    sdpa without selective recomputation."""
     import dataclasses
     import types
 

@@ -12,6 +12,7 @@ import json
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
+from tests.training.test_zero_sharding import _layout
 
 ITERS = 10
 SP = "--sequence-parallel"
@@ -39,10 +40,6 @@ def _assert_same_run(reference, other, label):
         assert abs(a - b) <= 1e-5 * abs(a), f"{label}: iteration {i + 1} loss {b} vs {a} without {SP}"
     for i, (a, b) in enumerate(zip(reference["grad_norms"], other["grad_norms"])):
         assert abs(a - b) <= 1e-4 * abs(a), f"{label}: iteration {i + 1} grad norm {b} vs {a} without {SP}"
-
-
-def _layout(argv, *flags):
-    return list(argv) + [str(f) for f in flags]
 
 
 @pytest.mark.multiprocess

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from deepspeed.checkpoint import ds_to_universal as converter
 
     from megatron.checkpoint.integrity import record_checksums, verify_checksums
-    from megatron.checkpoint.run_state import UNIVERSAL_ENGINE, load_run_state, model_config_from_dict
+    from megatron.checkpoint.run_state import UNIVERSAL_ENGINE, load_run_state, model_config_from_dict, saving_engine
     from megatron.checkpoint.safe_load import only_safe_loading
     from megatron.checkpoint.tags import COMPLETE_MARKER, RUN_STATE, write_atomically, write_complete_marker
     from megatron.checkpoint.universal_engines import ENGINES, retarget
@@ -54,10 +54,7 @@ def main(argv=None) -> int:
                          f"(was the save interrupted?); convert a complete one")
     tag_dir = os.path.normpath(known.input_folder)
     record = load_run_state(os.path.dirname(tag_dir), os.path.basename(tag_dir))
-    parallel = record.get("parallel", {})
-    # the engine that saved it: megatron.engine.sharded for ZeRO-2/3 and for any DeepSpeed-Ulysses run
-    sharded = parallel.get("zero_stage", 0) >= 2 or parallel.get("ds_sequence_parallel_size", 1) > 1
-    source = "model" if sharded else "pipeline"
+    source = saving_engine(record)
     target = known.target_engine or source
     problems = verify_checksums(known.input_folder, distributed=False)
     if problems:
