@@ -57,6 +57,11 @@ def _child(fn, rank, world_size, port, backend, init_timeout_s, env, args, kwarg
     # suits several ranks sharing a few cores.
     torch.set_num_threads(1)
     os.environ.update(env)
+    # gloo connects every pair of ranks inside init_process_group (and new_group), and a rank can finish
+    # its side first: if fn then fails at once on that rank and it exits, a slower rank still connecting
+    # dies with "Connection closed by peer" instead of reporting its own error. The store barrier torch
+    # runs after each group's creation when this is set keeps every rank in until all are connected.
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size)})
