@@ -7,6 +7,7 @@ the Namespace into the frozen dataclasses (every ``validate()`` runs, and the De
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 from megatron.arguments.parse import parse_namespace
@@ -72,7 +73,7 @@ def assemble_run_config(args) -> RunConfig:
         lr_schedule=_pick(LRScheduleConfig, args),
         batch=_pick(BatchConfig, args, rampup_batch_size=rampup),
         precision=_pick(PrecisionConfig, args),
-        data=_pick(DataConfig, args, tokenizer=_pick(TokenizerConfig, args), data_path=args.data_path_pairs,
+        data=_pick(DataConfig, args, tokenizer=_pick(TokenizerConfig, args), data_path=args.data_path_pairs, eod_token_id=None,
                    train_weighted_split_groups=args.train_weighted_split_groups,
                    valid_weighted_split_groups=args.valid_weighted_split_groups,
                    test_weighted_split_groups=args.test_weighted_split_groups),
@@ -98,4 +99,7 @@ def resolve_vocab_size(run_config: RunConfig, tokenizer=None) -> RunConfig:
         tokenizer = build_tokenizer(d.tokenizer)
     padded = pad_vocab_size(tokenizer.vocab_size, d.make_vocab_size_divisible_by,
                             run_config.parallel.tensor_model_parallel_size, d.pad_vocab_size_to)
-    return run_config.with_vocab_size(tokenizer.vocab_size, padded)
+    run_config = run_config.with_vocab_size(tokenizer.vocab_size, padded)
+    if d.eod_mask_loss or d.reset_position_ids:
+        run_config = dataclasses.replace(run_config, data=dataclasses.replace(d, eod_token_id=tokenizer.eod))
+    return run_config

@@ -165,6 +165,15 @@ def _data(parser):
     g.add_argument("--data-cache-path", default=None,
                    help="Path to a directory to hold cached index files (the sample indexes built at startup). "
                         "Default: beside the data. It must be creatable and writable, and shared by all nodes.")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="No loss at positions whose input token is the tokenizer's end-of-document token (the "
+                        "prediction of the next document's first token from the previous document).")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="Position ids restart at 0 after each end-of-document token. Only learned absolute "
+                        "positions read position ids (as in Megatron-LM); with ALiBi or rotary it is refused.")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="Megatron's per-document attention mask inside a sample: not supported, refused with an "
+                        "error (attention is causal over the whole sample).")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes for training.")
     g.add_argument("--valid-num-workers", type=int, default=2,
                    help="DataLoader worker processes for validation and test.")

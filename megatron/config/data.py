@@ -84,6 +84,10 @@ class DataConfig:
     make_vocab_size_divisible_by: int = 128         # padding multiple (times TP) of the embedding rows
     pad_vocab_size_to: Optional[int] = None         # exact padded size instead (BLOOM: 250880)
     seed: int = 1234                                # sample-index shuffling seed
+    eod_mask_loss: bool = False                     # no loss where the input token is end-of-document
+    reset_position_ids: bool = False                # learned positions restart after each end-of-document
+    reset_attention_mask: bool = False              # Megatron's per-document attention mask: refused
+    eod_token_id: Optional[int] = None              # the tokenizer's end-of-document id (resolve_vocab_size)
 
     @property
     def uses_weighted_splits(self) -> bool:
@@ -133,6 +137,10 @@ class DataConfig:
             raise ValueError(f"--num-workers {self.num_workers} and --valid-num-workers "
                              f"{self.valid_num_workers} must be >= 0")
         self._validate_tokenizer()
+        if self.reset_attention_mask:
+            raise ValueError("--reset-attention-mask is not supported: attention is causal over the whole sample "
+                             "(documents packed into one sample see the ones before them, as in BLOOM's run); "
+                             "drop the flag (--eod-mask-loss and --reset-position-ids are available)")
         return self
 
     def _validate_tokenizer(self) -> None:

@@ -434,6 +434,11 @@ class RunConfig:
         self._validate_schedule()
         if self.model.seq_length != self.data.seq_length:
             raise ValueError(f"model seq_length {self.model.seq_length} != data seq_length {self.data.seq_length}")
+        if self.data.reset_position_ids and self.model.position_embedding_type != "absolute":
+            raise ValueError(f"--reset-position-ids changes the position ids, which only learned absolute positions "
+                             f"read (as in Megatron-LM); --position-embedding-type "
+                             f"{self.model.position_embedding_type} takes positions from the token order. Drop "
+                             f"the flag, or use --position-embedding-type absolute")
         if self.training.eval_iters > 0 and not self.data.has_validation_data:
             raise ValueError(f"--eval-iters {self.training.eval_iters} asks for evaluation every "
                              f"{self.training.eval_interval} iterations, but there is no validation data (no "

@@ -18,14 +18,30 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 
-def gpt_micro_batch(tokens: torch.Tensor):
-    """tokens [b, s + 1] -> ((input_ids, position_ids), (labels, loss_mask)), all [b, s]; every token counts."""
+def gpt_micro_batch(tokens: torch.Tensor, eod: Optional[int] = None, eod_mask_loss: bool = False,
+                    reset_position_ids: bool = False):
+    """tokens [b, s + 1] -> ((input_ids, position_ids), (labels, loss_mask)), all [b, s].
+
+    Every token counts, and positions run 0 .. s-1, unless (Megatron's --eod-mask-loss and
+    --reset-position-ids, which need ``eod``, the end-of-document id): no loss where the INPUT token is
+    ``eod`` (the guess of the next document's first token), and positions restarting at 0 on the token
+    after each ``eod``.
+    """
+    if (eod_mask_loss or reset_position_ids) and eod is None:
+        raise ValueError("eod_mask_loss and reset_position_ids need the end-of-document token id (eod)")
     tokens = tokens.long()
     input_ids = tokens[:, :-1].contiguous()  # [b, s]
     labels = tokens[:, 1:].contiguous()      # [b, s]
     b, s = input_ids.shape
     position_ids = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous()  # [b, s]
     loss_mask = torch.ones((b, s), dtype=torch.float32)
+    if eod_mask_loss:
+        loss_mask[input_ids == eod] = 0.0
+    if reset_position_ids:
+        starts = torch.zeros((b, s), dtype=torch.bool)
+        starts[:, 1:] = input_ids[:, :-1] == eod  # [b, s]: a document starts after each eod
+        document_start = torch.where(starts, position_ids, 0).cummax(dim=1).values  # [b, s]
+        position_ids = position_ids - document_start
     return (input_ids, position_ids), (labels, loss_mask)
 
 
@@ -48,9 +64,11 @@ class MicroBatchIterator:
     rank's slice of them). It ends with the loader: training never wraps around its data (the sampler covers
     the whole run)."""
 
-    def __init__(self, loader: Iterable, sp_rank: int = 0, sp_size: int = 1):
+    def __init__(self, loader: Iterable, sp_rank: int = 0, sp_size: int = 1, eod: Optional[int] = None,
+                 eod_mask_loss: bool = False, reset_position_ids: bool = False):
         self.loader = loader
         self.sp_rank, self.sp_size = sp_rank, sp_size
+        self.masking = dict(eod=eod, eod_mask_loss=eod_mask_loss, reset_position_ids=reset_position_ids)
         self._it: Optional[Iterator] = None
 
     def __iter__(self):
@@ -59,4 +77,4 @@ class MicroBatchIterator:
     def __next__(self):
         if self._it is None:
             self._it = iter(self.loader)
-        return sequence_slice(gpt_micro_batch(next(self._it)["text"]), self.sp_rank, self.sp_size)
+        return sequence_slice(gpt_micro_batch(next(self._it)["text"], **self.masking), self.sp_rank, self.sp_size)

@@ -59,4 +59,6 @@ def micro_batch_iterator(dataset, rc: RunConfig, *, consumed_samples: int, dp_ra
     Ulysses, sp_size > 1, this sequence-parallel rank's slice of each)."""
     loader = build_pretraining_data_loader(dataset, consumed_samples, rc.batch.micro_batch_size, dp_rank, dp_size,
                                            num_workers=num_workers)
-    return MicroBatchIterator(loader, sp_rank, sp_size)
+    d = rc.data
+    return MicroBatchIterator(loader, sp_rank, sp_size, eod=d.eod_token_id, eod_mask_loss=d.eod_mask_loss,
+                              reset_position_ids=d.reset_position_ids)

@@ -1,0 +1,102 @@
+"""Megatron's --eod-mask-loss and --reset-position-ids: what the micro-batches hold, and what the engine's loss
+makes of them; --reset-attention-mask refused by name."""
+
+import pytest
+import torch
+
+from megatron.arguments import run_config_from_argv
+from megatron.testing import run_distributed, tiny_argv
+from megatron.training.batches import gpt_micro_batch
+
+EOD = 7
+
+
+def _megatron_loops(tokens, eod):
+    """Megatron-LM's get_ltor_masks_and_position_ids (loss mask and position ids), as its loops do it."""
+    data = tokens[:, :-1]
+    b, s = data.shape
+    loss_mask = torch.ones(b, s)
+    loss_mask[data == eod] = 0.0
+    position_ids = torch.arange(s).repeat(b, 1)
+    for row in range(b):
+        previous = 0
+        for i in (data[row] == eod).nonzero().flatten().tolist():
+            position_ids[row, i + 1:] -= i + 1 - previous
+            previous = i + 1
+    return loss_mask, position_ids
+
+
+def test_masks_and_positions_equal_megatrons_loops():
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 12, (6, 41), generator=generator)  # about one token in 12 is the eod
+    tokens[2] = tokens[4] = 3  # no eod at all ...
+    tokens[0, 0] = tokens[1, 39] = tokens[2, 40] = EOD  # ... but as the last label; first and last inputs
+    tokens[3, 5:9] = EOD  # consecutive eods: empty documents
+    loss_mask, position_ids = _megatron_loops(tokens, EOD)
+    (input_ids, positions), (labels, mask) = gpt_micro_batch(tokens, EOD, eod_mask_loss=True,
+                                                             reset_position_ids=True)
+    assert torch.equal(mask, loss_mask) and torch.equal(positions, position_ids)
+    assert torch.equal(input_ids, tokens[:, :-1]) and torch.equal(labels, tokens[:, 1:])
+    assert mask[2].all() and not mask[1, 39] and not mask[0, 0]  # an eod as a label is a target
+    assert positions[3, 5:10].tolist() == [5, 0, 0, 0, 0] and positions[4].tolist() == list(range(40))
+
+    (_, plain_positions), (_, plain_mask) = gpt_micro_batch(tokens)
+    assert plain_mask.all() and torch.equal(plain_positions, torch.arange(40).repeat(6, 1))
+    (_, only_positions), (_, only_mask) = gpt_micro_batch(tokens, EOD, reset_position_ids=True)
+    assert only_mask.all() and torch.equal(only_positions, position_ids)
+    with pytest.raises(ValueError, match="need the end-of-document token id"):
+        gpt_micro_batch(tokens, eod_mask_loss=True)
+
+
+def test_refusals_name_the_flag(tiny_corpus):
+    with pytest.raises(ValueError, match="--reset-attention-mask is not supported"):
+        run_config_from_argv(tiny_argv(tiny_corpus, reset_attention_mask=True), world_size=1)
+    with pytest.raises(ValueError, match="--reset-position-ids .* --position-embedding-type alibi"):
+        run_config_from_argv(tiny_argv(tiny_corpus, reset_position_ids=True), world_size=1)
+    rc = run_config_from_argv(tiny_argv(tiny_corpus, eod_mask_loss=True), world_size=1)
+    from megatron.data.tokenizers import build_tokenizer
+
+    assert rc.data.eod_token_id == build_tokenizer(rc.data.tokenizer).eod
+    assert run_config_from_argv(tiny_argv(tiny_corpus), world_size=1).data.eod_token_id is None
+
+
+def _engine_loss_and_reference(rank, world_size, argv):
+    """The pipeline engine's loss on the run's first micro-batch, and the same weights' loss computed here
+    as a plain GPTModel on positions and a mask made by Megatron's loops from the tokens."""
+    from megatron.engine.initialize import build_engine, init_deepspeed_comm
+    from megatron.model import GPTModel
+    from megatron.model.layout import model_name
+    from megatron.parallel.state import ParallelState
+    from megatron.training.data import build_datasets, micro_batch_iterator
+    from megatron.training.pretrain import set_seeds
+
+    rc = run_config_from_argv(argv, world_size=1)
+    init_deepspeed_comm("gloo")
+    state = ParallelState.create(1, 1)
+    engine = build_engine(rc, state, tracker=set_seeds(rc.training.seed, state))
+    batch = next(micro_batch_iterator(build_datasets(rc).train, rc, consumed_samples=0, dp_rank=0, dp_size=1,
+                                      num_workers=0))
+    engine_loss = float(engine.eval_batch(iter([batch])))
+
+    (input_ids, _), (labels, _) = batch
+    tokens = torch.cat([input_ids, labels[:, -1:]], dim=1)  # [b, s + 1]
+    loss_mask, position_ids = _megatron_loops(tokens, rc.data.eod_token_id)
+    model = GPTModel(rc.model, state)
+    model.load_state_dict({model_name(k, rc.model): v for k, v in engine.module.state_dict().items()})
+    model.eval()
+    with torch.no_grad():
+        per_token = model(input_ids, position_ids, labels=labels)  # [b, s]
+        plain = model(input_ids, labels=labels).mean()
+    reference = float((per_token * loss_mask).sum() / loss_mask.sum())
+    return engine_loss, reference, float(plain), int((input_ids == rc.data.eod_token_id).sum())
+
+
+@pytest.mark.multiprocess
+def test_the_engine_loss_uses_the_mask_and_positions(tiny_corpus):
+    argv = tiny_argv(tiny_corpus, seq_length=128, micro_batch_size=4, global_batch_size=4, eod_mask_loss=True,
+                     reset_position_ids=True, position_embedding_type="absolute", embed_layernorm=False)
+    engine_loss, reference, plain, eods = run_distributed(_engine_loss_and_reference, world_size=1,
+                                                          args=(argv,))[0]
+    assert eods >= 2, "the samples should hold documents ends"
+    assert abs(engine_loss - reference) <= 1e-5 * reference, (engine_loss, reference)
+    assert abs(plain - reference) > 1e-4 * reference  # what the flags change is visible at this tolerance
