@@ -12,8 +12,9 @@ Storage is [rows, ng, cap, hn], allocated ahead along both rows and cap (doublin
 in place: a step writes one position per row, a joining row writes its own slot, a leaving row moves
 only the rows after it (each row's whole slot, so positions past a row's length stay zeros). Each (row,
 head)'s keys are contiguous, the layout the fused attention kernel reads fastest (with [cap, b, ng, hn]
-SDPA took 9x longer at 64 rows on CPU). The room is kept when rows leave (the next ones reuse it): a cache
-holds up to twice the most rows and positions it has had at once, until it is dropped. ``append`` hands attention a view [sk, b, ng, hn] (the layout
+SDPA took 9x longer at 64 rows on CPU). The room is kept while rows leave (the next ones reuse it): a cache
+holds up to twice the most rows and positions it has had at once, until its last row leaves, which frees it
+(an idle server holds no cache). ``append`` hands attention a view [sk, b, ng, hn] (the layout
 ``KVCache`` returns), sk = the longest row, which attention permutes back to [b, ng, sk, hn] without a copy.
 
 The lengths are kept twice: ``lengths``, a tuple of ints (the longest row, and the key of the masks
@@ -93,6 +94,10 @@ class BatchKVCache:
         rows = list(rows)
         if len(set(rows)) != len(rows) or not all(0 <= r < self.num_rows for r in rows):
             raise ValueError(f"rows {rows} must be distinct rows of the {self.num_rows} in the cache")
+        if not rows:  # the batch has emptied: give the storage back (the next rows allocate for their size)
+            self.key = self.value = None
+            self._set_lengths(())
+            return
         first = next((i for i, r in enumerate(rows) if r != i), len(rows))  # rows before it stay where they are
         if self.key is not None and first < len(rows):
             moved = torch.tensor(rows[first:], dtype=torch.long, device=self.key.device)

@@ -97,6 +97,15 @@ def test_rows_grow_past_their_room_and_keep_their_keys():
     assert torch.equal(cache.key[0, :, :3], key[:, 0].transpose(0, 1)) and cache.key[0, :, 3:].abs().max() == 0
     assert torch.equal(cache.value[4, :, :40], long_value[:, 0].transpose(0, 1))
 
+    cache.keep_rows([4])  # the room stays while rows are left ...
+    assert cache.key.shape == (8, 2, 64, 4) and cache.lengths == (40,)
+    cache.keep_rows([])  # ... and goes with the last one
+    assert cache.key is None and cache.value is None and cache.lengths == () and cache.length == 0
+    short_key, short_value = _rows([3, 5], seed=8)
+    cache.add_rows(short_key, short_value, [3, 5])  # a new batch allocates for itself
+    assert cache.key.shape == (2, 2, 16, 4) and cache.lengths == (3, 5) and cache.row_lengths.tolist() == [3, 5]
+    assert torch.equal(cache.key[1, :, :5], short_key[:, 1].transpose(0, 1))
+
 
 def test_the_layers_of_one_decode_step_share_one_alibi_bias(monkeypatch):
     import megatron.model.attention as attention
