@@ -138,6 +138,10 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
       scores      softmax output and its dropout output (w each), the dropout mask (1 byte): (2w + 1)as/h,
                   5as/h at w = 2; divided by t; absent when ``layout.store_attention_scores`` is False.
     All of it for s/u tokens with Ulysses degree u; the scores keep s (full-sequence attention over a/(tu) heads).
+    Ulysses with a fused kernel (no scores stored) keeps one more context-sized tensor, w per h: the kernel holds
+    its output [s, b, a/(tu), hn] for backward and the dense projection the [s/u, b, a/t, hn] that the reverse
+    all-to-all returns (without Ulysses these are one tensor; with stored scores the core keeps its probabilities
+    and v, not its output). Measured on CPU, benchmarks/bench_sequence_memory.py.
 
     sp_saves_gathered_inputs: the SP implementation keeps the all-gathered [s, b, h] inputs of the QKV and
     MLP column-parallel layers for their weight gradients (2w at full size) instead of gathering them again.
@@ -150,7 +154,8 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
         outside /= t
         if sp_saves_gathered_inputs:
             outside += 2 * w * (1 - 1 / t)
-    attention = (2 + 2 * model.kv_hidden / h) * w
+    second_context = 1 if u > 1 and not layout.store_attention_scores else 0
+    attention = (2 + 2 * model.kv_hidden / h + second_context) * w
     mlp = (4 if model.swiglu else 2) * model.ffn / h * w
     scores = (2 * w + 1) * a * s / h if layout.store_attention_scores else 0.0
     return s / u * b * h * (outside + (attention + mlp + scores) / t)

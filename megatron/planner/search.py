@@ -149,8 +149,9 @@ def _limit(gpu: GPUSpec, memory_limit: Optional[float]) -> float:
     return gpu.memory_bytes * MEMORY_HEADROOM if memory_limit is None else memory_limit
 
 
-# (name, sequence parallelism options, whether Ulysses degrees beyond 1 are allowed): each family
-# contains the one before it, so its longest sequence is at least as long.
+# (name, sequence parallelism options, whether Ulysses degrees beyond 1 are allowed): +SP and +Ulysses each
+# contain 3D/ZeRO, and +SP+Ulysses contains all three, so their longest sequences are at least as long
+# (+SP and +Ulysses are not ordered).
 SEQUENCE_FAMILIES = (("3D/ZeRO", (False,), False), ("+SP", (False, True), False),
                      ("+Ulysses", (False,), True), ("+SP+Ulysses", (False, True), True))
 SEQUENCE_STEP = 256          # the answer is a multiple of this

@@ -29,6 +29,8 @@ def test_layer_activations_by_hand_sp_divides_the_34_and_ulysses_divides_everyth
     assert layer_activation_bytes(TINY, _layout(tp=1, ulysses=4), s) == 1024 * (34 + 10) == 45056
     # a fused kernel keeps no scores; SP at t = 1 changes nothing
     assert layer_activation_bytes(TINY, _layout(store_attention_scores=False), s) == 4096 * 22
+    # ... but its output, beside the all-to-all's context that the dense projection keeps under Ulysses: 2 / t more
+    assert layer_activation_bytes(TINY, _layout(store_attention_scores=False, ulysses=2), s) == 2048 * (22 + 1)
     assert layer_activation_bytes(TINY, _layout(tp=1, sequence_parallel=True), s) == \
         layer_activation_bytes(TINY, _layout(tp=1), s) == 4096 * (34 + 10)
     # fp32: 4 x 4 + 2 outside TP, (2 + 2) x 4 + 2 x 4 x 4 inside, (2 x 4 + 1) as/h scores
