@@ -13,6 +13,8 @@ only, clip 1.0), no dropout. Variants, all in the same process:
   hf_bf16          BloomForCausalLM cast to bf16, AdamW on bf16 weights (no fp32 masters)
   ours_model_autocast_bf16  our GPTModel (megatron.model) alone in the same plain loop as
                    hf_autocast_bf16: the model code's speed without DeepSpeed (weights identical)
+  ours_bf16_unfused  ours_bf16 with --attention-backend unfused (matmuls and an fp32 softmax instead of SDPA's
+                   fused CPU kernel: faster at short sequences in bf16, keeps the [b, np, s, s] probabilities)
   ours_fp32, hf_fp32
   *_compiled       the same with torch.compile: ours with --torch-compile (each transformer layer compiled),
                    transformers' model compiled whole (nn.Module.compile), the fair strong baseline
@@ -49,10 +51,11 @@ MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=25
              global_batch_size=8)
 OPTIM = dict(lr=1e-4, weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
 # (ours, theirs): the comparisons, each at the same precision; eager against eager, compiled against compiled.
-PAIRS = (("ours_bf16", "hf_autocast_bf16"), ("ours_bf16", "hf_bf16"), ("ours_fp32", "hf_fp32"),
+PAIRS = (("ours_bf16", "hf_autocast_bf16"), ("ours_bf16", "hf_bf16"), ("ours_bf16_unfused", "hf_autocast_bf16"),
+         ("ours_fp32", "hf_fp32"),
          ("ours_model_autocast_bf16", "hf_autocast_bf16"), ("ours_bf16_compiled", "hf_autocast_bf16_compiled"),
          ("ours_fp32_compiled", "hf_fp32_compiled"))
-VARIANTS = ("ours_bf16", "hf_autocast_bf16", "hf_bf16", "ours_model_autocast_bf16", "ours_fp32",
+VARIANTS = ("ours_bf16", "hf_autocast_bf16", "hf_bf16", "ours_model_autocast_bf16", "ours_bf16_unfused", "ours_fp32",
             "hf_fp32", "ours_bf16_compiled", "hf_autocast_bf16_compiled", "ours_fp32_compiled", "hf_fp32_compiled")
 HF_MODES = {"hf_autocast_bf16": "autocast", "hf_bf16": "bf16", "hf_fp32": "fp32"}
 
@@ -61,10 +64,16 @@ def precision_of(variant: str) -> str:
     return "fp32" if "fp32" in variant else "bf16"
 
 
-def run_argv(corpus: dict, bf16: bool, compiled: bool = False) -> list[str]:
+def run_argv(corpus: dict, bf16: bool, compiled: bool = False, attention_backend: str = "auto") -> list[str]:
     argv = tiny_argv(corpus, train_iters=1000, lr_warmup_iters=0, lr_decay_style="constant", min_lr=0.0,
-                     **MODEL, **OPTIM)
+                     attention_backend=attention_backend, **MODEL, **OPTIM)
     return argv + (["--bf16"] if bf16 else []) + (["--torch-compile"] if compiled else [])
+
+
+def variant_argv(corpus: dict, variant: str) -> list[str]:
+    """The flags of one of our engine variants (ours_<precision>[_unfused][_compiled])."""
+    return run_argv(corpus, precision_of(variant) == "bf16", compiled=variant.endswith("_compiled"),
+                    attention_backend="unfused" if "_unfused" in variant else "auto")
 
 
 class Ours:
@@ -183,8 +192,8 @@ def build(corpus: dict, variants) -> dict:
     engine's weights of their precision before any of them trains."""
     runners = {}
     for v in variants:
-        if v in ("ours_bf16", "ours_fp32", "ours_bf16_compiled", "ours_fp32_compiled"):
-            runners[v] = Ours(run_argv(corpus, precision_of(v) == "bf16", compiled=v.endswith("_compiled")))
+        if v.startswith("ours_") and v != "ours_model_autocast_bf16":
+            runners[v] = Ours(variant_argv(corpus, v))
     for v in variants:
         if v == "ours_model_autocast_bf16":
             source = runners["ours_bf16"]
@@ -283,7 +292,7 @@ def memory_child(variant: str, corpus_dir: str) -> None:
     bf16 = precision_of(variant) == "bf16"
     compiled = variant.endswith("_compiled")
     if variant.startswith("ours"):
-        runner = Ours(run_argv(corpus, bf16, compiled))
+        runner = Ours(variant_argv(corpus, variant))
         batches = take_batches(runner, 3)
     else:
         rc = run_config_from_argv(run_argv(corpus, bf16), world_size=1)
@@ -324,7 +333,8 @@ def main() -> None:
     # Losses from identical weights on identical batches (ours_* trains first: HF copied its start).
     losses = {v: [r.step(batches[i]) for i in range(args.loss_steps)] for v, r in runners.items()}
     curves = {}
-    for ours, theirs in PAIRS + (("ours_bf16_compiled", "ours_bf16"), ("ours_fp32_compiled", "ours_fp32")):
+    for ours, theirs in PAIRS + (("ours_bf16_compiled", "ours_bf16"), ("ours_fp32_compiled", "ours_fp32"),
+                                 ("ours_bf16_unfused", "ours_bf16")):
         rel = [abs(a - b) / abs(b) for a, b in zip(losses[ours], losses[theirs])]
         curves[f"{ours}_vs_{theirs}"] = {"max_rel_diff": max(rel), "mean_rel_diff": sum(rel) / len(rel)}
 
@@ -347,8 +357,8 @@ def main() -> None:
     ratios.update(best_ratios(speed))
 
     profiles = {v: profile_step(runners[v], batches, args.profile_steps)
-                for v in ("ours_bf16", "hf_autocast_bf16", "ours_model_autocast_bf16", "ours_bf16_compiled",
-                          "hf_autocast_bf16_compiled")}
+                for v in ("ours_bf16", "hf_autocast_bf16", "ours_model_autocast_bf16", "ours_bf16_unfused",
+                          "ours_bf16_compiled", "hf_autocast_bf16_compiled")}
 
     memory = {}
     # a fresh single-process group in each child: drop the rendezvous this process set up

@@ -274,9 +274,10 @@ class SelfAttention(nn.Module):
         with self._dropout_rng(dropout_p):
             if backend == "flash":
                 return flash_core_attention(query, key, value, self.alibi_slopes, dropout_p, scale)
-            mask = self._attention_mask(positions, offset, key.shape[2], query.dtype, row_lengths)
-            if backend == "unfused":
+            if backend == "unfused":  # an fp32 bias: added to the bf16 scores in fp32 (the sum is not rounded)
+                mask = self._attention_mask(positions, offset, key.shape[2], torch.float32, row_lengths)
                 return unfused_core_attention(query, key, value, mask, dropout_p, scale)  # [b, np, sq, hn]
+            mask = self._attention_mask(positions, offset, key.shape[2], query.dtype, row_lengths)
             # enable_gqa: query head i attends with key / value head i // (np / ng), as the layout groups them.
             gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
             return F.scaled_dot_product_attention(

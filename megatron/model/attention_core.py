@@ -190,20 +190,28 @@ def unfused_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     query [b, np, sq, hn], key / value [b, ng, sk, hn]; mask: an additive bias [1 or b, np, sq, sk], a boolean
     mask [sq, sk] or [b, 1, sq, sk] (True = attend), or None for causal with sq = sk -> context [b, np, sq, hn].
     Dropout (on the probabilities, as SDPA's) draws from the caller's RNG state.
+
+    As Megatron's: the scale is applied inside the QK^T product (baddbmm's alpha: one rounding, no pass over
+    the scores), the bias added and the softmax taken in fp32 in one kernel each (the sum promotes to fp32;
+    softmax's dtype casts as it reads): three passes over the [b, np, sq, sk] scores fewer, forward and
+    backward, than a cast, a scale and an add.
     """
     b, np_, sq, hn = query.shape
     ng, sk = key.shape[1], key.shape[2]
     # Query head i uses key / value head i // (np / ng): a group's query heads side by side in one product, with
     # no copies of the keys and values (views of a KV cache merge b and ng without a copy).
-    grouped = query.reshape(b, ng, np_ // ng * sq, hn)  # [b, ng, np/ng * sq, hn]
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).view(b, np_, sq, sk).float() * scale  # [b, np, sq, sk]
+    grouped = query.reshape(b * ng, np_ // ng * sq, hn)  # [b ng, np/ng * sq, hn]
+    unused = query.new_empty((1, 1, 1))  # beta = 0: baddbmm never reads it
+    scores = torch.baddbmm(unused, grouped, key.reshape(b * ng, sk, hn).transpose(1, 2), beta=0.0,
+                           alpha=scale).view(b, np_, sq, sk)  # [b, np, sq, sk], the input dtype
     if mask is None:
         mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril_(sk - sq)  # [sq, sk] causal
     if mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     else:
-        scores = scores + mask.float()
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)  # [b, np, sq, sk]
+        scores = scores + mask  # an fp32 bias promotes the sum to fp32
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # [b, np, sq, sk]
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs.view(b, ng, np_ // ng * sq, sk), value).view(b, np_, sq, hn)  # [b, np, sq, hn]
+    context = torch.bmm(probs.view(b * ng, np_ // ng * sq, sk), value.reshape(b * ng, sk, hn))
+    return context.view(b, np_, sq, hn)  # [b, np, sq, hn]
