@@ -495,8 +495,6 @@ class RunConfig:
                              f"--checkpoint-activations alone recomputes the layers")
         if self.fp16:
             raise ValueError(f"--fp16 with {flag} is not supported here (not testable on CPU); use --bf16 or fp32")
-        if self.training.torch_compile:
-            raise ValueError(f"--torch-compile with {flag} is not tested here; drop one of them")
 
     def _validate_sharding(self, pp: int) -> None:
         stage = self.precision.zero_stage

@@ -2,8 +2,8 @@
 
 fp32, no dropout, 10 iterations of pretrain_gpt's path: losses within 1e-5 (relative) and grad norms within
 1e-4 of a single process, for BLOOM (ALiBi), a Llama-style model (rotary, SwiGLU, RMSNorm, GQA) and learned
-positions, at SP=2 (ZeRO 0, 1, 2 and 3), SP=4, SP=2 x TP=2 (also with Megatron's --sequence-parallel) and
-SP=2 x DP=2; bf16 tracks fp32; a run saved at
+positions, at SP=2 (ZeRO 0, 1, 2 and 3; with --torch-compile at ZeRO 0 and 3), SP=4, SP=2 x TP=2 (also with
+Megatron's --sequence-parallel) and SP=2 x DP=2; bf16 tracks fp32; a run saved at
 iteration 5 and resumed with SP=2 continues bit for bit; bad layouts are refused before launch. One launch
 per world size trains every layout of that size in turn.
 """
@@ -44,6 +44,9 @@ def runs(tiny_corpus, tmp_path_factory):
         "llama sp2": (_layout(models["llama"], *SP2), "llama"),
         "learned sp2": (_layout(models["learned"], *SP2), "learned"),
         "bloom sp2 bf16": (_layout(bloom, *SP2, "--bf16"), "bloom"),
+        # compiled layers with the all-to-alls inside them
+        "bloom sp2 compiled": (_layout(bloom, *SP2, "--torch-compile"), "bloom"),
+        "llama sp2 zero3 compiled": (_layout(models["llama"], *SP2, "--zero-stage", 3, "--torch-compile"), "llama"),
         "first half": (_layout(bloom, *SP2, "--zero-stage", 1, "--save", save, "--save-interval", 100,
                                "--exit-interval", 5), "bloom"),
         "resumed": (_layout(bloom, *SP2, "--zero-stage", 1, "--load", save), "bloom"),
@@ -68,6 +71,7 @@ def runs(tiny_corpus, tmp_path_factory):
 
 
 EXACT = ["bloom sp2", "bloom sp2 zero1", "bloom sp2 zero2", "bloom sp2 zero3", "llama sp2", "learned sp2",
+         "bloom sp2 compiled", "llama sp2 zero3 compiled",
          "bloom sp4", "bloom sp2 tp2", "bloom sp2 tp2 megatron sp", "llama sp2 tp2", "bloom sp2 dp2", "learned sp2 dp2"]
 
 
@@ -88,6 +92,9 @@ def test_ulysses_engine_and_optimizers(runs):
     for label, optimizer in expected.items():
         for rank, (_, result) in out[label].items():
             assert result["optimizer"] == optimizer, (label, rank, result["optimizer"])
+    for label in ("bloom sp2 compiled", "llama sp2 zero3 compiled", "bloom sp2"):
+        for rank, (_, result) in out[label].items():  # the tiny models' two layers, compiled or not
+            assert result["compiled_layers"] == (0 if label == "bloom sp2" else 2), (label, rank, result)
 
 
 @pytest.mark.multiprocess
