@@ -73,7 +73,8 @@ def assemble_run_config(args) -> RunConfig:
         lr_schedule=_pick(LRScheduleConfig, args),
         batch=_pick(BatchConfig, args, rampup_batch_size=rampup),
         precision=_pick(PrecisionConfig, args),
-        data=_pick(DataConfig, args, tokenizer=_pick(TokenizerConfig, args), data_path=args.data_path_pairs, eod_token_id=None,
+        data=_pick(DataConfig, args, tokenizer=_pick(TokenizerConfig, args), data_path=args.data_path_pairs,
+                   eod_token_id=None,  # known once the tokenizer is built (resolve_vocab_size)
                    train_weighted_split_groups=args.train_weighted_split_groups,
                    valid_weighted_split_groups=args.valid_weighted_split_groups,
                    test_weighted_split_groups=args.test_weighted_split_groups),
