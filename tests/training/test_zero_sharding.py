@@ -40,7 +40,8 @@ def _train(rank, world_size, runs):
             "full_numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
             "hpz_ranks": dist.get_process_group_ranks(hpz) if hpz is not None else None,
             "hpz_ranks_engine": getattr(engine, "hpz_ranks", None),
-            "compiled_layers": sum(getattr(m, "_compiled_call_impl", None) is not None for m in engine.module.modules()),
+            "compiled_layers": sum(getattr(m, "_compiled_call_impl", None) is not None
+                                   for m in engine.module.modules()),  # --torch-compile's layers
         })
     return out
 
