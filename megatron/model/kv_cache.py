@@ -12,9 +12,9 @@ Storage is [rows, ng, cap, hn], allocated ahead along both rows and cap (doublin
 in place: a step writes one position per row, a joining row writes its own slot, a leaving row moves
 only the rows after it (each row's whole slot, so positions past a row's length stay zeros). Each (row,
 head)'s keys are contiguous, the layout the fused attention kernel reads fastest (with [cap, b, ng, hn]
-SDPA took 9x longer at 64 rows on CPU). The room is kept while rows leave (the next ones reuse it): a cache
-holds up to twice the most rows and positions it has had at once, until its last row leaves, which frees it
-(an idle server holds no cache). ``append`` hands attention a view [sk, b, ng, hn] (the layout
+SDPA took 9x longer at 64 rows on CPU). The room is kept while rows leave (the next ones reuse it), until at
+most a quarter of it is in use along rows or positions, when that dim is halved; the last row leaving frees the
+storage (an idle server holds no cache). ``append`` hands attention a view [sk, b, ng, hn] (the layout
 ``KVCache`` returns), sk = the longest row, which attention permutes back to [b, ng, sk, hn] without a copy.
 
 The lengths are kept twice: ``lengths``, a tuple of ints (the longest row, and the key of the masks
@@ -107,6 +107,26 @@ class BatchKVCache:
                 self.key[first:len(rows)] = self.key.index_select(0, moved)  # [m, ng, cap, hn]
                 self.value[first:len(rows)] = self.value.index_select(0, moved)
         self._set_lengths([self.lengths[r] for r in rows])
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """Halve the storage along each dim while at most a quarter of it is in use (rows, or the longest row's
+        positions, down to MIN_POSITIONS): a server whose batch never empties still gives back what a burst
+        grew. Quarter, not half, so that a row joining or a step after a halving does not double it again."""
+        slots, cap = self.key.shape[0], self.key.shape[2]
+        new_slots, new_cap = slots, cap
+        while new_slots > 1 and 4 * self.num_rows <= new_slots:
+            new_slots //= 2
+        while new_cap > MIN_POSITIONS and 4 * self.length <= new_cap:
+            new_cap //= 2
+        if (new_slots, new_cap) == (slots, cap):
+            return
+        b, kept = self.num_rows, min(cap, new_cap)
+        with torch.inference_mode(self.key.is_inference()):
+            shape = (new_slots, self.key.shape[1], new_cap, self.key.shape[3])  # [rows, ng, cap, hn]
+            key, value = self.key.new_zeros(shape), self.value.new_zeros(shape)
+            key[:b, :, :kept], value[:b, :, :kept] = self.key[:b, :, :kept], self.value[:b, :, :kept]
+        self.key, self.value = key, value
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's keys and values [sq, b, ng, hn] at each row's own positions; return the keys

@@ -97,8 +97,17 @@ def test_rows_grow_past_their_room_and_keep_their_keys():
     assert torch.equal(cache.key[0, :, :3], key[:, 0].transpose(0, 1)) and cache.key[0, :, 3:].abs().max() == 0
     assert torch.equal(cache.value[4, :, :40], long_value[:, 0].transpose(0, 1))
 
-    cache.keep_rows([4])  # the room stays while rows are left ...
-    assert cache.key.shape == (8, 2, 64, 4) and cache.lengths == (40,)
+    cache.keep_rows([4, 0, 1])  # the room stays while more than a quarter of it is in use ...
+    assert cache.key.shape == (8, 2, 64, 4) and cache.lengths == (40, 3, 2)
+    cache.keep_rows([1, 2])  # ... then halves: rows 8 -> 4 (2 in use), positions 64 -> 16 (the 40 has left)
+    assert cache.key.shape == (4, 2, 16, 4) and cache.lengths == (3, 2)
+    assert torch.equal(cache.key[0, :, :3], key[:, 0].transpose(0, 1)) and cache.key[0, :, 3:].abs().max() == 0
+    cache.keep_rows([0])
+    assert cache.key.shape == (2, 2, 16, 4) and cache.lengths == (3,)  # rows 4 -> 2; 16 positions at least
+    assert torch.equal(cache.key[0, :, :3], key[:, 0].transpose(0, 1)) and cache.key[0, :, 3:].abs().max() == 0
+    step_key, step_value = _rows([1], seed=9)
+    keys, _ = cache.append(step_key, step_value)  # decoding continues on the smaller storage
+    assert keys.shape == (4, 1, 2, 4) and torch.equal(keys[3, 0], step_key[0, 0])
     cache.keep_rows([])  # ... and goes with the last one
     assert cache.key is None and cache.value is None and cache.lengths == () and cache.length == 0
     short_key, short_value = _rows([3, 5], seed=8)
