@@ -127,7 +127,8 @@ def _parallelism(parser):
                         "this many data-parallel ranks (DeepSpeed ZeRO++'s hpZ, zero_optimization."
                         "zero_hpz_partition_size), so that the all-gathers of the backward pass stay inside a group "
                         "(a node); the optimizer state and gradients stay sharded over all data-parallel ranks. "
-                        "Must divide the data-parallel size. Default 1: no secondary copy.")
+                        "Must divide the data-parallel size (with --ds-sequence-parallel-size, data-parallel x "
+                        "sequence-parallel: ZeRO shards over both). Default 1: no secondary copy.")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism (Korthikanti et al. 2022): inside each tensor-parallel "
                         "group, layer norms, dropout and residual adds run on a 1/TP shard of the sequence, the "

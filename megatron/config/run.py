@@ -48,10 +48,13 @@ class ParallelConfig:
             raise ValueError(f"--pp-partition-method {self.pp_partition_method!r} is not one of "
                              f"{', '.join(PARTITION_METHODS)}")
         _positive("--zero-hpz-partition-size", self.zero_hpz_partition_size)
-        if self.data_parallel_size % self.zero_hpz_partition_size:
-            raise ValueError(f"--zero-hpz-partition-size {self.zero_hpz_partition_size} does not divide the "
-                             f"data-parallel size {self.data_parallel_size}; use a divisor of it (e.g. the GPUs per "
-                             f"node divided by --tensor-model-parallel-size)")
+        # ZeRO shards over the data-parallel ranks, and with Ulysses over their sequence-parallel ranks too
+        shards, sp = self.data_parallel_size * self.ds_sequence_parallel_size, self.ds_sequence_parallel_size
+        if shards % self.zero_hpz_partition_size:
+            over = f"data-parallel size {shards}" if sp == 1 else \
+                f"data-parallel x sequence-parallel size {self.data_parallel_size} x {sp} = {shards}"
+            raise ValueError(f"--zero-hpz-partition-size {self.zero_hpz_partition_size} does not divide the {over}; "
+                             f"use a divisor of it (e.g. the GPUs per node divided by --tensor-model-parallel-size)")
         if not self.distributed_timeout_minutes > 0:
             raise ValueError(f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
@@ -487,9 +490,6 @@ class RunConfig:
                 raise ValueError(f"{name} {count} is not divisible by --tensor-model-parallel-size {tp} x {flag} = "
                                  f"{tp * sp}: after the all-to-all each rank attends with whole heads; choose sizes "
                                  f"whose product divides it")
-        if self.parallel.zero_hpz_partition_size > 1:
-            raise ValueError(f"--zero-hpz-partition-size does not combine with {flag} here (its groups would have to "
-                             f"span the sequence-parallel ranks); drop one of them")
         if self.training.deepspeed_activation_checkpointing:
             raise ValueError(f"--deepspeed-activation-checkpointing is for the pipeline engine; with {flag}, "
                              f"--checkpoint-activations alone recomputes the layers")

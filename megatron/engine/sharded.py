@@ -128,9 +128,10 @@ class DeepSpeedMPU:
 
 
 def hpz_group_ranks(state: ParallelState, size: int) -> list[list[int]]:
-    """The hpZ groups (``--zero-hpz-partition-size``): each data-parallel group (ranks of one TP rank) cut into
-    runs of ``size`` consecutive data-parallel ranks."""
-    return [ranks[i:i + size] for ranks in state.layout.data for i in range(0, len(ranks), size)]
+    """The hpZ groups (``--zero-hpz-partition-size``): each group ZeRO shards over (the data-parallel ranks of one
+    TP rank; with Ulysses their sequence-parallel ranks too, the SP ranks of one replica next to each other) cut
+    into runs of ``size`` consecutive ranks of it."""
+    return [ranks[i:i + size] for ranks in state.layout.sequence_data for i in range(0, len(ranks), size)]
 
 
 def set_hpz_group(state: ParallelState, size: int) -> Optional[list[int]]:

@@ -161,9 +161,8 @@ def _sharding_summary(rc: RunConfig) -> str:
     stage, dp = rc.deepspeed_zero_stage, rc.parallel.data_parallel_size
     sharded = {0: "nothing sharded", 1: "optimizer state", 2: "optimizer state and gradients",
                3: "optimizer state, gradients and parameters"}[stage]
-    hpz = rc.parallel.zero_hpz_partition_size
-    secondary = f", a secondary parameter shard in {dp // hpz} groups of {hpz} (hpZ)" if hpz > 1 else ""
-    sp = rc.parallel.ds_sequence_parallel_size
+    hpz, sp = rc.parallel.zero_hpz_partition_size, rc.parallel.ds_sequence_parallel_size
+    secondary = f", a secondary parameter shard in {dp * sp // hpz} groups of {hpz} (hpZ)" if hpz > 1 else ""
     over = f" over DP={dp}" if sp == 1 else f" over DP x SP={dp * sp}"
     return f"ZeRO-{stage}: {sharded}" + (over if stage else "") + secondary
 

@@ -74,6 +74,9 @@ def test_with_vocab_size_fills_the_model_and_revalidates():
     (dict(precision=PrecisionConfig(zero_stage=3), parallel=ParallelConfig(data_parallel_size=2,
                                                                           zero_hpz_partition_size=4)),
      "--zero-hpz-partition-size 4 does not divide the data-parallel size 2"),
+    (dict(precision=PrecisionConfig(zero_stage=3), parallel=ParallelConfig(
+        data_parallel_size=1, ds_sequence_parallel_size=2, zero_hpz_partition_size=4)),
+     "--zero-hpz-partition-size 4 does not divide the data-parallel x sequence-parallel size 1 x 2 = 2"),
     (dict(precision=PrecisionConfig(zero_stage=2), activation_checkpointing=True),
      "--deepspeed-activation-checkpointing is for the pipeline engine; with --zero-stage 2, --checkpoint-activations "
      "alone recomputes the layers"),

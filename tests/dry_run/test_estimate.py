@@ -57,3 +57,14 @@ def test_planner_layout_reads_sequence_parallelism_and_the_attention_kernel(file
     with_flag = parse(files, world_size=8, tensor_model_parallel_size=2, bf16=True, global_batch_size=16,
                       sequence_parallel=True)
     assert planner_layout(with_flag, [rc.model.num_layers]).sequence_parallel  # --sequence-parallel reaches it
+
+
+def test_the_layout_section_counts_the_ulysses_ranks(files):  # noqa: F811
+    from megatron.dry_run.plan import layout_section
+    from megatron.dry_run.text import _layout
+
+    rc = parse(files, world_size=8, tensor_model_parallel_size=2, ds_sequence_parallel_size=2, global_batch_size=16)
+    section = layout_section(rc)
+    assert (section["data_parallel_size"], section["ds_sequence_parallel_size"]) == (2, 2)
+    assert section["stages"][0]["ranks"] == [0, 7]  # one stage over all 8 ranks, not the first 4
+    assert "TP 2 x PP 1 x DP 2 x Ulysses SP 2 = 8 ranks" in _layout(section)[1]

@@ -3,7 +3,8 @@
 fp32, no dropout, 10 iterations of pretrain_gpt's path: losses within 1e-5 (relative) and grad norms within
 1e-4 of a single process, for BLOOM (ALiBi), a Llama-style model (rotary, SwiGLU, RMSNorm, GQA) and learned
 positions, at SP=2 (ZeRO 0, 1, 2 and 3; with --torch-compile at ZeRO 0 and 3), SP=4, SP=2 x TP=2 (also with
-Megatron's --sequence-parallel) and SP=2 x DP=2; bf16 tracks fp32; a run saved at
+Megatron's --sequence-parallel) and SP=2 x DP=2, and ZeRO-3 with hpZ groups of 2 at SP=2 x DP=2 and SP=2 x TP=2;
+bf16 tracks fp32; a run saved at
 iteration 5 and resumed with SP=2 continues bit for bit; bad layouts are refused before launch. One launch
 per world size trains every layout of that size in turn.
 """
@@ -58,6 +59,9 @@ def runs(tiny_corpus, tmp_path_factory):
         "bloom sp2 tp2 megatron sp": (_layout(bloom, *SP2, *TP2, "--sequence-parallel"), "bloom"),
         "llama sp2 tp2": (_layout(models["llama"], *SP2, *TP2, "--zero-stage", 2), "llama"),
         "bloom sp2 dp2": (_layout(bloom, *SP2, "--zero-stage", 1), "bloom"),
+        # ZeRO++ hpZ: the secondary shard within groups of the ranks ZeRO-3 shards over (dp x sp)
+        "bloom sp2 dp2 hpz2": (_layout(bloom, *SP2, "--zero-stage", 3, "--zero-hpz-partition-size", 2), "bloom"),
+        "bloom sp2 tp2 hpz2": (_layout(bloom, *SP2, *TP2, "--zero-stage", 3, "--zero-hpz-partition-size", 2), "bloom"),
         "learned sp2 dp2": (_layout(models["learned"], *SP2, "--zero-stage", 3), "learned"),
     }
     out = {}
@@ -72,7 +76,8 @@ def runs(tiny_corpus, tmp_path_factory):
 
 EXACT = ["bloom sp2", "bloom sp2 zero1", "bloom sp2 zero2", "bloom sp2 zero3", "llama sp2", "learned sp2",
          "bloom sp2 compiled", "llama sp2 zero3 compiled",
-         "bloom sp4", "bloom sp2 tp2", "bloom sp2 tp2 megatron sp", "llama sp2 tp2", "bloom sp2 dp2", "learned sp2 dp2"]
+         "bloom sp4", "bloom sp2 tp2", "bloom sp2 tp2 megatron sp", "llama sp2 tp2", "bloom sp2 dp2", "learned sp2 dp2",
+         "bloom sp2 dp2 hpz2", "bloom sp2 tp2 hpz2"]
 
 
 @pytest.mark.multiprocess
@@ -95,6 +100,21 @@ def test_ulysses_engine_and_optimizers(runs):
     for label in ("bloom sp2 compiled", "llama sp2 zero3 compiled", "bloom sp2"):
         for rank, (_, result) in out[label].items():  # the tiny models' two layers, compiled or not
             assert result["compiled_layers"] == (0 if label == "bloom sp2" else 2), (label, rank, result)
+
+
+@pytest.mark.multiprocess
+def test_hpz_groups_are_the_sequence_parallel_ranks_of_a_replica(runs):
+    """hpZ 2 at SP 2: each group holds one TP rank's two SP ranks of one data-parallel replica, enumerated here
+    from rank = ((pipe * dp + data) * sp + seq) * tp + model."""
+    _, out = runs
+    for label, (tp, dp) in {"bloom sp2 dp2 hpz2": (1, 2), "bloom sp2 tp2 hpz2": (2, 1)}.items():
+        expected = {}
+        for d in range(dp):
+            for t in range(tp):
+                group = [(d * 2 + s) * tp + t for s in range(2)]
+                expected.update({r: group for r in group})
+        for rank, (_, result) in out[label].items():
+            assert result["hpz_ranks"] == result["hpz_ranks_engine"] == expected[rank], (label, rank, result)
 
 
 @pytest.mark.multiprocess
