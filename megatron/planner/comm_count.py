@@ -58,7 +58,7 @@ WRAPPED += tuple(ALIASES)
 @dataclasses.dataclass(frozen=True)
 class CallRecord:
     op: str
-    axis: str          # tp | pp | dp | embedding | model | world | self | other
+    axis: str          # tp | sp | pp | dp | sp_dp | embedding | model | world | self | other
     ranks: tuple       # the group's global ranks (p2p: (me, peer))
     numel: int
     nbytes: int
@@ -75,9 +75,11 @@ def classify(op: str, ranks: tuple, layout: GroupLayout) -> str:
     # With PP = 2 the embedding group (first + last stage) IS the pipeline group: an all-reduce
     # there is the tied-embedding gradient, a broadcast the pipeline's loss.
     pipeline_first = op != "all_reduce"
+    # sp_dp: the data-parallel x sequence-parallel ranks of one TP rank (what ZeRO shards over under Ulysses;
+    # the data-parallel group without it, and the sequence-parallel group at DP 1, which match first)
     named = (("tp", layout.tensor), ("sp", layout.sequence), ("pp", layout.pipeline if pipeline_first else []),
              ("embedding", layout.embedding), ("pp", layout.pipeline), ("dp", layout.data),
-             ("model", layout.model))
+             ("sp_dp", layout.sequence_data), ("model", layout.model))
     for axis, groups in named:
         if any(tuple(sorted(g)) == ranks for g in groups):
             return axis

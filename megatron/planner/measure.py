@@ -7,6 +7,7 @@ package); benchmarks/ and tests/ use it, the planner's arithmetic does not.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 
@@ -92,22 +93,28 @@ def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: O
     from megatron.arguments import run_config_from_argv
     from megatron.engine.sharded import ShardedEngine
     from megatron.parallel.state import group_layout
-    from megatron.planner.comm_count import CollectiveRecorder
+    from megatron.planner.comm_count import CollectiveRecorder, classify
     from megatron.training.pretrain import pretrain
 
     rc = run_config_from_argv(argv, world_size=world_size)
     p = rc.parallel
-    layout = group_layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                          world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size))
+    layout = group_layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
+                          p.ds_sequence_parallel_size)
     engine_class = ShardedEngine if rc.sharded_data_parallel else PipelineEngine
     original = engine_class.train_batch
     calls = {"n": 0}
+    hpz_axis = {"axis": None}  # where ZeRO++'s secondary gathers are counted
     with CollectiveRecorder(layout) as recorder:
         def train_batch(self, *args, **kwargs):
             calls["n"] += 1
             hpz = getattr(self, "hpz_ranks", None)
-            if hpz and len(hpz) < layout.dp:  # ZeRO++'s secondary groups, inside the data-parallel group
-                recorder.extra_groups["hpz"] = [tuple(hpz)]
+            if hpz and len(hpz) < layout.dp * layout.sp:  # ZeRO++'s secondary groups, inside ZeRO's (dp x sp)
+                # a group the layout also has (under Ulysses, hpZ = SP: the SP ranks of a replica) keeps its
+                # axis, which every collective on those ranks is counted under; any other is "hpz"
+                hpz_axis["axis"] = classify("all_gather_into_tensor", tuple(hpz), layout)
+                if hpz_axis["axis"] in ("other", "world"):
+                    hpz_axis["axis"] = "hpz"
+                    recorder.extra_groups["hpz"] = [tuple(hpz)]
             recorder.active = calls["n"] == record_call
             try:
                 return original(self, *args, **kwargs)
@@ -130,7 +137,9 @@ def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: O
                        "global_batch_size": rc.batch.global_batch_size, "hidden_size": rc.model.hidden_size,
                        "num_layers": rc.model.num_layers, "num_attention_heads": rc.model.num_attention_heads,
                        "padded_vocab_size": rc.model.padded_vocab_size, "bf16": rc.bf16,
+                       "num_kv_heads": rc.model.num_kv_heads, "head_dim": rc.model.head_dim,
                        "zero_stage": rc.deepspeed_zero_stage, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                       "sp": layout.sp, "hpz_axis": hpz_axis["axis"],
                        "checkpoint_activations": rc.training.checkpoint_activations}}
 
 
@@ -163,20 +172,36 @@ def analytic_sharded_counts(result: dict) -> dict:
     collectives (comm_count, one stage) plus ZeRO's (comm_zero); "calls" None where prefetching makes it
     unpredictable."""
     from megatron.parallel.state import group_layout
-    from megatron.planner.comm_count import StepShape, analytic_step_counts
+    from megatron.planner.comm_count import StepShape, analytic_step_counts, analytic_ulysses_counts
     from megatron.planner.comm_zero import ModuleParams, ZeroSettings, analytic_zero_counts
 
     c, z = result["config"], result["zero"]
+    sp = c.get("sp", 1)
     m = c["global_batch_size"] // (c["micro_batch_size"] * c["dp"])
+    width = 2 if c["bf16"] else 4
     shape = StepShape(c["seq_length"], c["micro_batch_size"], c["hidden_size"], c["padded_vocab_size"], m,
-                      2 if c["bf16"] else 4, c["checkpoint_activations"])
-    layout = group_layout(c["tp"], 1, c["dp"])
-    out = {k: dict(v) for k, v in analytic_step_counts(shape, layout, result["rank"], result["stage_layers"],
+                      width, c["checkpoint_activations"])
+    layout = group_layout(c["tp"], 1, c["dp"], sp)
+    # the TP collectives of this rank's s/sp tokens (Ulysses), the whole sequence otherwise
+    local = dataclasses.replace(shape, seq_length=c["seq_length"] // sp)
+    out = {k: dict(v) for k, v in analytic_step_counts(local, layout, result["rank"], result["stage_layers"],
                                                        bf16=False).items()}
-    zero = analytic_zero_counts(ZeroSettings(**z["settings"]), ModuleParams(**z["modules"]), z["group_numels"],
-                                c["dp"], c["tp"], m, 2 if c["bf16"] else 4, c["checkpoint_activations"])
-    for key, v in zero.items():
+
+    def add(key, v):
         entry = out.setdefault(key, {"calls": 0, "bytes": 0})
-        entry["calls"] = None if v["calls"] is None else entry["calls"] + v["calls"]
+        entry["calls"] = None if v["calls"] is None or entry["calls"] is None else entry["calls"] + v["calls"]
         entry["bytes"] += v["bytes"]
+
+    # ZeRO shards over dp x sp: that group is "dp" without Ulysses, "sp" at DP 1, else "sp_dp" (comm_count.classify)
+    axis = "dp" if sp == 1 else "sp" if c["dp"] == 1 else "sp_dp"
+    zero = analytic_zero_counts(ZeroSettings(**z["settings"]), ModuleParams(**z["modules"]), z["group_numels"],
+                                c["dp"] * sp, c["tp"], m, width, c["checkpoint_activations"])
+    rename = {"dp": axis, "hpz": c.get("hpz_axis") or "hpz"}
+    for (group, op), v in zero.items():
+        add((rename.get(group, group), op), v)
+    if sp > 1:
+        for key, v in analytic_ulysses_counts(shape, layout, c["num_layers"], c["num_attention_heads"],
+                                              c["num_kv_heads"], c["head_dim"]).items():
+            add(key, v)
+        add(("sp", "all_reduce"), {"calls": m, "bytes": 4 * m})  # each micro-batch's loss-mask count, fp32
     return out

@@ -100,8 +100,9 @@ def _batch_variants(tp, pp, dp, global_batch_size, micro_batch_sizes, recompute,
                 if zero >= 2 and pp > 1:
                     continue  # ZeRO-2/3 run on DeepSpeed's non-pipeline engine: one stage
                 out.append(Layout(tp, pp, dp, mbs, rc, zero, precision, partition_method, **common))
-                node_group = gpus_per_node // tp  # hpZ: one group per node
-                if zero == 3 and common["ulysses"] == 1 and 1 < node_group < dp and dp % node_group == 0:
+                # hpZ: one group per node, of the dp x u ranks ZeRO-3 shards over (consecutive ranks of one TP rank)
+                node_group = gpus_per_node // tp
+                if zero == 3 and 1 < node_group < replicas and replicas % node_group == 0:
                     out.append(Layout(tp, pp, dp, mbs, rc, zero, precision, partition_method, hpz=node_group,
                                       **common))
     return out

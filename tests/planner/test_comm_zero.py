@@ -67,7 +67,8 @@ def _config(tmp_path, name, zero):
 
 @pytest.mark.multiprocess
 def test_zero_dp2_measured_equals_analytic(tiny_corpus, tmp_path):
-    """DP=2: ZeRO-2 fp32 and bf16 (small buckets), ZeRO-3 default / keep / release / release + recompute."""
+    """DP=2: ZeRO-2 fp32 and bf16 (small buckets), ZeRO-3 default / keep / release / release + recompute; and SP=2
+    (Ulysses, DP=1): ZeRO-2, ZeRO-3 release + recompute."""
     base = tiny_argv(tiny_corpus, train_iters=3, lr_warmup_iters=1)
     runs = {"zero2_fp32": base + ["--zero-stage", "2"],
             "zero2_bf16_buckets": base + ["--zero-stage", "2", "--bf16"]
@@ -78,16 +79,20 @@ def test_zero_dp2_measured_equals_analytic(tiny_corpus, tmp_path):
             "zero3_keep": base + ["--zero-stage", "3"] + _config(tmp_path, "k", KEEP),
             "zero3_release_bf16": base + ["--zero-stage", "3", "--bf16"] + _config(tmp_path, "r", RELEASE),
             "zero3_release_recompute": base + ["--zero-stage", "3", "--checkpoint-activations"]
-            + _config(tmp_path, "rr", RELEASE)}
+            + _config(tmp_path, "rr", RELEASE),
+            # Ulysses at DP 1: ZeRO shards over the two SP ranks, beside the all-to-alls on the same group
+            "sp2_zero2": base + ["--ds-sequence-parallel-size", "2", "--zero-stage", "2"],
+            "sp2_zero3_release_recompute": base + ["--ds-sequence-parallel-size", "2", "--zero-stage", "3",
+                                                   "--checkpoint-activations"] + _config(tmp_path, "ur", RELEASE)}
     results = run_distributed(_run, world_size=2, args=(list(runs.values()),), timeout=600)
-    assert all(r["optimizer"] == "DeepSpeedZeroOptimizer_Stage3" for r in results[0][2:])
+    assert all(r["optimizer"] == "DeepSpeedZeroOptimizer_Stage3" for r in results[0][2:7] + results[0][8:])
     _check(results, list(runs), runs)
 
 
 @pytest.mark.multiprocess
 def test_zero3_tp2_and_hpz_measured_equals_analytic(tiny_corpus, tmp_path):
-    """4 ranks: ZeRO-3 TP=2 x DP=2 bf16 (with ZeRO-2 for its TP norms), and hpZ groups of 2 over DP=4 with 1 and 2
-    micro-batches per step."""
+    """4 ranks: ZeRO-3 TP=2 x DP=2 bf16 (with ZeRO-2 for its TP norms), hpZ groups of 2 over DP=4 with 1 and 2
+    micro-batches per step, and Ulysses SP=2 x DP=2 with ZeRO-3, without and with hpZ groups of 2 (the SP pairs)."""
     base = tiny_argv(tiny_corpus, train_iters=3, lr_warmup_iters=1)
     runs = {"zero3_tp2_bf16": base + ["--zero-stage", "3", "--bf16", "--tensor-model-parallel-size", "2"]
             + _config(tmp_path, "r", RELEASE),
@@ -95,7 +100,12 @@ def test_zero3_tp2_and_hpz_measured_equals_analytic(tiny_corpus, tmp_path):
             "hpz2_dp4": base + ["--zero-stage", "3", "--zero-hpz-partition-size", "2"] + _config(tmp_path, "h", RELEASE),
             # 2 micro-batches: the second forward gathers the secondary shards too
             "hpz2_dp4_accumulate": base + ["--zero-stage", "3", "--zero-hpz-partition-size", "2", "--global-batch-size",
-                                           "16"] + _config(tmp_path, "h", RELEASE)}
+                                           "16"] + _config(tmp_path, "h", RELEASE),
+            # Ulysses: ZeRO-3 shards over dp x sp, hpZ groups of the two SP ranks of a replica
+            "sp2_dp2_zero3": base + ["--ds-sequence-parallel-size", "2", "--zero-stage", "3"]
+            + _config(tmp_path, "u", RELEASE),
+            "sp2_dp2_hpz2": base + ["--ds-sequence-parallel-size", "2", "--zero-stage", "3",
+                                    "--zero-hpz-partition-size", "2"] + _config(tmp_path, "uh", RELEASE)}
     results = run_distributed(_run, world_size=4, args=(list(runs.values()),), timeout=600)
     assert any(k.startswith("hpz/") for k in results[0][2]["summary"])  # the secondary gathers were seen
     _check(results, list(runs), runs)
