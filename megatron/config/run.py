@@ -490,6 +490,11 @@ class RunConfig:
                 raise ValueError(f"{name} {count} is not divisible by --tensor-model-parallel-size {tp} x {flag} = "
                                  f"{tp * sp}: after the all-to-all each rank attends with whole heads; choose sizes "
                                  f"whose product divides it")
+        self._validate_non_pipeline_engine(flag)
+
+    def _validate_non_pipeline_engine(self, flag: str) -> None:
+        """What DeepSpeed's non-pipeline engine (``megatron.engine.sharded``), which ``flag`` puts the run on,
+        does not run here."""
         if self.training.deepspeed_activation_checkpointing:
             raise ValueError(f"--deepspeed-activation-checkpointing is for the pipeline engine; with {flag}, "
                              f"--checkpoint-activations alone recomputes the layers")
@@ -510,12 +515,7 @@ class RunConfig:
                              f"the pipeline with --zero-stage 1 (3D parallelism, BLOOM's layout), or drop it "
                              f"(--pipeline-model-parallel-size 1) and shard over data parallelism with ZeRO-{stage} "
                              f"(tensor parallelism still applies)")
-        if self.training.deepspeed_activation_checkpointing:
-            raise ValueError(f"--deepspeed-activation-checkpointing is for the pipeline engine; with --zero-stage "
-                             f"{stage}, --checkpoint-activations alone recomputes the layers")
-        if self.fp16:
-            raise ValueError(f"--fp16 with --zero-stage {stage} is not supported here (not testable on CPU); use "
-                             f"--bf16 or fp32")
+        self._validate_non_pipeline_engine(f"--zero-stage {stage}")
         if stage == 3 and self.training.sync_tp_duplicated_parameters:
             raise ValueError("--sync-tp-duplicated-parameters does not combine with --zero-stage 3 (each rank holds "
                              "only a partition of every parameter); drop it or use --zero-stage 2")

@@ -30,6 +30,7 @@ from megatron.model.norm import Norm
 from megatron.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron.parallel.mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                                         scatter_to_sequence_parallel_region)
+from megatron.parallel.random import sequence_parallel_dropout
 from megatron.parallel.state import group_size
 
 __all__ = ["EmbeddingLayer", "OutputLayer"]
@@ -103,9 +104,8 @@ class EmbeddingLayer(nn.Module):
             embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)  # [s/tp, b, h]
         if self.embed_layernorm is not None:
             embeddings = self.embed_layernorm(embeddings)
-        if self.sequence_parallel and self.training and self.dropout > 0:
-            with self.rng_tracker.fork():  # each TP rank drops its own tokens
-                return F.dropout(embeddings, p=self.dropout, training=True)
+        if self.sequence_parallel:  # each TP rank drops its own tokens
+            return sequence_parallel_dropout(embeddings, self.dropout, self.training, self.rng_tracker)
         return F.dropout(embeddings, p=self.dropout, training=self.training)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -119,14 +119,9 @@ class BatchKVCache:
             new_slots //= 2
         while new_cap > MIN_POSITIONS and 4 * self.length <= new_cap:
             new_cap //= 2
-        if (new_slots, new_cap) == (slots, cap):
-            return
-        b, kept = self.num_rows, min(cap, new_cap)
-        with torch.inference_mode(self.key.is_inference()):
-            shape = (new_slots, self.key.shape[1], new_cap, self.key.shape[3])  # [rows, ng, cap, hn]
-            key, value = self.key.new_zeros(shape), self.value.new_zeros(shape)
-            key[:b, :, :kept], value[:b, :, :kept] = self.key[:b, :, :kept], self.value[:b, :, :kept]
-        self.key, self.value = key, value
+        if (new_slots, new_cap) != (slots, cap):
+            with torch.inference_mode(self.key.is_inference()):  # as keep_rows: the kind of storage it had
+                self._resize(new_slots, new_cap)
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's keys and values [sq, b, ng, hn] at each row's own positions; return the keys
@@ -157,8 +152,12 @@ class BatchKVCache:
             slots *= 2
         while cap < positions:
             cap *= 2
-        b, old_cap = self.num_rows, self.key.shape[2]
+        self._resize(slots, cap)
+
+    def _resize(self, slots: int, cap: int) -> None:
+        """New zeroed storage [slots, ng, cap, hn] holding the rows in use, up to ``cap`` of their positions."""
+        b, kept = self.num_rows, min(cap, self.key.shape[2])
         shape = (slots, self.key.shape[1], cap, self.key.shape[3])  # [rows, ng, cap, hn]
-        grown, grown_value = self.key.new_zeros(shape), self.value.new_zeros(shape)
-        grown[:b, :, :old_cap], grown_value[:b, :, :old_cap] = self.key[:b], self.value[:b]
-        self.key, self.value = grown, grown_value
+        key, value = self.key.new_zeros(shape), self.value.new_zeros(shape)
+        key[:b, :, :kept], value[:b, :, :kept] = self.key[:b, :, :kept], self.value[:b, :, :kept]
+        self.key, self.value = key, value

@@ -32,6 +32,7 @@ from megatron.model.attention import KVCache, SelfAttention
 from megatron.model.initialization import normal_init, output_layer_std, params_torch_dtype
 from megatron.model.norm import Norm
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.parallel.random import sequence_parallel_dropout
 from megatron.parallel.state import group_size
 
 __all__ = ["ParallelMLP", "TransformerLayer", "FinalLayerNorm", "zero_biases", "sequence_parallel_dropout"]
@@ -43,15 +44,6 @@ def zero_biases(module: nn.Module) -> None:
         for name, param in module.named_parameters():
             if name == "bias" or name.endswith(".bias"):
                 param.zero_()
-
-
-def sequence_parallel_dropout(x: torch.Tensor, p: float, training: bool, rng_tracker) -> torch.Tensor:
-    """Dropout of a sequence shard [s/tp, b, h]: drawn from the tracker's model-parallel stream, so each
-    TP rank draws its own mask for its own tokens (the default stream is the same on every TP rank)."""
-    if not training or p == 0.0:
-        return x
-    with rng_tracker.fork():
-        return F.dropout(x, p=p, training=True)
 
 
 def _check_dropout_stream(config: ModelConfig, tp_group, rng_tracker) -> None:

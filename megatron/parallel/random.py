@@ -23,7 +23,7 @@ import torch
 import torch.utils.checkpoint
 
 __all__ = ["RNGStatesTracker", "MODEL_PARALLEL_RNG", "MODEL_PARALLEL_SEED_OFFSET",
-           "model_parallel_rng_seed", "get_rng_tracker", "tracked_checkpoint_func"]
+           "model_parallel_rng_seed", "get_rng_tracker", "tracked_checkpoint_func", "sequence_parallel_dropout"]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 MODEL_PARALLEL_SEED_OFFSET = 2718  # Megatron's offset: any positive constant keeps the streams apart
@@ -166,3 +166,13 @@ def tracked_checkpoint_func(tracker: Optional[RNGStatesTracker]):
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
 
     return checkpoint
+
+
+def sequence_parallel_dropout(x: torch.Tensor, p: float, training: bool, rng_tracker: "RNGStatesTracker"
+                              ) -> torch.Tensor:
+    """Dropout of a sequence shard [s/tp, b, h]: drawn from the tracker's model-parallel stream, so each
+    TP rank draws its own mask for its own tokens (the default stream is the same on every TP rank)."""
+    if not training or p == 0.0:
+        return x
+    with rng_tracker.fork():
+        return torch.nn.functional.dropout(x, p=p, training=True)

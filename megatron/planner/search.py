@@ -6,7 +6,7 @@ within a node (Ulysses runs on DeepSpeed's non-pipeline engine: PP 1), PP a divi
 num_gpus / (TP x u) no larger than the layer count, DP the rest, sequence parallelism off and (at
 TP > 1) on, every micro-batch size in ``micro_batch_sizes`` that divides global_batch / DP,
 recomputation on and off, ZeRO stages 0 and 1 (any PP) and 2 and 3 (PP 1; ZeRO-3 also with hpZ
-groups of one node, without Ulysses). A layout runs a sequence length divisible by u (x TP with SP).
+groups of one node, cut from the DP x u ranks). A layout runs a sequence length divisible by u (x TP with SP).
 A layout fits when its busiest stage's predicted memory is at most MEMORY_HEADROOM of the GPU's memory.
 
 ``longest_sequence`` answers the other question: the longest sequence (a multiple of 256) that some

@@ -12,34 +12,15 @@ import json
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.training.test_zero_sharding import _layout
+from tests.training.test_zero_sharding import _assert_same_run as assert_same_run, _layout, _train
 
 ITERS = 10
 SP = "--sequence-parallel"
 
 
-def _train(rank, world_size, runs):
-    from megatron.arguments import run_config_from_argv
-    from megatron.training.pretrain import pretrain
-
-    out = []
-    for argv in runs:
-        rc = run_config_from_argv(argv, world_size=world_size)
-        result = pretrain(rc)
-        engine = result.engine
-        out.append({"losses": [r.loss for r in result.history], "grad_norms": [r.grad_norm for r in result.history],
-                    "iterations": [r.iteration for r in result.history], "lrs": [r.lr for r in result.history],
-                    "model_sp": rc.model.sequence_parallel, "engine": type(engine).__name__,
-                    "pipe_partitioned": getattr(engine, "is_pipe_partitioned", None)})
-    return out
-
-
 def _assert_same_run(reference, other, label):
-    assert len(other["losses"]) == len(reference["losses"]) == ITERS, label
-    for i, (a, b) in enumerate(zip(reference["losses"], other["losses"])):
-        assert abs(a - b) <= 1e-5 * abs(a), f"{label}: iteration {i + 1} loss {b} vs {a} without {SP}"
-    for i, (a, b) in enumerate(zip(reference["grad_norms"], other["grad_norms"])):
-        assert abs(a - b) <= 1e-4 * abs(a), f"{label}: iteration {i + 1} grad norm {b} vs {a} without {SP}"
+    assert len(reference["losses"]) == ITERS, label
+    assert_same_run(reference, other, f"{label} (reference: without {SP})")
 
 
 @pytest.mark.multiprocess

@@ -18,7 +18,8 @@ ITERS = 10
 
 
 def _train(rank, world_size, runs):
-    """Each argv of ``runs`` in turn: its losses and grad norms, and how the engine holds the model."""
+    """Each argv of ``runs`` in turn: its losses, grad norms and learning rates, and how the engine holds the
+    model (also used by the sequence-parallel and Ulysses tests)."""
     from deepspeed.utils import groups
     import torch.distributed as dist
 
@@ -27,13 +28,16 @@ def _train(rank, world_size, runs):
 
     out = []
     for argv in runs:
-        result = pretrain(run_config_from_argv(argv, world_size=world_size))
+        rc = run_config_from_argv(argv, world_size=world_size)
+        result = pretrain(rc)
         engine = result.engine
         params = list(engine.module.parameters())
         hpz = groups._get_zero_param_intra_parallel_group()
         out.append({
             "losses": [r.loss for r in result.history], "grad_norms": [r.grad_norm for r in result.history],
-            "iterations": [r.iteration for r in result.history],
+            "iterations": [r.iteration for r in result.history], "lrs": [r.lr for r in result.history],
+            "model_sp": rc.model.sequence_parallel, "engine": type(engine).__name__,
+            "pipe_partitioned": getattr(engine, "is_pipe_partitioned", None),
             "optimizer": type(engine.optimizer).__name__,
             "held_numel": sum(p.numel() for p in params),  # 0 under ZeRO-3: placeholders only
             "partition_numel": sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor")),
