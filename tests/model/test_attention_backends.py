@@ -74,8 +74,7 @@ def _tp2_diffs(rank, world_size):
 
 @pytest.mark.multiprocess
 def test_flex_equals_sdpa_at_tp2_with_each_ranks_slopes():
-    (diffs0, slopes0), (diffs1, slopes1) = run_distributed(_tp2_diffs, world_size=2, timeout=240,
-                                                             start_method="spawn")  # no fork after torch.compile
+    (diffs0, slopes0), (diffs1, slopes1) = run_distributed(_tp2_diffs, world_size=2, timeout=240)
     assert slopes0 != slopes1  # rank 1's heads have other slopes, so a wrong score_mod would show
     for rank, (logits_diff, grad_diff) in enumerate((diffs0, diffs1)):
         assert logits_diff <= 1e-5 and grad_diff <= 1e-4, f"rank {rank}: {logits_diff}, {grad_diff}"

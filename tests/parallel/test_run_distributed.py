@@ -35,3 +35,60 @@ def test_a_function_failing_at_once_is_reported_by_every_rank():
 @pytest.mark.multiprocess
 def test_every_group_is_created_behind_a_store_barrier():
     assert run_distributed(_init_barrier, world_size=2) == ["1", "1"]
+
+
+def _compile_something_new(rank, world_size, salt):
+    import time
+
+    import torch
+
+    start = time.monotonic()
+    # A constant no other test uses: inductor's code cache cannot hold this kernel already.
+    compiled = torch.compile(lambda x: torch.cos(x) * salt + rank)
+    value = compiled(torch.ones(4)).tolist()
+    return value, time.monotonic() - start, os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+@pytest.mark.multiprocess
+def test_ranks_compile_with_a_cold_cache_after_the_caller_compiled(tmp_path, monkeypatch):
+    """A process that compiled holds inductor's asynchronous compile pool; ranks forked from it wait forever
+    on it when they compile something new (cold cache). The fork server's ranks inherit no such pool."""
+    import math
+    import random
+
+    import torch
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    salt = 1.0 + random.random()
+    fp32 = 4 * torch.finfo(torch.float32).eps  # a float32 sine and product against Python's float64 ones
+    assert torch.compile(lambda x: torch.sin(x) * salt)(torch.ones(4)).tolist() == pytest.approx(
+        [math.sin(1.0) * salt] * 4, rel=fp32)
+    results = run_distributed(_compile_something_new, world_size=2, args=(salt,), timeout=180)
+    for rank, (value, seconds, cache_dir) in enumerate(results):
+        assert value == pytest.approx([math.cos(1.0) * salt + rank] * 4, rel=fp32), (rank, value)
+        assert cache_dir == str(tmp_path / "inductor")  # the caller's environment, set after the server started
+        assert seconds < 120, f"rank {rank} took {seconds:.0f} s to compile"
+
+
+def _hang_on_rank_one(rank, world_size):
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(600)  # never reaches the barrier
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_a_hang_is_stopped_with_every_ranks_stack():
+    with pytest.raises(DistributedTestError) as err:
+        run_distributed(_hang_on_rank_one, world_size=2, timeout=10)
+    message = str(err.value)
+    assert "2 of 2 ranks failed" in message, message
+    rank0, rank1 = message.split("--- rank 1 of 2 failed ---")
+    assert "timed out after 10 s" in rank0 and "timed out after 10 s" in rank1, message
+    # Each rank says where it was (faulthandler names Python frames only): rank 0 in the barrier, rank 1 in
+    # the function itself (its sleep is C code).
+    assert "in barrier" in rank0 and "in _hang_on_rank_one" in rank0, rank0
+    assert "in _hang_on_rank_one" in rank1 and "in barrier" not in rank1, rank1

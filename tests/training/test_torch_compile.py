@@ -1,6 +1,5 @@
 """--torch-compile (each transformer layer compiled) trains to the eager losses at TP=2 x PP=2 with activation
-checkpointing, in fp32. One launch, eager then compiled on the same ranks; spawned, not forked, since the
-test session may already hold torch.compile's worker threads."""
+checkpointing, in fp32. One launch, eager then compiled on the same ranks."""
 
 import pytest
 
@@ -15,7 +14,7 @@ def test_compiled_layers_train_to_the_eager_losses_with_tp_pp_and_recompute(tiny
                  global_batch_size=4, checkpoint_activations=True)
     eager = tiny_argv(tiny_corpus, **flags)
     compiled = tiny_argv(tiny_corpus, "--torch-compile", **flags)
-    results = run_distributed(run_single, world_size=4, args=([eager, compiled],), timeout=600, start_method="spawn")
+    results = run_distributed(run_single, world_size=4, args=([eager, compiled],), timeout=600)
     eager_run, compiled_run = results[0]
     eager_losses = [h[1] for h in eager_run["history"]]
     compiled_losses = [h[1] for h in compiled_run["history"]]
