@@ -2,8 +2,8 @@
 LlamaConfig here, nothing downloaded), Qwen2 (q / k / v biases) and Mistral (no sliding window) imported
 at TP=2 / PP=2 and exported again.
 
-transformers is the independent reference: its logits within 1e-5 in fp32, its greedy text token for
-token, and every one of its tensors reproduced by import -> export.
+transformers is the independent reference: its logits within the derived fp32 tolerance (about 1e-4), its
+greedy text token for token, and every one of its tensors reproduced by import -> export.
 """
 
 import pytest
@@ -15,13 +15,14 @@ from megatron.checkpoint.merge import load_full_state_dict
 from megatron.config import TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.testing import run_distributed
+from megatron.testing.tolerance import model_tolerance
 from tools.convert_checkpoint import from_hf, to_hf
 
 from tests.checkpoint.helpers import random_state_dict, tiny_model_config, tokenizer_record
 from tests.checkpoint.test_hf_export import PROMPTS, _generate_tool, _hf_greedy, _hf_logits_diff
 
 # Weight perturbation: logits reach about 6. (At 0.3 they reach 10, where transformers' fp32 logits and ours
-# each lie up to 4e-5 from a float64 evaluation, and 1e-5 between them would be luck.)
+# each lie up to 4e-5 from a float64 evaluation.)
 SCALE = 0.15
 SIZES = dict(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=64, rms_norm_eps=1e-6, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
@@ -64,8 +65,8 @@ def test_import_at_tp2_pp2_gives_transformers_logits_text_and_every_tensor_back(
     assert (config.num_kv_heads, config.tied_embeddings) == (FAMILY[kind]["num_key_value_heads"],
                                                              FAMILY[kind]["tie_word_embeddings"])
     assert config.qkv_bias == (kind == "qwen2") and not config.add_bias_linear
-    diff = _hf_logits_diff(model, config, state)
-    assert diff < 1e-5, diff
+    diff, tolerance = _hf_logits_diff(model, config, state)
+    assert diff <= tolerance, (diff, tolerance)
 
     assert to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf_out")]) == 0
     before, after = load_file(str(tmp_path / "hf_in" / "model.safetensors")), load_file(
@@ -92,8 +93,8 @@ def test_multi_query_imports_at_tp1_and_is_refused_at_tp2(tmp_path, tiny_corpus)
         del FAMILY["llama_mqa"]
     config, state, _ = load_full_state_dict(str(tmp_path / "tp1" / "ckpt"))
     assert config.num_kv_heads == 1
-    diff = _hf_logits_diff(model, config, state)
-    assert diff < 1e-5, diff
+    diff, tolerance = _hf_logits_diff(model, config, state)
+    assert diff <= tolerance, (diff, tolerance)
 
 
 def _tp2_logits_from_shards(rank, world_size, ckpt, ids):
@@ -131,13 +132,14 @@ def _tp2_logits_from_shards(rank, world_size, ckpt, ids):
 @pytest.mark.multiprocess
 def test_tp2_shards_of_an_imported_llama_compute_transformers_logits(tmp_path, tiny_corpus):
     model = _import(tmp_path, tiny_corpus, "llama")
+    config, _, _ = load_full_state_dict(str(tmp_path / "ckpt"))
     ids = torch.randint(0, 400, (2, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model(ids).logits  # [b, s, v]
     for rank, logits in enumerate(run_distributed(_tp2_logits_from_shards, world_size=2,
                                                   args=(str(tmp_path / "ckpt"), ids))):
         diff = (torch.tensor(logits) - expected).abs().max().item()  # run_distributed returns tensors as lists
-        assert diff < 1e-5, (rank, diff)
+        assert diff <= model_tolerance(config, torch.float32, expected), (rank, diff)
 
 
 def test_a_trained_llama_checkpoint_exports_to_llama_for_causal_lm(tmp_path, tiny_corpus):
@@ -156,8 +158,8 @@ def test_a_trained_llama_checkpoint_exports_to_llama_for_causal_lm(tmp_path, tin
     hf_model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert type(hf_model).__name__ == "LlamaForCausalLM" and hf_model.config.num_key_value_heads == 2
-    diff = _hf_logits_diff(hf_model.eval(), config, state)
-    assert diff < 1e-5, diff
+    diff, tolerance = _hf_logits_diff(hf_model.eval(), config, state)
+    assert diff <= tolerance, (diff, tolerance)
 
 
 @pytest.mark.parametrize("overrides,words", [
@@ -195,10 +197,10 @@ def test_llama_3_1_rope_scaling_matches_transformers_both_ways():
     assert (config.rope_scaling_factor, config.rope_scaling_original_max_positions) == (8.0, 16)
     assert llama_config_kwargs(config)["rope_parameters"] == rope
     state = llama_state_dict_to_ours(hf.state_dict(), config)
-    diff = _hf_logits_diff(hf, config, state)
-    assert diff < 1e-5, diff
+    diff, tolerance = _hf_logits_diff(hf, config, state)
+    assert diff <= tolerance, (diff, tolerance)
     unscaled = dataclasses.replace(config, rope_scaling_factor=None)
-    assert _hf_logits_diff(hf, unscaled, state) > 1e-3  # the scaling matters at these positions
+    assert _hf_logits_diff(hf, unscaled, state)[0] > 100 * tolerance  # the scaling matters at these positions
     GPTModel(config)  # builds
 
 

@@ -7,6 +7,7 @@ import torch
 from megatron.inference.generation import (MIN_TEMPERATURE, Generator, SamplingParams, StreamingText,
                                            generate_token_ids, sample_next_token, tokenizer_from_record)
 from megatron.model import GPTModel
+from megatron.testing.tolerance import model_tolerance
 
 from tests.checkpoint.helpers import random_state_dict, tiny_model_config, tokenizer_record
 
@@ -46,7 +47,10 @@ def test_kv_cache_decoding_equals_recomputing_the_whole_sequence(kind):
         for token in sequence[4:]:
             step = model(torch.tensor([[token]]), kv_caches=caches)  # [1, 1, vp]
         full = model(torch.tensor([sequence]))  # [s, 1, vp]
-    assert (step[-1] - full[-1]).abs().max().item() <= 1e-5
+    # One token's products against the whole sequence's sum in other orders. Measured on AVX-512 and on AVX2,
+    # logits up to 9: 4e-6 to 1.1e-5 (the tolerance: 8e-5 to 1e-4, a margin of 7 or more).
+    difference = (step[-1] - full[-1]).abs().max().item()
+    assert difference <= model_tolerance(model.config, torch.float32, full[-1]), (kind, difference)
 
 
 def test_generation_stops_at_end_of_document():

@@ -13,6 +13,7 @@ from megatron.model.attention import KVCache, SelfAttention
 from megatron.model.attention_core import resolve_attention_backend
 from megatron.parallel.state import ParallelState
 from megatron.testing import run_distributed
+from megatron.testing.tolerance import tolerance
 
 from .helpers import tiny_config
 
@@ -87,7 +88,8 @@ def test_decoding_with_a_kv_cache_under_flex_equals_its_full_forward():
         full = layer(hidden)  # flex (no grad: torch's own CPU forward)
         cache = KVCache()
         steps = [layer(hidden[:32], cache)] + [layer(hidden[i:i + 1], cache) for i in range(32, SEQ)]  # SDPA
-    assert (torch.cat(steps) - full).abs().max().item() < 1e-5
+    # One attention layer (its four roundings) summing over the head dim and the positions.
+    assert (torch.cat(steps) - full).abs().max().item() <= tolerance(torch.float32, 4, SEQ, full.abs().max().item())
 
 
 def test_auto_keeps_sdpa_on_cpu_and_the_kv_cache_path_is_sdpa(monkeypatch):

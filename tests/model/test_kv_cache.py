@@ -5,6 +5,7 @@ import torch
 
 from megatron.model import BatchKVCache, GPTModel
 from megatron.model.positional import alibi_bias
+from megatron.testing.tolerance import model_tolerance
 
 from tests.checkpoint.helpers import random_state_dict, tiny_model_config
 from tests.inference.test_generation import POSITIONS
@@ -42,7 +43,8 @@ def test_rows_of_different_lengths_decode_as_they_would_alone(kind):
             for i in range(6 if row != 1 else 3):
                 batched = steps[i][row if i < 3 else (2, 0).index(row)]
                 # the [b, h] matrix products may round differently from [1, h]: fp32 rounding, not positions
-                assert (batched - full[i]).abs().max().item() < 1e-4, (kind, row, i)
+                assert (batched - full[i]).abs().max().item() <= model_tolerance(model.config, torch.float32,
+                                                                                 full[i]), (kind, row, i)
     assert batch[0].row_lengths.tolist() == [26, 7]
 
 

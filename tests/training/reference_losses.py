@@ -46,6 +46,8 @@ def machine() -> dict:
 
     with open("/proc/cpuinfo") as f:
         flags = sorted(set(re.findall(r"\b(amx\w*|avx512_bf16|avx512f|avx2)\b", f.read())))
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        flags = [f for f in flags if f == "avx2"]  # ATEN_CPU_CAPABILITY=avx2: the kernels of an AVX2-only CPU
     return {"cpu_flags": flags, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "python": platform.python_version()}
 

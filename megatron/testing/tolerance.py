@@ -1,0 +1,60 @@
+"""Tolerances for two computations of the same numbers, derived from the dtypes and the depth.
+
+Two correct computations that differ only in the order they sum in (another kernel or CPU instruction set,
+a batch of rows instead of one, a reduction split over ranks) round differently. Along the path to a
+compared number lie ``depth`` operations in sequence (a transformer layer has about twelve: two norms, the
+attention products and softmax, the MLP products and activation, two residual adds). Each one
+
+- rounds its result to the activations' dtype: a relative error of at most u = eps / 2, and
+- sums ``width`` terms in the accumulation dtype (fp32 inside CPU matmuls, for bf16 inputs too), which
+  two orders can make differ by about sqrt(width) units u of that dtype.
+
+The roundings of different operations are independent, so they add up like a random walk, not in the
+same direction every time (the probabilistic error analysis of Higham and Mary, SIAM J. Sci. Comput.
+2019): over the path, about
+
+    scale * (sqrt(depth) * eps(dtype) + sqrt(depth * width) * eps(accumulate))
+
+with scale the size of the numbers compared (the largest magnitude of the reference) and eps = 2u, the
+distance from 1 to the next number (2**-23 fp32, 2**-7 bf16), so a factor of two of margin is built in.
+The tests that use it give the differences measured on both CPU kinds (AVX-512 / AMX, and AVX2, where the
+kernels and their summation orders differ) and the margin left.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["tolerance", "transformer_depth", "model_tolerance", "OPS_PER_LAYER"]
+
+# The roundings one transformer layer puts on the residual path, in sequence: input norm, QKV, Q.K^T, softmax,
+# probabilities x V, dense, residual add, second norm, h -> 4h, activation, 4h -> h, residual add.
+OPS_PER_LAYER = 12
+# Around the layers: the embedding (and BLOOM's norm of it), the final norm, the head's product.
+OPS_AROUND_LAYERS = 3
+
+
+def transformer_depth(num_layers: int) -> int:
+    """How many roundings lie in sequence between a token and a logit of a ``num_layers`` model."""
+    return num_layers * OPS_PER_LAYER + OPS_AROUND_LAYERS
+
+
+def tolerance(dtype: torch.dtype, depth: int, width: int, scale: float = 1.0,
+              accumulate: torch.dtype = torch.float32) -> float:
+    """How far two summation orders can move a result (module docstring): ``depth`` operations in sequence,
+    each summing ``width`` terms in ``accumulate`` and rounding to ``dtype``, on numbers of size ``scale``."""
+    if depth < 1 or width < 1:
+        raise ValueError(f"depth and width must be positive, got depth={depth}, width={width}")
+    if torch.finfo(accumulate).eps > torch.finfo(dtype).eps:
+        accumulate = dtype  # nothing sums in a narrower type than it stores
+    return scale * (math.sqrt(depth) * torch.finfo(dtype).eps
+                    + math.sqrt(depth * width) * torch.finfo(accumulate).eps)
+
+
+def model_tolerance(config, dtype: torch.dtype, reference: torch.Tensor) -> float:
+    """``tolerance`` for the logits (or anything as deep) of a model built from ``config`` (a ModelConfig),
+    against ``reference``: its layers' depth, its widest product (the MLP's), the reference's size."""
+    width = max(config.hidden_size, config.ffn_hidden_size or 4 * config.hidden_size)
+    return tolerance(dtype, transformer_depth(config.num_layers), width, scale=reference.abs().max().item())
