@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+from megatron.testing.tolerance_report import record as record_tolerance
+
 # DeepSpeed picks its accelerator at import time; on these machines it is the CPU one.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Never reach a model hub from a test.
@@ -84,3 +86,15 @@ def pytest_collection_modifyitems(config, items):
         package = pathlib.Path(str(item.fspath)).relative_to(REPO_ROOT / "tests").parts[0]
         if package in ONE_THREAD_PACKAGES:
             item.add_marker(pytest.mark.usefixtures("one_torch_thread"))
+
+
+# .ci/run: every passing tolerance comparison, with both of its numbers (megatron/testing/tolerance_report.py;
+# needs pytest -o enable_assertion_pass_hook=true).
+TOLERANCE_REPORT = os.environ.get("MEGATRON_TOLERANCE_REPORT")
+
+
+def pytest_assertion_pass(item, lineno, orig, expl):
+    if TOLERANCE_REPORT:
+        # The line is in the module that asserted, which may be a helper of another test file: orig says which.
+        where = f"{pathlib.Path(str(item.fspath)).relative_to(REPO_ROOT)}, line {lineno}: {orig}"
+        record_tolerance(TOLERANCE_REPORT, item.nodeid, where, expl)
