@@ -1,6 +1,6 @@
 """A Llama-style model trained by DeepSpeed at (TP, PP, DP) = (2, 2, 2) in fp32, exported to transformers:
-LlamaForCausalLM's logits equal the training engine's (within 1e-5), and tools/generate.py's greedy
-continuations (5 prompts x 20 tokens) equal transformers' generate(do_sample=False).
+LlamaForCausalLM's logits equal the training engine's (within the derived fp32 tolerance), and
+tools/generate.py's greedy continuations (5 prompts x 20 tokens) equal transformers' generate(do_sample=False).
 
 One 8-rank launch trains a few iterations, saves, and evaluates a fixed batch with the pipeline engine
 (test_trained_parity.py does the same for BLOOM; its helpers are reused).
@@ -11,7 +11,9 @@ import json
 import pytest
 import torch
 
+from megatron.checkpoint.merge import load_full_state_dict
 from megatron.testing import run_distributed, tiny_argv
+from megatron.testing.tolerance import model_tolerance
 from tests.inference.test_trained_parity import PROMPTS, VOCAB, _fixed_tokens, _train
 
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-key-value-heads", "2", "--disable-bias-linear",
@@ -51,7 +53,8 @@ def test_exported_llama_matches_the_training_engine(trained):
         theirs = hf(tokens).logits  # [b, s, v]
     engine = trained["engine_logits"][..., :VOCAB]
     diff = (theirs - engine).abs().max().item()
-    assert diff < 1e-5, diff
+    config, _, _ = load_full_state_dict(str(trained["root"] / "ckpt"))
+    assert diff <= model_tolerance(config, torch.float32, theirs), diff
 
 
 @pytest.mark.multiprocess

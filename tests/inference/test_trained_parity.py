@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 
-from megatron.testing import run_distributed
+from megatron.testing import run_distributed, tiny_argv
+from megatron.testing.tolerance import model_tolerance
 from tests.conftest import REPO_ROOT
-from megatron.testing import tiny_argv
 
 PROMPTS = ["The river", "Model data train the", "North city music", "A", "Pipeline stage tensor parallel gradient"]
 VOCAB, PADDED = 400, 512
@@ -90,7 +90,8 @@ def test_exported_bloom_matches_the_training_engine_and_our_model(trained):
     ours_diff = (theirs - mine[..., :VOCAB]).abs().max().item()
     print(f"max |logits| diff vs transformers: engine {engine_diff:.3g}, merged GPTModel {ours_diff:.3g} "
           f"(logits up to {theirs.abs().max().item():.3g})")
-    assert engine_diff <= 1e-4 and ours_diff <= 1e-4
+    tolerance = model_tolerance(config, torch.float32, theirs)
+    assert engine_diff <= tolerance and ours_diff <= tolerance, (engine_diff, ours_diff, tolerance)
     assert torch.equal(mine, ours(ids).transpose(0, 1))
 
 
