@@ -259,14 +259,6 @@ def exists(prefix: str | os.PathLike) -> bool:
     return os.path.isfile(data_file_path(prefix)) and os.path.isfile(index_file_path(prefix))
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class MMapIndexedDatasetBuilder:
     """Writes a Megatron mmap pair. Tokens stream to a temporary .bin; ``finalize`` commits.
 

@@ -17,8 +17,7 @@ from megatron.parallel.mappings import (
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region)
-from megatron.parallel.random import (MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker,
-                                      model_parallel_rng_seed)
+from megatron.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState, group_layout, group_rank, group_size
 from megatron.parallel.utils import (divide, param_is_tensor_parallel,
                                      set_tensor_model_parallel_attributes,
@@ -32,7 +31,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "default_init_method",
     "vocab_parallel_cross_entropy",
-    "RNGStatesTracker", "MODEL_PARALLEL_RNG", "get_rng_tracker", "model_parallel_rng_seed",
+    "RNGStatesTracker", "MODEL_PARALLEL_RNG", "model_parallel_rng_seed",
     "divide", "split_tensor_along_last_dim", "set_tensor_model_parallel_attributes",
     "param_is_tensor_parallel",
 ]

@@ -23,7 +23,7 @@ import torch
 import torch.utils.checkpoint
 
 __all__ = ["RNGStatesTracker", "MODEL_PARALLEL_RNG", "MODEL_PARALLEL_SEED_OFFSET",
-           "model_parallel_rng_seed", "get_rng_tracker", "tracked_checkpoint_func", "sequence_parallel_dropout"]
+           "model_parallel_rng_seed", "tracked_checkpoint_func", "sequence_parallel_dropout"]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 MODEL_PARALLEL_SEED_OFFSET = 2718  # Megatron's offset: any positive constant keeps the streams apart
@@ -110,29 +110,16 @@ class RNGStatesTracker:
             self._set_state(original)
 
 
-_DEFAULT_TRACKER: Optional[RNGStatesTracker] = None
-
-
-def get_rng_tracker() -> RNGStatesTracker:
-    """The process-wide default tracker (created on first use, on the default device)."""
-    global _DEFAULT_TRACKER
-    if _DEFAULT_TRACKER is None:
-        _DEFAULT_TRACKER = RNGStatesTracker()
-    return _DEFAULT_TRACKER
-
-
-def model_parallel_rng_seed(seed: int, tp_rank: int,
-                            tracker: Optional[RNGStatesTracker] = None) -> RNGStatesTracker:
+def model_parallel_rng_seed(seed: int, tp_rank: int, tracker: RNGStatesTracker) -> RNGStatesTracker:
     """Seed the default generators with ``seed`` and track ``seed + 2718 + tp_rank`` as
     "model-parallel-rng".
 
     Call it with the same ``seed`` on every rank of a TP group (add the pipeline / data-parallel
     rank to ``seed`` beforehand where those should differ). ``torch.manual_seed`` seeds the CPU and
-    every CUDA device. ``tracker`` is reset first; default: :func:`get_rng_tracker`.
+    every CUDA device. ``tracker`` (the run's own: no process-wide one exists) is reset first.
     """
     if tp_rank < 0:
         raise ValueError(f"tp_rank must be >= 0, got {tp_rank}")
-    tracker = get_rng_tracker() if tracker is None else tracker
     torch.manual_seed(seed)
     tracker.reset()
     tracker.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)

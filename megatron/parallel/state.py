@@ -171,10 +171,6 @@ class ParallelState:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    @property
-    def in_embedding_group(self) -> bool:
-        return self.is_first_stage or self.is_last_stage
-
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def single(cls) -> "ParallelState":

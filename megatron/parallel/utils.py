@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["divide", "split_tensor_along_last_dim", "set_tensor_model_parallel_attributes",
-           "param_is_tensor_parallel", "copy_tensor_model_parallel_attributes", "fp32_empty", "fp32_tensor"]
+           "param_is_tensor_parallel", "fp32_empty", "fp32_tensor"]
 
 # Made at import, outside any deepspeed.zero.Init: new tensors are made from it with Tensor methods.
 # Inside zero.Init (ZeRO-3 construction) torch.empty / torch.tensor / ... make tensors of the engine's
@@ -29,8 +29,6 @@ def fp32_empty(shape) -> torch.Tensor:
 def fp32_tensor(values) -> torch.Tensor:
     """``torch.tensor(values, dtype=torch.float32)`` on the CPU, fp32 even inside ``deepspeed.zero.Init``."""
     return _FP32_CPU.new_tensor(values)
-
-_TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -83,7 +81,3 @@ def param_is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
-def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy the three tensor-parallel tags from ``source`` to ``destination`` (defaults if absent)."""
-    for name, default in _TP_ATTRIBUTE_DEFAULTS.items():
-        setattr(destination, name, getattr(source, name, default))
