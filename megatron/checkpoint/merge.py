@@ -24,44 +24,18 @@ from typing import Optional
 
 import torch
 
-from megatron.checkpoint.run_state import (checkpoint_layout, converted_client_state, converted_run_state, load_run_state,
-                                           model_config_from_dict)
 from megatron.checkpoint.integrity import record_checksums, verify_checksums
+from megatron.checkpoint.run_state import (checkpoint_layout, converted_client_state, converted_run_state, load_run_state,
+                                           model_config_from_dict, weight_files)
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import COMPLETE_MARKER, LATEST, RUN_STATE, CheckpointFormatError, resolve_tag
+from megatron.checkpoint.tp_shards import merge_tp_shards, split_for_tp
 from megatron.config import ModelConfig
-from megatron.model.layout import ParameterLayout, local_name_of_file_key, parameter_layout, pipeline_items
+from megatron.model.layout import local_name_of_file_key, parameter_layout, pipeline_items
 
-__all__ = ["load_full_state_dict", "merge_tp_shards", "split_for_tp", "save_as_training_checkpoint"]
+__all__ = ["load_full_state_dict", "save_as_training_checkpoint"]
 
 _LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
-
-
-def merge_tp_shards(param: ParameterLayout, shards: list[torch.Tensor]) -> torch.Tensor:
-    """One full tensor from its TP shards (rank order), as ``param``'s layout says."""
-    if len(shards) == 1:
-        return shards[0]
-    if param.replicated:
-        for rank, shard in enumerate(shards[1:], start=1):
-            if shard.shape != shards[0].shape or not torch.equal(shard, shards[0]):
-                diff = ((shard.float() - shards[0].float()).abs().max().item()
-                        if shard.shape == shards[0].shape else f"shape {list(shard.shape)}")
-                raise CheckpointFormatError(
-                    f"{param.name} is replicated across tensor-parallel ranks but rank {rank} differs from rank 0 "
-                    f"(max abs diff {diff}); train with --sync-tp-duplicated-parameters or average them first")
-        return shards[0]
-    return torch.cat(shards, dim=param.partition_dim)
-
-
-def split_for_tp(param: ParameterLayout, tensor: torch.Tensor, tp: int) -> list[torch.Tensor]:
-    """The inverse of :func:`merge_tp_shards`: ``tp`` shards of a full tensor (copies of replicated ones)."""
-    if tp == 1 or param.replicated:
-        return [tensor.clone() for _ in range(tp)]
-    dim = param.partition_dim
-    if tensor.shape[dim] % tp:
-        raise ValueError(f"{param.name} has {tensor.shape[dim]} entries along dim {dim}, not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
-    return [chunk.clone() for chunk in torch.chunk(tensor, tp, dim=dim)]
 
 
 def _layer_files(tag_dir: str) -> dict[int, dict[int, str]]:
@@ -97,21 +71,23 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
 
     The word embedding keeps its padded rows (``config.padded_vocab_size``); exporters trim them.
     Tensors keep the dtype they were saved in; a ZeRO-2 / ZeRO-3 checkpoint gives its fp32 master weights
-    (``megatron.checkpoint.zero_files``).
+    (``megatron.checkpoint.zero_files``). Which files are read is the record's ``weight_files``.
     """
     tag = resolve_tag(ckpt_dir, tag, required=True)
     record = load_run_state(ckpt_dir, tag)
     config = model_config_from_dict(record["model_config"])
     numbering = checkpoint_layout(record)
     tag_dir = os.path.join(ckpt_dir, tag)
-    parallel = record.get("parallel", {})
-    if parallel.get("zero_stage", 0) >= 2:  # DeepSpeed's non-pipeline engine's files (megatron.engine.sharded)
-        from megatron.checkpoint.zero_files import sharded_state_dict
+    kind = weight_files(record)
+    if kind != "layer_files":  # DeepSpeed's non-pipeline engine's files (megatron.engine.sharded)
+        # Imported here: zero_files imports DeepSpeed's classes, which the pipeline engine's files never need.
+        from megatron.checkpoint.zero_files import module_states_state_dict, sharded_state_dict
 
         problems = verify_checksums(tag_dir, distributed=False)
         if problems:
             raise CheckpointFormatError(f"checkpoint {tag_dir!r} is damaged: " + "; ".join(problems))
-        return config, sharded_state_dict(tag_dir, config, parallel.get("tensor_model_parallel_size", 1)), record
+        read = sharded_state_dict if kind == "zero_partitions" else module_states_state_dict
+        return config, read(tag_dir, config, record.get("parallel", {}).get("tensor_model_parallel_size", 1)), record
     files = _layer_files(tag_dir)
     tp = _check_layout(files, config, numbering, tag_dir)
     read = [os.path.basename(path) for ranks in files.values() for path in ranks.values()]

@@ -27,7 +27,7 @@ from megatron.model.layout import LAYOUT, LEGACY_LAYOUT
 
 __all__ = ["build_run_state", "checkpoint_layout", "record_from_megatron_args", "megatron_args", "MEGATRON_CHECKPOINT_VERSION", "load_run_state", "model_config_from_dict", "check_model_config",
            "ARCHITECTURE_FIELDS", "converted_client_state", "converted_run_state", "UNIVERSAL_ENGINE", "universal_engine",
-           "saving_engine"]
+           "saving_engine", "weight_files", "SAVING_ENGINE", "WEIGHT_FILES", "WEIGHT_FILE_KINDS"]
 
 
 def _record(model: dict, parallel: dict, tokenizer: dict, progress: dict, seq_length: int) -> dict:
@@ -48,8 +48,12 @@ def build_run_state(rc: RunConfig, progress: dict[str, int]) -> dict:
     parallel["zero_stage"] = rc.deepspeed_zero_stage  # 2 and 3 write DeepSpeed's non-pipeline files
     if p.ds_sequence_parallel_size > 1:  # ZeRO shards over dp x sp ranks
         parallel["ds_sequence_parallel_size"] = p.ds_sequence_parallel_size
-    return _record(dataclasses.asdict(rc.model), parallel, dataclasses.asdict(rc.data.tokenizer), progress,
-                   rc.data.seq_length)
+    record = _record(dataclasses.asdict(rc.model), parallel, dataclasses.asdict(rc.data.tokenizer), progress,
+                     rc.data.seq_length)
+    # How the checkpoint was written, so that no reader re-derives it from the flags (weight_files).
+    record[SAVING_ENGINE] = rc.deepspeed_engine
+    record[WEIGHT_FILES] = weight_files(record)
+    return record
 
 
 MEGATRON_CHECKPOINT_VERSION = 3.0  # what Megatron-LM / Megatron-DeepSpeed write as 'checkpoint_version'
@@ -85,13 +89,38 @@ def megatron_args(rc: RunConfig, progress: dict[str, int]) -> argparse.Namespace
 UNIVERSAL_ENGINE = "universal_engine"  # set by ds_to_universal.py: the engine whose names the zero/ folders use
 
 
+SAVING_ENGINE = "saving_engine"  # RunConfig.deepspeed_engine of the run that saved
+WEIGHT_FILES = "weight_files"  # where its weights are: one of WEIGHT_FILE_KINDS
+WEIGHT_FILE_KINDS = {
+    "layer_files": "the pipeline engine's layer_XX-model_YY-model_states.pt, one per pipeline layer and TP rank",
+    "module_states": "the non-pipeline engine's mp_rank_YY_model_states.pt at ZeRO-0/1: each TP rank's module",
+    "zero_partitions": "the non-pipeline engine's ZeRO-2/3 optimizer states: the fp32 masters, partitioned",
+}
+
+
 def saving_engine(record: dict) -> str:
-    """The DeepSpeed engine that saved a checkpoint (RunConfig.sharded_data_parallel's rule on its record):
-    "model" (the non-pipeline engine, GPTModel's names) for ZeRO-2/3 and every DeepSpeed-Ulysses run, else
-    "pipeline"."""
+    """The DeepSpeed engine that saved a checkpoint: "model" (the non-pipeline engine, GPTModel's names: ZeRO-2/3
+    and every DeepSpeed-Ulysses run) or "pipeline", as recorded at save time (records before that: the same
+    rule, RunConfig.sharded_data_parallel's, on the recorded sizes)."""
+    if SAVING_ENGINE in record:
+        return record[SAVING_ENGINE]
     parallel = record.get("parallel", {})
     sharded = parallel.get("zero_stage", 0) >= 2 or parallel.get("ds_sequence_parallel_size", 1) > 1
     return "model" if sharded else "pipeline"
+
+
+def weight_files(record: dict) -> str:
+    """Which files of a checkpoint hold its weights (a key of WEIGHT_FILE_KINDS), as recorded at save time;
+    every reader of weights asks this (records before it: derived from the saving engine and ZeRO stage)."""
+    if WEIGHT_FILES in record:
+        kind = record[WEIGHT_FILES]
+        if kind not in WEIGHT_FILE_KINDS:
+            raise CheckpointFormatError(f"the checkpoint's record names weight files {kind!r}, which this version "
+                                        f"does not read (it reads {sorted(WEIGHT_FILE_KINDS)})")
+        return kind
+    if saving_engine(record) == "pipeline":
+        return "layer_files"
+    return "zero_partitions" if record.get("parallel", {}).get("zero_stage", 0) >= 2 else "module_states"
 
 
 def universal_engine(record: dict) -> str:
@@ -217,8 +246,10 @@ def converted_client_state(seed: int = 1234) -> dict:
 
 def converted_run_state(config: ModelConfig, tp: int, pp: int, *, tokenizer: Optional[dict] = None,
                         extra: Optional[dict] = None) -> dict:
-    """The ``run_state.json`` record of a converted checkpoint (what --load checks the flags against)."""
+    """The ``run_state.json`` record of a converted checkpoint (what --load checks the flags against): the
+    pipeline engine's layer files, as ``megatron.checkpoint.merge.save_as_training_checkpoint`` writes them."""
     state = _record(dataclasses.asdict(config), _parallel(tp, pp, 1), tokenizer or {}, _ZERO_PROGRESS,
                     config.seq_length)
+    state.update({SAVING_ENGINE: "pipeline", WEIGHT_FILES: "layer_files"})
     state.update(extra or {})
     return state

@@ -1,4 +1,4 @@
-"""DeepSpeed's own checkpoint files: the classes they pickle, and the weights of a ZeRO-2 / ZeRO-3 checkpoint.
+"""DeepSpeed's own checkpoint files: the classes they pickle, and the weights its non-pipeline engine saved.
 
 A run with ``--zero-stage`` 2 or 3 (``megatron.engine.sharded``) saves what DeepSpeed's non-pipeline
 engine writes: per TP rank ``t`` and DP rank ``d``, ``zero_pp_rank_{d}_mp_rank_{t}_optim_states.pt``
@@ -7,7 +7,9 @@ bookkeeping (``mp_rank_{t}_model_states.pt`` under ZeRO-2, ``zero_pp_rank_{d}_mp
 under ZeRO-3: parameter names and shapes; under ZeRO-3 no weights at all). ``sharded_state_dict``
 puts the fp32 masters back together with DeepSpeed's ``zero_to_fp32`` (one TP rank at a time: it
 reads one model-parallel rank's files), every file read weights-only (``only_safe_loading``), then
-merges the TP slices as the parameter layout says: the GPTModel state dict the exporters take.
+merges the TP slices as the parameter layout says: the GPTModel state dict the exporters take. At ZeRO-0/1
+(DeepSpeed-Ulysses runs) the weights are the module's own, in ``mp_rank_{t}_model_states.pt``
+(``module_states_state_dict``).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from megatron.checkpoint.safe_load import only_safe_loading
+from megatron.checkpoint.safe_load import only_safe_loading, safe_load
 from megatron.checkpoint.tags import CheckpointFormatError
+from megatron.checkpoint.tp_shards import merge_tp_shards
 from megatron.config import ModelConfig
 from megatron.model.layout import parameter_layout
 
-__all__ = ["DEEPSPEED_GLOBALS", "sharded_state_dict"]
+__all__ = ["DEEPSPEED_GLOBALS", "sharded_state_dict", "module_states_state_dict"]
 
 # The DeepSpeed classes its own checkpoint files hold: the optimizer states' parameter mappings and,
 # for ZeRO / fp16 optimizers, their loss scaler and ZeRO stage. Plain data classes: restoring them
@@ -71,14 +74,30 @@ def _tp_rank_masters(tag_dir: str, tp_rank: int) -> dict[str, torch.Tensor]:
 
 def sharded_state_dict(tag_dir: str, config: ModelConfig, tp: int) -> dict[str, torch.Tensor]:
     """The TP=1 GPTModel state dict (fp32 master weights) of a ZeRO-2 / ZeRO-3 checkpoint saved at TP ``tp``."""
-    from megatron.checkpoint.merge import merge_tp_shards
+    return _merged(tag_dir, config, [_tp_rank_masters(tag_dir, rank) for rank in range(tp)], "the ZeRO states")
 
-    shards = [_tp_rank_masters(tag_dir, rank) for rank in range(tp)]
+
+def module_states_state_dict(tag_dir: str, config: ModelConfig, tp: int) -> dict[str, torch.Tensor]:
+    """The TP=1 GPTModel state dict of a checkpoint DeepSpeed's non-pipeline engine saved at ZeRO-0/1 (a
+    DeepSpeed-Ulysses run): each TP rank's whole module, in ``mp_rank_{t}_model_states.pt``, in its saved dtype."""
+    shards = []
+    for rank in range(tp):
+        path = os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt")
+        if not os.path.isfile(path):
+            raise CheckpointFormatError(f"{tag_dir!r} has no {os.path.basename(path)} (tensor-parallel rank {rank}'s "
+                                        f"module): incomplete")
+        module = safe_load(path, DEEPSPEED_GLOBALS).get("module")
+        if not isinstance(module, dict):
+            raise CheckpointFormatError(f"{path!r} holds no module state dict under 'module'")
+        shards.append(module)
+    return _merged(tag_dir, config, shards, "the module states")
+
+
+def _merged(tag_dir: str, config: ModelConfig, shards: list[dict], what: str) -> dict[str, torch.Tensor]:
     layout = parameter_layout(config)
     for rank, shard in enumerate(shards):
         if set(shard) != set(layout):
             missing, extra = sorted(set(layout) - set(shard)), sorted(set(shard) - set(layout))
-            raise CheckpointFormatError(f"{tag_dir!r}, tensor-parallel rank {rank}: the ZeRO states hold other "
-                                        f"parameters than the recorded model (missing {missing[:5]}, unknown "
-                                        f"{extra[:5]})")
+            raise CheckpointFormatError(f"{tag_dir!r}, tensor-parallel rank {rank}: {what} hold other parameters "
+                                        f"than the recorded model (missing {missing[:5]}, unknown {extra[:5]})")
     return {name: merge_tp_shards(layout[name], [shard[name] for shard in shards]) for name in layout}

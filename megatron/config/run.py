@@ -465,6 +465,12 @@ class RunConfig:
         DeepSpeed-Ulysses run (only that engine reduces gradients over the sequence-parallel ranks too)."""
         return self.precision.zero_stage >= 2 or self.parallel.ds_sequence_parallel_size > 1
 
+    @property
+    def deepspeed_engine(self) -> str:
+        """The engine this run trains (and saves) with: "model" (DeepSpeed's non-pipeline engine, GPTModel's
+        parameter names; ``sharded_data_parallel``) or "pipeline". Recorded in every checkpoint it saves."""
+        return "model" if self.sharded_data_parallel else "pipeline"
+
     def _validate_ulysses(self, pp: int) -> None:
         """DeepSpeed-Ulysses: whole tokens per rank, whole heads (and key / value heads) after the all-to-all."""
         sp = self.parallel.ds_sequence_parallel_size

@@ -81,8 +81,7 @@ def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> d
     Megatron's own top-level keys ('args', 'checkpoint_version'; 'iteration' is added by the writer)."""
     counters = dataclasses.asdict(progress)
     return {"progress": counters, "lr_scheduler": lr_scheduler.state_dict(), "rng": training_io.rng_state(tracker),
-            UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(rc.model,
-                                                                 "model" if rc.sharded_data_parallel else "pipeline"),
+            UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(rc.model, rc.deepspeed_engine),
             "args": run_state.megatron_args(rc, counters), "checkpoint_version": run_state.MEGATRON_CHECKPOINT_VERSION}
 
 
@@ -205,7 +204,7 @@ def resume_point(rc: RunConfig, tag: Optional[str] = None) -> Optional[tuple[str
                          f"not this project's optimizer state, schedule and RNG; pass --finetune to train from its "
                          f"weights with a new schedule")
     if not ck.universal_checkpoint:
-        _check_same_layout(rc, os.path.join(ck.load, tag), saved.get("parallel", {}))
+        _check_same_layout(rc, os.path.join(ck.load, tag), saved)
     else:
         _check_universal_engine(rc, os.path.join(ck.load, tag), saved)
     return tag, saved
@@ -220,7 +219,7 @@ def _check_universal_engine(rc: RunConfig, tag_dir: str, saved: dict) -> None:
         raise ValueError(f"{tag_dir} was converted before ds_to_universal.py wrote universal checkpoints that "
                          f"ZeRO-2 runs and ZeRO-3 runs at TP > 1 read; convert its source checkpoint again "
                          f"(--target-engine model), or load it at --zero-stage 3 --tensor-model-parallel-size 1")
-    engine, wanted = run_state.universal_engine(saved), "model" if rc.sharded_data_parallel else "pipeline"
+    engine, wanted = run_state.universal_engine(saved), rc.deepspeed_engine
     if engine != wanted:
         runs = {"model": "ZeRO-2 / ZeRO-3 runs", "pipeline": "--zero-stage 0 / 1 runs"}
         raise ValueError(f"{tag_dir} is a universal checkpoint for the {engine} engine ({runs[engine]}); this run "
@@ -229,10 +228,10 @@ def _check_universal_engine(rc: RunConfig, tag_dir: str, saved: dict) -> None:
                          f"--output_folder NEW_TAG --target-engine {wanted}")
 
 
-def _check_same_layout(rc: RunConfig, tag_dir: str, recorded: dict) -> None:
+def _check_same_layout(rc: RunConfig, tag_dir: str, saved: dict) -> None:
     """A regular checkpoint holds per-TP-rank weight files and per-DP-rank optimizer shards: it loads at
-    its own TP and PP (and DP, when the optimizer state is loaded)."""
-    p, ck = rc.parallel, rc.checkpoint
+    its own TP and PP (and DP, when the optimizer state is loaded), into the engine that saved it."""
+    p, ck, recorded = rc.parallel, rc.checkpoint, saved.get("parallel", {})
     sizes = {"--tensor-model-parallel-size": (recorded.get("tensor_model_parallel_size"), p.tensor_model_parallel_size),
              "--pipeline-model-parallel-size": (recorded.get("pipeline_model_parallel_size"),
                                                 p.pipeline_model_parallel_size)}
@@ -245,13 +244,16 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, recorded: dict) -> None:
     if saved_stage is not None and saved_stage != rc.deepspeed_zero_stage and max(saved_stage, rc.deepspeed_zero_stage) >= 2:
         # ZeRO-2 and ZeRO-3 write DeepSpeed's non-pipeline engine's files, each its own way
         sizes["ZeRO stage"] = (saved_stage, rc.deepspeed_zero_stage)
+    # Each engine writes its own files (megatron.checkpoint.run_state.WEIGHT_FILE_KINDS), whatever the sizes.
+    sizes["DeepSpeed engine"] = (run_state.saving_engine(saved), rc.deepspeed_engine)
     differ = {name: pair for name, pair in sizes.items() if pair[0] is not None and pair[0] != pair[1]}
     if differ:
-        said = ", ".join(f"{name} {saved} (this run: {now})" for name, (saved, now) in differ.items())
+        said = ", ".join(f"{name} {then} (this run: {now})" for name, (then, now) in differ.items())
+        target = f" --target-engine {rc.deepspeed_engine}" if "DeepSpeed engine" in differ else ""
         raise ValueError(f"{tag_dir} was saved with {said}; a regular checkpoint loads only on its own layout. "
                          f"Convert it once: python tools/convert_checkpoint/ds_to_universal.py --input_folder "
-                         f"{tag_dir} --output_folder {tag_dir}_universal, then add --universal-checkpoint (or "
-                         f"run with the checkpoint's sizes)")
+                         f"{tag_dir} --output_folder {tag_dir}_universal{target}, then add --universal-checkpoint "
+                         f"(or run with the checkpoint's sizes)")
 
 
 def intact_resume_point(rc: RunConfig, point: Optional[tuple[str, dict]]) -> Optional[tuple[str, dict]]:

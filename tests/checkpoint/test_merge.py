@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from megatron.checkpoint.merge import load_full_state_dict, merge_tp_shards, save_as_training_checkpoint, split_for_tp
+from megatron.checkpoint.merge import load_full_state_dict, save_as_training_checkpoint
+from megatron.checkpoint.tp_shards import merge_tp_shards, split_for_tp
 from megatron.checkpoint.integrity import record_checksums
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import CheckpointFormatError, resolve_tag

@@ -176,6 +176,52 @@ def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus,
                                     pipeline_model_parallel_size=2)})
 
 
+@pytest.mark.multiprocess
+def test_ulysses_zero0_and_zero1_checkpoints_export_and_refuse_the_pipeline_engine(tiny_corpus, tmp_path):
+    """DeepSpeed's non-pipeline engine saves a Ulysses run's weights in its module states at ZeRO-0/1 (no
+    pipeline layer files): the readers take the record's word for it. The weights read back equal a single
+    process's at the same iteration, the transformers export computes our model's logits, and resuming on the
+    pipeline engine is refused before any work, naming the conversion."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron.checkpoint.merge import load_full_state_dict
+    from megatron.checkpoint.run_state import load_run_state
+    from megatron.model import GPTModel
+    from megatron.testing.tolerance import model_tolerance
+    from tests.training.helpers import pretrain_error
+    from tools.convert_checkpoint import to_hf
+
+    argv = tiny_argv(tiny_corpus, train_iters=ITERS)
+    saves = {stage: str(tmp_path / f"sp2_zero{stage}") for stage in (0, 1)}
+    exit_at = ("--save-interval", 100, "--exit-interval", 3)
+    run_distributed(_train, world_size=2, timeout=300, args=(
+        [_layout(argv, *SP2, "--zero-stage", stage, "--save", save, *exit_at) for stage, save in saves.items()],))
+    single = str(tmp_path / "one")
+    run_distributed(_train, world_size=1, timeout=300, args=([_layout(argv, "--save", single, *exit_at)],))
+    _, reference, _ = load_full_state_dict(single)
+    for stage, save in saves.items():
+        record = load_run_state(save)
+        assert (record["saving_engine"], record["weight_files"]) == ("model", "module_states"), record
+        config, state, _ = load_full_state_dict(save)
+        assert set(state) == set(reference), stage
+        for name, tensor in reference.items():  # 3 iterations that agree within 1e-5: the weights do too
+            assert torch.allclose(state[name], tensor, rtol=1e-4, atol=1e-6), (stage, name)
+        assert to_hf.main(["--load", save, "--output-dir", str(tmp_path / f"hf{stage}")]) == 0
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"hf{stage}")).eval()
+        ours = GPTModel(config).eval()
+        ours.load_state_dict(state)
+        ids = torch.randint(0, 400, (2, 32), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            expected = ours(ids).transpose(0, 1)[..., :400]  # [b, s, v]
+            diff = (hf(ids).logits - expected).abs().max().item()
+        assert diff <= model_tolerance(config, torch.float32, expected), (stage, diff)
+    error = run_distributed(pretrain_error, world_size=1, timeout=300,
+                            args=(_layout(argv, "--zero-stage", 1, "--load", saves[1], "--no-load-optim"),))[0]
+    assert error and "DeepSpeed engine model (this run: pipeline)" in error and "--target-engine pipeline" in error, \
+        error
+
+
 def _refused(tiny_corpus, *flags, world_size):
     from megatron.arguments import run_config_from_argv
 

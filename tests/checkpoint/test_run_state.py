@@ -1,0 +1,33 @@
+"""The run record says how its checkpoint was written: the saving engine and the files that hold the weights."""
+
+import pytest
+
+from megatron.arguments import run_config_from_argv
+from megatron.checkpoint.run_state import WEIGHT_FILE_KINDS, build_run_state, saving_engine, weight_files
+from megatron.checkpoint.tags import CheckpointFormatError
+from megatron.testing.corpus import tiny_argv
+
+PROGRESS = {"iteration": 1, "consumed_samples": 8, "consumed_tokens": 256}
+
+
+@pytest.mark.parametrize("world_size, flags, engine, files", [
+    (8, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, zero_stage=1), "pipeline", "layer_files"),
+    (1, dict(zero_stage=0), "pipeline", "layer_files"),
+    (2, dict(zero_stage=2), "model", "zero_partitions"),
+    (4, dict(zero_stage=3, tensor_model_parallel_size=2), "model", "zero_partitions"),
+    (2, dict(zero_stage=0, ds_sequence_parallel_size=2), "model", "module_states"),
+    (2, dict(zero_stage=1, ds_sequence_parallel_size=2), "model", "module_states"),
+])
+def test_the_record_names_the_engine_and_the_weight_files(tiny_corpus, world_size, flags, engine, files):
+    rc = run_config_from_argv(tiny_argv(tiny_corpus, **flags), world_size=world_size)
+    record = build_run_state(rc, PROGRESS)
+    assert (record["saving_engine"], record["weight_files"]) == (engine, files) == (rc.deepspeed_engine, files)
+    assert files in WEIGHT_FILE_KINDS
+    # A record written before these fields existed is read by the same rule.
+    older = {k: v for k, v in record.items() if k not in ("saving_engine", "weight_files")}
+    assert (saving_engine(older), weight_files(older)) == (engine, files)
+
+
+def test_weight_files_of_another_version_are_refused_by_name():
+    with pytest.raises(CheckpointFormatError, match="weight files 'torch_dcp'.*does not read"):
+        weight_files({"saving_engine": "model", "weight_files": "torch_dcp"})
