@@ -42,7 +42,7 @@ def _measure(rank, world_size, layouts):
     import torch
 
     from megatron.engine.initialize import init_deepspeed_comm
-    from megatron.engine.ulysses import enable_ulysses
+    from megatron.engine.ulysses import ulysses_exchange
     from megatron.model import GPTModel
     from megatron.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
     from megatron.parallel.state import ParallelState
@@ -56,8 +56,8 @@ def _measure(rank, world_size, layouts):
             tracker = RNGStatesTracker("cpu")
             tracker.add(MODEL_PARALLEL_RNG, 1000 + state.tp_rank)
             torch.manual_seed(0)
-            model = GPTModel(_config(sp and tp > 1), state, rng_tracker=tracker).train()
-            enable_ulysses(model, state)
+            model = GPTModel(_config(sp and tp > 1), state, rng_tracker=tracker,
+                             sequence_exchange=ulysses_exchange(state)).train()
             params = {p.untyped_storage().data_ptr() for p in model.parameters()}
             seen, active = {}, [False]
 

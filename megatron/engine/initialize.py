@@ -29,7 +29,6 @@ from megatron.engine.cpu import avoid_cpu_jit_builds, check_cpu_compiler, on_cpu
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
 from megatron.engine.sharded import DeepSpeedMPU, ShardedEngine, build_sharded_module, set_hpz_group
-from megatron.engine.ulysses import enable_ulysses
 from megatron.model.compile import compile_transformer_layers
 from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState
@@ -102,7 +101,6 @@ def _build_sharded_engine(rc: RunConfig, state: ParallelState, config: dict, tra
     mpu = DeepSpeedMPU(state)
     hpz_ranks = set_hpz_group(state, rc.parallel.zero_hpz_partition_size)
     module = build_sharded_module(rc, state, config, mpu, tracker)
-    enable_ulysses(module, state)  # --ds-sequence-parallel-size: all-to-all attention (megatron.engine.ulysses)
     if rc.training.torch_compile:
         _compile_layers(module)
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron.config import RunConfig
 from megatron.engine.timers import NO_TIMERS
-from megatron.engine.ulysses import backward_loss_scale, sequence_parallel_loss
+from megatron.engine.ulysses import backward_loss_scale, sequence_parallel_loss, ulysses_exchange
 from megatron.parallel.random import tracked_checkpoint_func
 from megatron.model import GPTModel
 from megatron.parallel.random import RNGStatesTracker
@@ -179,7 +179,7 @@ def build_sharded_module(rc: RunConfig, state: ParallelState, config: dict, mpu:
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
     with zero_stage3_init(rc, config, mpu):
-        model = GPTModel(rc.model, state, rng_tracker=tracker)
+        model = GPTModel(rc.model, state, rng_tracker=tracker, sequence_exchange=ulysses_exchange(state))
     t = rc.training
     if t.checkpoint_activations:
         model.recompute_activations(tracked_checkpoint_func(tracker), t.checkpoint_num_layers)

@@ -15,21 +15,32 @@ Except ZeRO-3: DeepSpeed 0.19.8's stage 3 reduce-scatter path (``__avg_scatter_g
 ``reduce_scatter: true``, which the DeepSpeed config pins for Ulysses runs) averages over all dp x sp ranks,
 so there each rank's part is multiplied by sp before the backward (:func:`backward_loss_scale`); measured:
 without it the grad norm of a ZeRO-3 SP=2 run is exactly half the (1, 1, 1) one.
+
+How it is wired, all of it at construction (this file and ``megatron/model/attention.py``):
+
+- :func:`ulysses_exchange` turns this rank's ``ParallelState`` (its sp group, rank and size) into the model's
+  ``SequenceExchange``; ``build_sharded_module`` passes it to ``GPTModel`` with the groups, and every
+  ``SelfAttention`` is built complete from it: the rank's token offset (positions), the ALiBi slopes of the
+  heads it attends with after the all-to-all, and :func:`distributed_attention` around its core attention.
+  A model of an SP rank built without it is refused (``GPTModel``), so none is ever half configured;
+- the batch: ``megatron.training.batches.sequence_slice`` gives each rank its s / sp tokens;
+- the loss: ``ShardedEngine`` (``megatron.engine.sharded``) calls :func:`sequence_parallel_loss` and
+  scales it by :func:`backward_loss_scale`; its ``DeepSpeedMPU`` hands DeepSpeed the dp x sp group.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from deepspeed.sequence.layer import DistributedAttention
 
-from megatron.model.attention import SelfAttention
+from megatron.model.attention import SequenceExchange
 from megatron.parallel.state import ParallelState
 
-__all__ = ["backward_loss_scale", "distributed_attention", "enable_ulysses", "sequence_parallel_loss"]
+__all__ = ["backward_loss_scale", "distributed_attention", "sequence_parallel_loss", "ulysses_exchange"]
 
 # DistributedAttention's all-to-all indices for sequence-first [s, b, heads, hn] tensors: forward scatter the
 # heads (dim 2) and gather the sequence (dim 0); the context goes back the other way.
@@ -41,15 +52,12 @@ def distributed_attention(sp_group, local_attention: Callable) -> DistributedAtt
     return DistributedAttention(local_attention, sp_group, scatter_idx=SCATTER_HEADS, gather_idx=GATHER_SEQUENCE)
 
 
-def enable_ulysses(model: torch.nn.Module, state: ParallelState) -> int:
-    """Make every attention layer of ``model`` sequence-parallel over ``state.sp_group``; how many there are."""
+def ulysses_exchange(state: ParallelState) -> Optional[SequenceExchange]:
+    """What the model's attention layers need for Ulysses over ``state.sp_group`` (``GPTModel``'s
+    ``sequence_exchange``), each layer wrapping its core attention in its own DistributedAttention; None at SP 1."""
     if state.sp_size == 1:
-        return 0
-    make = functools.partial(distributed_attention, state.sp_group)
-    layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
-    for attention in layers:
-        attention.use_sequence_parallel(make, state.sp_rank, state.sp_size)
-    return len(layers)
+        return None
+    return SequenceExchange(state.sp_rank, state.sp_size, functools.partial(distributed_attention, state.sp_group))
 
 
 def sequence_parallel_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, sp_group) -> torch.Tensor:

@@ -8,6 +8,8 @@
     Norm               LayerNorm or RMSNorm, as the config says
     FinalLayerNorm     the norm before the head
     GPTModel           the three composed on one pipeline stage; ``gpt_loss`` the masked mean loss
+    SequenceExchange   what attention needs for DeepSpeed-Ulysses (its SP rank and the all-to-all around the
+                       core attention), given at construction; megatron.engine.ulysses builds it
     KVCache            per-layer keys / values for incremental decoding
     BatchKVCache       the same for a batch of sequences of different lengths (continuous batching)
     layout             the pipeline layers and how every parameter is split across TP ranks (from the
@@ -24,7 +26,7 @@ Shape letters: s sequence, b micro-batch, h hidden, np heads per partition, hn h
 hp = np * hn, v / vp vocabulary (per partition).
 """
 
-from megatron.model.attention import KVCache, SelfAttention
+from megatron.model.attention import KVCache, SelfAttention, SequenceExchange
 from megatron.model.embedding import EmbeddingLayer, OutputLayer
 from megatron.model.kv_cache import BatchKVCache
 from megatron.model.gpt import GPTModel, gpt_loss, per_token_loss
@@ -33,5 +35,5 @@ from megatron.model.norm import Norm
 from megatron.model.transformer import FinalLayerNorm, ParallelMLP, TransformerLayer
 
 __all__ = ["EmbeddingLayer", "OutputLayer", "Norm", "TransformerLayer", "FinalLayerNorm", "GPTModel", "gpt_loss",
-           "per_token_loss", "KVCache", "BatchKVCache", "SelfAttention", "ParallelMLP", "ParameterLayout", "PipelineItem",
-           "parameter_layout", "pipeline_items"]
+           "per_token_loss", "KVCache", "BatchKVCache", "SelfAttention", "SequenceExchange", "ParallelMLP",
+           "ParameterLayout", "PipelineItem", "parameter_layout", "pipeline_items"]

@@ -13,12 +13,12 @@ exactly its groups' q, k and v: TP slicing, DeepSpeed's universal-checkpoint dim
 transformers mappings all agree. With one query head per group this is [heads, 3, hn], BLOOM's
 and transformers' Bloom layout.
 
-DeepSpeed-Ulysses (:meth:`SelfAttention.use_sequence_parallel`): each of sp ranks holds s / sp tokens
+DeepSpeed-Ulysses (a ``SequenceExchange`` given at construction): each of sp ranks holds s / sp tokens
 of every sample. The projections, rotary (at the tokens' GLOBAL positions) and the dense layer run on
-those; an all-to-all (built by megatron.engine, this package knows no deepspeed) hands the core
-attention the whole sequence for np / sp heads, [s/sp, b, np, hn] -> [s, b, np/sp, hn], and back. The
-query heads are ordered group by group, so rank j's np / sp query heads are exactly those of its
-ng / sp key / value heads; ALiBi takes the slopes of those heads.
+those; an all-to-all (megatron.engine.ulysses builds it from ParallelState, this package knows no
+deepspeed) hands the core attention the whole sequence for np / sp heads, [s/sp, b, np, hn] ->
+[s, b, np/sp, hn], and back. The query heads are ordered group by group, so rank j's np / sp query heads
+are exactly those of its ng / sp key / value heads; ALiBi takes the slopes of those heads.
 
 Shape letters: s sequence (sq queries, sk keys incl. cached ones), b micro-batch, h hidden,
 np heads per partition, ng query groups (key / value heads) per partition, hn head dim,
@@ -28,6 +28,7 @@ hp = np * hn, v / vp vocabulary (per partition).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Callable, Optional
@@ -46,7 +47,7 @@ from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.random import tracked_checkpoint_func
 from megatron.parallel.state import group_rank, group_size
 
-__all__ = ["KVCache", "SelfAttention"]
+__all__ = ["KVCache", "SelfAttention", "SequenceExchange"]
 
 
 @torch.compiler.disable  # under --torch-compile: a cached tensor, not something to trace
@@ -114,6 +115,28 @@ class KVCache:
         return self.key, self.value
 
 
+@dataclasses.dataclass(frozen=True)
+class SequenceExchange:
+    """What one rank's attention layers need for DeepSpeed-Ulysses; ``megatron.engine.ulysses.ulysses_exchange``
+    builds it from ``ParallelState`` and the model builder hands it to every ``SelfAttention``, as it does the
+    tensor-parallel group.
+
+    sp_rank, sp_size: this rank holds the tokens sp_rank * s/sp .. (sp_rank + 1) * s/sp - 1 of every sample.
+    wrap: ``wrap(local_attention)`` returns ``exchange(query, key, value, batch_dim_idx)``: q, k, v
+        [s/sp, b, heads, hn] all-to-all'd into [s, b, heads/sp, hn], ``local_attention`` on those, the context
+        all-to-all'd back to [s/sp, b, np, hn] (DeepSpeed's DistributedAttention has this call).
+    """
+
+    sp_rank: int
+    sp_size: int
+    wrap: Callable[[Callable], Callable]
+
+    def __post_init__(self):
+        if self.sp_size < 2 or not 0 <= self.sp_rank < self.sp_size:
+            raise ValueError(f"sp_rank {self.sp_rank} of a sequence-parallel group of {self.sp_size}: a sequence "
+                             f"exchange needs at least 2 ranks and a rank inside the group (SP = 1: pass none)")
+
+
 class SelfAttention(nn.Module):
     """Causal multi-head / grouped-query self-attention, query groups split across the tensor-parallel group.
 
@@ -123,9 +146,11 @@ class SelfAttention(nn.Module):
         layer_number: this layer's 0-based index in the whole model (names its init streams).
         rng_tracker: a ``RNGStatesTracker``; attention dropout runs inside its
             'model-parallel-rng' fork so that it differs across TP ranks (each holds other heads).
+        sequence_exchange: DeepSpeed-Ulysses' ``SequenceExchange`` for this rank (None: the whole sequence here).
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, rng_tracker=None):
+    def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, rng_tracker=None,
+                 sequence_exchange: Optional[SequenceExchange] = None):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
@@ -151,37 +176,23 @@ class SelfAttention(nn.Module):
         if config.rope_scaling_factor is not None:
             self._rope_scaling = (config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
                                   config.rope_scaling_high_freq_factor, config.rope_scaling_original_max_positions)
-        if config.position_embedding_type == "alibi":
-            # Not a buffer: it must stay fp32 when the module is cast to bf16, and it is not state.
-            self._alibi_slopes = alibi_slopes_for_rank(config.num_attention_heads, group_rank(tp_group), tp_size)
-            self._alibi_slope_values = tuple(self._alibi_slopes.tolist())  # the key of the shared bias
-        self._sp_rank, self._sp_size = 0, 1
-        self._sequence_exchange = None  # Ulysses' all-to-all attention, see use_sequence_parallel
-
-    def use_sequence_parallel(self, make_exchange: Callable[[Callable], Callable], sp_rank: int, sp_size: int) -> None:
-        """Attend over a sequence split across ``sp_size`` ranks (DeepSpeed-Ulysses); this rank holds the
-        tokens sp_rank * s/sp .. (sp_rank + 1) * s/sp - 1 of every sample.
-
-        ``make_exchange(local_attention)`` returns ``exchange(query, key, value, batch_dim_idx)``: q, k, v
-        [s/sp, b, heads, hn] all-to-all'd into [s, b, heads/sp, hn], ``local_attention`` on those, the
-        context all-to-all'd back to [s/sp, b, np, hn] (DeepSpeed's DistributedAttention has this call).
-        """
-        tp_size, tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
+        sp_rank, sp_size = (0, 1) if sequence_exchange is None else (sequence_exchange.sp_rank,
+                                                                      sequence_exchange.sp_size)
         if self.num_heads_per_partition % sp_size or self.num_groups_per_partition % sp_size:
             raise ValueError(f"{self.num_heads_per_partition} query heads and {self.num_groups_per_partition} key / "
                              f"value heads per tensor-parallel rank do not split over {sp_size} sequence-parallel "
                              f"ranks; the head counts must be divisible by TP x SP = {tp_size * sp_size}")
-        if not 0 <= sp_rank < sp_size:
-            raise ValueError(f"sp_rank {sp_rank} is outside a sequence-parallel group of {sp_size}")
-        self._sp_rank, self._sp_size = sp_rank, sp_size
-        # Not a submodule (it holds no state; ZeRO-3's hooks and state_dict need not see it).
-        object.__setattr__(self, "_sequence_exchange",
-                           make_exchange(self._ulysses_local_attention) if sp_size > 1 else None)
-        if self.config.position_embedding_type == "alibi":
-            # After the all-to-all this rank holds heads tp_rank * np + sp_rank * np/sp + j of the model's.
-            self._alibi_slopes = alibi_slopes_for_rank(self.config.num_attention_heads, tp_rank * sp_size + sp_rank,
-                                                       tp_size * sp_size)
-            self._alibi_slope_values = tuple(self._alibi_slopes.tolist())
+        self._sp_rank = sp_rank  # this rank's tokens start at sp_rank * s/sp of the whole sequence
+        if config.position_embedding_type == "alibi":
+            # Not a buffer: it must stay fp32 when the module is cast to bf16, and it is not state. With Ulysses,
+            # after the all-to-all this rank holds heads tp_rank * np + sp_rank * np/sp + j of the model's.
+            self._alibi_slopes = alibi_slopes_for_rank(config.num_attention_heads,
+                                                       group_rank(tp_group) * sp_size + sp_rank, tp_size * sp_size)
+            self._alibi_slope_values = tuple(self._alibi_slopes.tolist())  # the key of the shared bias
+        # Ulysses' all-to-all attention around the core one. Not a submodule (DistributedAttention is an
+        # nn.Module holding no state; ZeRO-3's hooks and state_dict need not see it).
+        object.__setattr__(self, "_sequence_exchange", None if sequence_exchange is None
+                           else sequence_exchange.wrap(self._ulysses_local_attention))
 
     @property
     def alibi_slopes(self) -> Optional[torch.Tensor]:

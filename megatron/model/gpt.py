@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.model.attention import KVCache
+from megatron.model.attention import KVCache, SequenceExchange
 from megatron.model.embedding import EmbeddingLayer, OutputLayer
 from megatron.model.kv_cache import BatchKVCache
 from megatron.model.transformer import FinalLayerNorm, TransformerLayer
@@ -54,6 +54,15 @@ def gpt_loss(logits_parallel: torch.Tensor, labels: torch.Tensor, loss_mask: tor
     return (loss * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def _check_sequence_exchange(state: ParallelState, exchange: Optional[SequenceExchange]) -> None:
+    """A model of a sequence-parallel rank attends through its group's exchange, and only then."""
+    sp_rank, sp_size = (0, 1) if exchange is None else (exchange.sp_rank, exchange.sp_size)
+    if (sp_rank, sp_size) != (state.sp_rank, state.sp_size):
+        raise ValueError(f"the parallel state is sequence-parallel rank {state.sp_rank} of {state.sp_size} but the "
+                         f"sequence exchange is rank {sp_rank} of {sp_size}; pass "
+                         f"megatron.engine.ulysses.ulysses_exchange(parallel_state) (None when SP = 1)")
+
+
 class GPTModel(nn.Module):
     """A GPT / BLOOM / Llama-style decoder on a single pipeline stage, tensor-parallel over ``parallel_state.tp_group``.
 
@@ -63,6 +72,8 @@ class GPTModel(nn.Module):
             tensor-parallel group is used; pipeline parallelism stages the same modules elsewhere.
         rng_tracker: optional ``RNGStatesTracker`` for attention dropout inside the TP region (and, with
             ``config.sequence_parallel``, the dropout of the sequence shards).
+        sequence_exchange: with DeepSpeed-Ulysses (``parallel_state.sp_size`` > 1, required then), every
+            attention layer's ``SequenceExchange`` (``megatron.engine.ulysses.ulysses_exchange(parallel_state)``).
 
     Parameter names: ``embedding.word_embeddings.weight``, ``embedding.position_embeddings.weight``,
     ``embedding.embed_layernorm.*``, ``layers.{i}.input_layernorm.*``,
@@ -72,14 +83,16 @@ class GPTModel(nn.Module):
     ``output_layer.weight``.
     """
 
-    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, rng_tracker=None):
+    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, rng_tracker=None,
+                 sequence_exchange: Optional[SequenceExchange] = None):
         super().__init__()
         parallel_state = parallel_state if parallel_state is not None else ParallelState.single()
         config.validate(parallel_state.tp_size)
+        _check_sequence_exchange(parallel_state, sequence_exchange)
         self.config = config
         self.tp_group = parallel_state.tp_group
         self.embedding = EmbeddingLayer(config, self.tp_group, rng_tracker)
-        self.layers = nn.ModuleList(TransformerLayer(config, self.tp_group, i, rng_tracker)
+        self.layers = nn.ModuleList(TransformerLayer(config, self.tp_group, i, rng_tracker, sequence_exchange)
                                     for i in range(config.num_layers))
         self.final_layernorm = FinalLayerNorm(config, self.tp_group)
         self.output_layer = None if config.tied_embeddings else OutputLayer(config, self.tp_group)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.model.attention import KVCache, SelfAttention
+from megatron.model.attention import KVCache, SelfAttention, SequenceExchange
 from megatron.model.initialization import normal_init, output_layer_std, params_torch_dtype
 from megatron.model.norm import Norm
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -101,11 +101,13 @@ class TransformerLayer(nn.Module):
             exactly as layers 3..5 of the full model do.
         rng_tracker: optional ``RNGStatesTracker`` for attention dropout (see SelfAttention) and, with
             sequence parallelism, the hidden dropout (required then if the dropout is not 0).
+        sequence_exchange: DeepSpeed-Ulysses' ``SequenceExchange`` for the attention (None: no Ulysses).
 
     Parameters are created in fp32, initialized, then cast to ``config.params_dtype``.
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, rng_tracker=None):
+    def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, rng_tracker=None,
+                 sequence_exchange: Optional[SequenceExchange] = None):
         super().__init__()
         config.validate(group_size(tp_group))
         if not isinstance(layer_number, int) or not 0 <= layer_number < config.num_layers:
@@ -117,7 +119,7 @@ class TransformerLayer(nn.Module):
         self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
         self.rng_tracker = rng_tracker
         self.input_layernorm = Norm(config, tp_group)
-        self.self_attention = SelfAttention(config, tp_group, layer_number, rng_tracker)
+        self.self_attention = SelfAttention(config, tp_group, layer_number, rng_tracker, sequence_exchange)
         self.post_attention_layernorm = Norm(config, tp_group)
         self.mlp = ParallelMLP(config, tp_group, layer_number)
         zero_biases(self)

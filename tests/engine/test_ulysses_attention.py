@@ -1,4 +1,5 @@
-"""DeepSpeed-Ulysses attention (megatron.engine.ulysses) equals the unsplit attention, outputs and gradients.
+"""DeepSpeed-Ulysses attention (megatron.engine.ulysses) equals the unsplit attention, outputs and gradients;
+a model of a sequence-parallel rank is complete when built, or refused.
 
 Each case runs the same layer (weights depend on (seed, name) only) on one process over the whole sequence,
 and on SP (x TP) gloo processes through DeepSpeed's DistributedAttention, each holding s / sp tokens: every
@@ -40,8 +41,10 @@ def _attention_reference(config):
 
 
 def _attention_worker(rank, world_size, config, tp):
+    from deepspeed.sequence.layer import DistributedAttention
+
     from megatron.engine.initialize import init_deepspeed_comm
-    from megatron.engine.ulysses import enable_ulysses
+    from megatron.engine.ulysses import ulysses_exchange
     from megatron.model.attention import SelfAttention
     from megatron.parallel.state import ParallelState
 
@@ -49,8 +52,8 @@ def _attention_worker(rank, world_size, config, tp):
     init_deepspeed_comm("gloo")
     state = ParallelState.create(tp=tp, pp=1, sp=world_size // tp)
     try:
-        attention = SelfAttention(config, state.tp_group, 0)
-        assert enable_ulysses(attention, state) == 1
+        attention = SelfAttention(config, state.tp_group, 0, sequence_exchange=ulysses_exchange(state))
+        assert isinstance(attention._sequence_exchange, DistributedAttention), f"rank {rank}"
         part = S // state.sp_size
         cut = slice(state.sp_rank * part, (state.sp_rank + 1) * part)
         _, _, _, weight = _attention_reference(config)
@@ -127,8 +130,10 @@ def _model_loss_reference(config, tokens, mask):
 
 
 def _model_worker(rank, world_size, config, tokens, mask):
+    from deepspeed.sequence.layer import DistributedAttention
+
     from megatron.engine.initialize import init_deepspeed_comm
-    from megatron.engine.ulysses import enable_ulysses, sequence_parallel_loss
+    from megatron.engine.ulysses import sequence_parallel_loss, ulysses_exchange
     from megatron.model import GPTModel
     from megatron.parallel.state import ParallelState
     from megatron.training.batches import sequence_slice
@@ -137,8 +142,10 @@ def _model_worker(rank, world_size, config, tokens, mask):
     init_deepspeed_comm("gloo")
     state = ParallelState.create(tp=1, pp=1, sp=world_size)
     try:
-        model = GPTModel(config, state)
-        assert enable_ulysses(model, state) == config.num_layers
+        model = GPTModel(config, state, sequence_exchange=ulysses_exchange(state))
+        exchanges = [layer.self_attention._sequence_exchange for layer in model.layers]
+        assert len({id(e) for e in exchanges}) == config.num_layers, f"rank {rank}: one exchange per layer"
+        assert all(isinstance(e, DistributedAttention) for e in exchanges), f"rank {rank}"
         positions = torch.arange(S)[None].expand(B, S)
         (ids, pos), (labels, m) = sequence_slice(((tokens[:, :-1], positions), (tokens[:, 1:], mask)),
                                                  state.sp_rank, state.sp_size)
@@ -172,3 +179,52 @@ def test_ulysses_model_loss_and_gradients_with_uneven_mask(name):
         for pname, grad in r["grads"].items():
             assert torch.allclose(grad, ref_grads[pname], atol=1e-6, rtol=1e-4), \
                 f"rank {rank} {pname}: gradient differs by {(grad - ref_grads[pname]).abs().max()}"
+
+
+def _sequence_parallel_state(sp_rank: int, sp_size: int):
+    """A ParallelState at SP rank ``sp_rank`` of ``sp_size`` (no process groups: nothing here communicates)."""
+    from megatron.parallel.state import ParallelState, group_layout
+
+    return ParallelState(layout=group_layout(1, 1, 1, sp_size), rank=sp_rank)
+
+
+def _no_exchange(local_attention):
+    raise AssertionError("a refused model must not get as far as building its exchange")
+
+
+def test_a_sequence_parallel_model_without_its_exchange_is_refused():
+    from megatron.engine.pipeline import build_pipeline_module
+    from megatron.engine.ulysses import ulysses_exchange
+    from megatron.model import GPTModel, SequenceExchange
+    from megatron.parallel.state import ParallelState
+
+    config = tiny_config()
+    assert ulysses_exchange(ParallelState.single()) is None
+    with pytest.raises(ValueError, match="sequence-parallel rank 1 of 2 but the sequence exchange is rank 0 of 1"):
+        GPTModel(config, _sequence_parallel_state(1, 2))
+    with pytest.raises(ValueError, match="rank 0 of 1 but the sequence exchange is rank 1 of 2"):
+        GPTModel(config, ParallelState.single(), sequence_exchange=SequenceExchange(1, 2, _no_exchange))
+    with pytest.raises(ValueError, match="pipeline engine has no DeepSpeed-Ulysses.*size 2"):
+        build_pipeline_module(config, _sequence_parallel_state(0, 2))
+    for rank, size in ((2, 2), (0, 1), (-1, 2)):
+        with pytest.raises(ValueError, match=f"sp_rank {rank} of a sequence-parallel group of {size}"):
+            SequenceExchange(rank, size, _no_exchange)
+
+
+def test_attention_is_built_for_its_sequence_rank():
+    """The exchange is built once per layer around that layer's core attention, the ALiBi slopes are those of
+    the heads the rank attends with after the all-to-all, and heads that do not split over SP are refused."""
+    from megatron.model import GPTModel, SequenceExchange
+    from megatron.model.attention import SelfAttention
+    from megatron.model.positional import alibi_slopes
+
+    config = tiny_config(**CASES["alibi"])
+    wrapped = []
+    exchange = SequenceExchange(1, 2, lambda local_attention: wrapped.append(local_attention) or len(wrapped))
+    model = GPTModel(config, _sequence_parallel_state(1, 2), sequence_exchange=exchange)
+    assert [layer.self_attention._sequence_exchange for layer in model.layers] == [1, 2]
+    assert [f.__self__ for f in wrapped] == [layer.self_attention for layer in model.layers]
+    assert model.layers[1].self_attention.alibi_slopes.tolist() == pytest.approx(alibi_slopes(8)[4:], rel=1e-6)
+    with pytest.raises(ValueError, match="4 query heads and 1 key / value heads .* TP x SP = 4"):
+        SelfAttention(tiny_config(num_attention_heads=4, num_key_value_heads=1), None, 0,
+                      sequence_exchange=SequenceExchange(0, 4, _no_exchange))

@@ -106,7 +106,7 @@ def _ulysses_step(rank, world_size, config, tp, recompute):
     import torch
 
     from megatron.engine.initialize import init_deepspeed_comm
-    from megatron.engine.ulysses import enable_ulysses
+    from megatron.engine.ulysses import ulysses_exchange
     from megatron.model import GPTModel
     from megatron.parallel.random import tracked_checkpoint_func
     from megatron.parallel.state import ParallelState
@@ -116,8 +116,7 @@ def _ulysses_step(rank, world_size, config, tp, recompute):
     init_deepspeed_comm("gloo")
     state = ParallelState.create(tp=tp, pp=1, sp=world_size // tp)
     try:
-        model = GPTModel(config, state)
-        enable_ulysses(model, state)
+        model = GPTModel(config, state, sequence_exchange=ulysses_exchange(state))
         if recompute:
             model.recompute_activations(tracked_checkpoint_func(None), 1)
         s = config.seq_length // state.sp_size
