@@ -15,6 +15,8 @@ parameter folders are renamed and their files rewritten for the target's loaders
 Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), which writes
 ``CKPT/latest_universal``. Around it, this wrapper
   - refuses an incomplete input tag, and one whose files do not match their checksums (naming them);
+  - refuses a ZeRO-0 checkpoint (its optimizer state is not in the ZeRO partition files DeepSpeed's converter
+    reads), before writing anything, naming the ways it can move instead;
   - runs the converter with every ``torch.load`` made safe (``megatron.checkpoint.safe_load.
     only_safe_loading``: DeepSpeed's own calls unpickle anything), so a crafted pickle in any input
     file is refused, naming the file, and its code never runs;
@@ -27,6 +29,7 @@ Options other than the two folders and ``--target-engine`` are passed through to
 """
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -54,6 +57,7 @@ def main(argv=None) -> int:
                          f"(was the save interrupted?); convert a complete one")
     tag_dir = os.path.normpath(known.input_folder)
     record = load_run_state(os.path.dirname(tag_dir), os.path.basename(tag_dir))
+    _refuse_unpartitioned(tag_dir, record)
     source = saving_engine(record)
     target = known.target_engine or source
     problems = verify_checksums(known.input_folder, distributed=False)
@@ -73,6 +77,19 @@ def main(argv=None) -> int:
     write_complete_marker(known.output_folder, os.path.basename(os.path.normpath(known.input_folder)))
     print(f"universal checkpoint written to {known.output_folder}")
     return 0
+
+
+def _refuse_unpartitioned(tag_dir: str, record: dict) -> None:
+    """DeepSpeed's converter reads the optimizer's ZeRO partitions (``*_optim_states.pt``); at ZeRO stage 0 the
+    engine keeps the optimizer in its model-states files and writes none, and DeepSpeed 0.19.8's converter then
+    stops with a FileNotFoundError about a glob. Refuse such a tag before any work, saying why."""
+    stage = record.get("parallel", {}).get("zero_stage")
+    if stage == 0 or not glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
+        said = f"was saved at --zero-stage {stage}: it holds" if stage is not None else "holds"
+        raise ValueError(f"{tag_dir} {said} no ZeRO optimizer partitions (*_optim_states.pt), which a universal "
+                         f"checkpoint is made from. Resume it on its own layout, or move its weights only: "
+                         f"tools/convert_checkpoint/to_hf.py, then from_hf.py at the new sizes, loaded with "
+                         f"--finetune; runs at --zero-stage 1 or above write checkpoints that convert")
 
 
 def _parse_with(converter, argv):
