@@ -6,7 +6,8 @@ The checks here are the ones that need the command line as a whole, the environm
 (world size, data prefixes, tokenizer files, the DeepSpeed JSON); the rules of the settings themselves live
 in ``megatron.config``'s ``validate()`` methods. Nothing the user asked for is changed: a contradiction is a
 ValueError, a setting with no effect here, or one that runs as its DeepSpeed 0.19 equivalent (BLOOM's
-``--bf16 --zero-stage 0``), is kept and reported once in the startup log (``RunConfig.startup_warnings``).
+``--bf16 --zero-stage 0``), or a redundant combination Megatron-DeepSpeed accepts, is kept and reported once
+in the startup log (``RunConfig.startup_warnings``).
 """
 
 from __future__ import annotations
@@ -74,14 +75,13 @@ def resolve_recompute_spellings(args) -> None:
     """Megatron-LM's --recompute-granularity / -method / -num-layers onto Megatron-DeepSpeed's
     --checkpoint-activations / --checkpoint-num-layers (full) and ``recompute_core_attention`` (selective)."""
     granularity, method, num_layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
-    args.recompute_core_attention = granularity == "selective"
+    # With --checkpoint-activations too, full recomputation wins: it already recomputes the attention core
+    # (Megatron-DeepSpeed runs both, nesting a second recomputation of the core; a startup warning says so).
+    args.recompute_core_attention = granularity == "selective" and not args.checkpoint_activations
     if granularity != "full":
         if method is not None or num_layers is not None:
             raise ValueError(f"--recompute-method / --recompute-num-layers apply to --recompute-granularity full; "
                              f"got granularity {granularity}: drop them or use full")
-        if granularity == "selective" and args.checkpoint_activations:
-            raise ValueError("--recompute-granularity selective with --checkpoint-activations: full recomputation "
-                             "already recomputes the attention core; keep one of them")
         return
     if method == "block":
         raise ValueError("--recompute-method block (recompute only the first --recompute-num-layers layers of each "
@@ -296,6 +296,10 @@ def _no_effect_warnings(args) -> list[str]:
         out.append(f"--rope-scaling-factor {args.rope_scaling_factor} has no effect without --use-rope-scaling")
     if args.add_qkv_bias and args.add_bias_linear:
         out.append("--add-qkv-bias has no effect without --disable-bias-linear (every linear layer has a bias)")
+    if args.recompute_granularity == "selective" and args.checkpoint_activations:
+        out.append("--recompute-granularity selective has no effect with --checkpoint-activations: full "
+                   "recomputation already recomputes the attention core, so only full layers are recomputed "
+                   "(Megatron-DeepSpeed runs both, recomputing the core a second time inside each layer)")
     if args.deepspeed_activation_checkpointing and not args.checkpoint_activations:
         out.append("--deepspeed-activation-checkpointing has no effect without --checkpoint-activations")
     if args.distributed_backend == "nccl" and not _cuda_available():
