@@ -79,7 +79,7 @@ def resolve_recompute_spellings(args) -> None:
     # (Megatron-DeepSpeed runs both, nesting a second recomputation of the core; a startup warning says so).
     args.recompute_core_attention = granularity == "selective" and not args.checkpoint_activations
     if granularity != "full":
-        if method is not None or num_layers is not None:
+        if (method is not None or num_layers is not None) and not _uniform_beside_checkpoint_activations(args):
             raise ValueError(f"--recompute-method / --recompute-num-layers apply to --recompute-granularity full; "
                              f"got granularity {granularity}: drop them or use full")
         return
@@ -92,6 +92,14 @@ def resolve_recompute_spellings(args) -> None:
                              f"{args.checkpoint_num_layers} are two names for the same count and differ; give one")
         args.checkpoint_num_layers = num_layers
     args.checkpoint_activations = True
+
+
+def _uniform_beside_checkpoint_activations(args) -> bool:
+    """--checkpoint-activations --recompute-method uniform (no granularity): uniform chunks are what
+    --checkpoint-activations recomputes already; Megatron-DeepSpeed accepts the pair, and so does this (a
+    startup warning says the method changes nothing)."""
+    return (args.recompute_granularity is None and args.checkpoint_activations and args.recompute_method == "uniform"
+            and args.recompute_num_layers is None)
 
 
 def derive_parallel(args) -> None:
@@ -300,6 +308,9 @@ def _no_effect_warnings(args) -> list[str]:
         out.append("--recompute-granularity selective has no effect with --checkpoint-activations: full "
                    "recomputation already recomputes the attention core, so only full layers are recomputed "
                    "(Megatron-DeepSpeed runs both, recomputing the core a second time inside each layer)")
+    if _uniform_beside_checkpoint_activations(args):
+        out.append("--recompute-method uniform changes nothing beside --checkpoint-activations, which already "
+                   "recomputes uniform chunks of --checkpoint-num-layers layers")
     if args.deepspeed_activation_checkpointing and not args.checkpoint_activations:
         out.append("--deepspeed-activation-checkpointing has no effect without --checkpoint-activations")
     if args.distributed_backend == "nccl" and not _cuda_available():

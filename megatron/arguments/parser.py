@@ -400,7 +400,8 @@ def _speed(parser):
     g.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
                    help="With --recompute-granularity full: uniform (chunks of --recompute-num-layers layers, "
                         "DeepSpeed's interval; the default). Megatron-LM's block (only the first N layers of a stage) "
-                        "is not available on DeepSpeed's pipeline engine and is refused.")
+                        "is not available on DeepSpeed's pipeline engine and is refused. uniform beside --checkpoint-activations "
+                        "alone changes nothing (a startup warning says so).")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="With --recompute-granularity full: layers per recomputed chunk (= --checkpoint-num-layers).")
     g.add_argument("--torch-compile", action="store_true",

@@ -66,3 +66,16 @@ def test_selective_recompute_with_checkpoint_activations_runs_full_with_one_warn
                                         checkpoint_activations=True) + ["--dry-run", "--world-size", "2"])
     assert check.ok and check.warnings == (warning,)
     assert check.run_config.model.recompute_core_attention is False
+
+
+def test_uniform_recompute_method_beside_checkpoint_activations_is_accepted_with_one_warning(files):
+    """Megatron-DeepSpeed accepts the pair (uniform chunks are what --checkpoint-activations runs); alone, or with a
+    layer count the pipeline would not use, the method flags are still refused."""
+    rc = parse(files, checkpoint_activations=True, recompute_method="uniform")
+    assert rc.training.checkpoint_activations and rc.training.checkpoint_num_layers == 1
+    (warning,) = rc.startup_warnings
+    assert warning.startswith("--recompute-method uniform changes nothing beside --checkpoint-activations")
+    for flags in (dict(recompute_method="uniform"), dict(checkpoint_activations=True, recompute_num_layers=2),
+                  dict(checkpoint_activations=True, recompute_method="block")):
+        with pytest.raises(ValueError, match="apply to --recompute-granularity full; got granularity None"):
+            parse(files, **flags)
