@@ -59,6 +59,8 @@ class Run:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
+    """One step: ``run`` raises ValueError for what it finds wrong (or ``Problems`` through ``Run.each``)."""
+
     name: str
     run: Callable[[Any], None]
     needs: tuple[str, ...] = ()
