@@ -1,20 +1,14 @@
-"""``run_config_from_argv``: the command line -> a validated ``RunConfig`` (the one public way).
-
-``parse_namespace`` reads the flags and checks files and the world size; ``_build_run_config`` turns
-the Namespace into the frozen dataclasses (every ``validate()`` runs, and the DeepSpeed JSON merge);
-``resolve_vocab_size`` builds the tokenizer and fills Megatron's padded vocabulary size.
+"""The checked Namespace -> the frozen ``RunConfig`` (``assemble_run_config``, not yet validated: the
+pipeline's later steps validate it), and the tokenizer's padded vocabulary (``resolve_vocab_size``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
 
-from megatron.arguments.parse import parse_namespace
 from megatron.config import (BatchConfig, CheckpointConfig, DataConfig, ExitConfig, LoggingConfig, LRScheduleConfig,
                              ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TokenizerConfig,
                              TrainingConfig)
-from megatron.config.deepspeed import build_deepspeed_config
 
 
 def _pick(cls, args, **extra):
@@ -23,31 +17,9 @@ def _pick(cls, args, **extra):
     return cls(**{name: getattr(args, name) for name in names}, **extra)
 
 
-def run_config_from_argv(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int] = None,
-                         tokenizer=None, with_vocab: bool = True) -> RunConfig:
-    """The validated ``RunConfig`` of ``argv`` (default ``sys.argv[1:]``) for ``world_size`` processes
-    (default: what the launcher set, ``megatron.config.launch``).
-
-    with_vocab: build the tokenizer the flags name (or take ``tokenizer``, anything with a
-    ``vocab_size``) and fill ``model.original_vocab_size`` / ``padded_vocab_size``; False leaves
-    them None (for checking a job's flags where its tokenizer files are not at hand).
-    Raises ValueError naming the problem and the fix for any impossible configuration.
-    """
-    config = _build_run_config(parse_namespace(argv, world_size))
-    return resolve_vocab_size(config, tokenizer) if with_vocab else config
-
-
-def _build_run_config(args) -> RunConfig:
-    """The ``RunConfig`` of ``parse_namespace``'s result; every rule of ``RunConfig.validate`` and the
-    DeepSpeed JSON merge are checked. ``model.padded_vocab_size`` stays None."""
-    config = assemble_run_config(args).validate()
-    build_deepspeed_config(config, config.deepspeed_user_config)  # a JSON contradicting the flags fails here
-    return config
-
-
 def assemble_run_config(args) -> RunConfig:
-    """The ``RunConfig`` of ``parse_namespace``'s result, NOT yet validated (``--dry-run`` validates its
-    parts one by one to list every problem). ``model.padded_vocab_size`` is None."""
+    """The ``RunConfig`` of the flag steps' Namespace (``megatron.arguments.pipeline``), NOT yet validated.
+    ``model.padded_vocab_size`` is None."""
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are both set; pick one")
     params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -66,12 +38,15 @@ def assemble_run_config(args) -> RunConfig:
         # with one TP rank there is no sequence to split (the startup warnings say so)
         sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1)
     rampup = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
+    global_batch = args.global_batch_size
+    if global_batch is None:  # Megatron's default: one micro-batch per data-parallel rank and step
+        global_batch = args.micro_batch_size * args.data_parallel_size
     return RunConfig(
         model=model,
         parallel=_pick(ParallelConfig, args),
         optimizer=_pick(OptimizerConfig, args),
         lr_schedule=_pick(LRScheduleConfig, args),
-        batch=_pick(BatchConfig, args, rampup_batch_size=rampup),
+        batch=_pick(BatchConfig, args, rampup_batch_size=rampup, global_batch_size=global_batch),
         precision=_pick(PrecisionConfig, args),
         data=_pick(DataConfig, args, tokenizer=_pick(TokenizerConfig, args), data_path=args.data_path_pairs,
                    eod_token_id=None,  # known once the tokenizer is built (resolve_vocab_size)

@@ -1,82 +1,39 @@
-"""``parse_namespace``: flags -> a checked ``argparse.Namespace``, with Megatron's derived values.
+"""The flag steps of the argument pipeline (``megatron.arguments.pipeline``): each takes the parsed
+``argparse.Namespace``, checks one thing or fills in Megatron's derived values, and raises ValueError
+naming the values and the fix.
 
-The first half of ``run_config_from_argv`` (``megatron.arguments.build`` is the second). Checks here
-are the ones that need the environment or the file system (world size, data prefixes, tokenizer
-files, the DeepSpeed JSON); the rest live in ``megatron.config``'s ``validate()`` methods. Nothing
-the user asked for is changed: a contradiction is a ValueError naming the numbers, a setting with
-no effect here, or one that runs as its DeepSpeed 0.19 equivalent (BLOOM's ``--bf16 --zero-stage 0``),
-is kept and reported once in the startup log (``RunConfig.startup_warnings``).
+The checks here are the ones that need the command line as a whole, the environment or the file system
+(world size, data prefixes, tokenizer files, the DeepSpeed JSON); the rules of the settings themselves live
+in ``megatron.config``'s ``validate()`` methods. Nothing the user asked for is changed: a contradiction is a
+ValueError, a setting with no effect here, or one that runs as its DeepSpeed 0.19 equivalent (BLOOM's
+``--bf16 --zero-stage 0``), or a redundant combination Megatron-DeepSpeed accepts, is kept and reported once
+in the startup log (``RunConfig.startup_warnings``).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Optional, Sequence
 
-from megatron.arguments.parser import DRY_RUN_OPTIONS, POSITION_EMBEDDING_ALIASES, build_parser
+from megatron.arguments.parser import DRY_RUN_OPTIONS, POSITION_EMBEDDING_ALIASES
 from megatron.config import deepspeed_zero_stage
-from megatron.config.launch import detect_launch
 from megatron.data.hf_cache import resolve_tokenizer_path
-
-logger = logging.getLogger("megatron.arguments")
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr",
             "tokenizer_type")
 FP16_ONLY = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+SPLITS = ("train", "valid", "test")
 
 
-def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None, *,
-                    check_files: bool = True):
-    """Parse ``argv`` (default ``sys.argv[1:]``) for a job of ``world_size`` processes (default: the launch's).
-
-    Returns the Namespace with derived values added: ``world_size``, ``rank``, ``data_parallel_size``,
-    ``data_path_pairs``, ``{train,valid,test}_weighted_split_groups``, ``deepspeed_user_config``,
-    ``skip_train_iteration_range`` (merged (start, end) tuples) and ``startup_warnings``.
-    Raises ValueError for what it checks, before any process group exists. ``check_files=False`` leaves
-    out the data and tokenizer files (``--dry-run`` checks them on its own, to list all problems).
-    """
-    args = build_parser().parse_args(argv)
-    _check_dry_run_flags(args)
-    launch = detect_launch()
-    args.world_size = world_size if world_size is not None else launch.world_size
-    args.rank = launch.rank
-    _check_required(args)
-    resolve_model_spellings(args)
-    resolve_recompute_spellings(args)
-    _derive_parallel(args)
-    if args.global_batch_size is None:  # Megatron's default: one micro-batch per step
-        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if _cuda_available() else "gloo"
-    args.skip_train_iteration_range = merge_skip_ranges(args.skip_train_iteration_range)
-    _parse_data(args)
-    if check_files:
-        _check_files(args)
-        _check_training_documents(args)
-    args.deepspeed_user_config = _load_deepspeed_json(args.deepspeed_config)
-    if args.zero_stage is None:
-        stage = (args.deepspeed_user_config or {}).get("zero_optimization", {}).get("stage")
-        # bf16: ZeRO-1 partitions BF16_Optimizer's fp32 master weights over DP. fp32/fp16: stage 0, as a
-        # ZeRO wrapper refuses the fp32 path's grad-norm-clipping client optimizer (megatron.engine.optimizer)
-        args.zero_stage = int(stage) if stage is not None else (1 if args.bf16 else 0)
-    args.profile_ranks = tuple(args.profile_ranks)
-    args.startup_warnings = tuple(_no_effect_warnings(args))
-    if args.rank == 0:
-        for message in args.startup_warnings:
-            logger.warning(message)
-    return args
-
-
-def _check_dry_run_flags(args) -> None:
+def check_dry_run_flags(args) -> None:
     given = [flag for flag, dest in DRY_RUN_OPTIONS if getattr(args, dest) is not None]
     if given and not args.dry_run:
         raise ValueError(f"{', '.join(given)} only apply with --dry-run; add --dry-run to check the job (a real run "
                          "takes its world size from the launcher)")
 
 
-def _check_required(args) -> None:
+def check_required(args) -> None:
     missing = [f"--{name.replace('_', '-')}" for name in REQUIRED if getattr(args, name) is None]
     if missing:
         raise ValueError(f"missing required flag(s): {', '.join(missing)}")
@@ -118,14 +75,13 @@ def resolve_recompute_spellings(args) -> None:
     """Megatron-LM's --recompute-granularity / -method / -num-layers onto Megatron-DeepSpeed's
     --checkpoint-activations / --checkpoint-num-layers (full) and ``recompute_core_attention`` (selective)."""
     granularity, method, num_layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
-    args.recompute_core_attention = granularity == "selective"
+    # With --checkpoint-activations too, full recomputation wins: it already recomputes the attention core
+    # (Megatron-DeepSpeed runs both, nesting a second recomputation of the core; a startup warning says so).
+    args.recompute_core_attention = granularity == "selective" and not args.checkpoint_activations
     if granularity != "full":
-        if method is not None or num_layers is not None:
+        if (method is not None or num_layers is not None) and not _uniform_beside_checkpoint_activations(args):
             raise ValueError(f"--recompute-method / --recompute-num-layers apply to --recompute-granularity full; "
                              f"got granularity {granularity}: drop them or use full")
-        if granularity == "selective" and args.checkpoint_activations:
-            raise ValueError("--recompute-granularity selective with --checkpoint-activations: full recomputation "
-                             "already recomputes the attention core; keep one of them")
         return
     if method == "block":
         raise ValueError("--recompute-method block (recompute only the first --recompute-num-layers layers of each "
@@ -138,7 +94,16 @@ def resolve_recompute_spellings(args) -> None:
     args.checkpoint_activations = True
 
 
-def _derive_parallel(args) -> None:
+def _uniform_beside_checkpoint_activations(args) -> bool:
+    """--checkpoint-activations --recompute-method uniform (no granularity): uniform chunks are what
+    --checkpoint-activations recomputes already; Megatron-DeepSpeed accepts the pair, and so does this (a
+    startup warning says the method changes nothing)."""
+    return (args.recompute_granularity is None and args.checkpoint_activations and args.recompute_method == "uniform"
+            and args.recompute_num_layers is None)
+
+
+def derive_parallel(args) -> None:
+    """``data_parallel_size`` = world size / (TP x PP x SP)."""
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
     sp = args.ds_sequence_parallel_size
     if tp < 1 or pp < 1 or sp < 1 or world < 1:
@@ -150,6 +115,18 @@ def _derive_parallel(args) -> None:
                          f"--pipeline-model-parallel-size {pp}{ulysses} = {tp * pp * sp}; launch a multiple of "
                          f"{tp * pp * sp} processes or change TP/PP" + ("/SP" if sp > 1 else ""))
     args.data_parallel_size = world // (tp * pp * sp)
+
+
+def fill_defaults(args) -> None:
+    """Megatron's defaults for what the flags leave open (the global batch size is the run configuration's:
+    it needs the data-parallel size)."""
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if _cuda_available() else "gloo"
+    args.profile_ranks = tuple(args.profile_ranks)
+
+
+def merge_iteration_ranges(args) -> None:
+    args.skip_train_iteration_range = merge_skip_ranges(args.skip_train_iteration_range)
 
 
 def merge_skip_ranges(ranges: Optional[Sequence[str]]) -> tuple[tuple[int, int], ...]:
@@ -173,12 +150,13 @@ def merge_skip_ranges(ranges: Optional[Sequence[str]]) -> tuple[tuple[int, int],
     return tuple((s, e) for s, e in merged)
 
 
-def _parse_data(args) -> None:
+def parse_data_flags(args) -> None:
+    """``data_path_pairs`` and ``{train,valid,test}_weighted_split_groups``, and Megatron's default --split."""
     # The one parser of the data flags, shared with the dataset builders (pure: stdlib + megatron.config).
     from megatron.data.dataset_utils import parse_data_path, parse_weighted_split_paths
 
     args.data_path_pairs = parse_data_path(args.data_path)
-    for split in ("train", "valid", "test"):
+    for split in SPLITS:
         groups = parse_weighted_split_paths(getattr(args, f"{split}_weighted_split_paths"), split,
                                             getattr(args, f"{split}_weighted_split_paths_path"))
         setattr(args, f"{split}_weighted_split_groups", groups)
@@ -187,9 +165,11 @@ def _parse_data(args) -> None:
         args.split = "969, 30, 1"  # Megatron's default, for mode 1 only
 
 
-def data_prefixes(args) -> list[str]:
+def data_prefixes(args, stand_in_splits: Sequence[str] = ()) -> list[str]:
+    """Every dataset prefix the data flags name, but those of ``stand_in_splits`` (groups standing in for a
+    split file the dry run could not read)."""
     prefixes = [prefix for _, prefix in args.data_path_pairs]
-    for split in ("train", "valid", "test"):
+    for split in (s for s in SPLITS if s not in stand_in_splits):
         for group in getattr(args, f"{split}_weighted_split_groups"):
             prefixes += [d.prefix for d in group.datasets]
     return prefixes
@@ -203,12 +183,15 @@ def missing_prefixes(prefixes: Sequence[str]) -> list[str]:
     return missing
 
 
-def _check_files(args) -> None:
-    missing = missing_prefixes(data_prefixes(args))
+def check_data_files(args, stand_in_splits: Sequence[str] = ()) -> None:
+    missing = missing_prefixes(data_prefixes(args, stand_in_splits))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"data files not found: {shown}; each prefix needs PREFIX.bin and PREFIX.idx "
                          "(build them with tools/preprocess_data.py)")
+
+
+def check_tokenizer_files(args) -> None:
     files = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",)
              }.get(args.tokenizer_type, ())
     for name in files:
@@ -217,13 +200,16 @@ def _check_files(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {path!r}: no such file or directory")
     if args.tokenizer_type == "PretrainedFromHF" and args.tokenizer_name_or_path is not None:
         resolve_tokenizer_path(args.tokenizer_name_or_path)  # the tokenizer builder's own lookup
-    _check_writable_folder("--data-cache-path", args.data_cache_path)
-    # Found now, not at the first save or log line (after a save interval of work).
-    _check_writable_folder("--save", args.save)
-    _check_writable_folder("--tensorboard-dir", args.tensorboard_dir)
 
 
-def _check_training_documents(args) -> None:
+def check_output_folders(args) -> None:
+    """Found now, not at the first save or log line (after a save interval of work)."""
+    for flag, path in (("--data-cache-path", args.data_cache_path), ("--save", args.save),
+                       ("--tensorboard-dir", args.tensorboard_dir)):
+        _check_writable_folder(flag, path)
+
+
+def check_training_documents(args, stand_in_splits: Sequence[str] = ()) -> None:
     """Every dataset of the training data holds documents for the training split: found now, not as a
     TypeError after the whole set-up (an empty preprocessing output, --split 0,50,50)."""
     from megatron.data.dataset_utils import document_range, parse_split
@@ -238,7 +224,7 @@ def _check_training_documents(args) -> None:
                                  f"none for training; " + ("rebuild the dataset (tools/preprocess_data.py) from a "
                                                            "non-empty input" if num == 0 else
                                                            "give the training part a share of the documents"))
-    for group in args.train_weighted_split_groups:
+    for group in () if "train" in stand_in_splits else args.train_weighted_split_groups:
         for entry in group.datasets:
             num = sequence_count(entry.prefix)
             start, end = document_range(entry, num)
@@ -263,7 +249,17 @@ def _check_writable_folder(flag: str, path: Optional[str]) -> None:
                          "write to, shared by every node")
 
 
-def _load_deepspeed_json(path: Optional[str]) -> Optional[dict]:
+def load_deepspeed_json(args) -> None:
+    """``deepspeed_user_config``: the --deepspeed_config JSON (None without one), and the ZeRO stage it implies."""
+    args.deepspeed_user_config = read_deepspeed_json(args.deepspeed_config)
+    if args.zero_stage is None:
+        stage = (args.deepspeed_user_config or {}).get("zero_optimization", {}).get("stage")
+        # bf16: ZeRO-1 partitions BF16_Optimizer's fp32 master weights over DP. fp32/fp16: stage 0, as a
+        # ZeRO wrapper refuses the fp32 path's grad-norm-clipping client optimizer (megatron.engine.optimizer)
+        args.zero_stage = int(stage) if stage is not None else (1 if args.bf16 else 0)
+
+
+def read_deepspeed_json(path: Optional[str]) -> Optional[dict]:
     if path is None:
         return None
     if not os.path.isfile(path):
@@ -278,8 +274,13 @@ def _load_deepspeed_json(path: Optional[str]) -> Optional[dict]:
     return config
 
 
+def collect_startup_warnings(args) -> None:
+    """``startup_warnings``: settings that are accepted but change nothing in this run, or run as their
+    equivalent (the real launch logs them once, the dry run lists them)."""
+    args.startup_warnings = tuple(_no_effect_warnings(args))
+
+
 def _no_effect_warnings(args) -> list[str]:
-    """Settings that are accepted but change nothing in this run, or run as their equivalent."""
     out = []
     stage = deepspeed_zero_stage(args.zero_stage, args.bf16)
     if stage != args.zero_stage:
@@ -303,6 +304,13 @@ def _no_effect_warnings(args) -> list[str]:
         out.append(f"--rope-scaling-factor {args.rope_scaling_factor} has no effect without --use-rope-scaling")
     if args.add_qkv_bias and args.add_bias_linear:
         out.append("--add-qkv-bias has no effect without --disable-bias-linear (every linear layer has a bias)")
+    if args.recompute_granularity == "selective" and args.checkpoint_activations:
+        out.append("--recompute-granularity selective has no effect with --checkpoint-activations: full "
+                   "recomputation already recomputes the attention core, so only full layers are recomputed "
+                   "(Megatron-DeepSpeed runs both, recomputing the core a second time inside each layer)")
+    if _uniform_beside_checkpoint_activations(args):
+        out.append("--recompute-method uniform changes nothing beside --checkpoint-activations, which already "
+                   "recomputes uniform chunks of --checkpoint-num-layers layers")
     if args.deepspeed_activation_checkpointing and not args.checkpoint_activations:
         out.append("--deepspeed-activation-checkpointing has no effect without --checkpoint-activations")
     if args.distributed_backend == "nccl" and not _cuda_available():

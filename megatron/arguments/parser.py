@@ -395,12 +395,13 @@ def _speed(parser):
                    help="Megatron-LM's recomputation: full = --checkpoint-activations (every layer's activations "
                         "recomputed in backward, --recompute-num-layers layers per chunk); selective = only the "
                         "attention core softmax(QK^T)V, whose [np, s, s] scores are the largest activations, "
-                        "recomputed from the kept q, k, v. Selective with --checkpoint-activations is refused "
-                        "(full already recomputes the core).")
+                        "recomputed from the kept q, k, v. Selective with --checkpoint-activations runs as full "
+                        "alone, which already recomputes the core (a startup warning says so).")
     g.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
                    help="With --recompute-granularity full: uniform (chunks of --recompute-num-layers layers, "
                         "DeepSpeed's interval; the default). Megatron-LM's block (only the first N layers of a stage) "
-                        "is not available on DeepSpeed's pipeline engine and is refused.")
+                        "is not available on DeepSpeed's pipeline engine and is refused. uniform beside --checkpoint-activations "
+                        "alone changes nothing (a startup warning says so).")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="With --recompute-granularity full: layers per recomputed chunk (= --checkpoint-num-layers).")
     g.add_argument("--torch-compile", action="store_true",

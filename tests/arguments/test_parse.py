@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron.arguments import build_parser, resolve_vocab_size, run_config_from_argv
+from megatron.arguments.check import check_argv
 from tests.arguments.helpers import ds_json, parse, tiny_config_argv
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -94,6 +95,15 @@ def test_impossible_configurations_are_rejected(files, overrides, world_size, wo
     with pytest.raises(ValueError) as info:
         parse(files, world_size=world_size, **overrides)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("overrides,world_size,words", REJECTED, ids=[r[2][:40] for r in REJECTED])
+def test_the_dry_run_finds_first_what_a_launch_refuses(files, overrides, world_size, words):
+    """One list of steps, two modes: the dry run's first problem is the launch's ValueError, word for word."""
+    argv = tiny_config_argv(files, **overrides) + ["--dry-run", "--world-size", str(world_size)]
+    with pytest.raises(ValueError) as info:
+        run_config_from_argv(argv, world_size=world_size, with_vocab=False)
+    assert check_argv(argv).problems[0] == str(info.value)
 
 
 def test_embedding_counts_as_a_stage_layer_with_type_transformer_embedding(files):

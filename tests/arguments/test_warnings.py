@@ -3,8 +3,9 @@
 
 import pytest
 
+from megatron.arguments.check import check_argv
 from megatron.config.deepspeed import build_deepspeed_config
-from tests.arguments.helpers import ds_json, parse
+from tests.arguments.helpers import ds_json, parse, tiny_config_argv
 
 
 def test_settings_without_effect_are_kept_and_reported(files):
@@ -52,3 +53,29 @@ def test_ignored_flag_is_logged_once_on_rank_zero(files, monkeypatch, caplog, ra
     with caplog.at_level("WARNING", logger="megatron.arguments"):
         parse(files, abort_on_unmet_fused_kernel_constraints=True)
     assert sum("fused-kernel" in r.getMessage() for r in caplog.records) == expected
+
+
+def test_selective_recompute_with_checkpoint_activations_runs_full_with_one_warning(tokenizer_files):
+    """Megatron-DeepSpeed runs both (a second recomputation of the core nested in each recomputed layer); here
+    full recomputation wins, as it already recomputes the core, and the run says so once."""
+    rc = parse(tokenizer_files, recompute_granularity="selective", checkpoint_activations=True)
+    assert rc.training.checkpoint_activations and not rc.model.recompute_core_attention
+    (warning,) = rc.startup_warnings
+    assert warning.startswith("--recompute-granularity selective has no effect with --checkpoint-activations")
+    check = check_argv(tiny_config_argv(tokenizer_files, recompute_granularity="selective",
+                                        checkpoint_activations=True) + ["--dry-run", "--world-size", "2"])
+    assert check.ok and check.warnings == (warning,)
+    assert check.run_config.model.recompute_core_attention is False
+
+
+def test_uniform_recompute_method_beside_checkpoint_activations_is_accepted_with_one_warning(files):
+    """Megatron-DeepSpeed accepts the pair (uniform chunks are what --checkpoint-activations runs); alone, or with a
+    layer count the pipeline would not use, the method flags are still refused."""
+    rc = parse(files, checkpoint_activations=True, recompute_method="uniform")
+    assert rc.training.checkpoint_activations and rc.training.checkpoint_num_layers == 1
+    (warning,) = rc.startup_warnings
+    assert warning.startswith("--recompute-method uniform changes nothing beside --checkpoint-activations")
+    for flags in (dict(recompute_method="uniform"), dict(checkpoint_activations=True, recompute_num_layers=2),
+                  dict(checkpoint_activations=True, recompute_method="block")):
+        with pytest.raises(ValueError, match="apply to --recompute-granularity full; got granularity None"):
+            parse(files, **flags)

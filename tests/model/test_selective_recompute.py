@@ -67,5 +67,6 @@ def test_megatron_lm_recompute_flags_map_or_are_refused(tiny_corpus):
     assert selective.model.recompute_core_attention and not selective.training.checkpoint_activations
     with pytest.raises(ValueError, match="not available on DeepSpeed's pipeline engine"):
         config("--recompute-granularity", "full", "--recompute-method", "block")
-    with pytest.raises(ValueError, match="already recomputes the attention core"):
-        config("--recompute-granularity", "selective", "--checkpoint-activations")
+    both = config("--recompute-granularity", "selective", "--checkpoint-activations")  # full wins, as it nests
+    assert both.training.checkpoint_activations and not both.model.recompute_core_attention
+    assert [w for w in both.startup_warnings if "already recomputes the attention core" in w]
