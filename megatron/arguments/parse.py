@@ -4,7 +4,7 @@ The first half of ``run_config_from_argv`` (``megatron.arguments.build`` is the 
 are the ones that need the environment or the file system (world size, data prefixes, tokenizer
 files, the DeepSpeed JSON); the rest live in ``megatron.config``'s ``validate()`` methods. Nothing
 the user asked for is changed: a contradiction is a ValueError naming the numbers, a setting with
-no effect here, or one that runs as its DeepSpeed 0.19 equivalent (BLOOM's ``--bf16 --zero-stage 0``),
+no effect here, or one that runs as its DeepSpeed equivalent (BLOOM's ``--bf16 --zero-stage 0``),
 is kept and reported once in the startup log (``RunConfig.startup_warnings``).
 """
 
@@ -285,7 +285,7 @@ def _no_effect_warnings(args) -> list[str]:
     if stage != args.zero_stage:
         out.append(f"--zero-stage {args.zero_stage} with --bf16 runs DeepSpeed's BF16_Optimizer (ZeRO stage {stage}), "
                    "BLOOM's optimizer: fp32 master weights and Adam states sharded over the data-parallel ranks, "
-                   "what bigscience's DeepSpeed ran under stage 0 (DeepSpeed 0.19 selects it by stage 1)")
+                   "what bigscience's DeepSpeed ran under stage 0 (DeepSpeed selects it by stage 1)")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         out.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1 (there is no tensor-parallel "
                    "group to split the sequence over); the model runs without it")
