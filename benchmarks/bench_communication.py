@@ -32,7 +32,7 @@ from _common import emit, machine, tiny_argv, tiny_corpus
 
 
 def _rank(rank, world_size, runs, record_call=2):
-    from megatron.planner.measure import run_recorded
+    from megatron.benchmarking.measure import run_recorded
 
     return [run_recorded(argv, world_size, record_call) for argv in runs]
 
@@ -79,7 +79,7 @@ def _totals(per_rank: list, i: int, compare) -> dict:
 
 
 def _compare_sharded(result: dict) -> tuple[dict, dict]:
-    from megatron.planner.measure import analytic_sharded_counts
+    from megatron.benchmarking.measure import analytic_sharded_counts
 
     return {tuple(k.split("/")): v for k, v in result["summary"].items()}, analytic_sharded_counts(result)
 
@@ -148,7 +148,7 @@ def main() -> None:
                            "seq_length": 32, "micro_batch_size": 2, "global_batch_size": 16, "precision": "bf16",
                            "recorded": "third train_batch", "backend": "gloo"},
         "compared_with": "megatron.planner.comm_count.analytic_step_counts (docs/performance.md formulas); "
-                         "sharded: megatron.planner.measure.analytic_sharded_counts (comm_count + comm_zero)",
+                         "sharded: megatron.benchmarking.measure.analytic_sharded_counts (comm_count + comm_zero)",
         "goal": "measured/analytic = 1.00 for calls and bytes on every axis (sharded with prefetching: bytes)",
         "results": out, "sharded_results": sharded_out,
         "all_exact": _exact(out), "sharded_all_exact": _exact(sharded_out),

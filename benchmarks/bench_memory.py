@@ -6,7 +6,7 @@ over DP) and in fp32, on (TP, PP, DP) = (1, 1, 1), (2, 2, 2), (1, 1, 4) and (2, 
 PP = 1 with ZeRO-2 and ZeRO-3 too (DeepSpeed's non-pipeline engine; ZeRO-3 with
 stage3_param_persistence_threshold 0, so that every parameter lives in partitions), one launch per
 layout, gloo on CPU. After the step each rank reads its resident bytes from the engine
-(megatron.planner.measure.engine_static_bytes: the flat bf16 buffers, the fp32 gradient buffer,
+(megatron.benchmarking.measure.engine_static_bytes: the flat bf16 buffers, the fp32 gradient buffer,
 the fp32 master partitions, Adam's exp_avg / exp_avg_sq) and compares them with the planner's
 formula (megatron.planner.memory.static_bytes on stage_param_counts). The modules' .grad are
 freed by the optimizer step, so they are reported (0 after the step), not compared.
@@ -32,7 +32,7 @@ MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64
 
 
 def _rank(rank, world_size, runs):
-    from megatron.planner.measure import run_recorded
+    from megatron.benchmarking.measure import run_recorded
 
     out = []
     for argv in runs:
@@ -46,7 +46,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--output")
     args = p.parse_args()
-    from megatron.planner.measure import measured_resident_bytes, predicted_static_bytes
+    from megatron.benchmarking.measure import measured_resident_bytes, predicted_static_bytes
     from megatron.testing import run_distributed
 
     before = machine()

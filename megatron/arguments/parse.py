@@ -5,7 +5,7 @@ naming the values and the fix.
 The checks here are the ones that need the command line as a whole, the environment or the file system
 (world size, data prefixes, tokenizer files, the DeepSpeed JSON); the rules of the settings themselves live
 in ``megatron.config``'s ``validate()`` methods. Nothing the user asked for is changed: a contradiction is a
-ValueError, a setting with no effect here, or one that runs as its DeepSpeed 0.19 equivalent (BLOOM's
+ValueError, a setting with no effect here, or one that runs as its DeepSpeed equivalent (BLOOM's
 ``--bf16 --zero-stage 0``), or a redundant combination Megatron-DeepSpeed accepts, is kept and reported once
 in the startup log (``RunConfig.startup_warnings``).
 """
@@ -286,7 +286,7 @@ def _no_effect_warnings(args) -> list[str]:
     if stage != args.zero_stage:
         out.append(f"--zero-stage {args.zero_stage} with --bf16 runs DeepSpeed's BF16_Optimizer (ZeRO stage {stage}), "
                    "BLOOM's optimizer: fp32 master weights and Adam states sharded over the data-parallel ranks, "
-                   "what bigscience's DeepSpeed ran under stage 0 (DeepSpeed 0.19 selects it by stage 1)")
+                   "what bigscience's DeepSpeed ran under stage 0 (DeepSpeed selects it by stage 1)")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         out.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1 (there is no tensor-parallel "
                    "group to split the sequence over); the model runs without it")

@@ -2,6 +2,7 @@
 
     tags          folder names and markers: ``latest``, ``complete``, which tag is read, pruning (plain files)
     training_io   save / load through DeepSpeed's engine, crash-safe; RNG states
+    resume        which tag ``--load`` resumes from, whether it loads on this run's layout, the restore itself
     run_state     ``run_state.json``: the run's record (architecture, layout, tokenizer, progress), checks
     safe_load     reading a checkpoint file without running code
     integrity     ``checksums.json``: size and SHA-256 of every file, recorded at save, verified before loading

@@ -23,11 +23,12 @@ from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import RUN_STATE, CheckpointFormatError, resolve_tag
 from megatron.config import ModelConfig, RunConfig
 from megatron.config.model import swiglu_default_ffn_size
+from megatron.config.run import deepspeed_engine_for
 from megatron.model.layout import LAYOUT, LEGACY_LAYOUT
 
 __all__ = ["build_run_state", "checkpoint_layout", "record_from_megatron_args", "megatron_args", "MEGATRON_CHECKPOINT_VERSION", "load_run_state", "model_config_from_dict", "check_model_config",
-           "ARCHITECTURE_FIELDS", "converted_client_state", "converted_run_state", "UNIVERSAL_ENGINE", "universal_engine",
-           "saving_engine", "weight_files", "SAVING_ENGINE", "WEIGHT_FILES", "WEIGHT_FILE_KINDS"]
+           "ARCHITECTURE_FIELDS", "converted_client_state", "converted_run_state", "UNIVERSAL_ENGINE", "reader_for",
+           "weight_files", "SAVING_ENGINE", "WEIGHT_FILES", "WEIGHT_FILE_KINDS"]
 
 
 def _record(model: dict, parallel: dict, tokenizer: dict, progress: dict, seq_length: int) -> dict:
@@ -98,15 +99,20 @@ WEIGHT_FILE_KINDS = {
 }
 
 
-def saving_engine(record: dict) -> str:
-    """The DeepSpeed engine that saved a checkpoint: "model" (the non-pipeline engine, GPTModel's names: ZeRO-2/3
-    and every DeepSpeed-Ulysses run) or "pipeline", as recorded at save time (records before that: the same
-    rule, RunConfig.sharded_data_parallel's, on the recorded sizes)."""
+def reader_for(record: dict, universal: bool = False) -> str:
+    """The DeepSpeed engine that reads a checkpoint: "model" (the non-pipeline engine, GPTModel's names: ZeRO-2/3
+    and every DeepSpeed-Ulysses run) or "pipeline". The one answer every resume check, converter and reader asks.
+
+    A regular checkpoint is read by the engine that saved it (recorded at save time; records before that: the
+    run side's rule, ``megatron.config.run.deepspeed_engine_for``, on the recorded sizes). A universal one
+    (``universal``) by the engine its parameter folders are named for (ds_to_universal.py --target-engine;
+    conversions before that was recorded kept the saving run's)."""
+    if universal and UNIVERSAL_ENGINE in record:
+        return record[UNIVERSAL_ENGINE]
     if SAVING_ENGINE in record:
         return record[SAVING_ENGINE]
     parallel = record.get("parallel", {})
-    sharded = parallel.get("zero_stage", 0) >= 2 or parallel.get("ds_sequence_parallel_size", 1) > 1
-    return "model" if sharded else "pipeline"
+    return deepspeed_engine_for(parallel.get("zero_stage", 0), parallel.get("ds_sequence_parallel_size", 1))
 
 
 def weight_files(record: dict) -> str:
@@ -118,17 +124,9 @@ def weight_files(record: dict) -> str:
             raise CheckpointFormatError(f"the checkpoint's record names weight files {kind!r}, which this version "
                                         f"does not read (it reads {sorted(WEIGHT_FILE_KINDS)})")
         return kind
-    if saving_engine(record) == "pipeline":
+    if reader_for(record) == "pipeline":
         return "layer_files"
     return "zero_partitions" if record.get("parallel", {}).get("zero_stage", 0) >= 2 else "module_states"
-
-
-def universal_engine(record: dict) -> str:
-    """The DeepSpeed engine a universal checkpoint's parameter folders are named for: "pipeline" (ZeRO-0/1)
-    or "model" (GPTModel's names, ZeRO-2/3); conversions before the record existed kept the saving run's."""
-    if UNIVERSAL_ENGINE in record:
-        return record[UNIVERSAL_ENGINE]
-    return saving_engine(record)
 
 
 def checkpoint_layout(record: dict) -> str:

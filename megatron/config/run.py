@@ -219,14 +219,23 @@ class PrecisionConfig:
 
 
 def deepspeed_zero_stage(zero_stage: int, bf16: bool) -> int:
-    """The ZeRO stage DeepSpeed 0.19 is given for ``--zero-stage``: the same, except 1 for bf16 with 0.
+    """The ZeRO stage DeepSpeed is given for ``--zero-stage``: the same, except 1 for bf16 with 0.
 
     BLOOM-176B ran ``--bf16 --zero-stage 0`` (its JSON: "bf16 must use z0") on bigscience's DeepSpeed
     fork, whose BF16_Optimizer accumulated gradients in fp32 and sharded the fp32 master weights and
-    Adam states over DP. DeepSpeed 0.19 builds that optimizer from stage 1 + fp32 accumulation; its
-    stage 0 with bf16 and fp32 accumulation is NotImplemented in ``deepspeed.initialize``.
+    Adam states over DP. The pinned DeepSpeed builds that optimizer from stage 1 + fp32 accumulation; its
+    stage 0 with bf16 and fp32 accumulation is NotImplemented in ``deepspeed.initialize``
+    (``megatron.engine.deepspeed_compat``: ``bf16_stage_0``, checked against the installed version).
     """
     return 1 if bf16 and zero_stage == 0 else zero_stage
+
+
+def deepspeed_engine_for(zero_stage: int, ds_sequence_parallel_size: int) -> str:
+    """The DeepSpeed engine a run of these sizes trains on: "model" (DeepSpeed's non-pipeline engine) for ZeRO
+    stage 2 or 3 (the pipeline engine refuses them) and for every DeepSpeed-Ulysses run (only that engine
+    reduces gradients over the sequence-parallel ranks too), else "pipeline". ``RunConfig.deepspeed_engine``
+    and, for records that predate it, ``megatron.checkpoint.run_state.reader_for`` ask this."""
+    return "model" if zero_stage >= 2 or ds_sequence_parallel_size > 1 else "pipeline"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,13 +472,13 @@ class RunConfig:
         """On DeepSpeed's non-pipeline engine (``megatron.engine.sharded``), else the pipeline engine: ZeRO
         stage 2 or 3 (gradients, and with 3 the parameters, sharded over the data-parallel ranks), and every
         DeepSpeed-Ulysses run (only that engine reduces gradients over the sequence-parallel ranks too)."""
-        return self.precision.zero_stage >= 2 or self.parallel.ds_sequence_parallel_size > 1
+        return self.deepspeed_engine == "model"
 
     @property
     def deepspeed_engine(self) -> str:
         """The engine this run trains (and saves) with: "model" (DeepSpeed's non-pipeline engine, GPTModel's
         parameter names; ``sharded_data_parallel``) or "pipeline". Recorded in every checkpoint it saves."""
-        return "model" if self.sharded_data_parallel else "pipeline"
+        return deepspeed_engine_for(self.precision.zero_stage, self.parallel.ds_sequence_parallel_size)
 
     def _validate_ulysses(self, pp: int) -> None:
         """DeepSpeed-Ulysses: whole tokens per rank, whole heads (and key / value heads) after the all-to-all."""

@@ -1,6 +1,8 @@
 """The DeepSpeed side: the engine (with ``megatron.checkpoint.universal``'s key names, the only deepspeed imports).
 
-- ``cpu``: accelerator quirks (DeepSpeed's JIT C++ builds avoided on CPU so a fresh machine starts fast);
+- ``deepspeed_compat``: every workaround for how the pinned DeepSpeed behaves, each checked against the
+  installed version (private DeepSpeed state, its loaders' quirks, safe unpickling, JIT builds avoided on CPU);
+- ``cpu``: the accelerator in use and the C++ compiler --torch-compile needs;
 - ``pipeline``: the model's own modules staged as a DeepSpeed ``PipelineModule`` (tied embedding,
   partition methods, activation checkpointing);
 - ``optimizer``: parameter groups (no weight decay on biases and norms) and the fp32 grad-norm clipper;

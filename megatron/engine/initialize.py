@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
-from megatron.engine.checkpoint_engine import use_safe_loading
-from megatron.engine.cpu import avoid_cpu_jit_builds, check_cpu_compiler, on_cpu_accelerator
+from megatron.engine.cpu import check_cpu_compiler, on_cpu_accelerator
+from megatron.engine.deepspeed_compat import avoid_cpu_jit_builds, check_bf16_stage_0, use_safe_loading
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
 from megatron.engine.sharded import DeepSpeedMPU, ShardedEngine, build_sharded_module, set_hpz_group
@@ -62,6 +62,7 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
     if config.get("fp16", {}).get("enabled") and on_cpu_accelerator():
         raise ValueError("--fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 support; use --bf16 (or fp32) "
                          "on CPU")
+    check_bf16_stage_0(rc.precision.zero_stage, rc.bf16)
     if rc.sharded_data_parallel:
         return _build_sharded_engine(rc, state, config, tracker)
     t = rc.training
@@ -72,7 +73,7 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
         _compile_layers(module)
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
-    use_safe_loading(engine)  # --load never unpickles code (megatron.engine.checkpoint_engine)
+    use_safe_loading(engine)  # --load never unpickles code (megatron.engine.deepspeed_compat)
     return engine
 
 

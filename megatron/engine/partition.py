@@ -1,14 +1,10 @@
-"""Which pipeline layers each stage holds, by DeepSpeed's own rule, without building the model.
+"""Which pipeline layers each stage holds, without building the model: ``--pp-partition-method`` on our specs.
 
-``PipelineModule._partition_layers`` (deepspeed 0.19.8) splits the layer specs of
-``megatron.engine.pipeline.layer_specs`` into contiguous runs, one per stage, with
-
-- ``uniform``: ``partition_uniform`` over the number of specs;
-- ``parameters``: ``partition_balanced`` over each spec's parameter count on one TP rank (DeepSpeed
-  builds every layer to count them; here the caller passes the counts, since building a 176B model's
-  layers to count them would take minutes and tens of GB);
-- ``type:REGEX``: ``partition_balanced`` over 1 for the specs whose class name matches REGEX
-  (case-insensitive, DeepSpeed's own ``_find_layer_type``), 0 for the others.
+The rule itself is ``megatron.parallel.pipeline_partition.stage_bounds`` (DeepSpeed's ``PipelineModule``
+partitioning, in plain Python; tests/engine/test_partition.py checks it against DeepSpeed's own). Here it is
+given the class names of ``megatron.engine.pipeline.layer_specs``, which ``type:REGEX`` matches, and for
+``parameters`` the caller's counts of each pipeline item's parameters on one TP rank (DeepSpeed builds every
+layer to count them; building a 176B model's layers would take minutes and tens of GB).
 
 The result is DeepSpeed's ``parts``: stage ``i`` holds the pipeline items ``parts[i] .. parts[i+1] - 1``
 (``megatron.model.layout.pipeline_items`` says what each is). Used by ``pretrain_gpt.py --dry-run``.
@@ -16,15 +12,18 @@ The result is DeepSpeed's ``parts``: stage ``i`` holds the pipeline items ``part
 
 from __future__ import annotations
 
-import types
 from typing import Optional, Sequence
-
-from deepspeed.runtime.pipe.module import PipelineModule
-from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
 from megatron.config import PARTITION_METHODS, ModelConfig
 from megatron.engine.pipeline import layer_specs
+from megatron.parallel import pipeline_partition
 from megatron.parallel.state import ParallelState
+
+
+def spec_class_name(spec) -> str:
+    """The name DeepSpeed's ``type:REGEX`` partition matches: a spec's class, or a plain function's name."""
+    typename = getattr(spec, "typename", None)
+    return typename.__name__ if typename is not None else spec.__name__
 
 
 def stage_bounds(config: ModelConfig, num_stages: int, method: str,
@@ -35,20 +34,5 @@ def stage_bounds(config: ModelConfig, num_stages: int, method: str,
     """
     if method not in PARTITION_METHODS:
         raise ValueError(f"--pp-partition-method {method!r} is not one of {', '.join(PARTITION_METHODS)}")
-    specs = layer_specs(config, ParallelState.single(), None)  # specs only: no module is built
-    method = method.lower()
-    if method == "uniform":
-        parts = partition_uniform(num_items=len(specs), num_parts=num_stages)
-    elif method == "parameters":
-        if param_counts is None or len(param_counts) != len(specs):
-            raise ValueError(f"the 'parameters' partition needs one parameter count per pipeline item ({len(specs)}), "
-                             f"got {None if param_counts is None else len(param_counts)}")
-        parts = partition_balanced(weights=list(param_counts), num_parts=num_stages)
-    else:
-        pattern = method.split(":", 1)[1]
-        weights = [0] * len(specs)
-        # DeepSpeed's matching itself (it reads only the spec list), so the class names are judged as it judges them
-        for index in PipelineModule._find_layer_type(types.SimpleNamespace(_layer_specs=specs), pattern):
-            weights[index] = 1
-        parts = partition_balanced(weights=weights, num_parts=num_stages)
-    return [int(p) for p in parts]
+    names = [spec_class_name(spec) for spec in layer_specs(config, ParallelState.single(), None)]  # no module built
+    return pipeline_partition.stage_bounds(method, names, num_stages, param_counts)

@@ -19,14 +19,13 @@ DeepSpeed's pipeline engine refuses ZeRO stages 2 and 3, so a run with ``--zero-
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Iterator, Optional
 
-import deepspeed
 import torch
 import torch.distributed as dist
 
 from megatron.config import RunConfig
+from megatron.engine import deepspeed_compat
 from megatron.engine.timers import NO_TIMERS
 from megatron.engine.ulysses import backward_loss_scale, sequence_parallel_loss, ulysses_exchange
 from megatron.parallel.random import tracked_checkpoint_func
@@ -137,18 +136,13 @@ def hpz_group_ranks(state: ParallelState, size: int) -> list[list[int]]:
 def set_hpz_group(state: ParallelState, size: int) -> Optional[list[int]]:
     """Give DeepSpeed this run's hpZ group (None when ``size`` is 1); the ranks of this rank's group.
 
-    DeepSpeed 0.19 builds its own from consecutive world ranks (``groups._create_zero_param_parallel_group``),
-    which with TP > 1 would put tensor-parallel peers, holding different slices, in one group; it uses
-    the group already set in ``deepspeed.utils.groups`` instead, so that is set here (each run anew:
-    several runs may share one process).
+    DeepSpeed's own would mix tensor-parallel peers (``deepspeed_compat.set_zero_param_intra_group``).
     """
-    from deepspeed.utils import groups
-
-    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    deepspeed_compat.set_zero_param_intra_group(None)
     if size == 1:
         return None
     lists = hpz_group_ranks(state, size)
-    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = _groups_of(lists, state.rank)
+    deepspeed_compat.set_zero_param_intra_group(_groups_of(lists, state.rank))
     return next(ranks for ranks in lists if state.rank in ranks)
 
 
@@ -157,27 +151,15 @@ def zero_stage3_init(rc: RunConfig, config: dict, mpu: DeepSpeedMPU):
     as each module is built), nothing otherwise."""
     if rc.deepspeed_zero_stage != 3:
         return contextlib.nullcontext()
-    # Inside, torch.empty / zeros / tensor / ... make tensors of the config's dtype (bf16 with --bf16, else
-    # fp32); the few tensors that must stay fp32 are made with megatron.parallel.utils.fp32_empty /
-    # fp32_tensor. Its ``dtype`` argument is left out: on CPU, DeepSpeed 0.19 then picks bf16 whatever it
-    # is given. The config's zero_optimization.memory_efficient_linear is false (megatron.config.deepspeed):
-    # it would replace torch.nn.functional.linear for the whole process.
-    from deepspeed.utils import groups
-
     # partitioned over dp x sp ranks with Ulysses (the engine reduces gradients over that group)
-    return deepspeed.zero.Init(data_parallel_group=mpu.get_sequence_data_parallel_group(), config_dict_or_path=config,
-                               mpu=mpu, zero_param_parallel_group=groups._get_zero_param_intra_parallel_group())
+    return deepspeed_compat.zero3_init(mpu.get_sequence_data_parallel_group(), config, mpu)
 
 
 def build_sharded_module(rc: RunConfig, state: ParallelState, config: dict, mpu: DeepSpeedMPU,
                          tracker: Optional[RNGStatesTracker] = None) -> GPTModel:
     """This rank's TP slice of the model (partitioned over DP under ZeRO-3), recomputing its layers'
     activations with --checkpoint-activations (every --checkpoint-num-layers)."""
-    # DeepSpeed 0.19.8's ZeRO-2/3 call torch.distributed.all_gather_into_tensor / reduce_scatter_tensor,
-    # which torch 2.13 renamed (*_single, the same collectives): its FutureWarning, repeated by every rank,
-    # says nothing a user can act on. Exactly those two are silenced.
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    deepspeed_compat.silence_renamed_collectives()
     with zero_stage3_init(rc, config, mpu):
         model = GPTModel(rc.model, state, rng_tracker=tracker, sequence_exchange=ulysses_exchange(state))
     t = rc.training
@@ -199,6 +181,7 @@ class ShardedEngine:
         self.mpu = mpu
         self.hpz_ranks = hpz_ranks  # this rank's hpZ group (world ranks), or None
         self.phase_timers = NO_TIMERS  # the training loop sets its own (--timing-log-level)
+        deepspeed_compat.check_zero3_ulysses(engine.zero_optimization_stage(), state.sp_size)
         self.backward_scale = backward_loss_scale(engine.zero_optimization_stage(), state.sp_size)
 
     def __getattr__(self, name):
@@ -249,25 +232,9 @@ class ShardedEngine:
         if tp == 1 or self.engine.zero_optimization_stage() != 3:
             yield
             return
-        from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
-        from deepspeed.utils import groups
-
-        params = list(self.engine.module.parameters())
-        for param in params:
-            shape = list(param.ds_shape)  # this TP rank's slice
-            if getattr(param, "tensor_model_parallel", False):
-                shape[param.partition_dim] *= tp
-                setattr(param, DS_AUTOTP_UC_META, {"partition_dim": param.partition_dim, "logical_shape": tuple(shape)})
-            else:
-                setattr(param, DS_AUTOTP_UC_META, {"replicated": True})
-        saved = groups._TENSOR_MODEL_PARALLEL_GROUP
-        groups._TENSOR_MODEL_PARALLEL_GROUP = self.mpu.get_tensor_model_parallel_group()
-        try:
+        with deepspeed_compat.universal_tp_restore(list(self.engine.module.parameters()), tp,
+                                                   self.mpu.get_tensor_model_parallel_group()):
             yield
-        finally:
-            groups._TENSOR_MODEL_PARALLEL_GROUP = saved
-            for param in params:
-                delattr(param, DS_AUTOTP_UC_META)
 
     def eval_batch(self, data_iter: Iterator) -> torch.Tensor:
         steps = self.engine.gradient_accumulation_steps()

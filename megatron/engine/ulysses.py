@@ -11,7 +11,7 @@ returns its tokens' part, sum over its tokens / the mask count all-reduced over 
 (engine, ZeRO 1-3, BF16_Optimizer) reduces gradients over the sequence-data-parallel group (dp x sp ranks)
 dividing by dp x sp / sp = dp, i.e. it SUMS over the SP ranks and averages over data parallelism: the
 sum of the SP ranks' parts is exactly the full-sequence loss, so its gradient is the (1, 1, 1) gradient.
-Except ZeRO-3: DeepSpeed 0.19.8's stage 3 reduce-scatter path (``__avg_scatter_grads``, its default
+Except ZeRO-3: the pinned DeepSpeed's stage 3 reduce-scatter path (``__avg_scatter_grads``, its default
 ``reduce_scatter: true``, which the DeepSpeed config pins for Ulysses runs) averages over all dp x sp ranks,
 so there each rank's part is multiplied by sp before the backward (:func:`backward_loss_scale`); measured:
 without it the grad norm of a ZeRO-3 SP=2 run is exactly half the (1, 1, 1) one.

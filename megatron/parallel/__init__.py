@@ -2,8 +2,8 @@
 
 What lives here: ParallelState (the tp / pp / dp groups, laid out like DeepSpeed's
 PipeModelDataParallelTopology), autograd-aware collectives (mappings), Column/RowParallelLinear and
-VocabParallelEmbedding (layers), vocab-parallel cross-entropy, the RNG states tracker, and small
-helpers (utils).
+VocabParallelEmbedding (layers), vocab-parallel cross-entropy, the RNG states tracker, small
+helpers (utils), and which pipeline items each stage holds (pipeline_partition: DeepSpeed's rule, plain Python).
 
 Imports only torch: never deepspeed, global arguments or environment variables. Process groups are
 passed explicitly; a group of ``None`` means one rank (collectives are the identity).

@@ -3,7 +3,8 @@
 What one rank issues in one ``ShardedEngine.train_batch`` of m micro-batches over d data-parallel ranks (with
 DeepSpeed-Ulysses, d = dp x sp: ZeRO shards over the sequence-parallel ranks too; "dp" below is that group)
 (derived from deepspeed/runtime/zero/stage_1_and_2.py, stage3.py, partitioned_param_coordinator.py and
-partition_parameters.py of DeepSpeed 0.19.8, and measured equal by tests/planner/test_comm_zero.py):
+partition_parameters.py of the pinned DeepSpeed (``megatron.engine.deepspeed_compat.PINNED_VERSION``), and
+measured equal by tests/planner/test_comm_zero.py):
 
 ZeRO-2 (``DeepSpeedZeroOptimizer``, reduce_scatter and use_multi_rank_bucket_allreduce on, DeepSpeed's defaults)
   dp all_reduce       per micro-batch, the gradients in buckets of reduce_bucket_size elements (a gradient
@@ -46,7 +47,7 @@ MEMORY_OPT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (eleme
 
 @dataclasses.dataclass(frozen=True)
 class ZeroSettings:
-    """The zero_optimization values the count depends on, with DeepSpeed 0.19.8's defaults."""
+    """The zero_optimization values the count depends on, with the pinned DeepSpeed's defaults."""
 
     stage: int
     reduce_bucket_size: int = MEMORY_OPT_BUCKET

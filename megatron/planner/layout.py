@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron.parallel.pipeline_partition import stage_bounds
 from megatron.planner.specs import ModelShape
 
 
@@ -19,7 +20,7 @@ class Layout:
     precision: str = "bf16"             # bf16 (BF16_Optimizer, fp32 grad accumulation) | fp16 (ZeRO 0) | fp32
     partition_method: str = "type:transformer"  # or "type:transformer|embedding" (BLOOM-176B)
     # transformer layers on each stage when known from the real partition (pretrain_gpt.py --dry-run
-    # takes DeepSpeed's); None: ``layers_per_stage``'s rule for ``partition_method``
+    # takes the engine's); None: ``layers_per_stage``'s, the same rule on the planner's model shape
     stage_layers: Optional[tuple[int, ...]] = None
     hpz: int = 1                        # ZeRO-3 only: ZeRO++ hpZ, a secondary weight shard per group of hpz DP ranks
     # Megatron sequence parallelism inside the TP group: norms, dropout and residuals on [s/t, b, h]
@@ -79,25 +80,36 @@ def stage_layer_counts(model: ModelShape, layout: Layout) -> list[int]:
             raise ValueError(f"stage_layers {layout.stage_layers} must give {layout.pp} stages holding "
                              f"{model.num_layers} layers in all")
         return list(layout.stage_layers)
-    return layers_per_stage(model, layout.pp, layout.partition_method)
+    return layers_per_stage(model, layout.pp, layout.partition_method, layout.tp)
 
 
-def layers_per_stage(model: ModelShape, pp: int, partition_method: str = "type:transformer") -> list[int]:
-    """Transformer layers on each stage, as DeepSpeed's ``partition_balanced`` assigns them.
+def pipeline_item_names(model: ModelShape) -> list[str]:
+    """The class names of the pipeline engine's items for ``model`` (``megatron.engine.pipeline.layer_specs`` in
+    BLOOM's numbering: three parameter-free slots around the embedding and the transformer layers), which a
+    ``type:REGEX`` partition matches; tests/planner/test_planner.py checks them against the engine's."""
+    head = "LMHeadPipe" if model.tied_embeddings else "OutputLayer"
+    return (["pass_through", "EmbeddingPipe", "pass_through"] + ["TransformerLayer"] * model.num_layers
+            + ["pass_through", "FinalLayerNorm", head])
 
-    Checked against deepspeed 0.19.8: with 'type:transformer' the first L % p stages get one layer
-    more (70 layers on 12 stages: 6 x 10, then 5, 5); with 'type:transformer|embedding' the two
-    embeddings count as layers of the first and last stage (70 on 12: 5, 6 x 10, 5).
-    """
-    if partition_method == "type:transformer|embedding":
-        units = model.num_layers + 2
-        base, extra = divmod(units, pp)
-        counts = [base + (1 if i < extra else 0) for i in range(pp)]
-        counts[0] -= 1
-        counts[-1] -= 1
-    else:
-        base, extra = divmod(model.num_layers, pp)
-        counts = [base + (1 if i < extra else 0) for i in range(pp)]
-    if min(counts) < 1 or sum(counts) != model.num_layers:
-        raise ValueError(f"{model.num_layers} layers cannot fill {pp} pipeline stages ({counts})")
+
+def pipeline_item_params(model: ModelShape, tp: int = 1) -> list[int]:
+    """Each pipeline item's parameters on one TP rank, as the ``parameters`` partition counts them (the tied
+    head's module is the word embedding itself), aligned with ``pipeline_item_names``."""
+    h, word = model.hidden_size, model.vocab_size * model.hidden_size // tp
+    embedding = word + model.learned_positions * h + (model.norm_params if model.embed_layernorm else 0)
+    return [0, embedding, 0] + [model.layer_params(tp)] * model.num_layers + [0, model.norm_params, word]
+
+
+def layers_per_stage(model: ModelShape, pp: int, partition_method: str = "type:transformer", tp: int = 1) -> list[int]:
+    """Transformer layers on each stage under ``--pp-partition-method partition_method``: the pipeline engine's
+    rule (``megatron.parallel.pipeline_partition``) on this model's pipeline items. E.g. 70 layers on 12 stages:
+    6 x 10, then 5, 5 with 'type:transformer'; 5, 6 x 10, 5 with 'type:transformer|embedding' (the embedding
+    weighs as a layer of the first stage)."""
+    names = pipeline_item_names(model)
+    params = pipeline_item_params(model, tp) if partition_method == "parameters" else None
+    bounds = stage_bounds(partition_method, names, pp, params)
+    counts = [names[start:stop].count("TransformerLayer") for start, stop in zip(bounds, bounds[1:])]
+    if min(counts) < 1:
+        raise ValueError(f"{model.num_layers} layers cannot fill {pp} pipeline stages with --pp-partition-method "
+                         f"{partition_method} ({counts} transformer layers per stage)")
     return counts

@@ -2,7 +2,8 @@
 
 Static memory, N = parameters held by the rank (its TP shard of its stage; the tied word embedding
 is on the first AND the last stage when PP > 1), d = DP size x Ulysses degree (the ranks that hold
-the same weights; ZeRO shards over all of them). What DeepSpeed 0.19.8 allocates:
+the same weights; ZeRO shards over all of them). What the pinned DeepSpeed
+(``megatron.engine.deepspeed_compat.PINNED_VERSION``) allocates:
 
   bf16 (BF16_Optimizer, the BLOOM path; DeepSpeed ZeRO "stage 0" and "1" both give it):
       bf16 weights 2N + fp32 gradient accumulation buffer 4N (the WHOLE stage, not sharded)
@@ -11,8 +12,8 @@ the same weights; ZeRO shards over all of them). What DeepSpeed 0.19.8 allocates
   fp32 (client AdamW, no ZeRO): weights 4N + Adam 8N resident + .grad 4N during the step = 16N.
   fp16, ZeRO stage 0 (DeepSpeed's FP16_UnfusedOptimizer around the client AdamW; BigScience's V100 runs):
       fp16 weights 2N + fp32 copies 4N + Adam 8N resident, + the fp16 .grad 2N from the first backward
-      and, during the step, an fp32 copy of every gradient 4N: 20N at the peak. Read from DeepSpeed
-      0.19.8's unfused_optimizer.py, not measured (fp16 does not run on the CPU accelerator).
+      and, during the step, an fp32 copy of every gradient 4N: 20N at the peak. Read from the pinned
+      DeepSpeed's unfused_optimizer.py, not measured (fp16 does not run on the CPU accelerator).
 
 Each optimizer group's flat buffer is padded to a multiple of 2d elements (ignored: < 2d * 2 groups).
 

@@ -189,7 +189,7 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
     latency = cluster.collective_latency_us
     d = layout.weight_replicas
     if layout.zero_stage >= 2:
-        # ZeRO-2: each micro-batch's gradients ALL-REDUCED whole (DeepSpeed 0.19's multi-rank bucket
+        # ZeRO-2: each micro-batch's gradients ALL-REDUCED whole (the pinned DeepSpeed's multi-rank bucket
         # all-reduce, measured: megatron.planner.comm_zero), the updated weights all-gathered once; ZeRO-3:
         # every micro-batch all-gathers the weights for forward and again for backward (stage3_max_reuse_distance
         # 0; DeepSpeed's default keeps what is reused within 1e9 elements) and reduce-scatters its gradients;

@@ -101,7 +101,7 @@ def test_bloom_176b_zero_stage_0_runs_bf16_optimizer_as_stage_1_with_one_warning
     notes = [w for w in rc.startup_warnings if "--zero-stage" in w]
     assert notes == ["--zero-stage 0 with --bf16 runs DeepSpeed's BF16_Optimizer (ZeRO stage 1), BLOOM's optimizer: "
                      "fp32 master weights and Adam states sharded over the data-parallel ranks, what bigscience's "
-                     "DeepSpeed ran under stage 0 (DeepSpeed 0.19 selects it by stage 1)"]
+                     "DeepSpeed ran under stage 0 (DeepSpeed selects it by stage 1)"]
     assert not [w for w in rc1.startup_warnings if "--zero-stage" in w]
 
 

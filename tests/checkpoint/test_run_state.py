@@ -3,7 +3,7 @@
 import pytest
 
 from megatron.arguments import run_config_from_argv
-from megatron.checkpoint.run_state import WEIGHT_FILE_KINDS, build_run_state, saving_engine, weight_files
+from megatron.checkpoint.run_state import WEIGHT_FILE_KINDS, build_run_state, reader_for, weight_files
 from megatron.checkpoint.tags import CheckpointFormatError
 from megatron.testing.corpus import tiny_argv
 
@@ -25,7 +25,18 @@ def test_the_record_names_the_engine_and_the_weight_files(tiny_corpus, world_siz
     assert files in WEIGHT_FILE_KINDS
     # A record written before these fields existed is read by the same rule.
     older = {k: v for k, v in record.items() if k not in ("saving_engine", "weight_files")}
-    assert (saving_engine(older), weight_files(older)) == (engine, files)
+    assert (reader_for(older), weight_files(older)) == (engine, files)
+
+
+@pytest.mark.parametrize("record, regular, universal", [
+    ({"saving_engine": "model", "universal_engine": "pipeline"}, "model", "pipeline"),
+    ({"saving_engine": "pipeline"}, "pipeline", "pipeline"),  # converted before the target was recorded
+    ({"parallel": {"zero_stage": 3}}, "model", "model"),  # saved before the engine was recorded
+    ({"parallel": {"zero_stage": 1, "ds_sequence_parallel_size": 2}}, "model", "model"),
+    ({"parallel": {"zero_stage": 1}}, "pipeline", "pipeline"),
+])
+def test_reader_for_a_regular_and_a_universal_checkpoint(record, regular, universal):
+    assert (reader_for(record), reader_for(record, universal=True)) == (regular, universal)
 
 
 def test_weight_files_of_another_version_are_refused_by_name():

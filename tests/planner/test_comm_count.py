@@ -36,7 +36,7 @@ def test_analytic_counts_follow_the_formula():
 
 
 def _run(rank, world_size, argv):
-    from megatron.planner.measure import run_recorded
+    from megatron.benchmarking.measure import run_recorded
 
     return run_recorded(argv, world_size)
 
@@ -63,7 +63,7 @@ def test_measured_step_equals_analytic_count(tiny_corpus):
 def _run_sequence_parallel(rank, world_size, runs):
     """Each argv: run_recorded's facts, plus what the SP formula needs that it does not report."""
     from megatron.arguments import run_config_from_argv
-    from megatron.planner.measure import run_recorded
+    from megatron.benchmarking.measure import run_recorded
 
     out = []
     for argv in runs:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron.planner.comm_zero import ModuleParams, ZeroSettings, analytic_zero_counts
-from megatron.planner.measure import analytic_sharded_counts
+from megatron.benchmarking.measure import analytic_sharded_counts
 from megatron.testing import run_distributed, tiny_argv
 
 # stage3_max_reuse_distance 0: every parameter released after each use; prefetch 0: one call per module
@@ -34,7 +34,7 @@ def test_bucket_and_shard_arithmetic():
 def _run(rank, world_size, runs):
     import torch
 
-    from megatron.planner.measure import run_recorded
+    from megatron.benchmarking.measure import run_recorded
 
     torch.set_num_threads(1)
     return [run_recorded(argv, world_size, record_call=3) for argv in runs]  # after the trace checks of step 2

@@ -13,14 +13,14 @@ from megatron.testing import run_distributed, tiny_argv
 
 
 def _run(rank, world_size, runs):
-    from megatron.planner.measure import run_recorded
+    from megatron.benchmarking.measure import run_recorded
 
     return [run_recorded(argv, world_size) for argv in runs]
 
 
 @pytest.mark.multiprocess
 def test_static_memory_matches_engine_within_10_percent(tiny_corpus, tmp_path):
-    from megatron.planner.measure import measured_resident_bytes, predicted_static_bytes
+    from megatron.benchmarking.measure import measured_resident_bytes, predicted_static_bytes
 
     base = tiny_argv(tiny_corpus, train_iters=2, lr_warmup_iters=1)
     # ZeRO-3 keeps parameters under 1e5 elements gathered by default (all of this tiny model's): not modelled

@@ -30,7 +30,7 @@ def _copy(src, dst):
 
 @pytest.mark.multiprocess
 def test_nan_in_weights_or_fp32_masters_is_refused_by_name(saved, tmp_path):
-    from megatron.engine.checkpoint_engine import DEEPSPEED_GLOBALS
+    from megatron.engine.deepspeed_compat import DEEPSPEED_GLOBALS
 
     corpus, ckpt = saved
     weights = _copy(ckpt, tmp_path / "weights")

@@ -48,7 +48,7 @@ def test_the_single_process_reader_reads_both_layouts_alike(tmp_path):
 def test_another_layout_than_the_checkpoints_is_refused_naming_the_conversion(tiny_corpus, tmp_path):
     """Found before any process group: the (2,2,2) checkpoint at TP 1, and at DP 1 with its optimizer."""
     from megatron.arguments import run_config_from_argv
-    from megatron.training.pretrain import resume_point
+    from megatron.checkpoint.resume import resume_point
 
     ckpt = upgraded_checkpoint(str(tmp_path / "upgraded"))
 

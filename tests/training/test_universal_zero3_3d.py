@@ -181,7 +181,7 @@ def test_loading_gives_the_saved_weights_and_optimizer_step(reshaped):
 @pytest.mark.multiprocess
 def test_a_universal_checkpoint_for_the_other_engine_is_refused_by_name(reshaped, tiny_corpus, tmp_path):
     from megatron.arguments import run_config_from_argv
-    from megatron.training.pretrain import resume_point
+    from megatron.checkpoint.resume import resume_point
 
     _, d = reshaped
     cases = [(_argv(tiny_corpus, *ZERO3, load=d["z3_for_3d"], universal_checkpoint=True), 4,

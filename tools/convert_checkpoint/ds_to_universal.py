@@ -17,8 +17,8 @@ Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), whic
   - refuses an incomplete input tag, and one whose files do not match their checksums (naming them);
   - refuses a ZeRO-0 checkpoint (its optimizer state is not in the ZeRO partition files DeepSpeed's converter
     reads), before writing anything, naming the ways it can move instead;
-  - runs the converter with every ``torch.load`` made safe (``megatron.checkpoint.safe_load.
-    only_safe_loading``: DeepSpeed's own calls unpickle anything), so a crafted pickle in any input
+  - runs the converter with every ``torch.load`` made safe (``megatron.engine.deepspeed_compat.
+    safe_loading``: DeepSpeed's own calls unpickle anything), so a crafted pickle in any input
     file is refused, naming the file, and its code never runs;
   - records the checksums of every output file (after the renaming), writes our ``run_state.json`` and marks the output
     ``complete`` last (our loader refuses tags without it), so a crashed conversion is never loaded
@@ -41,11 +41,10 @@ def main(argv=None) -> int:
     from deepspeed.checkpoint import ds_to_universal as converter
 
     from megatron.checkpoint.integrity import record_checksums, verify_checksums
-    from megatron.checkpoint.run_state import UNIVERSAL_ENGINE, load_run_state, model_config_from_dict, saving_engine
-    from megatron.checkpoint.safe_load import only_safe_loading
+    from megatron.checkpoint.run_state import UNIVERSAL_ENGINE, load_run_state, model_config_from_dict, reader_for
     from megatron.checkpoint.tags import COMPLETE_MARKER, RUN_STATE, write_atomically, write_complete_marker
     from megatron.checkpoint.universal_engines import ENGINES, retarget
-    from megatron.engine.checkpoint_engine import DEEPSPEED_GLOBALS
+    from megatron.engine.deepspeed_compat import safe_loading
 
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--input_folder", required=True)
@@ -58,7 +57,7 @@ def main(argv=None) -> int:
     tag_dir = os.path.normpath(known.input_folder)
     record = load_run_state(os.path.dirname(tag_dir), os.path.basename(tag_dir))
     _refuse_unpartitioned(tag_dir, record)
-    source = saving_engine(record)
+    source = reader_for(record)  # a regular checkpoint: the engine that saved it
     target = known.target_engine or source
     problems = verify_checksums(known.input_folder, distributed=False)
     if problems:
@@ -66,7 +65,7 @@ def main(argv=None) -> int:
                          + "; convert an intact checkpoint (an earlier global_step*)")
     args = _parse_with(converter, ["--input_folder", known.input_folder, "--output_folder", known.output_folder]
                        + rest)
-    with only_safe_loading(DEEPSPEED_GLOBALS):
+    with safe_loading():  # DeepSpeed's converter asks torch.load for weights_only=False
         converter.main(args)
     renamed = retarget(known.output_folder, model_config_from_dict(record["model_config"]), source, target)
     if renamed:

@@ -81,7 +81,7 @@ def _upgrade_model_states(src: str, dst: str, config, record: dict, indices: dic
 
 
 def _upgrade_optimizer_states(src: str, dst: str, indices: dict[int, int]) -> None:
-    from megatron.engine.checkpoint_engine import DEEPSPEED_GLOBALS  # the DeepSpeed class these files hold
+    from megatron.engine.deepspeed_compat import DEEPSPEED_GLOBALS  # the DeepSpeed class these files hold
 
     state = safe_load(src, extra_globals=DEEPSPEED_GLOBALS)
     inner = state.get("optimizer_state_dict", {})

@@ -1,8 +1,9 @@
 """Measure on a live DeepSpeed engine what the planner predicts: bytes per rank of parameters,
 gradients and optimizer state, and the collectives of one training step.
 
-Unlike the rest of megatron.planner this imports torch (and, inside the functions, the training
-package); benchmarks/ and tests/ use it, the planner's arithmetic does not.
+It runs real training steps (``megatron.training.pretrain`` on either DeepSpeed engine), so it sits at the
+level of an entry point; the training package is imported inside the functions that run it, so that reading
+the analytic counts (``analytic_sharded_counts``) does not start DeepSpeed.
 """
 
 from __future__ import annotations

@@ -1,0 +1,233 @@
+"""Every workaround for how the installed DeepSpeed behaves, in one place, each checked against its version.
+
+The project pins DeepSpeed ``PINNED_VERSION`` (the Makefile's ``DEEPSPEED_VERSION``). What follows was
+measured on deepspeed 0.19.8 with torch 2.13 on CPU; each workaround calls ``require(name)`` before it
+acts, which raises a RuntimeError naming the pinned and the installed version and what to re-check when
+they differ (an upgrade then fails at the first workaround it reaches, not silently later).
+
+    name (WORKAROUNDS)        what deepspeed 0.19.8 does                    what answers it
+    bf16_stage_0              bf16 + ZeRO stage 0 + fp32 gradient           ``--bf16 --zero-stage 0`` runs as stage 1
+                              accumulation is NotImplemented; BLOOM's        (``megatron.config.run.deepspeed_zero_stage``,
+                              BF16_Optimizer comes from stage 1              a pure rule; checked by ``build_engine``)
+    universal_optimizer       ZeRO-3's universal loader gives every          ``checkpoint_loading`` restores this run's
+                              parameter group the first group's              hyperparameters and a step tensor per
+                              hyperparameters and one shared step tensor     group (``mend_universal_optimizer``)
+    universal_tp_restore      ZeRO-3's universal loader partitions full      ``universal_tp_restore``: AutoTP's restore
+                              tensors over DP only (fails at TP > 1)         record and DeepSpeed's private TP group
+    unsafe_torch_load         its checkpoint engine, universal converter     ``use_safe_loading``: a checkpoint engine
+                              and loader call torch.load(weights_only=       that loads weights-only; ``safe_loading``:
+                              False): a crafted pickle would run             every torch.load weights-only while the
+                                                                             converter and universal loaders run
+    shm_comm_build            builds its shared-memory comm op (~35 s of     ``avoid_cpu_jit_builds`` marks it
+                              JIT C++) on the CPU accelerator, used by       incompatible: gloo carries every
+                              inference all-reduce only                      collective
+    hpz_group                 builds hpZ groups from consecutive world       ``set_zero_param_intra_group``: its private
+                              ranks (TP peers in one group)                  module-level group, set before initialize
+    zero3_init_dtype          ``zero.Init(dtype=...)`` on CPU makes bf16     ``zero3_init`` leaves ``dtype`` out
+                              whatever it is given
+    renamed_collectives       ZeRO-2/3 call all_gather_into_tensor /         ``silence_renamed_collectives``: exactly
+                              reduce_scatter_tensor, which torch 2.13        those two FutureWarnings
+                              deprecated (a warning per rank per call)
+    zero3_ulysses_average     ZeRO-3's reduce-scatter (``reduce_scatter:     ``megatron.engine.ulysses.backward_loss_scale``
+                              true``) averages over dp x sp ranks, the       multiplies the loss by sp (checked by
+                              other stages over dp                           ``ShardedEngine``)
+
+Models of DeepSpeed's behaviour outside this package, which cannot import it, re-measured against the real
+thing by their tests rather than checked here: the planner's ZeRO communication counts and defaults
+(``megatron.planner.comm_zero``, tests/planner/test_comm_zero.py), its memory model (``planner.memory``,
+tests/planner/test_memory_measured.py), the pipeline partition rule (``megatron.parallel.pipeline_partition``,
+tests/engine/test_partition.py) and the engine-per-ZeRO-stage rule (``megatron.config.run.deepspeed_engine_for``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterator, Optional
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from megatron.checkpoint.safe_load import only_safe_loading, safe_load
+from megatron.checkpoint.zero_files import DEEPSPEED_GLOBALS
+
+__all__ = ["PINNED_VERSION", "WORKAROUNDS", "require", "installed_version", "checkpoint_loading", "safe_loading",
+           "mend_universal_optimizer", "universal_tp_restore", "set_zero_param_intra_group", "zero3_init",
+           "silence_renamed_collectives", "check_bf16_stage_0", "check_zero3_ulysses", "DEEPSPEED_GLOBALS",
+           "SafeTorchCheckpointEngine", "use_safe_loading", "avoid_cpu_jit_builds"]
+
+PINNED_VERSION = "0.19.8"
+
+# name -> what to re-check on another DeepSpeed version
+WORKAROUNDS = {
+    "bf16_stage_0": "whether bf16 + ZeRO-0 + fp32 grad accumulation initializes, and which optimizer stage 1 builds "
+                    "(tests/engine/test_optimizer.py asserts BF16_Optimizer)",
+    "universal_optimizer": "ZeRO-3's universal loader's parameter-group hyperparameters and step tensors "
+                           "(tests/training/test_universal_zero3_3d.py)",
+    "universal_tp_restore": "deepspeed.checkpoint.constants.DS_AUTOTP_UC_META and groups._TENSOR_MODEL_PARALLEL_GROUP "
+                            "in the ZeRO-3 universal loader (tests/training/test_universal_zero3_3d.py)",
+    "unsafe_torch_load": "the torch.load calls of DeepSpeed's checkpoint engine, ds_to_universal and universal loaders "
+                         "(tests/checkpoint/test_safe_load.py, tests/training/test_corrupt_checkpoints.py)",
+    "shm_comm_build": "deepspeed.ops.__compatible_ops__ and the CPU accelerator's ShareMemCommBuilder (a fresh "
+                      "machine's first launch must not spend ~35 s compiling)",
+    "hpz_group": "deepspeed.utils.groups._ZERO_PARAM_INTRA_PARALLEL_GROUP and how zero_hpz_partition_size builds "
+                 "its groups (tests/training/test_zero_sharding.py)",
+    "zero3_init_dtype": "zero.Init's dtype handling on the CPU accelerator (tests/training/test_zero_sharding.py)",
+    "renamed_collectives": "whether ZeRO-2/3 still call torch.distributed.all_gather_into_tensor / "
+                           "reduce_scatter_tensor",
+    "zero3_ulysses_average": "the divisor of ZeRO-3's reduce-scatter with sequence parallelism "
+                             "(tests/training/test_ulysses.py compares grad norms with a single process)",
+}
+
+
+def installed_version() -> str:
+    """The installed DeepSpeed's release, without a local build suffix ("0.19.8+abc" -> "0.19.8")."""
+    return deepspeed.__version__.split("+")[0]
+
+
+def require(name: str) -> None:
+    """RuntimeError unless the installed DeepSpeed is the version workaround ``name`` was written for."""
+    if name not in WORKAROUNDS:
+        raise AssertionError(f"no DeepSpeed workaround named {name!r} (known: {', '.join(WORKAROUNDS)})")
+    installed = installed_version()
+    if installed != PINNED_VERSION:
+        raise RuntimeError(f"deepspeed {installed} is installed, but the workaround {name!r} "
+                           f"(megatron/engine/deepspeed_compat.py) was written for deepspeed {PINNED_VERSION}, the "
+                           f"Makefile's pin. Re-check {WORKAROUNDS[name]}; then update or drop the workaround and "
+                           f"PINNED_VERSION, or install deepspeed=={PINNED_VERSION} (make install)")
+
+
+def safe_loading():
+    """Within: every torch.load of the process is weights-only with DeepSpeed's own classes allowed, whatever
+    DeepSpeed's converter and loaders ask for (they ask for weights_only=False)."""
+    require("unsafe_torch_load")
+    return only_safe_loading(DEEPSPEED_GLOBALS)
+
+
+class SafeTorchCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine with ``load`` through ``megatron.checkpoint.safe_load`` (tensors,
+    containers, numpy's RNG state, Megatron's args, and ``DEEPSPEED_GLOBALS``): --load never unpickles code.
+    It also reads checkpoints bigscience's Megatron-DeepSpeed wrote (their enums read as stand-ins)."""
+
+    def load(self, path: str, map_location=None):
+        return safe_load(path, extra_globals=DEEPSPEED_GLOBALS, map_location=map_location)
+
+
+def use_safe_loading(engine) -> None:
+    """Give ``engine`` (after ``deepspeed.initialize``) the safe-loading checkpoint engine in place of DeepSpeed's."""
+    require("unsafe_torch_load")
+    if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
+        raise ValueError(f"DeepSpeed chose the checkpoint engine {type(engine.checkpoint_engine).__name__}; only its "
+                         f"torch engine is supported here (remove the checkpoint engine settings from the JSON)")
+    engine.checkpoint_engine = SafeTorchCheckpointEngine(engine._config)
+
+
+def avoid_cpu_jit_builds() -> None:
+    """On the CPU accelerator, mark DeepSpeed's shared-memory comm op unavailable so that it is never built."""
+    if get_accelerator().device_name() != "cpu":
+        return
+    require("shm_comm_build")
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+def mend_universal_optimizer(optimizer, own_groups: list[dict]) -> None:
+    """After a universal load: every parameter group gets back this run's hyperparameters (``own_groups``; the
+    learning rate is the scheduler's) and a step tensor of its own, which Adam would otherwise count up once per
+    group per step."""
+    require("universal_optimizer")
+    for group, own in zip(optimizer.param_groups, own_groups, strict=True):
+        group.update(own)
+    inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside DeepSpeed's ZeRO wrapper
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+@contextlib.contextmanager
+def checkpoint_loading(engine, universal: bool) -> Iterator[None]:
+    """The context DeepSpeed's ``load_checkpoint`` runs in (``megatron.checkpoint.resume.restore``'s
+    ``loading``): safe unpickling, and for a universal checkpoint the ZeRO-3 TP restore (``engine``'s
+    ``universal_tp_restore``, megatron.engine.sharded) and the optimizer mended after the load."""
+    own_groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
+    tp_restore = getattr(engine, "universal_tp_restore", None) if universal else None
+    with safe_loading(), (tp_restore() if tp_restore else contextlib.nullcontext()):
+        yield
+    if universal:
+        mend_universal_optimizer(engine.optimizer, own_groups)
+
+
+@contextlib.contextmanager
+def universal_tp_restore(params: list, tp: int, tp_group) -> Iterator[None]:
+    """Within: ZeRO-3's universal loader cuts each full tensor to this rank's TP slice before partitioning it
+    over DP. It does so for parameters carrying AutoTP's restore record (the split dim and full shape, or
+    replicated) with DeepSpeed's tensor-parallel group set; both are given for the load only."""
+    require("universal_tp_restore")
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+    from deepspeed.utils import groups
+
+    for param in params:
+        shape = list(param.ds_shape)  # this TP rank's slice
+        if getattr(param, "tensor_model_parallel", False):
+            shape[param.partition_dim] *= tp
+            setattr(param, DS_AUTOTP_UC_META, {"partition_dim": param.partition_dim, "logical_shape": tuple(shape)})
+        else:
+            setattr(param, DS_AUTOTP_UC_META, {"replicated": True})
+    saved = groups._TENSOR_MODEL_PARALLEL_GROUP
+    groups._TENSOR_MODEL_PARALLEL_GROUP = tp_group
+    try:
+        yield
+    finally:
+        groups._TENSOR_MODEL_PARALLEL_GROUP = saved
+        for param in params:
+            delattr(param, DS_AUTOTP_UC_META)
+
+
+def set_zero_param_intra_group(group) -> None:
+    """Give DeepSpeed the hpZ group (None: no hpZ). DeepSpeed uses a group already set in its module-level state
+    instead of building one from consecutive world ranks (which with TP > 1 would mix TP peers holding
+    different slices); set anew by each run, since several runs may share one process."""
+    require("hpz_group")
+    from deepspeed.utils import groups
+
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = group
+
+
+def zero3_init(data_parallel_group, config: dict, mpu):
+    """``deepspeed.zero.Init`` partitioning over ``data_parallel_group``, with the hpZ group set above.
+
+    Inside, torch.empty / zeros / tensor / ... make tensors of the config's dtype (bf16 with --bf16, else fp32);
+    the few that must stay fp32 are made with megatron.parallel.utils.fp32_empty / fp32_tensor. ``dtype`` is left
+    out: on CPU, DeepSpeed would pick bf16 whatever it is given. The config's
+    zero_optimization.memory_efficient_linear is false (megatron.config.deepspeed): it would replace
+    torch.nn.functional.linear for the whole process."""
+    require("zero3_init_dtype")
+    from deepspeed.utils import groups
+
+    return deepspeed.zero.Init(data_parallel_group=data_parallel_group, config_dict_or_path=config, mpu=mpu,
+                               zero_param_parallel_group=groups._get_zero_param_intra_parallel_group())
+
+
+def silence_renamed_collectives() -> None:
+    """ZeRO-2/3 call torch.distributed.all_gather_into_tensor / reduce_scatter_tensor, which torch renamed
+    (*_single, the same collectives): the FutureWarning, repeated by every rank, says nothing a user can act
+    on. Exactly those two are silenced."""
+    require("renamed_collectives")
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+
+
+def check_bf16_stage_0(zero_stage: int, bf16: bool) -> None:
+    """``--bf16 --zero-stage 0`` runs as stage 1 (``megatron.config.run.deepspeed_zero_stage``): true of this
+    DeepSpeed only."""
+    if bf16 and zero_stage == 0:
+        require("bf16_stage_0")
+
+
+def check_zero3_ulysses(zero_stage: int, sp_size: int) -> None:
+    """ZeRO-3 with DeepSpeed-Ulysses scales the loss by sp (``megatron.engine.ulysses.backward_loss_scale``)."""
+    if zero_stage == 3 and sp_size > 1:
+        require("zero3_ulysses_average")

@@ -1,0 +1,71 @@
+"""megatron.engine.deepspeed_compat: each workaround refuses to run on a DeepSpeed it was not written for,
+naming both versions and what to re-check; and the universal loaders' optimizer mending does what it says."""
+
+import pathlib
+import re
+
+import deepspeed
+import pytest
+import torch
+
+from megatron.engine import deepspeed_compat
+from tests.conftest import REPO_ROOT
+
+
+def test_the_pin_is_the_makefiles_and_the_installed_version():
+    pin = re.search(r"^DEEPSPEED_VERSION\s*:=\s*(\S+)", pathlib.Path(REPO_ROOT / "Makefile").read_text(), re.M)
+    assert pin and pin.group(1) == deepspeed_compat.PINNED_VERSION == deepspeed_compat.installed_version()
+
+
+def _two_groups():
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([{"params": [a], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}])
+    return optimizer, a, b
+
+
+WORKAROUNDS = {
+    "universal_optimizer": lambda: deepspeed_compat.mend_universal_optimizer(_two_groups()[0], [{}, {}]),
+    "unsafe_torch_load": lambda: deepspeed_compat.safe_loading(),
+    "hpz_group": lambda: deepspeed_compat.set_zero_param_intra_group(None),
+    "renamed_collectives": deepspeed_compat.silence_renamed_collectives,
+    "universal_tp_restore": lambda: deepspeed_compat.universal_tp_restore([], 2, None).__enter__(),
+    "bf16_stage_0": lambda: deepspeed_compat.check_bf16_stage_0(0, True),
+    "zero3_ulysses_average": lambda: deepspeed_compat.check_zero3_ulysses(3, 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WORKAROUNDS))
+def test_a_workaround_on_another_deepspeed_fails_naming_both_versions(monkeypatch, name):
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    with pytest.raises(RuntimeError) as error:
+        WORKAROUNDS[name]()
+    message = str(error.value)
+    assert "deepspeed 0.20.1 is installed" in message and f"deepspeed {deepspeed_compat.PINNED_VERSION}" in message
+    assert repr(name) in message and deepspeed_compat.WORKAROUNDS[name] in message
+
+
+def test_every_workaround_is_exercised_here_or_named_for_its_test():
+    assert set(WORKAROUNDS) | {"zero3_init_dtype", "shm_comm_build"} == set(deepspeed_compat.WORKAROUNDS)
+
+
+def test_a_local_build_suffix_is_the_same_release(monkeypatch):
+    monkeypatch.setattr(deepspeed, "__version__", deepspeed_compat.PINNED_VERSION + "+cpu")
+    deepspeed_compat.require("hpz_group")  # no error
+    deepspeed_compat.check_bf16_stage_0(1, True)  # not the workaround's case: nothing to check
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    deepspeed_compat.check_zero3_ulysses(2, 2)  # only ZeRO-3 with Ulysses relies on it
+
+
+def test_mending_gives_each_group_its_hyperparameters_and_a_step_of_its_own():
+    optimizer, a, b = _two_groups()
+    own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    shared = torch.tensor(5.0)
+    optimizer.state[a]["step"], optimizer.state[b]["step"] = shared, shared  # as ZeRO-3's universal loader leaves it
+    for group in optimizer.param_groups:
+        group["weight_decay"] = 0.1  # every group given the first group's
+    deepspeed_compat.mend_universal_optimizer(optimizer, own)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    steps = optimizer.state[a]["step"], optimizer.state[b]["step"]
+    assert steps[0] is not steps[1] and [float(s) for s in steps] == [5.0, 5.0]
+    steps[0].add_(1)  # Adam counting one group's step leaves the other's
+    assert float(steps[1]) == 5.0
