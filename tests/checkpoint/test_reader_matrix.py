@@ -34,7 +34,7 @@ import torch
 
 from megatron.arguments import run_config_from_argv
 from megatron.checkpoint.merge import load_full_state_dict
-from megatron.checkpoint.run_state import load_run_state, universal_engine
+from megatron.checkpoint.run_state import load_run_state, reader_for
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tp_shards import merge_tp_shards
 from megatron.checkpoint.universal_engines import folder_names
@@ -243,7 +243,7 @@ def _universal(name, saved, live, out, request):
     ds_to_universal.main(["--input_folder", os.path.join(saved.save, tag), "--output_folder",
                           os.path.join(out, tag + "_universal"), "--num_extract_workers", "1",
                           "--num_merge_workers", "1"])
-    engine = universal_engine(load_run_state(out, tag + "_universal"))
+    engine = reader_for(load_run_state(out, tag + "_universal"), universal=True)
     for folder, param in folder_names(saved.config, engine).items():
         loaded = safe_load(os.path.join(out, tag + "_universal", "zero", folder, "fp32.pt"))
         tensor = loaded["param"] if isinstance(loaded, dict) else loaded
