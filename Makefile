@@ -49,7 +49,9 @@ $(BLOOM_CONVERTER): $(STAMP)
 pretrain: $(STAMP) $(EXT)
 	PYTHON=$(PY) examples/pretrain_tiny_bloom_cpu.sh
 
+# The linter first (a second, pyproject.toml's settings), then the suite.
 test: $(STAMP) $(EXT) $(BLOOM_CONVERTER)
+	$(PY) -m ruff check .
 	$(PY) -m pytest tests
 
 test-quick: $(STAMP) $(EXT)

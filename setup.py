@@ -30,7 +30,8 @@ setup(
     python_requires=">=3.10",
     install_requires=read_requirements(),
     extras_require={"test": ["pytest>=8", "pytest-timeout", "hypothesis",
-                             "openai>=1.0"]},  # the real client, against /v1/completions
+                             "openai>=1.0",  # the real client, against /v1/completions
+                             "ruff==0.17.6"]},  # lint and import order (pyproject.toml), run by make test
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     zip_safe=False,

@@ -33,7 +33,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def load_generator(args: argparse.Namespace, parallel_state=None):
     """The checkpoint's Generator (with ``parallel_state``: this rank's part of a tensor-parallel model)."""
-    from megatron.inference.generation import Generator  # torch and the model: only when a tool loads one
+    from megatron.inference.generation import Generator  # noqa: PLC0415 (torch and the model: only when a tool loads one)
 
     return Generator.from_checkpoint(args.load, tag=args.tag, dtype=args.dtype, parallel_state=parallel_state,
                                      tokenizer_type=args.tokenizer_type,

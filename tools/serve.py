@@ -11,7 +11,8 @@ POST /generate takes {"prompt": str or [str], "max_new_tokens", "greedy", "tempe
 "top_p", "seed"} and answers {"completions": [...]} with the objects tools/generate.py writes;
 POST /v1/completions is OpenAI's completions API (streaming included). Bad requests get a JSON
 error (400, 408 too slow, 411, 413 too large, 404, 405, 503 too busy); generation runs off the event
-loop, the prompts of all requests decoded together in one running batch (--max-batch-size). Binds 127.0.0.1 unless --host says otherwise. The work is in
+loop, the prompts of all requests decoded together in one running batch (--max-batch-size). Binds 127.0.0.1 unless
+--host says otherwise. The work is in
 ``megatron.inference.server`` (docs/serving.md).
 """
 
@@ -69,12 +70,11 @@ def _serve_tensor_parallel(args, limits, model_name: str) -> int:
     """Under torchrun: every rank holds its part of the model; rank 0 serves and the others follow it."""
     import signal
 
+    import torch
     import torch.distributed as dist
 
     from megatron.inference.batching import BatchRunner
     from megatron.inference.server import make_server
-    import torch
-
     from megatron.inference.tp import BroadcastRunner, follow, serving_device
     from megatron.parallel.state import ParallelState
     from megatron.training.distributed import init_process_group  # the training jobs' own join

@@ -6,9 +6,22 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron.config import (BatchConfig, CheckpointConfig, DataConfig, ExitConfig, LoggingConfig, LRScheduleConfig,
-                             ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TokenizerConfig,
-                             TrainingConfig)
+from megatron.config import (
+    BatchConfig,
+    CheckpointConfig,
+    DataConfig,
+    ExitConfig,
+    LoggingConfig,
+    LRScheduleConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+    TokenizerConfig,
+    TrainingConfig,
+)
+from megatron.data.tokenizers import build_tokenizer, pad_vocab_size
 
 
 def _pick(cls, args, **extra):
@@ -68,8 +81,6 @@ def resolve_vocab_size(run_config: RunConfig, tokenizer=None) -> RunConfig:
 
     ``tokenizer`` defaults to the one the data flags name (``megatron.data.tokenizers``).
     """
-    from megatron.data.tokenizers import build_tokenizer, pad_vocab_size
-
     d = run_config.data
     if tokenizer is None:
         tokenizer = build_tokenizer(d.tokenizer)

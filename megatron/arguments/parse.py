@@ -18,7 +18,9 @@ from typing import Optional, Sequence
 
 from megatron.arguments.parser import DRY_RUN_OPTIONS, POSITION_EMBEDDING_ALIASES
 from megatron.config import deepspeed_zero_stage
+from megatron.data.dataset_utils import document_range, parse_data_path, parse_split, parse_weighted_split_paths
 from megatron.data.hf_cache import resolve_tokenizer_path
+from megatron.data.indexed_dataset import sequence_count
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr",
             "tokenizer_type")
@@ -152,9 +154,6 @@ def merge_skip_ranges(ranges: Optional[Sequence[str]]) -> tuple[tuple[int, int],
 
 def parse_data_flags(args) -> None:
     """``data_path_pairs`` and ``{train,valid,test}_weighted_split_groups``, and Megatron's default --split."""
-    # The one parser of the data flags, shared with the dataset builders (pure: stdlib + megatron.config).
-    from megatron.data.dataset_utils import parse_data_path, parse_weighted_split_paths
-
     args.data_path_pairs = parse_data_path(args.data_path)
     for split in SPLITS:
         groups = parse_weighted_split_paths(getattr(args, f"{split}_weighted_split_paths"), split,
@@ -212,9 +211,6 @@ def check_output_folders(args) -> None:
 def check_training_documents(args, stand_in_splits: Sequence[str] = ()) -> None:
     """Every dataset of the training data holds documents for the training split: found now, not as a
     TypeError after the whole set-up (an empty preprocessing output, --split 0,50,50)."""
-    from megatron.data.dataset_utils import document_range, parse_split
-    from megatron.data.indexed_dataset import sequence_count
-
     if args.data_path_pairs and args.split is not None:  # mode 1 (with both modes, validate names the conflict)
         for _, prefix in args.data_path_pairs:
             num = sequence_count(prefix)
@@ -320,6 +316,6 @@ def _no_effect_warnings(args) -> list[str]:
 
 
 def _cuda_available() -> bool:
-    import torch
+    import torch  # noqa: PLC0415 (the flag checks run without torch: it is read only for the device count)
 
     return torch.cuda.is_available()

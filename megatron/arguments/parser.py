@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.config import (ATTENTION_BACKENDS, DATA_IMPLS, DISTRIBUTED_BACKENDS, LR_DECAY_STYLES, NORMALIZATIONS, OPTIMIZERS,
-                             PARTITION_METHODS, POSITION_EMBEDDING_TYPES, TOKENIZER_TYPES)
+from megatron.config import (
+    ATTENTION_BACKENDS,
+    DATA_IMPLS,
+    DISTRIBUTED_BACKENDS,
+    LR_DECAY_STYLES,
+    NORMALIZATIONS,
+    OPTIMIZERS,
+    PARTITION_METHODS,
+    POSITION_EMBEDDING_TYPES,
+    TOKENIZER_TYPES,
+)
 
 # Flags whose meaning is "no effect here" (see parse_args' startup warnings).
 NO_EFFECT_FLAGS = ("abort_on_unmet_fused_kernel_constraints",)

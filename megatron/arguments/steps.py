@@ -17,6 +17,7 @@ from megatron.arguments import parse
 from megatron.arguments.build import assemble_run_config, resolve_vocab_size
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
+from megatron.data.tokenizers import build_tokenizer
 
 
 class Problems(ValueError):
@@ -110,8 +111,6 @@ def _across_settings(run: Run) -> None:
 def _tokenizer(run: Run) -> None:
     if run.tokenizer is not None:
         return
-    from megatron.data.tokenizers import build_tokenizer  # tokenizers / sentencepiece: only when one is built
-
     tokenizer = run.config.data.tokenizer
     try:
         run.tokenizer = build_tokenizer(tokenizer)

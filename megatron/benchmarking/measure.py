@@ -2,8 +2,7 @@
 gradients and optimizer state, and the collectives of one training step.
 
 It runs real training steps (``megatron.training.pretrain`` on either DeepSpeed engine), so it sits at the
-level of an entry point; the training package is imported inside the functions that run it, so that reading
-the analytic counts (``analytic_sharded_counts``) does not start DeepSpeed.
+level of an entry point, above the planner whose predictions it checks.
 """
 
 from __future__ import annotations
@@ -11,6 +10,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from megatron.arguments import run_config_from_argv
+from megatron.engine.sharded import ShardedEngine
+from megatron.parallel.state import group_layout
+from megatron.planner.comm_count import (
+    CollectiveRecorder,
+    StepShape,
+    analytic_step_counts,
+    analytic_ulysses_counts,
+    classify,
+)
+from megatron.planner.comm_zero import ModuleParams, ZeroSettings, analytic_zero_counts
+from megatron.planner.layout import Layout
+from megatron.planner.memory import RESIDENT, stage_param_counts, static_bytes
+from megatron.planner.specs import ModelShape
+from megatron.training.pretrain import pretrain
 
 
 def _nbytes(tensors) -> int:
@@ -20,8 +38,6 @@ def _nbytes(tensors) -> int:
 def engine_static_bytes(engine) -> dict[str, int]:
     """Bytes this rank holds in weights, the modules' .grad, BF16_Optimizer's fp32 gradient buffer,
     fp32 masters and Adam states, read from the engine's module and optimizer."""
-    import torch
-
     opt = engine.optimizer
     params = [p for p in engine.module.parameters()]
     if hasattr(opt, "bf16_groups_flat"):  # BF16_Optimizer: flat (padded) buffers back the parameters
@@ -88,14 +104,7 @@ def zero_facts(engine, rc) -> Optional[dict]:
 def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: Optional[int] = None) -> dict:
     """Train ``argv`` with pretrain() in this (already joined) process; record the collectives of the
     ``record_call``-th ``train_batch`` (later calls: no one-off metadata sends); return per-rank facts."""
-    import torch.distributed as dist
-    from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from megatron.arguments import run_config_from_argv
-    from megatron.engine.sharded import ShardedEngine
-    from megatron.parallel.state import group_layout
-    from megatron.planner.comm_count import CollectiveRecorder, classify
-    from megatron.training.pretrain import pretrain
 
     rc = run_config_from_argv(argv, world_size=world_size)
     p = rc.parallel
@@ -147,11 +156,6 @@ def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: O
 def predicted_static_bytes(result: dict) -> dict[str, float]:
     """The planner's resident bytes (weights, fp32 grads, masters, Adam) for the rank ``result``
     (a run_recorded() return value) describes."""
-    from megatron.parallel.state import group_layout
-    from megatron.planner.layout import Layout
-    from megatron.planner.memory import RESIDENT, stage_param_counts, static_bytes
-    from megatron.planner.specs import ModelShape
-
     c = result["config"]
     model = ModelShape(c["num_layers"], c["hidden_size"], c["num_attention_heads"], c["padded_vocab_size"])
     layout = Layout(c["tp"], c["pp"], c["dp"], c["micro_batch_size"], c["checkpoint_activations"],
@@ -172,10 +176,6 @@ def analytic_sharded_counts(result: dict) -> dict:
     """The analytic {(axis, op): {"calls", "bytes"}} of a ZeRO-2/3 run_recorded() result: the model's own TP
     collectives (comm_count, one stage) plus ZeRO's (comm_zero); "calls" None where prefetching makes it
     unpredictable."""
-    from megatron.parallel.state import group_layout
-    from megatron.planner.comm_count import StepShape, analytic_step_counts, analytic_ulysses_counts
-    from megatron.planner.comm_zero import ModuleParams, ZeroSettings, analytic_zero_counts
-
     c, z = result["config"], result["zero"]
     sp = c.get("sp", 1)
     m = c["global_batch_size"] // (c["micro_batch_size"] * c["dp"])

@@ -37,12 +37,23 @@ from typing import Optional
 
 import torch
 
+from megatron.checkpoint.hf_bloom import (
+    bloom_config_kwargs,
+    bloom_state_dict_to_ours,
+    model_config_from_bloom,
+    ours_to_bloom_state_dict,
+)
+from megatron.checkpoint.hf_llama import (
+    LLAMA_FAMILY,
+    llama_config_kwargs,
+    llama_family_of,
+    llama_state_dict_to_ours,
+    model_config_from_llama,
+    ours_to_llama_state_dict,
+)
 from megatron.config import ModelConfig
+from megatron.data.tokenizers import EOD_TOKEN_CANDIDATES
 from megatron.model.layout import parameter_layout
-from megatron.checkpoint.hf_bloom import (bloom_config_kwargs, bloom_state_dict_to_ours, model_config_from_bloom,
-                                     ours_to_bloom_state_dict)
-from megatron.checkpoint.hf_llama import (LLAMA_FAMILY, llama_config_kwargs, llama_family_of, llama_state_dict_to_ours,
-                                          model_config_from_llama, ours_to_llama_state_dict)
 
 __all__ = ["hf_architecture", "write_hf_model", "read_hf_model", "export_tokenizer", "ours_to_gpt2_state_dict",
            "gpt2_state_dict_to_ours", "ours_to_neox_state_dict", "neox_state_dict_to_ours"]
@@ -259,7 +270,7 @@ def write_hf_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], out
     pretraining_tp: the training TP, recorded in Bloom's config (``slow_but_exact`` stays False).
     max_shard_bytes: larger exports are split into transformers' sharded safetensors layout.
     """
-    import transformers
+    import transformers  # noqa: PLC0415 (transformers: seconds to import, only for an export or import)
 
     arch = hf_architecture(config)
     vocab_size = config.original_vocab_size or config.padded_vocab_size
@@ -298,7 +309,7 @@ def write_hf_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], out
 def _save_safetensors(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json (transformers'
     sharded layout) when the tensors exceed ``max_shard_bytes``; a tensor is never split."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 (safetensors: only when HF weights are written or read)
 
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -323,7 +334,7 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_
 
 
 def _read_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # noqa: PLC0415 (safetensors: only when HF weights are written or read)
 
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -349,7 +360,7 @@ def read_hf_model(hf_dir: str, *, padded_vocab_size_fn, seq_length: Optional[int
     seq_length: the training length to record (default: 2048 for Bloom, n_positions for GPT-2,
         max_position_embeddings for the others).
     """
-    import transformers
+    import transformers  # noqa: PLC0415 (transformers: seconds to import, only for an export or import)
 
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     arch = hf_config.model_type
@@ -401,7 +412,7 @@ def export_tokenizer(record: dict, out_dir: str, model_max_length: Optional[int]
     written: list[str] = []
     if kind == "GPT2BPETokenizer" and all(record.get(k) and os.path.isfile(record[k])
                                           for k in ("vocab_file", "merge_file")):
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415 (tokenizers: only when a tokenizer is exported)
 
         tokenizer = Tokenizer(models.BPE.from_file(record["vocab_file"], record["merge_file"]))
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -436,8 +447,7 @@ def export_tokenizer(record: dict, out_dir: str, model_max_length: Optional[int]
 
 
 def _eod_token_of(tokenizer_json: str) -> Optional[str]:
-    from megatron.data.tokenizers import EOD_TOKEN_CANDIDATES
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # noqa: PLC0415 (tokenizers: only when a tokenizer is exported)
 
     vocab = Tokenizer.from_file(tokenizer_json).get_vocab(with_added_tokens=True)
     return next((token for token in EOD_TOKEN_CANDIDATES if token in vocab), None)

@@ -64,7 +64,8 @@ def llama_family_of(config: ModelConfig) -> str:
 
 def _split_qkv(tensor: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Our fused QKV rows [kv, q/kv + 2, hn] (any trailing dims) -> q [heads * hn], k, v [kv * hn]."""
-    kv, per_group, hn, rest = config.num_kv_heads, config.num_attention_heads // config.num_kv_heads, config.head_dim, tensor.shape[1:]
+    kv, hn, rest = config.num_kv_heads, config.head_dim, tensor.shape[1:]
+    per_group = config.num_attention_heads // kv
     grouped = tensor.reshape(kv, per_group + 2, hn, *rest)  # [kv, q/kv + 2, hn, ...]
     q = grouped[:, :per_group].reshape(kv * per_group * hn, *rest)  # [heads * hn, ...]
     return q, grouped[:, per_group].reshape(kv * hn, *rest), grouped[:, per_group + 1].reshape(kv * hn, *rest)

@@ -1,7 +1,8 @@
 """Per-file checksums of a checkpoint: recorded at save time, verified before loading.
 
 ``TAG/checksums.json`` maps every file under the tag (DeepSpeed's and ours, except itself, the marker
-and run_state.json; a universal checkpoint's per-parameter folders too) to its size and SHA-256. A flipped bit, a truncated, emptied or missing file is
+and run_state.json; a universal checkpoint's per-parameter folders too) to its size and SHA-256. A flipped bit, a
+truncated, emptied or missing file is
 then named (file and tag) instead of loading as plausible numbers or failing with an anonymous
 ``EOFError``. The hashing is shared out: file i of the sorted list goes to rank i % world size
 (a collective over the default group when ``distributed``), so a 2.5 TB checkpoint is read once in

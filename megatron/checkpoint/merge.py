@@ -25,8 +25,14 @@ from typing import Optional
 import torch
 
 from megatron.checkpoint.integrity import record_checksums, verify_checksums
-from megatron.checkpoint.run_state import (checkpoint_layout, converted_client_state, converted_run_state, load_run_state,
-                                           model_config_from_dict, weight_files)
+from megatron.checkpoint.run_state import (
+    checkpoint_layout,
+    converted_client_state,
+    converted_run_state,
+    load_run_state,
+    model_config_from_dict,
+    weight_files,
+)
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import COMPLETE_MARKER, LATEST, RUN_STATE, CheckpointFormatError, resolve_tag
 from megatron.checkpoint.tp_shards import merge_tp_shards, split_for_tp
@@ -81,7 +87,7 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
     kind = weight_files(record)
     if kind != "layer_files":  # DeepSpeed's non-pipeline engine's files (megatron.engine.sharded)
         # Imported here: zero_files imports DeepSpeed's classes, which the pipeline engine's files never need.
-        from megatron.checkpoint.zero_files import module_states_state_dict, sharded_state_dict
+        from megatron.checkpoint.zero_files import module_states_state_dict, sharded_state_dict  # noqa: PLC0415 (deepspeed, seconds to import: only for the non-pipeline engine's files)
 
         problems = verify_checksums(tag_dir, distributed=False)
         if problems:

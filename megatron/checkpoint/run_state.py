@@ -26,7 +26,8 @@ from megatron.config.model import swiglu_default_ffn_size
 from megatron.config.run import deepspeed_engine_for
 from megatron.model.layout import LAYOUT, LEGACY_LAYOUT
 
-__all__ = ["build_run_state", "checkpoint_layout", "record_from_megatron_args", "megatron_args", "MEGATRON_CHECKPOINT_VERSION", "load_run_state", "model_config_from_dict", "check_model_config",
+__all__ = ["build_run_state", "checkpoint_layout", "record_from_megatron_args", "megatron_args",
+           "MEGATRON_CHECKPOINT_VERSION", "load_run_state", "model_config_from_dict", "check_model_config",
            "ARCHITECTURE_FIELDS", "converted_client_state", "converted_run_state", "UNIVERSAL_ENGINE", "reader_for",
            "weight_files", "SAVING_ENGINE", "WEIGHT_FILES", "WEIGHT_FILE_KINDS"]
 

@@ -6,7 +6,8 @@
     SAVE/global_stepN/run_state.json                      megatron.checkpoint.run_state
 
 Crash safety: DeepSpeed writes the tag's files with ``save_latest=False``; every rank then waits
-at a barrier, the ranks hash the files between them (``checksums.json``), rank 0 checks that each expected file is there and non-empty, writes
+at a barrier, the ranks hash the files between them (``checksums.json``), rank 0 checks that each expected file is
+there and non-empty, writes
 ``run_state.json`` and then a ``complete`` marker inside the tag, and only then replaces ``latest``
 atomically (write a temporary file, then rename). A kill at any point leaves ``latest`` naming the
 previous complete checkpoint (``megatron.checkpoint.tags`` says which tag a resume reads).
@@ -26,7 +27,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpoint.integrity import record_checksums
-from megatron.checkpoint.tags import LATEST, RUN_STATE, prune_checkpoints, tag_for, write_atomically, write_complete_marker
+from megatron.checkpoint.tags import (
+    LATEST,
+    RUN_STATE,
+    prune_checkpoints,
+    tag_for,
+    write_atomically,
+    write_complete_marker,
+)
 from megatron.parallel.random import RNGStatesTracker
 
 __all__ = ["CLIENT_STATE_VERSION", "rng_state", "set_rng_state", "save_checkpoint", "load_checkpoint"]

@@ -22,6 +22,7 @@ import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from megatron.checkpoint.safe_load import only_safe_loading, safe_load
 from megatron.checkpoint.tags import CheckpointFormatError
@@ -46,8 +47,6 @@ def _files_of_tp_rank(tag_dir: str, tp_rank: int) -> list[str]:
 
 def _tp_rank_masters(tag_dir: str, tp_rank: int) -> dict[str, torch.Tensor]:
     """The fp32 master weights of one TP rank's slice, by GPTModel name (zero_to_fp32 on its files alone)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     names = _files_of_tp_rank(tag_dir, tp_rank)
     if not any(name.endswith("_optim_states.pt") for name in names):
         raise CheckpointFormatError(f"{tag_dir!r} has no ZeRO optimizer states of tensor-parallel rank {tp_rank} "

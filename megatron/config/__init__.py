@@ -12,14 +12,34 @@ and world size as the launcher set them). Imports nothing else of megatron.
 """
 
 from megatron.config.data import DATA_IMPLS, TOKENIZER_TYPES, DataConfig, DatasetGroup, DatasetSplit, TokenizerConfig
-from megatron.config.model import ATTENTION_BACKENDS, NORMALIZATIONS, PARAMS_DTYPES, POSITION_EMBEDDING_TYPES, ModelConfig
-from megatron.config.run import (DISTRIBUTED_BACKENDS, LR_DECAY_STYLES, OPTIMIZERS, PARTITION_METHODS, BatchConfig,
-                                 CheckpointConfig, ExitConfig, LoggingConfig, LRScheduleConfig, OptimizerConfig,
-                                 ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig, check_rampup_batch_size,
-                                 deepspeed_zero_stage)
+from megatron.config.model import (
+                                 ATTENTION_BACKENDS,
+                                 NORMALIZATIONS,
+                                 PARAMS_DTYPES,
+                                 POSITION_EMBEDDING_TYPES,
+                                 ModelConfig,
+)
+from megatron.config.run import (
+                                 DISTRIBUTED_BACKENDS,
+                                 LR_DECAY_STYLES,
+                                 OPTIMIZERS,
+                                 PARTITION_METHODS,
+                                 BatchConfig,
+                                 CheckpointConfig,
+                                 ExitConfig,
+                                 LoggingConfig,
+                                 LRScheduleConfig,
+                                 OptimizerConfig,
+                                 ParallelConfig,
+                                 PrecisionConfig,
+                                 RunConfig,
+                                 TrainingConfig,
+                                 check_rampup_batch_size,
+                                 deepspeed_zero_stage,
+)
 
-__all__ = ["ModelConfig", "ATTENTION_BACKENDS", "POSITION_EMBEDDING_TYPES", "NORMALIZATIONS", "PARAMS_DTYPES", "DataConfig", "DatasetGroup", "DatasetSplit",
-           "TOKENIZER_TYPES", "TokenizerConfig", "DATA_IMPLS", "ParallelConfig", "OptimizerConfig", "LRScheduleConfig", "BatchConfig",
-           "PrecisionConfig", "TrainingConfig", "LoggingConfig", "CheckpointConfig", "ExitConfig", "RunConfig",
-           "PARTITION_METHODS", "DISTRIBUTED_BACKENDS", "LR_DECAY_STYLES", "OPTIMIZERS", "check_rampup_batch_size",
-           "deepspeed_zero_stage"]
+__all__ = ["ModelConfig", "ATTENTION_BACKENDS", "POSITION_EMBEDDING_TYPES", "NORMALIZATIONS", "PARAMS_DTYPES",
+           "DataConfig", "DatasetGroup", "DatasetSplit", "TOKENIZER_TYPES", "TokenizerConfig", "DATA_IMPLS",
+           "ParallelConfig", "OptimizerConfig", "LRScheduleConfig", "BatchConfig", "PrecisionConfig", "TrainingConfig",
+           "LoggingConfig", "CheckpointConfig", "ExitConfig", "RunConfig", "PARTITION_METHODS", "DISTRIBUTED_BACKENDS",
+           "LR_DECAY_STYLES", "OPTIMIZERS", "check_rampup_batch_size", "deepspeed_zero_stage"]

@@ -40,11 +40,11 @@ def fast_bf16(env: Optional[Mapping[str, str]] = None, cpuinfo: str = "/proc/cpu
     """(whether bf16 runs on hardware here, why in words)."""
     env = os.environ if env is None else env
     if cuda is None:
-        import torch
+        import torch  # noqa: PLC0415 (config/ loads without torch; only the device query needs it)
 
         cuda = torch.cuda.is_available()
     if cuda:
-        import torch
+        import torch  # noqa: PLC0415 (config/ loads without torch; only the device query needs it)
 
         if torch.cuda.is_bf16_supported():
             return True, f"CUDA device {torch.cuda.get_device_name()} supports bf16"

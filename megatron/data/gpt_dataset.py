@@ -39,6 +39,17 @@ from typing import Callable
 import numpy as np
 
 from megatron.data import _helpers
+from megatron.data.blendable_dataset import BlendableDataset
+from megatron.data.dataset_utils import (
+    SPLIT_NAMES,
+    document_range,
+    normalize_weights,
+    parse_data_path,
+    parse_group,
+    parse_split,
+    parse_weighted_split_paths,
+    per_dataset_num_samples,
+)
 from megatron.data.indexed_dataset import MMapIndexedDataset
 
 # Bump when the index arrays' meaning or layout changes: old caches are then ignored.
@@ -244,8 +255,6 @@ class GPTDataset:
 # Train / valid / test datasets from --data-path + --split, or from weighted split path groups.
 
 def _blend_or_single(datasets, weights, num_samples):
-    from megatron.data.blendable_dataset import BlendableDataset
-
     if len(datasets) == 1:
         return datasets[0]
     return BlendableDataset(datasets, weights, num_samples)
@@ -253,8 +262,6 @@ def _blend_or_single(datasets, weights, num_samples):
 
 def _data_path_pairs(data_prefix) -> tuple[tuple[float, str], ...]:
     """One prefix, ``--data-path`` values ("W1 P1 W2 P2 ..."), or ``DataConfig.data_path`` pairs (parsed already)."""
-    from megatron.data.dataset_utils import parse_data_path
-
     values = [data_prefix] if isinstance(data_prefix, (str, os.PathLike)) else list(data_prefix)
     pairs = tuple(values) if values and all(isinstance(v, tuple) for v in values) else parse_data_path(values)
     if not pairs:
@@ -272,8 +279,6 @@ def build_train_valid_test_datasets(data_prefix, splits_string: str, train_valid
     with several datasets each split is a ``BlendableDataset`` of normalized weights, dataset i
     building ceil(w_i * n * 1.005) samples.
     """
-    from megatron.data.dataset_utils import normalize_weights, parse_split, per_dataset_num_samples
-
     pairs = _data_path_pairs(data_prefix)
     prefixes, weights = [p for _, p in pairs], normalize_weights([w for w, _ in pairs])
     num_samples = [int(n) for n in train_valid_test_num_samples]
@@ -312,8 +317,6 @@ def build_group_dataset(group, split: str, num_samples: int, seq_length: int, se
                         barrier: Callable[[], None] | None = None, _opened: dict | None = None):
     """The dataset of one weighted split group (a ``DatasetGroup``, or its "NAME: W START:END PREFIX, ..."
     string): its datasets' document ranges blended by weight."""
-    from megatron.data.dataset_utils import document_range, normalize_weights, parse_group, per_dataset_num_samples
-
     if isinstance(group, str):
         group = parse_group(group, f"--{split}-weighted-split-paths")
     opened = _opened if _opened is not None else {}
@@ -343,8 +346,6 @@ def build_weighted_split_datasets(train_groups, valid_groups, test_groups, train
     one group), and validation / test datasets keyed by group name so each is evaluated and logged
     under its own name. Every valid (test) group gets the full valid (test) sample count.
     """
-    from megatron.data.dataset_utils import SPLIT_NAMES, parse_weighted_split_paths
-
     opened: dict = {}
     num_samples = [int(n) for n in train_valid_test_num_samples]
     parsed = [parse_weighted_split_paths(groups, split)

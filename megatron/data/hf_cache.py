@@ -41,8 +41,8 @@ def resolve_tokenizer_path(name_or_path) -> str:
     name = os.fspath(name_or_path)
     cache = hub_cache_dir()
     # About 0.2 s to import, and needed only for a hub name; huggingface_hub comes with tokenizers and transformers.
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub import snapshot_download  # noqa: PLC0415 (only when a hub tokenizer name is given)
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError  # noqa: PLC0415 (only when a hub tokenizer name is given)
 
     try:
         return snapshot_download(name, cache_dir=cache, revision=REVISION, local_files_only=True)

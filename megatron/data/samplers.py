@@ -69,7 +69,7 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     """A torch DataLoader over ``dataset`` driven by ``MegatronPretrainingSampler`` (None if no dataset)."""
     if dataset is None:
         return None
-    import torch
+    import torch  # noqa: PLC0415 (data/ loads without torch (the preprocessing tools); only the loader's sampler needs it)
 
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                          data_parallel_rank, data_parallel_size, drop_last)

@@ -17,6 +17,7 @@ appended by the caller (``tools/preprocess_data.py --append-eod``), as in Megatr
 from __future__ import annotations
 
 import abc
+import json
 import os
 import pathlib
 from typing import Iterable, Iterator, Optional, Sequence
@@ -137,8 +138,6 @@ def _cuts_before_spaces(tokenizer) -> bool:
     """Whether a ``tokenizers.Tokenizer`` (from a tokenizer.json) is GPT-2-style byte-level BPE: no
     normalizer, the byte-level pre-tokenizer with GPT-2's split and no prefix space, and no added
     token with whitespace in it (added tokens are matched before pre-tokenization)."""
-    import json
-
     spec = json.loads(tokenizer.to_str())
     pre = spec.get("pre_tokenizer") or {}
     return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
@@ -166,7 +165,7 @@ class GPT2BPETokenizer(_FastTokenizer):
     cuts_before_spaces = True
 
     def __init__(self, vocab_file, merge_file):
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415 (optional: only for that tokenizer type)
 
         vocab_file = _require_file(vocab_file, "--vocab-file")
         merge_file = _require_file(merge_file, "--merge-file")
@@ -186,7 +185,7 @@ class SentencePieceTokenizer(AbstractTokenizer):
     name = "SentencePieceTokenizer"
 
     def __init__(self, model_file):
-        import sentencepiece
+        import sentencepiece  # noqa: PLC0415 (optional: only for that tokenizer type)
 
         model_file = _require_file(model_file, "--tokenizer-model")
         self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
@@ -235,7 +234,7 @@ class PretrainedFromHF(_FastTokenizer):
         path = pathlib.Path(resolve_tokenizer_path(name_or_path))
         json_file = path / "tokenizer.json" if path.is_dir() else path
         if json_file.is_file():
-            from tokenizers import Tokenizer
+            from tokenizers import Tokenizer  # noqa: PLC0415 (optional: only for that tokenizer type)
 
             tokenizer = Tokenizer.from_file(str(json_file))
             vocab = tokenizer.get_vocab(with_added_tokens=True)
@@ -250,7 +249,7 @@ class PretrainedFromHF(_FastTokenizer):
             self._init_transformers(path)
 
     def _init_transformers(self, path: pathlib.Path) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # noqa: PLC0415 (transformers: seconds to import, only for --tokenizer-type HFTokenizer)
 
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         # transformers 5 can "load" a directory whose vocabulary files it does not understand as an
@@ -335,7 +334,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, output_dir, eod_t
     ``PretrainedFromHF(tokenizer.json)``; both encode ordinary text identically, ``eod_token`` is the
     end-of-document token (id 0). The trainer is deterministic for the same texts in the same order.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415 (optional: only for that tokenizer type)
 
     if vocab_size < 256 + 1:
         raise ValueError(f"vocab_size={vocab_size} cannot hold the 256 byte tokens plus {eod_token!r}; "
@@ -369,7 +368,7 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], vocab_size: int, output_
     back to bytes. Texts are fed line by line (SentencePiece drops "sentences" longer than 4 kB),
     on one thread and unshuffled, so the same texts give the same model.
     """
-    import sentencepiece
+    import sentencepiece  # noqa: PLC0415 (optional: only for that tokenizer type)
 
     os.makedirs(output_dir, exist_ok=True)
     prefix = os.path.join(os.fspath(output_dir), "tokenizer")

@@ -12,8 +12,14 @@ import sys
 from typing import Mapping, Optional, Sequence
 
 from megatron.arguments.check import ArgvCheck, check_argv
-from megatron.dry_run.estimate import (hardware, item_param_counts, memory_section, model_shape, step_section,
-                                       vocabulary_rows)
+from megatron.dry_run.estimate import (
+    hardware,
+    item_param_counts,
+    memory_section,
+    model_shape,
+    step_section,
+    vocabulary_rows,
+)
 from megatron.dry_run.plan import RunSteps, batch_section, layout_section, lr_section, run_section
 from megatron.dry_run.text import render
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator, Optional
+from typing import Iterator
 
 import deepspeed
 import torch
@@ -166,8 +166,8 @@ def universal_tp_restore(params: list, tp: int, tp_group) -> Iterator[None]:
     over DP. It does so for parameters carrying AutoTP's restore record (the split dim and full shape, or
     replicated) with DeepSpeed's tensor-parallel group set; both are given for the load only."""
     require("universal_tp_restore")
-    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
-    from deepspeed.utils import groups
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META  # noqa: PLC0415 (private DeepSpeed state, imported only after require() checked the version)
+    from deepspeed.utils import groups  # noqa: PLC0415 (private DeepSpeed state, imported only after require() checked the version)
 
     for param in params:
         shape = list(param.ds_shape)  # this TP rank's slice
@@ -191,7 +191,7 @@ def set_zero_param_intra_group(group) -> None:
     instead of building one from consecutive world ranks (which with TP > 1 would mix TP peers holding
     different slices); set anew by each run, since several runs may share one process."""
     require("hpz_group")
-    from deepspeed.utils import groups
+    from deepspeed.utils import groups  # noqa: PLC0415 (private DeepSpeed state, imported only after require() checked the version)
 
     groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = group
 
@@ -205,7 +205,7 @@ def zero3_init(data_parallel_group, config: dict, mpu):
     zero_optimization.memory_efficient_linear is false (megatron.config.deepspeed): it would replace
     torch.nn.functional.linear for the whole process."""
     require("zero3_init_dtype")
-    from deepspeed.utils import groups
+    from deepspeed.utils import groups  # noqa: PLC0415 (private DeepSpeed state, imported only after require() checked the version)
 
     return deepspeed.zero.Init(data_parallel_group=data_parallel_group, config_dict_or_path=config, mpu=mpu,
                                zero_param_parallel_group=groups._get_zero_param_intra_parallel_group())

@@ -5,7 +5,8 @@
 
 The returned object is DeepSpeed's ``PipelineEngine`` (also for a single stage, so there is one code
 path), except with ``--zero-stage`` 2 or 3 or ``--ds-sequence-parallel-size`` > 1: DeepSpeed's non-pipeline engine behind the same
-``train_batch`` / ``eval_batch`` (``megatron.engine.sharded``). Its optimizer: in bf16 with ``zero_optimization.stage`` 1 and fp32 gradient accumulation (what
+``train_batch`` / ``eval_batch`` (``megatron.engine.sharded``). Its optimizer: in bf16 with
+``zero_optimization.stage`` 1 and fp32 gradient accumulation (what
 ``--bf16`` with ``--zero-stage`` 0 or 1 gives), ``BF16_Optimizer`` (BLOOM's path); in fp32 with
 ZeRO-1, ``DeepSpeedZeroOptimizer`` (its grad norm counts replicated parameters on TP rank 0 of every
 stage, correctly); in fp32 without ZeRO, the client optimizer wrapped by our grad-norm clipper

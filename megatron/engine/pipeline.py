@@ -42,8 +42,17 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.config import PARTITION_METHODS, ModelConfig
 from megatron.model import EmbeddingLayer, FinalLayerNorm, OutputLayer, TransformerLayer, gpt_loss
-from megatron.model.layout import (EMBEDDING, FINAL_NORM, HEAD, PASS_THROUGH, TRANSFORMER, PipelineItem, file_key,
-                                   local_name_of_file_key, pipeline_items)
+from megatron.model.layout import (
+    EMBEDDING,
+    FINAL_NORM,
+    HEAD,
+    PASS_THROUGH,
+    TRANSFORMER,
+    PipelineItem,
+    file_key,
+    local_name_of_file_key,
+    pipeline_items,
+)
 from megatron.parallel.random import RNGStatesTracker, tracked_checkpoint_func
 from megatron.parallel.state import ParallelState
 

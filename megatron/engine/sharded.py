@@ -28,9 +28,8 @@ from megatron.config import RunConfig
 from megatron.engine import deepspeed_compat
 from megatron.engine.timers import NO_TIMERS
 from megatron.engine.ulysses import backward_loss_scale, sequence_parallel_loss, ulysses_exchange
-from megatron.parallel.random import tracked_checkpoint_func
 from megatron.model import GPTModel
-from megatron.parallel.random import RNGStatesTracker
+from megatron.parallel.random import RNGStatesTracker, tracked_checkpoint_func
 from megatron.parallel.state import ParallelState
 
 __all__ = ["DeepSpeedMPU", "ShardedEngine", "build_sharded_module", "hpz_group_ranks", "set_hpz_group",

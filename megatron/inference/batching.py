@@ -116,7 +116,8 @@ class GeneratingSequence:
     """
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, *,
-                 generator: Optional[torch.Generator] = None, tokenizer=None, eod: Optional[int] = None, on_text: Optional[Callable[[str], None]] = None,
+                 generator: Optional[torch.Generator] = None, tokenizer=None, eod: Optional[int] = None,
+                 on_text: Optional[Callable[[str], None]] = None,
                  tag=None):
         if not prompt_ids:
             raise ValueError("the prompt has no tokens; give at least one")

@@ -33,10 +33,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron.config import ModelConfig, TokenizerConfig
-from megatron.data.tokenizers import build_tokenizer
 from megatron.checkpoint.merge import load_full_state_dict
 from megatron.checkpoint.tp_shards import split_for_tp
+from megatron.config import ModelConfig, TokenizerConfig
+from megatron.data.tokenizers import build_tokenizer
 from megatron.model import GPTModel, parameter_layout
 from megatron.parallel.state import ParallelState
 

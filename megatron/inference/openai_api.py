@@ -30,8 +30,15 @@ from typing import Any
 from aiohttp import web
 
 from megatron.inference.scheduler import Finished, TextPiece
-from megatron.inference.validation import (RequestError, check_prompts, check_unicode, load_json_object,
-                                           sampling_params, tokenize_prompts, typed_field)
+from megatron.inference.validation import (
+    RequestError,
+    check_prompts,
+    check_unicode,
+    load_json_object,
+    sampling_params,
+    tokenize_prompts,
+    typed_field,
+)
 
 __all__ = ["completions", "error_response", "parse_completions_request"]
 

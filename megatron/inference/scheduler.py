@@ -6,7 +6,8 @@ worker owns the requests waiting or running (at most ``max_pending``; one more i
 thread runs continuous batching (``megatron.inference.batching``): each prompt of a request is one
 sequence; sequences join the batch, oldest first, whenever a slot of the ``max_batch_size`` is
 free (those joining at one step run their prompts together), and leave it when they finish, while
-the others keep decoding. A request is answered once all its sequences have finished. ``max_batch_size=1`` is generation one sequence at a time.
+the others keep decoding. A request is answered once all its sequences have finished. ``max_batch_size=1`` is
+generation one sequence at a time.
 
 Text reaches the loop through ``loop.call_soon_threadsafe``, in order. A request whose client has
 gone (its task cancelled) is marked cancelled: its sequences are dropped before the next step,

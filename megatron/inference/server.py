@@ -50,8 +50,7 @@ from aiohttp import web
 from megatron.inference import openai_api
 from megatron.inference.generation import Generator
 from megatron.inference.scheduler import Busy, GenerationWorker
-from megatron.inference.validation import (RequestError, ServerLimits, parse_generate_request,
-                                           tokenize_prompts)
+from megatron.inference.validation import RequestError, ServerLimits, parse_generate_request, tokenize_prompts
 from megatron.parallel.state import group_size
 
 __all__ = ["ServerLimits", "RequestError", "GenerationService", "GenerationServer", "make_server"]

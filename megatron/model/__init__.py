@@ -28,8 +28,8 @@ hp = np * hn, v / vp vocabulary (per partition).
 
 from megatron.model.attention import KVCache, SelfAttention, SequenceExchange
 from megatron.model.embedding import EmbeddingLayer, OutputLayer
-from megatron.model.kv_cache import BatchKVCache
 from megatron.model.gpt import GPTModel, gpt_loss, per_token_loss
+from megatron.model.kv_cache import BatchKVCache
 from megatron.model.layout import ParameterLayout, PipelineItem, parameter_layout, pipeline_items
 from megatron.model.norm import Norm
 from megatron.model.transformer import FinalLayerNorm, ParallelMLP, TransformerLayer

@@ -38,8 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.model.attention_core import (flash_core_attention, flex_core_attention,
-                                           resolve_attention_backend, unfused_core_attention)
+from megatron.model.attention_core import (
+    flash_core_attention,
+    flex_core_attention,
+    resolve_attention_backend,
+    unfused_core_attention,
+)
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.kv_cache import BatchKVCache
 from megatron.model.positional import alibi_bias, alibi_slopes_for_rank, apply_rotary, rotary_cos_sin

@@ -78,7 +78,7 @@ def resolve_attention_backend(requested: str, query: torch.Tensor, *, alibi: boo
 @functools.lru_cache(maxsize=None)
 def _compiled_flex_attention():
     # Imported here: flex_attention pulls in torch's compiler stack, which only this backend needs.
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415 (flex attention: only when that backend runs)
 
     return torch.compile(flex_attention, dynamic=False)
 
@@ -89,7 +89,7 @@ def _causal(batch, head, query_index, key_index):
 
 @functools.lru_cache(maxsize=8)
 def _causal_block_mask(sq: int, sk: int, device: torch.device):
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415 (flex attention: only when that backend runs)
 
     return create_block_mask(_causal, None, None, sq, sk, device=device)
 
@@ -174,7 +174,7 @@ def flash_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
     query [b, np, sq, hn], key / value [b, ng, sk, hn] -> context [b, np, sq, hn].
     """
-    from flash_attn import flash_attn_func  # optional package (CUDA only); resolve_attention_backend checked it
+    from flash_attn import flash_attn_func  # noqa: PLC0415 (optional package (CUDA only); resolve_attention_backend checked it)
 
     context = flash_attn_func(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [b, s, heads, hn]

@@ -28,8 +28,11 @@ from megatron.config import ModelConfig
 from megatron.model.initialization import normal_init, params_torch_dtype
 from megatron.model.norm import Norm
 from megatron.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from megatron.parallel.mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-                                        scatter_to_sequence_parallel_region)
+from megatron.parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.parallel.random import sequence_parallel_dropout
 from megatron.parallel.state import group_size
 

@@ -10,18 +10,29 @@ passed explicitly; a group of ``None`` means one rank (collectives are the ident
 """
 
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                      default_init_method)
+from megatron.parallel.layers import (
+                                      ColumnParallelLinear,
+                                      RowParallelLinear,
+                                      VocabParallelEmbedding,
+                                      default_init_method,
+)
 from megatron.parallel.mappings import (
-    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region)
+                                      copy_to_tensor_model_parallel_region,
+                                      gather_from_sequence_parallel_region,
+                                      gather_from_tensor_model_parallel_region,
+                                      reduce_from_tensor_model_parallel_region,
+                                      reduce_scatter_to_sequence_parallel_region,
+                                      scatter_to_sequence_parallel_region,
+                                      scatter_to_tensor_model_parallel_region,
+)
 from megatron.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState, group_layout, group_rank, group_size
-from megatron.parallel.utils import (divide, param_is_tensor_parallel,
-                                     set_tensor_model_parallel_attributes,
-                                     split_tensor_along_last_dim)
+from megatron.parallel.utils import (
+                                      divide,
+                                      param_is_tensor_parallel,
+                                      set_tensor_model_parallel_attributes,
+                                      split_tensor_along_last_dim,
+)
 
 __all__ = [
     "ParallelState", "group_layout", "group_rank", "group_size",

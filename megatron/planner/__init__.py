@@ -17,8 +17,17 @@ Pure arithmetic on plain dataclasses: nothing here imports deepspeed, and torch 
 from megatron.planner.memory import MemoryEstimate, estimate_memory, stage_param_counts
 from megatron.planner.performance import StepEstimate, estimate_step
 from megatron.planner.search import Layout, Plan, plan_layouts
-from megatron.planner.specs import (BLOOM_SIZES, CLUSTERS, GPUS, LLAMA_SIZES, MODEL_SIZES, ClusterSpec, GPUSpec,
-                                    ModelShape, model_shape_of)
+from megatron.planner.specs import (
+                                    BLOOM_SIZES,
+                                    CLUSTERS,
+                                    GPUS,
+                                    LLAMA_SIZES,
+                                    MODEL_SIZES,
+                                    ClusterSpec,
+                                    GPUSpec,
+                                    ModelShape,
+                                    model_shape_of,
+)
 
 __all__ = ["BLOOM_SIZES", "LLAMA_SIZES", "MODEL_SIZES", "CLUSTERS", "GPUS", "ClusterSpec", "GPUSpec", "Layout",
            "MemoryEstimate", "ModelShape", "Plan", "StepEstimate", "estimate_memory", "estimate_step", "model_shape_of",

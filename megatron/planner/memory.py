@@ -8,7 +8,8 @@ the same weights; ZeRO shards over all of them). What the pinned DeepSpeed
   bf16 (BF16_Optimizer, the BLOOM path; DeepSpeed ZeRO "stage 0" and "1" both give it):
       bf16 weights 2N + fp32 gradient accumulation buffer 4N (the WHOLE stage, not sharded)
       + fp32 master 4N/d + Adam exp_avg, exp_avg_sq 8N/d, resident all the time, + the bf16 .grad
-      2N from the first backward until the optimizer step frees it: 8N + 12N/d bytes at the peak.  ``zero_stage=0`` in the planner means a replicated optimizer: 8N + 12N.
+      2N from the first backward until the optimizer step frees it: 8N + 12N/d bytes at the peak.  ``zero_stage=0``
+      in the planner means a replicated optimizer: 8N + 12N.
   fp32 (client AdamW, no ZeRO): weights 4N + Adam 8N resident + .grad 4N during the step = 16N.
   fp16, ZeRO stage 0 (DeepSpeed's FP16_UnfusedOptimizer around the client AdamW; BigScience's V100 runs):
       fp16 weights 2N + fp32 copies 4N + Adam 8N resident, + the fp16 .grad 2N from the first backward
@@ -106,7 +107,8 @@ def _sharded_static_bytes(n: int, layout: Layout) -> dict[str, float]:
     ZeRO-2: the full flat weights (2 or 4 bytes) N, fp32 master partition 4N/d, Adam 8N/d; gradients
         are reduced bucket by bucket into the partition's fp32 gradients (4N/d, during the step).
     ZeRO-3: weight partition (2 or 4 bytes) N/d (+ N/K for hpZ's secondary shard over groups of K),
-        fp32 masters 4N/d, a resident gradient partition in the weights' dtype N/d, Adam 8N/d; the gathered working set (the layers being computed, prefetched) is
+        fp32 masters 4N/d, a resident gradient partition in the weights' dtype N/d, Adam 8N/d; the gathered working
+        set (the layers being computed, prefetched) is
         not itemized, nor the parameters small enough to stay gathered (stage3_param_persistence_threshold).
     """
     d, width = layout.weight_replicas, (2 if layout.precision == "bf16" else 4)

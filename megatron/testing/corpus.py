@@ -10,6 +10,12 @@ import json
 import os
 import random
 
+import numpy as np
+
+from megatron.config import TokenizerConfig
+from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+from megatron.data.preprocess import PreprocessConfig, preprocess
+from megatron.data.tokenizers import train_bpe_tokenizer
 
 WORDS = ("the of and to in is was for on that with as by at from his her an were are which this be "
          "model data train layer weight token batch stage pipeline tensor parallel gradient loss rank "
@@ -30,10 +36,6 @@ def make_text(num_docs: int, seed: int) -> list[str]:
 
 def make_tiny_corpus(out_dir: str, num_docs: int = 300, vocab_size: int = 400, seed: int = 0) -> dict:
     """Write ``corpus.jsonl``, a tokenizer (``vocab.json``, ``merges.txt``) and ``corpus_text_document``."""
-    from megatron.config import TokenizerConfig
-    from megatron.data.preprocess import PreprocessConfig, preprocess
-    from megatron.data.tokenizers import train_bpe_tokenizer
-
     os.makedirs(out_dir, exist_ok=True)
     docs = make_text(num_docs, seed)
     jsonl = os.path.join(out_dir, "corpus.jsonl")
@@ -78,10 +80,6 @@ def tiny_argv(corpus: dict, *extra: str, **flags) -> list[str]:
 def write_stand_in_dataset(prefix, num_documents: int = 100) -> str:
     """A real, tiny ``PREFIX.bin/.idx`` (``num_documents`` documents of 8 tokens): a stand-in for a job's
     data where only the flags are checked (the checks read the index header)."""
-    import numpy as np
-
-    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
-
     with MMapIndexedDatasetBuilder(str(prefix), dtype=np.uint16) as builder:
         for i in range(num_documents):
             builder.add_item(np.arange(i, i + 8) % 500)

@@ -16,7 +16,8 @@ threads. That matters: a process that ran ``torch.compile`` holds inductor's asy
 a rank forked from it that compiles anything new waits forever on a future of that pool (seen with a cold
 inductor cache: > 400 s, where the same rank from the fork server compiles in seconds). Spawned ranks would
 be safe too, but each imports torch and DeepSpeed anew (measured: a 4-rank launch 3.1-3.5 s against 0.6 s from
-the running fork server, as from fork). ``fn`` and ``args`` are therefore pickled: ``fn`` must be importable (a module-level function).
+the running fork server, as from fork). ``fn`` and ``args`` are therefore pickled: ``fn`` must be importable (a
+module-level function).
 The caller's environment at the time of the call is what each rank sees, as with fork.
 """
 
@@ -33,6 +34,8 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["run_distributed", "find_free_port", "DistributedTestError"]
@@ -61,8 +64,6 @@ def find_free_port() -> int:
 def _plain(value):
     """Tensors in a result become lists: a tensor sent back through the queue would be shared memory
     of a process that has exited by the time the parent reads it."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().tolist()
     if isinstance(value, dict):
@@ -73,9 +74,6 @@ def _plain(value):
 
 
 def _child(fn, rank, world_size, port, backend, init_timeout_s, environ, stack_file, args, kwargs, queue):
-    import torch
-    import torch.distributed as dist
-
     # SIGUSR1 from the parent (a timeout) writes every thread's stack to this rank's file.
     stacks = open(stack_file, "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -111,7 +109,7 @@ def _context(start_method: str):
     elif start_method == "fork":
         # Children inherit what the parent imported. torch._dynamo is imported lazily the first time an
         # optimizer is built (about 1 s alone, 10 s with 8 children on 2 busy cores): pay it once here.
-        import torch._dynamo  # noqa: F401
+        pass  # noqa: PLC0415 (paid once in the parent, only for fork children)
     return ctx
 
 

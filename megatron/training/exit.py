@@ -83,8 +83,8 @@ class ExitMonitor:
         return 0
 
     def check(self, iteration: int) -> str:
-        import torch
-        import torch.distributed as dist
+        import torch  # noqa: PLC0415 (pretrain_gpt.py installs the signal handler before torch is imported)
+        import torch.distributed as dist  # noqa: PLC0415 (pretrain_gpt.py installs the signal handler before torch is imported)
 
         code = torch.tensor([self.local_reason(iteration)], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:

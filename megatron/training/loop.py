@@ -23,8 +23,7 @@ import torch.distributed as dist
 from megatron.config import RunConfig
 from megatron.engine.timers import PhaseTimers, time_optimizer_inner_step
 from megatron.training.exit import ExitMonitor
-from megatron.training.metrics import (TrainingLogger, current_device_name, peak_tflops_for_device,
-                                      throughput_metrics)
+from megatron.training.metrics import TrainingLogger, current_device_name, peak_tflops_for_device, throughput_metrics
 from megatron.training.profiling import ProfilerWindow
 from megatron.training.timing import format_timers, gather_timers, memory_scalars, timer_scalars
 
@@ -247,7 +246,8 @@ class Trainer:
                 if ckpt.save and not saved and self.save_fn is not None:
                     self.save_fn(self.progress)
                 return reason
-        if ckpt.save and self.save_fn is not None and not (ckpt.save_interval and self.progress.iteration % ckpt.save_interval == 0):
+        saved_by_interval = ckpt.save_interval and self.progress.iteration % ckpt.save_interval == 0
+        if ckpt.save and self.save_fn is not None and not saved_by_interval:
             self.save_fn(self.progress)
         return ""
 

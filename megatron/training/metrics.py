@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch
+
 from megatron.config import ModelConfig
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (datasheet values; sparsity not counted). MFU is
@@ -32,8 +34,6 @@ def peak_tflops_for_device(device_name: Optional[str], override: Optional[float]
 
 def current_device_name() -> Optional[str]:
     """The CUDA device's name, or None on CPU (no MFU there: no meaningful peak)."""
-    import torch
-
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 

@@ -11,7 +11,6 @@ run resumed from a checkpoint's consumed-samples count lands on the same batch s
 
 from __future__ import annotations
 
-
 from megatron.config import BatchConfig, check_rampup_batch_size
 
 

@@ -21,12 +21,12 @@ import torch.distributed as dist
 from megatron.checkpoint import lock as save_lock
 from megatron.checkpoint import run_state, training_io
 from megatron.checkpoint.resume import intact_resume_point, restore, resume_point
+from megatron.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 from megatron.config import RunConfig
 from megatron.engine.checks import check_finite_after_load
 from megatron.engine.deepspeed_compat import checkpoint_loading
 from megatron.engine.initialize import build_engine, init_deepspeed_comm
 from megatron.engine.optimizer import sync_tp_duplicated
-from megatron.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState
 from megatron.training.data import build_datasets, micro_batch_iterator
@@ -66,7 +66,7 @@ def set_seeds(seed: int, state: ParallelState) -> RNGStatesTracker:
 def _tensorboard_writer(rc: RunConfig, is_last_rank: bool):
     if not rc.logging.tensorboard_dir or not is_last_rank:
         return None
-    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (tensorboard, about a second to import: only on the rank that writes)
 
     return SummaryWriter(log_dir=rc.logging.tensorboard_dir, max_queue=rc.logging.tensorboard_queue_size)
 

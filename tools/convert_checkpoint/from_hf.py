@@ -36,10 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from megatron.data.tokenizers import pad_vocab_size
     from megatron.checkpoint.hf_export import read_hf_model
     from megatron.checkpoint.merge import save_as_training_checkpoint
     from megatron.checkpoint.run_state import converted_client_state, converted_run_state
+    from megatron.data.tokenizers import pad_vocab_size
 
     args = parse_args(argv)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

@@ -31,9 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from megatron.checkpoint.hf_export import export_tokenizer, write_hf_model
     from megatron.checkpoint.merge import load_full_state_dict
     from megatron.inference.generation import DTYPES, tokenizer_from_record
-    from megatron.checkpoint.hf_export import export_tokenizer, write_hf_model
 
     args = parse_args(argv)
     config, state, run = load_full_state_dict(args.load, args.tag)
