@@ -4,7 +4,7 @@ deepspeed is imported only where the README says (every import counts, function-
 import ast
 import pathlib
 
-from tests.conftest import REPO_ROOT
+from tests.helpers.paths import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "megatron"
 

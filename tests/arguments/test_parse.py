@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron.arguments import build_parser, resolve_vocab_size, run_config_from_argv
-from tests.arguments.helpers import ds_json, parse, tiny_config_argv
+from tests.helpers.arguments import ds_json, parse, tiny_config_argv
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

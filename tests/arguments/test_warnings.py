@@ -4,7 +4,7 @@
 import pytest
 
 from megatron.config.deepspeed import build_deepspeed_config
-from tests.arguments.helpers import ds_json, parse
+from tests.helpers.arguments import ds_json, parse
 
 
 def test_settings_without_effect_are_kept_and_reported(files):

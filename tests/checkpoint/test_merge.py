@@ -14,7 +14,7 @@ from megatron.model import GPTModel
 from megatron.model.layout import parameter_layout
 from megatron.parallel.state import ParallelState
 
-from tests.checkpoint.helpers import random_state_dict, tiny_model_config, write_random_checkpoint
+from tests.helpers.checkpoint import random_state_dict, tiny_model_config, write_random_checkpoint
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1)])

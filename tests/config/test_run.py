@@ -8,7 +8,7 @@ import pytest
 from megatron.config import (BatchConfig, CheckpointConfig, ExitConfig, LRScheduleConfig, LoggingConfig,
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainingConfig,
                              check_rampup_batch_size)
-from tests.config.helpers import run_config, tiny_model
+from tests.helpers.config import run_config, tiny_model
 
 NO_VALIDATION = dataclasses.replace(run_config().data, split="100,0,0")
 

@@ -2,31 +2,13 @@
 picks for our layer specs (run here on a stand-in module: the method reads only the spec list), for
 every --pp-partition-method."""
 
-import types
-
 import pytest
-from deepspeed.runtime.pipe.module import PipelineModule
 
 from megatron.config import PARTITION_METHODS, ModelConfig
 from megatron.engine.partition import stage_bounds
 from megatron.engine.pipeline import layer_specs
 from megatron.parallel.state import ParallelState
-
-
-class _DeepSpeedPartition:
-    """What ``PipelineModule._partition_layers`` reads of its module, and DeepSpeed's own methods."""
-
-    _partition_layers = PipelineModule._partition_layers
-    _count_layer_params = PipelineModule._count_layer_params
-    _find_layer_type = PipelineModule._find_layer_type
-
-    def __init__(self, specs, num_stages):
-        self._layer_specs, self.num_stages = specs, num_stages
-        self.global_rank, self.loss_fn = 1, None  # not rank 0: no printing
-        self._topo = types.SimpleNamespace(get_coord=lambda rank: types.SimpleNamespace(pipe=0))
-
-    def _set_bounds(self, start, stop):
-        pass
+from tests.helpers.engine import DeepSpeedPartition
 
 
 def _config(num_layers, position_embedding_type):
@@ -38,7 +20,7 @@ def _config(num_layers, position_embedding_type):
 @pytest.mark.parametrize("num_layers, num_stages", [(7, 3), (6, 4), (2, 2), (13, 5)])
 def test_stage_bounds_are_deepspeeds(method, num_layers, num_stages):
     config = _config(num_layers, "alibi")
-    deepspeed = _DeepSpeedPartition(layer_specs(config, ParallelState.single(), None), num_stages)
+    deepspeed = DeepSpeedPartition(layer_specs(config, ParallelState.single(), None), num_stages)
     deepspeed._partition_layers(method)
     counts = deepspeed._count_layer_params() if method == "parameters" else None
     assert stage_bounds(config, num_stages, method, counts) == [int(p) for p in deepspeed.parts]

@@ -7,8 +7,7 @@ from megatron.model import BatchKVCache, GPTModel
 from megatron.model.positional import alibi_bias
 from megatron.testing.tolerance import model_tolerance
 
-from tests.checkpoint.helpers import random_state_dict, tiny_model_config
-from tests.inference.test_generation import POSITIONS
+from tests.helpers.checkpoint import POSITIONS, random_state_dict, tiny_model_config
 
 
 @pytest.mark.parametrize("kind", sorted(POSITIONS))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.parallel.state import group_rank, group_size
-from tests.parallel.helpers import gather, randn, rel_err, run_on_tp, seeded_init
+from tests.helpers.parallel import gather, randn, rel_err, run_on_tp, seeded_init
 
 RTOL = 1e-5
 S, B, H, O, V = 4, 3, 8, 12 * 4, 16  # sequence (divisible by 4 for sequence parallelism), batch, ...
