@@ -2,8 +2,8 @@
 
 NOT RUN YET: written and dry-run on CPU only (the build machine has no GPU). On a GPU machine:
 
-    python benchmarks/bench_gpu.py --output benchmarks/results/gpu_<date>.json
-    python benchmarks/bench_gpu.py --dry-run          # CPU, tiny config: checks the script end to end
+    python -m benchmarks.bench_gpu --output benchmarks/results/gpu_<date>.json
+    python -m benchmarks.bench_gpu --dry-run          # CPU, tiny config: checks the script end to end
 
 1. Training: our engine (the same DeepSpeed PipelineEngine + BF16_Optimizer pretrain() builds,
    TP = PP = DP = 1, nccl) on a BLOOM-1B3-like model (24 layers, hidden 2048, 16 heads, seq 2048,
@@ -37,9 +37,9 @@ import os
 import statistics
 import time
 
-import _common  # noqa: F401
+from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
 import bench_attention
-from _common import emit, machine, tiny_argv, tiny_corpus
+from benchmarks._common import emit, machine, tiny_argv, tiny_corpus
 
 import torch  # noqa: E402
 

@@ -15,7 +15,7 @@ keeps), the peak RSS growth of the first forward + backward in a fresh process (
 /proc/self/clear_refs once the model is built), and that
 the loss and gradients equal mode none's. Prints ONE JSON line.
 
-    python benchmarks/bench_recompute.py --output benchmarks/results/recompute_<date>.json
+    python -m benchmarks.bench_recompute --output benchmarks/results/recompute_<date>.json
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import subprocess
 import sys
 import time
 
-import _common  # noqa: F401
+from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
 import torch
-from _common import emit, machine
+from benchmarks._common import emit, machine
 from bench_attention import cpu_flags, cpu_peak_rss_growth
 
 from megatron.config import ModelConfig

@@ -27,7 +27,7 @@ deepspeed, transformers and megatron are imported = what the model, optimizer, a
 and runtime buffers add (tracemalloc cannot see torch's allocations). Profile: cProfile over our bf16 step and
 the autocast step, self time grouped by where the code lives. Prints ONE JSON line.
 
-    python benchmarks/bench_train_vs_transformers.py --output benchmarks/results/train_vs_transformers_2026-11-29.json
+    python -m benchmarks.bench_train_vs_transformers --output benchmarks/results/train_vs_transformers_2026-11-29.json
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import subprocess
 import sys
 import time
 
-import _common  # noqa: F401
+from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
 import torch  # noqa: E402
-from _common import emit, machine, tiny_argv, tiny_corpus
+from benchmarks._common import emit, machine, tiny_argv, tiny_corpus
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256, micro_batch_size=8,
              global_batch_size=8)
