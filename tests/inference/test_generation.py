@@ -9,7 +9,8 @@ from megatron.inference.generation import (MIN_TEMPERATURE, Generator, SamplingP
 from megatron.model import GPTModel
 from megatron.testing.tolerance import model_tolerance
 
-from tests.helpers.checkpoint import POSITIONS, random_state_dict, tiny_model_config, tokenizer_record, write_random_checkpoint
+from tests.helpers.checkpoint import (POSITIONS, random_state_dict, tiny_model_config, tokenizer_record,
+                                      write_random_checkpoint)
 
 def _model(kind="alibi"):
     config = tiny_model_config(**POSITIONS[kind])

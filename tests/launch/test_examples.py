@@ -91,7 +91,8 @@ def test_bloom_script_flags_parse_at_its_world_size(name, fake_data, tmp_path):
 
 
 def test_bloom_176b_is_bigscience_configuration(fake_data, tmp_path):
-    world_size, argv = script_argv(EXAMPLES / "slurm" / "bloom-176b.slurm", tmp_path, {"DATA_DIR": fake_data["DATA_DIR"]})
+    world_size, argv = script_argv(EXAMPLES / "slurm" / "bloom-176b.slurm", tmp_path,
+                                   {"DATA_DIR": fake_data["DATA_DIR"]})
     rc = stand_in_run_config(argv, world_size)
     t, lg = rc.training, rc.logging
     assert (world_size, rc.parallel.data_parallel_size) == (384, 8)

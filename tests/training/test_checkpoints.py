@@ -41,8 +41,8 @@ def trained(tiny_corpus, tmp_path_factory):
     ]
     results = run_distributed(train, world_size=8, args=(runs,), timeout=900)
     straight, first, resumed, bf16_straight, _ = results[-1]  # the last rank holds the losses
-    return {"straight": straight["losses"], "first": first, "resumed": resumed, "bf16_straight": bf16_straight["losses"],
-            "fp32_dir": fp32, "bf16_dir": bf16, "root": root}
+    return {"straight": straight["losses"], "first": first, "resumed": resumed,
+            "bf16_straight": bf16_straight["losses"], "fp32_dir": fp32, "bf16_dir": bf16, "root": root}
 
 
 @pytest.mark.multiprocess

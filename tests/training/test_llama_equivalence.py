@@ -51,7 +51,8 @@ def llama_reference(tiny_corpus):
 def test_llama_two_rank_layouts_match_single_process(llama_reference):
     argv, reference = llama_reference
     runs = [layout(argv, tp=2, pp=1), layout(argv, tp=1, pp=2), layout(argv, tp=1, pp=1)]
-    results = run_distributed(_train_then_inspect_stages, world_size=2, args=(runs, layout(argv, tp=1, pp=2)), timeout=600)
+    results = run_distributed(_train_then_inspect_stages, world_size=2, args=(runs, layout(argv, tp=1, pp=2)),
+                              timeout=600)
     for rank, (per_rank, _) in enumerate(results):
         for (tp, pp, dp), run in zip([(2, 1, 1), (1, 2, 1), (1, 1, 2)], per_rank):
             assert_same_run(reference, run, f"rank {rank} of Llama (tp, pp, dp) = ({tp}, {pp}, {dp})")
