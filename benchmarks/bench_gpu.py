@@ -38,7 +38,7 @@ import statistics
 import time
 
 from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
-import bench_attention
+from benchmarks import bench_attention
 from benchmarks._common import emit, machine, tiny_argv, tiny_corpus
 
 import torch  # noqa: E402
@@ -68,7 +68,7 @@ def _sync(device: str) -> None:
 
 def train_throughput(name: str, sizes: dict, seq: int, mbs: int, steps: int, warmup: int, device: str,
                      peak_override, attention_backend: str = "auto", compiled: bool = False) -> dict:
-    from bench_train_vs_transformers import Ours  # same engine construction as pretrain()
+    from benchmarks.bench_train_vs_transformers import Ours  # same engine construction as pretrain()
 
     from megatron.planner import GPUS, estimate_memory
     from megatron.planner.layout import Layout

@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
+from benchmarks import _common  # first: sets DS_ACCELERATOR before deepspeed is imported
 import torch  # noqa: E402
 from benchmarks._common import emit, machine, tiny_argv, tiny_corpus
 
@@ -367,10 +367,10 @@ def main() -> None:
     child_env["DS_ACCELERATOR"] = "cpu"
     if not args.no_memory:
         for v in [v for v in VARIANTS if v != "ours_model_autocast_bf16"]:
-            proc = subprocess.run([sys.executable, __file__, "--memory-child", v, "--threads", str(args.threads),
-                                   "--corpus-dir",
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_train_vs_transformers", "--memory-child", v,
+                                   "--threads", str(args.threads), "--corpus-dir",
                                    os.path.dirname(corpus["data_prefix"])], capture_output=True, text=True,
-                                  timeout=600, env=child_env)
+                                  timeout=600, env=child_env, cwd=_common.REPO)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             memory[v] = json.loads(lines[-1]) if lines else {"error": proc.stderr[-1500:]}
 
