@@ -11,11 +11,8 @@ import json
 import os
 import platform
 import subprocess
-import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 

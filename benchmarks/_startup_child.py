@@ -1,4 +1,5 @@
-"""One rank of bench_startup.py, launched by torchrun: pretrain_gpt.py with timers around it.
+"""One rank of bench_startup.py, launched by torchrun (``-m benchmarks._startup_child`` from the checkout's
+root, which puts pretrain_gpt.py and megatron/ on the path): pretrain_gpt.py with timers around it.
 
 Records (wall-clock, seconds since the epoch): when this interpreter started running this file,
 when the imports were done, when the first train_batch began and ended, and for every train_batch
@@ -15,11 +16,10 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import torch  # noqa: E402,F401
 import deepspeed  # noqa: E402,F401
+import torch  # noqa: E402,F401
 from deepspeed.runtime.pipe.engine import PipelineEngine  # noqa: E402
 
 import megatron.training.pretrain as pretrain_module  # noqa: E402

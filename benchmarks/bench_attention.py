@@ -1,7 +1,7 @@
 """The attention core alone, ALiBi + causal, by each --attention-backend path the model has: time and memory.
 
-    python benchmarks/bench_attention.py --output benchmarks/results/attention_<date>.json
-    python benchmarks/bench_attention.py --seq-lengths 512 2048 8192 --device cuda   (on a GPU)
+    python -m benchmarks.bench_attention --output benchmarks/results/attention_<date>.json
+    python -m benchmarks.bench_attention --seq-lengths 512 2048 8192 --device cuda   (on a GPU)
 
 Paths, all through the model's own code (megatron/model/attention.py, attention_core.py):
     sdpa   F.scaled_dot_product_attention with the materialized bias [1, np, s, s] (shared_alibi_bias)
@@ -24,10 +24,14 @@ import time
 
 import torch
 
-from _common import emit, machine
+from benchmarks._common import emit, machine
 from megatron.model.attention import shared_alibi_bias
-from megatron.model.attention_core import (flash_attn_available, flash_core_attention, flex_core_attention,
-                                           unfused_core_attention)
+from megatron.model.attention_core import (
+    flash_attn_available,
+    flash_core_attention,
+    flex_core_attention,
+    unfused_core_attention,
+)
 from megatron.model.positional import alibi_slopes
 
 

@@ -16,7 +16,7 @@ parameters persist), with nothing persistent and prefetching on (bytes predicted
 every parameter released after each use (stage3_max_reuse_distance 0, no prefetch), with and without
 recomputation; ZeRO-3 TP=2 x DP=2 bf16; hpZ groups of 2 over DP=4. Prints ONE JSON line.
 
-    python benchmarks/bench_communication.py --output benchmarks/results/communication_2026-12-01.json
+    python -m benchmarks.bench_communication --output benchmarks/results/communication_2026-12-01.json
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import os
 import tempfile
 import time
 
-import _common  # noqa: F401  (sets sys.path and DS_ACCELERATOR)
-from _common import emit, machine, tiny_argv, tiny_corpus
+from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
+from benchmarks._common import emit, machine, tiny_argv, tiny_corpus
 
 
 def _rank(rank, world_size, runs, record_call=2):

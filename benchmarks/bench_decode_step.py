@@ -1,6 +1,6 @@
 """One continuous-batching decode step in process (no HTTP): where its CPU time goes at b rows.
 
-    python benchmarks/bench_decode_step.py [--output benchmarks/results/decode_step_DATE.json]
+    python -m benchmarks.bench_decode_step [--output benchmarks/results/decode_step_DATE.json]
 
 The model of benchmarks/bench_serving.py (random BLOOM-style: ALiBi, fp32, 8 heads, 400-token vocabulary)
 on one torch thread, through ``BatchDecoder`` / ``BatchRunner`` as the server runs it: b sequences with
@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-import _common
+from benchmarks import _common
 from megatron.config import ModelConfig
 from megatron.inference.batching import BatchDecoder, BatchRunner, GeneratingSequence
 from megatron.inference.generation import SamplingParams

@@ -2,8 +2,8 @@
 
 NOT RUN YET: written and dry-run on CPU only (the build machine has no GPU). On a GPU machine:
 
-    python benchmarks/bench_gpu.py --output benchmarks/results/gpu_<date>.json
-    python benchmarks/bench_gpu.py --dry-run          # CPU, tiny config: checks the script end to end
+    python -m benchmarks.bench_gpu --output benchmarks/results/gpu_<date>.json
+    python -m benchmarks.bench_gpu --dry-run          # CPU, tiny config: checks the script end to end
 
 1. Training: our engine (the same DeepSpeed PipelineEngine + BF16_Optimizer pretrain() builds,
    TP = PP = DP = 1, nccl) on a BLOOM-1B3-like model (24 layers, hidden 2048, 16 heads, seq 2048,
@@ -37,11 +37,13 @@ import os
 import statistics
 import time
 
-import _common  # noqa: F401
-import bench_attention
-from _common import emit, machine, tiny_argv, tiny_corpus
-
 import torch  # noqa: E402
+
+from benchmarks import (
+    _common,  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
+    bench_attention,
+)
+from benchmarks._common import emit, machine, tiny_argv, tiny_corpus
 
 LLAMA = dict(position_embedding_type="rotary", normalization="rmsnorm", swiglu=True, disable_bias_linear=True,
              untie_embeddings_and_output_weights=True, embed_layernorm=False)
@@ -68,8 +70,7 @@ def _sync(device: str) -> None:
 
 def train_throughput(name: str, sizes: dict, seq: int, mbs: int, steps: int, warmup: int, device: str,
                      peak_override, attention_backend: str = "auto", compiled: bool = False) -> dict:
-    from bench_train_vs_transformers import Ours  # same engine construction as pretrain()
-
+    from benchmarks.bench_train_vs_transformers import Ours  # same engine construction as pretrain()
     from megatron.planner import GPUS, estimate_memory
     from megatron.planner.layout import Layout
     from megatron.planner.specs import model_shape_of

@@ -11,7 +11,7 @@ joined by spaces. Each side runs in its own process; its peak resident memory is
 
 Prints ONE JSON line; ``--output`` also writes it to a file (dated results in ``benchmarks/results/``).
 
-    python benchmarks/bench_long_document.py --output benchmarks/results/long_document_2026-12-01.json
+    python -m benchmarks.bench_long_document --output benchmarks/results/long_document_2026-12-01.json
 """
 
 import argparse
@@ -24,8 +24,7 @@ import time
 
 import numpy as np
 
-from _common import REPO, emit, machine
-
+from benchmarks._common import REPO, emit, machine
 from megatron.data.corpus import prepare_default_corpus
 from megatron.data.indexed_dataset import MMapIndexedDataset
 

@@ -12,7 +12,7 @@ formula (megatron.planner.memory.static_bytes on stage_param_counts). The module
 freed by the optimizer step, so they are reported (0 after the step), not compared.
 Goal: within 5% per rank. Prints ONE JSON line.
 
-    python benchmarks/bench_memory.py --output benchmarks/results/memory_2026-11-29.json
+    python -m benchmarks.bench_memory --output benchmarks/results/memory_2026-11-29.json
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import os
 import tempfile
 import time
 
-import _common  # noqa: F401
-from _common import emit, machine, tiny_argv, tiny_corpus
+from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
+from benchmarks._common import emit, machine, tiny_argv, tiny_corpus
 
 LAYOUTS = [(1, 1, 1), (2, 2, 2), (1, 1, 4), (2, 1, 2)]
 NO_PERSISTENCE = None

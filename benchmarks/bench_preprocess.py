@@ -17,7 +17,7 @@ repeated in a seeded permutation until the size is reached); the tokenizer is th
 eods); the goal is >= 0.8. ``ratio_per_worker_vs_encode_batch_fast`` is the stricter comparison.
 Prints ONE JSON line; ``--output`` also writes it to a file (dated results in ``benchmarks/results/``).
 
-    python benchmarks/bench_preprocess.py --output benchmarks/results/preprocess_2026-11-29.json
+    python -m benchmarks.bench_preprocess --output benchmarks/results/preprocess_2026-11-29.json
 """
 
 import os
@@ -34,8 +34,6 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tokenizers  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.config import TokenizerConfig  # noqa: E402
 from megatron.data.corpus import prepare_default_corpus  # noqa: E402

@@ -15,7 +15,7 @@ keeps), the peak RSS growth of the first forward + backward in a fresh process (
 /proc/self/clear_refs once the model is built), and that
 the loss and gradients equal mode none's. Prints ONE JSON line.
 
-    python benchmarks/bench_recompute.py --output benchmarks/results/recompute_<date>.json
+    python -m benchmarks.bench_recompute --output benchmarks/results/recompute_<date>.json
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import subprocess
 import sys
 import time
 
-import _common  # noqa: F401
 import torch
-from _common import emit, machine
-from bench_attention import cpu_flags, cpu_peak_rss_growth
 
+from benchmarks import _common  # first: sets DS_ACCELERATOR before deepspeed is imported
+from benchmarks._common import emit, machine
+from benchmarks.bench_attention import cpu_flags, cpu_peak_rss_growth
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from megatron.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, tracked_checkpoint_func
@@ -73,10 +73,10 @@ def saved_bytes(model: GPTModel, ids: torch.Tensor) -> int:
 def peak_in_fresh_process(mode: str, args) -> int:
     """Peak RSS growth of the first forward + backward of ``mode`` in a new process (a process that has
     already run a step keeps its heap, so later peaks hide in memory it already holds)."""
-    argv = [sys.executable, __file__, "--peak-child", mode] + [
+    argv = [sys.executable, "-m", "benchmarks.bench_recompute", "--peak-child", mode] + [
         f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "heads", "seq", "batch", "vocab", "dtype",
                                               "threads")]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True).stdout
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True, cwd=_common.REPO).stdout
     return int(out.strip().splitlines()[-1])
 
 

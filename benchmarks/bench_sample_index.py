@@ -6,7 +6,7 @@ the C++ builder side by side with a pure-Python port of the loop and a vectorize
 (searchsorted) equivalent on a smaller dataset. Prints ONE JSON line; ``--output`` also writes it
 (indented) to a file, e.g. benchmarks/results/sample_index_<date>.json.
 
-    .venv/bin/python benchmarks/bench_sample_index.py [--num-tokens 1e9] [--output FILE]
+    .venv/bin/python -m benchmarks.bench_sample_index [--num-tokens 1e9] [--output FILE]
 """
 
 import argparse
@@ -16,15 +16,13 @@ import os
 import platform
 import resource
 import subprocess
-import sys
 import time
 import tracemalloc
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron.data import _helpers  # noqa: E402
-from megatron.data.gpt_dataset import build_index_arrays  # noqa: E402
+from megatron.data import _helpers
+from megatron.data.gpt_dataset import build_index_arrays
 
 
 def synthetic_sizes(num_tokens: int, mean_doc_tokens: int, seed: int) -> np.ndarray:

@@ -12,15 +12,15 @@ TP's own layout without the sequence axes (what SP and Ulysses save). The planne
 (CUDA's fused dropout); on the CPU F.dropout keeps an fp32 mask, so the prediction is also given with that
 difference added. Prints ONE JSON line.
 
-    python benchmarks/bench_sequence_memory.py --output benchmarks/results/sequence_memory_<date>.json
+    python -m benchmarks.bench_sequence_memory --output benchmarks/results/sequence_memory_<date>.json
 """
 
 from __future__ import annotations
 
 import argparse
 
-import _common  # noqa: F401
-from _common import emit, machine
+from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
+from benchmarks._common import emit, machine
 
 # (tp, ulysses, --sequence-parallel)
 LAYOUTS = [(1, 1, False), (2, 1, False), (2, 1, True), (4, 1, False), (4, 1, True), (1, 2, False), (1, 4, False),

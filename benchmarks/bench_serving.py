@@ -1,6 +1,6 @@
 """Serving throughput and latency: continuous batching against one sequence at a time and transformers' generate.
 
-    python benchmarks/bench_serving.py [--output benchmarks/results/serving_DATE.json]
+    python -m benchmarks.bench_serving [--output benchmarks/results/serving_DATE.json]
 
 One random BLOOM-style checkpoint (ALiBi, fp32, the tiny corpus's 400-token tokenizer) is served by
 ``tools/serve.py`` in two processes of their own (``--torch-threads``, default 1): ``--max-batch-size
@@ -32,8 +32,9 @@ import sys
 import tempfile
 import time
 
-import _common
 import torch
+
+from benchmarks import _common
 
 PROMPTS = ["The river", "Model data train the", "North city music", "A", "Pipeline stage tensor parallel gradient",
            "Once upon a time the city had a river and a music hall", "train", "data data data",

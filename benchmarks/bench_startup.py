@@ -11,7 +11,7 @@ data-wait share = sum(next() time) / sum(step time) over steps 2..6, worst rank 
 num_workers 0: all loading is on the critical path (a worst case); one more 1-rank launch with
 num_workers 2 (the flag's default) shows the prefetching case. Prints ONE JSON line.
 
-    python benchmarks/bench_startup.py --output benchmarks/results/startup_2026-11-29.json
+    python -m benchmarks.bench_startup --output benchmarks/results/startup_2026-11-29.json
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import sys
 import tempfile
 import time
 
-import _common  # noqa: F401
-from _common import REPO, emit, machine, tiny_argv, tiny_corpus
+from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
+from benchmarks._common import REPO, emit, machine, tiny_argv, tiny_corpus
 
 LAYOUTS = {1: (1, 1), 4: (2, 2), 8: (2, 2)}
 ITERS = 6
@@ -38,7 +38,7 @@ def launch(world_size: int, argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, BENCH_STARTUP_OUT=out, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
-               f"--nproc-per-node={world_size}", os.path.join(REPO, "benchmarks", "_startup_child.py"), *argv,
+               f"--nproc-per-node={world_size}", "-m", "benchmarks._startup_child", *argv,
                "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
         t0 = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)

@@ -27,7 +27,7 @@ deepspeed, transformers and megatron are imported = what the model, optimizer, a
 and runtime buffers add (tracemalloc cannot see torch's allocations). Profile: cProfile over our bf16 step and
 the autocast step, self time grouped by where the code lives. Prints ONE JSON line.
 
-    python benchmarks/bench_train_vs_transformers.py --output benchmarks/results/train_vs_transformers_2026-11-29.json
+    python -m benchmarks.bench_train_vs_transformers --output benchmarks/results/train_vs_transformers_2026-11-29.json
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ import subprocess
 import sys
 import time
 
-import _common  # noqa: F401
 import torch  # noqa: E402
-from _common import emit, machine, tiny_argv, tiny_corpus
+
+from benchmarks import _common  # first: sets DS_ACCELERATOR before deepspeed is imported
+from benchmarks._common import emit, machine, tiny_argv, tiny_corpus
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256, micro_batch_size=8,
              global_batch_size=8)
@@ -367,10 +368,10 @@ def main() -> None:
     child_env["DS_ACCELERATOR"] = "cpu"
     if not args.no_memory:
         for v in [v for v in VARIANTS if v != "ours_model_autocast_bf16"]:
-            proc = subprocess.run([sys.executable, __file__, "--memory-child", v, "--threads", str(args.threads),
-                                   "--corpus-dir",
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_train_vs_transformers", "--memory-child", v,
+                                   "--threads", str(args.threads), "--corpus-dir",
                                    os.path.dirname(corpus["data_prefix"])], capture_output=True, text=True,
-                                  timeout=600, env=child_env)
+                                  timeout=600, env=child_env, cwd=_common.REPO)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             memory[v] = json.loads(lines[-1]) if lines else {"error": proc.stderr[-1500:]}
 

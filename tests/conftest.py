@@ -1,22 +1,21 @@
-"""Shared test set-up: DeepSpeed's CPU accelerator, the reference data folder, the tiny corpus."""
+"""Shared test set-up: DeepSpeed's CPU accelerator, the reference data folder, the tiny corpus, the
+command-line tests' data files. Shared code (not fixtures) lives in ``tests.helpers``."""
 
 import os
 import pathlib
 import shutil
-import subprocess
 
 import pytest
 
+from megatron.testing.corpus import write_stand_in_dataset
 from megatron.testing.tolerance_report import record as record_tolerance
+from tests.helpers.paths import REPO_ROOT, SHARED_DATA, make_read_only, make_writable
 
 # DeepSpeed picks its accelerator at import time; on these machines it is the CPU one.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Never reach a model hub from a test.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED_DATA = pathlib.Path(os.environ.get("MEGATRON_TEST_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
 @pytest.fixture(scope="session")
@@ -35,23 +34,6 @@ def tiny_corpus(tmp_path_factory) -> dict:
     return make_tiny_corpus(str(tmp_path_factory.mktemp("tiny_corpus")))
 
 
-def make_read_only(folder) -> bool:
-    """Make ``folder`` refuse new entries, for root too where the filesystem allows it (``chattr +i``);
-    True when it did. Undo with ``make_writable``."""
-    if os.geteuid() != 0:
-        os.chmod(folder, 0o555)
-    elif not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:
-        return False  # e.g. a filesystem without the immutable attribute
-    return not os.access(folder, os.W_OK)
-
-
-def make_writable(folder) -> None:
-    if os.geteuid() != 0:
-        os.chmod(folder, 0o755)
-    elif shutil.which("chattr"):
-        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
-
-
 @pytest.fixture
 def read_only_folder():
     """``read_only_folder(path)``: ``make_read_only(path)`` until the test ends."""
@@ -64,6 +46,26 @@ def read_only_folder():
     yield lock
     for folder in folders:
         make_writable(folder)
+
+
+@pytest.fixture
+def files(tmp_path):
+    """Two small data prefixes (their index headers are read) and GPT-2 tokenizer files that exist
+    (empty: only their existence is checked)."""
+    for name in ("a", "b"):
+        write_stand_in_dataset(tmp_path / name)
+    for name in ("vocab.json", "merges.txt"):
+        (tmp_path / name).write_text("")
+    return tmp_path
+
+
+@pytest.fixture
+def tokenizer_files(files, tiny_corpus):
+    """``files`` with a real GPT-2 tokenizer (the tiny corpus's) in place of the empty files: for the dry
+    run, which builds it."""
+    shutil.copy(tiny_corpus["vocab_file"], files / "vocab.json")
+    shutil.copy(tiny_corpus["merge_file"], files / "merges.txt")
+    return files
 
 
 # Tiny models on a shared 2-core machine: extra intra-op threads only contend (measured: 30 AdamW

@@ -6,7 +6,7 @@ import ast
 import pathlib
 import re
 
-from tests.conftest import REPO_ROOT
+from tests.helpers.paths import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "megatron"
 
@@ -89,3 +89,70 @@ def test_the_version_pattern_finds_versions_and_nothing_else():
     found = [text for text in ("deepspeed 0.19.8", "DeepSpeed 0.19's", "0.18.0 breaks", "avoid 0.17.x", "lr 0.125",
                                "eps 0.1", "10.19.8", "std 0.015") if DEEPSPEED_VERSION_STRING.search(text)]
     assert found == ["deepspeed 0.19.8", "DeepSpeed 0.19's", "0.18.0 breaks", "avoid 0.17.x"]
+
+
+# Tests and benchmarks: test modules share code through tests/helpers only (Megatron-LM's test_utilities.py
+# pattern), and nothing edits sys.path (run a script as a process, or import it as a module of its package).
+TESTS = REPO_ROOT / "tests"
+SHARED_TEST_CODE = "tests.helpers"
+
+
+def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``tree``; ``from tests import x`` counts as ``tests.x``, a relative
+    import as ``.`` followed by its module."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            out.append((node.lineno, "." * node.level + (node.module or "")))
+        elif isinstance(node, ast.ImportFrom) and node.module == "tests":
+            out += [(node.lineno, f"tests.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out.append((node.lineno, node.module))
+    return out
+
+
+def test_no_test_module_imports_another_test_module():
+    problems = []
+    for path in sorted(TESTS.rglob("*.py")):
+        relative = path.relative_to(REPO_ROOT).as_posix()
+        for line, module in _imported_modules(ast.parse(path.read_text())):
+            shared = module == SHARED_TEST_CODE or module.startswith(SHARED_TEST_CODE + ".")
+            if module.startswith(".") or (module.split(".")[0] == "tests" and not shared):
+                problems.append(f"{relative}:{line} imports {module}")
+    assert not problems, f"test code shared other than through {SHARED_TEST_CODE}:\n" + "\n".join(problems)
+
+
+def test_tests_and_benchmarks_leave_sys_path_alone():
+    problems = []
+    for folder in ("tests", "benchmarks"):
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                edits = (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                         and node.value.id == "sys")
+                edits |= (isinstance(node, ast.ImportFrom) and node.module == "sys"
+                          and any(alias.name == "path" for alias in node.names))
+                if edits:
+                    problems.append(f"{path.relative_to(REPO_ROOT).as_posix()}:{node.lineno}")
+    assert not problems, "sys.path used (import the module from its package, or run it as a process):\n" + \
+        "\n".join(problems)
+
+
+ENVIRONMENT_READERS = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+
+
+def test_model_and_parallel_read_the_environment_by_no_name():
+    """os.getenv and ``from os import environ`` read the environment as os.environ does."""
+    problems = []
+    for package in ("model", "parallel"):
+        for path in sorted((PACKAGE / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                reads = (isinstance(node, ast.Attribute) and node.attr in ENVIRONMENT_READERS
+                         and isinstance(node.value, ast.Name) and node.value.id == "os")
+                reads |= (isinstance(node, ast.ImportFrom) and node.module == "os"
+                          and any(alias.name in ENVIRONMENT_READERS for alias in node.names))
+                if reads:
+                    problems.append(f"{path.relative_to(REPO_ROOT).as_posix()}:{node.lineno}")
+    assert not problems, "the environment read in model/ or parallel/:\n" + "\n".join(problems)

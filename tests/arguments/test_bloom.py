@@ -14,7 +14,7 @@ from megatron.config.deepspeed import build_deepspeed_config
 from megatron.config.launch import detect_launch
 from megatron.training.lr_schedule import LRScheduler
 from megatron.training.microbatches import build_num_microbatches_calculator
-from tests.arguments.helpers import bloom_setup, parse_bloom
+from tests.helpers.arguments import bloom_setup, parse_bloom
 
 
 def test_bloom_176b_flags_parse_into_the_expected_run_config(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 
 from megatron.arguments import run_config_from_argv
 from megatron.arguments.check import check_argv
-from tests.arguments.helpers import ds_json, tiny_config_argv
+from tests.helpers.arguments import ds_json, tiny_config_argv
 
 
 @pytest.fixture

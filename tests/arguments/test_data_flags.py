@@ -5,7 +5,7 @@ import pytest
 
 from megatron.arguments import merge_skip_ranges
 from megatron.config import DatasetSplit
-from tests.arguments.helpers import bloom_setup, parse, parse_bloom
+from tests.helpers.arguments import bloom_setup, parse, parse_bloom
 
 
 def test_data_path_blend_and_skip_ranges(files):

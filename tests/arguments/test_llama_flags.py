@@ -6,7 +6,7 @@ import pytest
 
 from megatron.arguments import run_config_from_argv
 from megatron.arguments.check import check_argv
-from tests.arguments.helpers import tiny_config_argv
+from tests.helpers.arguments import tiny_config_argv
 
 LLAMA = ["--normalization", "rmsnorm", "--swiglu", "--num-key-value-heads", "2", "--untie-embeddings-and-output-weights",
          "--disable-bias-linear", "--position-embedding-type", "rope", "--rotary-base", "500000", "--norm-epsilon",

@@ -11,7 +11,7 @@ import pytest
 
 from megatron.arguments import build_parser, resolve_vocab_size, run_config_from_argv
 from megatron.arguments.check import check_argv
-from tests.arguments.helpers import ds_json, parse, tiny_config_argv
+from tests.helpers.arguments import ds_json, parse, tiny_config_argv
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -178,11 +178,8 @@ def test_every_flag_has_help_and_appears_in_help_output():
 
 
 def test_docs_flags_md_matches_the_parser():
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import gen_flags_doc
-    finally:
-        sys.path.pop(0)
+    from tools import gen_flags_doc
+
     assert (REPO / "docs" / "flags.md").read_text() == gen_flags_doc.render(build_parser()), \
         "docs/flags.md is stale: run python tools/gen_flags_doc.py"
 

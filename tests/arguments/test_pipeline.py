@@ -8,7 +8,7 @@ from megatron.arguments.check import check_argv
 from megatron.arguments.parser import build_parser
 from megatron.arguments.pipeline import FAILED, OK, run_steps
 from megatron.arguments.steps import SETTINGS, STEPS, Run
-from tests.arguments.helpers import tiny_config_argv
+from tests.helpers.arguments import tiny_config_argv
 
 
 def test_every_step_is_named_once_and_needs_only_earlier_steps():

@@ -4,7 +4,7 @@ impossible combinations refused with the fix named."""
 import pytest
 
 from megatron.arguments import run_config_from_argv
-from tests.arguments.helpers import tiny_config_argv
+from tests.helpers.arguments import tiny_config_argv
 
 
 def _logging(files, **flags):

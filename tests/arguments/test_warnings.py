@@ -5,7 +5,7 @@ import pytest
 
 from megatron.arguments.check import check_argv
 from megatron.config.deepspeed import build_deepspeed_config
-from tests.arguments.helpers import ds_json, parse, tiny_config_argv
+from tests.helpers.arguments import ds_json, parse, tiny_config_argv
 
 
 def test_settings_without_effect_are_kept_and_reported(files):

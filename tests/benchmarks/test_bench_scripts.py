@@ -1,16 +1,13 @@
 """Fast checks of the benchmark scripts' own arithmetic (the benchmarks themselves run by hand)."""
 
 import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 
 def test_flex_alibi_matches_the_models_sdpa_bias_on_cpu():
     pytest.importorskip("torch.nn.attention.flex_attention")
-    import bench_gpu
+    from benchmarks import bench_gpu
 
     out = bench_gpu.attention_kernels(b=1, heads=4, seq=32, head_dim=16, reps=1, device="cpu")
     assert out["flex_error"] is None
@@ -19,7 +16,7 @@ def test_flex_alibi_matches_the_models_sdpa_bias_on_cpu():
 
 
 def test_pipeline_names_map_to_gpt_model_names():
-    import bench_train_vs_transformers as bench
+    from benchmarks import bench_train_vs_transformers as bench
 
     class FakeModule:
         def state_dict(self):
@@ -38,7 +35,7 @@ def test_pipeline_names_map_to_gpt_model_names():
 
 
 def test_bench_attention_runs_every_path_and_reports_time_and_memory():
-    import bench_attention
+    from benchmarks import bench_attention
 
     row = bench_attention.run([32], b=1, heads=4, head_dim=16, dtype_name="fp32", device="cpu", reps=1)["s32"]
     assert set(row) >= {"sdpa", "flex"}
@@ -50,7 +47,7 @@ def test_bench_attention_runs_every_path_and_reports_time_and_memory():
 def test_bench_decode_step_splits_a_step_into_its_matrix_products_attention_and_the_rest():
     import argparse
 
-    import bench_decode_step
+    from benchmarks import bench_decode_step
 
     model = bench_decode_step.build_model(argparse.Namespace(num_layers=2, hidden_size=64))
     row = bench_decode_step.measure(model, b=3, reps=1)
@@ -60,7 +57,7 @@ def test_bench_decode_step_splits_a_step_into_its_matrix_products_attention_and_
 
 
 def test_bench_serving_reads_a_process_cpu_time_that_grows_with_its_work():
-    import bench_serving
+    from benchmarks import bench_serving
 
     before, cpu_before = bench_serving.process_cpu_seconds(os.getpid()), os.times()
     total = 0

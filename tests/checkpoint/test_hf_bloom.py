@@ -5,8 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.checkpoint.hf_bloom import (bloom_config_kwargs, bloom_state_dict_to_ours, model_config_from_bloom,
-                                          ours_to_bloom_state_dict)
+from megatron.checkpoint.hf_bloom import (
+    bloom_config_kwargs,
+    bloom_state_dict_to_ours,
+    model_config_from_bloom,
+    ours_to_bloom_state_dict,
+)
 from megatron.model import GPTModel
 from megatron.testing.tolerance import model_tolerance
 

@@ -4,54 +4,16 @@ transformers' BloomForCausalLM and GPT2LMHeadModel are the independent reference
 are written at TP=2 / PP=2 by save_as_training_checkpoint so that the tools merge real shards.
 """
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from megatron.config import TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer
-from megatron.testing.tolerance import model_tolerance
-from tools import generate as generate_tool
+from tests.helpers.checkpoint import write_random_checkpoint
+from tests.helpers.hf import generate_tool, hf_greedy, hf_logits_diff
+from tests.helpers.inference import PROMPTS
 from tools.convert_checkpoint import from_hf, to_hf
-
-from tests.checkpoint.helpers import write_random_checkpoint
-
-PROMPTS = ["The river", "Model data train the", "North city music", "A", "Pipeline stage tensor parallel gradient"]
-
-
-def _hf_logits_diff(hf_model, config, state, vocab=400):
-    """(the largest logit difference between transformers' model and ours holding ``state``, the tolerance
-    for it: ``megatron.testing.tolerance.model_tolerance``)."""
-    from megatron.model import GPTModel
-
-    ours = GPTModel(config).eval()
-    ours.load_state_dict(state)
-    ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        theirs = hf_model(ids).logits  # [b, s, v]
-        mine = ours(ids).transpose(0, 1)[..., :vocab]  # [b, s, v]
-    return (theirs - mine).abs().max().item(), model_tolerance(config, torch.float32, theirs)
-
-
-def _hf_greedy(hf_model, tokenizer, prompts, max_new_tokens=32):
-    out = []
-    for prompt in prompts:
-        ids = torch.tensor([tokenizer.tokenize(prompt)])
-        generated = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=max_new_tokens, pad_token_id=0)
-        out.append(generated[0, ids.shape[1]:].tolist())
-    return out
-
-
-def _generate_tool(ckpt, out_json, prompts, max_new_tokens=32):
-    argv = ["--load", str(ckpt), "--greedy", "--max-new-tokens", str(max_new_tokens), "--output-json", str(out_json)]
-    for prompt in prompts:
-        argv += ["--prompt", prompt]
-    assert generate_tool.main(argv) == 0
-    return json.loads(out_json.read_text())
-
 
 ARCHITECTURES = {"BloomForCausalLM": {},
                  "GPT2LMHeadModel": dict(position_embedding_type="absolute", embed_layernorm=False,
@@ -75,17 +37,18 @@ def test_export_matches_transformers_logits_and_greedy_text(tmp_path, tiny_corpu
     assert hf_model.config.vocab_size == 400
     if architecture == "BloomForCausalLM":
         assert hf_model.config.pretraining_tp == 2 and hf_model.config.slow_but_exact is False
-    diff, tolerance = _hf_logits_diff(hf_model, config, state)
+    diff, tolerance = hf_logits_diff(hf_model, config, state)
     assert diff <= tolerance, (diff, tolerance)
 
-    ours_tok = build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=tiny_corpus["vocab_file"], merge_file=tiny_corpus["merge_file"]))
+    ours_tok = build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=tiny_corpus["vocab_file"],
+                                               merge_file=tiny_corpus["merge_file"]))
     hf_tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     text = "The river was north of the city. Music  data!"
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == ours_tok.tokenize(text)
     assert hf_tok.eos_token_id == ours_tok.eod
 
-    results = _generate_tool(tmp_path / "ckpt", tmp_path / "out.json", PROMPTS)
-    expected = _hf_greedy(hf_model, ours_tok, PROMPTS)
+    results = generate_tool(tmp_path / "ckpt", tmp_path / "out.json", PROMPTS)
+    expected = hf_greedy(hf_model, ours_tok, PROMPTS)
     assert [r["prompt"] for r in results] == PROMPTS
     assert [r["token_ids"] for r in results] == expected
     assert len({tuple(ids) for ids in expected}) == len(PROMPTS)  # the prompts do lead to different texts
@@ -138,8 +101,8 @@ def _random_hf_model(kind):
 
 @pytest.mark.parametrize("kind", ["bloom", "gpt2", "gpt_neox"])
 def test_hf_to_ours_tp2_pp2_to_hf_reproduces_every_tensor(tmp_path, tiny_corpus, kind):
-    from megatron.checkpoint.merge import load_full_state_dict
     from megatron.checkpoint.hf_export import export_tokenizer
+    from megatron.checkpoint.merge import load_full_state_dict
 
     model = _random_hf_model(kind)
     model.save_pretrained(str(tmp_path / "hf_in"))
@@ -163,6 +126,6 @@ def test_hf_to_ours_tp2_pp2_to_hf_reproduces_every_tensor(tmp_path, tiny_corpus,
         assert torch.equal(after[name], tensor), name
 
     # The converted checkpoint generates exactly what the original transformers model does.
-    results = _generate_tool(tmp_path / "ckpt", tmp_path / "out.json", PROMPTS[:2])
+    results = generate_tool(tmp_path / "ckpt", tmp_path / "out.json", PROMPTS[:2])
     tokenizer = build_tokenizer(TokenizerConfig("PretrainedFromHF", tokenizer_name_or_path=str(tmp_path / "hf_in")))
-    assert [r["token_ids"] for r in results] == _hf_greedy(model, tokenizer, PROMPTS[:2])
+    assert [r["token_ids"] for r in results] == hf_greedy(model, tokenizer, PROMPTS[:2])

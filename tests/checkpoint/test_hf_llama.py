@@ -16,10 +16,10 @@ from megatron.config import TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.testing import run_distributed
 from megatron.testing.tolerance import model_tolerance
+from tests.helpers.checkpoint import random_state_dict, tiny_model_config, tokenizer_record
+from tests.helpers.hf import generate_tool, hf_greedy, hf_logits_diff
+from tests.helpers.inference import PROMPTS
 from tools.convert_checkpoint import from_hf, to_hf
-
-from tests.checkpoint.helpers import random_state_dict, tiny_model_config, tokenizer_record
-from tests.checkpoint.test_hf_export import PROMPTS, _generate_tool, _hf_greedy, _hf_logits_diff
 
 # Weight perturbation: logits reach about 6. (At 0.3 they reach 10, where transformers' fp32 logits and ours
 # each lie up to 4e-5 from a float64 evaluation.)
@@ -65,7 +65,7 @@ def test_import_at_tp2_pp2_gives_transformers_logits_text_and_every_tensor_back(
     assert (config.num_kv_heads, config.tied_embeddings) == (FAMILY[kind]["num_key_value_heads"],
                                                              FAMILY[kind]["tie_word_embeddings"])
     assert config.qkv_bias == (kind == "qwen2") and not config.add_bias_linear
-    diff, tolerance = _hf_logits_diff(model, config, state)
+    diff, tolerance = hf_logits_diff(model, config, state)
     assert diff <= tolerance, (diff, tolerance)
 
     assert to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf_out")]) == 0
@@ -76,9 +76,9 @@ def test_import_at_tp2_pp2_gives_transformers_logits_text_and_every_tensor_back(
         assert torch.equal(after[name], tensor), name
 
     # 20 greedy tokens of 5 prompts from the converted TP=2 / PP=2 checkpoint: transformers' exactly.
-    results = _generate_tool(tmp_path / "ckpt", tmp_path / "out.json", PROMPTS, max_new_tokens=20)
+    results = generate_tool(tmp_path / "ckpt", tmp_path / "out.json", PROMPTS, max_new_tokens=20)
     tokenizer = build_tokenizer(TokenizerConfig("PretrainedFromHF", tokenizer_name_or_path=str(tmp_path / "hf_in")))
-    expected = _hf_greedy(model, tokenizer, PROMPTS, max_new_tokens=20)
+    expected = hf_greedy(model, tokenizer, PROMPTS, max_new_tokens=20)
     assert [r["token_ids"] for r in results] == expected
     assert len({tuple(ids) for ids in expected}) == len(PROMPTS)  # the prompts do lead to different texts
 
@@ -93,7 +93,7 @@ def test_multi_query_imports_at_tp1_and_is_refused_at_tp2(tmp_path, tiny_corpus)
         del FAMILY["llama_mqa"]
     config, state, _ = load_full_state_dict(str(tmp_path / "tp1" / "ckpt"))
     assert config.num_kv_heads == 1
-    diff, tolerance = _hf_logits_diff(model, config, state)
+    diff, tolerance = hf_logits_diff(model, config, state)
     assert diff <= tolerance, (diff, tolerance)
 
 
@@ -158,7 +158,7 @@ def test_a_trained_llama_checkpoint_exports_to_llama_for_causal_lm(tmp_path, tin
     hf_model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert type(hf_model).__name__ == "LlamaForCausalLM" and hf_model.config.num_key_value_heads == 2
-    diff, tolerance = _hf_logits_diff(hf_model.eval(), config, state)
+    diff, tolerance = hf_logits_diff(hf_model.eval(), config, state)
     assert diff <= tolerance, (diff, tolerance)
 
 
@@ -197,10 +197,10 @@ def test_llama_3_1_rope_scaling_matches_transformers_both_ways():
     assert (config.rope_scaling_factor, config.rope_scaling_original_max_positions) == (8.0, 16)
     assert llama_config_kwargs(config)["rope_parameters"] == rope
     state = llama_state_dict_to_ours(hf.state_dict(), config)
-    diff, tolerance = _hf_logits_diff(hf, config, state)
+    diff, tolerance = hf_logits_diff(hf, config, state)
     assert diff <= tolerance, (diff, tolerance)
     unscaled = dataclasses.replace(config, rope_scaling_factor=None)
-    assert _hf_logits_diff(hf, unscaled, state)[0] > 100 * tolerance  # the scaling matters at these positions
+    assert hf_logits_diff(hf, unscaled, state)[0] > 100 * tolerance  # the scaling matters at these positions
     GPTModel(config)  # builds
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from megatron.checkpoint import lock as save_lock
 from megatron.testing import run_distributed, tiny_argv
-from tests.training.helpers import pretrain_error
+from tests.helpers.training import pretrain_error
 
 
 def _dead_pid() -> int:

@@ -1,5 +1,5 @@
 """A checkpoint in BLOOM's layout written the way Megatron-DeepSpeed writes one (no run_state.json, no
-completion marker, Megatron's args; built from transformers' Bloom weights by megatron_deepspeed.py,
+completion marker, Megatron's args; built from transformers' Bloom weights by tests/helpers/megatron_deepspeed.py,
 not by our writer): the single-process reader merges it into exactly those weights, and training
 continues from it at TP=2, PP=2, its first loss the one transformers' model gives the same batch."""
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron.testing import DistributedTestError, run_distributed, tiny_argv
-from tests.checkpoint.megatron_deepspeed import write_bloom_checkpoint
+from tests.helpers.megatron_deepspeed import write_bloom_checkpoint
+from tests.helpers.training import pretrain_error, train
 
 VOCAB, PADDED, HIDDEN, HEADS, LAYERS, SEQ = 400, 512, 64, 4, 2, 32
 
@@ -49,20 +50,6 @@ def test_the_reader_merges_it_into_transformers_weights(bloom, tmp_path):
         assert torch.equal(back["transformer." + name], tensor), name
 
 
-def _train(rank, world_size, argv):
-    from megatron.arguments import run_config_from_argv
-    from megatron.training.pretrain import pretrain
-
-    torch.set_num_threads(1)
-    try:
-        result = pretrain(run_config_from_argv(argv, world_size=world_size))
-    except ValueError as error:
-        if type(error).__name__ == "CheckpointFormatError":
-            raise
-        return {"error": str(error)}
-    return {"history": [(r.iteration, r.loss) for r in result.history]}
-
-
 @pytest.mark.multiprocess
 def test_training_continues_from_it(bloom, tiny_corpus, tmp_path):
     from megatron.arguments import run_config_from_argv
@@ -72,15 +59,15 @@ def test_training_continues_from_it(bloom, tiny_corpus, tmp_path):
     common = dict(train_iters=2, lr_warmup_iters=1, load=str(tmp_path / "ckpt"), tensor_model_parallel_size=2,
                   pipeline_model_parallel_size=2)
     runs = [tiny_argv(tiny_corpus, **common), tiny_argv(tiny_corpus, finetune=True, **common)]
-    refused = run_distributed(_train, world_size=4, args=(runs[0],), env={"OMP_NUM_THREADS": "1"}, timeout=600)
-    assert "--finetune" in refused[0]["error"], refused[0]  # no progress of ours to resume: says what to pass
-    results = run_distributed(_train, world_size=4, args=(runs[1],), env={"OMP_NUM_THREADS": "1"}, timeout=600)
-    history = results[-1]["history"]
+    refused = run_distributed(pretrain_error, world_size=4, args=(runs[0],), env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    assert refused[0] and "--finetune" in refused[0], refused[0]  # no progress of ours to resume: says what to pass
+    results = run_distributed(train, world_size=4, args=([runs[1]],), env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    history = [(iteration, loss) for iteration, loss, *_ in results[-1][0]["history"]]
     assert [i for i, _ in history] == [1, 2] and all(math.isfinite(loss) for _, loss in history)
     # The first loss is the loaded model's on samples 0..7, before any update: transformers' Bloom with
     # the same weights (and the 112 zero padding rows' logits) gives it.
-    train = build_datasets(run_config_from_argv(runs[1], world_size=4)).train
-    tokens = torch.stack([torch.from_numpy(train[i]["text"]) for i in range(8)])  # [8, s + 1]
+    train_set = build_datasets(run_config_from_argv(runs[1], world_size=4)).train
+    tokens = torch.stack([torch.from_numpy(train_set[i]["text"]) for i in range(8)])  # [8, s + 1]
     with torch.no_grad():
         logits = bloom(tokens[:, :-1]).logits  # [8, s, v]
     padded = torch.cat((logits, torch.zeros(8, SEQ, PADDED - VOCAB)), dim=-1)
@@ -110,7 +97,7 @@ def test_load_through_deepspeed_never_runs_code_in_a_checkpoint(bloom, tiny_corp
                      tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     # The rank reading that file fails (CheckpointFormatError); the others then stop waiting for it.
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_train, world_size=4, args=(argv,), env={"OMP_NUM_THREADS": "1"}, timeout=300)
+        run_distributed(train, world_size=4, args=([argv],), env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert "CheckpointFormatError" in str(info.value) and "layer_03-model_00-model_states.pt" in str(info.value)
     assert "weights_only=True" in str(info.value)
     assert not marker.exists()

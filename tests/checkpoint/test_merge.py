@@ -5,16 +5,15 @@ import os
 import pytest
 import torch
 
-from megatron.checkpoint.merge import load_full_state_dict, save_as_training_checkpoint
-from megatron.checkpoint.tp_shards import merge_tp_shards, split_for_tp
 from megatron.checkpoint.integrity import record_checksums
+from megatron.checkpoint.merge import load_full_state_dict, save_as_training_checkpoint
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import CheckpointFormatError, resolve_tag
+from megatron.checkpoint.tp_shards import merge_tp_shards, split_for_tp
 from megatron.model import GPTModel
 from megatron.model.layout import parameter_layout
 from megatron.parallel.state import ParallelState
-
-from tests.checkpoint.helpers import random_state_dict, tiny_model_config, write_random_checkpoint
+from tests.helpers.checkpoint import random_state_dict, tiny_model_config, write_random_checkpoint
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1)])

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from megatron.model import GPTModel
-from tests.model.helpers import POSITION_TYPES, tiny_config
+from tests.helpers.model import POSITION_TYPES, tiny_config
 
 pytest.importorskip("deepspeed")
 from deepspeed.checkpoint import constants as C  # noqa: E402

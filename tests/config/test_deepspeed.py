@@ -7,7 +7,7 @@ import pytest
 
 from megatron.config import BatchConfig, PrecisionConfig
 from megatron.config.deepspeed import STEPS_PER_PRINT, build_deepspeed_config
-from tests.config.helpers import run_config
+from tests.helpers.config import run_config
 
 
 def test_bf16_gives_the_bf16_optimizer_path_and_no_optimizer_section():

@@ -3,7 +3,7 @@
 import pytest
 
 from megatron.config import ModelConfig
-from tests.config.helpers import tiny_model
+from tests.helpers.config import tiny_model
 
 
 def test_the_tiny_model_is_valid_and_derives_its_sizes():

@@ -5,10 +5,19 @@ import dataclasses
 
 import pytest
 
-from megatron.config import (BatchConfig, CheckpointConfig, ExitConfig, LRScheduleConfig, LoggingConfig,
-                             OptimizerConfig, ParallelConfig, PrecisionConfig, TrainingConfig,
-                             check_rampup_batch_size)
-from tests.config.helpers import run_config, tiny_model
+from megatron.config import (
+    BatchConfig,
+    CheckpointConfig,
+    ExitConfig,
+    LoggingConfig,
+    LRScheduleConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainingConfig,
+    check_rampup_batch_size,
+)
+from tests.helpers.config import run_config, tiny_model
 
 NO_VALIDATION = dataclasses.replace(run_config().data, split="100,0,0")
 

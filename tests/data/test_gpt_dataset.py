@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron.data import _helpers
 from megatron.config import DatasetGroup, DatasetSplit
+from megatron.data import _helpers
 from megatron.data.gpt_dataset import (
     GPTDataset,
     build_doc_idx,

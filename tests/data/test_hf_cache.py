@@ -12,7 +12,7 @@ from megatron.config import TokenizerConfig
 from megatron.data.hf_cache import hub_cache_dir, resolve_tokenizer_path
 from megatron.data.tokenizers import GPT2BPETokenizer, PretrainedFromHF, build_tokenizer
 from megatron.testing import tiny_argv
-from tests.data.helpers import COMMIT, fill_hub_cache
+from tests.helpers.data import COMMIT, fill_hub_cache
 
 NAME = "bigscience-catalogue-data-dev/test-tok"  # BLOOM-176B's --tokenizer-name-or-path
 TEXTS = ["The model sees only token ids.", "  spaces,\ttabs\nand pipeline stage 42 ", "naïve café — 東京"]

@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.config import TokenizerConfig
+from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.preprocess import BadInputLine, PreprocessConfig, preprocess
-from tests.conftest import REPO_ROOT
+from tests.helpers.paths import REPO_ROOT
 from tools import merge_datasets, preprocess_data
 
 GOLDEN = "meg-gpt2-openwebtext_text_document"

@@ -8,11 +8,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.config import TokenizerConfig
-from megatron.data.tokenizers import (GPT2BPETokenizer, PretrainedFromHF, SentencePieceTokenizer, build_tokenizer,
-                                      pad_vocab_size, pieces_before_spaces, train_bpe_tokenizer,
-                                      train_sentencepiece_tokenizer)
+from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.tokenizers import (
+    GPT2BPETokenizer,
+    PretrainedFromHF,
+    SentencePieceTokenizer,
+    build_tokenizer,
+    pad_vocab_size,
+    pieces_before_spaces,
+    train_bpe_tokenizer,
+    train_sentencepiece_tokenizer,
+)
 
 SAMPLES = ["Hello world!", "  leading spaces and\ttabs\n\nnew lines", "naïve café — 東京 🚀", ""]
 TINY_TEXT = [
@@ -151,7 +158,8 @@ def test_train_tokenizer_tool_output_loads(tmp_path, kind, flag):
     assert train_tokenizer.main(["--input", str(path), "--type", kind, "--vocab-size", "400",
                                  "--output-dir", str(out)]) == 0
     location = out if kind == "bpe" else out / "tokenizer.model"
-    tokenizer = build_tokenizer(TokenizerConfig("PretrainedFromHF" if kind == "bpe" else "SentencePieceTokenizer", **{flag: location}))
+    tokenizer_type = "PretrainedFromHF" if kind == "bpe" else "SentencePieceTokenizer"
+    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_type, **{flag: location}))
     assert tokenizer.detokenize(tokenizer.tokenize(TINY_TEXT[1])) == TINY_TEXT[1]
     assert tokenizer.eod == (0 if kind == "bpe" else 2)
     if kind == "bpe":

@@ -6,21 +6,20 @@ import pytest
 from megatron.dry_run.estimate import hardware, item_param_counts, planner_layout
 from megatron.engine.pipeline import layer_specs
 from megatron.parallel.state import ParallelState
-from tests.arguments.conftest import files  # noqa: F401 (the fixture)
-from tests.arguments.helpers import parse
-from tests.engine.test_partition import _DeepSpeedPartition
+from tests.helpers.arguments import parse
+from tests.helpers.engine import DeepSpeedPartition
 
 
 @pytest.mark.parametrize("position_embedding_type", ["absolute", "alibi"])
-def test_item_param_counts_are_the_ones_deepspeed_counts(files, position_embedding_type):  # noqa: F811
+def test_item_param_counts_are_the_ones_deepspeed_counts(files, position_embedding_type):
     """At TP = 1 DeepSpeed builds each spec whole and counts its parameters; the dry run computes them."""
     rc = parse(files, num_layers=3, position_embedding_type=position_embedding_type, embed_layernorm=True)
     rc = rc.with_vocab_size(90, 128)
     specs = layer_specs(rc.model, ParallelState.single(), None)
-    assert item_param_counts(rc) == _DeepSpeedPartition(specs, 1)._count_layer_params()
+    assert item_param_counts(rc) == DeepSpeedPartition(specs, 1)._count_layer_params()
 
 
-def test_planner_layout_is_the_jobs(files):  # noqa: F811
+def test_planner_layout_is_the_jobs(files):
     rc = parse(files, world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, bf16=True,
                zero_stage=0, checkpoint_activations=True, global_batch_size=16)
     layout = planner_layout(rc, [1, 1])
@@ -37,7 +36,7 @@ def test_an_unknown_gpu_or_fabric_lists_the_known_ones():
         hardware("H100-80GB", "slingshot")
 
 
-def test_planner_layout_reads_sequence_parallelism_and_the_attention_kernel(files):  # noqa: F811
+def test_planner_layout_reads_sequence_parallelism_and_the_attention_kernel(files):
     """The SP / Ulysses settings reach the planner's layout; the attention scores count only for an explicit
     sdpa without selective recomputation."""
     import dataclasses
@@ -59,7 +58,7 @@ def test_planner_layout_reads_sequence_parallelism_and_the_attention_kernel(file
     assert planner_layout(with_flag, [rc.model.num_layers]).sequence_parallel  # --sequence-parallel reaches it
 
 
-def test_the_layout_section_counts_the_ulysses_ranks(files):  # noqa: F811
+def test_the_layout_section_counts_the_ulysses_ranks(files):
     from megatron.dry_run.plan import layout_section
     from megatron.dry_run.text import _layout
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron.engine import deepspeed_compat
-from tests.conftest import REPO_ROOT
+from tests.helpers.paths import REPO_ROOT
 
 
 def test_the_pin_is_the_makefiles_and_the_installed_version():

@@ -4,10 +4,8 @@ PipelineModule._partition_layers picks for our layer specs (run here on a stand-
 only the spec list), for every --pp-partition-method."""
 
 import random
-import types
 
 import pytest
-from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
 from megatron.config import PARTITION_METHODS, ModelConfig
@@ -17,22 +15,7 @@ from megatron.parallel import pipeline_partition
 from megatron.parallel.state import ParallelState
 from megatron.planner.layout import layers_per_stage, pipeline_item_names, pipeline_item_params
 from megatron.planner.specs import model_shape_of
-
-
-class _DeepSpeedPartition:
-    """What ``PipelineModule._partition_layers`` reads of its module, and DeepSpeed's own methods."""
-
-    _partition_layers = PipelineModule._partition_layers
-    _count_layer_params = PipelineModule._count_layer_params
-    _find_layer_type = PipelineModule._find_layer_type
-
-    def __init__(self, specs, num_stages):
-        self._layer_specs, self.num_stages = specs, num_stages
-        self.global_rank, self.loss_fn = 1, None  # not rank 0: no printing
-        self._topo = types.SimpleNamespace(get_coord=lambda rank: types.SimpleNamespace(pipe=0))
-
-    def _set_bounds(self, start, stop):
-        pass
+from tests.helpers.engine import DeepSpeedPartition
 
 
 def _config(num_layers, position_embedding_type):
@@ -44,7 +27,7 @@ def _config(num_layers, position_embedding_type):
 @pytest.mark.parametrize("num_layers, num_stages", [(7, 3), (6, 4), (2, 2), (13, 5)])
 def test_stage_bounds_are_deepspeeds(method, num_layers, num_stages):
     config = _config(num_layers, "alibi")
-    deepspeed = _DeepSpeedPartition(layer_specs(config, ParallelState.single(), None), num_stages)
+    deepspeed = DeepSpeedPartition(layer_specs(config, ParallelState.single(), None), num_stages)
     deepspeed._partition_layers(method)
     counts = deepspeed._count_layer_params() if method == "parameters" else None
     assert stage_bounds(config, num_stages, method, counts) == [int(p) for p in deepspeed.parts]
@@ -62,7 +45,8 @@ def test_the_pure_partition_functions_are_deepspeeds(seed):
         n, parts = rng.randint(1, 14), rng.randint(1, 6)
         weights = [rng.choice([0, 1, 1, 3, 7, 100]) for _ in range(n)]
         assert pipeline_partition.partition_uniform(n, parts) == [int(p) for p in partition_uniform(n, parts)]
-        assert pipeline_partition.partition_balanced(weights, parts) == [int(p) for p in partition_balanced(weights, parts)], weights
+        theirs = [int(p) for p in partition_balanced(weights, parts)]
+        assert pipeline_partition.partition_balanced(weights, parts) == theirs, weights
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -77,7 +61,7 @@ def test_the_planner_partitions_as_deepspeed(tied, method, num_layers, num_stage
     specs = layer_specs(config, ParallelState.single(), None)
     shape = model_shape_of(config)
     assert pipeline_item_names(shape) == [spec_class_name(spec) for spec in specs]
-    deepspeed = _DeepSpeedPartition(specs, num_stages)
+    deepspeed = DeepSpeedPartition(specs, num_stages)
     deepspeed._partition_layers(method)
     if method == "parameters":
         assert pipeline_item_params(shape) == deepspeed._count_layer_params()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.testing import run_distributed
-from tests.model.helpers import tiny_config
+from tests.helpers.model import tiny_config
 
 S, B = 16, 2
 CASES = {  # name -> ModelConfig overrides

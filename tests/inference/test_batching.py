@@ -19,14 +19,9 @@ from megatron.inference.batching import BatchDecoder, BatchRunner, GeneratingSeq
 from megatron.inference.generation import Generator, SamplingParams, generate_token_ids
 from megatron.inference.scheduler import GenerationWorker
 from megatron.testing.tolerance import model_tolerance
+from tests.helpers.checkpoint import POSITIONS, write_random_checkpoint
+from tests.helpers.inference import MAX_NEW_TOKENS, TOKEN_PROMPTS, VOCAB
 
-from tests.checkpoint.helpers import write_random_checkpoint
-from tests.inference.test_generation import POSITIONS
-
-VOCAB = 400
-_lengths = [1, 7, 3, 19, 2, 11, 5, 24, 1, 9, 14, 4, 30, 6, 2, 17, 8, 12]
-PROMPTS = [[(37 * i + 11 * j + 5) % VOCAB for j in range(n)] for i, n in enumerate(_lengths)]
-MAX_NEW_TOKENS = [12, 5, 20, 9, 16, 3, 14, 7, 18, 10, 1, 13, 6, 15, 11, 8, 17, 4]
 ARRIVALS = [0, 0, 0, 1, 2, 2, 4, 5, 5, 7, 8, 9, 11, 12, 14, 15, 18, 20]  # the step at which each prompt comes
 MAX_BATCH = 6  # fewer slots than prompts: later ones wait for a finished row's slot
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -65,7 +60,7 @@ class _Recording(BatchRunner):
         logits = super().prefill(prompts)
         self.passes.append(len(prompts))
         for prompt, row in zip(prompts, logits):
-            self.logits[PROMPTS.index(list(prompt))] = [row]
+            self.logits[TOKEN_PROMPTS.index(list(prompt))] = [row]
         return logits
 
     def decode(self, tokens):
@@ -80,7 +75,7 @@ def _batched(model):
     runner = _Recording(model)
     decoder = runner.decoder = BatchDecoder(runner, MAX_BATCH)
     sequences = [GeneratingSequence(p, SamplingParams(max_new_tokens=n, greedy=True), tag=i)
-                 for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW_TOKENS))]
+                 for i, (p, n) in enumerate(zip(TOKEN_PROMPTS, MAX_NEW_TOKENS))]
     waiting, joined_mid_batch, step = [], 0, 0
     while step <= max(ARRIVALS) or waiting or decoder.rows:
         waiting += [s for s, arrival in zip(sequences, ARRIVALS) if arrival == step]
@@ -100,7 +95,7 @@ def test_a_batch_gives_each_prompt_its_greedy_tokens_alone(checkpoint, dtype):
     model = Generator.from_checkpoint(str(path), dtype=dtype).model
     batched = _batched(model)
     checked, steps, worst = 0, 0, 0.0
-    for prompt, n, (tokens, logits) in zip(PROMPTS, MAX_NEW_TOKENS, batched):
+    for prompt, n, (tokens, logits) in zip(TOKEN_PROMPTS, MAX_NEW_TOKENS, batched):
         reference, reference_logits = _alone(model, prompt, n)
         if dtype == "fp32":  # the reference loop is generate_token_ids' greedy path
             assert reference == generate_token_ids(model, prompt, SamplingParams(n, greedy=True), vocab_size=VOCAB,
@@ -133,13 +128,13 @@ def test_prompts_of_different_lengths_joining_at_once_share_passes_and_give_thei
     runner = _Recording(model)
     decoder = runner.decoder = BatchDecoder(runner, 8)
     sequences = [GeneratingSequence(p, SamplingParams(max_new_tokens=8, greedy=True), tag=i)
-                 for i, p in enumerate(PROMPTS[:8])]  # 1 to 24 tokens
+                 for i, p in enumerate(TOKEN_PROMPTS[:8])]  # 1 to 24 tokens
     decoder.add(sequences)
     assert runner.passes == [5, 2, 1], runner.passes  # [1, 2, 3, 5, 7], [11, 19] and [24] tokens (PAD_BUDGET 8)
     while decoder.rows:
         decoder.step()
     for i, sequence in enumerate(sequences):
-        reference, reference_logits = _alone(model, PROMPTS[i], 8)
+        reference, reference_logits = _alone(model, TOKEN_PROMPTS[i], 8)
         assert sequence.token_ids == reference, (kind, i)
         for batched, alone in zip(runner.logits[i], reference_logits):
             assert (batched - alone).abs().max().item() <= model_tolerance(model.config, torch.float32, alone), (kind, i)
@@ -157,15 +152,15 @@ def test_a_seeded_sequence_draws_the_same_tokens_whatever_else_is_in_the_batch(c
     kind, path = checkpoint
     generator = Generator.from_checkpoint(str(path))
     params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=42)
-    [alone] = generator.generate(["x"], params, prompt_ids=[PROMPTS[3]])
+    [alone] = generator.generate(["x"], params, prompt_ids=[TOKEN_PROMPTS[3]])
 
     def run(others: int):
         decoder = BatchDecoder(BatchRunner(generator.model, VOCAB), 8)
         neighbours = [GeneratingSequence(p, SamplingParams(max_new_tokens=12, temperature=1.5, seed=i))
-                      for i, p in enumerate(PROMPTS[5:5 + others])]
+                      for i, p in enumerate(TOKEN_PROMPTS[5:5 + others])]
         decoder.add(neighbours[:others // 2])
         decoder.step()
-        seeded = GeneratingSequence(PROMPTS[3], params, generator=torch.Generator().manual_seed(42))
+        seeded = GeneratingSequence(TOKEN_PROMPTS[3], params, generator=torch.Generator().manual_seed(42))
         decoder.add([seeded, *neighbours[others // 2:]])  # its prompt's pass is shared with neighbours
         while decoder.rows:
             decoder.step()
@@ -178,7 +173,7 @@ def test_concurrent_requests_through_the_worker_equal_generation_alone(checkpoin
     kind, path = checkpoint
     generator = Generator.from_checkpoint(str(path))
     expected = [generator.generate(["p"], SamplingParams(n, greedy=True), prompt_ids=[p])[0].token_ids
-                for p, n in zip(PROMPTS, MAX_NEW_TOKENS)]
+                for p, n in zip(TOKEN_PROMPTS, MAX_NEW_TOKENS)]
 
     async def clients():
         worker = GenerationWorker(generator, max_pending=64, max_batch_size=MAX_BATCH)
@@ -186,11 +181,11 @@ def test_concurrent_requests_through_the_worker_equal_generation_alone(checkpoin
         async def client(i):
             await asyncio.sleep(0.01 * ARRIVALS[i])
             params = SamplingParams(MAX_NEW_TOKENS[i], greedy=True)
-            [completion] = await worker.generate(["p"], params, prompt_ids=[PROMPTS[i]])
+            [completion] = await worker.generate(["p"], params, prompt_ids=[TOKEN_PROMPTS[i]])
             return completion.token_ids
 
         try:
-            return await asyncio.gather(*(client(i) for i in range(len(PROMPTS))))
+            return await asyncio.gather(*(client(i) for i in range(len(TOKEN_PROMPTS))))
         finally:
             worker.close()
 

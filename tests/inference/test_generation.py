@@ -4,20 +4,24 @@
 import pytest
 import torch
 
-from megatron.inference.generation import (MIN_TEMPERATURE, Generator, SamplingParams, StreamingText,
-                                           generate_token_ids, sample_next_token, tokenizer_from_record)
+from megatron.inference.generation import (
+    MIN_TEMPERATURE,
+    Generator,
+    SamplingParams,
+    StreamingText,
+    generate_token_ids,
+    sample_next_token,
+    tokenizer_from_record,
+)
 from megatron.model import GPTModel
 from megatron.testing.tolerance import model_tolerance
-
-from tests.checkpoint.helpers import random_state_dict, tiny_model_config, tokenizer_record
-
-POSITIONS = {"alibi": {}, "absolute": dict(position_embedding_type="absolute", embed_layernorm=False,
-                                           max_position_embeddings=64),
-             "rotary": dict(position_embedding_type="rotary", embed_layernorm=False),
-             # Llama-style: rotary, RMSNorm, SwiGLU, grouped-query attention, untied head, no biases
-             "llama": dict(position_embedding_type="rotary", embed_layernorm=False, normalization="rmsnorm",
-                           swiglu=True, num_key_value_heads=2, add_bias_linear=False,
-                           untie_embeddings_and_output_weights=True)}
+from tests.helpers.checkpoint import (
+    POSITIONS,
+    random_state_dict,
+    tiny_model_config,
+    tokenizer_record,
+    write_random_checkpoint,
+)
 
 
 def _model(kind="alibi"):
@@ -199,7 +203,6 @@ def test_learned_positions_limit_prompt_plus_new_tokens(tiny_corpus):
 
 
 def test_generator_loads_the_saved_dtype_on_request(tmp_path, tiny_corpus):
-    from tests.checkpoint.helpers import write_random_checkpoint
 
     write_random_checkpoint(tmp_path, tiny_corpus, tp=2)
     generator = Generator.from_checkpoint(str(tmp_path), dtype="bf16")

@@ -7,9 +7,8 @@ import pytest
 
 from megatron.inference.generation import Generator, SamplingParams
 from megatron.inference.server import ServerLimits
-
-from tests.checkpoint.helpers import write_random_checkpoint
-from tests.inference.server_helpers import RunningServer, request
+from tests.helpers.checkpoint import write_random_checkpoint
+from tests.helpers.server import RunningServer, request
 
 LIMITS = ServerLimits(max_prompt_tokens=20, max_new_tokens_limit=16, max_request_bytes=4096, max_prompts=4,
                       default_max_new_tokens=8)

@@ -9,9 +9,8 @@ import pytest
 
 from megatron.inference.generation import Generator, SamplingParams
 from megatron.inference.server import ServerLimits
-
-from tests.checkpoint.helpers import write_random_checkpoint
-from tests.inference.server_helpers import RunningServer, request, serve_tool
+from tests.helpers.checkpoint import write_random_checkpoint
+from tests.helpers.server import RunningServer, request, serve_tool
 
 LIMITS = ServerLimits(max_prompt_tokens=20, max_new_tokens_limit=16, max_request_bytes=2048, max_prompts=4,
                       default_max_new_tokens=8)

@@ -17,9 +17,8 @@ from megatron.inference.batching import BatchRunner
 from megatron.inference.generation import Generator
 from megatron.inference.server import ServerLimits
 from megatron.inference.validation import _PIECE_CHARS
-
-from tests.checkpoint.helpers import write_random_checkpoint
-from tests.inference.server_helpers import RunningServer, request
+from tests.helpers.checkpoint import write_random_checkpoint
+from tests.helpers.server import RunningServer, request
 
 LIMITS = ServerLimits(max_prompt_tokens=20, max_new_tokens_limit=16, max_request_bytes=2048, max_prompts=4,
                       default_max_new_tokens=8, read_timeout=2.0)

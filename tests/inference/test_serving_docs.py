@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from tests.checkpoint.helpers import write_random_checkpoint
-from tests.conftest import REPO_ROOT
-from tests.inference.server_helpers import serve_tool
+from tests.helpers.checkpoint import write_random_checkpoint
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.server import serve_tool
 
 DOC = (REPO_ROOT / "docs" / "serving.md").read_text()
 

@@ -6,18 +6,16 @@ import concurrent.futures
 import pytest
 
 from megatron.inference.generation import Generator, SamplingParams
-
-from tests.checkpoint.helpers import write_random_checkpoint
-from tests.inference.server_helpers import request, serve_tool
-from tests.inference.test_batching import MAX_NEW_TOKENS, PROMPTS
-from tests.inference.test_generation import POSITIONS
+from tests.helpers.checkpoint import POSITIONS, write_random_checkpoint
+from tests.helpers.inference import MAX_NEW_TOKENS, TOKEN_PROMPTS
+from tests.helpers.server import request, serve_tool
 
 
 @pytest.mark.multiprocess
 def test_two_processes_serve_the_greedy_tokens_of_one(tmp_path, tiny_corpus):
     write_random_checkpoint(tmp_path, tiny_corpus, tp=1, pp=2, **POSITIONS["rotary"])
     generator = Generator.from_checkpoint(str(tmp_path))
-    prompts = [generator.tokenizer.detokenize(ids) for ids in PROMPTS[:8]]
+    prompts = [generator.tokenizer.detokenize(ids) for ids in TOKEN_PROMPTS[:8]]
     expected = [generator.generate([text], SamplingParams(n, greedy=True))[0].to_json()
                 for text, n in zip(prompts, MAX_NEW_TOKENS)]
     launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")

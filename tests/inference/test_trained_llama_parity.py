@@ -3,7 +3,7 @@ LlamaForCausalLM's logits equal the training engine's (within the derived fp32 t
 tools/generate.py's greedy continuations (5 prompts x 20 tokens) equal transformers' generate(do_sample=False).
 
 One 8-rank launch trains a few iterations, saves, and evaluates a fixed batch with the pipeline engine
-(test_trained_parity.py does the same for BLOOM; its helpers are reused).
+(test_trained_parity.py does the same for BLOOM, with the same helpers: tests/helpers/inference.py).
 """
 
 import json
@@ -14,7 +14,7 @@ import torch
 from megatron.checkpoint.merge import load_full_state_dict
 from megatron.testing import run_distributed, tiny_argv
 from megatron.testing.tolerance import model_tolerance
-from tests.inference.test_trained_parity import PROMPTS, VOCAB, _fixed_tokens, _train
+from tests.helpers.inference import PROMPTS, VOCAB, fixed_tokens, train_and_evaluate
 
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-key-value-heads", "2", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96")
@@ -30,11 +30,11 @@ def trained(tmp_path_factory, tiny_corpus):
     argv = tiny_argv(tiny_corpus, *LLAMA, train_iters=4, save=str(root / "ckpt"), save_interval=4,
                      tensor_model_parallel_size=2, pipeline_model_parallel_size=2, init_method_std=0.15,
                      position_embedding_type="rope", embed_layernorm=False)
-    results = run_distributed(_train, world_size=8, args=(argv, True), env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    results = run_distributed(train_and_evaluate, world_size=8, args=(argv,), env={"OMP_NUM_THREADS": "1"}, timeout=600)
     shards = {r["tp_rank"]: torch.from_numpy(r["logits"]) for r in results if "logits" in r and r["dp_rank"] == 0}
     engine_logits = torch.cat([shards[0], shards[1]], dim=-1).transpose(0, 1)  # [b, s, vp]
     assert to_hf.main(["--load", str(root / "ckpt"), "--output-dir", str(root / "hf")]) == 0
-    return {"root": root, "engine_logits": engine_logits, "history": results[-1]["history"]}
+    return {"root": root, "engine_logits": engine_logits, "iterations": results[-1]["iterations"]}
 
 
 def _hf(path):
@@ -45,10 +45,10 @@ def _hf(path):
 
 @pytest.mark.multiprocess
 def test_exported_llama_matches_the_training_engine(trained):
-    assert [it for it, _ in trained["history"]] == [1, 2, 3, 4]
+    assert trained["iterations"] == [1, 2, 3, 4]
     hf = _hf(trained["root"] / "hf")
     assert (hf.config.num_key_value_heads, hf.config.tie_word_embeddings, hf.config.vocab_size) == (2, False, VOCAB)
-    tokens = _fixed_tokens()[:, :-1]  # [b, s]
+    tokens = fixed_tokens()[:, :-1]  # [b, s]
     with torch.no_grad():
         theirs = hf(tokens).logits  # [b, s, v]
     engine = trained["engine_logits"][..., :VOCAB]

@@ -20,33 +20,9 @@ import torch
 
 from megatron.testing import run_distributed, tiny_argv
 from megatron.testing.tolerance import model_tolerance
-from tests.conftest import REPO_ROOT
-
-PROMPTS = ["The river", "Model data train the", "North city music", "A", "Pipeline stage tensor parallel gradient"]
-VOCAB, PADDED = 400, 512
-
-
-def _fixed_tokens():
-    return torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(11))  # [b, s + 1]
-
-
-def _train(rank, world_size, argv, evaluate):
-    from megatron.arguments import run_config_from_argv
-    from megatron.training.batches import gpt_micro_batch
-    from megatron.training.pretrain import pretrain
-
-    torch.set_num_threads(1)
-    result = pretrain(run_config_from_argv(argv, world_size=world_size))
-    engine = result.engine
-    out = {"history": [(r.iteration, r.loss) for r in result.history], "iteration": result.progress.iteration}
-    if evaluate:
-        _, logits = engine.eval_batch(iter([gpt_micro_batch(_fixed_tokens())]), return_logits=True,
-                                      num_micro_batches=1)
-        if engine.is_last_stage():
-            # numpy: a torch tensor would travel as shared memory that dies with this process
-            out.update(logits=logits.detach().numpy().copy(), tp_rank=engine.grid.get_slice_parallel_rank(),
-                       dp_rank=engine.grid.get_data_parallel_rank())
-    return out
+from tests.helpers.inference import PADDED, PROMPTS, VOCAB, fixed_tokens, train_and_evaluate
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.training import train
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +32,7 @@ def trained(tmp_path_factory, tiny_corpus):
     # the one token a near-uniform model prefers.
     argv = tiny_argv(tiny_corpus, train_iters=4, save=str(root / "ckpt"), save_interval=4, tensor_model_parallel_size=2,
                      pipeline_model_parallel_size=2, init_method_std=0.3)
-    results = run_distributed(_train, world_size=8, args=(argv, True), env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    results = run_distributed(train_and_evaluate, world_size=8, args=(argv,), env={"OMP_NUM_THREADS": "1"}, timeout=600)
     shards = {r["tp_rank"]: torch.from_numpy(r["logits"]) for r in results if "logits" in r and r["dp_rank"] == 0}
     engine_logits = torch.cat([shards[0], shards[1]], dim=-1).transpose(0, 1)  # [b, s, vp]
     subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "convert_checkpoint" / "to_hf.py"), "--load",
@@ -80,7 +56,7 @@ def test_exported_bloom_matches_the_training_engine_and_our_model(trained):
     config, state, _ = load_full_state_dict(str(trained["root"] / "ckpt"))
     ours = GPTModel(config).eval()
     ours.load_state_dict(state)
-    ids = _fixed_tokens()[:, :-1]  # [b, s]
+    ids = fixed_tokens()[:, :-1]  # [b, s]
     with torch.no_grad():
         theirs = hf(ids).logits  # [b, s, v]
         mine = ours(ids).transpose(0, 1)  # [b, s, vp]
@@ -144,7 +120,7 @@ def test_transformers_own_bloom_converter_reads_our_checkpoint(trained, tmp_path
     theirs = BloomForCausalLM(BloomConfig.from_pretrained(str(trained["root"] / "hf"))).eval()
     theirs.transformer.load_state_dict(state, strict=True)  # every tensor, no more, no fewer
     theirs.tie_weights()
-    tokens = _fixed_tokens()[:, :-1]
+    tokens = fixed_tokens()[:, :-1]
     with torch.no_grad():
         diff = (theirs(tokens).logits - ours(tokens).logits).abs().max().item()
     assert diff <= 1e-5, f"converter vs to_hf.py logits differ by {diff}"
@@ -154,10 +130,6 @@ def test_transformers_own_bloom_converter_reads_our_checkpoint(trained, tmp_path
         a = theirs.generate(**ids, do_sample=False, max_new_tokens=20, min_new_tokens=20)
         b = ours.generate(**ids, do_sample=False, max_new_tokens=20, min_new_tokens=20)
         assert a.shape[1] == ids["input_ids"].shape[1] + 20 and torch.equal(a, b), prompt
-
-
-def _continue(rank, world_size, argv):
-    return _train(rank, world_size, argv, False)
 
 
 @pytest.mark.multiprocess
@@ -180,14 +152,14 @@ def test_from_hf_round_trip_is_exact_and_training_continues_from_it(trained, tin
 
     argv = tiny_argv(tiny_corpus, train_iters=2, lr_warmup_iters=1, load=str(tmp_path / "ckpt"), no_load_optim=True,
                      tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    results = run_distributed(_continue, world_size=4, args=(argv,), env={"OMP_NUM_THREADS": "1"}, timeout=600)
-    history = results[-1]["history"]
+    results = run_distributed(train, world_size=4, args=([argv],), env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    history = [(iteration, loss) for iteration, loss, *_ in results[-1][0]["history"]]
     assert [i for i, _ in history] == [1, 2] and all(math.isfinite(loss) for _, loss in history)
 
     # The first step's loss is the model's loss on samples 0..7 (one global batch), before any update.
     rc = run_config_from_argv(argv, world_size=4)
-    train = build_datasets(rc).train
-    tokens = torch.stack([torch.from_numpy(train[i]["text"]) for i in range(8)])  # [8, s + 1]
+    train_set = build_datasets(rc).train
+    tokens = torch.stack([torch.from_numpy(train_set[i]["text"]) for i in range(8)])  # [8, s + 1]
     with torch.no_grad():
         logits = _hf(trained["root"] / "hf")(tokens[:, :-1]).logits  # [8, s, v]
     padded = torch.cat((logits, torch.zeros(8, 32, PADDED - VOCAB)), dim=-1)  # the zero rows' logits

@@ -2,8 +2,14 @@
 
 import pytest
 
-from megatron.inference.validation import (_PIECE_CHARS, RequestError, ServerLimits, load_json_object,
-                                           parse_generate_request, tokenize_prompt)
+from megatron.inference.validation import (
+    _PIECE_CHARS,
+    RequestError,
+    ServerLimits,
+    load_json_object,
+    parse_generate_request,
+    tokenize_prompt,
+)
 
 
 class _Words:

@@ -1,4 +1,4 @@
-"""``pretrain_gpt.py --dry-run`` on BigScience's own tr11 commands (tests/launch/tr11_jobs.py): each is
+"""``pretrain_gpt.py --dry-run`` on BigScience's own tr11 commands (tests/helpers/tr11_jobs.py): each is
 accepted at the world size its script launches, and the plan it prints (as JSON) has the layout, the
 stages, the batch rampup, the run length, the schedule and the memory per GPU; a broken command lists
 all of its problems at once and exits 1."""
@@ -18,9 +18,9 @@ from megatron.dry_run import build_report, dry_run
 from megatron.planner import ModelShape
 from megatron.planner.layout import layers_per_stage
 from megatron.testing.corpus import make_text
-from tests.conftest import REPO_ROOT
-from tests.data.helpers import fill_hub_cache
-from tests.launch.tr11_jobs import JOBS, TOKENIZER_NAME_OR_PATH, write_job_files
+from tests.helpers.data import fill_hub_cache
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.tr11_jobs import JOBS, TOKENIZER_NAME_OR_PATH, write_job_files
 
 # name: (TP, PP, DP, transformer layers per stage) that DeepSpeed's 'type:transformer|embedding' gives
 EXPECTED = {

@@ -5,19 +5,15 @@ drift from the parser), the DeepSpeed JSON they write agrees with their flags, a
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 
-from megatron.testing.corpus import write_stand_in_dataset
-from megatron.arguments import run_config_from_argv
-from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
-from tests.conftest import REPO_ROOT
+from megatron.testing.corpus import write_stand_in_dataset
+from tests.helpers.examples import EXAMPLES, sbatch_option, script_argv, stand_in_run_config
 
-EXAMPLES = REPO_ROOT / "examples"
 SCRIPTS = sorted([*EXAMPLES.glob("*.sh"), *EXAMPLES.glob("slurm/*.sh"), *EXAMPLES.glob("slurm/*.slurm")])
 BLOOM_SCRIPTS = sorted(EXAMPLES.glob("slurm/bloom-*.slurm"))
 
@@ -57,39 +53,16 @@ def fake_data(tmp_path_factory):
             "MERGE_FILE": str(d / "merges.txt")}
 
 
-def _dry_run(script, tmp_path, env_extra) -> tuple[int, list[str]]:
-    out = tmp_path / f"{script.name}.argv"
-    env = dict(os.environ, DRY_RUN=str(out), RUN_ROOT=str(tmp_path / "runs"), RUN_DIR=str(tmp_path / "run"),
-               PY=sys.executable, BACKEND="gloo", **env_extra)
-    for name in ("SLURM_NNODES", "SLURM_JOB_ID", "WORLD_SIZE", "RANK"):
-        env.pop(name, None)
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"{script}: {proc.stdout}\n{proc.stderr}"
-    world_size, *argv = out.read_text().split("\0")[:-1]
-    return int(world_size), argv
-
-
-def _run_config(argv, world_size) -> RunConfig:
-    """The scripts' tokenizer files are stand-ins: check the flags without building the vocabulary."""
-    return run_config_from_argv(argv, world_size=world_size, with_vocab=False)
-
-
-def _sbatch_option(script, name) -> str:
-    match = re.search(rf"^#SBATCH --{name}[= ](\S+)", script.read_text(), re.MULTILINE)
-    assert match, f"{script} has no #SBATCH --{name}"
-    return match.group(1)
-
-
 @pytest.mark.parametrize("name", sorted(BLOOM))
 def test_bloom_script_flags_parse_at_its_world_size(name, fake_data, tmp_path):
     script = EXAMPLES / "slurm" / f"bloom-{name}.slurm"
-    world_size, argv = _dry_run(script, tmp_path, {"DATA_DIR": fake_data["DATA_DIR"]})
+    world_size, argv = script_argv(script, tmp_path, {"DATA_DIR": fake_data["DATA_DIR"]})
     layers, hidden, heads, tp, pp, nodes, gpus, mbs, gbs, lr = BLOOM[name]
-    assert int(_sbatch_option(script, "nodes")) == nodes
-    assert _sbatch_option(script, "gres") == f"gpu:{gpus}"
+    assert int(sbatch_option(script, "nodes")) == nodes
+    assert sbatch_option(script, "gres") == f"gpu:{gpus}"
     assert world_size == nodes * gpus
 
-    rc = _run_config(argv, world_size)
+    rc = stand_in_run_config(argv, world_size)
     m, p, o, s = rc.model, rc.parallel, rc.optimizer, rc.lr_schedule
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (layers, hidden, heads, 2048)
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (tp, pp)
@@ -118,8 +91,9 @@ def test_bloom_script_flags_parse_at_its_world_size(name, fake_data, tmp_path):
 
 
 def test_bloom_176b_is_bigscience_configuration(fake_data, tmp_path):
-    world_size, argv = _dry_run(EXAMPLES / "slurm" / "bloom-176b.slurm", tmp_path, {"DATA_DIR": fake_data["DATA_DIR"]})
-    rc = _run_config(argv, world_size)
+    world_size, argv = script_argv(EXAMPLES / "slurm" / "bloom-176b.slurm", tmp_path,
+                                   {"DATA_DIR": fake_data["DATA_DIR"]})
+    rc = stand_in_run_config(argv, world_size)
     t, lg = rc.training, rc.logging
     assert (world_size, rc.parallel.data_parallel_size) == (384, 8)
     assert rc.batch.rampup_batch_size == (192, 16, 9_765_625)
@@ -140,8 +114,8 @@ def test_tiny_launch_flags_parse(script, style, fake_data, tmp_path):
     extra = {k: v for k, v in fake_data.items() if k != "DATA_DIR"}
     if style:
         extra["LAUNCH_STYLE"] = style
-    world_size, argv = _dry_run(EXAMPLES / script, tmp_path, extra)
-    rc = _run_config(argv, world_size)
+    world_size, argv = script_argv(EXAMPLES / script, tmp_path, extra)
+    rc = stand_in_run_config(argv, world_size)
     assert world_size == 2 and rc.parallel.data_parallel_size == 1
     assert rc.deepspeed_user_config["train_batch_size"] == rc.batch.global_batch_size
 
@@ -151,8 +125,9 @@ def test_tiny_launch_flags_parse(script, style, fake_data, tmp_path):
 def test_tiny_torchrun_then_deepspeed_launcher_resumes_it(tmp_path):
     """train_tiny_torchrun.sh trains and saves; deepspeed_launcher.sh (hostfile, DeepSpeed's launcher)
     continues the same run from that checkpoint."""
-    from megatron.testing.corpus import make_tiny_corpus
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron.testing.corpus import make_tiny_corpus
 
     corpus = make_tiny_corpus(str(tmp_path / "corpus"))
     run_dir = tmp_path / "run"
@@ -161,8 +136,8 @@ def test_tiny_torchrun_then_deepspeed_launcher_resumes_it(tmp_path):
                DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
     for script, extra in (("train_tiny_torchrun.sh", ["--exit-interval", "4"]), ("deepspeed_launcher.sh", [])):
         # tensorboard gets a point per --log-interval
-        proc = subprocess.run(["bash", str(EXAMPLES / script), *extra, "--log-interval", "1"], env=env, capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(["bash", str(EXAMPLES / script), *extra, "--log-interval", "1"], env=env,
+                              capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         latest = (run_dir / "checkpoints" / "latest").read_text().strip()
         assert latest == ("global_step4" if extra else "global_step8")

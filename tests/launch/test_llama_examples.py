@@ -16,7 +16,7 @@ from megatron.data.tokenizers import train_sentencepiece_tokenizer
 from megatron.dry_run import dry_run
 from megatron.planner import model_shape_of
 from megatron.testing.corpus import make_text, write_stand_in_dataset
-from tests.launch.test_examples import EXAMPLES, _dry_run, _run_config, _sbatch_option
+from tests.helpers.examples import EXAMPLES, sbatch_option, script_argv, stand_in_run_config
 
 SCRIPT = EXAMPLES / "slurm" / "llama2-7b.slurm"
 
@@ -32,9 +32,9 @@ def llama_files(tmp_path_factory):
 
 
 def test_llama2_7b_script_is_llama_2_7b(llama_files, tmp_path):
-    world_size, argv = _dry_run(SCRIPT, tmp_path, llama_files)
-    assert world_size == int(_sbatch_option(SCRIPT, "nodes")) * 8 == 32
-    rc = _run_config(argv, world_size)
+    world_size, argv = script_argv(SCRIPT, tmp_path, llama_files)
+    assert world_size == int(sbatch_option(SCRIPT, "nodes")) * 8 == 32
+    rc = stand_in_run_config(argv, world_size)
     m, p = rc.model, rc.parallel
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.ffn_size, m.seq_length) == \
         (32, 4096, 32, 32, 11008, 4096)
@@ -48,12 +48,12 @@ def test_llama2_7b_script_is_llama_2_7b(llama_files, tmp_path):
     ds = rc.deepspeed_user_config
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]) == (1024, 2)
     # GQA variant: 8 key / value heads, still whole groups on each of the 2 TP ranks
-    _, gqa = _dry_run(SCRIPT, tmp_path, dict(llama_files, NUM_KV_HEADS="8"))
-    assert _run_config(gqa, 32).model.num_kv_heads == 8
+    _, gqa = script_argv(SCRIPT, tmp_path, dict(llama_files, NUM_KV_HEADS="8"))
+    assert stand_in_run_config(gqa, 32).model.num_kv_heads == 8
 
 
 def test_llama2_7b_dry_run_plan(llama_files, tmp_path):
-    world_size, argv = _dry_run(SCRIPT, tmp_path, llama_files)
+    world_size, argv = script_argv(SCRIPT, tmp_path, llama_files)
     out = tmp_path / "plan.json"
     assert dry_run(argv + ["--dry-run", "--world-size", str(world_size), "--dry-run-gpu", "H100-80GB",
                            "--dry-run-json", str(out)], out=io.StringIO()) == 0
@@ -68,7 +68,7 @@ def test_llama2_7b_dry_run_plan(llama_files, tmp_path):
     assert report["memory"]["fits"] and report["memory"]["gpu"] == "H100-80GB"
     assert report["run"]["tokens"] >= 2 * 10 ** 12
     # an impossible variant is refused naming the fix, before anything starts
-    _, bad = _dry_run(SCRIPT, tmp_path, dict(llama_files, NUM_KV_HEADS="1"))
+    _, bad = script_argv(SCRIPT, tmp_path, dict(llama_files, NUM_KV_HEADS="1"))
     assert dry_run(bad + ["--dry-run", "--world-size", "32", "--dry-run-json", str(out)], out=io.StringIO()) == 1
     assert any("--num-key-value-heads 1 is not divisible by --tensor-model-parallel-size 2" in problem
                for problem in json.loads(out.read_text())["problems"])
@@ -77,8 +77,8 @@ def test_llama2_7b_dry_run_plan(llama_files, tmp_path):
 def test_llama2_7b_script_as_zero3_with_hpz(llama_files, tmp_path):
     """The sharded alternative: ZERO_STAGE=3 TP_SIZE=1 HPZ_SIZE=8 is ZeRO-3 over all 32 GPUs with a secondary
     parameter shard per node; with the pipeline it is refused before anything starts, naming both choices."""
-    world_size, argv = _dry_run(SCRIPT, tmp_path, dict(llama_files, ZERO_STAGE="3", TP_SIZE="1", HPZ_SIZE="8"))
-    rc = _run_config(argv, world_size)
+    world_size, argv = script_argv(SCRIPT, tmp_path, dict(llama_files, ZERO_STAGE="3", TP_SIZE="1", HPZ_SIZE="8"))
+    rc = stand_in_run_config(argv, world_size)
     p = rc.parallel
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size) == (1, 1, 32)
     assert (rc.deepspeed_zero_stage, p.zero_hpz_partition_size, rc.bf16) == (3, 8, True)
@@ -86,7 +86,7 @@ def test_llama2_7b_script_as_zero3_with_hpz(llama_files, tmp_path):
     out = tmp_path / "zero3.json"
     assert dry_run(argv + ["--dry-run", "--world-size", str(world_size), "--dry-run-json", str(out)],
                    out=io.StringIO()) == 0
-    _, piped = _dry_run(SCRIPT, tmp_path, dict(llama_files, ZERO_STAGE="3", PP_SIZE="2"))
+    _, piped = script_argv(SCRIPT, tmp_path, dict(llama_files, ZERO_STAGE="3", PP_SIZE="2"))
     assert dry_run(piped + ["--dry-run", "--world-size", "32", "--dry-run-json", str(out)], out=io.StringIO()) == 1
     assert any("--zero-stage 3 does not combine with --pipeline-model-parallel-size 2" in problem
                for problem in json.loads(out.read_text())["problems"])
@@ -133,8 +133,9 @@ def test_tiny_llama_script_trains_and_exports_to_llama(tmp_path):
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.5, losses
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "global_step12"
 
-    from tools.convert_checkpoint import to_hf
     from transformers import AutoModelForCausalLM
+
+    from tools.convert_checkpoint import to_hf
 
     assert to_hf.main(["--load", str(run_dir / "checkpoints"), "--output-dir", str(tmp_path / "hf")]) == 0
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.helpers.paths import REPO_ROOT
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

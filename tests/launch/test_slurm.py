@@ -23,8 +23,8 @@ import time
 import pytest
 
 from megatron.testing.corpus import make_tiny_corpus
-from tests.conftest import REPO_ROOT
-from tests.launch.slurm_cluster import SlurmCluster, ensure_slurm_installed
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.slurm_cluster import SlurmCluster, ensure_slurm_installed
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from megatron.testing import tiny_argv
-from tests.conftest import REPO_ROOT
+from tests.helpers.paths import REPO_ROOT
 
 TIMEOUT_MINUTES = 0.2  # 12 s: well above any legitimate wait of this tiny job, even on a loaded machine
 

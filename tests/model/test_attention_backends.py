@@ -14,8 +14,7 @@ from megatron.model.attention_core import resolve_attention_backend
 from megatron.parallel.state import ParallelState
 from megatron.testing import run_distributed
 from megatron.testing.tolerance import tolerance
-
-from .helpers import tiny_config
+from tests.helpers.model import tiny_config
 
 SEQ = 48  # three blocks of the CPU backward below: the blockwise gradients are stitched, not one block
 LLAMA = dict(position_embedding_type="rotary", normalization="rmsnorm", swiglu=True, num_key_value_heads=2,

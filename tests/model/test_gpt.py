@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from megatron.model import EmbeddingLayer, GPTModel, TransformerLayer, gpt_loss
 from megatron.parallel.random import RNGStatesTracker
 from megatron.testing.tolerance import model_tolerance
-
-from .helpers import POSITION_TYPES, tiny_config
+from tests.helpers.model import POSITION_TYPES, tiny_config
 
 
 def _ids(b=2, s=16, seed=0):

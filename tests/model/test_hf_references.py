@@ -7,8 +7,7 @@ import torch
 
 from megatron.model import GPTModel
 from megatron.testing.tolerance import model_tolerance
-
-from .helpers import tiny_config
+from tests.helpers.model import tiny_config
 
 
 def _perturbed(model):

@@ -6,9 +6,7 @@ import torch
 from megatron.model import BatchKVCache, GPTModel
 from megatron.model.positional import alibi_bias
 from megatron.testing.tolerance import model_tolerance
-
-from tests.checkpoint.helpers import random_state_dict, tiny_model_config
-from tests.inference.test_generation import POSITIONS
+from tests.helpers.checkpoint import POSITIONS, random_state_dict, tiny_model_config
 
 
 @pytest.mark.parametrize("kind", sorted(POSITIONS))
@@ -52,7 +50,7 @@ def _rows(lengths, seed):
     """Keys and values [s, k, ng=2, hn=4] of k right-padded prompts, every entry nonzero."""
     generator = torch.Generator().manual_seed(seed)
     s = max(lengths)
-    return (torch.rand(s, len(lengths), 2, 4, generator=generator) + 1, torch.rand(s, len(lengths), 2, 4, generator=generator) + 1)
+    return tuple(torch.rand(s, len(lengths), 2, 4, generator=generator) + 1 for _ in range(2))
 
 
 def test_rows_join_and_leave_in_place_and_keep_their_own_keys():

@@ -3,10 +3,20 @@
 import pytest
 
 from megatron.model import GPTModel
-from megatron.model.layout import (EMBEDDING, FINAL_NORM, HEAD, LEGACY_LAYOUT, PASS_THROUGH, TRANSFORMER, model_name,
-                                   parameter_layout, pipeline_item, pipeline_items, pipeline_name)
-
-from .helpers import POSITION_TYPES, tiny_config
+from megatron.model.layout import (
+    EMBEDDING,
+    FINAL_NORM,
+    HEAD,
+    LEGACY_LAYOUT,
+    PASS_THROUGH,
+    TRANSFORMER,
+    model_name,
+    parameter_layout,
+    pipeline_item,
+    pipeline_items,
+    pipeline_name,
+)
+from tests.helpers.model import POSITION_TYPES, tiny_config
 
 
 @pytest.mark.parametrize("embed_layernorm", [False, True])

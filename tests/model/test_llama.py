@@ -14,8 +14,7 @@ import torch
 from megatron.model import GPTModel, TransformerLayer
 from megatron.model.layout import EMBEDDING, HEAD, model_name, parameter_layout, pipeline_items, pipeline_name
 from megatron.testing.tolerance import OPS_PER_LAYER, model_tolerance, tolerance
-
-from .helpers import tiny_config
+from tests.helpers.model import tiny_config
 
 
 def llama(**overrides):

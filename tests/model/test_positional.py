@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron.model.positional import (alibi_bias, alibi_slopes, alibi_slopes_for_rank, apply_rotary,
-                                       rotary_cos_sin)
+from megatron.model.positional import alibi_bias, alibi_slopes, alibi_slopes_for_rank, apply_rotary, rotary_cos_sin
 
 
 @pytest.mark.parametrize("num_heads", [1, 2, 4, 5, 6, 8, 12, 16, 24, 48, 112])

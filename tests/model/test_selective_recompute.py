@@ -11,9 +11,8 @@ from megatron.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
 from megatron.parallel.state import ParallelState
 from megatron.testing import run_distributed
 from megatron.testing.corpus import tiny_argv
-from tests.training.helpers import run_single
-
-from .helpers import tiny_config
+from tests.helpers.model import tiny_config
+from tests.helpers.training import train
 
 SEQ = 64
 
@@ -50,7 +49,7 @@ def test_selective_recompute_gives_identical_loss_and_grads_and_keeps_less():
 def test_a_training_run_with_selective_recompute_has_the_same_losses(tiny_corpus):
     flags = dict(train_iters=3, lr_warmup_iters=1, global_batch_size=4)
     runs = [tiny_argv(tiny_corpus, **flags), tiny_argv(tiny_corpus, recompute_granularity="selective", **flags)]
-    (plain, selective), = run_distributed(run_single, world_size=1, args=(runs,), timeout=300)
+    (plain, selective), = run_distributed(train, world_size=1, args=(runs,), timeout=300)
     assert [h[1] for h in selective["history"]] == [h[1] for h in plain["history"]]
 
 

@@ -18,7 +18,7 @@ from megatron.model import GPTModel, TransformerLayer
 from megatron.model.transformer import sequence_parallel_dropout
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState, group_layout, group_rank
-from tests.parallel.helpers import randn, rel_err, run_on_tp
+from tests.helpers.parallel import randn, rel_err, run_on_tp
 
 S, B, H = 8, 2, 32
 BASE = ModelConfig(num_layers=2, hidden_size=H, num_attention_heads=4, padded_vocab_size=64, seq_length=S,

@@ -12,8 +12,7 @@ from megatron.model import GPTModel
 from megatron.parallel.replicated import sync_tp_duplicated_parameters, tp_duplicated_parameters
 from megatron.parallel.state import ParallelState
 from megatron.testing import run_distributed
-
-from .helpers import POSITION_TYPES, tiny_config
+from tests.helpers.model import POSITION_TYPES, tiny_config
 
 
 def _all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:

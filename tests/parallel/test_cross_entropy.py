@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.parallel.state import group_rank, group_size
-from tests.parallel.helpers import randn, rel_err, run_on_tp
+from tests.helpers.parallel import randn, rel_err, run_on_tp
 
 RTOL = 1e-5
 BF16_GRAD_RTOL = 2.0 ** -8  # one bf16 rounding of the fp32 gradient

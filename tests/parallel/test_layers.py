@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.parallel.state import group_rank, group_size
-from tests.parallel.helpers import gather, randn, rel_err, run_on_tp, seeded_init
+from tests.helpers.parallel import gather, randn, rel_err, run_on_tp, seeded_init
 
 RTOL = 1e-5
-S, B, H, O, V = 4, 3, 8, 12 * 4, 16  # sequence (divisible by 4 for sequence parallelism), batch, ...
+S, B, H, OUT, V = 4, 3, 8, 12 * 4, 16  # sequence (divisible by 4 for sequence parallelism), batch, ...
 
 
 TP_SIZES = [1, pytest.param(2, marks=pytest.mark.multiprocess),
@@ -31,18 +31,18 @@ def _assert_errors(results: list[dict], tp: int) -> None:
 # ---- the checks ------------------------------------------------------------------------------------
 def _check_column(tp_group, gather_output: bool, skip_bias_add: bool, sequence_parallel: bool) -> dict:
     tp, rank = group_size(tp_group), group_rank(tp_group)
-    full = ColumnParallelLinear(H, O, tp_group=None, init_method=seeded_init(1))
-    layer = ColumnParallelLinear(H, O, tp_group=tp_group, init_method=seeded_init(1),
+    full = ColumnParallelLinear(H, OUT, tp_group=None, init_method=seeded_init(1))
+    layer = ColumnParallelLinear(H, OUT, tp_group=tp_group, init_method=seeded_init(1),
                                  gather_output=gather_output, skip_bias_add=skip_bias_add,
                                  sequence_parallel=sequence_parallel)
     assert torch.equal(layer.weight, full.weight.chunk(tp, 0)[rank]), f"rank {rank}: weight not a slice"
-    bias = randn(O, seed=2)
-    ref = torch.nn.Linear(H, O)
+    bias = randn(OUT, seed=2)
+    ref = torch.nn.Linear(H, OUT)
     with torch.no_grad():
         ref.weight.copy_(full.weight)
         ref.bias.copy_(bias)
         layer.bias.copy_(bias.chunk(tp)[rank])
-    x, g = randn(S, B, H, seed=3), randn(S, B, O, seed=4)
+    x, g = randn(S, B, H, seed=3), randn(S, B, OUT, seed=4)
     x_ref = x.clone().requires_grad_()
     y_ref = ref(x_ref)
     (y_ref * g).sum().backward()
@@ -65,18 +65,18 @@ def _check_column(tp_group, gather_output: bool, skip_bias_add: bool, sequence_p
 
 def _check_row(tp_group, input_is_parallel: bool, skip_bias_add: bool, sequence_parallel: bool) -> dict:
     tp, rank = group_size(tp_group), group_rank(tp_group)
-    full = RowParallelLinear(O, H, tp_group=None, init_method=seeded_init(5))
-    layer = RowParallelLinear(O, H, tp_group=tp_group, init_method=seeded_init(5),
+    full = RowParallelLinear(OUT, H, tp_group=None, init_method=seeded_init(5))
+    layer = RowParallelLinear(OUT, H, tp_group=tp_group, init_method=seeded_init(5),
                               input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add,
                               sequence_parallel=sequence_parallel)
     assert torch.equal(layer.weight, full.weight.chunk(tp, 1)[rank]), f"rank {rank}: weight not a slice"
     bias = randn(H, seed=6)
-    ref = torch.nn.Linear(O, H)
+    ref = torch.nn.Linear(OUT, H)
     with torch.no_grad():
         ref.weight.copy_(full.weight)
         ref.bias.copy_(bias)
         layer.bias.copy_(bias)
-    x, g = randn(S, B, O, seed=7), randn(S, B, H, seed=8)
+    x, g = randn(S, B, OUT, seed=7), randn(S, B, H, seed=8)
     x_ref = x.clone().requires_grad_()
     y_ref = ref(x_ref)
     (y_ref * g).sum().backward()
@@ -142,9 +142,9 @@ def _check_out_of_range_ids(tp_group) -> None:
 
 def _check_tags_and_dtype(tp_group) -> None:
     rank = group_rank(tp_group)
-    col = ColumnParallelLinear(H, O, tp_group=tp_group, init_method=seeded_init(12),
+    col = ColumnParallelLinear(H, OUT, tp_group=tp_group, init_method=seeded_init(12),
                                params_dtype=torch.bfloat16)
-    row = RowParallelLinear(O, H, tp_group=tp_group, init_method=seeded_init(12))
+    row = RowParallelLinear(OUT, H, tp_group=tp_group, init_method=seeded_init(12))
     emb = VocabParallelEmbedding(V, H, tp_group=tp_group)
     tags = lambda p: (p.tensor_model_parallel, p.partition_dim, p.partition_stride)  # noqa: E731
     assert tags(col.weight) == (True, 0, 1) and tags(col.bias) == (True, 0, 1), f"rank {rank}"
@@ -152,7 +152,7 @@ def _check_tags_and_dtype(tp_group) -> None:
     assert row.bias.tensor_model_parallel is False, f"rank {rank}: row bias must be replicated"
     assert col.weight.dtype == torch.bfloat16 and not col.bias.any(), f"rank {rank}"
     # Initialized in fp32 and then cast: the bf16 shard is the rounded fp32 slice.
-    full = ColumnParallelLinear(H, O, tp_group=None, init_method=seeded_init(12)).weight
+    full = ColumnParallelLinear(H, OUT, tp_group=None, init_method=seeded_init(12)).weight
     expected = full.chunk(group_size(tp_group), 0)[rank].to(torch.bfloat16)
     assert torch.equal(col.weight, expected), f"rank {rank}: bf16 weight is not the cast fp32 slice"
 
@@ -189,7 +189,7 @@ def test_layers_match_torch_reference(tp):
 
 def test_row_sequence_parallel_needs_parallel_input():
     with pytest.raises(ValueError, match="input_is_parallel=True"):
-        RowParallelLinear(O, H, tp_group=None, sequence_parallel=True)
+        RowParallelLinear(OUT, H, tp_group=None, sequence_parallel=True)
 
 
 def test_default_init_is_normal_002_and_biases_zero():

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron.parallel import mappings as m
 from megatron.parallel.state import group_rank, group_size
-from tests.parallel.helpers import randn, rel_err, run_on_tp
+from tests.helpers.parallel import randn, rel_err, run_on_tp
 
 RTOL = 1e-6
 S, B, H = 8, 3, 12  # S and H divisible by 2 and 4

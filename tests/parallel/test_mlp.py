@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.state import group_rank, group_size
-from tests.parallel.helpers import gather, randn, rel_err, run_on_tp, seeded_init
+from tests.helpers.parallel import gather, randn, rel_err, run_on_tp, seeded_init
 
 RTOL = 1e-5
 S, B, H = 4, 2, 16

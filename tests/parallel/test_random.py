@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.parallel.random import (MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_rng_seed)
+from megatron.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import group_rank
-from tests.parallel.helpers import run_on_tp
+from tests.helpers.parallel import run_on_tp
 
 
 def _mask(device: str = "cpu") -> torch.Tensor:

@@ -136,7 +136,7 @@ def _ulysses_step(rank, world_size, config, tp, recompute):
 def test_ulysses_all_to_alls_equal_analytic_count(tp, sp, recompute):
     """4 all-to-alls per layer forward (q, k, v, context), 4 adjoints backward, sizes per head count (GQA)."""
     from megatron.planner.comm_count import analytic_ulysses_counts
-    from tests.model.helpers import tiny_config
+    from tests.helpers.model import tiny_config
 
     config = tiny_config(num_attention_heads=8, num_key_value_heads=4, position_embedding_type="rotary",
                          seq_length=16)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from megatron.planner.comm_zero import ModuleParams, ZeroSettings, analytic_zero_counts
 from megatron.benchmarking.measure import analytic_sharded_counts
+from megatron.planner.comm_zero import ModuleParams, ZeroSettings, analytic_zero_counts
 from megatron.testing import run_distributed, tiny_argv
 
 # stage3_max_reuse_distance 0: every parameter released after each use; prefetch 0: one call per module

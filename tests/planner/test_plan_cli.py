@@ -1,12 +1,8 @@
 """tools/plan_parallelism.py: the table and --json agree with the library's ranking."""
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-
-import plan_parallelism  # noqa: E402
+from tools import plan_parallelism
 
 BLOOM_ARGS = ["--model", "176B", "--num-gpus", "384", "--gpu", "A100-80GB", "--cluster", "jean-zay-a100",
               "--global-batch-size", "2048", "--pp-partition-method", "type:transformer|embedding"]

@@ -7,7 +7,7 @@ import torch
 
 from megatron.testing.tolerance import model_tolerance, tolerance, transformer_depth
 from megatron.testing.tolerance_report import margins, parse, record
-from tests.model.helpers import tiny_config
+from tests.helpers.model import tiny_config
 
 
 def test_the_bound_is_the_random_walk_of_both_roundings():

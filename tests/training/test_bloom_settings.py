@@ -10,25 +10,11 @@ import shutil
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.conftest import make_read_only, make_writable
+from tests.helpers.paths import make_read_only, make_writable
+from tests.helpers.training import train
 
 ITERS = 3
 INDEX_PARTS = ("doc_idx.npy", "sample_idx.npy", "shuffle_idx.npy", "description.json")
-
-
-def _train(rank, world_size, argv):
-    from megatron.arguments import run_config_from_argv
-    from megatron.training.pretrain import pretrain
-
-    rc = run_config_from_argv(argv, world_size=world_size)
-    result = pretrain(rc)
-    engine = result.engine
-    optimizer = engine.optimizer
-    return {"optimizer": type(optimizer).__name__, "asked_stage": rc.precision.zero_stage,
-            "engine_stage": engine.zero_optimization_stage(), "warnings": list(rc.startup_warnings),
-            "losses": [r.loss for r in result.history],
-            "master_numel": sum(p.numel() for p in getattr(optimizer, "fp32_groups_flat_partition", [])),
-            "stage_numel": sum(p.numel() for p in engine.module.parameters())}
 
 
 def _listing(folder: pathlib.Path) -> list[tuple[str, int]]:
@@ -49,7 +35,7 @@ def bloom_run(tiny_corpus, tmp_path_factory):
     before = _listing(data)
     read_only = make_read_only(data)
     try:
-        results = run_distributed(_train, world_size=2, args=(argv,), timeout=600)
+        results = [run for (run,) in run_distributed(train, world_size=2, args=([argv],), timeout=600)]
     finally:
         make_writable(data)
     return {"results": results, "read_only": read_only, "data_before": before, "data_after": _listing(data),
@@ -64,8 +50,8 @@ def test_bf16_zero_stage_0_trains_with_bf16_optimizer_sharded_over_dp(bloom_run)
         assert len(notes) == 1 and "runs DeepSpeed's BF16_Optimizer (ZeRO stage 1)" in notes[0], f"rank {rank}"
         assert len(run["losses"]) == ITERS and all(math.isfinite(x) for x in run["losses"]), f"rank {rank}"
         # fp32 master weights partitioned over DP=2: each rank holds half of them (DeepSpeed pads a little)
-        half = run["stage_numel"] / 2
-        assert half <= run["master_numel"] <= half + 64, f"rank {rank}: {run['master_numel']} of {run['stage_numel']}"
+        half = run["held_numel"] / 2
+        assert half <= run["master_numel"] <= half + 64, f"rank {rank}: {run['master_numel']} of {run['held_numel']}"
 
 
 @pytest.mark.multiprocess

@@ -9,16 +9,13 @@ test_equivalence.py).
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron.checkpoint.integrity import record_checksums
 from megatron.testing import DistributedTestError, run_distributed, tiny_argv
-from tests.conftest import REPO_ROOT
-from tests.training.helpers import pretrain_error, run_single
+from tests.helpers.training import assert_continues, convert_to_universal, pretrain_error, to_universal, train
 
 ITERS = 20
 LAYOUT_222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -28,34 +25,6 @@ LAYOUT_124 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-si
 def _argv(corpus, *extra, **flags):
     # ZeRO-1 in fp32 and in bf16: the optimizer state is partitioned, as universal conversion expects.
     return tiny_argv(corpus, *extra, **dict(dict(train_iters=ITERS, lr_warmup_iters=2, zero_stage=1), **flags))
-
-
-def _losses(run):
-    return [loss for _, loss, *_ in run["history"]]
-
-
-def _iterations(run):
-    return [it for it, *_ in run["history"]]
-
-
-def _assert_continues(reference, tail, rel, label):
-    expected = reference[-len(tail):]
-    for i, (a, b) in enumerate(zip(expected, tail)):
-        assert abs(a - b) <= rel * abs(a), f"{label}: iteration {ITERS - len(tail) + i + 1}: loss {b} vs {a} straight"
-
-
-def _convert(ckpt, tag):
-    out = os.path.join(ckpt, f"{tag}_universal")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_checkpoint/ds_to_universal.py"),
-                           "--input_folder", os.path.join(ckpt, tag), "--output_folder", out],
-                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-    return proc, out
-
-
-def _to_universal(ckpt, tag):
-    proc, out = _convert(ckpt, tag)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert os.path.isfile(os.path.join(out, "complete"))
 
 
 @pytest.fixture(scope="module")
@@ -70,25 +39,25 @@ def trained(tiny_corpus, tmp_path_factory):
         _argv(tiny_corpus, "--bf16") + LAYOUT_222,
         _argv(tiny_corpus, "--bf16", save=bf16, save_interval=100, exit_interval=10) + LAYOUT_222,
     ]
-    results = run_distributed(run_single, world_size=8, args=(runs,), timeout=900)
+    results = run_distributed(train, world_size=8, args=(runs,), timeout=900)
     straight, first, resumed, bf16_straight, _ = results[-1]  # the last rank holds the losses
-    return {"straight": _losses(straight), "first": first, "resumed": resumed, "bf16_straight": _losses(bf16_straight),
-            "fp32_dir": fp32, "bf16_dir": bf16, "root": root}
+    return {"straight": straight["losses"], "first": first, "resumed": resumed,
+            "bf16_straight": bf16_straight["losses"], "fp32_dir": fp32, "bf16_dir": bf16, "root": root}
 
 
 @pytest.mark.multiprocess
 def test_resume_continues_loss_for_loss(trained):
     first, resumed = trained["first"], trained["resumed"]
-    assert _iterations(first) == list(range(1, 11)) and first["reason"] == "exit-interval"
-    assert _iterations(resumed) == list(range(11, 21))
-    assert _losses(first) + _losses(resumed) == trained["straight"]  # bit for bit
+    assert first["iterations"] == list(range(1, 11)) and first["reason"] == "exit-interval"
+    assert resumed["iterations"] == list(range(11, 21))
+    assert first["losses"] + resumed["losses"] == trained["straight"]  # bit for bit
 
 
 @pytest.mark.multiprocess
 def test_reshape_through_universal_checkpoints(trained, tiny_corpus):
     fp32, bf16, root = trained["fp32_dir"], trained["bf16_dir"], trained["root"]
-    _to_universal(fp32, "global_step10")
-    _to_universal(bf16, "global_step10")
+    to_universal(os.path.join(fp32, "global_step10"))
+    to_universal(os.path.join(bf16, "global_step10"))
     one = str(root / "fp32_111")
     # (2,2,2) -> (1,1,1) in fp32 and bf16; then, to show the flag is not sticky, the (1,1,1) run saves at
     # iteration 15 in its own layout and a plain --load continues from there.
@@ -98,18 +67,18 @@ def test_reshape_through_universal_checkpoints(trained, tiny_corpus):
         _argv(tiny_corpus, "--bf16", load=bf16, universal_checkpoint=True),
         _argv(tiny_corpus, save=str(root / "fp32_111_first"), save_interval=100, exit_interval=10),
     ]
-    to_111, plain, bf16_111, first_111 = run_distributed(run_single, world_size=1, args=(runs,), timeout=600)[0]
-    assert _iterations(to_111) == list(range(11, 16)) and _iterations(plain) == list(range(16, 21))
-    _assert_continues(trained["straight"], _losses(to_111) + _losses(plain), 1e-5, "(2,2,2) -> (1,1,1) fp32")
-    _assert_continues(trained["bf16_straight"], _losses(bf16_111), 2e-2, "(2,2,2) -> (1,1,1) bf16")
+    to_111, plain, bf16_111, first_111 = run_distributed(train, world_size=1, args=(runs,), timeout=600)[0]
+    assert to_111["iterations"] == list(range(11, 16)) and plain["iterations"] == list(range(16, 21))
+    assert_continues(trained["straight"], to_111["losses"] + plain["losses"], 1e-5, "(2,2,2) -> (1,1,1) fp32")
+    assert_continues(trained["bf16_straight"], bf16_111["losses"], 2e-2, "(2,2,2) -> (1,1,1) bf16")
 
     # (1,1,1) -> (2,2,2) and (2,2,2) -> (1,2,4).
-    _to_universal(str(root / "fp32_111_first"), "global_step10")
+    to_universal(os.path.join(str(root / "fp32_111_first"), "global_step10"))
     runs = [_argv(tiny_corpus, load=str(root / "fp32_111_first"), universal_checkpoint=True) + LAYOUT_222,
             _argv(tiny_corpus, load=fp32, universal_checkpoint=True) + LAYOUT_124]
-    to_222, to_124 = run_distributed(run_single, world_size=8, args=(runs,), timeout=900)[-1]
-    _assert_continues(trained["straight"], _losses(to_222), 1e-5, "(1,1,1) -> (2,2,2) fp32")
-    _assert_continues(trained["straight"], _losses(to_124), 1e-5, "(2,2,2) -> (1,2,4) fp32")
+    to_222, to_124 = run_distributed(train, world_size=8, args=(runs,), timeout=900)[-1]
+    assert_continues(trained["straight"], to_222["losses"], 1e-5, "(1,1,1) -> (2,2,2) fp32")
+    assert_continues(trained["straight"], to_124["losses"], 1e-5, "(2,2,2) -> (1,2,4) fp32")
 
 
 def _crash_during_second_save(rank, world_size, argv):
@@ -130,7 +99,7 @@ def _crash_during_second_save(rank, world_size, argv):
         return real_save(engine, save_dir, iteration, *args, **kwargs)
 
     ckpt.save_checkpoint = dying_save
-    return run_single(rank, world_size, [argv])
+    return train(rank, world_size, [argv])
 
 
 @pytest.mark.multiprocess
@@ -147,8 +116,8 @@ def test_kill_during_save_resumes_from_previous_good_checkpoint(tiny_corpus, tmp
     # A user pointing 'latest' at the broken tag gets the newest complete one instead, with a warning.
     with open(os.path.join(save, "latest"), "w") as f:
         f.write("global_step6")
-    resumed = run_distributed(run_single, world_size=2, args=([argv + ["--load", save]],), timeout=300)[-1][0]
-    assert _iterations(resumed) == [4, 5, 6, 7, 8, 9]
+    resumed = run_distributed(train, world_size=2, args=([argv + ["--load", save]],), timeout=300)[-1][0]
+    assert resumed["iterations"] == [4, 5, 6, 7, 8, 9]
     assert open(os.path.join(save, "latest")).read().strip() == "global_step9"
 
 
@@ -157,12 +126,12 @@ def test_keep_last_n_and_architecture_mismatch(tiny_corpus, tmp_path):
     save = str(tmp_path / "ckpt")
     keep = _argv(tiny_corpus, train_iters=8, save=save, save_interval=2, keep_last_n_checkpoints=2)
     wider = _argv(tiny_corpus, train_iters=8, load=save, hidden_size=96, num_attention_heads=4)
-    (kept,), = run_distributed(run_single, world_size=1, args=([keep],), timeout=300)
+    (kept,), = run_distributed(train, world_size=1, args=([keep],), timeout=300)
     assert sorted(d for d in os.listdir(save) if d.startswith("global_step")) == ["global_step6", "global_step8"]
     with open(os.path.join(save, "global_step8", "run_state.json")) as f:
         assert json.load(f)["progress"]["iteration"] == 8
     with pytest.raises(DistributedTestError, match="hidden_size = 64 but this run has 96"):
-        run_distributed(run_single, world_size=1, args=([wider],), timeout=300)
+        run_distributed(train, world_size=1, args=([wider],), timeout=300)
 
 
 class _Payload:
@@ -201,7 +170,8 @@ def test_universal_conversion_and_loading_refuse_crafted_and_damaged_files(train
     shutil.copytree(source, crafted / "global_step10")
     optim = str(crafted / "global_step10" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     _plant(optim, marker)
-    proc, out = _convert(str(crafted), "global_step10")
+    out = os.path.join(str(crafted), "global_step10_universal")
+    proc = convert_to_universal(os.path.join(str(crafted), "global_step10"), out)
     assert proc.returncode != 0 and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in proc.stderr, proc.stderr[-3000:]
     assert "weights_only=True" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not marker.exists() and not os.path.exists(os.path.join(out, "complete"))
@@ -209,14 +179,15 @@ def test_universal_conversion_and_loading_refuse_crafted_and_damaged_files(train
     damaged = tmp_path / "damaged"
     shutil.copytree(source, damaged / "global_step10")
     _flip_byte(str(damaged / "global_step10" / "layer_03-model_00-model_states.pt"))
-    proc, out = _convert(str(damaged), "global_step10")
+    out = os.path.join(str(damaged), "global_step10_universal")
+    proc = convert_to_universal(os.path.join(str(damaged), "global_step10"), out)
     assert proc.returncode != 0 and "layer_03-model_00-model_states.pt does not match its SHA-256" in proc.stderr
     assert not os.path.exists(out)
 
     # An intact conversion records a checksum for every file it writes, the per-parameter folders too.
     good = tmp_path / "good"
     shutil.copytree(source, good / "global_step10")
-    _to_universal(str(good), "global_step10")
+    to_universal(os.path.join(str(good), "global_step10"))
     universal = good / "global_step10_universal"
     with open(universal / "checksums.json") as f:
         recorded = json.load(f)

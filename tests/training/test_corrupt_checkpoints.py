@@ -10,14 +10,14 @@ import torch
 from megatron.checkpoint.integrity import record_checksums
 from megatron.checkpoint.safe_load import safe_load
 from megatron.testing import run_distributed, tiny_argv
-from tests.training.helpers import pretrain_error, run_single
+from tests.helpers.training import pretrain_error, train
 
 
 @pytest.fixture(scope="module")
 def saved(tiny_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("corrupt")
     argv = tiny_argv(tiny_corpus, "--bf16", train_iters=4, save=str(root / "ckpt"), save_interval=2, exit_interval=2)
-    run_distributed(run_single, world_size=1, args=([argv],), timeout=300)
+    run_distributed(train, world_size=1, args=([argv],), timeout=300)
     return tiny_corpus, root / "ckpt"
 
 
@@ -55,7 +55,7 @@ def test_nan_in_weights_or_fp32_masters_is_refused_by_name(saved, tmp_path):
     assert "weights of layers.0.mlp.dense_h_to_4h.weight" in messages[0], messages[0]
     assert messages[1] is not None and "fp32 master weights of" in messages[1], messages[1]
     # The untouched checkpoint resumes.
-    (clean,) = run_distributed(run_single, world_size=1, args=([tiny_argv(corpus, "--bf16", train_iters=4,
+    (clean,) = run_distributed(train, world_size=1, args=([tiny_argv(corpus, "--bf16", train_iters=4,
                                                                           load=str(ckpt))],), timeout=300)[0]
     assert [i for i, *_ in clean["history"]] == [3, 4] and all(math.isfinite(r[1]) for r in clean["history"])
 
@@ -64,7 +64,7 @@ def test_nan_in_weights_or_fp32_masters_is_refused_by_name(saved, tmp_path):
 def two_saves(tiny_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("two_saves")
     argv = tiny_argv(tiny_corpus, "--bf16", train_iters=4, save=str(root / "ckpt"), save_interval=2)
-    run_distributed(run_single, world_size=1, args=([argv],), timeout=300)
+    run_distributed(train, world_size=1, args=([argv],), timeout=300)
     return tiny_corpus, root / "ckpt"
 
 
@@ -91,7 +91,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one_or_is_r
     message = run_distributed(pretrain_error, world_size=1, args=(argv + ["--no-load-fallback"],), timeout=300)[0]
     assert message is not None and "global_step4 is damaged" in message and "--no-load-fallback" in message, message
     assert "layer_03-model_00-model_states.pt does not match its SHA-256" in message
-    (run,) = run_distributed(run_single, world_size=1, args=([argv],), timeout=300)[0]
+    (run,) = run_distributed(train, world_size=1, args=([argv],), timeout=300)[0]
     assert [i for i, *_ in run["history"]] == [3, 4]  # resumed from global_step2, the intact one
 
     (damaged / "global_step2" / "mp_rank_00_model_states.pt").write_bytes(b"")  # now neither is intact

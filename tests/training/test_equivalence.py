@@ -9,50 +9,16 @@ also runs the bf16 (BLOOM) configuration.
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
+from tests.helpers.training import assert_same_run, layout, train
 
 ITERS = 10
-
-
-def _train(rank, world_size, runs):
-    """Train each (argv) in ``runs`` in turn; return what the tests check, per run."""
-    from megatron.arguments import run_config_from_argv
-    from megatron.training.pretrain import pretrain
-
-    out = []
-    for argv in runs:
-        rc = run_config_from_argv(argv, world_size=world_size)
-        result = pretrain(rc)
-        engine = result.engine
-        optimizer = engine.optimizer
-        masters = sum(p.numel() for p in getattr(optimizer, "fp32_groups_flat_partition", []))
-        out.append({
-            "losses": [r.loss for r in result.history],
-            "grad_norms": [r.grad_norm for r in result.history],
-            "optimizer": type(optimizer).__name__,
-            "master_numel": masters,
-            "stage_numel": sum(p.numel() for p in engine.module.parameters()),
-            "dp_size": engine.grid.get_data_parallel_world_size(),
-        })
-    return out
-
-
-def _layout(argv, tp, pp):
-    return argv + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
-
-
-def _assert_same_run(reference, other, label):
-    ref_losses, losses = reference["losses"], other["losses"]
-    assert len(losses) == len(ref_losses) == ITERS, label
-    for i, (a, b) in enumerate(zip(ref_losses, losses)):
-        assert abs(a - b) <= 1e-5 * abs(a), f"{label}: iteration {i + 1} loss {b} vs {a} on (1,1,1)"
-    for i, (a, b) in enumerate(zip(reference["grad_norms"], other["grad_norms"])):
-        assert abs(a - b) <= 1e-4 * abs(a), f"{label}: iteration {i + 1} grad norm {b} vs {a} on (1,1,1)"
 
 
 @pytest.fixture(scope="module")
 def reference_run(tiny_corpus):
     argv = tiny_argv(tiny_corpus, train_iters=ITERS)
-    (result,) = run_distributed(_train, world_size=1, args=([_layout(argv, 1, 1)],))[0]
+    (result,) = run_distributed(train, world_size=1, args=([layout(argv, tp=1, pp=1)],))[0]
+    assert len(result["losses"]) == ITERS, result["iterations"]
     # The run must actually learn something, or equal losses would prove little.
     assert result["losses"][-1] < result["losses"][0] - 0.05, result["losses"]
     return argv, result
@@ -61,25 +27,25 @@ def reference_run(tiny_corpus):
 @pytest.mark.multiprocess
 def test_two_rank_layouts_match_single_process(reference_run):
     argv, reference = reference_run
-    runs = [_layout(argv, 2, 1), _layout(argv, 1, 2), _layout(argv, 1, 1)]  # the last one is DP=2
-    results = run_distributed(_train, world_size=2, args=(runs,), timeout=600)
+    runs = [layout(argv, tp=2, pp=1), layout(argv, tp=1, pp=2), layout(argv, tp=1, pp=1)]  # the last one is DP=2
+    results = run_distributed(train, world_size=2, args=(runs,), timeout=600)
     for rank, per_rank in enumerate(results):
         for (tp, pp, dp), run in zip([(2, 1, 1), (1, 2, 1), (1, 1, 2)], per_rank):
-            _assert_same_run(reference, run, f"rank {rank} of (tp, pp, dp) = ({tp}, {pp}, {dp})")
+            assert_same_run(reference, run, f"rank {rank} of (tp, pp, dp) = ({tp}, {pp}, {dp})")
 
 
 @pytest.mark.multiprocess
 def test_3d_layout_matches_and_bf16_uses_partitioned_bf16_optimizer(reference_run):
     argv, reference = reference_run
     bf16 = [a for a in argv] + ["--bf16", "--train-iters", "30", "--lr", "3e-3", "--lr-warmup-iters", "3"]
-    runs = [_layout(argv, 2, 2), _layout(bf16, 2, 2)]
-    results = run_distributed(_train, world_size=8, args=(runs,), timeout=900)
+    runs = [layout(argv, tp=2, pp=2), layout(bf16, tp=2, pp=2)]
+    results = run_distributed(train, world_size=8, args=(runs,), timeout=900)
     for rank, (fp32_run, bf16_run) in enumerate(results):
-        _assert_same_run(reference, fp32_run, f"rank {rank} of (2, 2, 2) fp32")
+        assert_same_run(reference, fp32_run, f"rank {rank} of (2, 2, 2) fp32")
         assert fp32_run["optimizer"] == "GradNormClippingOptimizer"
         assert bf16_run["optimizer"] == "BF16_Optimizer", f"rank {rank}: {bf16_run['optimizer']}"
         # ZeRO-1: each of the 2 DP ranks keeps about half of its stage's fp32 master weights.
-        share = bf16_run["master_numel"] / bf16_run["stage_numel"]
+        share = bf16_run["master_numel"] / bf16_run["held_numel"]
         assert abs(share - 0.5) < 0.02, f"rank {rank}: holds {share:.3f} of its stage's master weights"
         losses = bf16_run["losses"]
         assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, f"rank {rank}: bf16 loss did not fall: {losses}"

@@ -10,16 +10,8 @@ import time
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.conftest import REPO_ROOT
-from tests.training.helpers import run_single
-
-
-def _scalars(logdir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.training import tensorboard_scalars, train
 
 
 def _latest(save_dir):
@@ -38,7 +30,7 @@ def test_exit_interval_and_kill_switch_save_and_tensorboard_holds_the_run(tiny_c
                        log_validation_ppl_to_tensorboard=True)
     killed = tiny_argv(tiny_corpus, train_iters=20, save=str(save_b), save_interval=100,
                        kill_switch_path=str(kill_switch))
-    (interval_run, kill_run), = run_distributed(run_single, world_size=1, args=([logged, killed],))
+    (interval_run, kill_run), = run_distributed(train, world_size=1, args=([logged, killed],))
 
     # --exit-interval 6: stops after iteration 6 with a checkpoint; the kill switch after the first.
     assert (interval_run["reason"], interval_run["iteration"]) == ("exit-interval", 6)
@@ -46,7 +38,7 @@ def test_exit_interval_and_kill_switch_save_and_tensorboard_holds_the_run(tiny_c
     assert (kill_run["reason"], kill_run["iteration"]) == ("kill-switch", 1)
     assert _latest(save_b) == "global_step1"
 
-    scalars = _scalars(tb)
+    scalars = tensorboard_scalars(tb)
     history = interval_run["history"]
     loss = scalars["lm-loss-training/lm loss"]
     assert [step for step, _ in loss] == [1, 2, 3, 4, 5, 6]
@@ -108,8 +100,8 @@ def test_weighted_split_groups_are_evaluated_and_logged_by_name(tiny_corpus, tmp
                      "--valid-weighted-split-paths-path", str(groups), data_path=None, split=None,
                      train_iters=4, eval_interval=2, eval_iters=1, tensorboard_dir=str(tb),
                      log_interval=3, tensorboard_log_interval=2)
-    (run,), = run_distributed(run_single, world_size=1, args=([argv],))
-    scalars = _scalars(tb)
+    (run,), = run_distributed(train, world_size=1, args=([argv],))
+    scalars = tensorboard_scalars(tb)
     # Training scalars follow --tensorboard-log-interval, each iteration's own loss (not the log average).
     assert scalars["lm-loss-training/lm loss"] == [(2, pytest.approx(run["history"][1][1])),
                                                   (4, pytest.approx(run["history"][3][1]))]

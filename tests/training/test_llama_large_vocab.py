@@ -12,7 +12,7 @@ from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.tokenizers import train_bpe_tokenizer
 from megatron.testing import run_distributed, tiny_argv
 from megatron.testing.corpus import make_text
-from tests.training.helpers import run_single
+from tests.helpers.training import train
 from tools import preprocess_data
 
 RESERVED = 70_000
@@ -54,7 +54,7 @@ def test_llama_trains_on_the_large_vocabulary(large_vocab, tiny_corpus):
                      train_iters=6, position_embedding_type="rope", embed_layernorm=False,
                      tokenizer_type="PretrainedFromHF", tokenizer_name_or_path=large_vocab["tokenizer"],
                      vocab_file=None, merge_file=None, data_path=large_vocab["prefix"], lr=3e-3)
-    (run,) = run_distributed(run_single, world_size=1, args=([argv],), timeout=600)[0]
+    (run,) = run_distributed(train, world_size=1, args=([argv],), timeout=600)[0]
     losses = [loss for _, loss, *_ in run["history"]]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     # a uniform guess over the padded 70,528 rows costs ln(70528) = 11.16; training starts there and learns

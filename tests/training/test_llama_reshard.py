@@ -6,11 +6,12 @@ exactly by DeepSpeed's dim-0 concatenation of TP shards, and split again at TP 4
 heads: one group per rank), with the untied head and its vocabulary padding kept.
 """
 
+import os
+
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.training.helpers import run_single
-from tests.training.test_checkpoints import _assert_continues, _iterations, _losses, _to_universal
+from tests.helpers.training import assert_continues, to_universal, train
 
 ITERS = 20
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
@@ -26,22 +27,22 @@ def _argv(corpus, tp, pp, **flags):
 @pytest.mark.multiprocess
 def test_llama_reshards_222_to_111_to_412(tiny_corpus, tmp_path):
     first, middle = str(tmp_path / "222"), str(tmp_path / "111")
-    straight, saved = run_distributed(run_single, world_size=8, timeout=900, args=([
+    straight, saved = run_distributed(train, world_size=8, timeout=900, args=([
         _argv(tiny_corpus, 2, 2),
         _argv(tiny_corpus, 2, 2, save=first, save_interval=100, exit_interval=10)],))[-1]
-    assert _iterations(saved) == list(range(1, 11))
-    reference = _losses(straight)
+    assert saved["iterations"] == list(range(1, 11))
+    reference = straight["losses"]
     assert reference[-1] < reference[0] - 0.1, reference
 
-    _to_universal(first, "global_step10")
-    (to_111,) = run_distributed(run_single, world_size=1, timeout=600, args=([
+    to_universal(os.path.join(first, "global_step10"))
+    (to_111,) = run_distributed(train, world_size=1, timeout=600, args=([
         _argv(tiny_corpus, 1, 1, load=first, universal_checkpoint=True, save=middle, save_interval=5,
               exit_interval=15)],))[0]
-    assert _iterations(to_111) == list(range(11, 16))
-    _assert_continues(reference[:15], _losses(to_111), 1e-5, "Llama (2,2,2) -> (1,1,1)")
+    assert to_111["iterations"] == list(range(11, 16))
+    assert_continues(reference[:15], to_111["losses"], 1e-5, "Llama (2,2,2) -> (1,1,1)")
 
-    _to_universal(middle, "global_step15")
-    (to_412,) = run_distributed(run_single, world_size=8, timeout=900, args=([
+    to_universal(os.path.join(middle, "global_step15"))
+    (to_412,) = run_distributed(train, world_size=8, timeout=900, args=([
         _argv(tiny_corpus, 4, 1, load=middle, universal_checkpoint=True)],))[-1]
-    assert _iterations(to_412) == list(range(16, 21))
-    _assert_continues(reference, _losses(to_412), 1e-5, "Llama (1,1,1) -> (4,1,2)")
+    assert to_412["iterations"] == list(range(16, 21))
+    assert_continues(reference, to_412["losses"], 1e-5, "Llama (1,1,1) -> (4,1,2)")

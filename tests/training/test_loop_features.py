@@ -6,11 +6,11 @@ import math
 import pytest
 
 from megatron.testing import DistributedTestError, run_distributed, tiny_argv
-from tests.training.helpers import run_single
+from tests.helpers.training import train
 
 
 def _train_with_engine_batch(rank, world_size, argv):
-    """Like run_single, but also record the batch size DeepSpeed was told at each iteration."""
+    """Like train, but also record the batch size DeepSpeed was told at each iteration."""
     import megatron.training.loop as loop
 
     seen = []
@@ -22,7 +22,7 @@ def _train_with_engine_batch(rank, world_size, argv):
         return record
 
     loop.Trainer.train_step = step
-    (result,) = run_single(rank, world_size, [argv])
+    (result,) = train(rank, world_size, [argv])
     result["engine_batch"] = seen
     return result
 
@@ -46,12 +46,12 @@ def test_skip_range_and_nonfinite_stop(tiny_corpus):
     skip = tiny_argv(tiny_corpus, "--skip-train-iteration-range", "3-4", train_iters=6)
     blow_up = tiny_argv(tiny_corpus, train_iters=50, lr=1e9, min_lr=1e8, clip_grad=0.0, max_nonfinite_steps=3,
                         lr_warmup_iters=0)
-    (skipped,), = run_distributed(run_single, world_size=1, args=([skip],))
+    (skipped,), = run_distributed(train, world_size=1, args=([skip],))
     history = skipped["history"]
     assert [h[0] for h in history] == [1, 2, 3, 4, 5, 6]
     assert [math.isnan(h[1]) for h in history] == [False, False, True, True, False, False]
     with pytest.raises(DistributedTestError, match="3 consecutive iterations with a non-finite loss"):
-        run_distributed(run_single, world_size=1, args=([blow_up],))
+        run_distributed(train, world_size=1, args=([blow_up],))
 
 
 @pytest.mark.multiprocess
@@ -62,7 +62,7 @@ def test_activation_checkpointing_replays_dropout_exactly(tiny_corpus):
     plain = tiny_argv(tiny_corpus, **common)
     recomputed = tiny_argv(tiny_corpus, "--checkpoint-activations", "--checkpoint-num-layers", "1", **common)
     no_dropout = tiny_argv(tiny_corpus, **dict(common, hidden_dropout=0.0, attention_dropout=0.0))
-    (a, b, c), _ = run_distributed(run_single, world_size=2, args=([plain, recomputed, no_dropout],))
+    (a, b, c), _ = run_distributed(train, world_size=2, args=([plain, recomputed, no_dropout],))
     assert [h[1] for h in a["history"]] == [h[1] for h in b["history"]]
     assert [h[2] for h in a["history"]] == pytest.approx([h[2] for h in b["history"]], rel=1e-6)
     assert [h[1] for h in a["history"]] != [h[1] for h in c["history"]]  # dropout was really on

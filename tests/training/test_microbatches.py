@@ -4,8 +4,11 @@
 import pytest
 
 from megatron.config import BatchConfig
-from megatron.training.microbatches import (ConstantNumMicroBatches, RampupBatchsizeNumMicroBatches,
-                                            build_num_microbatches_calculator)
+from megatron.training.microbatches import (
+    ConstantNumMicroBatches,
+    RampupBatchsizeNumMicroBatches,
+    build_num_microbatches_calculator,
+)
 
 BLOOM = dict(start_batch_size=192, batch_size_increment=16, rampup_samples=9_765_625, global_batch_size=2048,
              micro_batch_size=2, data_parallel_size=8)

@@ -1,7 +1,7 @@
 """Refactors that do not change the math reproduce the recorded losses bit for bit (on the machine
 kind they were recorded on; within tolerance elsewhere), and a checkpoint written by the tree of
 2026-12-01 before the structure refactor still resumes exactly once converted to BLOOM's numbering
-(and is refused, naming the converter, without it). See reference_losses.py."""
+(and is refused, naming the converter, without it). See tests/helpers/reference_losses.py."""
 
 import json
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron.testing.corpus import tiny_argv
-from tests.training.helpers import pretrain_error
-from tests.training.reference_losses import CHECKPOINT_DIR, GOLDEN_FILE, compare, machine, measure, upgraded_checkpoint
+from tests.helpers.reference_losses import CHECKPOINT_DIR, GOLDEN_FILE, compare, machine, measure, upgraded_checkpoint
+from tests.helpers.training import pretrain_error
 
 
 @pytest.mark.multiprocess

@@ -4,7 +4,8 @@ fp32, no dropout, 10 iterations of pretrain(): losses within 1e-5 (relative) and
 1e-4 of the same layout without --sequence-parallel, for TP=2, TP=2 with --checkpoint-activations,
 TP=4, TP=2 x PP=2 (DeepSpeed's pipeline engine, activations sent unpartitioned) and TP=2 x DP=2 under
 ZeRO-3 (the non-pipeline engine, every parameter partitioned); a run saved at iteration 5 and resumed
-continues as the straight run, and its checkpoint serves (decoding builds the model without it). One launch per world size (launches are the expensive part).
+continues as the straight run, and its checkpoint serves (decoding builds the model without it). One launch per
+world size (launches are the expensive part).
 """
 
 import json
@@ -12,13 +13,13 @@ import json
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.training.test_zero_sharding import _assert_same_run as assert_same_run, _layout, _train
+from tests.helpers.training import assert_same_run, layout, to_universal, train
 
 ITERS = 10
 SP = "--sequence-parallel"
 
 
-def _assert_same_run(reference, other, label):
+def _assert_same_as_without_sp(reference, other, label):
     assert len(reference["losses"]) == ITERS, label
     assert_same_run(reference, other, f"{label} (reference: without {SP})")
 
@@ -29,15 +30,15 @@ def test_two_ranks_tp2_recompute_and_exact_resume(tiny_corpus, tmp_path):
     save = str(tmp_path / "sp")
     runs = {
         "tp2": argv,
-        "tp2 sp": _layout(argv, SP),
-        "tp2 sp recompute": _layout(argv, SP, "--checkpoint-activations"),
-        "tp2 sp zero1": _layout(argv, SP, "--zero-stage", 1),
+        "tp2 sp": layout(argv, SP),
+        "tp2 sp recompute": layout(argv, SP, "--checkpoint-activations"),
+        "tp2 sp zero1": layout(argv, SP, "--zero-stage", 1),
         # the fp32 ZeRO-0 path (our clipping wrapper around AdamW): it resumed with a stale learning rate until
         # the wrapper re-shared the groups torch's load_state_dict replaces (found here, iteration 8 differed)
-        "tp2 sp first half": _layout(argv, SP, "--save", save, "--save-interval", 100, "--exit-interval", 5),
-        "tp2 sp resumed": _layout(argv, SP, "--load", save),
+        "tp2 sp first half": layout(argv, SP, "--save", save, "--save-interval", 100, "--exit-interval", 5),
+        "tp2 sp resumed": layout(argv, SP, "--load", save),
     }
-    results = run_distributed(_train, world_size=2, args=(list(runs.values()),), timeout=600)
+    results = run_distributed(train, world_size=2, args=(list(runs.values()),), timeout=600)
     for rank, per_rank in enumerate(results):
         by = dict(zip(runs, per_rank))
         reference = by["tp2"]
@@ -45,9 +46,9 @@ def test_two_ranks_tp2_recompute_and_exact_resume(tiny_corpus, tmp_path):
         assert not reference["model_sp"] and by["tp2 sp"]["model_sp"]
         assert by["tp2 sp"]["pipe_partitioned"] is False and reference["pipe_partitioned"] is True
         for label in ("tp2 sp", "tp2 sp recompute"):
-            _assert_same_run(reference, by[label], f"rank {rank}: {label}")
+            _assert_same_as_without_sp(reference, by[label], f"rank {rank}: {label}")
         first, resumed, straight = by["tp2 sp first half"], by["tp2 sp resumed"], by["tp2 sp"]
-        _assert_same_run(reference, by["tp2 sp zero1"], f"rank {rank}: tp2 sp zero1")
+        _assert_same_as_without_sp(reference, by["tp2 sp zero1"], f"rank {rank}: tp2 sp zero1")
         assert first["iterations"] == [1, 2, 3, 4, 5] and resumed["iterations"] == [6, 7, 8, 9, 10], (rank, first,
                                                                                                         resumed)
         # bit for bit: the resumed run continues exactly where the straight one went on
@@ -82,14 +83,14 @@ def test_four_ranks_tp4_pipeline_and_zero3(tiny_corpus, tmp_path):
     tp4 = ["--tensor-model-parallel-size", 4]
     tp2pp2 = ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2]
     zero3 = ["--tensor-model-parallel-size", 2, "--zero-stage", 3, "--deepspeed_config", no_persistence]
-    runs = {"tp4": _layout(argv, *tp4), "tp4 sp": _layout(argv, *tp4, SP),
-            "tp2 pp2": _layout(argv, *tp2pp2), "tp2 pp2 sp": _layout(argv, *tp2pp2, SP),
-            "zero3 tp2 dp2": _layout(argv, *zero3), "zero3 tp2 dp2 sp": _layout(argv, *zero3, SP)}
-    results = run_distributed(_train, world_size=4, args=(list(runs.values()),), timeout=900)
+    runs = {"tp4": layout(argv, *tp4), "tp4 sp": layout(argv, *tp4, SP),
+            "tp2 pp2": layout(argv, *tp2pp2), "tp2 pp2 sp": layout(argv, *tp2pp2, SP),
+            "zero3 tp2 dp2": layout(argv, *zero3), "zero3 tp2 dp2 sp": layout(argv, *zero3, SP)}
+    results = run_distributed(train, world_size=4, args=(list(runs.values()),), timeout=900)
     for rank, per_rank in enumerate(results):
         by = dict(zip(runs, per_rank))
         for plain in ("tp4", "tp2 pp2", "zero3 tp2 dp2"):
-            _assert_same_run(by[plain], by[f"{plain} sp"], f"rank {rank}: {plain} {SP}")
+            _assert_same_as_without_sp(by[plain], by[f"{plain} sp"], f"rank {rank}: {plain} {SP}")
         assert by["zero3 tp2 dp2 sp"]["engine"] == "ShardedEngine", by["zero3 tp2 dp2 sp"]["engine"]
         assert by["tp2 pp2 sp"]["pipe_partitioned"] is False
 
@@ -100,25 +101,17 @@ def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus,
     converted at iteration 5 by ds_to_universal.py, continues at TP=4 with it (shards of s/4 instead of s/2)
     and at TP=1 x DP=4 without it, each within 1e-5 of the straight run's losses."""
     import os
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO_ROOT
 
     argv = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1)
     save = str(tmp_path / "sp")
     tp2 = ["--tensor-model-parallel-size", 2, SP]
-    straight, _ = run_distributed(_train, world_size=2, args=(
-        [_layout(argv, *tp2), _layout(argv, *tp2, "--save", save, "--save-interval", 100, "--exit-interval", 5)],),
+    straight, _ = run_distributed(train, world_size=2, args=(
+        [layout(argv, *tp2), layout(argv, *tp2, "--save", save, "--save-interval", 100, "--exit-interval", 5)],),
         timeout=600)[0]
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_checkpoint/ds_to_universal.py"),
-                           "--input_folder", os.path.join(save, "global_step5"),
-                           "--output_folder", os.path.join(save, "global_step5_universal")],
-                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    to_universal(os.path.join(save, "global_step5"), os.path.join(save, "global_step5_universal"))
     targets = {"tp4 sp": ["--tensor-model-parallel-size", 4, SP], "tp1 dp4": []}
-    resumed = run_distributed(_train, world_size=4, timeout=600, args=(
-        [_layout(argv, *flags, "--load", save, "--universal-checkpoint") for flags in targets.values()],))
+    resumed = run_distributed(train, world_size=4, timeout=600, args=(
+        [layout(argv, *flags, "--load", save, "--universal-checkpoint") for flags in targets.values()],))
     for rank, per_rank in enumerate(resumed):
         for label, run in zip(targets, per_rank):
             assert run["iterations"] == list(range(6, 11)), (label, run["iterations"])

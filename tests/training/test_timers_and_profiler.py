@@ -8,8 +8,7 @@ import pytest
 from megatron.engine.timers import PhaseTimers
 from megatron.testing import run_distributed, tiny_argv
 from megatron.training.timing import format_timers, gather_timers, timer_scalars
-from tests.training.helpers import run_single
-from tests.training.test_exits_and_tensorboard import _scalars
+from tests.helpers.training import tensorboard_scalars, train
 
 
 def test_phase_timers_count_only_up_to_their_level_and_reset():
@@ -51,10 +50,10 @@ def test_timers_memory_and_a_two_step_profile_window_land_in_tensorboard(tiny_co
                      log_timers_to_tensorboard=True, log_memory_to_tensorboard=True, profile=True,
                      use_pytorch_profiler=True, profile_step_start=2, profile_step_end=4)
     plain = tiny_argv(tiny_corpus, train_iters=6, log_interval=2)
-    (timed, untimed), = run_distributed(run_single, world_size=1, args=([argv, plain],))
+    (timed, untimed), = run_distributed(train, world_size=1, args=([argv, plain],))
     assert [h[1] for h in timed["history"]] == [h[1] for h in untimed["history"]]  # measuring changes no loss
 
-    scalars = _scalars(tb)
+    scalars = tensorboard_scalars(tb)
     for tag in ("train-batch-time", "optimizer-inner-step-time", "batch-generator-time"):
         assert [step for step, _ in scalars[tag]] == [2, 4, 6], tag
         assert all(value > 0 for _, value in scalars[tag]), tag

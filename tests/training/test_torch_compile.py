@@ -5,7 +5,7 @@ import pytest
 
 from megatron.testing import run_distributed
 from megatron.testing.corpus import tiny_argv
-from tests.training.helpers import run_single
+from tests.helpers.training import train
 
 
 @pytest.mark.multiprocess
@@ -14,7 +14,7 @@ def test_compiled_layers_train_to_the_eager_losses_with_tp_pp_and_recompute(tiny
                  global_batch_size=4, checkpoint_activations=True)
     eager = tiny_argv(tiny_corpus, **flags)
     compiled = tiny_argv(tiny_corpus, "--torch-compile", **flags)
-    results = run_distributed(run_single, world_size=4, args=([eager, compiled],), timeout=600)
+    results = run_distributed(train, world_size=4, args=([eager, compiled],), timeout=600)
     eager_run, compiled_run = results[0]
     eager_losses = [h[1] for h in eager_run["history"]]
     compiled_losses = [h[1] for h in compiled_run["history"]]
@@ -28,7 +28,7 @@ def test_every_transformer_layer_is_compiled_in_place_and_a_missing_compiler_is_
     from megatron.model import GPTModel
     from megatron.model.compile import compile_transformer_layers
     from megatron.parallel.state import ParallelState
-    from tests.model.helpers import tiny_config
+    from tests.helpers.model import tiny_config
 
     model = GPTModel(tiny_config(), ParallelState.single())
     names = [n for n, _ in model.named_parameters()]

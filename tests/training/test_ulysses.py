@@ -12,7 +12,7 @@ per world size trains every layout of that size in turn.
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.training.test_zero_sharding import _assert_same_run, _layout, _train
+from tests.helpers.training import assert_same_run, layout, pretrain_error, to_universal, train
 
 ITERS = 10
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
@@ -32,41 +32,41 @@ def _models(corpus):
 def runs(tiny_corpus, tmp_path_factory):
     models = _models(tiny_corpus)
     save = str(tmp_path_factory.mktemp("ulysses"))
-    refs = run_distributed(_train, world_size=1, timeout=300, args=(list(models.values()),))[0]
+    refs = run_distributed(train, world_size=1, timeout=300, args=(list(models.values()),))[0]
     references = dict(zip(models, refs))
     for name, ref in references.items():
         assert ref["losses"][-1] < ref["losses"][0] - 0.05, (name, ref["losses"])  # it learns
     bloom = models["bloom"]
     two = {
-        "bloom sp2": (_layout(bloom, *SP2), "bloom"),
-        "bloom sp2 zero1": (_layout(bloom, *SP2, "--zero-stage", 1), "bloom"),
-        "bloom sp2 zero2": (_layout(bloom, *SP2, "--zero-stage", 2), "bloom"),
-        "bloom sp2 zero3": (_layout(bloom, *SP2, "--zero-stage", 3), "bloom"),
-        "llama sp2": (_layout(models["llama"], *SP2), "llama"),
-        "learned sp2": (_layout(models["learned"], *SP2), "learned"),
-        "bloom sp2 bf16": (_layout(bloom, *SP2, "--bf16"), "bloom"),
+        "bloom sp2": (layout(bloom, *SP2), "bloom"),
+        "bloom sp2 zero1": (layout(bloom, *SP2, "--zero-stage", 1), "bloom"),
+        "bloom sp2 zero2": (layout(bloom, *SP2, "--zero-stage", 2), "bloom"),
+        "bloom sp2 zero3": (layout(bloom, *SP2, "--zero-stage", 3), "bloom"),
+        "llama sp2": (layout(models["llama"], *SP2), "llama"),
+        "learned sp2": (layout(models["learned"], *SP2), "learned"),
+        "bloom sp2 bf16": (layout(bloom, *SP2, "--bf16"), "bloom"),
         # compiled layers with the all-to-alls inside them
-        "bloom sp2 compiled": (_layout(bloom, *SP2, "--torch-compile"), "bloom"),
-        "llama sp2 zero3 compiled": (_layout(models["llama"], *SP2, "--zero-stage", 3, "--torch-compile"), "llama"),
-        "first half": (_layout(bloom, *SP2, "--zero-stage", 1, "--save", save, "--save-interval", 100,
+        "bloom sp2 compiled": (layout(bloom, *SP2, "--torch-compile"), "bloom"),
+        "llama sp2 zero3 compiled": (layout(models["llama"], *SP2, "--zero-stage", 3, "--torch-compile"), "llama"),
+        "first half": (layout(bloom, *SP2, "--zero-stage", 1, "--save", save, "--save-interval", 100,
                                "--exit-interval", 5), "bloom"),
-        "resumed": (_layout(bloom, *SP2, "--zero-stage", 1, "--load", save), "bloom"),
+        "resumed": (layout(bloom, *SP2, "--zero-stage", 1, "--load", save), "bloom"),
     }
     four = {
-        "bloom sp4": (_layout(bloom, *SP4), "bloom"),
-        "bloom sp2 tp2": (_layout(bloom, *SP2, *TP2), "bloom"),
+        "bloom sp4": (layout(bloom, *SP4), "bloom"),
+        "bloom sp2 tp2": (layout(bloom, *SP2, *TP2), "bloom"),
         # both sequence axes: Ulysses over SP and Megatron's --sequence-parallel inside each TP group
-        "bloom sp2 tp2 megatron sp": (_layout(bloom, *SP2, *TP2, "--sequence-parallel"), "bloom"),
-        "llama sp2 tp2": (_layout(models["llama"], *SP2, *TP2, "--zero-stage", 2), "llama"),
-        "bloom sp2 dp2": (_layout(bloom, *SP2, "--zero-stage", 1), "bloom"),
+        "bloom sp2 tp2 megatron sp": (layout(bloom, *SP2, *TP2, "--sequence-parallel"), "bloom"),
+        "llama sp2 tp2": (layout(models["llama"], *SP2, *TP2, "--zero-stage", 2), "llama"),
+        "bloom sp2 dp2": (layout(bloom, *SP2, "--zero-stage", 1), "bloom"),
         # ZeRO++ hpZ: the secondary shard within groups of the ranks ZeRO-3 shards over (dp x sp)
-        "bloom sp2 dp2 hpz2": (_layout(bloom, *SP2, "--zero-stage", 3, "--zero-hpz-partition-size", 2), "bloom"),
-        "bloom sp2 tp2 hpz2": (_layout(bloom, *SP2, *TP2, "--zero-stage", 3, "--zero-hpz-partition-size", 2), "bloom"),
-        "learned sp2 dp2": (_layout(models["learned"], *SP2, "--zero-stage", 3), "learned"),
+        "bloom sp2 dp2 hpz2": (layout(bloom, *SP2, "--zero-stage", 3, "--zero-hpz-partition-size", 2), "bloom"),
+        "bloom sp2 tp2 hpz2": (layout(bloom, *SP2, *TP2, "--zero-stage", 3, "--zero-hpz-partition-size", 2), "bloom"),
+        "learned sp2 dp2": (layout(models["learned"], *SP2, "--zero-stage", 3), "learned"),
     }
     out = {}
     for world, layouts in ((2, two), (4, four)):
-        results = run_distributed(_train, world_size=world, args=([argv for argv, _ in layouts.values()],),
+        results = run_distributed(train, world_size=world, args=([argv for argv, _ in layouts.values()],),
                                   timeout=900)
         for rank, per_rank in enumerate(results):
             for (label, (_, model)), result in zip(layouts.items(), per_rank):
@@ -86,7 +86,7 @@ def test_ulysses_matches_single_process_in_fp32(runs, label):
     references, out = runs
     for rank, (model, result) in out[label].items():
         assert len(result["losses"]) == ITERS, (label, rank)
-        _assert_same_run(references[model], result, f"rank {rank}: {label}")
+        assert_same_run(references[model], result, f"rank {rank}: {label}")
 
 
 @pytest.mark.multiprocess
@@ -121,7 +121,7 @@ def test_hpz_groups_are_the_sequence_parallel_ranks_of_a_replica(runs):
 def test_ulysses_bf16_tracks_fp32(runs):
     references, out = runs
     for rank, (model, result) in out["bloom sp2 bf16"].items():
-        _assert_same_run(references[model], result, f"rank {rank}: bf16", rel_loss=2e-2, rel_norm=2e-1)
+        assert_same_run(references[model], result, f"rank {rank}: bf16", rel_loss=2e-2, rel_norm=2e-1)
 
 
 @pytest.mark.multiprocess
@@ -142,26 +142,18 @@ def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus,
     continues at SP=4, at SP=2 x DP=2, at SP=1 x DP=4 under ZeRO-2 and in 3D (TP=2 x PP=2), each within 1e-5
     of the straight SP=2 run."""
     import os
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO_ROOT
 
     argv = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1)
     save = str(tmp_path / "sp2")
-    straight, _ = run_distributed(_train, world_size=2, timeout=600, args=(
-        [_layout(argv, *SP2), _layout(argv, *SP2, "--save", save, "--save-interval", 100, "--exit-interval", 5)],))[0]
+    straight, _ = run_distributed(train, world_size=2, timeout=600, args=(
+        [layout(argv, *SP2), layout(argv, *SP2, "--save", save, "--save-interval", 100, "--exit-interval", 5)],))[0]
 
     def convert(name, *flags):
-        proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_checkpoint/ds_to_universal.py"),
-                               "--input_folder", os.path.join(save, "global_step5"), "--output_folder",
-                               os.path.join(save, name), *flags],
-                              capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-        assert proc.returncode == 0, proc.stderr[-3000:]  # it points latest_universal at its output
+        to_universal(os.path.join(save, "global_step5"), os.path.join(save, name), *flags)  # latest_universal -> it
 
     def resume(runs):
-        per_rank = run_distributed(_train, world_size=4, timeout=600, args=(
-            [_layout(a, "--load", save, "--universal-checkpoint") for a in runs.values()],))
+        per_rank = run_distributed(train, world_size=4, timeout=600, args=(
+            [layout(a, "--load", save, "--universal-checkpoint") for a in runs.values()],))
         for rank, results in enumerate(per_rank):
             for label, run in zip(runs, results):
                 assert run["iterations"] == list(range(6, 11)), (label, run["iterations"])
@@ -169,7 +161,7 @@ def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus,
                     assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank} {label}: iteration {i + 6} loss {b} vs {a}"
 
     convert("global_step5_universal")
-    resume({"sp4": _layout(argv, *SP4), "sp2 dp2": _layout(argv, *SP2),
+    resume({"sp4": layout(argv, *SP4), "sp2 dp2": layout(argv, *SP2),
             "sp1 dp4 zero2": tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=2)})
     convert("global_step5_universal_pipeline", "--target-engine", "pipeline")
     resume({"3d tp2 pp2": tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1, tensor_model_parallel_size=2,
@@ -189,16 +181,15 @@ def test_ulysses_zero0_and_zero1_checkpoints_export_and_refuse_the_pipeline_engi
     from megatron.checkpoint.run_state import load_run_state
     from megatron.model import GPTModel
     from megatron.testing.tolerance import model_tolerance
-    from tests.training.helpers import pretrain_error
     from tools.convert_checkpoint import to_hf
 
     argv = tiny_argv(tiny_corpus, train_iters=ITERS)
     saves = {stage: str(tmp_path / f"sp2_zero{stage}") for stage in (0, 1)}
     exit_at = ("--save-interval", 100, "--exit-interval", 3)
-    run_distributed(_train, world_size=2, timeout=300, args=(
-        [_layout(argv, *SP2, "--zero-stage", stage, "--save", save, *exit_at) for stage, save in saves.items()],))
+    run_distributed(train, world_size=2, timeout=300, args=(
+        [layout(argv, *SP2, "--zero-stage", stage, "--save", save, *exit_at) for stage, save in saves.items()],))
     single = str(tmp_path / "one")
-    run_distributed(_train, world_size=1, timeout=300, args=([_layout(argv, "--save", single, *exit_at)],))
+    run_distributed(train, world_size=1, timeout=300, args=([layout(argv, "--save", single, *exit_at)],))
     _, reference, _ = load_full_state_dict(single)
     for stage, save in saves.items():
         record = load_run_state(save)
@@ -217,7 +208,7 @@ def test_ulysses_zero0_and_zero1_checkpoints_export_and_refuse_the_pipeline_engi
             diff = (hf(ids).logits - expected).abs().max().item()
         assert diff <= model_tolerance(config, torch.float32, expected), (stage, diff)
     error = run_distributed(pretrain_error, world_size=1, timeout=300,
-                            args=(_layout(argv, "--zero-stage", 1, "--load", saves[1], "--no-load-optim"),))[0]
+                            args=(layout(argv, "--zero-stage", 1, "--load", saves[1], "--no-load-optim"),))[0]
     assert error and "DeepSpeed engine model (this run: pipeline)" in error and "--target-engine pipeline" in error, \
         error
 

@@ -19,14 +19,12 @@ Tiny model (hidden 32, 2 layers, seq 16): one 4-process and one 8-process launch
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.conftest import REPO_ROOT
+from tests.helpers.training import assert_continues, to_universal, train
 
 REL = 1e-5
 ZERO3 = ["--zero-stage", "3"]  # TP = 1, DP = 4 on 4 ranks
@@ -40,36 +38,10 @@ def _argv(corpus, *extra, **flags):
     return tiny_argv(corpus, *extra, **dict(base, **flags))
 
 
-def _train(rank, world_size, runs):
-    """Each argv in turn: iterations, losses, and the optimizer's groups and Adam step counts at the end."""
-    from megatron.arguments import run_config_from_argv
-    from megatron.training.pretrain import pretrain
-
-    out = []
-    for argv in runs:
-        result = pretrain(run_config_from_argv(argv, world_size=world_size))
-        optimizer = result.engine.optimizer
-        inner = getattr(optimizer, "optimizer", optimizer)
-        steps = [state["step"] for state in inner.state.values() if "step" in state]
-        out.append({"iterations": [r.iteration for r in result.history], "losses": [r.loss for r in result.history],
-                    "groups": [(g.get("name"), g["weight_decay"]) for g in optimizer.param_groups],
-                    "steps": [float(s) for s in steps], "step_objects": len({id(s) for s in steps})})
-    return out
-
-
-def _convert(tag_dir, out_dir, *extra):
-    return subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_checkpoint/ds_to_universal.py"),
-                           "--input_folder", tag_dir, "--output_folder", out_dir, *extra],
-                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-
-
 def _to_universal(ckpt, engine, out_root):
     """CKPT/global_step5 converted for ``engine`` into OUT_ROOT/global_step5_universal (OUT_ROOT/latest_universal)."""
-    os.makedirs(out_root, exist_ok=True)
-    proc = _convert(os.path.join(ckpt, "global_step5"), os.path.join(out_root, "global_step5_universal"),
-                    "--target-engine", engine)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return out_root
+    to_universal(os.path.join(ckpt, "global_step5"), os.path.join(out_root, "global_step5_universal"),
+                 "--target-engine", engine)
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +49,13 @@ def reshaped(tiny_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("uni")
     d = {name: str(root / name) for name in ("z3", "z2", "d3", "z3_for_3d", "z2_for_3d", "d3_for_z3", "z3_loaded",
                                              "d3_loaded", "z3_for_model")}
-    z3, z2 = run_distributed(_train, world_size=4, timeout=600, args=(
+    z3, z2 = run_distributed(train, world_size=4, timeout=600, args=(
         [_argv(tiny_corpus, *ZERO3, save=d["z3"], save_interval=5),
          _argv(tiny_corpus, *ZERO2, save=d["z2"], save_interval=5)],))[0]
     _to_universal(d["z3"], "pipeline", d["z3_for_3d"])
     _to_universal(d["z2"], "pipeline", d["z2_for_3d"])
     from_z3 = dict(load=d["z3_for_3d"], universal_checkpoint=True)
-    d3, d3_resumed, d3_loaded, d3_from_z2 = run_distributed(_train, world_size=8, timeout=900, args=(
+    d3, d3_resumed, d3_loaded, d3_from_z2 = run_distributed(train, world_size=8, timeout=900, args=(
         [_argv(tiny_corpus, *THREE_D, save=d["d3"], save_interval=5),
          _argv(tiny_corpus, *THREE_D, **from_z3),
          _argv(tiny_corpus, *THREE_D, **from_z3, train_iters=5, save=d["d3_loaded"], save_interval=100),
@@ -94,7 +66,7 @@ def reshaped(tiny_corpus, tmp_path_factory):
     from_z3 = dict(load=d["z3_for_model"], universal_checkpoint=True)
     tp2 = ["--tensor-model-parallel-size", "2"]
     z3_resumed, z3_loaded, z2_from_d3, z3_tp2_from_d3, z2_from_z3, z3_tp2_from_z3 = run_distributed(
-        _train, world_size=4, timeout=600, args=(
+        train, world_size=4, timeout=600, args=(
             [_argv(tiny_corpus, *ZERO3, **from_d3),
              _argv(tiny_corpus, *ZERO3, **from_d3, train_iters=5, save=d["z3_loaded"], save_interval=100),
              _argv(tiny_corpus, *ZERO2, **from_d3),
@@ -107,40 +79,34 @@ def reshaped(tiny_corpus, tmp_path_factory):
     return runs, d
 
 
-def _assert_close(expected, got, label):
-    assert len(expected) == len(got), label
-    for i, (a, b) in enumerate(zip(expected, got)):
-        assert abs(a - b) <= REL * abs(a), f"{label}: iteration {i + 6}: loss {b} vs {a}"
-
-
 @pytest.mark.multiprocess
 def test_zero3_checkpoint_continues_on_3d(reshaped):
     runs, _ = reshaped
     assert runs["z3"]["iterations"] == list(range(1, 11)) and runs["d3_resumed"]["iterations"] == list(range(6, 11))
     assert runs["z3"]["losses"][-1] < runs["z3"]["losses"][0] - 0.02, runs["z3"]["losses"]  # it learns
-    _assert_close(runs["z3"]["losses"][5:], runs["d3_resumed"]["losses"], "ZeRO-3 -> 3D vs ZeRO-3 continuing")
-    _assert_close(runs["d3"]["losses"][5:], runs["d3_resumed"]["losses"], "ZeRO-3 -> 3D vs 3D straight")
+    assert_continues(runs["z3"]["losses"], runs["d3_resumed"]["losses"], REL, "ZeRO-3 -> 3D vs ZeRO-3 continuing")
+    assert_continues(runs["d3"]["losses"], runs["d3_resumed"]["losses"], REL, "ZeRO-3 -> 3D vs 3D straight")
 
 
 @pytest.mark.multiprocess
 def test_3d_checkpoint_continues_on_zero3(reshaped):
     runs, _ = reshaped
     assert runs["z3_resumed"]["iterations"] == list(range(6, 11))
-    _assert_close(runs["d3"]["losses"][5:], runs["z3_resumed"]["losses"], "3D -> ZeRO-3 vs 3D continuing")
-    _assert_close(runs["z3"]["losses"][5:], runs["z3_resumed"]["losses"], "3D -> ZeRO-3 vs ZeRO-3 straight")
+    assert_continues(runs["d3"]["losses"], runs["z3_resumed"]["losses"], REL, "3D -> ZeRO-3 vs 3D continuing")
+    assert_continues(runs["z3"]["losses"], runs["z3_resumed"]["losses"], REL, "3D -> ZeRO-3 vs ZeRO-3 straight")
     # at TP = 2 x DP = 2 too: the loader cuts the TP slices (megatron.engine.sharded.universal_tp_restore)
     assert runs["z3_tp2_from_d3"]["iterations"] == list(range(6, 11))
-    _assert_close(runs["d3"]["losses"][5:], runs["z3_tp2_from_d3"]["losses"], "3D -> ZeRO-3 TP=2 vs 3D continuing")
+    assert_continues(runs["d3"]["losses"], runs["z3_tp2_from_d3"]["losses"], REL, "3D -> ZeRO-3 TP=2 vs 3D continuing")
 
 
 @pytest.mark.multiprocess
 def test_zero2_checkpoint_continues_on_3d_and_3d_on_zero2(reshaped):
     runs, _ = reshaped
     assert runs["d3_from_z2"]["iterations"] == list(range(6, 11)) == runs["z2_from_d3"]["iterations"]
-    _assert_close(runs["z2"]["losses"][5:], runs["d3_from_z2"]["losses"], "ZeRO-2 -> 3D vs ZeRO-2 continuing")
-    _assert_close(runs["d3"]["losses"][5:], runs["d3_from_z2"]["losses"], "ZeRO-2 -> 3D vs 3D straight")
-    _assert_close(runs["d3"]["losses"][5:], runs["z2_from_d3"]["losses"], "3D -> ZeRO-2 vs 3D continuing")
-    _assert_close(runs["z2"]["losses"][5:], runs["z2_from_d3"]["losses"], "3D -> ZeRO-2 vs ZeRO-2 straight")
+    assert_continues(runs["z2"]["losses"], runs["d3_from_z2"]["losses"], REL, "ZeRO-2 -> 3D vs ZeRO-2 continuing")
+    assert_continues(runs["d3"]["losses"], runs["d3_from_z2"]["losses"], REL, "ZeRO-2 -> 3D vs 3D straight")
+    assert_continues(runs["d3"]["losses"], runs["z2_from_d3"]["losses"], REL, "3D -> ZeRO-2 vs 3D continuing")
+    assert_continues(runs["z2"]["losses"], runs["z2_from_d3"]["losses"], REL, "3D -> ZeRO-2 vs ZeRO-2 straight")
 
 
 @pytest.mark.multiprocess
@@ -150,7 +116,7 @@ def test_zero3_tp1_checkpoint_continues_on_zero2_and_zero3_at_tp2(reshaped):
     runs, _ = reshaped
     for label in ("z2_from_z3", "z3_tp2_from_z3"):
         assert runs[label]["iterations"] == list(range(6, 11)), label
-        _assert_close(runs["z3"]["losses"][5:], runs[label]["losses"], f"{label} vs ZeRO-3 continuing")
+        assert_continues(runs["z3"]["losses"], runs[label]["losses"], REL, f"{label} vs ZeRO-3 continuing")
 
 
 @pytest.mark.multiprocess
@@ -233,7 +199,7 @@ def test_retargeted_files_carry_checksums_and_load_safely(reshaped, tmp_path):
 
     # A native ZeRO-3 conversion (GPTModel's names), copied three times and spoilt three ways
     native = tmp_path / "native" / "global_step5_universal"
-    assert _convert(os.path.join(d["z3"], "global_step5"), str(native)).returncode == 0
+    to_universal(os.path.join(d["z3"], "global_step5"), native)
     config = model_config_from_dict(load_run_state(str(native.parent), native.name)["model_config"])
     spoilt = {name: tmp_path / name for name in ("unknown", "missing", "crafted")}
     for folder in spoilt.values():
@@ -281,17 +247,17 @@ def test_llama_untied_head_moves_between_zero3_and_3d(tiny_corpus, tmp_path):
     def argv(*extra, **flags):
         return _argv(tiny_corpus, *LLAMA, *extra, hidden_size=64, embed_layernorm=False, **flags)
 
-    z3, = run_distributed(_train, world_size=4, timeout=600, args=([argv(*ZERO3, save=d["z3"], save_interval=5)],))[0]
+    z3, = run_distributed(train, world_size=4, timeout=600, args=([argv(*ZERO3, save=d["z3"], save_interval=5)],))[0]
     _to_universal(d["z3"], "pipeline", d["z3_for_3d"])
-    d3, d3_resumed = run_distributed(_train, world_size=8, timeout=900, args=(
+    d3, d3_resumed = run_distributed(train, world_size=8, timeout=900, args=(
         [argv(*THREE_D, save=d["d3"], save_interval=5),
          argv(*THREE_D, load=d["z3_for_3d"], universal_checkpoint=True)],))[-1]
     _to_universal(d["d3"], "model", d["d3_for_z3"])
-    z3_resumed, = run_distributed(_train, world_size=4, timeout=600, args=(
+    z3_resumed, = run_distributed(train, world_size=4, timeout=600, args=(
         [argv(*ZERO3, load=d["d3_for_z3"], universal_checkpoint=True)],))[0]
     assert "output_layer.weight" in os.listdir(os.path.join(d["d3_for_z3"], "global_step5_universal", "zero"))
     assert d3_resumed["iterations"] == list(range(6, 11)) == z3_resumed["iterations"]
-    _assert_close(d3["losses"][5:], d3_resumed["losses"], "Llama ZeRO-3 -> 3D vs 3D straight")
-    _assert_close(z3["losses"][5:], d3_resumed["losses"], "Llama ZeRO-3 -> 3D vs ZeRO-3 continuing")
-    _assert_close(z3["losses"][5:], z3_resumed["losses"], "Llama 3D -> ZeRO-3 vs ZeRO-3 straight")
-    _assert_close(d3["losses"][5:], z3_resumed["losses"], "Llama 3D -> ZeRO-3 vs 3D continuing")
+    assert_continues(d3["losses"], d3_resumed["losses"], REL, "Llama ZeRO-3 -> 3D vs 3D straight")
+    assert_continues(z3["losses"], d3_resumed["losses"], REL, "Llama ZeRO-3 -> 3D vs ZeRO-3 continuing")
+    assert_continues(z3["losses"], z3_resumed["losses"], REL, "Llama 3D -> ZeRO-3 vs ZeRO-3 straight")
+    assert_continues(d3["losses"], z3_resumed["losses"], REL, "Llama 3D -> ZeRO-3 vs 3D continuing")

@@ -12,62 +12,17 @@ import json
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.training.helpers import pretrain_error
+from tests.helpers.training import assert_same_run, layout, pretrain_error, to_universal, train
 
 ITERS = 10
-
-
-def _train(rank, world_size, runs):
-    """Each argv of ``runs`` in turn: its losses, grad norms and learning rates, and how the engine holds the
-    model (also used by the sequence-parallel and Ulysses tests)."""
-    from deepspeed.utils import groups
-    import torch.distributed as dist
-
-    from megatron.arguments import run_config_from_argv
-    from megatron.training.pretrain import pretrain
-
-    out = []
-    for argv in runs:
-        rc = run_config_from_argv(argv, world_size=world_size)
-        result = pretrain(rc)
-        engine = result.engine
-        params = list(engine.module.parameters())
-        hpz = groups._get_zero_param_intra_parallel_group()
-        out.append({
-            "losses": [r.loss for r in result.history], "grad_norms": [r.grad_norm for r in result.history],
-            "iterations": [r.iteration for r in result.history], "lrs": [r.lr for r in result.history],
-            "model_sp": rc.model.sequence_parallel, "engine": type(engine).__name__,
-            "pipe_partitioned": getattr(engine, "is_pipe_partitioned", None),
-            "optimizer": type(engine.optimizer).__name__,
-            "held_numel": sum(p.numel() for p in params),  # 0 under ZeRO-3: placeholders only
-            "partition_numel": sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor")),
-            "full_numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
-            "hpz_ranks": dist.get_process_group_ranks(hpz) if hpz is not None else None,
-            "hpz_ranks_engine": getattr(engine, "hpz_ranks", None),
-            "compiled_layers": sum(getattr(m, "_compiled_call_impl", None) is not None
-                                   for m in engine.module.modules()),  # --torch-compile's layers
-        })
-    return out
-
-
-def _layout(argv, *flags):
-    return list(argv) + [str(f) for f in flags]
-
-
-def _assert_same_run(reference, other, label, rel_loss=1e-5, rel_norm=1e-4):
-    assert len(other["losses"]) == len(reference["losses"]), label
-    for i, (a, b) in enumerate(zip(reference["losses"], other["losses"])):
-        assert abs(a - b) <= rel_loss * abs(a), f"{label}: iteration {i + 1} loss {b} vs {a} on (1,1,1)"
-    for i, (a, b) in enumerate(zip(reference["grad_norms"], other["grad_norms"])):
-        assert abs(a - b) <= rel_norm * abs(a), f"{label}: iteration {i + 1} grad norm {b} vs {a} on (1,1,1)"
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_corpus, tmp_path_factory):
     argv = tiny_argv(tiny_corpus, train_iters=ITERS)
     save1, save2, save3 = (str(tmp_path_factory.mktemp(name)) for name in ("one", "zero2", "zero3"))
-    reference, _ = run_distributed(_train, world_size=1, timeout=300, args=(
-        [argv, _layout(argv, "--save", save1, "--save-interval", 100, "--exit-interval", 5)],))[0]
+    reference, _ = run_distributed(train, world_size=1, timeout=300, args=(
+        [argv, layout(argv, "--save", save1, "--save-interval", 100, "--exit-interval", 5)],))[0]
     assert reference["losses"][-1] < reference["losses"][0] - 0.05, reference["losses"]  # it learns
     tp2 = ["--tensor-model-parallel-size", 2]
     # DeepSpeed keeps parameters under 1e5 elements gathered (stage3_param_persistence_threshold): all of
@@ -76,23 +31,23 @@ def runs(tiny_corpus, tmp_path_factory):
     no_persistence.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
     partitioned = ["--deepspeed_config", no_persistence]
     layouts = {
-        "zero2 dp4": _layout(argv, "--zero-stage", 2),
-        "zero3 dp4": _layout(argv, "--zero-stage", 3, *partitioned),
-        "zero3 tp2 dp2": _layout(argv, "--zero-stage", 3, *tp2, *partitioned),
-        "hpz2 dp4": _layout(argv, "--zero-stage", 3, "--zero-hpz-partition-size", 2),
-        "hpz2 tp2 dp2": _layout(argv, "--zero-stage", 3, "--zero-hpz-partition-size", 2, *tp2),
-        "zero3 tp2 recompute": _layout(argv, "--zero-stage", 3, *tp2, *partitioned, "--checkpoint-activations"),
-        "zero2 recompute 2": _layout(argv, "--zero-stage", 2, "--checkpoint-activations", "--checkpoint-num-layers", 2),
-        "bf16 zero2": _layout(argv, "--zero-stage", 2, "--bf16"),
-        "bf16 zero3 tp2": _layout(argv, "--zero-stage", 3, "--bf16", *tp2),
-        "zero2 first half": _layout(argv, "--zero-stage", 2, "--save", save2, "--save-interval", 100,
+        "zero2 dp4": layout(argv, "--zero-stage", 2),
+        "zero3 dp4": layout(argv, "--zero-stage", 3, *partitioned),
+        "zero3 tp2 dp2": layout(argv, "--zero-stage", 3, *tp2, *partitioned),
+        "hpz2 dp4": layout(argv, "--zero-stage", 3, "--zero-hpz-partition-size", 2),
+        "hpz2 tp2 dp2": layout(argv, "--zero-stage", 3, "--zero-hpz-partition-size", 2, *tp2),
+        "zero3 tp2 recompute": layout(argv, "--zero-stage", 3, *tp2, *partitioned, "--checkpoint-activations"),
+        "zero2 recompute 2": layout(argv, "--zero-stage", 2, "--checkpoint-activations", "--checkpoint-num-layers", 2),
+        "bf16 zero2": layout(argv, "--zero-stage", 2, "--bf16"),
+        "bf16 zero3 tp2": layout(argv, "--zero-stage", 3, "--bf16", *tp2),
+        "zero2 first half": layout(argv, "--zero-stage", 2, "--save", save2, "--save-interval", 100,
                                     "--exit-interval", 5),
-        "zero2 resumed": _layout(argv, "--zero-stage", 2, "--load", save2),
-        "zero3 first half": _layout(argv, "--zero-stage", 3, *tp2, "--save", save3, "--save-interval", 100,
+        "zero2 resumed": layout(argv, "--zero-stage", 2, "--load", save2),
+        "zero3 first half": layout(argv, "--zero-stage", 3, *tp2, "--save", save3, "--save-interval", 100,
                                     "--exit-interval", 5),
-        "zero3 resumed": _layout(argv, "--zero-stage", 3, *tp2, "--load", save3),
+        "zero3 resumed": layout(argv, "--zero-stage", 3, *tp2, "--load", save3),
     }
-    results = run_distributed(_train, world_size=4, args=(list(layouts.values()),), timeout=900)
+    results = run_distributed(train, world_size=4, args=(list(layouts.values()),), timeout=900)
     return argv, reference, {rank: dict(zip(layouts, per_rank)) for rank, per_rank in enumerate(results)}, \
         {"one": save1, "zero2": save2, "zero3": save3}
 
@@ -103,7 +58,7 @@ def test_zero2_zero3_and_hpz_match_single_process_in_fp32(runs):
     for rank, results in by_rank.items():
         for label in ("zero2 dp4", "zero3 dp4", "zero3 tp2 dp2", "hpz2 dp4", "hpz2 tp2 dp2", "zero3 tp2 recompute",
                       "zero2 recompute 2"):
-            _assert_same_run(reference, results[label], f"rank {rank}: {label}")
+            assert_same_run(reference, results[label], f"rank {rank}: {label}")
         assert results["zero2 dp4"]["optimizer"] == "DeepSpeedZeroOptimizer"
         assert results["zero3 dp4"]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
 
@@ -139,7 +94,7 @@ def test_bf16_zero2_and_zero3_track_fp32(runs):
     _, reference, by_rank, _ = runs
     for label in ("bf16 zero2", "bf16 zero3 tp2"):
         run = by_rank[3][label]
-        _assert_same_run(reference, run, label, rel_loss=2e-2, rel_norm=2e-1)
+        assert_same_run(reference, run, label, rel_loss=2e-2, rel_norm=2e-1)
         assert run["losses"][-1] < run["losses"][0] - 0.05, run["losses"]
 
 
@@ -157,7 +112,7 @@ def test_zero2_and_zero3_checkpoints_resume_bit_for_bit(runs):
 @pytest.mark.multiprocess
 def test_a_zero3_checkpoint_at_another_stage_names_the_conversion(runs):
     argv, _, _, saves = runs
-    error = run_distributed(pretrain_error, world_size=4, args=(_layout(argv, "--zero-stage", 1,
+    error = run_distributed(pretrain_error, world_size=4, args=(layout(argv, "--zero-stage", 1,
                                                                         "--tensor-model-parallel-size", 2,
                                                                         "--load", saves["zero3"]),), timeout=300)[0]
     assert error and "ZeRO stage 3 (this run: 1)" in error and "ds_to_universal.py" in error, error
@@ -228,36 +183,24 @@ def test_a_zero3_checkpoint_reshapes_through_a_universal_checkpoint(runs, tiny_c
     run's losses; a ZeRO-1 run refuses it by name, naming the conversion for it, and resumes from that
     (--target-engine pipeline) on the same losses (more in test_universal_zero3_3d.py)."""
     import os
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO_ROOT
 
     argv, _, by_rank, saves = runs
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_checkpoint/ds_to_universal.py"),
-                           "--input_folder", os.path.join(saves["zero3"], "global_step5"),
-                           "--output_folder", os.path.join(saves["zero3"], "global_step5_universal")],
-                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = run_distributed(_train, world_size=4, timeout=600, args=(
-        [_layout(argv, "--zero-stage", 3, "--load", saves["zero3"], "--universal-checkpoint")],))
+    to_universal(os.path.join(saves["zero3"], "global_step5"), os.path.join(saves["zero3"], "global_step5_universal"))
+    resumed = run_distributed(train, world_size=4, timeout=600, args=(
+        [layout(argv, "--zero-stage", 3, "--load", saves["zero3"], "--universal-checkpoint")],))
     straight = by_rank[0]["zero3 tp2 dp2"]
     for rank, (run,) in enumerate(resumed):
         assert run["iterations"] == list(range(6, 11)), run["iterations"]
         for i, (a, b) in enumerate(zip(straight["losses"][5:], run["losses"])):
             assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank}: iteration {i + 6} loss {b} vs {a} straight"
     error = run_distributed(pretrain_error, world_size=4, timeout=300, args=(
-        _layout(argv, "--zero-stage", 1, "--load", saves["zero3"], "--universal-checkpoint"),))[0]
+        layout(argv, "--zero-stage", 1, "--load", saves["zero3"], "--universal-checkpoint"),))[0]
     assert error and "universal checkpoint for the model engine" in error and "--target-engine pipeline" in error, error
     # converted for the pipeline engine, the TP=2 slices (merged by DeepSpeed, not flat as at TP=1) resume there
     for_pipeline = os.path.join(str(tmp_path), "for_pipeline")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_checkpoint/ds_to_universal.py"),
-                           "--input_folder", os.path.join(saves["zero3"], "global_step5"),
-                           "--output_folder", os.path.join(for_pipeline, "global_step5_universal"),
-                           "--target-engine", "pipeline"],
-                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run,), = run_distributed(_train, world_size=1, timeout=300, args=(
-        [_layout(argv, "--zero-stage", 1, "--load", for_pipeline, "--universal-checkpoint")],))
+    to_universal(os.path.join(saves["zero3"], "global_step5"), os.path.join(for_pipeline, "global_step5_universal"),
+                 "--target-engine", "pipeline")
+    (run,), = run_distributed(train, world_size=1, timeout=300, args=(
+        [layout(argv, "--zero-stage", 1, "--load", for_pipeline, "--universal-checkpoint")],))
     for i, (a, b) in enumerate(zip(straight["losses"][5:], run["losses"])):
         assert abs(a - b) <= 1e-5 * abs(a), f"ZeRO-3 TP=2 -> (1,1,1) ZeRO-1: iteration {i + 6} loss {b} vs {a} straight"

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron.config import (BatchConfig, CheckpointConfig, DataConfig, ExitConfig, LRScheduleConfig, LoggingConfig,
-                             ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig,
-                             TokenizerConfig, TrainingConfig)
+from megatron.config import (
+    BatchConfig,
+    CheckpointConfig,
+    DataConfig,
+    ExitConfig,
+    LoggingConfig,
+    LRScheduleConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+    TokenizerConfig,
+    TrainingConfig,
+)
 
 
 def tiny_model(**overrides) -> ModelConfig:

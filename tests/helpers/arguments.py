@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import pathlib
 
-from megatron.testing.corpus import write_stand_in_dataset
 from megatron.arguments import run_config_from_argv
 from megatron.config import RunConfig
+from megatron.testing.corpus import write_stand_in_dataset
 
 
 def tiny_flags(d) -> dict:

@@ -6,6 +6,15 @@ import torch
 
 from megatron.config import ModelConfig
 
+# Model kinds for tiny_model_config (by their positions), for tests that run every kind.
+POSITIONS = {"alibi": {}, "absolute": dict(position_embedding_type="absolute", embed_layernorm=False,
+                                           max_position_embeddings=64),
+             "rotary": dict(position_embedding_type="rotary", embed_layernorm=False),
+             # Llama-style: rotary, RMSNorm, SwiGLU, grouped-query attention, untied head, no biases
+             "llama": dict(position_embedding_type="rotary", embed_layernorm=False, normalization="rmsnorm",
+                           swiglu=True, num_key_value_heads=2, add_bias_linear=False,
+                           untie_embeddings_and_output_weights=True)}
+
 
 def tokenizer_record(tiny_corpus: dict) -> dict:
     return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": tiny_corpus["vocab_file"],

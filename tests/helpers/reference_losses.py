@@ -1,15 +1,15 @@
 """Reference losses of three fixed runs, recorded once and compared bit for bit after refactors.
 
-    python -m tests.training.reference_losses --write   # record (before a change), into golden/
-    python -m tests.training.reference_losses            # compare this tree against the record
+    python -m tests.helpers.reference_losses --write   # record (before a change), into tests/training/golden/
+    python -m tests.helpers.reference_losses            # compare this tree against the record
 
 The runs: the tiny BLOOM of ``tiny_argv`` for 20 iterations on (TP, PP, DP) = (1,1,1) fp32,
 (2,2,2) fp32 and (2,2,2) bf16. The (2,2,2) bf16 run also saved at iteration 10; that checkpoint,
 written by the tree before the structure refactor (this project's first pipeline numbering), is
-kept in ``golden/ckpt_222_bf16``; the comparison converts it to BLOOM's numbering with
+kept in ``tests/training/golden/ckpt_222_bf16``; the comparison converts it to BLOOM's numbering with
 tools/convert_checkpoint/upgrade_layout.py and resumes it for iterations 11..20: a later tree still
 continues the checkpoints of an older one exactly.
-``test_reference_losses.py`` runs the comparison in the suite.
+``tests/training/test_reference_losses.py`` runs the comparison in the suite.
 
 Bit-for-bit equality holds on the machine kind the record was made on (the same CPU flags and
 torch / deepspeed versions): kernels differ between ISAs. Elsewhere the comparison is within
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import platform
 import re
 import shutil
@@ -29,8 +28,10 @@ import sys
 import tempfile
 
 from megatron.testing.corpus import make_tiny_corpus, tiny_argv
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.training import train
 
-GOLDEN_DIR = pathlib.Path(__file__).resolve().parent / "golden"
+GOLDEN_DIR = REPO_ROOT / "tests" / "training" / "golden"
 GOLDEN_FILE = GOLDEN_DIR / "reference_losses.json"
 CHECKPOINT_DIR = GOLDEN_DIR / "ckpt_222_bf16"
 ITERS = 20
@@ -63,28 +64,19 @@ def run_argv(corpus: dict, tp: int, pp: int, bf16: bool, save: str | None = None
     return tiny_argv(corpus, *extra, train_iters=ITERS)
 
 
-def _train(rank, world_size, runs):
-    from megatron.arguments import run_config_from_argv
-    from megatron.training.pretrain import pretrain
-
-    out = []
-    for argv in runs:
-        result = pretrain(run_config_from_argv(argv, world_size=world_size))
-        out.append({"losses": [r.loss for r in result.history], "grad_norms": [r.grad_norm for r in result.history]})
-    return out
-
-
 def measure(corpus: dict, save_dir: str | None = None, resume_from: str | None = None) -> dict:
     """{run name: {'losses', 'grad_norms'}} of the three runs, as rank world-1 sees them; with
     ``resume_from`` (a copy of ``CHECKPOINT_DIR``) also '222_bf16_resumed': iterations 11..20 of the
     bf16 run, resumed from that checkpoint (in the same 8-process launch)."""
     from megatron.testing import run_distributed
 
-    (single,) = run_distributed(_train, world_size=1, args=([run_argv(corpus, 1, 1, False)],), timeout=600)[0]
+    (single,) = run_distributed(train, world_size=1, args=([run_argv(corpus, 1, 1, False)],), timeout=600)[0]
     runs = [run_argv(corpus, 2, 2, False), run_argv(corpus, 2, 2, True, save=save_dir)]
     if resume_from:
         runs.append(run_argv(corpus, 2, 2, True, load=resume_from))
-    fp32, bf16, *resumed = run_distributed(_train, world_size=8, args=(runs,), timeout=1200)[-1]
+    fp32, bf16, *resumed = run_distributed(train, world_size=8, args=(runs,), timeout=1200)[-1]
+    single, fp32, bf16, *resumed = ({key: run[key] for key in ("losses", "grad_norms")}
+                                    for run in (single, fp32, bf16, *resumed))
     out = {"111_fp32": single, "222_fp32": fp32, "222_bf16": bf16}
     if resumed:
         out["222_bf16_resumed"] = resumed[0]

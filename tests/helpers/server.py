@@ -11,7 +11,7 @@ import sys
 import threading
 
 from megatron.inference.server import make_server
-from tests.conftest import REPO_ROOT
+from tests.helpers.paths import REPO_ROOT
 
 
 class RunningServer:

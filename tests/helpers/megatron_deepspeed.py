@@ -87,7 +87,8 @@ def write_bloom_checkpoint(hf_state: dict, out_dir: str, *, num_layers: int, hid
                               pipeline_model_parallel_size=pp, bf16=False, fp16=False, consumed_train_samples=800,
                               tokenizer_type="PretrainedFromHF")
     for rank in range(tp * pp):
-        _save_with_megatron_enums({"module": None, "buffer_names": [], "optimizer": None, "lr_scheduler": None, "global_steps": 100,
+        _save_with_megatron_enums({"module": None, "buffer_names": [], "optimizer": None, "lr_scheduler": None,
+                    "global_steps": 100,
                     "global_samples": 800, "skipped_steps": 0, "dp_world_size": 1, "mp_world_size": tp * pp,
                                    "args": args, "checkpoint_version": 3.0, "iteration": 100},
                                   os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"))

@@ -1,0 +1,39 @@
+"""The launch scripts under examples/, run in their dry-run mode: the flags each would start with."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from megatron.arguments import run_config_from_argv
+from megatron.config import RunConfig
+from tests.helpers.paths import REPO_ROOT
+
+EXAMPLES = REPO_ROOT / "examples"
+
+
+def script_argv(script, tmp_path, env_extra) -> tuple[int, list[str]]:
+    """``bash script`` with DRY_RUN set (and ``env_extra``): the world size it would launch and its argv."""
+    out = tmp_path / f"{script.name}.argv"
+    env = dict(os.environ, DRY_RUN=str(out), RUN_ROOT=str(tmp_path / "runs"), RUN_DIR=str(tmp_path / "run"),
+               PY=sys.executable, BACKEND="gloo", **env_extra)
+    for name in ("SLURM_NNODES", "SLURM_JOB_ID", "WORLD_SIZE", "RANK"):
+        env.pop(name, None)
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{script}: {proc.stdout}\n{proc.stderr}"
+    world_size, *argv = out.read_text().split("\0")[:-1]
+    return int(world_size), argv
+
+
+def stand_in_run_config(argv, world_size) -> RunConfig:
+    """The scripts' tokenizer files are stand-ins: check the flags without building the vocabulary."""
+    return run_config_from_argv(argv, world_size=world_size, with_vocab=False)
+
+
+def sbatch_option(script, name) -> str:
+    """The value of ``#SBATCH --name`` in ``script``."""
+    match = re.search(rf"^#SBATCH --{name}[= ](\S+)", script.read_text(), re.MULTILINE)
+    assert match, f"{script} has no #SBATCH --{name}"
+    return match.group(1)

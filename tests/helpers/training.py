@@ -1,0 +1,142 @@
+"""Training runs for the end-to-end tests: run them, compare them, convert their checkpoints.
+
+    train(rank, world_size, runs)         a run_distributed target: pretrain each argv in turn, one record each
+    record_run(rc, result)                that record, for a target that does more around pretrain
+    pretrain_error(rank, world_size, argv)  the ValueError pretrain refused with, or None
+    layout(argv, *flags, tp=, pp=)        argv with a layout's flags appended
+    assert_same_run(reference, other, label)  per-iteration losses and grad norms agree
+    assert_continues(straight, tail, rel, label)  a resumed run's losses continue a straight run's
+    tensorboard_scalars(logdir)           {tag: [(step, value)]} of a run's tensorboard events
+    to_universal(tag_dir, output_dir=None, *flags)  ds_to_universal.py, asserted to succeed
+    convert_to_universal(tag_dir, output_dir=None, *flags)  the same, returning the finished process
+"""
+
+import os
+import subprocess
+import sys
+
+from tests.helpers.paths import REPO_ROOT
+
+DS_TO_UNIVERSAL = REPO_ROOT / "tools" / "convert_checkpoint" / "ds_to_universal.py"
+
+
+def train(rank, world_size, runs):
+    """On each rank (a ``run_distributed`` target): ``pretrain`` every argv of ``runs`` in turn and return,
+    per run, ``record_run``'s record."""
+    from megatron.arguments import run_config_from_argv
+    from megatron.training.pretrain import pretrain
+
+    out = []
+    for argv in runs:
+        rc = run_config_from_argv(argv, world_size=world_size)
+        out.append(record_run(rc, pretrain(rc)))
+    return out
+
+
+def record_run(rc, result) -> dict:
+    """What the tests check of one finished run: how it ended, its per-iteration history (also split into
+    iterations, losses, grad norms, learning rates), its validation results, the settings asked for, and
+    how the engine holds the model and the optimizer (``_engine_record``)."""
+    history = result.history
+    return {"reason": result.exit_reason, "iteration": result.progress.iteration, "valid": result.valid,
+            "history": [(r.iteration, r.loss, r.grad_norm, r.lr, r.global_batch_size) for r in history],
+            "iterations": [r.iteration for r in history], "losses": [r.loss for r in history],
+            "grad_norms": [r.grad_norm for r in history], "lrs": [r.lr for r in history],
+            "model_sp": rc.model.sequence_parallel, "asked_stage": rc.precision.zero_stage,
+            "warnings": list(rc.startup_warnings), **_engine_record(result.engine)}
+
+
+def _engine_record(engine) -> dict:
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    params = list(engine.module.parameters())
+    optimizer = engine.optimizer
+    inner = getattr(optimizer, "optimizer", optimizer)
+    steps = [state["step"] for state in inner.state.values() if "step" in state]
+    hpz = groups._get_zero_param_intra_parallel_group()
+    grid = getattr(engine, "grid", None)  # the pipeline engine's
+    return {
+        "engine": type(engine).__name__, "engine_stage": engine.zero_optimization_stage(),
+        "pipe_partitioned": getattr(engine, "is_pipe_partitioned", None),
+        "dp_size": grid.get_data_parallel_world_size() if grid is not None else None,
+        "optimizer": type(optimizer).__name__,
+        "groups": [(g.get("name"), g["weight_decay"]) for g in optimizer.param_groups],
+        "steps": [float(s) for s in steps], "step_objects": len({id(s) for s in steps}),  # Adam's step counts
+        "held_numel": sum(p.numel() for p in params),  # this stage's; 0 under ZeRO-3: placeholders only
+        "master_numel": sum(p.numel() for p in getattr(optimizer, "fp32_groups_flat_partition", [])),  # BF16_Optimizer
+        "partition_numel": sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor")),
+        "full_numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+        "hpz_ranks": dist.get_process_group_ranks(hpz) if hpz is not None else None,
+        "hpz_ranks_engine": getattr(engine, "hpz_ranks", None),
+        "compiled_layers": sum(getattr(m, "_compiled_call_impl", None) is not None
+                               for m in engine.module.modules()),  # --torch-compile's layers
+    }
+
+
+def pretrain_error(rank, world_size, argv):
+    """On each rank: ``pretrain(argv)``; the ValueError's message if it refused to run, else None."""
+    from megatron.arguments import run_config_from_argv
+    from megatron.training.pretrain import pretrain
+
+    try:
+        pretrain(run_config_from_argv(argv, world_size=world_size))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def layout(argv, *flags, tp=None, pp=None) -> list:
+    """``argv`` with ``--tensor-model-parallel-size tp --pipeline-model-parallel-size pp`` (where given) and
+    then ``flags`` appended, every item a string."""
+    sizes = [] if tp is None else ["--tensor-model-parallel-size", tp]
+    sizes += [] if pp is None else ["--pipeline-model-parallel-size", pp]
+    return list(argv) + [str(f) for f in sizes + list(flags)]
+
+
+def assert_same_run(reference, other, label, rel_loss=1e-5, rel_norm=1e-4):
+    """``other`` trained as ``reference`` did: as many iterations, and at each the loss within ``rel_loss``
+    and the grad norm within ``rel_norm`` of the reference's (relative)."""
+    assert reference["losses"] and len(other["losses"]) == len(reference["losses"]), label
+    for i, (a, b) in enumerate(zip(reference["losses"], other["losses"])):
+        assert abs(a - b) <= rel_loss * abs(a), f"{label}: iteration {i + 1} loss {b} vs {a} on (1,1,1)"
+    for i, (a, b) in enumerate(zip(reference["grad_norms"], other["grad_norms"])):
+        assert abs(a - b) <= rel_norm * abs(a), f"{label}: iteration {i + 1} grad norm {b} vs {a} on (1,1,1)"
+
+
+def assert_continues(straight, tail, rel, label):
+    """The losses ``tail`` of a resumed run equal, within ``rel``, the last ones of ``straight`` (a run's
+    losses from iteration 1)."""
+    assert tail and len(tail) <= len(straight), label
+    first = len(straight) - len(tail) + 1
+    for i, (a, b) in enumerate(zip(straight[-len(tail):], tail)):
+        assert abs(a - b) <= rel * abs(a), f"{label}: iteration {first + i}: loss {b} vs {a} straight"
+
+
+def tensorboard_scalars(logdir) -> dict:
+    """Every scalar the run logged to tensorboard in ``logdir``: {tag: [(step, value), ...]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def convert_to_universal(tag_dir, output_dir=None, *flags) -> subprocess.CompletedProcess:
+    """``tools/convert_checkpoint/ds_to_universal.py`` from the tag folder ``tag_dir`` (CKPT/global_stepN) into
+    ``output_dir`` (by default CKPT/global_stepN_universal) with ``flags`` (e.g. ``--target-engine pipeline``), in
+    a process of its own; the finished process (text output captured)."""
+    output_dir = output_dir or f"{os.path.normpath(tag_dir)}_universal"
+    os.makedirs(os.path.dirname(os.path.abspath(output_dir)), exist_ok=True)  # latest_universal goes there
+    return subprocess.run([sys.executable, str(DS_TO_UNIVERSAL), "--input_folder", str(tag_dir),
+                           "--output_folder", str(output_dir), *map(str, flags)],
+                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+
+
+def to_universal(tag_dir, output_dir=None, *flags) -> str:
+    """``convert_to_universal``, asserted to succeed and to leave a complete checkpoint; its output folder."""
+    output_dir = output_dir or f"{os.path.normpath(tag_dir)}_universal"
+    proc = convert_to_universal(tag_dir, output_dir, *flags)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert os.path.isfile(os.path.join(output_dir, "complete")), os.listdir(output_dir)
+    return str(output_dir)
