@@ -32,7 +32,12 @@ def _has_template(directory: Optional[pathlib.Path]) -> bool:
     if (directory / "chat_template.jinja").is_file():
         return True
     config = directory / "tokenizer_config.json"
-    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+    if not config.is_file():
+        return False
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template"))
+    except (ValueError, AttributeError) as error:
+        raise ValueError(f"{str(config)!r} is not a JSON object ({error}); fix or remove it") from None
 
 
 class ChatTemplate:
