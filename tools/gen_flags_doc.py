@@ -24,8 +24,8 @@ def _cell(text: str) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-        return "off" if action.default is False else "on"
+    if action.nargs == 0:  # a switch: "on" only when leaving it out already gives what passing it would
+        return "on" if action.default == action.const else "off"
     if action.default is None:
         return "unset"
     return f"`{action.default}`"

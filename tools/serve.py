@@ -5,11 +5,14 @@
     torchrun --nproc_per_node 2 tools/serve.py --load CKPT     # the model split over 2 processes (TP)
     curl -s localhost:8000/generate -d '{"prompt": "The river", "max_new_tokens": 16, "greedy": true}'
     curl -s localhost:8000/v1/completions -d '{"model": "m", "prompt": "The river", "max_tokens": 16, "temperature": 0}'
+    curl -s localhost:8000/v1/chat/completions -d '{"model": "m", "messages": [{"role": "user", "content": "Hi"}]}'
     curl -s localhost:8000/health
 
 POST /generate takes {"prompt": str or [str], "max_new_tokens", "greedy", "temperature", "top_k",
 "top_p", "seed"} and answers {"completions": [...]} with the objects tools/generate.py writes;
-POST /v1/completions is OpenAI's completions API (streaming included). Bad requests get a JSON
+POST /v1/completions and POST /v1/chat/completions are OpenAI's completions and chat APIs (streaming
+included; chat messages rendered with the checkpoint tokenizer's chat template, or a plain one), GET /v1/models
+lists the served model. Bad requests get a JSON
 error (400, 408 too slow, 411, 413 too large, 404, 405, 503 too busy); generation runs off the event
 loop, the prompts of all requests decoded together in one running batch (--max-batch-size). Binds 127.0.0.1 unless
 --host says otherwise. The work is in
@@ -50,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "them. On cores other work also uses, 1 is much faster: a kernel's threads wait for "
                              "each other at every barrier (docs/serving.md)")
     parser.add_argument("--model-name", default=None,
-                        help="the model's name in /v1/completions replies (default: the --load folder's name)")
+                        help="the model's name in /v1/models and the /v1 replies (default: the --load folder's name)")
     parser.add_argument("--verbose", action="store_true", help="log every request")
     return parser.parse_args(argv)
 
@@ -103,7 +106,7 @@ def _serve_tensor_parallel(args, limits, model_name: str) -> int:
 
 def _announce(extra: str = ""):
     return lambda s: print(f"serving on http://{s.host}:{s.port} (POST /generate, POST /v1/completions, "
-                           f"GET /health){extra}", flush=True)
+                           f"POST /v1/chat/completions, GET /v1/models, GET /health){extra}", flush=True)
 
 
 def main(argv=None) -> int:

@@ -50,6 +50,10 @@ class AbstractTokenizer(abc.ABC):
     # never span such a point, and no normalizer. See ``tokenize_long``.
     cuts_before_spaces: bool = False
 
+    # The local folder the tokenizer was loaded from, where a ``tokenizer_config.json`` (and its chat
+    # template) may be; None for tokenizers given as files.
+    directory: Optional[pathlib.Path] = None
+
     # Set by each implementation's __init__.
     _eod: int
     _pad: Optional[int] = None
@@ -232,6 +236,7 @@ class PretrainedFromHF(_FastTokenizer):
             raise ValueError("--tokenizer-name-or-path is required for PretrainedFromHF; pass a local "
                              "tokenizer.json, a directory holding one, or a hub name in the local cache")
         path = pathlib.Path(resolve_tokenizer_path(name_or_path))
+        self.directory = path if path.is_dir() else None
         json_file = path / "tokenizer.json" if path.is_dir() else path
         if json_file.is_file():
             from tokenizers import Tokenizer  # noqa: PLC0415 (optional: only for that tokenizer type)

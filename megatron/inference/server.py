@@ -4,6 +4,8 @@
                            "top_k": int, "top_p": float, "seed": int}
                           -> 200 {"completions": [{"prompt", "token_ids", "text", "finish_reason", ...}, ...]}
     POST /v1/completions  OpenAI's completions API (``megatron.inference.openai_api``)
+    POST /v1/chat/completions  OpenAI's chat completions API (``megatron.inference.openai_chat``)
+    GET  /v1/models       the served model (and GET /v1/models/{its name})
     GET  /health          -> 200 {"status": "ok", ...}
 
 Why aiohttp: its server is a plain asyncio protocol whose hooks (``web.Server.connection_made`` /
@@ -26,7 +28,7 @@ How each limit is enforced (``ServerLimits``):
   holds at most ``max_pending_requests`` (503 past it) and decodes up to ``max_batch_size`` sequences
   together (continuous batching); the loop keeps serving /health meanwhile.
 
-Errors are JSON {"error": message, "status": code}: 400 (malformed HTTP or JSON, NaN / Infinity, wrong
+Errors are JSON {"error": message, "status": code} (OpenAI's shape under /v1/): 400 (malformed HTTP or JSON, NaN / Infinity, wrong
 types, unknown fields, invalid values, lone surrogates, an empty prompt), 404, 405, 408 (body too
 slow), 411 (no Content-Length and not chunked), 413 (too large: body, prompt, max_new_tokens, prompts),
 503 (too many connections or requests), 500 only for a failure inside generation (logged once, with
@@ -42,12 +44,14 @@ import json
 import logging
 import signal
 import socket
+import time
 from typing import Awaitable, Callable, Optional
 
 import torch
 from aiohttp import web
 
-from megatron.inference import openai_api
+from megatron.inference import openai_api, openai_chat
+from megatron.inference.chat_template import ChatTemplate
 from megatron.inference.generation import Generator
 from megatron.inference.scheduler import Busy, GenerationWorker
 from megatron.inference.validation import RequestError, ServerLimits, parse_generate_request, tokenize_prompts
@@ -176,6 +180,8 @@ class GenerationService:
         self.generator = generator
         self.limits = limits.validate()
         self.model_name = model_name
+        self.created = int(time.time())  # /v1/models reports it
+        self.chat_template = ChatTemplate(generator.tokenizer)
         self.worker = GenerationWorker(generator, limits.max_pending_requests, limits.max_batch_size, runner)
 
     async def generate(self, raw: bytes) -> dict:
@@ -212,7 +218,10 @@ class GenerationServer:
         plain = self._plain_error
         self._paths = {"/generate": _Path({"POST": self._generate}, plain),
                        "/health": _Path({"GET": self._health}, plain),
-                       "/v1/completions": _Path({"POST": self._completions}, openai_api.error_response)}
+                       "/v1/completions": _Path({"POST": self._completions}, openai_api.error_response),
+                       "/v1/chat/completions": _Path({"POST": self._chat_completions}, openai_api.error_response),
+                       "/v1/models": _Path({"GET": self._models}, openai_api.error_response),
+                       f"/v1/models/{model_name}": _Path({"GET": self._model}, openai_api.error_response)}
 
     @staticmethod
     def _plain_error(error: RequestError) -> web.Response:
@@ -262,8 +271,10 @@ class GenerationServer:
     async def _respond(self, request: web.BaseRequest) -> web.StreamResponse:
         path = self._paths.get(request.path)
         if path is None:
-            return self._plain_error(RequestError(404, f"unknown path {request.path!r:.200}; use POST /generate, "
-                                                       f"POST /v1/completions or GET /health"))
+            error = openai_api.error_response if request.path.startswith("/v1/") else self._plain_error
+            return error(RequestError(404, f"unknown path {request.path!r:.200}; use POST /generate, POST "
+                                           f"/v1/completions, POST /v1/chat/completions, GET /v1/models or GET "
+                                           f"/health"))
         handler = path.methods.get(request.method)
         try:
             if handler is None:
@@ -292,6 +303,15 @@ class GenerationServer:
 
     async def _completions(self, request: web.BaseRequest, raw: bytes) -> web.StreamResponse:
         return await openai_api.completions(self.service, request, raw)
+
+    async def _chat_completions(self, request: web.BaseRequest, raw: bytes) -> web.StreamResponse:
+        return await openai_chat.chat_completions(self.service, request, raw)
+
+    async def _models(self, request: web.BaseRequest, raw: bytes) -> web.Response:
+        return _json_response(200, {"object": "list", "data": [openai_api.model_card(self.service)]})
+
+    async def _model(self, request: web.BaseRequest, raw: bytes) -> web.Response:
+        return _json_response(200, openai_api.model_card(self.service))
 
 
 def make_server(generator: Generator, limits: ServerLimits, host: str = "127.0.0.1", port: int = 8000,

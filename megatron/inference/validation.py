@@ -4,7 +4,8 @@ A body is parsed strictly: UTF-8 JSON without NaN / Infinity (nor numbers that o
 nesting and integer sizes bounded by Python's own limits (caught, as 400), no lone surrogates in
 strings (they cannot be tokenized), no unknown fields, and every field of its type (a bool is not
 a number here). A prompt is checked against ``max_prompt_tokens`` without tokenizing all of a text
-that is obviously longer (``tokenize_prompt``). Every refusal is a ``RequestError(status, message)``.
+that is obviously longer (``tokenize_prompt``); a prompt of token ids (OpenAI's completions API allows
+them) is checked id by id against the vocabulary. Every refusal is a ``RequestError(status, message)``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from megatron.inference.generation import SamplingParams
 
 __all__ = ["ServerLimits", "RequestError", "load_json_object", "typed_field", "check_prompts", "check_unicode",
-           "tokenize_prompt", "tokenize_prompts", "parse_generate_request", "sampling_params"]
+           "tokenize_prompt", "tokenize_prompts", "check_token_prompt", "parse_generate_request", "sampling_params"]
 
 _GENERATE_FIELDS = {"prompt", "max_new_tokens", "greedy", "temperature", "top_k", "top_p", "seed"}
 _PIECE_CHARS = 4096  # characters tokenized at a time while a long prompt is being counted
@@ -115,16 +116,29 @@ def typed_field(body: dict, name: str, kinds: tuple, default: Any) -> Any:
     return value
 
 
-def check_prompts(prompt: Any, limits: ServerLimits, copies: int = 1) -> list[str]:
-    """The prompts of a 'prompt' field (a string or a non-empty list of strings), each encodable as UTF-8."""
-    prompts = prompt if isinstance(prompt, list) else [prompt]
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise RequestError(400, "'prompt' must be a string or a non-empty list of strings", param="prompt")
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+def check_prompts(prompt: Any, limits: ServerLimits, copies: int = 1,
+                  token_ids: bool = False) -> list[str | list[int]]:
+    """The prompts of a 'prompt' field (a string or a non-empty list of strings), each encodable as UTF-8.
+    With ``token_ids``, also OpenAI's forms of pre-tokenized prompts: a list of ids is one prompt, a list of
+    lists of ids is several (the ids are checked by ``tokenize_prompts``)."""
+    if token_ids and _is_token_ids(prompt) and prompt:
+        prompts = [prompt]
+    else:
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+    if not prompts or not (all(isinstance(p, str) for p in prompts)
+                           or (token_ids and all(_is_token_ids(p) for p in prompts))):
+        kinds = ", a list of token ids or a list of such lists" if token_ids else ""
+        raise RequestError(400, f"'prompt' must be a string, a non-empty list of strings{kinds}", param="prompt")
     if len(prompts) * copies > limits.max_prompts:
         count = f"{len(prompts)} prompts x n={copies}" if copies > 1 else f"{len(prompts)} prompts"
         raise RequestError(413, f"{count} in one request; the limit is {limits.max_prompts}", param="prompt")
     for index, text in enumerate(prompts):
-        check_unicode(text, f"prompt {index}", "prompt")
+        if isinstance(text, str):
+            check_unicode(text, f"prompt {index}", "prompt")
     return prompts
 
 
@@ -155,14 +169,28 @@ def tokenize_prompt(generator, text: str, limits: ServerLimits, max_new_tokens: 
             if counted > 2 * limit:
                 raise RequestError(413, f"a prompt of {len(text)} characters has over {counted} tokens; the limit "
                                         f"is {limit}", param="prompt")
-    ids = tokenizer.tokenize(text)
-    if len(ids) > limit:
-        raise RequestError(413, f"a prompt has {len(ids)} tokens; the limit is {limit}", param="prompt")
+    return _check_length(generator, tokenizer.tokenize(text), limits, max_new_tokens)
+
+
+def _check_length(generator, ids: list[int], limits: ServerLimits, max_new_tokens: int) -> list[int]:
+    if len(ids) > limits.max_prompt_tokens:
+        raise RequestError(413, f"a prompt has {len(ids)} tokens; the limit is {limits.max_prompt_tokens}",
+                           param="prompt")
     try:
         generator.check_length(len(ids), max_new_tokens)
     except ValueError as error:
         raise RequestError(400, str(error), param="prompt") from None
     return ids
+
+
+def check_token_prompt(generator, ids: list[int], limits: ServerLimits, max_new_tokens: int) -> list[int]:
+    """A prompt given as token ids, or RequestError: 400 for an id outside the vocabulary, else as a text's ids."""
+    _check_length(generator, ids, limits, max_new_tokens)
+    for position, token in enumerate(ids):
+        if not 0 <= token < generator.vocab_size:
+            raise RequestError(400, f"token id {token} at position {position} of a prompt is not in the "
+                                    f"vocabulary [0, {generator.vocab_size})", param="prompt")
+    return list(ids)
 
 
 def sampling_params(limits: ServerLimits, max_tokens_field: str = "max_new_tokens", **fields) -> SamplingParams:
@@ -197,5 +225,8 @@ def parse_generate_request(raw: bytes, limits: ServerLimits) -> tuple[list[str],
     return prompts, params
 
 
-def tokenize_prompts(generator, prompts: Sequence[str], limits: ServerLimits, max_new_tokens: int) -> list[list[int]]:
-    return [tokenize_prompt(generator, p, limits, max_new_tokens) for p in prompts]
+def tokenize_prompts(generator, prompts: Sequence[str | list[int]], limits: ServerLimits,
+                     max_new_tokens: int) -> list[list[int]]:
+    """The ids of each prompt: a text tokenized (``tokenize_prompt``), token ids checked (``check_token_prompt``)."""
+    return [check_token_prompt(generator, p, limits, max_new_tokens) if isinstance(p, list)
+            else tokenize_prompt(generator, p, limits, max_new_tokens) for p in prompts]

@@ -6,6 +6,7 @@ from megatron.inference.validation import (
     _PIECE_CHARS,
     RequestError,
     ServerLimits,
+    check_prompts,
     load_json_object,
     parse_generate_request,
     tokenize_prompt,
@@ -83,3 +84,14 @@ def test_nesting_depth_is_counted_before_parsing_whatever_the_recursion_limit():
     finally:
         sys.setrecursionlimit(limit)
     assert load_json_object(b'{"prompt": [[1, 2]]}') == {"prompt": [[1, 2]]}
+
+
+def test_token_id_prompts_only_where_asked_for():
+    limits = ServerLimits(max_prompts=3)
+    assert check_prompts([1, 2], limits, token_ids=True) == [[1, 2]]
+    assert check_prompts([[1], [2, 3]], limits, token_ids=True) == [[1], [2, 3]]
+    assert check_prompts(["a", "b"], limits, token_ids=True) == ["a", "b"]
+    for prompt, token_ids in (([1, 2], False), (["a", [1]], True), ([], True), ([[1.0]], True), ([[1]] * 4, True)):
+        with pytest.raises(RequestError) as error:
+            check_prompts(prompt, limits, token_ids=token_ids)
+        assert (error.value.status, error.value.param) == (413 if len(prompt) == 4 else 400, "prompt"), prompt
