@@ -49,10 +49,10 @@ $(BLOOM_CONVERTER): $(STAMP)
 pretrain: $(STAMP) $(EXT)
 	PYTHON=$(PY) examples/pretrain_tiny_bloom_cpu.sh
 
-# The linter first (a second, pyproject.toml's settings), then the suite.
+# The linter first (a second, pyproject.toml's settings), then the suite; its 25 slowest tests are listed last.
 test: $(STAMP) $(EXT) $(BLOOM_CONVERTER)
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=25
 
 test-quick: $(STAMP) $(EXT)
 	$(PY) -m pytest tests -m "not multiprocess"
