@@ -109,7 +109,7 @@ def _context(start_method: str):
     elif start_method == "fork":
         # Children inherit what the parent imported. torch._dynamo is imported lazily the first time an
         # optimizer is built (about 1 s alone, 10 s with 8 children on 2 busy cores): pay it once here.
-        pass  # noqa: PLC0415 (paid once in the parent, only for fork children)
+        import torch._dynamo  # noqa: F401, PLC0415 (imported for its cost: paid once here, only for fork children)
     return ctx
 
 
