@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 
+from megatron.inference.batching import BatchRunner
 from megatron.inference.server import make_server
 from tests.helpers.paths import REPO_ROOT
 
@@ -71,3 +72,18 @@ def serve_tool(checkpoint, *args, launcher=(), env=None):
             proc.terminate()
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0 and stderr == "", (proc.returncode, stderr[-2000:])
+
+
+def hold_prefill(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Make the server's batch runner wait before each prefill: ``entered`` is set when one is held, and
+    ``release`` lets every held and later prefill run (each waits at most 30 s)."""
+    release, entered = threading.Event(), threading.Event()
+    prefill = BatchRunner.prefill
+
+    def held_prefill(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(BatchRunner, "prefill", held_prefill)
+    return release, entered

@@ -12,11 +12,10 @@ import threading
 import openai
 import pytest
 
-from megatron.inference.batching import BatchRunner
 from megatron.inference.generation import Generator, SamplingParams
 from megatron.inference.server import ServerLimits
 from tests.helpers.checkpoint import write_random_checkpoint
-from tests.helpers.server import RunningServer, request
+from tests.helpers.server import RunningServer, hold_prefill, request
 from tools import generate
 
 LIMITS = ServerLimits(max_prompt_tokens=48, max_new_tokens_limit=16, max_request_bytes=4096, max_prompts=4,
@@ -343,15 +342,7 @@ def test_chat_uses_the_checkpoint_tokenizers_chat_template(checkpoint, template_
 
 def test_a_full_queue_is_a_503_in_openais_shape(generator, monkeypatch):
     running = RunningServer(generator, dataclasses.replace(LIMITS, max_pending_requests=1))
-    release, entered = threading.Event(), threading.Event()
-    prefill = BatchRunner.prefill
-
-    def held_prefill(*args, **kwargs):
-        entered.set()
-        assert release.wait(30)
-        return prefill(*args, **kwargs)
-
-    monkeypatch.setattr(BatchRunner, "prefill", held_prefill)
+    release, entered = hold_prefill(monkeypatch)
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
     results = []
     held = threading.Thread(target=lambda: results.append(request(running.port, "POST", "/v1/chat/completions", body)))

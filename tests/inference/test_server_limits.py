@@ -18,7 +18,7 @@ from megatron.inference.generation import Generator
 from megatron.inference.server import ServerLimits
 from megatron.inference.validation import _PIECE_CHARS
 from tests.helpers.checkpoint import write_random_checkpoint
-from tests.helpers.server import RunningServer, request
+from tests.helpers.server import RunningServer, hold_prefill, request
 
 LIMITS = ServerLimits(max_prompt_tokens=20, max_new_tokens_limit=16, max_request_bytes=2048, max_prompts=4,
                       default_max_new_tokens=8, read_timeout=2.0)
@@ -224,15 +224,7 @@ def test_a_megabyte_prompt_is_refused_without_tokenizing_it_all(serve, generator
 
 def test_generation_runs_off_the_event_loop_and_the_queue_is_bounded(serve, generator, monkeypatch):
     running = serve(max_pending_requests=2)
-    release, entered = threading.Event(), threading.Event()
-    prefill = BatchRunner.prefill
-
-    def held_prefill(*args, **kwargs):
-        entered.set()
-        assert release.wait(30)
-        return prefill(*args, **kwargs)
-
-    monkeypatch.setattr(BatchRunner, "prefill", held_prefill)
+    release, entered = hold_prefill(monkeypatch)
     results = []
     clients = [threading.Thread(target=lambda: results.append(request(running.port, "POST", "/generate", GOOD)))
                for _ in range(2)]
