@@ -96,7 +96,7 @@ def require(name: str) -> None:
         raise RuntimeError(f"deepspeed {installed} is installed, but the workaround {name!r} "
                            f"(megatron/engine/deepspeed_compat.py) was written for deepspeed {PINNED_VERSION}, the "
                            f"Makefile's pin. Re-check {WORKAROUNDS[name]}; then update or drop the workaround and "
-                           f"PINNED_VERSION, or install deepspeed=={PINNED_VERSION} (make install)")
+                           f"PINNED_VERSION, or reinstall the pinned deepspeed=={PINNED_VERSION} (make clean-venv venv)")
 
 
 def safe_loading():
