@@ -4,8 +4,7 @@ A checkpoint may come from anyone; a pickle can run any code when it is loaded. 
 strings and containers load; the only classes allowed beyond torch's own are what numpy's RNG state
 (in our client state) needs and Megatron's ``args`` Namespace with the enums bigscience's Megatron-DeepSpeed keeps in it
 (read as stand-ins of the same names and values; their module is never imported). Anything else is a
-CheckpointFormatError naming the file and the
-globals it asks for.
+CheckpointFormatError naming the file and the globals it asks for.
 """
 
 from __future__ import annotations

@@ -153,8 +153,7 @@ def check_unicode(text: str, what: str, param: str) -> None:
 
 def tokenize_prompt(generator, text: str, limits: ServerLimits, max_new_tokens: int) -> list[int]:
     """The ids of one prompt by ``generator.tokenizer``, or RequestError: 413 over ``max_prompt_tokens``, 400 for
-    no tokens or more
-    positions than the model has.
+    no tokens or more positions than the model has.
 
     A text longer than one piece is first counted piece by piece (``_PIECE_CHARS`` characters each),
     stopping as soon as the pieces hold twice the limit: a 1 MB prompt costs a few pieces, not a 1 MB
