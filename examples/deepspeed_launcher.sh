@@ -13,7 +13,7 @@
 #   NPROC                slots of the default hostfile (default 2)
 #   MASTER_ADDR          the first host of the hostfile as the others reach it (default 127.0.0.1)
 #   TP, PP               (default 1 and 2); the world size (total slots) must be a multiple of TP x PP
-#   TRAIN_ITERS, RUN_DIR, DATA_PREFIX, VOCAB_FILE, MERGE_FILE   as in train_tiny_torchrun.sh
+#   TRAIN_ITERS, RUN_DIR, DATA_PREFIX, VOCAB_FILE, MERGE_FILE, PRECISION   as in train_tiny_torchrun.sh
 #   DRY_RUN              a file path: write "WORLD_SIZE\0flag\0..." there instead of launching
 # Multi-node: every host needs passwordless ssh from the first one, pdsh, the same paths, and the
 # variables listed in a ~/.deepspeed_env file if they must reach the remote processes.
@@ -48,17 +48,21 @@ fi
 MICRO_BATCH_SIZE=2
 GLOBAL_BATCH_SIZE=$(( MICRO_BATCH_SIZE * WORLD_SIZE / (TP * PP) * 2 ))
 ZERO_STAGE=1
+source examples/precision.sh
+choose_precision "$PY"
 # The DeepSpeed JSON of this run, from the same values as the flags below (they must agree: a key that
 # contradicts a flag is refused before anything starts).
 DS_CONFIG=$RUN_DIR/ds_config.json
+BF16_KEYS=""
+if [ "$PRECISION" = bf16 ]; then
+    BF16_KEYS=$',\n  "bf16": {"enabled": true},\n  "data_types": {"grad_accum_dtype": "fp32"}'
+fi
 cat > "$DS_CONFIG" <<EOT
 {
   "train_micro_batch_size_per_gpu": $MICRO_BATCH_SIZE,
   "train_batch_size": $GLOBAL_BATCH_SIZE,
   "gradient_clipping": 1.0,
-  "zero_optimization": {"stage": $ZERO_STAGE},
-  "bf16": {"enabled": true},
-  "data_types": {"grad_accum_dtype": "fp32"}
+  "zero_optimization": {"stage": $ZERO_STAGE}$BF16_KEYS
 }
 EOT
 
@@ -67,7 +71,7 @@ ARGS=(
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE" --train-iters "$TRAIN_ITERS"
-    --position-embedding-type alibi --embed-layernorm --bf16
+    --position-embedding-type alibi --embed-layernorm ${PRECISION_FLAGS[@]+"${PRECISION_FLAGS[@]}"}
     --init-method-std 0.02 --hidden-dropout 0.0 --attention-dropout 0.0 --seed 42
     --optimizer adam --adam-beta1 0.9 --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0
     --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters $(( TRAIN_ITERS / 5 ))

@@ -17,7 +17,6 @@ PYTHON=${PYTHON:-.venv/bin/python}
 RUN_DIR=${RUN_DIR:-runs/tiny-bloom}
 NPROC=${NPROC:-8}
 TRAIN_ITERS=${TRAIN_ITERS:-300}
-PRECISION=${PRECISION:-auto}
 CORPUS_DIR=${CORPUS_DIR:-data_cache/default_corpus}
 
 # 1. The corpus: docstrings and docs of the installed Python and packages, a byte-level BPE
@@ -26,15 +25,8 @@ CORPUS_DIR=${CORPUS_DIR:-data_cache/default_corpus}
 TOK="$CORPUS_DIR/tokenizer"
 
 BACKEND=$("$PYTHON" -c "import torch; print('nccl' if torch.cuda.is_available() else 'gloo')")
-if [ "$PRECISION" = auto ]; then
-    read -r PRECISION WHY < <("$PYTHON" -m megatron.config.hardware)
-    echo "precision: $PRECISION ($WHY; set PRECISION=bf16 or fp32 to choose)"
-fi
-case "$PRECISION" in
-    bf16) PRECISION_FLAGS=(--bf16) ;;
-    fp32) PRECISION_FLAGS=() ;;
-    *) echo "PRECISION=$PRECISION: use auto, bf16 or fp32" >&2; exit 2 ;;
-esac
+source examples/precision.sh
+choose_precision "$PYTHON"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 mkdir -p "$RUN_DIR"

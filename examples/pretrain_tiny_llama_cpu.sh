@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A small Llama-style model (RMSNorm, SwiGLU, rotary, grouped-query attention with 4 key / value heads
-# for 8 query heads, no biases, untied output head; bf16 with BF16_Optimizer and ZeRO-1) on 8 processes
-# laid out TP=2 x PP=2 x DP=2: the BLOOM job of `make pretrain` (pretrain_tiny_bloom_cpu.sh) with
-# Llama's block. Runs unchanged on a GPU node: set NPROC to the GPU count; NCCL is chosen when CUDA is
-# present.
+# for 8 query heads, no biases, untied output head; ZeRO-1) on 8 processes laid out TP=2 x PP=2 x DP=2:
+# the BLOOM job of `make pretrain` (pretrain_tiny_bloom_cpu.sh) with Llama's block. Like that job it
+# trains in bf16 (BF16_Optimizer) where the hardware has bf16 instructions (AVX-512 BF16 / AMX, or a
+# GPU) and in fp32 where it has not (AVX2 only, where bf16 is about 17x slower; examples/precision.sh).
+# Runs unchanged on a GPU node: set NPROC to the GPU count; NCCL is chosen when CUDA is present.
 #
 #   examples/pretrain_tiny_llama_cpu.sh [extra pretrain_gpt.py flags...]
 #
@@ -12,6 +13,7 @@
 #   NPROC        processes (default 8); TP x PP must divide it, DP = NPROC / (TP x PP)
 #   TP, PP       tensor / pipeline parallel sizes (default 2 and 2; TP must divide the 4 key / value heads)
 #   TRAIN_ITERS  iterations (default 300); SAVE_INTERVAL (default 100)
+#   PRECISION    auto (default: as above, one line at start says which and why), bf16 or fp32
 #   ZERO_STAGE   1 (default: BF16_Optimizer, ZeRO-1), or 2 / 3 (gradients / parameters sharded too; PP=1):
 #                e.g. ZERO_STAGE=3 NPROC=4 TP=2 PP=1 (docs/parallelism.md)
 #   RUN_DIR      checkpoints and tensorboard go under it (default runs/tiny-llama)
@@ -40,6 +42,8 @@ if [[ -z "${DATA_PREFIX:-}" ]]; then
 fi
 
 BACKEND=${BACKEND:-$("$PY" -c "import torch; print('nccl' if torch.cuda.is_available() else 'gloo')")}
+source examples/precision.sh
+choose_precision "$PY"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 mkdir -p "$RUN_DIR"
 
@@ -53,7 +57,7 @@ GBS=$(( 4 * DP * 4 ))
     --ffn-hidden-size 352 --normalization rmsnorm --norm-epsilon 1e-5 --swiglu \
     --position-embedding-type rope --rotary-base 10000 --disable-bias-linear --untie-embeddings-and-output-weights \
     --micro-batch-size 4 --global-batch-size "$GBS" --train-iters "$TRAIN_ITERS" \
-    --bf16 --zero-stage "$ZERO_STAGE" \
+    ${PRECISION_FLAGS[@]+"${PRECISION_FLAGS[@]}"} --zero-stage "$ZERO_STAGE" \
     --init-method-std 0.02 --hidden-dropout 0.0 --attention-dropout 0.0 \
     --optimizer adam --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-5 --weight-decay 0.1 --clip-grad 1.0 \
     --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters $(( TRAIN_ITERS / 10 )) \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A tiny BLOOM-style model (2 layers, hidden 64, ALiBi, embedding LayerNorm, bf16 + ZeRO-1) on one
-# machine with torchrun: the smallest complete run, to check an installation or a cluster node.
+# A tiny BLOOM-style model (2 layers, hidden 64, ALiBi, embedding LayerNorm, ZeRO-1) on one machine with
+# torchrun: the smallest complete run, to check an installation or a cluster node. bf16 where the hardware
+# has bf16 instructions (AVX-512 BF16 / AMX, or a GPU), fp32 otherwise (examples/precision.sh).
 # CPU (gloo) or GPU (NCCL: picked when CUDA is present; set NPROC to the GPU count).
 #
 #   examples/train_tiny_torchrun.sh [extra pretrain_gpt.py flags...]
@@ -10,6 +11,7 @@
 #   NPROC        processes (default 2); TP * PP must divide it, DP = NPROC / (TP * PP)
 #   TP, PP       tensor / pipeline parallel sizes (default 1 and 2)
 #   TRAIN_ITERS  iterations (default 50); SAVE_INTERVAL (default 25)
+#   PRECISION    auto (default), bf16 or fp32
 #   RUN_DIR      checkpoints and tensorboard go under it (default runs/tiny-torchrun)
 #   DATA_PREFIX, VOCAB_FILE, MERGE_FILE  a Megatron .bin/.idx prefix and its GPT-2 BPE tokenizer files;
 #                default: the offline corpus built by tools/prepare_default_corpus.py
@@ -34,6 +36,8 @@ if [[ -z "${DATA_PREFIX:-}" ]]; then
 fi
 
 BACKEND=${BACKEND:-$("$PY" -c "import torch; print('nccl' if torch.cuda.is_available() else 'gloo')")}
+source examples/precision.sh
+choose_precision "$PY"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 mkdir -p "$RUN_DIR"
 
@@ -45,7 +49,7 @@ GBS=$(( 2 * DP * 2 ))
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
     --micro-batch-size 2 --global-batch-size "$GBS" --train-iters "$TRAIN_ITERS" \
-    --position-embedding-type alibi --embed-layernorm --bf16 --zero-stage 1 \
+    --position-embedding-type alibi --embed-layernorm ${PRECISION_FLAGS[@]+"${PRECISION_FLAGS[@]}"} --zero-stage 1 \
     --init-method-std 0.02 --hidden-dropout 0.0 --attention-dropout 0.0 \
     --optimizer adam --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --weight-decay 0.1 --clip-grad 1.0 \
     --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters $(( TRAIN_ITERS / 5 )) \

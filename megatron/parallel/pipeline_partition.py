@@ -16,6 +16,7 @@ tests/engine/test_partition.py checks it against DeepSpeed's own partitioning. I
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Optional, Sequence
 
@@ -35,10 +36,18 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     """Bounds of ``weights`` cut into ``num_parts`` contiguous non-empty runs with the smallest spread
-    (heaviest run minus lightest); uniform when there are no more items than parts."""
+    (heaviest run minus lightest); uniform when there are no more items than parts.
+
+    The programme is O(parts x items^2) in Python (0.1 s for BLOOM-176B's 76 items on 12 stages) and the
+    planner asks it the same question for every layout it scores, so answers are remembered."""
+    return list(_partition_balanced(tuple(weights), num_parts))
+
+
+@functools.lru_cache(maxsize=1024)
+def _partition_balanced(weights: tuple[float, ...], num_parts: int) -> tuple[int, ...]:
     n, m = len(weights), num_parts
     if n <= m:
-        return partition_uniform(n, m)
+        return tuple(partition_uniform(n, m))
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + w)
@@ -61,7 +70,7 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     bounds = [n]
     for j in range(m, 0, -1):
         bounds.append(best[j][bounds[-1]][3])
-    return bounds[::-1]
+    return tuple(bounds[::-1])
 
 
 def stage_bounds(method: str, item_names: Sequence[str], num_stages: int,

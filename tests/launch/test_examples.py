@@ -154,3 +154,22 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("precision", ["auto", "bf16", "fp32", "fp16"])
+def test_cpu_scripts_choose_the_precision_the_hardware_runs_fast(precision):
+    """examples/precision.sh: auto is bf16 where bf16 runs on hardware, fp32 elsewhere (the same choice as
+    megatron.config.hardware.default_precision); bf16 and fp32 are taken as given; anything else exits 2."""
+    from megatron.config.hardware import default_precision
+
+    proc = subprocess.run(["bash", "-c", f'source examples/precision.sh; choose_precision "{sys.executable}"; '
+                                         'echo "flags:${PRECISION_FLAGS[*]+${PRECISION_FLAGS[*]}}"'],
+                          cwd=EXAMPLES.parent, env=dict(os.environ, PRECISION=precision), capture_output=True,
+                          text=True, timeout=120)
+    if precision == "fp16":
+        assert proc.returncode == 2 and "PRECISION=fp16: use auto, bf16 or fp32" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    chosen = default_precision()[0] if precision == "auto" else precision
+    assert proc.stdout.splitlines()[-1] == ("flags:--bf16" if chosen == "bf16" else "flags:")
+    assert (f"precision: {chosen} (" in proc.stdout) == (precision == "auto")

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from megatron.config.hardware import default_precision
 from megatron.data.tokenizers import train_sentencepiece_tokenizer
 from megatron.dry_run import dry_run
 from megatron.planner import model_shape_of
@@ -105,6 +106,8 @@ def test_tiny_llama_script_trains_under_zero3_with_tp(tmp_path):
                            "--eval-iters", "0"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "TP=2 PP=1 DP=2, ZeRO-3: optimizer state, gradients and parameters over DP=2" in proc.stdout
+    # bf16 where the CPU computes it in hardware, fp32 on AVX2 (as the main job chooses)
+    assert f"precision: {default_precision()[0]} (" in proc.stdout
     losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in proc.stdout.splitlines() if "lm loss:" in line]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "global_step6"
