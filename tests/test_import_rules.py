@@ -21,6 +21,8 @@ ALLOWED = {
     "arguments": {"config", "data"},
     "training": {"config", "parallel", "model", "data", "engine", "checkpoint"},
     "inference": {"config", "parallel", "model", "data", "checkpoint"},
+    # lm-evaluation-harness on a checkpoint's model: beside inference, whose loading and decoding it uses
+    "evaluation": {"config", "parallel", "model", "data", "checkpoint", "inference"},
     "testing": {"config", "data"},
     "planner": {"config", "parallel"},
     "cli": {"config", "inference"},
