@@ -24,10 +24,11 @@ import dataclasses
 import math
 import os
 import pathlib
+import random
 from typing import Optional, Sequence
 
-__all__ = ["HarnessSettings", "task_manager", "check_task_files", "run_tasks", "save_results", "headline_metrics",
-           "write_tensorboard"]
+__all__ = ["HarnessSettings", "task_manager", "check_task_files", "run_tasks", "score_tasks", "save_results",
+           "headline_metrics", "write_tensorboard"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,16 +106,45 @@ def run_tasks(lm, tasks: Sequence[str], manager, settings: HarnessSettings = Har
     from lm_eval import simple_evaluate  # noqa: PLC0415 (lm_eval: seconds to import, only to evaluate)
 
     settings.validate()
-    try:
-        manager.load(list(tasks))  # the task configurations: refused here with the harness's own words
-    except Exception as error:  # noqa: BLE001 - jinja, datasets, the harness's config checks: one message
-        raise ValueError(f"task(s) {', '.join(tasks)}: the harness cannot load them: {error}; fix the task "
-                         f"file or its data files") from error
+    _load_tasks(manager, tasks)  # refused here, in one message, rather than inside the harness
     seed = settings.seed
     return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, num_fewshot=settings.num_fewshot,
                            limit=settings.limit, log_samples=settings.log_samples, gen_kwargs=settings.gen_kwargs,
                            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                            fewshot_random_seed=seed, bootstrap_iters=0)
+
+
+def score_tasks(lm, tasks: Sequence[str], manager, settings: HarnessSettings = HarnessSettings()) -> dict:
+    """The harness's results of ``lm`` on ``tasks`` without the record of the run around them (the
+    environment, git hashes, the tokenizer: seconds of subprocesses that simple_evaluate spends every time),
+    on every process that calls it: for scoring often, during training. Seeds as ``run_tasks``."""
+    import numpy as np  # noqa: PLC0415 (beside the harness's imports)
+    import torch  # noqa: PLC0415 (beside the harness's imports)
+    from lm_eval.evaluator import evaluate  # noqa: PLC0415 (lm_eval: seconds to import, only to evaluate)
+
+    settings.validate()
+    loaded = _load_tasks(manager, tasks)
+    for task in loaded["tasks"].values():
+        if settings.num_fewshot is not None:
+            task.set_config(key="num_fewshot", value=settings.num_fewshot)
+        elif task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=settings.seed)
+    random.seed(settings.seed)
+    np.random.seed(settings.seed)
+    torch.manual_seed(settings.seed)
+    return evaluate(lm=lm, task_dict=loaded, limit=settings.limit, bootstrap_iters=0,
+                    log_samples=settings.log_samples, verbosity=None)
+
+
+def _load_tasks(manager, tasks: Sequence[str]) -> dict:
+    """``manager.load(tasks)``, with whatever the harness refuses (an unknown output_type, a template that does
+    not render, a data file that is missing) as one ValueError."""
+    try:
+        return manager.load(list(tasks))
+    except Exception as error:  # noqa: BLE001 - jinja, datasets, the harness's config checks: one message
+        raise ValueError(f"task(s) {', '.join(tasks)}: the harness cannot load them: {error}; fix the task "
+                         f"file or its data files") from error
 
 
 def save_results(results: dict, output_path: str) -> str:

@@ -86,7 +86,7 @@ class MegatronLM(TemplateLM):
             raise ValueError("MegatronLM needs a model, its tokenizer and its ModelConfig, or load=CKPT")
         if str(batch_size).startswith("auto"):
             raise ValueError(f"batch_size {batch_size!r}: MegatronLM takes a fixed batch size; pass a number")
-        self.model = model.eval()
+        self.model = model  # in eval mode (a Generator's is)
         self.tokenizer = tokenizer
         self.config = config
         self.vocab_size = config.original_vocab_size or config.padded_vocab_size

@@ -1,15 +1,19 @@
-"""lm-evaluation-harness through our model class against the harness's own Hugging Face backend.
+"""lm-evaluation-harness through our model class against the harness's own Hugging Face backend, and during
+training.
 
-One 4-rank launch trains a tiny BLOOM and a tiny Llama-style model at TP=2, PP=2 (a few iterations each) and
-saves them; to_hf.py exports both. Then, on the local tasks of examples/eval_tasks/ (a multiple-choice task,
-a LAMBADA-style last-word task, a generation task), the harness's results through ``MegatronLM`` equal its
-results through ``HFLM`` on the export: every per-sample log-likelihood within 1e-4 (fp32), the same greedy
-flags, accuracy and generated text identical. ``loglikelihood_rolling`` on held-out text is exp of our own
-loss; tools/evaluate.py writes the harness's JSON and tensorboard scalars, under torchrun at TP=2 too; bad
-task files, unknown tasks and a checkpoint whose tokenizer files are gone are one ValueError each.
+One 4-rank launch trains at TP=2, PP=2 a tiny BLOOM four times (without the harness; with it every 2
+iterations, saved; the same stopped after 2 and resumed) and a tiny Llama-style model, then runs
+tools/evaluate.py on the BLOOM checkpoint over the 4 processes (TP=4); to_hf.py exports both models. Then:
+- on the local tasks of examples/eval_tasks/ (multiple choice, LAMBADA-style last word, generation) the
+  harness's results through ``MegatronLM`` equal its results through ``HFLM`` on the export: every per-sample
+  log-likelihood within 1e-4 (fp32), the same greedy flags, accuracy and generated text identical;
+- ``loglikelihood_rolling`` on held-out text is exp of our own loss on the same tokens;
+- tools/evaluate.py writes the harness's JSON and tensorboard scalars, at TP=1 and TP=4 alike;
+- training with --eval-harness-tasks gives bit-identical losses, resumes exactly, and logs the metrics of the
+  model it saves;
+- bad task files, unknown tasks and a checkpoint whose tokenizer files are gone are one ValueError each.
 Everything runs offline (HF_DATASETS_OFFLINE=1, HF_HUB_OFFLINE=1; the export is a local folder).
 """
-
 import json
 import math
 import os
@@ -24,9 +28,12 @@ from tests.helpers.training import tensorboard_scalars, train
 
 TASKS_DIR = str(REPO_ROOT / "examples" / "eval_tasks")
 SCORED = ["tiny_choice", "tiny_last_word", "tiny_generate"]
+LIVE_TASKS = ["tiny_choice", "tiny_last_word"]
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-key-value-heads", "2", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96")
 TOLERANCE = 1e-4  # per-sample log-likelihood, fp32
+HARNESS = ("--eval-harness-tasks", ",".join(LIVE_TASKS), "--eval-harness-include-path", TASKS_DIR,
+           "--eval-harness-limit", "8")
 TOOL_FLAGS = ["--tasks", "tiny_choice,tiny_last_word", "--include-path", TASKS_DIR, "--batch-size", "4",
               "--no-builtin-tasks"]
 
@@ -47,23 +54,32 @@ def offline():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_corpus, offline):
-    """{"bloom": (checkpoint, export), "llama": (checkpoint, export), "tp4_results": folder}: both trained at
-    TP=2, PP=2; then, in the same launch, tools/evaluate.py on the BLOOM checkpoint split over the 4 processes
-    (TP=4, as under torchrun), its results JSON in the folder."""
+    """One 4-rank launch: five training runs at TP=2, PP=2, then tools/evaluate.py on the BLOOM checkpoint split
+    over the 4 processes (TP=4, as under torchrun). {"bloom" / "llama": (checkpoint, to_hf.py export),
+    "tp4_results": that evaluation's results folder, "tensorboard": the BLOOM run's, "records": the runs'
+    records (the last rank's): BLOOM without the harness, with it (the "bloom" checkpoint), with it stopped after
+    2 iterations, its resume to 4, and Llama}."""
     from tools.convert_checkpoint import to_hf
 
     root = tmp_path_factory.mktemp("eval_harness")
-    common = dict(train_iters=4, save_interval=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    common = dict(train_iters=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     # Wide inits (as tests/inference's parity tests) so that the models prefer different words for different
     # contexts instead of one token everywhere.
-    runs = {"bloom": tiny_argv(tiny_corpus, save=str(root / "bloom"), init_method_std=0.3, **common),
-            "llama": tiny_argv(tiny_corpus, *LLAMA, save=str(root / "llama"), init_method_std=0.15,
-                               position_embedding_type="rope", embed_layernorm=False, **common)}
+    bloom = dict(init_method_std=0.3, **common)
+    live = ("--eval-harness-interval", "2", *HARNESS)
+    runs = [tiny_argv(tiny_corpus, **bloom),
+            tiny_argv(tiny_corpus, *live, save=str(root / "bloom"), save_interval=2, tensorboard_dir=str(root / "tb"),
+                      **bloom),
+            # the same schedule stopped (and saved) after iteration 2, then resumed
+            tiny_argv(tiny_corpus, *live, save=str(root / "first"), save_interval=100, exit_interval=2, **bloom),
+            tiny_argv(tiny_corpus, *live, load=str(root / "first"), **bloom),
+            tiny_argv(tiny_corpus, *LLAMA, save=str(root / "llama"), save_interval=4, init_method_std=0.15,
+                      position_embedding_type="rope", embed_layernorm=False, **common)]
     evaluate_argv = ["--load", str(root / "bloom"), *TOOL_FLAGS, "--output_path", str(root / "tp4_results")]
-    run_distributed(_train_then_evaluate, world_size=4, args=(list(runs.values()), evaluate_argv),
-                    env={"OMP_NUM_THREADS": "1"}, timeout=600)
-    out = {"tp4_results": root / "tp4_results"}
-    for name in runs:
+    results = run_distributed(_train_then_evaluate, world_size=4, args=(runs, evaluate_argv),
+                              env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    out = {"tp4_results": root / "tp4_results", "tensorboard": root / "tb", "records": results[-1]}
+    for name in ("bloom", "llama"):
         assert to_hf.main(["--load", str(root / name), "--output-dir", str(root / f"{name}_hf")]) == 0
         out[name] = (str(root / name), str(root / f"{name}_hf"))
     return out
@@ -72,8 +88,9 @@ def trained(tmp_path_factory, tiny_corpus, offline):
 def _train_then_evaluate(rank, world_size, runs, evaluate_argv):
     from tools import evaluate
 
-    train(rank, world_size, runs)
-    return evaluate.main(evaluate_argv)
+    records = train(rank, world_size, runs)
+    assert evaluate.main(evaluate_argv) == 0
+    return records
 
 
 def _results_json(folder) -> dict:
@@ -131,6 +148,7 @@ def test_results_equal_the_harness_hf_backend_on_the_export(both_backends, name)
                       if k.split(",")[0] in ("acc", "acc_norm", "perplexity", "exact_match")))
     # The models are trained a little: not one answer everywhere (else equal accuracies would show little).
     assert len({s["resps"][0][0][0] for s in ours["samples"]["tiny_last_word"]}) == 24
+    assert len({s["resps"][0][0] for s in ours["samples"]["tiny_generate"] if s["resps"][0][0]}) > 12
 
 
 @pytest.mark.multiprocess
@@ -192,6 +210,37 @@ def test_the_tool_writes_the_harness_json_and_tensorboard_also_under_torchrun(tr
     assert headline_metrics(_results_json(trained["tp4_results"])) == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.multiprocess
+def test_training_losses_are_bit_identical_with_the_harness_and_after_resume(trained):
+    plain, with_harness, first, resumed, _ = trained["records"]
+    assert plain["iterations"] == with_harness["iterations"] == [1, 2, 3, 4]
+    assert with_harness["losses"] == plain["losses"] and with_harness["grad_norms"] == plain["grad_norms"]
+    assert first["iterations"] == [1, 2] and first["reason"] == "exit-interval" and resumed["iterations"] == [3, 4]
+    assert first["losses"] + resumed["losses"] == plain["losses"]
+
+
+@pytest.mark.multiprocess
+def test_the_metrics_logged_during_training_are_the_saved_models(trained):
+    from megatron.evaluation import harness
+    from megatron.evaluation.harness_model import MegatronLM
+
+    scalars = tensorboard_scalars(trained["tensorboard"])
+    logged = {tag.removeprefix("lm-eval/"): values for tag, values in scalars.items() if tag.startswith("lm-eval/")}
+    assert sorted(logged) == ["tiny_choice/acc", "tiny_choice/acc_norm", "tiny_last_word/acc",
+                              "tiny_last_word/perplexity"]
+    assert all([step for step, _ in values] == [2, 4] for values in logged.values())
+    assert "lm-loss-training/lm loss" in scalars  # beside the loss, in the same event files
+    lm = MegatronLM.from_checkpoint(trained["bloom"][0], batch_size=2)
+    results = harness.score_tasks(lm, LIVE_TASKS, harness.task_manager(LIVE_TASKS, TASKS_DIR, builtin=False),
+                                  harness.HarnessSettings(limit=8))
+    saved = harness.headline_metrics(results)
+    assert set(saved) == set(logged)
+    for name, value in saved.items():
+        [at_4] = [v for step, v in logged[name] if step == 4]
+        assert at_4 == pytest.approx(value, rel=1e-4), name  # tensorboard holds float32
+    assert logged["tiny_last_word/perplexity"][0][1] != logged["tiny_last_word/perplexity"][1][1]  # it trained
+
+
 def test_a_malformed_task_file_is_one_clear_error(tmp_path):
     from megatron.evaluation.harness import task_manager
 
@@ -219,10 +268,29 @@ def test_a_checkpoint_without_its_tokenizer_files_is_one_clear_error(trained, tm
     from tools import evaluate
 
     ckpt = shutil.copytree(trained["bloom"][0], tmp_path / "ckpt")
-    [record] = list(ckpt.glob("global_step*/run_state.json"))
+    record = ckpt / (ckpt / "latest").read_text().strip() / "run_state.json"
     state = json.loads(record.read_text())
     state["tokenizer"]["vocab_file"] = str(tmp_path / "gone" / "vocab.json")
     record.write_text(json.dumps(state))
     with pytest.raises(ValueError, match=r"checkpoint .*: its tokenizer cannot be built .*vocab\.json.* is not a "
                                          r"file.*pass --tokenizer-type and its files"):
         evaluate.main(["--load", str(ckpt), "--tasks", "tiny_choice", "--include_path", TASKS_DIR])
+
+
+def test_the_training_flags_go_together_and_need_the_pipeline_engine():
+    from megatron.config import PrecisionConfig, TrainingConfig
+    from tests.helpers.config import run_config
+
+    with pytest.raises(ValueError, match=r"--eval-harness-tasks tiny_choice and --eval-harness-interval None go "
+                                         r"together"):
+        TrainingConfig(train_iters=4, eval_harness_tasks=("tiny_choice",)).validate()
+    with pytest.raises(ValueError, match=r"--eval-harness-tasks \(none\) and --eval-harness-interval 2"):
+        TrainingConfig(train_iters=4, eval_harness_interval=2).validate()
+    with pytest.raises(ValueError, match=r"--eval-harness-limit must be > 0"):
+        TrainingConfig(train_iters=4, eval_harness_tasks=("a",), eval_harness_interval=2,
+                       eval_harness_limit=0).validate()
+    live = TrainingConfig(train_iters=10, eval_iters=0, eval_harness_tasks=("tiny_choice",), eval_harness_interval=2)
+    assert run_config(training=live).validate().training.eval_harness_interval == 2
+    with pytest.raises(ValueError, match=r"runs on the pipeline engine's model; this run \(ZeRO stage 2.*"
+                                         r"tools/evaluate\.py"):
+        run_config(training=live, precision=PrecisionConfig(zero_stage=2)).validate()
