@@ -90,7 +90,8 @@ def main(argv=None) -> int:
                                   _iteration(args.load, args.tag))
     print(make_table(results))
     if args.output_path:
-        harness.save_results(results, args.output_path)
+        results["config"].update(model="megatron", model_args={"load": args.load, "tag": args.tag, "dtype": args.dtype})
+        harness.save_results(results, args.output_path, args.load)
     else:
         print(json.dumps(harness.headline_metrics(results), indent=1))
     return 0

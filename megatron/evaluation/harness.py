@@ -147,19 +147,22 @@ def _load_tasks(manager, tasks: Sequence[str]) -> dict:
                          f"file or its data files") from error
 
 
-def save_results(results: dict, output_path: str) -> str:
-    """Write ``results`` as the harness's CLI does for ``--output_path`` (``EvaluationTracker``: the
-    aggregated results_<date>.json, and samples_<task>_<date>.jsonl when they were logged); the folder."""
+def save_results(results: dict, output_path: str, model_name: str) -> str:
+    """Write ``results`` as the harness's CLI does for ``--output_path`` (``EvaluationTracker``: the aggregated
+    results_<date>.json, and samples_<task>_<date>.jsonl when they were logged, in a folder named after
+    ``model_name`` (the checkpoint's path, sanitized as the harness sanitizes a model's path)); that folder."""
     from lm_eval.loggers import EvaluationTracker  # noqa: PLC0415 (lm_eval: seconds to import, only to evaluate)
 
     tracker = EvaluationTracker(output_path=output_path)
-    tracker.general_config_tracker.model_name = results.get("config", {}).get("model", "megatron")
+    tracker.general_config_tracker.log_experiment_args(model_source="megatron", model_args={"pretrained": model_name},
+                                                       system_instruction=None, chat_template=None,
+                                                       fewshot_as_multiturn=False)
     samples = results.pop("samples", None)
     tracker.save_results_aggregated(results=results, samples=samples)
     if samples:
         for task in results["configs"]:
             tracker.save_results_samples(task_name=task, samples=samples[task])
-    return output_path
+    return os.path.join(output_path, tracker.general_config_tracker.model_name_sanitized)
 
 
 def headline_metrics(results: dict) -> dict[str, float]:

@@ -27,7 +27,7 @@ from tests.helpers.paths import REPO_ROOT
 from tests.helpers.training import tensorboard_scalars, train
 
 TASKS_DIR = str(REPO_ROOT / "examples" / "eval_tasks")
-SCORED = ["tiny_choice", "tiny_last_word", "tiny_generate"]
+SCORED = ["tiny_choice", "tiny_last_word", "tiny_generate", "tiny_heldout"]
 LIVE_TASKS = ["tiny_choice", "tiny_last_word"]
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-key-value-heads", "2", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96")
@@ -129,10 +129,15 @@ def test_results_equal_the_harness_hf_backend_on_the_export(both_backends, name)
     worst = 0.0
     for task in SCORED:
         mine, reference = ours["samples"][task], theirs["samples"][task]
-        assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in reference] and len(mine) == 24, task
+        assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in reference], task
+        assert len(mine) == (8 if task == "tiny_heldout" else 24), task
         for a, b in zip(mine, reference):
             if task == "tiny_generate":
                 assert a["resps"] == b["resps"], (task, a["doc_id"], a["resps"], b["resps"])
+                continue
+            if task == "tiny_heldout":  # a whole text's log-likelihood (about 100 tokens, in several windows)
+                [[ll_a]], [[ll_b]] = a["resps"], b["resps"]
+                assert ll_a == pytest.approx(ll_b, rel=1e-6, abs=TOLERANCE), (task, a["doc_id"], ll_a, ll_b)
                 continue
             for [(ll_a, greedy_a)], [(ll_b, greedy_b)] in zip(a["resps"], b["resps"]):
                 worst = max(worst, abs(ll_a - ll_b))
@@ -140,12 +145,13 @@ def test_results_equal_the_harness_hf_backend_on_the_export(both_backends, name)
         for metric in ("acc,none", "acc_norm,none", "exact_match,none"):
             if metric in theirs["results"][task]:
                 assert ours["results"][task][metric] == theirs["results"][task][metric], (task, metric)
-    perplexity = (ours["results"]["tiny_last_word"]["perplexity,none"],
-                  theirs["results"]["tiny_last_word"]["perplexity,none"])
-    assert perplexity[0] == pytest.approx(perplexity[1], rel=1e-4)
+    for task, metric in (("tiny_last_word", "perplexity"), ("tiny_heldout", "word_perplexity"),
+                         ("tiny_heldout", "bits_per_byte")):
+        assert ours["results"][task][f"{metric},none"] == pytest.approx(theirs["results"][task][f"{metric},none"],
+                                                                         rel=1e-4), (task, metric)
     print(f"{name}: largest per-sample log-likelihood difference {worst:.2g}; "
           + ", ".join(f"{t} {k.split(',')[0]} {v:.4g}" for t in SCORED for k, v in ours["results"][t].items()
-                      if k.split(",")[0] in ("acc", "acc_norm", "perplexity", "exact_match")))
+                      if k.split(",")[0] in ("acc", "acc_norm", "perplexity", "exact_match", "word_perplexity")))
     # The models are trained a little: not one answer everywhere (else equal accuracies would show little).
     assert len({s["resps"][0][0][0] for s in ours["samples"]["tiny_last_word"]}) == 24
     assert len({s["resps"][0][0] for s in ours["samples"]["tiny_generate"] if s["resps"][0][0]}) > 12
