@@ -73,15 +73,20 @@ def load_for_evaluation(load: str, *, tag: Optional[str] = None, dtype: str = "f
 
 @register_model("megatron")
 class MegatronLM(TemplateLM):
-    """lm-eval's model interface over a GPTModel (see the module docstring for how each request is scored)."""
+    """lm-eval's model interface over a GPTModel (see the module docstring for how each request is scored).
+
+    ``device`` and ``max_batch_size`` are what the harness passes every model it builds from a string (the
+    latter matters only for batch_size 'auto', refused here); ``checkpoint_kwargs`` go to the loading (tag,
+    dtype, tokenizer overrides).
+    """
 
     def __init__(self, model=None, tokenizer=None, config: Optional[ModelConfig] = None, *, load: Optional[str] = None,
                  batch_size: int | str = 1, max_length: Optional[int] = None,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, **checkpoint_kwargs):
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, device=None, max_batch_size=None, **checkpoint_kwargs):
         super().__init__()
         if load is not None:  # `lm_eval --model megatron --model_args load=CKPT` once this module is imported
             generator = load_for_evaluation(load, **checkpoint_kwargs)
-            model, tokenizer, config = generator.model, generator.tokenizer, generator.config
+            model, tokenizer, config = generator.model.to(device or "cpu"), generator.tokenizer, generator.config
         if model is None or tokenizer is None or config is None:
             raise ValueError("MegatronLM needs a model, its tokenizer and its ModelConfig, or load=CKPT")
         if str(batch_size).startswith("auto"):

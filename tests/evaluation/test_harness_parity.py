@@ -216,6 +216,17 @@ def test_the_tool_writes_the_harness_json_and_tensorboard_also_under_torchrun(tr
     assert headline_metrics(_results_json(trained["tp4_results"])) == pytest.approx(expected, rel=1e-4)
 
 
+def test_the_harness_registry_builds_our_model_from_its_argument_string(trained):
+    """What `lm_eval --model megatron --model_args load=CKPT,...` does once megatron.evaluation is imported."""
+    from lm_eval.api.registry import get_model
+
+    from megatron.evaluation.harness_model import MegatronLM
+
+    lm = get_model("megatron").create_from_arg_string(f"load={trained['bloom'][0]},batch_size=3,max_length=24")
+    assert isinstance(lm, MegatronLM) and (lm.batch_size, lm.max_length, lm.vocab_size) == (3, 24, 400)
+    assert lm.eot_token_id == lm.tokenizer.eod and not lm.model.training
+
+
 @pytest.mark.multiprocess
 def test_training_losses_are_bit_identical_with_the_harness_and_after_resume(trained):
     plain, with_harness, first, resumed, _ = trained["records"]
