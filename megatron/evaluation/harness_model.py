@@ -209,9 +209,10 @@ class MegatronLM(TemplateLM):
         kwargs = normalize_gen_kwargs(dict(gen_kwargs), self._max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tok_decode([self.eot_token_id]))
         max_new_tokens = kwargs.pop("max_gen_toks")
-        greedy = not kwargs.get("do_sample") or not kwargs.get("temperature")
+        temperature = kwargs.get("temperature")  # None: the default, 1 (do_sample alone samples, as HFLM)
+        greedy = not kwargs.get("do_sample") or temperature == 0
         params = SamplingParams(max_new_tokens=max_new_tokens, greedy=greedy,
-                                temperature=float(kwargs.get("temperature") or 1.0),
+                                temperature=float(temperature) if temperature else 1.0,
                                 top_k=int(kwargs.get("top_k") or 0), top_p=float(kwargs.get("top_p") or 1.0),
                                 seed=kwargs.get("seed"), stop=tuple(s for s in until if s)).validate()
         max_context = self._max_length - max_new_tokens

@@ -225,6 +225,15 @@ def test_the_harness_registry_builds_our_model_from_its_argument_string(trained)
     lm = get_model("megatron").create_from_arg_string(f"load={trained['bloom'][0]},batch_size=3,max_length=24")
     assert isinstance(lm, MegatronLM) and (lm.batch_size, lm.max_length, lm.vocab_size) == (3, 24, 400)
     assert lm.eot_token_id == lm.tokenizer.eod and not lm.model.training
+    # the harness's generation settings, read as HFLM reads them (lm_eval's normalize_gen_kwargs): do_sample alone
+    # samples at temperature 1, a temperature alone samples at it, temperature 0 or do_sample False is greedy
+    for gen_kwargs, greedy, temperature in (({"do_sample": True}, False, 1.0), ({"temperature": 0.5}, False, 0.5),
+                                            ({"temperature": 0}, True, 1.0), ({"do_sample": False}, True, 1.0)):
+        params, max_context = lm._sampling_params({**gen_kwargs, "until": ["."], "max_gen_toks": 8})
+        assert (params.greedy, params.temperature, params.stop, max_context) == (greedy, temperature,
+                                                                                 (".", "<|endoftext|>"), 16)
+    with pytest.raises(ValueError, match=r"max_gen_toks 256 leaves no room for a context in max_length 24"):
+        lm._sampling_params({})
 
 
 @pytest.mark.multiprocess
