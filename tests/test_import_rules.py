@@ -19,8 +19,10 @@ ALLOWED = {
     "checkpoint": {"config", "parallel", "model", "data"},
     "engine": {"config", "parallel", "model", "checkpoint"},
     "arguments": {"config", "data"},
-    "training": {"config", "parallel", "model", "data", "engine", "checkpoint"},
+    "training": {"config", "parallel", "model", "data", "engine", "checkpoint", "evaluation"},
     "inference": {"config", "parallel", "model", "data", "checkpoint"},
+    # lm-evaluation-harness on a checkpoint's model: beside inference, whose loading and decoding it uses
+    "evaluation": {"config", "parallel", "model", "data", "checkpoint", "inference"},
     "testing": {"config", "data"},
     "planner": {"config", "parallel"},
     "cli": {"config", "inference"},

@@ -234,12 +234,29 @@ def _training(parser):
     g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
     g.add_argument("--eval-iters", type=int, default=100,
                    help="Iterations per evaluation (per validation group); 0 disables evaluation.")
+    g.add_argument("--eval-harness-tasks", type=_comma_list, default=(), metavar="TASK[,TASK...]",
+                   help="lm-evaluation-harness tasks (loglikelihood ones) scored on the live model every "
+                        "--eval-harness-interval iterations, logged as lm-eval/TASK/METRIC beside the loss "
+                        "(docs/evaluation.md). New in this project.")
+    g.add_argument("--eval-harness-interval", type=int, default=None,
+                   help="Iterations between --eval-harness-tasks evaluations. New in this project.")
+    g.add_argument("--eval-harness-include-path", default=None,
+                   help="A folder of the harness's task YAMLs for --eval-harness-tasks (searched before its "
+                        "built-in tasks). New in this project.")
+    g.add_argument("--eval-harness-limit", type=float, default=None,
+                   help="Documents per --eval-harness-tasks task (a fraction when below 1; default all). New in "
+                        "this project.")
     g.add_argument("--skip-train-iteration-range", nargs="+", default=None, metavar="START-END",
                    help="Iterations to skip (their data is consumed, no update is made), as inclusive "
                         "START-END ranges, e.g. 101-200 251-300; overlapping ranges are merged.")
     g.add_argument("--max-nonfinite-steps", type=int, default=None,
                    help="Stop the run (after saving) once this many CONSECUTIVE steps had a NaN or infinite "
                         "loss. Default: never stop for this reason. New in this project.")
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    """'a,b' -> ('a', 'b') (empty names dropped)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _learning_rate(parser):

@@ -254,6 +254,12 @@ class TrainingConfig:
     sync_tp_duplicated_parameters: bool = False  # average TP-replicated parameters (norms, biases) every step
     torch_compile: bool = False            # compile each transformer layer with torch.compile (megatron/model/compile.py)
     max_nonfinite_steps: Optional[int] = None    # stop after this many consecutive NaN/inf losses; None: never
+    # lm-evaluation-harness tasks scored on the live model every eval_harness_interval iterations
+    # (megatron/evaluation/live.py): names, a folder of task YAMLs, and documents per task (None: all)
+    eval_harness_tasks: tuple[str, ...] = ()
+    eval_harness_interval: Optional[int] = None
+    eval_harness_include_path: Optional[str] = None
+    eval_harness_limit: Optional[float] = None
 
     @property
     def sample_based(self) -> bool:
@@ -273,7 +279,18 @@ class TrainingConfig:
         for start, end in self.skip_train_iteration_range:
             if not 1 <= start <= end:
                 raise ValueError(f"--skip-train-iteration-range {start}-{end}: need 1 <= START <= END")
+        self._validate_eval_harness()
         return self
+
+    def _validate_eval_harness(self) -> None:
+        _positive("--eval-harness-interval", self.eval_harness_interval, allow_none=True)
+        if bool(self.eval_harness_tasks) != (self.eval_harness_interval is not None):
+            raise ValueError(f"--eval-harness-tasks {','.join(self.eval_harness_tasks) or '(none)'} and "
+                             f"--eval-harness-interval {self.eval_harness_interval} go together: give both (tasks, "
+                             f"and the iterations between their evaluations) or neither")
+        if self.eval_harness_limit is not None and not self.eval_harness_limit > 0:
+            raise ValueError(f"--eval-harness-limit must be > 0 (documents per task, or a fraction below 1), "
+                             f"got {self.eval_harness_limit}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,6 +473,11 @@ class RunConfig:
                              f"{self.training.eval_interval} iterations, but there is no validation data (no "
                              f"--valid-weighted-split-paths, or a --split without a validation part); pass "
                              f"validation data or --eval-iters 0")
+        if self.training.eval_harness_tasks and self.deepspeed_engine != "pipeline":
+            raise ValueError(f"--eval-harness-tasks runs on the pipeline engine's model; this run (ZeRO stage "
+                             f"{self.precision.zero_stage}, --ds-sequence-parallel-size "
+                             f"{self.parallel.ds_sequence_parallel_size}) trains on DeepSpeed's non-pipeline "
+                             f"engine. Evaluate its saved checkpoints with tools/evaluate.py instead")
         return self
 
     def _validate_pipeline(self, pp: int) -> None:

@@ -57,7 +57,8 @@ class Trainer:
     def __init__(self, rc: RunConfig, engine, *, lr_scheduler, microbatches, train_iterator, valid_iterators,
                  logger: TrainingLogger, exit_monitor: ExitMonitor, progress: Progress,
                  save_fn: Optional[Callable[[Progress], None]] = None,
-                 sync_fn: Optional[Callable[[], None]] = None, world_size: int = 1):
+                 sync_fn: Optional[Callable[[], None]] = None, world_size: int = 1,
+                 harness_fn: Optional[Callable[[], dict]] = None):
         self.rc = rc
         self.engine = engine
         self.lr_scheduler = lr_scheduler
@@ -70,6 +71,7 @@ class Trainer:
         self.save_fn = save_fn
         self.sync_fn = sync_fn
         self.world_size = world_size
+        self.harness_fn = harness_fn  # --eval-harness-tasks on the live model: {"task/metric": value}
         self.history: list[IterationRecord] = []
         self.last_validation: dict[str, float] = {}
         # MFU needs the device's peak: known GPUs by name, or --peak-tflops; None on CPU (TFLOPs only).
@@ -174,6 +176,16 @@ class Trainer:
             self.last_validation = results
         return results
 
+    def evaluate_harness(self) -> dict[str, float]:
+        """--eval-harness-tasks on the live model (every rank), logged as lm-eval/TASK/METRIC at this iteration."""
+        start = time.time()
+        metrics = self.harness_fn()
+        self.logger.write_scalars({f"lm-eval/{name}": value for name, value in metrics.items()}, self.progress.iteration)
+        self.logger.print_fn(f" lm-eval at iteration {self.progress.iteration} ({time.time() - start:.1f} s) | "
+                             + " | ".join(f"{name}: {value:.6g}" for name, value in sorted(metrics.items())) + " |",
+                             flush=True)
+        return metrics
+
     # ---- the loop ---------------------------------------------------------------------------
     def _log(self, records: list[IterationRecord], elapsed_s: float) -> None:
         last = records[-1]
@@ -236,6 +248,9 @@ class Trainer:
                 pending, window_start = [], time.time()
             if t.eval_interval and t.eval_iters and it % t.eval_interval == 0 and self.valid_iterators:
                 self.evaluate(self.valid_iterators)
+                window_start = time.time()
+            if self.harness_fn is not None and it % t.eval_harness_interval == 0:
+                self.evaluate_harness()
                 window_start = time.time()
             saved = False
             if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0 and self.save_fn is not None:

@@ -23,12 +23,14 @@ from megatron.checkpoint import run_state, training_io
 from megatron.checkpoint.resume import intact_resume_point, restore, resume_point
 from megatron.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 from megatron.config import RunConfig
+from megatron.data.tokenizers import build_tokenizer
 from megatron.engine.checks import check_finite_after_load
 from megatron.engine.deepspeed_compat import checkpoint_loading
 from megatron.engine.initialize import build_engine, init_deepspeed_comm
 from megatron.engine.optimizer import sync_tp_duplicated
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState
+from megatron.training.batches import gpt_micro_batch
 from megatron.training.data import build_datasets, micro_batch_iterator
 from megatron.training.distributed import init_process_group
 from megatron.training.exit import ExitMonitor
@@ -126,7 +128,7 @@ def pretrain(rc: RunConfig) -> PretrainResult:
                       microbatches=build_num_microbatches_calculator(rc.batch, state.dp_size),
                       train_iterator=train_iter, valid_iterators=valid_iters, logger=logger, exit_monitor=monitor,
                       progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=sync,
-                      world_size=dist.get_world_size())
+                      world_size=dist.get_world_size(), harness_fn=_live_harness(rc, engine, state))
     lock = _lock_save_folder(rc)  # one writer per --save folder (megatron.checkpoint.lock)
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
                  f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "
@@ -151,6 +153,20 @@ def pretrain(rc: RunConfig) -> PretrainResult:
         if writer is not None:
             writer.close()
     return PretrainResult(reason, progress, trainer.history, trainer.last_validation, test, engine)
+
+
+def _live_harness(rc: RunConfig, engine, state: ParallelState):
+    """--eval-harness-tasks on the live model (megatron.evaluation.live), or None; its tasks are looked up here,
+    so that a bad task name or file stops the run before its first step."""
+    t = rc.training
+    if not t.eval_harness_tasks:
+        return None
+    from megatron.evaluation.live import LiveHarness  # noqa: PLC0415 (lm_eval, seconds to import: only when asked for)
+
+    return LiveHarness(engine, build_tokenizer(rc.data.tokenizer), rc.model, tasks=t.eval_harness_tasks,
+                       include_path=t.eval_harness_include_path, limit=t.eval_harness_limit,
+                       micro_batch_size=rc.batch.micro_batch_size, tp_group=state.tp_group, make_batch=gpt_micro_batch,
+                       seed=t.seed)
 
 
 def _sharding_summary(rc: RunConfig) -> str:

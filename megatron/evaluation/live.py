@@ -1,0 +1,100 @@
+"""lm-evaluation-harness tasks on the live model of a training run (--eval-harness-tasks, --eval-harness-interval).
+
+    harness_eval = LiveHarness(engine, tokenizer, model_config, tasks=("tiny_choice",), include_path=...,
+                               limit=None, micro_batch_size=2, tp_group=state.tp_group, make_batch=gpt_micro_batch)
+    metrics = harness_eval()          # every rank calls it at the same iteration; {"task/metric": value}
+
+The model is the pipeline engine's, read through ``engine.eval_batch`` (DeepSpeed's inference schedule) on
+micro-batches laid out by the training loop's ``make_batch`` (tokens [b, s + 1] -> the pipeline's tuple):
+every batch of requests is right-padded to the training shape [micro_batch_size, seq_length], so the
+pipeline sends the activation shapes it always sends; the last stage gathers the logits over its TP group,
+takes the log-softmax over the tokenizer's rows (the padded vocabulary is never scored) and broadcasts it
+over the pipeline group, so every rank runs the harness on the same numbers and the same number of
+forwards. Every data-parallel replica evaluates every request (simple; the tasks are meant to be small).
+Generation tasks (generate_until) are not run here (tools/evaluate.py runs them on a saved checkpoint).
+
+What the training run must not notice: the harness seeds python's, numpy's and torch's generators, so
+their states are saved before and restored after; the training data iterator is never touched
+(``eval_batch`` reads its own); the module goes back to train mode. Nothing is saved in checkpoints, so a
+resume is exactly what it would be without the evaluation.
+
+Every rank gets the same metrics (``harness.score_tasks``: the harness's evaluation without the record of
+the environment that simple_evaluate writes, and builds on LOCAL_RANK 0 only).
+
+Shape letters: s sequence, b micro-batch, v vocabulary (unpadded), vp padded vocabulary.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.evaluation import harness
+from megatron.evaluation.harness_model import MegatronLM
+from megatron.parallel.mappings import gather_from_tensor_model_parallel_region
+
+__all__ = ["LiveHarness", "PipelineEngineLM"]
+
+
+class PipelineEngineLM(MegatronLM):
+    """MegatronLM scoring with a DeepSpeed pipeline engine's model (any TP / PP), on every rank alike."""
+
+    def __init__(self, engine, tokenizer, config, *, tp_group, micro_batch_size: int, make_batch):
+        self.engine = engine
+        self.tp_group = tp_group
+        self._micro_batch_size = micro_batch_size
+        self._make_batch = make_batch
+        super().__init__(engine.module, tokenizer, config, batch_size=micro_batch_size, max_length=config.seq_length)
+
+    @torch.no_grad()
+    def _log_probs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """fp32 log-probabilities [b, s, v] of the next token at every position of ``rows``, on every rank."""
+        seq = self.config.seq_length
+        tokens = torch.zeros(self._micro_batch_size, seq + 1, dtype=torch.long)  # [b, s + 1]
+        for i, row in enumerate(rows):
+            tokens[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        _, logits = self.engine.eval_batch(iter([self._make_batch(tokens)]), return_logits=True, num_micro_batches=1)
+        grid = self.engine.grid
+        out = torch.empty(self._micro_batch_size, seq, self.vocab_size, dtype=torch.float32)  # [b, s, v]
+        if self.engine.is_last_stage():
+            logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)  # [s, b, vp]
+            out.copy_(F.log_softmax(logits[..., :self.vocab_size].float(), dim=-1).transpose(0, 1))
+        if grid.pipe_parallel_size > 1:
+            dist.broadcast(out, src=grid.stage_to_global(grid.pipe_parallel_size - 1),
+                           group=grid.get_pipe_parallel_group())
+        return out[:len(rows)]
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        raise ValueError("generation tasks (generate_until) are not run during training; drop them from "
+                         "--eval-harness-tasks and run them with tools/evaluate.py on a saved checkpoint")
+
+
+class LiveHarness:
+    """The run's harness tasks, scored on the live model when called (on every rank at once)."""
+
+    def __init__(self, engine, tokenizer, config, *, tasks: Sequence[str], include_path: Optional[str],
+                 limit: Optional[float], micro_batch_size: int, tp_group, make_batch, seed: int = 1234):
+        self.tasks = list(tasks)
+        self.manager = harness.task_manager(self.tasks, include_path)
+        self.settings = harness.HarnessSettings(limit=limit, seed=seed)
+        self.lm = PipelineEngineLM(engine, tokenizer, config, tp_group=tp_group, micro_batch_size=micro_batch_size,
+                                   make_batch=make_batch)
+
+    def __call__(self) -> dict[str, float]:
+        states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                  torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        try:
+            results = harness.score_tasks(self.lm, self.tasks, self.manager, self.settings)
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.set_rng_state(states[2])
+            if states[3] is not None:
+                torch.cuda.set_rng_state_all(states[3])
+            self.lm.engine.train()
+        return harness.headline_metrics(results)
