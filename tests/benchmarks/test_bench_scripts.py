@@ -52,7 +52,9 @@ def test_bench_decode_step_splits_a_step_into_its_matrix_products_attention_and_
     model = bench_decode_step.build_model(argparse.Namespace(num_layers=2, hidden_size=64))
     row = bench_decode_step.measure(model, b=3, reps=1)
     assert row["num_linears"] == 2 * 4 + 1  # QKV, dense, two MLP matrices per layer, and the tied output layer
-    assert row["step_ms"] > 0 and row["forward_ms"] > row["linears_ms"] > 0 and row["attention_ms"] > 0
+    # Each part is timed on its own (reps=1 here), so their order is not asserted: on a loaded machine the
+    # linears timed alone once took longer (2.34 ms) than the whole forward (2.27 ms).
+    assert row["step_ms"] > 0 and row["forward_ms"] > 0 and row["linears_ms"] > 0 and row["attention_ms"] > 0
     assert abs(row["rest_ms"] - (row["forward_ms"] - row["linears_ms"] - row["attention_ms"])) < 2e-3
 
 
