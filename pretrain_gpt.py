@@ -32,14 +32,23 @@ def main(argv=None) -> int:
         return 2
     import torch.distributed as dist
 
+    from megatron.training.guards import NonFiniteLossError
     from megatron.training.pretrain import pretrain
 
-    pretrain(run_config)
+    status = 0
+    try:
+        pretrain(run_config)
+    except (ValueError, NonFiniteLossError) as error:
+        # A refusal (--load, --save's lock, ...) or a diverged run: every rank meets the same one (files every
+        # rank reads, agreed collectives, the same loss), so one line from rank 0 says it all.
+        if detect_launch().rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        status = 2 if isinstance(error, ValueError) else 1
     # Every rank gets here: tear the groups down now, not in the interpreter's shutdown, where the
     # backend's threads can be destroyed in any order (a C++ terminate seen once under srun).
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return status
 
 
 if __name__ == "__main__":
