@@ -29,7 +29,7 @@ from megatron.engine.initialize import build_engine, init_deepspeed_comm
 from megatron.engine.optimizer import sync_tp_duplicated
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState
-from megatron.training.data import build_datasets, micro_batch_iterator
+from megatron.training.data import build_datasets, close_data_iterators, micro_batch_iterator
 from megatron.training.distributed import init_process_group
 from megatron.training.exit import ExitMonitor
 from megatron.training.loop import Progress, Trainer
@@ -148,6 +148,7 @@ def pretrain(rc: RunConfig) -> PretrainResult:
         if lock is not None:
             lock.release()
         monitor.restore_signal_handlers()
+        close_data_iterators()
         if writer is not None:
             writer.close()
     return PretrainResult(reason, progress, trainer.history, trainer.last_validation, test, engine)
