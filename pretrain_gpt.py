@@ -39,9 +39,12 @@ def main(argv=None) -> int:
     try:
         pretrain(run_config)
     except (ValueError, NonFiniteLossError) as error:
-        # A refusal (--load, --save's lock, ...) or a diverged run: every rank meets the same one (files every
-        # rank reads, agreed collectives, the same loss), so one line from rank 0 says it all.
-        if detect_launch().rank == 0:
+        # A refusal (--load, --save's lock, a damaged file) or a diverged run: one line per rank that met it,
+        # or one from rank 0 when every rank meets the same one (files every rank reads, agreed values).
+        rank = detect_launch().rank
+        if not getattr(error, "on_every_rank", False):
+            print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+        elif rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         status = 2 if isinstance(error, ValueError) else 1
     # Every rank gets here: tear the groups down now, not in the interpreter's shutdown, where the

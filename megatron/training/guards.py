@@ -27,6 +27,8 @@ SPIKE_MIN_HISTORY = 5   # no spike is called before this many finite losses
 class NonFiniteLossError(RuntimeError):
     """The run met a non-finite loss or gradient norm (more than --max-nonfinite-steps allows)."""
 
+    on_every_rank = True  # the loss is averaged over the ranks and the grad norm is global: all stop together
+
 
 class LossGuard:
     def __init__(self, *, check_for_nan: bool, max_nonfinite_steps: Optional[int], loss_spike_factor: float,

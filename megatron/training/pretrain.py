@@ -5,6 +5,8 @@
 3. build the datasets and this rank's iterators (data-parallel slice, from the consumed samples);
 4. build the DeepSpeed pipeline engine from the DeepSpeed config the flags give;
 5. resume from ``--load`` if it holds a checkpoint; 6. train; 7. test; save on the way out.
+
+Before anything reads --load or --save, rank 0 takes the --save folder's lock (megatron.checkpoint.lock).
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ class PretrainResult:
     engine: object = None      # the DeepSpeed engine (for inspection by tests and tools)
 
 
+def on_every_rank(error: Exception) -> Exception:
+    """Mark ``error`` as one every rank raises alike (pretrain_gpt.py then prints it once, from rank 0)."""
+    error.on_every_rank = True
+    return error
+
+
 def print_rank_0(*args, **kwargs) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
@@ -81,13 +89,29 @@ def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> d
 
 
 def pretrain(rc: RunConfig) -> PretrainResult:
+    """Train as ``rc`` says (the module docstring's steps). Collective: every rank calls it. A refusal (another
+    run holds --save, a --load checkpoint that cannot be resumed) is the same ValueError on every rank."""
     start = time.time()
-    point = resume_point(rc)  # a checkpoint that cannot be resumed fails here, before any process group
     check_profiler_device(rc.logging)
     p = rc.parallel
     info = init_process_group(p.distributed_backend, p.distributed_timeout_minutes)
     init_deepspeed_comm(p.distributed_backend, timeout_s=60.0 * p.distributed_timeout_minutes)
-    point = intact_resume_point(rc, point)  # every file against its checksum, the hashing shared out
+    # The --save lock comes first: a second run on the same folder must not read the first one's checkpoints.
+    lock = _lock_save_folder(rc)  # one writer per --save folder (megatron.checkpoint.lock)
+    try:
+        return _pretrain_locked(rc, start, info)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
+    p = rc.parallel
+    try:
+        point = resume_point(rc)  # file reads only: every rank finds the same, and refuses alike
+        point = intact_resume_point(rc, point)  # every file against its checksum, the hashing shared out
+    except ValueError as error:
+        raise on_every_rank(error)
     state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                  sp=p.ds_sequence_parallel_size)
     tracker = set_seeds(rc.training.seed, state)
@@ -127,7 +151,6 @@ def pretrain(rc: RunConfig) -> PretrainResult:
                       train_iterator=train_iter, valid_iterators=valid_iters, logger=logger, exit_monitor=monitor,
                       progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=sync,
                       world_size=dist.get_world_size())
-    lock = _lock_save_folder(rc)  # one writer per --save folder (megatron.checkpoint.lock)
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
                  f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "
                  f"PP={state.pp_size} DP={state.dp_size}"
@@ -145,8 +168,6 @@ def pretrain(rc: RunConfig) -> PretrainResult:
         else:
             print_rank_0(f"exiting after iteration {progress.iteration}: {reason}")
     finally:
-        if lock is not None:
-            lock.release()
         monitor.restore_signal_handlers()
         close_data_iterators()
         if writer is not None:
@@ -177,5 +198,6 @@ def _lock_save_folder(rc: RunConfig):
     refused = torch.tensor([1 if problem else 0])
     dist.all_reduce(refused)
     if refused.item():
-        raise ValueError(problem or f"--save {rc.checkpoint.save} is in use by another run (rank 0 names it)")
+        raise on_every_rank(ValueError(problem or f"--save {rc.checkpoint.save} is in use by another run (rank 0 "
+                                                  f"names it)"))
     return lock

@@ -62,6 +62,18 @@ def test_a_bad_flag_is_one_line_from_one_process(tiny_corpus, tmp_path):
     assert 'pretrain_gpt.py", line' not in output and output.count("Traceback (most recent call last)") <= 1, output
 
 
+@pytest.mark.multiprocess
+def test_a_load_refusal_is_one_line_from_one_process(tiny_corpus, tmp_path):
+    (tmp_path / "ckpt" / "global_step4").mkdir(parents=True)  # a save that never finished, and nothing before it
+    (tmp_path / "ckpt" / "latest").write_text("global_step4")
+    job = _torchrun(tiny_argv(tiny_corpus, load=str(tmp_path / "ckpt")), tmp_path)
+    output, _ = job.communicate(timeout=120)
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert job.returncode != 0
+    assert len(errors) == 1 and "global_step4' has no 'complete' marker" in errors[0], output[-3000:]
+    assert 'pretrain_gpt.py", line' not in output and output.count("Traceback (most recent call last)") <= 1, output
+
+
 def _descendants(pid: int) -> list[int]:
     found = _children(pid)
     return found + [grandchild for child in found for grandchild in _descendants(child)]
