@@ -79,6 +79,16 @@ def _tensorboard_writer(rc: RunConfig, is_last_rank: bool):
     return SummaryWriter(log_dir=rc.logging.tensorboard_dir, max_queue=rc.logging.tensorboard_queue_size)
 
 
+def _training_logger(rc: RunConfig):
+    """(the tensorboard writer or None, the TrainingLogger): the last rank logs, as Megatron's does."""
+    is_last_rank = dist.get_rank() == dist.get_world_size() - 1
+    writer = _tensorboard_writer(rc, is_last_rank)
+    return writer, TrainingLogger(writer, log_timers=rc.logging.log_timers_to_tensorboard,
+                                  log_batch_size=rc.logging.log_batch_size_to_tensorboard,
+                                  log_validation_ppl=rc.logging.log_validation_ppl_to_tensorboard,
+                                  print_fn=print if is_last_rank else (lambda *a, **k: None))
+
+
 def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> dict:
     """Saved by DeepSpeed with the weights (in mp_rank_XX_model_states.pt): what a resume restores, and
     Megatron's own top-level keys ('args', 'checkpoint_version'; 'iteration' is added by the writer)."""
@@ -129,12 +139,7 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
                                       num_workers=rc.data.num_workers, **dp)
     valid_iters = {name: micro_batch_iterator(ds, rc, consumed_samples=0, num_workers=rc.data.valid_num_workers,
                                               **dp) for name, ds in datasets.valid.items()}
-    is_last_rank = dist.get_rank() == dist.get_world_size() - 1
-    writer = _tensorboard_writer(rc, is_last_rank)
-    logger = TrainingLogger(writer, log_timers=rc.logging.log_timers_to_tensorboard,
-                            log_batch_size=rc.logging.log_batch_size_to_tensorboard,
-                            log_validation_ppl=rc.logging.log_validation_ppl_to_tensorboard,
-                            print_fn=print if is_last_rank else (lambda *a, **k: None))
+    writer, logger = _training_logger(rc)
 
     def save(progress_now: Progress) -> None:
         tag = training_io.save_checkpoint(engine, rc.checkpoint.save, progress_now.iteration,
