@@ -32,14 +32,28 @@ def main(argv=None) -> int:
         return 2
     import torch.distributed as dist
 
+    from megatron.checkpoint.training_io import CheckpointSaveError
+    from megatron.training.guards import NonFiniteLossError
     from megatron.training.pretrain import pretrain
 
-    pretrain(run_config)
+    status = 0
+    try:
+        pretrain(run_config)
+    except (ValueError, NonFiniteLossError, CheckpointSaveError) as error:
+        # A refusal (--load, --save's lock, a damaged file), a diverged run or a failed save (a full disk): one
+        # line per rank that met it, or one from rank 0 when every rank meets the same one (files every rank
+        # reads, agreed values).
+        rank = detect_launch().rank
+        if not getattr(error, "on_every_rank", False):
+            print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+        elif rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        status = 2 if isinstance(error, ValueError) else 1  # a refusal to start, or a run that stopped
     # Every rank gets here: tear the groups down now, not in the interpreter's shutdown, where the
     # backend's threads can be destroyed in any order (a C++ terminate seen once under srun).
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -250,8 +250,18 @@ def _training(parser):
                    help="Iterations to skip (their data is consumed, no update is made), as inclusive "
                         "START-END ranges, e.g. 101-200 251-300; overlapping ranges are merged.")
     g.add_argument("--max-nonfinite-steps", type=int, default=None,
-                   help="Stop the run (after saving) once this many CONSECUTIVE steps had a NaN or infinite "
-                        "loss. Default: never stop for this reason. New in this project.")
+                   help="Stop the run (without saving) once this many CONSECUTIVE steps had a NaN or infinite "
+                        "loss or gradient norm, instead of at the first (--check-for-nan-in-loss-and-grad). "
+                        "New in this project.")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                   help="Stop the run, without saving, at the first iteration whose loss or gradient norm is NaN or "
+                        "infinite, or whose optimizer step DeepSpeed skipped without fp16 loss scaling (Megatron-LM's "
+                        "flag, on by default).")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+                   help="Train on through non-finite losses and gradient norms (Megatron-LM's flag).")
+    g.add_argument("--loss-spike-factor", type=float, default=10.0,
+                   help="Report (log line and TensorBoard 'loss-spikes') an iteration whose loss is more than this "
+                        "many times the mean of the last 100 finite losses; 0 disables. New in this project.")
 
 
 def _comma_list(text: str) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from megatron.arguments import parse
 from megatron.arguments.build import assemble_run_config, resolve_vocab_size
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
+from megatron.data.checks import index_problems, token_id_problems
 from megatron.data.tokenizers import build_tokenizer
 
 
@@ -78,7 +79,18 @@ def _world_size(run: Run) -> None:
 
 
 def _data_files(run: Run) -> None:
+    """Each pair is there, and opens: its index whole and describing exactly its .bin (a truncated .bin)."""
     parse.check_data_files(run.args, run.stand_in_splits)
+    problems = index_problems(parse.data_prefixes(run.args, run.stand_in_splits))
+    if problems:
+        raise Problems(problems) if run.collect else ValueError(problems[0])
+
+
+def _token_ids(run: Run) -> None:
+    """The data's token ids (a bounded scan: megatron.data.checks) are below the tokenizer's vocabulary."""
+    problems = token_id_problems(parse.data_prefixes(run.args, run.stand_in_splits), run.tokenizer.vocab_size)
+    if problems:
+        raise Problems(problems) if run.collect else ValueError(problems[0])
 
 
 def _training_documents(run: Run) -> None:
@@ -171,6 +183,8 @@ CONFIG_STEPS = (
     Step(ACROSS_SETTINGS, _across_settings, needs=(SETTINGS, JSON_MERGE), on="run"),
     Step("the tokenizer", _tokenizer, needs=("the tokenizer files", SETTINGS), on="run", produces=("tokenizer",),
          when=_vocabulary_wanted),
+    Step("the data's token ids against the vocabulary", _token_ids, needs=("the data flags", "the tokenizer"),
+         on="run", when=_vocabulary_wanted),
     Step(VOCABULARY, _padded_vocabulary, needs=(ACROSS_SETTINGS, "the tokenizer"), on="run", produces=("config",),
          when=_vocabulary_wanted),
 )

@@ -56,16 +56,18 @@ def safe_load(path: str, extra_globals: Sequence[Any] = (), map_location: Any = 
     """``torch.load(path, weights_only=True)`` with ``SAFE_GLOBALS`` (and ``extra_globals``) allowed;
     CheckpointFormatError naming the file and what it needs otherwise."""
     allowed = SAFE_GLOBALS + list(extra_globals)
-    try:
-        with torch.serialization.safe_globals(allowed):
-            return _torch_load(path, map_location=map_location, weights_only=True)
-    except Exception as error:  # noqa: BLE001 - name the offending globals, whatever torch raised
+    with torch.serialization.safe_globals(allowed):
         try:
-            needs = f"it needs {torch.serialization.get_unsafe_globals_in_checkpoint(path)}"
-        except Exception:  # noqa: BLE001 - not even a readable torch file
-            needs = "it is not a readable torch file"
-        raise CheckpointFormatError(f"{path!r} does not load with torch.load(weights_only=True) ({needs}): "
-                                    f"{error}") from error
+            return _torch_load(path, map_location=map_location, weights_only=True)
+        except Exception as error:  # noqa: BLE001 - name the offending globals, whatever torch raised
+            try:  # inside the allowlist's context: only what it does not allow is named
+                needs = f"it asks for {sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))}, which "
+                needs += "only an unsafe load would import"
+            except Exception:  # noqa: BLE001 - not even a readable torch file
+                needs = "it is not a readable torch file"
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise CheckpointFormatError(f"{path!r} does not load with torch.load(weights_only=True) ({needs}): "
+                                        f"{first_line}") from error
 
 
 @contextlib.contextmanager

@@ -43,11 +43,16 @@ def tag_number(tag: str) -> int:
 
 def write_atomically(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:  # a full disk: leave no partial temporary file behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def write_complete_marker(tag_dir: str, text: str) -> None:

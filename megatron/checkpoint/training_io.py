@@ -10,17 +10,21 @@ at a barrier, the ranks hash the files between them (``checksums.json``), rank 0
 there and non-empty, writes
 ``run_state.json`` and then a ``complete`` marker inside the tag, and only then replaces ``latest``
 atomically (write a temporary file, then rename). A kill at any point leaves ``latest`` naming the
-previous complete checkpoint (``megatron.checkpoint.tags`` says which tag a resume reads).
+previous complete checkpoint (``megatron.checkpoint.tags`` says which tag a resume reads). A write
+that fails on any rank (a full disk) is agreed by an all-reduce: the half-written tag is removed and
+every rank raises the same ``CheckpointSaveError``, naming the folder, the space needed and ENOSPC.
 
 The engine is duck-typed (its ``save_checkpoint`` / ``load_checkpoint``): nothing here imports deepspeed.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
-from typing import Any, Optional
+import shutil
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -31,15 +35,18 @@ from megatron.checkpoint.tags import (
     LATEST,
     RUN_STATE,
     prune_checkpoints,
+    read_latest,
     tag_for,
     write_atomically,
     write_complete_marker,
 )
 from megatron.parallel.random import RNGStatesTracker
 
-__all__ = ["CLIENT_STATE_VERSION", "rng_state", "set_rng_state", "save_checkpoint", "load_checkpoint"]
+__all__ = ["CLIENT_STATE_VERSION", "CheckpointSaveError", "rng_state", "set_rng_state", "save_checkpoint",
+           "load_checkpoint"]
 
 CLIENT_STATE_VERSION = 1
+NEARLY_FULL_BYTES = 2**20  # a failed save with less than this free is taken for a full disk
 
 
 def rng_state(tracker: Optional[RNGStatesTracker]) -> dict[str, Any]:
@@ -61,33 +68,88 @@ def set_rng_state(state: dict[str, Any], tracker: Optional[RNGStatesTracker]) ->
         tracker.set_states(state["tracker"])
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save failed (a full disk, most often); the half-written tag is gone and ``latest`` is untouched."""
+
+    on_every_rank = True  # agreed by an all-reduce: every rank raises the same
+
+
 def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict[str, Any],
                     run_state: dict[str, Any], keep_last_n: Optional[int] = None) -> str:
     """Write the checkpoint of ``iteration`` on every rank, then move ``latest`` to it. Collective.
 
     ``run_state`` (JSON: architecture, layout, tokenizer, progress) is written beside DeepSpeed's
     files as ``run_state.json``, readable without unpickling anything; ``keep_last_n`` prunes older
-    complete checkpoints once the new one is complete.
+    complete checkpoints once the new one is complete. A write that fails on any rank (ENOSPC, ...) is a
+    CheckpointSaveError on every rank, once the half-written tag is removed.
     """
     tag = tag_for(iteration)
-    state = dict(client_state, client_state_version=CLIENT_STATE_VERSION, iteration=iteration)
-    engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
-    dist.barrier()
     tag_dir = os.path.join(save_dir, tag)
-    record_checksums(tag_dir)  # collective: each rank hashes its share of the files
-    if dist.get_rank() == 0:
-        files = os.listdir(tag_dir)
-        empty = [f for f in files if os.path.getsize(os.path.join(tag_dir, f)) == 0]
-        if not any(f.endswith("model_states.pt") for f in files) or empty:
-            raise RuntimeError(f"checkpoint {tag_dir} is incomplete after saving (files: {sorted(files)}); "
-                               f"'latest' still names the previous checkpoint")
-        write_atomically(os.path.join(tag_dir, RUN_STATE), json.dumps(run_state, indent=1, sort_keys=True))
-        write_complete_marker(tag_dir, str(iteration))
-        write_atomically(os.path.join(save_dir, LATEST), tag)
-        if keep_last_n:
-            prune_checkpoints(save_dir, keep_last_n)
+    state = dict(client_state, client_state_version=CLIENT_STATE_VERSION, iteration=iteration)
+    # DeepSpeed's save ends in a barrier: a rank whose writes failed joins it before the failure is agreed.
+    failure = _attempt(lambda: engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False),
+                       after_failure=dist.barrier)
+    _raise_if_any_failed(failure, save_dir, tag)
     dist.barrier()
+    record_checksums(tag_dir)  # collective: each rank hashes its share of the files
+    failure = None
+    if dist.get_rank() == 0:
+        failure = _attempt(lambda: _commit(save_dir, tag, iteration, run_state, keep_last_n))
+    _raise_if_any_failed(failure, save_dir, tag)
     return tag
+
+
+def _commit(save_dir: str, tag: str, iteration: int, run_state: dict[str, Any], keep_last_n: Optional[int]) -> None:
+    """Rank 0, once every rank's files are there: check them, write run_state.json, the marker, then ``latest``."""
+    tag_dir = os.path.join(save_dir, tag)
+    files = os.listdir(tag_dir)
+    empty = [f for f in files if os.path.getsize(os.path.join(tag_dir, f)) == 0]
+    if not any(f.endswith("model_states.pt") for f in files) or empty:
+        raise RuntimeError(f"checkpoint {tag_dir} is incomplete after saving (files: {sorted(files)})")
+    write_atomically(os.path.join(tag_dir, RUN_STATE), json.dumps(run_state, indent=1, sort_keys=True))
+    write_complete_marker(tag_dir, str(iteration))
+    write_atomically(os.path.join(save_dir, LATEST), tag)
+    if keep_last_n:
+        prune_checkpoints(save_dir, keep_last_n)
+
+
+def _attempt(write: Callable[[], Any], after_failure: Callable[[], Any] = lambda: None) -> Optional[Exception]:
+    """Run ``write``; the exception it raised (after ``after_failure``), or None."""
+    try:
+        write()
+    except (OSError, RuntimeError) as error:  # torch's writer reports a full disk as a RuntimeError
+        after_failure()
+        return error
+    return None
+
+
+def _raise_if_any_failed(failure: Optional[Exception], save_dir: str, tag: str) -> None:
+    """Collective: if ``failure`` happened on any rank, remove the half-written tag (rank 0, once every rank
+    has stopped writing) and raise CheckpointSaveError on every rank, naming the folder, the space and ENOSPC."""
+    flags = torch.tensor([failure is not None, getattr(failure, "errno", None) == errno.ENOSPC], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if not flags[0].item():
+        return
+    tag_dir = os.path.join(save_dir, tag)
+    written, free = folder_bytes(tag_dir), shutil.disk_usage(save_dir).free
+    latest = read_latest(save_dir)
+    previous = folder_bytes(os.path.join(save_dir, latest)) if latest and latest != tag else 0
+    needed = f"about {previous} bytes (the size of {latest})" if previous else f"more than the {written} bytes written"
+    no_space = flags[1].item() or free < NEARLY_FULL_BYTES  # torch's writer loses the errno: "iostream error"
+    why = "no space left on device (ENOSPC)" if no_space else f"{type(failure).__name__}: {failure}"
+    dist.barrier()  # every rank has measured
+    if dist.get_rank() == 0:
+        shutil.rmtree(tag_dir, ignore_errors=True)
+    dist.barrier()
+    raise CheckpointSaveError(
+        f"saving {tag_dir} failed: {why}; {free} bytes free in {save_dir}, a checkpoint needs {needed}. The "
+        f"half-written {tag} was removed and 'latest' still names {latest or 'nothing'}; free some space (or pass "
+        f"another --save) and resume with --load {save_dir}") from failure
+
+
+def folder_bytes(folder: str) -> int:
+    """The bytes of the files under ``folder`` (0 if it does not exist)."""
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)
 
 
 def load_checkpoint(engine, load_dir: str, tag: str, *, load_optimizer_states: bool = True) -> dict[str, Any]:

@@ -253,7 +253,9 @@ class TrainingConfig:
     deepspeed_activation_checkpointing: bool = False  # use DeepSpeed's checkpointing (only with checkpoint_activations)
     sync_tp_duplicated_parameters: bool = False  # average TP-replicated parameters (norms, biases) every step
     torch_compile: bool = False            # compile each transformer layer with torch.compile (megatron/model/compile.py)
-    max_nonfinite_steps: Optional[int] = None    # stop after this many consecutive NaN/inf losses; None: never
+    max_nonfinite_steps: Optional[int] = None    # stop after this many consecutive NaN/inf losses; None: see below
+    check_for_nan_in_loss_and_grad: bool = True  # stop at the first NaN/inf loss or grad norm (megatron.training.guards)
+    loss_spike_factor: float = 10.0        # report a loss above this many times its running mean; 0: never
     # lm-evaluation-harness tasks scored on the live model every eval_harness_interval iterations
     # (megatron/evaluation/live.py): names, a folder of task YAMLs, and documents per task (None: all)
     eval_harness_tasks: tuple[str, ...] = ()
@@ -276,6 +278,8 @@ class TrainingConfig:
             raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
         _positive("--checkpoint-num-layers", self.checkpoint_num_layers)
         _positive("--max-nonfinite-steps", self.max_nonfinite_steps, allow_none=True)
+        if not self.loss_spike_factor >= 0:
+            raise ValueError(f"--loss-spike-factor must be >= 0 (0 disables the report), got {self.loss_spike_factor}")
         for start, end in self.skip_train_iteration_range:
             if not 1 <= start <= end:
                 raise ValueError(f"--skip-train-iteration-range {start}-{end}: need 1 <= START <= END")

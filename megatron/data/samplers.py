@@ -65,8 +65,9 @@ class MegatronPretrainingSampler:
 
 def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
                                   data_parallel_rank: int, data_parallel_size: int,
-                                  num_workers: int = 0, drop_last: bool = True):
-    """A torch DataLoader over ``dataset`` driven by ``MegatronPretrainingSampler`` (None if no dataset)."""
+                                  num_workers: int = 0, drop_last: bool = True, worker_init_fn=None):
+    """A torch DataLoader over ``dataset`` driven by ``MegatronPretrainingSampler`` (None if no dataset);
+    ``worker_init_fn`` runs first in each worker process (the training loop's signal set-up)."""
     if dataset is None:
         return None
     import torch  # noqa: PLC0415 (data/ loads without torch (the preprocessing tools); only the loader's sampler needs it)
@@ -75,4 +76,4 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
                                          data_parallel_rank, data_parallel_size, drop_last)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        pin_memory=torch.cuda.is_available(),
-                                       persistent_workers=num_workers > 0)
+                                       persistent_workers=num_workers > 0, worker_init_fn=worker_init_fn)

@@ -78,3 +78,10 @@ class MicroBatchIterator:
         if self._it is None:
             self._it = iter(self.loader)
         return sequence_slice(gpt_micro_batch(next(self._it)["text"], **self.masking), self.sp_rank, self.sp_size)
+
+    def close(self) -> None:
+        """Stop the loader's worker processes now (they ignore SIGTERM: ``megatron.training.exit``)."""
+        shutdown = getattr(self._it, "_shutdown_workers", None)  # torch's multi-process iterator
+        if shutdown is not None:
+            shutdown()
+        self._it = None

@@ -10,12 +10,15 @@ slice itself); global rank 0 builds missing index files while the others wait at
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import weakref
 
 from megatron.config import RunConfig
 from megatron.data.gpt_dataset import build_train_valid_test_datasets, build_weighted_split_datasets
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.training.batches import MicroBatchIterator
+from megatron.training.exit import data_loader_worker_init
 
 
 @dataclasses.dataclass
@@ -53,12 +56,29 @@ def build_datasets(rc: RunConfig) -> RunDatasets:
     return RunDatasets(train, {"": valid} if valid is not None else {}, {"": test} if test is not None else {})
 
 
+# Every iterator made here, closed by close_data_iterators: the DataLoader workers ignore SIGTERM, and
+# Python's multiprocessing ends a process's daemonic children at exit with SIGTERM, then joins them: a
+# worker still running then would hold the rank's exit forever.
+_open_iterators: "weakref.WeakSet[MicroBatchIterator]" = weakref.WeakSet()
+
+
+def close_data_iterators() -> None:
+    """Stop the worker processes of every data iterator still open (pretrain's end, and at exit)."""
+    for iterator in list(_open_iterators):
+        iterator.close()
+
+
+atexit.register(close_data_iterators)  # runs before multiprocessing's own exit handler (registered earlier)
+
+
 def micro_batch_iterator(dataset, rc: RunConfig, *, consumed_samples: int, dp_rank: int, dp_size: int,
                          num_workers: int, sp_rank: int = 0, sp_size: int = 1) -> MicroBatchIterator:
     """This data-parallel rank's pipeline micro-batches of ``dataset``, from ``consumed_samples`` on (with
     Ulysses, sp_size > 1, this sequence-parallel rank's slice of each)."""
     loader = build_pretraining_data_loader(dataset, consumed_samples, rc.batch.micro_batch_size, dp_rank, dp_size,
-                                           num_workers=num_workers)
+                                           num_workers=num_workers, worker_init_fn=data_loader_worker_init)
     d = rc.data
-    return MicroBatchIterator(loader, sp_rank, sp_size, eod=d.eod_token_id, eod_mask_loss=d.eod_mask_loss,
-                              reset_position_ids=d.reset_position_ids)
+    iterator = MicroBatchIterator(loader, sp_rank, sp_size, eod=d.eod_token_id, eod_mask_loss=d.eod_mask_loss,
+                                  reset_position_ids=d.reset_position_ids)
+    _open_iterators.add(iterator)
+    return iterator

@@ -21,19 +21,37 @@ REASONS = ("", "exit-interval", "exit-duration", "kill-switch", "signal")
 _early_signal: dict[str, Optional[int]] = {"signum": None}
 
 
-def die_with_launcher() -> bool:
-    """Under torchrun (TORCHELASTIC_RUN_ID set), ask Linux to SIGKILL this worker when the launcher that
-    started it dies (prctl PR_SET_PDEATHSIG): a ``kill -9`` of torchrun must not leave workers training
-    and writing checkpoints on their own. Not under srun or a plain ``python`` (there the parent is a
-    shell or SLURM's step daemon, and a closed terminal must not end a run). True if armed."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+def _die_with_parent() -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG). True if armed."""
+    if not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
         return False
-    if os.getppid() == 1:  # the launcher died before the request was made
+    if os.getppid() == 1:  # the parent died before the request was made
         os.kill(os.getpid(), signal.SIGKILL)
     return True
+
+
+def die_with_launcher() -> bool:
+    """Under torchrun (TORCHELASTIC_RUN_ID set), SIGKILL this worker when the launcher that started it
+    dies: a ``kill -9`` of torchrun must not leave workers training and writing checkpoints on their own.
+    Not under srun or a plain ``python`` (there the parent is a shell or SLURM's step daemon, and a closed
+    terminal must not end a run). True if armed."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and _die_with_parent()
+
+
+def data_loader_worker_init(worker_id: int) -> None:  # noqa: ARG001 - DataLoader's worker_init_fn signature
+    """In each DataLoader worker: ignore SIGTERM, and leave with the rank that started it.
+
+    torchrun stops its workers with ``killpg`` and ``scancel`` signals every process of the step, so the
+    SIGTERM that asks a rank to save also reaches its data workers. torch's worker handler dies of it
+    (it only ignores a SIGTERM from its own parent), the rank's next batch then raises "DataLoader worker
+    is killed by signal: Terminated" and the job ends without its checkpoint. Ignored here, the workers
+    keep serving batches through the save and end when the rank does (the death signal, and torch's own
+    watchdog on the parent's pid)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
 
 
 def install_early_signal_handler(signals=(signal.SIGTERM,)) -> None:

@@ -23,13 +23,10 @@ import torch.distributed as dist
 from megatron.config import RunConfig
 from megatron.engine.timers import PhaseTimers, time_optimizer_inner_step
 from megatron.training.exit import ExitMonitor
+from megatron.training.guards import LossGuard
 from megatron.training.metrics import TrainingLogger, current_device_name, peak_tflops_for_device, throughput_metrics
 from megatron.training.profiling import ProfilerWindow
 from megatron.training.timing import format_timers, gather_timers, memory_scalars, timer_scalars
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive iterations had a non-finite loss or gradient norm."""
 
 
 @dataclasses.dataclass
@@ -76,7 +73,10 @@ class Trainer:
         self.last_validation: dict[str, float] = {}
         # MFU needs the device's peak: known GPUs by name, or --peak-tflops; None on CPU (TFLOPs only).
         self.peak_tflops = peak_tflops_for_device(current_device_name(), rc.logging.peak_tflops)
-        self._consecutive_nonfinite = 0
+        t = rc.training
+        self.guard = LossGuard(check_for_nan=t.check_for_nan_in_loss_and_grad, max_nonfinite_steps=t.max_nonfinite_steps,
+                               loss_spike_factor=t.loss_spike_factor, loss_scaling=rc.fp16)
+        self.loss_spikes = 0
         self._setup_instruments()
 
     def _setup_instruments(self) -> None:
@@ -146,20 +146,18 @@ class Trainer:
         return record
 
     def _count_nonfinite(self, record: IterationRecord) -> None:
-        finite = math.isfinite(record.loss) and (record.grad_norm is None or math.isfinite(record.grad_norm))
+        """Skipped and non-finite counts; NonFiniteLossError (before any save) when the guard says stop."""
         if record.skipped:
             self.progress.skipped_iterations += 1
-        if finite:
-            self._consecutive_nonfinite = 0
-            return
-        self.progress.nonfinite_iterations += 1
-        self._consecutive_nonfinite += 1
-        limit = self.rc.training.max_nonfinite_steps
-        if limit is not None and self._consecutive_nonfinite >= limit:
-            raise NonFiniteLossError(
-                f"iteration {record.iteration}: {self._consecutive_nonfinite} consecutive iterations with a non-finite "
-                f"loss or gradient norm (loss {record.loss}, grad norm {record.grad_norm}); stopping "
-                f"(--max-nonfinite-steps {limit}). Lower --lr, check the data, or resume from an earlier checkpoint.")
+        if self.guard.nonfinite(record.loss, record.grad_norm, record.skipped):
+            self.progress.nonfinite_iterations += 1
+        spike = self.guard.observe(record.iteration, record.loss, record.grad_norm, record.skipped)
+        if spike is not None:
+            self.loss_spikes += 1
+            self.logger.print_fn(f"iteration {record.iteration}: loss spike, {record.loss:.4E} is {spike:.1f} x the "
+                                 f"mean of the last {len(self.guard.recent) - 1} losses", flush=True)
+            self.logger.write_scalars({"loss-spikes/loss-spike-ratio": spike,
+                                       "loss-spikes/loss-spikes": self.loss_spikes}, record.iteration)
 
     # ---- evaluation -------------------------------------------------------------------------
     def evaluate(self, iterators: dict, test: bool = False) -> dict[str, float]:

@@ -5,6 +5,8 @@
 3. build the datasets and this rank's iterators (data-parallel slice, from the consumed samples);
 4. build the DeepSpeed pipeline engine from the DeepSpeed config the flags give;
 5. resume from ``--load`` if it holds a checkpoint; 6. train; 7. test; save on the way out.
+
+Before anything reads --load or --save, rank 0 takes the --save folder's lock (megatron.checkpoint.lock).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from megatron.engine.optimizer import sync_tp_duplicated
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState
 from megatron.training.batches import gpt_micro_batch
-from megatron.training.data import build_datasets, micro_batch_iterator
+from megatron.training.data import build_datasets, close_data_iterators, micro_batch_iterator
 from megatron.training.distributed import init_process_group
 from megatron.training.exit import ExitMonitor
 from megatron.training.loop import Progress, Trainer
@@ -49,6 +51,12 @@ class PretrainResult:
     valid: dict[str, float]    # the last validation losses, by group name ('' for the --split validation set)
     test: dict[str, float]     # the test losses at the end of the schedule
     engine: object = None      # the DeepSpeed engine (for inspection by tests and tools)
+
+
+def on_every_rank(error: Exception) -> Exception:
+    """Mark ``error`` as one every rank raises alike (pretrain_gpt.py then prints it once, from rank 0)."""
+    error.on_every_rank = True
+    return error
 
 
 def print_rank_0(*args, **kwargs) -> None:
@@ -73,6 +81,16 @@ def _tensorboard_writer(rc: RunConfig, is_last_rank: bool):
     return SummaryWriter(log_dir=rc.logging.tensorboard_dir, max_queue=rc.logging.tensorboard_queue_size)
 
 
+def _training_logger(rc: RunConfig):
+    """(the tensorboard writer or None, the TrainingLogger): the last rank logs, as Megatron's does."""
+    is_last_rank = dist.get_rank() == dist.get_world_size() - 1
+    writer = _tensorboard_writer(rc, is_last_rank)
+    return writer, TrainingLogger(writer, log_timers=rc.logging.log_timers_to_tensorboard,
+                                  log_batch_size=rc.logging.log_batch_size_to_tensorboard,
+                                  log_validation_ppl=rc.logging.log_validation_ppl_to_tensorboard,
+                                  print_fn=print if is_last_rank else (lambda *a, **k: None))
+
+
 def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> dict:
     """Saved by DeepSpeed with the weights (in mp_rank_XX_model_states.pt): what a resume restores, and
     Megatron's own top-level keys ('args', 'checkpoint_version'; 'iteration' is added by the writer)."""
@@ -83,13 +101,29 @@ def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> d
 
 
 def pretrain(rc: RunConfig) -> PretrainResult:
+    """Train as ``rc`` says (the module docstring's steps). Collective: every rank calls it. A refusal (another
+    run holds --save, a --load checkpoint that cannot be resumed) is the same ValueError on every rank."""
     start = time.time()
-    point = resume_point(rc)  # a checkpoint that cannot be resumed fails here, before any process group
     check_profiler_device(rc.logging)
     p = rc.parallel
     info = init_process_group(p.distributed_backend, p.distributed_timeout_minutes)
     init_deepspeed_comm(p.distributed_backend, timeout_s=60.0 * p.distributed_timeout_minutes)
-    point = intact_resume_point(rc, point)  # every file against its checksum, the hashing shared out
+    # The --save lock comes first: a second run on the same folder must not read the first one's checkpoints.
+    lock = _lock_save_folder(rc)  # one writer per --save folder (megatron.checkpoint.lock)
+    try:
+        return _pretrain_locked(rc, start, info)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
+    p = rc.parallel
+    try:
+        point = resume_point(rc)  # file reads only: every rank finds the same, and refuses alike
+        point = intact_resume_point(rc, point)  # every file against its checksum, the hashing shared out
+    except ValueError as error:
+        raise on_every_rank(error)
     state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                  sp=p.ds_sequence_parallel_size)
     tracker = set_seeds(rc.training.seed, state)
@@ -107,12 +141,7 @@ def pretrain(rc: RunConfig) -> PretrainResult:
                                       num_workers=rc.data.num_workers, **dp)
     valid_iters = {name: micro_batch_iterator(ds, rc, consumed_samples=0, num_workers=rc.data.valid_num_workers,
                                               **dp) for name, ds in datasets.valid.items()}
-    is_last_rank = dist.get_rank() == dist.get_world_size() - 1
-    writer = _tensorboard_writer(rc, is_last_rank)
-    logger = TrainingLogger(writer, log_timers=rc.logging.log_timers_to_tensorboard,
-                            log_batch_size=rc.logging.log_batch_size_to_tensorboard,
-                            log_validation_ppl=rc.logging.log_validation_ppl_to_tensorboard,
-                            print_fn=print if is_last_rank else (lambda *a, **k: None))
+    writer, logger = _training_logger(rc)
 
     def save(progress_now: Progress) -> None:
         tag = training_io.save_checkpoint(engine, rc.checkpoint.save, progress_now.iteration,
@@ -129,7 +158,6 @@ def pretrain(rc: RunConfig) -> PretrainResult:
                       train_iterator=train_iter, valid_iterators=valid_iters, logger=logger, exit_monitor=monitor,
                       progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=sync,
                       world_size=dist.get_world_size(), harness_fn=_live_harness(rc, engine, state))
-    lock = _lock_save_folder(rc)  # one writer per --save folder (megatron.checkpoint.lock)
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
                  f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "
                  f"PP={state.pp_size} DP={state.dp_size}"
@@ -147,9 +175,8 @@ def pretrain(rc: RunConfig) -> PretrainResult:
         else:
             print_rank_0(f"exiting after iteration {progress.iteration}: {reason}")
     finally:
-        if lock is not None:
-            lock.release()
         monitor.restore_signal_handlers()
+        close_data_iterators()
         if writer is not None:
             writer.close()
     return PretrainResult(reason, progress, trainer.history, trainer.last_validation, test, engine)
@@ -192,5 +219,6 @@ def _lock_save_folder(rc: RunConfig):
     refused = torch.tensor([1 if problem else 0])
     dist.all_reduce(refused)
     if refused.item():
-        raise ValueError(problem or f"--save {rc.checkpoint.save} is in use by another run (rank 0 names it)")
+        raise on_every_rank(ValueError(problem or f"--save {rc.checkpoint.save} is in use by another run (rank 0 "
+                                                  f"names it)"))
     return lock

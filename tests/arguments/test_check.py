@@ -2,6 +2,8 @@
 dry-run flags refused by a real run."""
 
 
+import os
+
 import pytest
 
 from megatron.arguments import run_config_from_argv
@@ -77,3 +79,34 @@ def test_zero3_with_tp_and_hpz_is_checked_and_estimated(files):
     bad = check_argv(argv[:-2] + ["--zero-hpz-partition-size", "3"])
     assert not bad.ok and any("--zero-hpz-partition-size 3 does not divide the data-parallel size 4" in p
                               for p in bad.problems)
+
+
+def test_a_truncated_bin_a_missing_split_file_and_ids_beyond_the_vocabulary_fail_the_dry_run_and_the_launch(
+        files, tmp_path):
+    import io
+
+    import numpy as np
+
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+    from megatron.dry_run import dry_run
+
+    with MMapIndexedDatasetBuilder(str(tmp_path / "wide"), dtype=np.uint16) as builder:
+        builder.add_item(np.arange(5000) % 450)  # ids up to 449; the tiny corpus's tokenizer has 400 (+1 eod)
+        builder.end_document()
+        builder.finalize()
+    os.truncate(files / "b.bin", os.path.getsize(files / "b.bin") - 2)
+    argv = tiny_config_argv(files, data_path=["0.4", files / "a", "0.3", files / "b", "0.3", tmp_path / "wide"])
+    check = check_argv(argv + ["--dry-run", "--world-size", "2"])
+    assert len(check.problems) == 2, check.problems
+    truncated, wide = check.problems
+    assert f"data file for {files / 'b'}.idx is 1598 bytes but the index describes 1600 bytes" in truncated
+    assert wide.startswith(f"{tmp_path / 'wide'}.bin holds token id 449 (among 5000 tokens read), beyond the "
+                           f"tokenizer's vocabulary of 4")
+    assert dry_run(argv + ["--dry-run", "--world-size", "2"], out=io.StringIO()) == 1
+    split_file = tiny_config_argv(files, drop=["--data-path"], train_weighted_split_paths_path=tmp_path / "nope.txt")
+    assert dry_run(split_file + ["--dry-run", "--world-size", "2"], out=io.StringIO()) == 1
+    assert [p for p in check_argv(split_file + ["--dry-run"]).problems if "nope.txt" in p]
+    with pytest.raises(ValueError, match=r"b\.idx is 1598 bytes"):  # a real launch: the first problem, every rank
+        run_config_from_argv(tiny_config_argv(files, data_path=files / "b"), world_size=2)
+    with pytest.raises(ValueError, match=r"wide\.bin holds token id 449"):
+        run_config_from_argv(tiny_config_argv(files, data_path=tmp_path / "wide"), world_size=2)

@@ -47,10 +47,17 @@ def test_a_live_holder_is_refused_and_a_dead_one_taken_over(tmp_path):
 def test_a_second_run_on_the_same_save_folder_refuses_to_start(tiny_corpus, tmp_path):
     argv = tiny_argv(tiny_corpus, train_iters=2, lr_warmup_iters=1, save=str(tmp_path / "ckpt"), save_interval=2)
     held = save_lock.acquire(str(tmp_path / "ckpt"))  # "another run": this test process, alive
+    # ... in the middle of its first save: 'latest' names a tag whose save has not finished. A run that read
+    # --load before taking the lock would refuse for that instead (no complete checkpoint to resume).
+    (tmp_path / "ckpt" / "global_step9").mkdir()
+    (tmp_path / "ckpt" / "latest").write_text("global_step9")
     try:
-        messages = run_distributed(pretrain_error, world_size=2, args=(argv,), timeout=300)
+        messages = run_distributed(pretrain_error, world_size=2, args=(argv + ["--load", str(tmp_path / "ckpt")],),
+                                   timeout=300)
     finally:
         held.release()
+        (tmp_path / "ckpt" / "latest").unlink()
+        (tmp_path / "ckpt" / "global_step9").rmdir()
     assert all(m is not None and "is in use by another run" in m for m in messages), messages
     assert f"pid {os.getpid()}" in messages[0]
     assert not list((tmp_path / "ckpt").glob("global_step*"))  # nothing written

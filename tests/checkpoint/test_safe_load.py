@@ -38,3 +38,24 @@ def test_every_torch_load_inside_is_weights_only_and_names_the_file(tmp_path):
     if env_before is None:
         torch.load(crafted, weights_only=False)  # outside, torch's own load again: this one runs the payload
         assert marker.exists()
+
+
+class _Command:
+    """Unpickling this would call ``os.system`` (pickled as ``posix.system``)."""
+
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_a_refusal_names_only_the_globals_outside_the_allowlist(tmp_path):
+    import numpy as np
+
+    from megatron.checkpoint.safe_load import safe_load
+
+    path = tmp_path / "mixed.pt"
+    torch.save({"rng": np.random.RandomState(0).get_state(), "w": torch.ones(2), "run": _Command()}, path)
+    with pytest.raises(CheckpointFormatError) as refused:
+        safe_load(str(path))
+    message = str(refused.value)
+    assert "it asks for ['posix.system'], which only an unsafe load would import" in message, message
+    assert "numpy" not in message and "\n" not in message, message  # the allowed ones are not listed; one line

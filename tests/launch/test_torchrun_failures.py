@@ -1,7 +1,8 @@
 """pretrain_gpt.py under torchrun when something is wrong: a bad flag is one line from one process;
-killing torchrun (kill -9) leaves no worker behind; and with --distributed-timeout-minutes a rank that
-stops answering (SIGSTOP) ends the whole job, non-zero, within the timeout plus torchrun's teardown,
-instead of the backend's 10-30 minutes."""
+killing torchrun (kill -9) leaves no worker behind; SIGTERM to torchrun, or to every process of the job as
+``scancel`` sends it, ends in a complete checkpoint that resumes exactly, data-loader workers included; and
+with --distributed-timeout-minutes a rank that stops answering (SIGSTOP) ends the whole job, non-zero,
+within the timeout plus torchrun's teardown, instead of the backend's 10-30 minutes."""
 
 import os
 import signal
@@ -12,8 +13,9 @@ import time
 
 import pytest
 
-from megatron.testing import tiny_argv
+from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.paths import REPO_ROOT
+from tests.helpers.training import assert_continues, train
 
 TIMEOUT_MINUTES = 0.2  # 12 s: well above any legitimate wait of this tiny job, even on a loaded machine
 
@@ -58,6 +60,23 @@ def test_a_bad_flag_is_one_line_from_one_process(tiny_corpus, tmp_path):
     assert errors == ["error: --hidden-size 66 is not divisible by --num-attention-heads 4"], output
     # No worker prints a traceback; torchrun itself still reports the failed child with its own.
     assert 'pretrain_gpt.py", line' not in output and output.count("Traceback (most recent call last)") <= 1, output
+
+
+@pytest.mark.multiprocess
+def test_a_load_refusal_is_one_line_from_one_process(tiny_corpus, tmp_path):
+    (tmp_path / "ckpt" / "global_step4").mkdir(parents=True)  # a save that never finished, and nothing before it
+    (tmp_path / "ckpt" / "latest").write_text("global_step4")
+    job = _torchrun(tiny_argv(tiny_corpus, load=str(tmp_path / "ckpt")), tmp_path)
+    output, _ = job.communicate(timeout=120)
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert job.returncode != 0
+    assert len(errors) == 1 and "global_step4' has no 'complete' marker" in errors[0], output[-3000:]
+    assert 'pretrain_gpt.py", line' not in output and output.count("Traceback (most recent call last)") <= 1, output
+
+
+def _descendants(pid: int) -> list[int]:
+    found = _children(pid)
+    return found + [grandchild for child in found for grandchild in _descendants(child)]
 
 
 def _wait_for_iteration(job, lines, iteration: int) -> None:
@@ -131,3 +150,57 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tiny_corpus, tmp_path):
     assert returncode != 0
     assert elapsed < 120, f"the job took {elapsed:.0f} s to end after a rank stopped"
     assert any("timed out" in line.lower() or "timeout" in line.lower() for line in lines), "".join(lines[-40:])
+
+
+SIGTERM_CASES = {  # (layout, who receives SIGTERM, whether the resume is checked: about 20 s)
+    # torchrun forwards SIGTERM to each worker's process group: the rank and its DataLoader workers
+    "torchrun, ZeRO-3 DP=2": (["--zero-stage", "3"], "launcher", True),
+    # scancel --signal=TERM: torchrun, the ranks and their workers at once
+    "every process, ZeRO-1 PP=2": (["--zero-stage", "1", "--pipeline-model-parallel-size", "2"], "every process",
+                                   False),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(SIGTERM_CASES))
+def test_sigterm_to_torchrun_or_every_process_saves_and_resumes_exactly(tiny_corpus, tmp_path, case):
+    layout_flags, target, check_resume = SIGTERM_CASES[case]
+    save = tmp_path / "ckpt"
+    common = tiny_argv(tiny_corpus, *layout_flags, num_workers=1, save_interval=100000, train_iters=100000)
+    job = _torchrun(common + ["--save", str(save)], tmp_path)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
+    reader.start()
+    try:
+        _wait_for_iteration(job, lines, 3)
+        everyone = _descendants(job.pid)  # 2 ranks and a DataLoader worker each
+        assert len(everyone) == 4, everyone
+        start = time.time()
+        for pid in [job.pid] + (everyone if target == "every process" else []):
+            os.kill(pid, signal.SIGTERM)
+        returncode = job.wait(timeout=120)
+        elapsed = time.time() - start
+    finally:
+        if job.poll() is None:
+            job.kill()
+    reader.join(timeout=10)
+    output = "".join(lines)
+    print(f"{case}: torchrun exited {returncode} {elapsed:.1f} s after SIGTERM")
+    assert "DataLoader worker" not in output, output[-3000:]
+    assert elapsed < 30, f"{case}: {elapsed:.0f} s to save and stop"
+    # torchrun itself re-raises the signal (its SignalException, exit 1); every rank saved and left with 0:
+    # the 'complete' marker is written only after every rank's files are there and checksummed.
+    assert returncode in (0, 1), output[-3000:]
+    tag = (save / "latest").read_text().strip()
+    assert (save / tag / "complete").is_file()
+    stopped_at = int(tag.removeprefix("global_step"))
+    assert stopped_at >= 3
+    assert not [pid for pid in everyone if _alive(pid)], "processes of the job outlived it"
+    if not check_resume:
+        return
+    # The resume continues the run loss for loss (the same data order, RNG and optimizer state).
+    straight = common + ["--exit-interval", str(stopped_at + 2)]
+    resumed = straight + ["--load", str(save)]
+    (reference, tail), _ = run_distributed(train, world_size=2, args=([straight, resumed],), timeout=300)
+    assert tail["iterations"] == [stopped_at + 1, stopped_at + 2]
+    assert_continues(reference["losses"], tail["losses"], rel=0.0, label=case)

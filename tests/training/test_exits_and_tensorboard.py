@@ -27,7 +27,7 @@ def test_exit_interval_and_kill_switch_save_and_tensorboard_holds_the_run(tiny_c
     logged = tiny_argv(tiny_corpus, train_iters=20, eval_interval=3, eval_iters=1, exit_interval=6,
                        save=str(save_a), save_interval=100, tensorboard_dir=str(tb),
                        log_timers_to_tensorboard=True, log_batch_size_to_tensorboard=True,
-                       log_validation_ppl_to_tensorboard=True)
+                       log_validation_ppl_to_tensorboard=True, loss_spike_factor=0.5)
     killed = tiny_argv(tiny_corpus, train_iters=20, save=str(save_b), save_interval=100,
                        kill_switch_path=str(kill_switch))
     (interval_run, kill_run), = run_distributed(train, world_size=1, args=([logged, killed],))
@@ -54,6 +54,10 @@ def test_exit_interval_and_kill_switch_save_and_tensorboard_holds_the_run(tiny_c
     assert [s for s, _ in validation] == [3, 6]
     ppl = scalars["lm-loss-validation/lm loss validation ppl"]
     assert [v for _, v in ppl] == pytest.approx([math.exp(v) for _, v in validation], rel=1e-5)
+    # --loss-spike-factor 0.5: once 5 losses are known, every loss is "above 0.5 x their mean": reported
+    losses = [h[1] for h in history]
+    assert scalars["loss-spikes/loss-spike-ratio"] == [(6, pytest.approx(losses[5] / (sum(losses[:5]) / 5)))]
+    assert scalars["loss-spikes/loss-spikes"] == [(6, 1.0)]
 
 
 @pytest.mark.multiprocess
@@ -111,3 +115,22 @@ def test_weighted_split_groups_are_evaluated_and_logged_by_name(tiny_corpus, tmp
     a = scalars["lm-loss-validation/valid_a/lm loss validation"]
     b = scalars["lm-loss-validation/valid_b/lm loss validation"]
     assert a != b  # different documents, different losses
+
+
+@pytest.mark.multiprocess
+def test_a_diverged_run_stops_at_its_first_nonfinite_iteration_without_saving_it(tiny_corpus, tmp_path):
+    # --check-for-nan-in-loss-and-grad is on by default: no flag asks for it.
+    save = tmp_path / "ckpt"
+    argv = tiny_argv(tiny_corpus, train_iters=50, lr=1e9, min_lr=1e8, clip_grad=0.0, lr_warmup_iters=0,
+                     save=str(save), save_interval=1)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(errors) == 1 and "non-finite loss or gradient norm" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    bad = int(errors[0].split(":")[1].split()[1])  # "error: iteration N: ..."
+    assert bad >= 2
+    # every iteration before the bad one was saved (--save-interval 1); the bad state was not
+    assert _latest(save) == f"global_step{bad - 1}" and not (save / f"global_step{bad}").exists()
