@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron.config.moe import MoEConfig
+
 POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi", "none")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 PARAMS_DTYPES = ("fp32", "bf16", "fp16")
@@ -86,6 +88,14 @@ class ModelConfig:
     # rank's [s/tp, b, h] shard of the sequence; column-parallel inputs are all-gathered along s, row-parallel
     # outputs reduce-scattered. Changes no parameter; a model built for decoding leaves it False.
     sequence_parallel: bool = False
+    # Mixture of experts (--num-experts): the MLP of the layers moe.layer_pattern marks is routed experts; None: dense.
+    moe: Optional[MoEConfig] = None
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Each expert's MLP width: --moe-ffn-hidden-size, else the dense MLP's."""
+        moe_width = self.moe.ffn_hidden_size if self.moe is not None else None
+        return moe_width if moe_width is not None else self.ffn_size
 
     @property
     def ffn_size(self) -> int:
@@ -134,6 +144,7 @@ class ModelConfig:
             raise ValueError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; each TP rank must hold whole heads")
         self._validate_attention(tp)
+        self._validate_moe(tp)
         if self.sequence_parallel and self.seq_length % tp:
             raise ValueError(f"--sequence-parallel splits the sequence over the {tp} tensor-parallel ranks, but "
                              f"--seq-length {self.seq_length} is not a multiple of --tensor-model-parallel-size {tp}; "
@@ -181,6 +192,16 @@ class ModelConfig:
             raise ValueError(f"original vocabulary size {self.original_vocab_size} is larger than the padded "
                              f"size {self.padded_vocab_size}")
         return self
+
+    def _validate_moe(self, tp: int) -> None:
+        if self.moe is None:
+            return
+        self.moe.validate(self.num_layers)
+        for name, width in (("--moe-ffn-hidden-size", self.expert_ffn_size),
+                            ("--moe-shared-expert-intermediate-size", self.moe.shared_expert_intermediate_size or tp)):
+            if width % tp:
+                raise ValueError(f"{name} {width} is not divisible by --tensor-model-parallel-size {tp}: each TP rank "
+                                 f"holds an equal slice of every expert; use a multiple of {tp}")
 
     def _validate_attention(self, tp: int) -> None:
         kv, heads = self.num_key_value_heads, self.num_attention_heads
