@@ -115,3 +115,34 @@ class MoEConfig:
         if k % group_topk or k > group_topk * (e // groups):
             raise ValueError(f"--moe-router-topk {k} must be a multiple of --moe-router-group-topk {group_topk} and "
                              f"fit in the {group_topk} groups of {e // groups} experts a token may use")
+
+
+def check_moe_run(rc) -> None:
+    """The rules MoE adds across a ``RunConfig``'s settings: the expert-parallel layout, and what does not work
+    with MoE yet (refused by name rather than run wrongly)."""
+    moe, ep = rc.model.moe, rc.parallel.expert_model_parallel_size
+    dp = rc.parallel.data_parallel_size
+    _positive("--expert-model-parallel-size", ep)
+    if moe is None:
+        if ep > 1:
+            raise ValueError(f"--expert-model-parallel-size {ep} needs experts: set --num-experts (a multiple of "
+                             f"{ep}) or drop it")
+        return
+    if moe.num_experts % ep:
+        raise ValueError(f"--num-experts {moe.num_experts} is not divisible by --expert-model-parallel-size {ep}; "
+                         f"each expert-parallel rank holds an equal share: use a divisor of {moe.num_experts}")
+    if dp % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} (world / "
+                         f"(TP x PP)): expert parallelism is carved from the data-parallel ranks; use a divisor of "
+                         f"{dp} or more processes")
+    unsupported = [(rc.checkpoint.save, "--save"), (rc.checkpoint.load, "--load"),
+                   (rc.model.sequence_parallel, "--sequence-parallel"),
+                   (rc.parallel.ds_sequence_parallel_size > 1, "--ds-sequence-parallel-size > 1"),
+                   (rc.precision.zero_stage > 1, "--zero-stage 2 or 3"), (rc.training.torch_compile, "--torch-compile")]
+    if ep > 1:
+        unsupported += [(rc.bf16 or rc.fp16, "--bf16 / --fp16 with --expert-model-parallel-size > 1"),
+                        (rc.precision.zero_stage > 0, "--zero-stage 1 with --expert-model-parallel-size > 1")]
+    named = [name for given, name in unsupported if given]
+    if named:
+        raise ValueError(f"MoE (--num-experts {moe.num_experts}) does not work yet with {', '.join(named)}; drop "
+                         f"{'it' if len(named) == 1 else 'them'} (checkpoints of MoE models come in a later change)")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron.config import RunConfig
 from megatron.engine.timers import PhaseTimers, time_optimizer_inner_step
+from megatron.model.moe import set_aux_loss_scale
 from megatron.training.exit import ExitMonitor
 from megatron.training.metrics import TrainingLogger, current_device_name, peak_tflops_for_device, throughput_metrics
 from megatron.training.profiling import ProfilerWindow
@@ -125,6 +126,8 @@ class Trainer:
             self.lr_scheduler.step(gbs)  # the schedule follows consumed samples, trained on or not
             record = IterationRecord(iteration, float("nan"), None, self.lr_scheduler.get_lr(), gbs, True)
         else:
+            # MoE balancing losses get the gradient the language-model loss gets: 1 / micro-batches per step
+            set_aux_loss_scale(self.engine.module, 1.0 / self.engine.gradient_accumulation_steps())
             with self.timers("train-batch", 1):
                 loss = self.engine.train_batch(self.train_iterator)
                 loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)

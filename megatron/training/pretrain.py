@@ -27,6 +27,7 @@ from megatron.engine.checks import check_finite_after_load
 from megatron.engine.deepspeed_compat import checkpoint_loading
 from megatron.engine.initialize import build_engine, init_deepspeed_comm
 from megatron.engine.optimizer import sync_tp_duplicated
+from megatron.model.moe import update_expert_biases
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState
 from megatron.training.data import build_datasets, micro_batch_iterator
@@ -89,7 +90,7 @@ def pretrain(rc: RunConfig) -> PretrainResult:
     init_deepspeed_comm(p.distributed_backend, timeout_s=60.0 * p.distributed_timeout_minutes)
     point = intact_resume_point(rc, point)  # every file against its checksum, the hashing shared out
     state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                 sp=p.ds_sequence_parallel_size)
+                                 sp=p.ds_sequence_parallel_size, ep=p.expert_model_parallel_size)
     tracker = set_seeds(rc.training.seed, state)
 
     datasets = build_datasets(rc)
@@ -119,13 +120,17 @@ def pretrain(rc: RunConfig) -> PretrainResult:
                                           rc.checkpoint.keep_last_n_checkpoints)
         print_rank_0(f"saved checkpoint {os.path.join(rc.checkpoint.save, tag)}")
 
-    sync = (lambda: sync_tp_duplicated(engine.module, state.tp_group)) if t.sync_tp_duplicated_parameters else None
+    def after_step() -> None:
+        if t.sync_tp_duplicated_parameters:
+            sync_tp_duplicated(engine.module, state.tp_group)
+        update_expert_biases(engine.module, state.dp_group)  # MoE routers' biases: counts summed over all DP ranks
+
     monitor = ExitMonitor(exit_interval=rc.exit.exit_interval, exit_duration_in_mins=rc.exit.exit_duration_in_mins,
                           kill_switch_path=rc.exit.kill_switch_path, start_time=start)
     trainer = Trainer(rc, engine, lr_scheduler=lr_scheduler,
                       microbatches=build_num_microbatches_calculator(rc.batch, state.dp_size),
                       train_iterator=train_iter, valid_iterators=valid_iters, logger=logger, exit_monitor=monitor,
-                      progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=sync,
+                      progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=after_step,
                       world_size=dist.get_world_size())
     lock = _lock_save_folder(rc)  # one writer per --save folder (megatron.checkpoint.lock)
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "

@@ -1,0 +1,62 @@
+"""Mixture-of-experts training end to end: one process learns with the aux loss on and the expert bias moving;
+expert parallelism (EP = 2, carved from DP = 2) trains exactly as one process does (fp32, dropless, within 1e-5
+over 10 iterations); bad layouts and what MoE does not support yet are refused before any process starts."""
+
+import re
+
+import pytest
+
+from megatron.arguments import run_config_from_argv
+from megatron.testing import run_distributed, tiny_argv
+from tests.helpers.moe import MOE_FLAGS, train_moe
+
+ITERS = 10
+
+
+@pytest.fixture(scope="module")
+def moe_argv(tiny_corpus):
+    return tiny_argv(tiny_corpus, *MOE_FLAGS, train_iters=ITERS, hidden_size=32, seq_length=16, lr=3e-3)
+
+
+@pytest.fixture(scope="module")
+def reference_run(moe_argv):
+    (result,) = run_distributed(train_moe, world_size=1, args=([moe_argv],))[0]
+    return result
+
+
+def test_one_process_learns_and_moves_the_expert_bias(reference_run):
+    losses = reference_run["losses"]
+    assert len(losses) == ITERS and losses[-1] < losses[0] - 0.05, losses
+    biases = reference_run["expert_bias"]
+    assert sorted(biases) == ["3.mlp", "4.mlp"], biases  # both layers are MoE (pipeline items 3 and 4)
+    assert any(abs(b) > 0 for bias in biases.values() for b in bias), biases
+    # every bias entry is a whole number of updates of 0.01, at most one per iteration
+    for bias in biases.values():
+        assert all(abs(round(b / 0.01) * 0.01 - b) < 1e-6 and abs(b) <= ITERS * 0.01 + 1e-6 for b in bias), bias
+
+
+@pytest.mark.parametrize("flags,world_size,match", [
+    (["--num-experts", "3", "--expert-model-parallel-size", "2"], 2,
+     "--num-experts 3 is not divisible by --expert-model-parallel-size 2"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4"], 2,
+     "--expert-model-parallel-size 4 does not divide the data-parallel size 2"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5 is larger than --num-experts 4"),
+    (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size 2 needs experts"),
+    (["--num-experts", "4", "--mlp-type", "residual"], 1, "--moe-shared-expert-intermediate-size"),
+    (["--num-experts", "1", "8"], 1, "per-layer expert counts"),
+    (["--num-experts", "4", "--save", "{tmp}", "--save-interval", "5"], 1, "does not work yet with --save"),
+    (["--num-experts", "4", "--moe-layer-freq", "[0]*3+[1]*1"], 1, "gives 4 layers but --num-layers is 2"),
+])
+def test_bad_layouts_are_refused_before_launch(tiny_corpus, tmp_path, flags, world_size, match):
+    flags = [flag.replace("{tmp}", str(tmp_path / "checkpoints")) for flag in flags]
+    with pytest.raises(ValueError, match=re.escape(match)):
+        run_config_from_argv(tiny_argv(tiny_corpus, *flags), world_size=world_size)
+
+
+def test_megatron_deepspeed_spellings_map_onto_megatron_lm_flags(tiny_corpus):
+    rc = run_config_from_argv(tiny_argv(tiny_corpus, "--num-experts", "4", "--moe-expert-parallel-size", "2", "--topk",
+                                        "1", "--moe-loss-coeff", "0.1", "--moe-train-capacity-factor", "1.5",
+                                        "--moe-layer-freq", "([0]*1+[1]*1)"), world_size=2)
+    moe = rc.model.moe
+    assert (moe.num_experts, moe.router_topk, moe.aux_loss_coeff, moe.expert_capacity_factor) == (4, 1, 0.1, 1.5)
+    assert moe.layer_pattern == (False, True) and rc.parallel.expert_model_parallel_size == 2
