@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import OPTIMIZERS, OptimizerConfig
+from megatron.model.moe import is_expert_parallel
 from megatron.parallel.replicated import sync_tp_duplicated_parameters, tp_duplicated_parameters
 from megatron.parallel.state import group_size
 from megatron.parallel.utils import param_is_tensor_parallel
@@ -58,13 +59,21 @@ def _counted_once(param: torch.Tensor, tp_rank: int) -> bool:
     return tp_rank == 0 or param_is_tensor_parallel(param)
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], *, tp_rank: int, model_group) -> float:
-    """L2 norm of all gradients of the model replica (summed over its TP x PP ranks)."""
-    grads = [p.grad for p in params if p.grad is not None and _counted_once(p, tp_rank)]
-    if grads:
-        squares = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]).square().sum()
-    else:
-        squares = torch.zeros((), dtype=torch.float32)
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]).square().sum()
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], *, tp_rank: int, model_group, expert_group=None) -> float:
+    """L2 norm of all gradients of the model replica (summed over its TP x PP ranks, and for the MoE experts,
+    which each expert-parallel rank holds a share of, over ``expert_group`` too)."""
+    counted = [p for p in params if p.grad is not None and _counted_once(p, tp_rank)]
+    squares = _sum_of_squares([p.grad for p in counted if not is_expert_parallel(p)])
+    expert_squares = _sum_of_squares([p.grad for p in counted if is_expert_parallel(p)])
+    if expert_group is not None:
+        dist.all_reduce(expert_squares, group=expert_group)
+    squares = squares + expert_squares
     if model_group is not None:
         dist.all_reduce(squares, group=model_group)
     return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float("inf")
@@ -75,7 +84,8 @@ class GradNormClippingOptimizer(torch.optim.Optimizer):
     clips to ``clip_grad`` (0 disables), then steps. DeepSpeed reads ``_global_grad_norm`` and
     ``overflow`` after each step, so its skipped-step count and grad-norm report use ours."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, clip_grad: float, tp_rank: int, model_group):
+    def __init__(self, optimizer: torch.optim.Optimizer, *, clip_grad: float, tp_rank: int, model_group,
+                 expert_group=None):
         # DeepSpeed accepts a client optimizer only if it is a torch.optim.Optimizer, so this is one,
         # initialized properly; then it shares the wrapped optimizer's groups, state and defaults (the
         # same objects), so DeepSpeed and the learning-rate schedule act on the real ones.
@@ -87,6 +97,7 @@ class GradNormClippingOptimizer(torch.optim.Optimizer):
         self.clip_grad = clip_grad
         self.tp_rank = tp_rank
         self.model_group = model_group
+        self.expert_group = expert_group
         self._global_grad_norm: Optional[float] = None
         self.overflow = False
 
@@ -110,7 +121,8 @@ class GradNormClippingOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         params = self._params()
-        norm = global_grad_norm(params, tp_rank=self.tp_rank, model_group=self.model_group)
+        norm = global_grad_norm(params, tp_rank=self.tp_rank, model_group=self.model_group,
+                                expert_group=self.expert_group)
         self._global_grad_norm = norm
         self.overflow = not math.isfinite(norm)
         if self.overflow:

@@ -9,6 +9,7 @@ import pytest
 from megatron.arguments import run_config_from_argv
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.moe import MOE_FLAGS, train_moe
+from tests.helpers.training import assert_same_run, layout
 
 ITERS = 10
 
@@ -60,3 +61,21 @@ def test_megatron_deepspeed_spellings_map_onto_megatron_lm_flags(tiny_corpus):
     moe = rc.model.moe
     assert (moe.num_experts, moe.router_topk, moe.aux_loss_coeff, moe.expert_capacity_factor) == (4, 1, 0.1, 1.5)
     assert moe.layer_pattern == (False, True) and rc.parallel.expert_model_parallel_size == 2
+
+
+def assert_same_moe_run(reference, run, label):
+    assert_same_run(reference, run, label)
+    assert run["expert_bias"].keys() == reference["expert_bias"].keys() or run["expert_bias"], label
+    for name, bias in run["expert_bias"].items():
+        assert bias == pytest.approx(reference["expert_bias"][name], abs=1e-6), f"{label}: {name} bias"
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_trains_as_one_process(moe_argv, reference_run):
+    """EP = 2 over DP = 2: each rank holds 2 of the 4 experts, tokens go by all-to-all, expert gradients are
+    averaged over the expert-data-parallel group (one rank here) and the grad norm sums both ranks' experts."""
+    results = run_distributed(train_moe, world_size=2, args=([layout(moe_argv, "--expert-model-parallel-size", 2)],),
+                              timeout=600)
+    for rank, (run,) in enumerate(results):
+        assert_same_moe_run(reference_run, run, f"rank {rank} of EP=2")
+        assert run["expert_numel"] * 2 == reference_run["expert_numel"], f"rank {rank}"
