@@ -3,7 +3,7 @@ expert-data-parallel group only.
 
 Every data-parallel rank holds the dense parameters, but an expert-parallel rank holds only its share of each
 MoE layer's experts (``megatron.model.moe.experts``): averaging an expert's gradient over the whole
-data-parallel group would mix different experts. DeepSpeed 0.19.8's engine (``buffered_allreduce_fallback``,
+data-parallel group would mix different experts. DeepSpeed's engine (the pinned version's ``buffered_allreduce_fallback``,
 what its pipeline engine runs at ZeRO-0) already separates such parameters: one marked ``allreduce = False``
 with a ``group_name`` is summed over ``deepspeed.utils.groups._get_expert_data_parallel_group(group_name)`` and
 divided by the data-parallel size, once ``engine.has_moe_layers`` is set; DeepSpeed sets that only for its own
