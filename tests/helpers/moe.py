@@ -1,6 +1,8 @@
 """Mixture-of-experts training runs for the end-to-end tests.
 
     MOE_FLAGS                     the MoE flags the training tests share (4 experts, top-2, aux loss, expert bias)
+    VARIANT_FLAGS                 added to them: SwiGLU, sigmoid group-limited routing, a shared expert, capacity
+                                  dropping, a dense first layer
     train_moe(rank, world_size, runs)  a run_distributed target: ``train``'s record of each run, plus every
                                   router's expert bias and how many expert parameters this rank holds
 """
@@ -10,6 +12,11 @@ from tests.helpers.training import record_run
 MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
              "--moe-z-loss-coeff", "0.001", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
              "--moe-ffn-hidden-size", "64"]
+
+VARIANT_FLAGS = ["--swiglu", "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2",
+                 "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.0",
+                 "--moe-shared-expert-intermediate-size", "32", "--moe-expert-capacity-factor", "1.0",
+                 "--moe-token-drop-policy", "position", "--moe-layer-freq", "[0,1]"]
 
 
 def train_moe(rank, world_size, runs):

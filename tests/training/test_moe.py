@@ -8,7 +8,7 @@ import pytest
 
 from megatron.arguments import run_config_from_argv
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.moe import MOE_FLAGS, train_moe
+from tests.helpers.moe import MOE_FLAGS, VARIANT_FLAGS, train_moe
 from tests.helpers.training import assert_same_run, layout
 
 ITERS = 10
@@ -20,9 +20,14 @@ def moe_argv(tiny_corpus):
 
 
 @pytest.fixture(scope="module")
-def reference_run(moe_argv):
-    (result,) = run_distributed(train_moe, world_size=1, args=([moe_argv],))[0]
-    return result
+def reference_runs(moe_argv):
+    """One process: the plain MoE run and the variant (one launch)."""
+    return run_distributed(train_moe, world_size=1, args=([moe_argv, moe_argv + VARIANT_FLAGS],))[0]
+
+
+@pytest.fixture(scope="module")
+def reference_run(reference_runs):
+    return reference_runs[0]
 
 
 def test_one_process_learns_and_moves_the_expert_bias(reference_run):
@@ -71,14 +76,19 @@ def assert_same_moe_run(reference, run, label):
 
 
 @pytest.mark.multiprocess
-def test_expert_parallel_trains_as_one_process(moe_argv, reference_run):
+def test_expert_parallel_trains_as_one_process(moe_argv, reference_runs):
     """EP = 2 over DP = 2: each rank holds 2 of the 4 experts, tokens go by all-to-all, expert gradients are
-    averaged over the expert-data-parallel group (one rank here) and the grad norm sums both ranks' experts."""
-    results = run_distributed(train_moe, world_size=2, args=([layout(moe_argv, "--expert-model-parallel-size", 2)],),
-                              timeout=600)
-    for rank, (run,) in enumerate(results):
-        assert_same_moe_run(reference_run, run, f"rank {rank} of EP=2")
-        assert run["expert_numel"] * 2 == reference_run["expert_numel"], f"rank {rank}"
+    averaged over the expert-data-parallel group (one rank here) and the grad norm sums both ranks' experts.
+    Then the variant: SwiGLU experts, sigmoid group-limited routing, a shared expert, capacity dropping."""
+    runs = [layout(moe_argv, "--expert-model-parallel-size", 2), layout(moe_argv + VARIANT_FLAGS,
+                                                                         "--expert-model-parallel-size", 2)]
+    results = run_distributed(train_moe, world_size=2, args=(runs,), timeout=600)
+    reference, variant = reference_runs
+    assert sorted(variant["expert_bias"]) == ["4.mlp"], "--moe-layer-freq [0,1]: layer 0 stays dense"
+    for rank, (run, variant_run) in enumerate(results):
+        assert_same_moe_run(reference, run, f"rank {rank} of EP=2")
+        assert_same_moe_run(variant, variant_run, f"rank {rank} of EP=2, variant")
+        assert run["expert_numel"] * 2 == reference["expert_numel"], f"rank {rank}"
 
 
 @pytest.mark.multiprocess
