@@ -139,9 +139,6 @@ def check_moe_run(rc) -> None:
                    (rc.model.sequence_parallel, "--sequence-parallel"),
                    (rc.parallel.ds_sequence_parallel_size > 1, "--ds-sequence-parallel-size > 1"),
                    (rc.precision.zero_stage > 1, "--zero-stage 2 or 3"), (rc.training.torch_compile, "--torch-compile")]
-    if ep > 1:
-        unsupported += [(rc.bf16 or rc.fp16, "--bf16 / --fp16 with --expert-model-parallel-size > 1"),
-                        (rc.precision.zero_stage > 0, "--zero-stage 1 with --expert-model-parallel-size > 1")]
     named = [name for given, name in unsupported if given]
     if named:
         raise ValueError(f"MoE (--num-experts {moe.num_experts}) does not work yet with {', '.join(named)}; drop "

@@ -27,16 +27,25 @@ from megatron.parallel.utils import param_is_tensor_parallel
 
 
 def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: decayed weight matrices, and undecayed biases / norm weights (all 1-D params)."""
-    decay, no_decay = [], []
+    """Two groups: decayed weight matrices, and undecayed biases / norm weights (all 1-D params). With expert
+    parallelism, the experts' parameters (marked by ``megatron.engine.expert_parallel``) form two more, which
+    DeepSpeed reduces and shards over their expert-data-parallel group: ``moe = True``, named by that group."""
+    decay, no_decay, expert_decay, expert_no_decay = [], [], [], []
     for name, param in module.named_parameters():
         if not param.requires_grad:
             continue
         # ZeRO-3 holds a partitioned parameter as an empty 1-D placeholder: its own shape is ds_shape
         ndim = len(getattr(param, "ds_shape", param.shape))
-        (no_decay if ndim == 1 or name.endswith(".bias") else decay).append(param)
+        no_decay_param = ndim == 1 or name.endswith("bias")  # the experts' biases are [El, n]: "experts.fc1_bias"
+        if getattr(param, "allreduce", True) is False:  # deepspeed.moe.utils.is_moe_param
+            (expert_no_decay if no_decay_param else expert_decay).append(param)
+        else:
+            (no_decay if no_decay_param else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    for params, decayed in ((expert_decay, weight_decay), (expert_no_decay, 0.0)):
+        if params:
+            groups.append({"params": params, "weight_decay": decayed, "name": params[0].group_name, "moe": True})
     return [g for g in groups if g["params"]]
 
 

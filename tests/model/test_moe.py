@@ -141,12 +141,12 @@ def reference_layer(layer: MoELayer, x: torch.Tensor, swiglu: bool, keep=None):
             if keep is not None and not keep[t][j]:
                 continue
             e_w1, e_w2 = layer.experts.w1[e], layer.experts.w2[e]
-            hidden = e_w1 @ tokens[t] + (layer.experts.b1[e] if layer.experts.b1 is not None else 0)
+            hidden = e_w1 @ tokens[t] + (layer.experts.fc1_bias[e] if layer.experts.fc1_bias is not None else 0)
             if swiglu:
                 hidden = torch.nn.functional.silu(hidden[0::2]) * hidden[1::2]
             else:
                 hidden = torch.nn.functional.gelu(hidden, approximate="tanh")
-            y = e_w2 @ hidden + (layer.experts.b2[e] if layer.experts.b2 is not None else 0)
+            y = e_w2 @ hidden + (layer.experts.fc2_bias[e] if layer.experts.fc2_bias is not None else 0)
             acc = acc + w[j] * y
         out.append(acc)
     out = torch.stack(out).view_as(x)

@@ -1,6 +1,7 @@
 """Mixture-of-experts training end to end: one process learns with the aux loss on and the expert bias moving;
-expert parallelism (EP = 2, carved from DP = 2) trains exactly as one process does (fp32, dropless, within 1e-5
-over 10 iterations); bad layouts and what MoE does not support yet are refused before any process starts."""
+expert parallelism (EP = 2, carved from DP) trains exactly as one process does (fp32, within 1e-5 over 10
+iterations), alone, with TP = 2, with PP = 2, with ZeRO-1, and in bf16 (BF16_Optimizer) close to it; bad layouts
+and what MoE does not support yet are refused before any process starts."""
 
 import re
 
@@ -92,12 +93,25 @@ def test_expert_parallel_trains_as_one_process(moe_argv, reference_runs):
 
 
 @pytest.mark.multiprocess
-def test_expert_parallel_composes_with_tensor_and_pipeline_parallelism(moe_argv, reference_run):
-    """One 4-process launch: EP = 2 x TP = 2 (DP = 2), then EP = 2 x PP = 2 (DP = 2)."""
-    runs = [layout(moe_argv, "--expert-model-parallel-size", 2, tp=2), layout(moe_argv, "--expert-model-parallel-size",
-                                                                               2, pp=2)]
+def test_expert_parallel_composes_with_tp_pp_zero1_and_bf16(moe_argv, reference_run):
+    """One 4-process launch: EP = 2 x TP = 2 (DP = 2), EP = 2 x PP = 2 (DP = 2), EP = 2 with ZeRO-1 over DP = 4
+    (fp32: DeepSpeedZeroOptimizer), and the BLOOM path (bf16, BF16_Optimizer) at EP = 2 over DP = 4, whose fp32
+    master weights are sharded over DP = 4 for the dense parameters and over the expert-data-parallel group
+    (2 ranks) for the experts."""
+    ep = ["--expert-model-parallel-size", 2]
+    runs = [layout(moe_argv, *ep, tp=2), layout(moe_argv, *ep, pp=2), layout(moe_argv, *ep, "--zero-stage", 1),
+            layout(moe_argv, *ep, "--bf16")]
     results = run_distributed(train_moe, world_size=4, args=(runs,), timeout=600)
-    for rank, (tp_run, pp_run) in enumerate(results):
+    for rank, (tp_run, pp_run, zero_run, bf16_run) in enumerate(results):
         assert_same_moe_run(reference_run, tp_run, f"rank {rank} of EP=2 x TP=2")
         assert_same_moe_run(reference_run, pp_run, f"rank {rank} of EP=2 x PP=2")
+        assert_same_moe_run(reference_run, zero_run, f"rank {rank} of EP=2, ZeRO-1, DP=4")
         assert tp_run["expert_numel"] < reference_run["expert_numel"] / 2, f"rank {rank}: TP splits the experts too"
+        assert zero_run["optimizer"] == "DeepSpeedZeroOptimizer" and bf16_run["optimizer"] == "BF16_Optimizer"
+        assert [name for name, _ in bf16_run["groups"]] == ["decay", "no_decay"] + ["megatron_ep_size_2"] * 2
+        experts, dense = bf16_run["expert_numel"], bf16_run["held_numel"] - bf16_run["expert_numel"]
+        assert experts * 2 == reference_run["expert_numel"], f"rank {rank}"
+        # each rank's fp32 masters: a quarter of the dense parameters, half of its experts (up to alignment padding)
+        assert abs(bf16_run["master_numel"] - (dense / 4 + experts / 2)) <= 16, f"rank {rank}: {bf16_run['master_numel']}"
+        for i, (a, b) in enumerate(zip(reference_run["losses"], bf16_run["losses"])):
+            assert abs(a - b) <= 1e-3 * a, f"rank {rank}: bf16 iteration {i + 1} loss {b} vs fp32 {a}"

@@ -80,7 +80,7 @@ class GroupedExperts(nn.Module):
         hidden_size, ffn_size: h and f.
         expert_ids: the global indices of the experts this rank holds.
         swiglu: SwiGLU experts (else GeLU, tanh approximation).
-        bias: biases b1, b2 per expert.
+        bias: biases (fc1_bias, fc2_bias) per expert.
         w1_init, w2_init: ``f(expert_id) -> init_method`` filling a full fp32 [o, i] weight.
         tp_group: the tensor-parallel group (None: one rank).
     """
@@ -92,14 +92,14 @@ class GroupedExperts(nn.Module):
         width = 2 * ffn_size if swiglu else ffn_size
         self.w1 = _stacked((width, hidden_size), 0, tp_group, [w1_init(e) for e in expert_ids])  # [El, fp, h]
         self.w2 = _stacked((hidden_size, ffn_size), 1, tp_group, [w2_init(e) for e in expert_ids])  # [El, h, fp]
-        self.b1 = _bias(len(expert_ids), width // group_size(tp_group), True) if bias else None
-        self.b2 = _bias(len(expert_ids), hidden_size, False) if bias else None
+        self.fc1_bias = _bias(len(expert_ids), width // group_size(tp_group), True) if bias else None
+        self.fc2_bias = _bias(len(expert_ids), hidden_size, False) if bias else None
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """x [El, C, h] -> partial output [El, C, h] (this TP rank's share of f)."""
         hidden = torch.bmm(x, self.w1.transpose(1, 2))  # [El, C, fp] (swiglu: [El, C, 2 fp])
-        if self.b1 is not None:
-            hidden = hidden + self.b1[:, None, :]
+        if self.fc1_bias is not None:
+            hidden = hidden + self.fc1_bias[:, None, :]
         if self.swiglu:
             gate, up = hidden.unflatten(-1, (-1, 2)).unbind(-1)  # 2 x [El, C, fp]
             hidden = F.silu(gate) * up
@@ -118,6 +118,6 @@ class GroupedExperts(nn.Module):
             grid = grid.index_put((expert, slot), rows)
             out = self._mlp(grid)[expert, slot]  # [M, h]
         out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
-        if self.b2 is not None:
-            out = out + self.b2[torch.repeat_interleave(torch.arange(counts.numel(), device=out.device), counts)]
+        if self.fc2_bias is not None:
+            out = out + self.fc2_bias[torch.repeat_interleave(torch.arange(counts.numel(), device=out.device), counts)]
         return out
