@@ -22,8 +22,9 @@ def moe_argv(tiny_corpus):
 
 @pytest.fixture(scope="module")
 def reference_runs(moe_argv):
-    """One process: the plain MoE run and the variant (one launch)."""
-    return run_distributed(train_moe, world_size=1, args=([moe_argv, moe_argv + VARIANT_FLAGS],))[0]
+    """One process: the plain MoE run, the variant, the plain run with recomputed activations (one launch)."""
+    runs = [moe_argv, moe_argv + VARIANT_FLAGS, moe_argv + ["--checkpoint-activations"]]
+    return run_distributed(train_moe, world_size=1, args=(runs,))[0]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,14 @@ def test_one_process_learns_and_moves_the_expert_bias(reference_run):
     # every bias entry is a whole number of updates of 0.01, at most one per iteration
     for bias in biases.values():
         assert all(abs(round(b / 0.01) * 0.01 - b) < 1e-6 and abs(b) <= ITERS * 0.01 + 1e-6 for b in bias), bias
+
+
+def test_recomputed_activations_train_the_same(reference_runs):
+    """The recomputed forward routes as the first did; it counts the choices twice, which leaves the sign of each
+    expert's deviation from the mean load, hence the bias, unchanged."""
+    reference, _, recomputed = reference_runs
+    assert_same_run(reference, recomputed, "--checkpoint-activations", rel_loss=1e-6, rel_norm=1e-6)
+    assert recomputed["expert_bias"] == reference["expert_bias"]
 
 
 @pytest.mark.parametrize("flags,world_size,match", [
