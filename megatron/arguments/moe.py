@@ -10,6 +10,15 @@ from megatron.config.moe import SCORE_FUNCTIONS, TOKEN_DROP_POLICIES, MoEConfig,
 
 __all__ = ["add_moe_arguments", "resolve_moe"]
 
+# Megatron-DeepSpeed's MoE flags with no equivalent here -> what to use instead.
+REFUSED = {
+    "--moe-eval-capacity-factor": "evaluation routes with the training capacity (--moe-expert-capacity-factor)",
+    "--moe-min-capacity": "the capacity is ceil(tokens x topk / experts x --moe-expert-capacity-factor), no minimum",
+    "--expert-interval": "choose the MoE layers with --moe-layer-freq (an interval or a 0/1 pattern)",
+    "--use-tutel": "Tutel's kernels are not used; the experts run as batched matmuls",
+    "--moe-top2-2nd-expert-sampling": "the second expert is the second-best by score, never sampled",
+}
+
 
 def add_moe_arguments(parser) -> None:
     g = parser.add_argument_group("mixture of experts")
@@ -60,6 +69,13 @@ def add_moe_arguments(parser) -> None:
     g.add_argument("--mlp-type", default="standard", choices=("standard", "residual"),
                    help="Megatron-DeepSpeed's PR-MoE 'residual' is not supported (use "
                         "--moe-shared-expert-intermediate-size for an always-on dense MLP beside the experts).")
+    g.add_argument("--disable-moe-token-dropping", action="store_true",
+                   help="Megatron-DeepSpeed's flag for dropless routing, the default here (no capacity factor).")
+    g.add_argument("--create-moe-param-group", action="store_true",
+                   help="Accepted for Megatron-DeepSpeed compatibility: with expert parallelism the experts always "
+                        "have optimizer groups of their own.")
+    for flag in REFUSED:
+        g.add_argument(flag, default=None, help=f"Megatron-DeepSpeed's; refused here: {REFUSED[flag]}.")
 
 
 def resolve_moe(args) -> None:
@@ -69,6 +85,12 @@ def resolve_moe(args) -> None:
         raise ValueError("--mlp-type residual (Megatron-DeepSpeed's PR-MoE: a dense MLP mixed with the experts by a "
                          "learned coefficient) is not supported; use --moe-shared-expert-intermediate-size for a "
                          "dense shared expert added to the routed ones")
+    given = [flag for flag in REFUSED if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if given:
+        raise ValueError("; ".join(f"{flag} is not supported: {REFUSED[flag]}" for flag in given))
+    if args.disable_moe_token_dropping and args.moe_expert_capacity_factor is not None:
+        raise ValueError(f"--disable-moe-token-dropping contradicts --moe-expert-capacity-factor "
+                         f"{args.moe_expert_capacity_factor} (--moe-train-capacity-factor); drop one")
     counts = args.num_experts
     if counts is not None and len(counts) > 1:
         raise ValueError(f"--num-experts {' '.join(map(str, counts))}: per-layer expert counts (Megatron-DeepSpeed's "

@@ -60,6 +60,10 @@ def test_recomputed_activations_train_the_same(reference_runs):
     (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size 2 needs experts"),
     (["--num-experts", "4", "--mlp-type", "residual"], 1, "--moe-shared-expert-intermediate-size"),
     (["--num-experts", "1", "8"], 1, "per-layer expert counts"),
+    (["--num-experts", "4", "--expert-interval", "2"], 1, "--expert-interval is not supported: choose the MoE layers "
+                                                          "with --moe-layer-freq"),
+    (["--num-experts", "4", "--disable-moe-token-dropping", "--moe-train-capacity-factor", "1"], 1,
+     "--disable-moe-token-dropping contradicts --moe-expert-capacity-factor 1.0"),
     (["--num-experts", "4", "--save", "{tmp}", "--save-interval", "5"], 1, "does not work yet with --save"),
     (["--num-experts", "4", "--moe-layer-freq", "[0]*3+[1]*1"], 1, "gives 4 layers but --num-layers is 2"),
 ])
