@@ -138,8 +138,10 @@ def check_moe_run(rc) -> None:
     unsupported = [(rc.checkpoint.save, "--save"), (rc.checkpoint.load, "--load"),
                    (rc.model.sequence_parallel, "--sequence-parallel"),
                    (rc.parallel.ds_sequence_parallel_size > 1, "--ds-sequence-parallel-size > 1"),
-                   (rc.precision.zero_stage > 1, "--zero-stage 2 or 3"), (rc.training.torch_compile, "--torch-compile")]
+                   (rc.precision.zero_stage > 1, "--zero-stage 2 or 3"), (rc.training.torch_compile, "--torch-compile"),
+                   (rc.fp16, "--fp16 (use --bf16)")]
     named = [name for given, name in unsupported if given]
     if named:
-        raise ValueError(f"MoE (--num-experts {moe.num_experts}) does not work yet with {', '.join(named)}; drop "
-                         f"{'it' if len(named) == 1 else 'them'} (checkpoints of MoE models come in a later change)")
+        raise ValueError(f"MoE (--num-experts {moe.num_experts}) does not work yet with {', '.join(named)} (not "
+                         f"implemented for MoE models: refused rather than run or written wrongly); drop "
+                         f"{'it' if len(named) == 1 else 'them'}, or train a dense model")
