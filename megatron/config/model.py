@@ -124,10 +124,24 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def mlp_flops_width(self) -> float:
+        """The dense MLP width with the same matmul cost per token, averaged over the layers: f for a dense layer;
+        for an MoE layer k x the expert width + the shared expert's + the router's E / m (m = 3 matrices with
+        SwiGLU, else 2), what Megatron-LM counts (dropped tokens are not subtracted)."""
+        moe = self.moe
+        if moe is None:
+            return self.ffn_size
+        moe_width = (moe.router_topk * self.expert_ffn_size + (moe.shared_expert_intermediate_size or 0)
+                     + moe.num_experts / (3 if self.swiglu else 2))
+        num_moe = sum(moe.layer_pattern)
+        return ((self.num_layers - num_moe) * self.ffn_size + num_moe * moe_width) / self.num_layers
+
     def flops_per_iteration(self, global_batch_size: int, recompute: bool) -> float:
-        """``megatron_flops`` of this model (``padded_vocab_size`` rows) for one global batch."""
+        """``megatron_flops`` of this model (``padded_vocab_size`` rows) for one global batch (an MoE model's
+        MLPs counted by ``mlp_flops_width``)."""
         return megatron_flops(self.num_layers, self.hidden_size, self.padded_vocab_size, self.seq_length,
-                              global_batch_size, recompute, ffn_hidden_size=self.ffn_size,
+                              global_batch_size, recompute, ffn_hidden_size=self.mlp_flops_width,
                               kv_hidden_size=self.num_kv_heads * self.head_dim, swiglu=self.swiglu)
 
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":

@@ -246,3 +246,12 @@ def test_bad_moe_settings_are_refused(overrides, match):
 def test_expert_width_must_split_over_tensor_parallel_ranks():
     with pytest.raises(ValueError, match="--moe-ffn-hidden-size 30 is not divisible by --tensor-model-parallel-size 4"):
         tiny_config(moe=moe_config(ffn_hidden_size=30)).validate(4)
+
+
+def test_flops_count_the_routed_experts_and_the_router():
+    """An all-MoE model (top-2 of 8 GeLU experts of width 48) costs per token what a dense model of MLP width
+    2 x 48 + 8 / 2 (the router's E x h matrix over 2 matrices) costs; a half-MoE model the mean of the two."""
+    moe = tiny_config(moe=moe_config(ffn_hidden_size=48), ffn_hidden_size=256)
+    assert moe.flops_per_iteration(8, False) == tiny_config(ffn_hidden_size=100).flops_per_iteration(8, False)
+    half = tiny_config(moe=moe_config(ffn_hidden_size=48, layer_pattern=(False, True)), ffn_hidden_size=256)
+    assert half.mlp_flops_width == (256 + 100) / 2
