@@ -97,7 +97,7 @@ def test_expert_parallel_trains_as_one_process(moe_argv, reference_runs):
     runs = [layout(moe_argv, "--expert-model-parallel-size", 2), layout(moe_argv + VARIANT_FLAGS,
                                                                          "--expert-model-parallel-size", 2)]
     results = run_distributed(train_moe, world_size=2, args=(runs,), timeout=600)
-    reference, variant = reference_runs
+    reference, variant, _ = reference_runs
     assert sorted(variant["expert_bias"]) == ["4.mlp"], "--moe-layer-freq [0,1]: layer 0 stays dense"
     for rank, (run, variant_run) in enumerate(results):
         assert_same_moe_run(reference, run, f"rank {rank} of EP=2")
