@@ -77,7 +77,7 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
     use_safe_loading(engine)  # --load never unpickles code (megatron.engine.deepspeed_compat)
-    check_expert_parallel_engine(engine, experts)
+    check_expert_parallel_engine(engine, experts, state)
     return engine
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import OPTIMIZERS, OptimizerConfig
+from megatron.engine.deepspeed_compat import is_moe_parameter
 from megatron.model.moe import is_expert_parallel
 from megatron.parallel.replicated import sync_tp_duplicated_parameters, tp_duplicated_parameters
 from megatron.parallel.state import group_size
@@ -37,7 +38,7 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
         # ZeRO-3 holds a partitioned parameter as an empty 1-D placeholder: its own shape is ds_shape
         ndim = len(getattr(param, "ds_shape", param.shape))
         no_decay_param = ndim == 1 or name.endswith("bias")  # the experts' biases are [El, n]: "experts.fc1_bias"
-        if getattr(param, "allreduce", True) is False:  # deepspeed.moe.utils.is_moe_param
+        if is_moe_parameter(param):
             (expert_no_decay if no_decay_param else expert_decay).append(param)
         else:
             (no_decay if no_decay_param else decay).append(param)
