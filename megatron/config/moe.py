@@ -135,7 +135,7 @@ def check_moe_run(rc) -> None:
         raise ValueError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} (world / "
                          f"(TP x PP)): expert parallelism is carved from the data-parallel ranks; use a divisor of "
                          f"{dp} or more processes")
-    unsupported = [(rc.checkpoint.save, "--save"), (rc.checkpoint.load, "--load"),
+    unsupported = [(rc.checkpoint.universal_checkpoint, "--universal-checkpoint"),
                    (rc.model.sequence_parallel, "--sequence-parallel"),
                    (rc.parallel.ds_sequence_parallel_size > 1, "--ds-sequence-parallel-size > 1"),
                    (rc.precision.zero_stage > 1, "--zero-stage 2 or 3"), (rc.training.torch_compile, "--torch-compile"),

@@ -44,6 +44,10 @@ they differ (an upgrade then fails at the first workaround it reaches, not silen
                               size is > 1, and counts every expert          a TP-duplicated expert gradient from the
                               parameter on every TP rank (a TP-duplicated   norm on TP ranks > 0
                               expert bias twice at TP = 2)
+    moe_checkpoint            with ``has_moe_layers`` it saves and loads    ``plain_checkpoint_files``: its regular files
+                              its own MoE's per-expert files (found by      while it saves and loads; our experts go to
+                              module type), which our marker holds none of  files of their own (``megatron.engine.
+                                                                            expert_parallel``)
 
 Models of DeepSpeed's behaviour outside this package, which cannot import it, re-measured against the real
 thing by their tests rather than checked here: the planner's ZeRO communication counts and defaults
@@ -74,7 +78,7 @@ __all__ = ["PINNED_VERSION", "WORKAROUNDS", "require", "installed_version", "che
            "silence_renamed_collectives", "check_bf16_stage_0", "check_zero3_ulysses", "DEEPSPEED_GLOBALS",
            "SafeTorchCheckpointEngine", "use_safe_loading", "avoid_cpu_jit_builds",
            "ExpertParallelMarker", "moe_marker", "register_expert_groups", "mark_moe_parameter", "is_moe_parameter",
-           "check_moe_engine", "count_expert_grads_once"]
+           "check_moe_engine", "count_expert_grads_once", "plain_checkpoint_files"]
 
 PINNED_VERSION = "0.19.8"
 
@@ -102,6 +106,8 @@ WORKAROUNDS = {
     "expert_tp_grad_norm": "groups.expert_tensor_parallel_world_size in get_global_norm_of_tensors and "
                            "BF16_Optimizer.get_grads_for_norm's expert filter (tests/training/test_moe.py compares "
                            "the bf16 grad norm at EP = 2 x TP = 2 with one process's)",
+    "moe_checkpoint": "how save_checkpoint / _load_checkpoint branch on has_moe_layers (the MoE path wants "
+                      "deepspeed.moe.layer.MoE's experts) (tests/training/test_moe.py resumes EP runs)",
     "zero3_ulysses_average": "the divisor of ZeRO-3's reduce-scatter with sequence parallelism "
                              "(tests/training/test_ulysses.py compares grad norms with a single process)",
 }
@@ -338,3 +344,16 @@ def count_expert_grads_once(optimizer, tp_rank: int) -> None:
         return dense, {name: [g for g in grads if id(g) not in duplicated] for name, grads in experts.items()}
 
     optimizer.get_grads_for_norm = get_grads_for_norm
+
+
+@contextlib.contextmanager
+def plain_checkpoint_files(engine) -> Iterator[None]:
+    """Within: ``engine`` (with our MoE marker) saves and loads its regular files, as without MoE; the caller
+    saves and loads the experts itself."""
+    require("moe_checkpoint")
+    had_moe = engine.has_moe_layers
+    engine.has_moe_layers = False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = had_moe

@@ -13,12 +13,20 @@ grad norm is summed over its expert-parallel group; the optimizer wants such par
 
 Here we mark our expert parameters and register our groups under their name. The data-parallel size is the
 right divisor: each expert saw the tokens of all dp ranks' micro-batches, through the all-to-all.
+
+Checkpoints: DeepSpeed's regular files (layer files, ZeRO shards) are written as without MoE, the layer files by
+data-parallel rank 0 only, so they hold EP rank 0's experts. Each EP rank's experts (and, without ZeRO, their
+optimizer state, which DeepSpeed also keeps from data-parallel rank 0 only) go to ``EXPERT_FILE`` beside them,
+one per (EP, TP, PP) coordinate, and are loaded back after DeepSpeed's load (``attach_expert_checkpoints``).
+Under ZeRO-1 / BF16_Optimizer the optimizer shards are per data-parallel rank, experts included.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -28,12 +36,16 @@ from megatron.engine.deepspeed_compat import (
     count_expert_grads_once,
     mark_moe_parameter,
     moe_marker,
+    plain_checkpoint_files,
     register_expert_groups,
 )
 from megatron.model.moe import is_expert_parallel
 from megatron.parallel.state import ParallelState
 
-__all__ = ["expert_group_name", "mark_expert_parameters", "check_expert_parallel_engine"]
+__all__ = ["expert_group_name", "mark_expert_parameters", "check_expert_parallel_engine", "EXPERT_FILE",
+           "attach_expert_checkpoints"]
+
+EXPERT_FILE = "expert_states_ep_{ep:02d}_tp_{tp:02d}_pp_{pp:02d}.pt"
 
 
 def _expert_data_group(state: ParallelState):
@@ -72,7 +84,69 @@ def mark_expert_parameters(module: nn.Module, config: ModelConfig, state: Parall
 
 def check_expert_parallel_engine(engine, name: Optional[str], state: ParallelState) -> None:
     """After ``deepspeed.initialize``: the engine saw the marker and holds our groups (RuntimeError if not); its
-    grad norm counts each TP-duplicated expert parameter once."""
+    grad norm counts each TP-duplicated expert parameter once; its checkpoints hold every EP rank's experts."""
     if name is not None:
         check_moe_engine(engine, name)
         count_expert_grads_once(engine.optimizer, state.tp_rank)
+        attach_expert_checkpoints(engine, state)
+
+
+def _expert_file(tag_dir: str, state: ParallelState) -> str:
+    return os.path.join(tag_dir, EXPERT_FILE.format(ep=state.ep_rank, tp=state.tp_rank, pp=state.pp_rank))
+
+
+def _experts(engine) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in engine.module.named_parameters() if is_expert_parallel(p)]
+
+
+def _optimizer_state(engine):
+    """The torch optimizer's per-parameter state where DeepSpeed keeps it whole (no ZeRO), else None."""
+    if engine.zero_optimization():
+        return None
+    return getattr(engine.optimizer, "optimizer", engine.optimizer).state
+
+
+def save_expert_states(engine, tag_dir: str, state: ParallelState) -> None:
+    """Write this rank's experts (and without ZeRO their optimizer state) to its ``EXPERT_FILE``: one writer per
+    expert-data-parallel group (its rank 0)."""
+    if state.dp_rank // state.ep_size:
+        return
+    experts = _experts(engine)
+    record = {"params": {name: p.detach().clone() for name, p in experts}}
+    optimizer_state = _optimizer_state(engine)
+    if optimizer_state is not None:
+        record["optimizer"] = {name: optimizer_state[p] for name, p in experts if p in optimizer_state}
+    torch.save(record, _expert_file(tag_dir, state))
+
+
+@torch.no_grad()
+def load_expert_states(engine, tag_dir: str, state: ParallelState, load_optimizer_states: bool) -> None:
+    """Overwrite this rank's experts (which DeepSpeed loaded from EP rank 0's layer files) from its
+    ``EXPERT_FILE``; their optimizer state too where DeepSpeed keeps it whole."""
+    record = torch.load(_expert_file(tag_dir, state), map_location="cpu", weights_only=True)
+    optimizer_state = _optimizer_state(engine) if load_optimizer_states else None
+    for name, param in _experts(engine):
+        param.copy_(record["params"][name])
+        if optimizer_state is not None and name in record.get("optimizer", {}):
+            optimizer_state[param] = record["optimizer"][name]
+
+
+def attach_expert_checkpoints(engine, state: ParallelState) -> None:
+    """Make ``engine.save_checkpoint`` / ``load_checkpoint`` write and read DeepSpeed's regular files plus our
+    expert files (see the module docstring); called for EP > 1 only."""
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    def save_checkpoint(save_dir, tag=None, **kwargs):
+        with plain_checkpoint_files(engine):
+            written = save(save_dir, tag=tag, **kwargs)
+        save_expert_states(engine, os.path.join(save_dir, str(tag)), state)
+        return written
+
+    def load_checkpoint(load_dir, tag=None, load_optimizer_states=True, **kwargs):
+        with plain_checkpoint_files(engine):
+            path, client_state = load(load_dir, tag=tag, load_optimizer_states=load_optimizer_states, **kwargs)
+        if path is not None:
+            load_expert_states(engine, os.path.join(load_dir, str(tag)), state, load_optimizer_states)
+        return path, client_state
+
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint

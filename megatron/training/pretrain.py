@@ -76,9 +76,11 @@ def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> d
     """Saved by DeepSpeed with the weights (in mp_rank_XX_model_states.pt): what a resume restores, and
     Megatron's own top-level keys ('args', 'checkpoint_version'; 'iteration' is added by the writer)."""
     counters = dataclasses.asdict(progress)
-    return {"progress": counters, "lr_scheduler": lr_scheduler.state_dict(), "rng": training_io.rng_state(tracker),
-            UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(rc.model, rc.deepspeed_engine),
-            "args": run_state.megatron_args(rc, counters), "checkpoint_version": run_state.MEGATRON_CHECKPOINT_VERSION}
+    state = {"progress": counters, "lr_scheduler": lr_scheduler.state_dict(), "rng": training_io.rng_state(tracker),
+             "args": run_state.megatron_args(rc, counters), "checkpoint_version": run_state.MEGATRON_CHECKPOINT_VERSION}
+    if rc.model.moe is None:  # MoE checkpoints do not convert to universal ones yet (ds_to_universal refuses them)
+        state[UNIVERSAL_CHECKPOINT_INFO] = universal_checkpoint_info(rc.model, rc.deepspeed_engine)
+    return state
 
 
 def pretrain(rc: RunConfig) -> PretrainResult:
