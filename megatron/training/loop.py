@@ -58,9 +58,12 @@ class Trainer:
     def __init__(self, rc: RunConfig, engine, *, lr_scheduler, microbatches, train_iterator, valid_iterators,
                  logger: TrainingLogger, exit_monitor: ExitMonitor, progress: Progress,
                  save_fn: Optional[Callable[[Progress], None]] = None,
-                 sync_fn: Optional[Callable[[], None]] = None, world_size: int = 1):
+                 sync_fn: Optional[Callable[[], None]] = None, world_size: int = 1,
+                 moe_stats_fn: Optional[Callable[[], dict[str, float]]] = None):
         self.rc = rc
         self.engine = engine
+        self.moe_stats_fn = moe_stats_fn  # collective, after every trained iteration (megatron.model.moe.stats)
+        self.moe_stats: dict[str, float] = {}
         self.lr_scheduler = lr_scheduler
         self.microbatches = microbatches
         self.train_iterator = train_iterator
@@ -123,6 +126,7 @@ class Trainer:
         iteration = self.progress.iteration + 1
         if self._in_skip_range(iteration):
             self._skip_data()
+            self.moe_stats = {}
             self.lr_scheduler.step(gbs)  # the schedule follows consumed samples, trained on or not
             record = IterationRecord(iteration, float("nan"), None, self.lr_scheduler.get_lr(), gbs, True)
         else:
@@ -131,6 +135,8 @@ class Trainer:
             with self.timers("train-batch", 1):
                 loss = self.engine.train_batch(self.train_iterator)
                 loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)
+            if self.moe_stats_fn is not None:
+                self.moe_stats = self.moe_stats_fn()
             applied = self.engine.was_step_applied()
             grad_norm = self.engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None else None
@@ -193,7 +199,8 @@ class Trainer:
                              consumed_tokens=self.progress.consumed_tokens, elapsed_ms_per_iter=ms, lr=last.lr,
                              global_batch_size=last.global_batch_size, loss=loss, grad_norm=last.grad_norm,
                              skipped=self.progress.skipped_iterations, nan_iters=self.progress.nonfinite_iterations,
-                             seq_length=self.rc.data.seq_length, world_size=self.world_size, timers=timers_text)
+                             seq_length=self.rc.data.seq_length, world_size=self.world_size, timers=timers_text,
+                             moe=self.moe_stats)
 
     def _report_instruments(self, iteration: int, num_iterations: int) -> str:
         """Timers across ranks (a collective, every rank) and memory to TensorBoard; the log line's part."""
@@ -234,6 +241,7 @@ class Trainer:
                 self.logger.scalars(iteration=it, consumed_samples=self.progress.consumed_samples,
                                     consumed_tokens=self.progress.consumed_tokens, loss=record.loss, lr=record.lr,
                                     global_batch_size=record.global_batch_size, grad_norm=record.grad_norm)
+                self.logger.write_scalars(self.moe_stats, it)
             if it % log_interval == 0:
                 self._log(pending, time.time() - window_start)
                 pending, window_start = [], time.time()

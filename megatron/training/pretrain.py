@@ -28,6 +28,7 @@ from megatron.engine.deepspeed_compat import checkpoint_loading
 from megatron.engine.initialize import build_engine, init_deepspeed_comm
 from megatron.engine.optimizer import sync_tp_duplicated
 from megatron.model.moe import update_expert_biases
+from megatron.model.moe.stats import iteration_stats as moe_iteration_stats
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState
 from megatron.training.data import build_datasets, micro_batch_iterator
@@ -133,7 +134,9 @@ def pretrain(rc: RunConfig) -> PretrainResult:
                       microbatches=build_num_microbatches_calculator(rc.batch, state.dp_size),
                       train_iterator=train_iter, valid_iterators=valid_iters, logger=logger, exit_monitor=monitor,
                       progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=after_step,
-                      world_size=dist.get_world_size())
+                      world_size=dist.get_world_size(), moe_stats_fn=None if rc.model.moe is None else (
+                          lambda: moe_iteration_stats(engine.module, rc.model.moe, rc.model.num_layers, state.dp_group,
+                                                      state.pp_group)))
     lock = _lock_save_folder(rc)  # one writer per --save folder (megatron.checkpoint.lock)
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
                  f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "

@@ -11,7 +11,7 @@ from megatron.arguments import run_config_from_argv
 from megatron.checkpoint.resume import resume_point
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.moe import MOE_FLAGS, VARIANT_FLAGS, train_moe
-from tests.helpers.training import assert_same_run, layout
+from tests.helpers.training import assert_same_run, layout, tensorboard_scalars
 
 ITERS = 10
 
@@ -22,9 +22,18 @@ def moe_argv(tiny_corpus):
 
 
 @pytest.fixture(scope="module")
-def reference_runs(moe_argv):
-    """One process: the plain MoE run, the variant, the plain run with recomputed activations (one launch)."""
-    runs = [moe_argv, moe_argv + VARIANT_FLAGS, moe_argv + ["--checkpoint-activations"]]
+def tensorboard_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_tensorboard")
+    return {name: str(root / name) for name in ("plain", "variant", "ep2")}
+
+
+@pytest.fixture(scope="module")
+def reference_runs(moe_argv, tensorboard_dirs):
+    """One process: the plain MoE run, the variant, the plain run with recomputed activations (one launch); the
+    first two write tensorboard events."""
+    tensorboard = lambda name: ["--tensorboard-dir", tensorboard_dirs[name]]  # noqa: E731
+    runs = [moe_argv + tensorboard("plain"), moe_argv + VARIANT_FLAGS + tensorboard("variant"),
+            moe_argv + ["--checkpoint-activations"]]
     return run_distributed(train_moe, world_size=1, args=(runs,))[0]
 
 
@@ -92,12 +101,12 @@ def assert_same_moe_run(reference, run, label):
 
 
 @pytest.mark.multiprocess
-def test_expert_parallel_trains_as_one_process(moe_argv, reference_runs):
+def test_expert_parallel_trains_as_one_process(moe_argv, reference_runs, tensorboard_dirs):
     """EP = 2 over DP = 2: each rank holds 2 of the 4 experts, tokens go by all-to-all, expert gradients are
     averaged over the expert-data-parallel group (one rank here) and the grad norm sums both ranks' experts.
     Then the variant: SwiGLU experts, sigmoid group-limited routing, a shared expert, capacity dropping."""
-    runs = [layout(moe_argv, "--expert-model-parallel-size", 2), layout(moe_argv + VARIANT_FLAGS,
-                                                                         "--expert-model-parallel-size", 2)]
+    runs = [layout(moe_argv, "--expert-model-parallel-size", 2, "--tensorboard-dir", tensorboard_dirs["ep2"]),
+            layout(moe_argv + VARIANT_FLAGS, "--expert-model-parallel-size", 2)]
     results = run_distributed(train_moe, world_size=2, args=(runs,), timeout=600)
     reference, variant, _ = reference_runs
     assert sorted(variant["expert_bias"]) == ["4.mlp"], "--moe-layer-freq [0,1]: layer 0 stays dense"
@@ -105,6 +114,34 @@ def test_expert_parallel_trains_as_one_process(moe_argv, reference_runs):
         assert_same_moe_run(reference, run, f"rank {rank} of EP=2")
         assert_same_moe_run(variant, variant_run, f"rank {rank} of EP=2, variant")
         assert run["expert_numel"] * 2 == reference["expert_numel"], f"rank {rank}"
+    # the MoE statistics, summed over both data-parallel ranks, are the one process's
+    one, ep2 = tensorboard_scalars(tensorboard_dirs["plain"]), tensorboard_scalars(tensorboard_dirs["ep2"])
+    moe_tags = sorted(tag for tag in one if tag.startswith("moe/"))
+    assert moe_tags == sorted(tag for tag in ep2 if tag.startswith("moe/")) and len(moe_tags) == 5, moe_tags
+    for tag in moe_tags:
+        for (step, a), (ep2_step, b) in zip(one[tag], ep2[tag], strict=True):
+            assert step == ep2_step and abs(a - b) <= 1e-5 * abs(a) + 1e-9, f"{tag} at {step}: EP=2 {b} vs {a}"
+
+
+def test_moe_statistics_reach_tensorboard_per_iteration(reference_runs, tensorboard_dirs):
+    """Per iteration: each MoE layer's load (busiest expert over the mean), the aux and z losses per micro-batch
+    (summed over layers) and the dropped fraction; the variant's first layer is dense and it drops for capacity."""
+    plain, variant = tensorboard_scalars(tensorboard_dirs["plain"]), tensorboard_scalars(tensorboard_dirs["variant"])
+    layers = ["moe/layer0/load-max-over-mean", "moe/layer1/load-max-over-mean"]
+    assert sorted(t for t in plain if t.startswith("moe/")) == sorted(
+        layers + ["moe/aux-loss", "moe/z-loss", "moe/dropped-fraction"]), sorted(plain)
+    assert sorted(t for t in variant if t.startswith("moe/layer")) == layers[1:], sorted(variant)
+    for tag in ["moe/aux-loss", "moe/z-loss", "moe/dropped-fraction"] + layers:
+        assert [step for step, _ in plain[tag]] == list(range(1, ITERS + 1)), tag
+    for tag in layers:  # 4 experts: between perfectly balanced (1) and all on one expert (4)
+        assert all(1.0 <= v <= 4.0 for _, v in plain[tag]) and any(v > 1.0 for _, v in plain[tag]), plain[tag]
+    assert all(v == 0.0 for _, v in plain["moe/dropped-fraction"])  # dropless
+    assert all(v > 0 for _, v in plain["moe/aux-loss"] + plain["moe/z-loss"])
+    # capacity factor 1: an expert keeps at most its even share of each micro-batch (T * k / E = 16 choices), so a
+    # load above the mean over the iteration means some micro-batch dropped choices
+    pairs = list(zip(variant["moe/layer1/load-max-over-mean"], variant["moe/dropped-fraction"], strict=True))
+    assert all(0 <= dropped < 1 and (load == 1.0 or dropped > 0) for (_, load), (_, dropped) in pairs), pairs
+    assert any(dropped > 0 for _, (_, dropped) in pairs), pairs
 
 
 @pytest.mark.multiprocess

@@ -4,6 +4,7 @@
     dispatch   tokens sorted by expert, capacity dropping, the all-to-all over the expert-parallel group
     experts    this rank's experts as one batched matmul, tensor-parallel along the expert width
     layer      MoELayer (the MLP), the aux-loss scale, the expert-bias update after an optimizer step
+    stats      one iteration's load balance, aux / z losses and dropped fraction, for the logs
 
 Imports torch, megatron.config and megatron.parallel only, like the rest of megatron.model.
 """

@@ -8,7 +8,8 @@ The balancing losses (aux, z) are not returned: like Megatron-LM's MoEAuxLossAut
 to autograd through its output (``AuxLossScaler``), so they train the router on every pipeline stage without
 travelling with the activations. Their gradient is ``aux_loss_scale`` (set it to 1 / the micro-batches per step
 with ``set_aux_loss_scale``, which is how the language-model loss is scaled), so the optimized objective is
-mean over micro-batches of (lm loss + aux + z). The last values are kept in ``last_aux_loss`` for logs.
+mean over micro-batches of (lm loss + aux + z). The last values are kept in ``last_aux_loss``; every training
+forward adds its aux and z losses, dropped choices and per-expert load to ``stats`` (read by ``moe.stats``).
 
 Shape letters: s sequence, b micro-batch, h hidden, T = s * b tokens.
 """
@@ -27,7 +28,9 @@ from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.router import TopKRouter, aux_loss, new_expert_bias, z_loss
 from megatron.parallel.state import group_size
 
-__all__ = ["MoELayer", "AuxLossScaler", "set_aux_loss_scale", "update_expert_biases", "moe_layers"]
+__all__ = ["MoELayer", "AuxLossScaler", "set_aux_loss_scale", "update_expert_biases", "moe_layers", "STATS_FIELDS"]
+
+STATS_FIELDS = 5  # forwards, aux loss, z loss, dropped choices, choices; then the load of each expert
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -73,8 +76,11 @@ class MoELayer(nn.Module):
             w1_init=lambda e: normal_init(std, seed, f"{prefix}.experts.{e}.dense_h_to_4h.weight"),
             w2_init=lambda e: normal_init(out_std, seed, f"{prefix}.experts.{e}.dense_4h_to_h.weight"))
         self.shared_expert = shared_expert
+        self.layer_number = layer_number
         self.aux_loss_scale = 1.0
         self.last_aux_loss: Optional[torch.Tensor] = None
+        # summed over the training forwards since ``take_stats``: [forwards, aux, z, dropped, choices, load[E]]
+        self.stats = torch.zeros(STATS_FIELDS + moe.num_experts, dtype=torch.float64)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [s, b, h] -> [s, b, h]."""
@@ -86,11 +92,28 @@ class MoELayer(nn.Module):
         output = combine(self.experts(rows, plan.local_counts), plan, s * b, self.ep_group).view(s, b, h)
         if self.shared_expert is not None:
             output = output + self.shared_expert(hidden)
-        if self.training and (self.config.aux_loss_coeff > 0 or self.config.z_loss_coeff > 0):
-            loss = aux_loss(routing, self.config) + z_loss(routing, self.config)
+        if not self.training:
+            return output
+        aux, z = aux_loss(routing, self.config), z_loss(routing, self.config)
+        self._count(routing, plan, aux, z)
+        if self.config.aux_loss_coeff > 0 or self.config.z_loss_coeff > 0:
+            loss = aux + z
             self.last_aux_loss = loss.detach()
             output = AuxLossScaler.apply(output, loss, self.aux_loss_scale)
         return output
+
+    @torch.no_grad()
+    def _count(self, routing, plan, aux: torch.Tensor, z: torch.Tensor) -> None:
+        choices = routing.expert_index.numel()  # T * k
+        load = torch.bincount(routing.expert_index.flatten(), minlength=self.config.num_experts)  # [E]
+        self.stats[:STATS_FIELDS] += torch.tensor([1.0, float(aux), float(z), choices - plan.order.numel(), choices],
+                                                  dtype=torch.float64)
+        self.stats[STATS_FIELDS:] += load.to(self.stats)
+
+    def take_stats(self) -> torch.Tensor:
+        """The statistics summed since the last call ([forwards, aux, z, dropped, choices, load[E]]), reset."""
+        stats, self.stats = self.stats, torch.zeros_like(self.stats)
+        return stats
 
 
 def moe_layers(module: nn.Module) -> list[MoELayer]:
