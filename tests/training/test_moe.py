@@ -179,21 +179,22 @@ def test_expert_parallel_composes_with_tp_pp_zero1_and_bf16(moe_argv, reference_
 
 @pytest.mark.multiprocess
 def test_expert_parallel_checkpoints_resume_loss_for_loss(moe_argv, tmp_path):
-    """One 4-process launch, each layout trained 6 iterations straight, then 3 + save and 3 more resumed: EP = 2 x
-    TP = 2 without ZeRO (the experts' Adam state in the expert files), EP = 2 over DP = 4 with ZeRO-1 (the
-    experts' optimizer shards in DeepSpeed's per-rank files), and EP = 1 x PP = 2 (DeepSpeed's files only). The
-    resumed losses and grad norms are the straight ones bit for bit, and so are the expert biases (router buffers,
-    outside the gradient). A resume at another EP size is refused by name."""
+    """One 4-process launch, each layout trained 6 iterations straight, then 3 + save and 3 more resumed:
+    EP = 2 x TP = 2 without ZeRO (the experts' Adam state in the expert files), EP = 2 over DP = 4 in bf16
+    (BF16_Optimizer: the experts' fp32 master and optimizer shards in DeepSpeed's per-rank files), and EP = 1 x
+    PP = 2 (DeepSpeed's files only). The resumed losses and grad norms are the straight ones bit for bit, and so
+    are the expert biases (router buffers, outside the gradient). A resume at another EP size is refused by
+    name."""
     runs = []
     for name, flags in (("tp2", ["--expert-model-parallel-size", 2, "--tensor-model-parallel-size", 2]),
-                        ("zero1", ["--expert-model-parallel-size", 2, "--zero-stage", 1]),
+                        ("bf16", ["--expert-model-parallel-size", 2, "--bf16"]),
                         ("pp2", ["--pipeline-model-parallel-size", 2])):
         argv = layout(moe_argv, *flags, "--train-iters", 6)
         save = ["--save", str(tmp_path / name), "--save-interval", "100"]
         runs += [argv, argv + save + ["--exit-interval", "3"], argv + save + ["--load", str(tmp_path / name)]]
     results = run_distributed(train_moe, world_size=4, args=(runs,), timeout=600)
     for rank, records in enumerate(results):
-        for i, name in enumerate(("EP=2 x TP=2", "EP=2 ZeRO-1", "EP=1 x PP=2")):
+        for i, name in enumerate(("EP=2 x TP=2", "EP=2 bf16", "EP=1 x PP=2")):
             straight, first, resumed = records[3 * i: 3 * i + 3]
             assert first["iterations"] == [1, 2, 3] and resumed["iterations"] == [4, 5, 6], f"rank {rank}, {name}"
             assert first["losses"] + resumed["losses"] == straight["losses"], f"rank {rank}, {name}"
