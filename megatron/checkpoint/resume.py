@@ -88,6 +88,12 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, saved: dict) -> None:
     sizes = {"--tensor-model-parallel-size": (recorded.get("tensor_model_parallel_size"), p.tensor_model_parallel_size),
              "--pipeline-model-parallel-size": (recorded.get("pipeline_model_parallel_size"),
                                                 p.pipeline_model_parallel_size)}
+    # MoE: each EP rank's experts are in their own file (absent: EP = 1)
+    ep = (recorded.get("expert_model_parallel_size", 1), p.expert_model_parallel_size)
+    if ep[0] != ep[1]:
+        raise ValueError(f"{tag_dir} was saved with --expert-model-parallel-size {ep[0]} (this run: {ep[1]}); an MoE "
+                         f"checkpoint loads only at its own expert-parallel size (universal checkpoints do not "
+                         f"support MoE yet): run with --expert-model-parallel-size {ep[0]}")
     if not (ck.no_load_optim or ck.finetune):
         sizes["data-parallel size"] = (recorded.get("data_parallel_size"), p.data_parallel_size)
         # ZeRO shards the optimizer state over dp x sp ranks

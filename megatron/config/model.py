@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron.config.moe import MoEConfig
+
 POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi", "none")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 PARAMS_DTYPES = ("fp32", "bf16", "fp16")
@@ -86,6 +88,14 @@ class ModelConfig:
     # rank's [s/tp, b, h] shard of the sequence; column-parallel inputs are all-gathered along s, row-parallel
     # outputs reduce-scattered. Changes no parameter; a model built for decoding leaves it False.
     sequence_parallel: bool = False
+    # Mixture of experts (--num-experts): the MLP of the layers moe.layer_pattern marks is routed experts; None: dense.
+    moe: Optional[MoEConfig] = None
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Each expert's MLP width: --moe-ffn-hidden-size, else the dense MLP's."""
+        moe_width = self.moe.ffn_hidden_size if self.moe is not None else None
+        return moe_width if moe_width is not None else self.ffn_size
 
     @property
     def ffn_size(self) -> int:
@@ -114,10 +124,24 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def mlp_flops_width(self) -> float:
+        """The dense MLP width with the same matmul cost per token, averaged over the layers: f for a dense layer;
+        for an MoE layer k x the expert width + the shared expert's + the router's E / m (m = 3 matrices with
+        SwiGLU, else 2), what Megatron-LM counts (dropped tokens are not subtracted)."""
+        moe = self.moe
+        if moe is None:
+            return self.ffn_size
+        moe_width = (moe.router_topk * self.expert_ffn_size + (moe.shared_expert_intermediate_size or 0)
+                     + moe.num_experts / (3 if self.swiglu else 2))
+        num_moe = sum(moe.layer_pattern)
+        return ((self.num_layers - num_moe) * self.ffn_size + num_moe * moe_width) / self.num_layers
+
     def flops_per_iteration(self, global_batch_size: int, recompute: bool) -> float:
-        """``megatron_flops`` of this model (``padded_vocab_size`` rows) for one global batch."""
+        """``megatron_flops`` of this model (``padded_vocab_size`` rows) for one global batch (an MoE model's
+        MLPs counted by ``mlp_flops_width``)."""
         return megatron_flops(self.num_layers, self.hidden_size, self.padded_vocab_size, self.seq_length,
-                              global_batch_size, recompute, ffn_hidden_size=self.ffn_size,
+                              global_batch_size, recompute, ffn_hidden_size=self.mlp_flops_width,
                               kv_hidden_size=self.num_kv_heads * self.head_dim, swiglu=self.swiglu)
 
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
@@ -134,6 +158,7 @@ class ModelConfig:
             raise ValueError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; each TP rank must hold whole heads")
         self._validate_attention(tp)
+        self._validate_moe(tp)
         if self.sequence_parallel and self.seq_length % tp:
             raise ValueError(f"--sequence-parallel splits the sequence over the {tp} tensor-parallel ranks, but "
                              f"--seq-length {self.seq_length} is not a multiple of --tensor-model-parallel-size {tp}; "
@@ -181,6 +206,16 @@ class ModelConfig:
             raise ValueError(f"original vocabulary size {self.original_vocab_size} is larger than the padded "
                              f"size {self.padded_vocab_size}")
         return self
+
+    def _validate_moe(self, tp: int) -> None:
+        if self.moe is None:
+            return
+        self.moe.validate(self.num_layers)
+        for name, width in (("--moe-ffn-hidden-size", self.expert_ffn_size),
+                            ("--moe-shared-expert-intermediate-size", self.moe.shared_expert_intermediate_size or tp)):
+            if width % tp:
+                raise ValueError(f"{name} {width} is not divisible by --tensor-model-parallel-size {tp}: each TP rank "
+                                 f"holds an equal slice of every expert; use a multiple of {tp}")
 
     def _validate_attention(self, tp: int) -> None:
         kv, heads = self.num_key_value_heads, self.num_attention_heads

@@ -10,6 +10,7 @@ from typing import Optional
 from megatron.config._checks import _positive
 from megatron.config.data import DataConfig, DatasetGroup, DatasetSplit  # noqa: F401 (RunConfig fields)
 from megatron.config.model import ModelConfig
+from megatron.config.moe import check_moe_run
 
 PARTITION_METHODS = ("type:transformer", "type:transformer|embedding", "parameters", "uniform")
 DISTRIBUTED_BACKENDS = ("nccl", "gloo", "ccl")
@@ -33,6 +34,7 @@ class ParallelConfig:
                                            # groups of this many data-parallel ranks (ZeRO++ hpZ); 1: none
     sequence_parallel: bool = False        # --sequence-parallel as asked; the model runs it only with TP > 1
                                            # (ModelConfig.sequence_parallel is what the modules read)
+    expert_model_parallel_size: int = 1    # MoE: ranks sharing out each layer's experts, carved from DP
 
     @property
     def world_size(self) -> int:
@@ -465,6 +467,7 @@ class RunConfig:
         self._validate_sharding(pp)
         self._validate_ulysses(pp)
         self._validate_schedule()
+        check_moe_run(self)
         if self.model.seq_length != self.data.seq_length:
             raise ValueError(f"model seq_length {self.model.seq_length} != data seq_length {self.data.seq_length}")
         if self.data.reset_position_ids and self.model.position_embedding_type != "absolute":

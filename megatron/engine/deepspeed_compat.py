@@ -31,6 +31,23 @@ they differ (an upgrade then fails at the first workaround it reaches, not silen
     zero3_ulysses_average     ZeRO-3's reduce-scatter (``reduce_scatter:     ``megatron.engine.ulysses.backward_loss_scale``
                               true``) averages over dp x sp ranks, the       multiplies the loss by sp (checked by
                               other stages over dp                           ``ShardedEngine``)
+    expert_parallel           turns on its MoE paths (expert gradients       ``register_expert_groups`` fills its private
+                              over the expert-data-parallel group, ZeRO-1    group registries; ``mark_moe_parameter`` marks
+                              shards per group, the grad norm summed over    a parameter as its MoE's are;
+                              the expert group) only for parameters marked   ``ExpertParallelMarker`` (``moe_marker``), a
+                              ``allreduce=False`` + ``group_name`` whose     parameter-free MoE subclass, makes the engine
+                              groups sit in ``groups._EXPERT_*`` and only    set ``has_moe_layers``; ``check_moe_engine``
+                              when it finds a ``deepspeed.moe.layer.MoE``    asserts it did
+                              module before it builds the optimizer
+    expert_tp_grad_norm       BF16_Optimizer sums the experts' grad norm    ``register_expert_groups`` sets its expert
+                              over TP only when its private expert-TP       TP size; ``count_expert_grads_once`` drops
+                              size is > 1, and counts every expert          a TP-duplicated expert gradient from the
+                              parameter on every TP rank (a TP-duplicated   norm on TP ranks > 0
+                              expert bias twice at TP = 2)
+    moe_checkpoint            with ``has_moe_layers`` it saves and loads    ``plain_checkpoint_files``: its regular files
+                              its own MoE's per-expert files (found by      while it saves and loads; our experts go to
+                              module type), which our marker holds none of  files of their own (``megatron.engine.
+                                                                            expert_parallel``)
 
 Models of DeepSpeed's behaviour outside this package, which cannot import it, re-measured against the real
 thing by their tests rather than checked here: the planner's ZeRO communication counts and defaults
@@ -48,7 +65,10 @@ from typing import Iterator
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.moe.layer import MoE as DeepSpeedMoE
+from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from torch import nn
 
 from megatron.checkpoint.safe_load import only_safe_loading, safe_load
 from megatron.checkpoint.zero_files import DEEPSPEED_GLOBALS
@@ -56,7 +76,9 @@ from megatron.checkpoint.zero_files import DEEPSPEED_GLOBALS
 __all__ = ["PINNED_VERSION", "WORKAROUNDS", "require", "installed_version", "checkpoint_loading", "safe_loading",
            "mend_universal_optimizer", "universal_tp_restore", "set_zero_param_intra_group", "zero3_init",
            "silence_renamed_collectives", "check_bf16_stage_0", "check_zero3_ulysses", "DEEPSPEED_GLOBALS",
-           "SafeTorchCheckpointEngine", "use_safe_loading", "avoid_cpu_jit_builds"]
+           "SafeTorchCheckpointEngine", "use_safe_loading", "avoid_cpu_jit_builds",
+           "ExpertParallelMarker", "moe_marker", "register_expert_groups", "mark_moe_parameter", "is_moe_parameter",
+           "check_moe_engine", "count_expert_grads_once", "plain_checkpoint_files"]
 
 PINNED_VERSION = "0.19.8"
 
@@ -77,6 +99,15 @@ WORKAROUNDS = {
     "zero3_init_dtype": "zero.Init's dtype handling on the CPU accelerator (tests/training/test_zero_sharding.py)",
     "renamed_collectives": "whether ZeRO-2/3 still call torch.distributed.all_gather_into_tensor / "
                            "reduce_scatter_tensor",
+    "expert_parallel": "deepspeed.utils.groups._EXPERT_PARALLEL_GROUP / _EXPERT_DATA_PARALLEL_GROUP, "
+                       "deepspeed.moe.utils.is_moe_param, and how the engine sets has_moe_layers (an isinstance scan "
+                       "for deepspeed.moe.layer.MoE in _configure_distributed_model) "
+                       "(tests/engine/test_deepspeed_compat.py, tests/training/test_moe.py)",
+    "expert_tp_grad_norm": "groups.expert_tensor_parallel_world_size in get_global_norm_of_tensors and "
+                           "BF16_Optimizer.get_grads_for_norm's expert filter (tests/training/test_moe.py compares "
+                           "the bf16 grad norm at EP = 2 x TP = 2 with one process's)",
+    "moe_checkpoint": "how save_checkpoint / _load_checkpoint branch on has_moe_layers (the MoE path wants "
+                      "deepspeed.moe.layer.MoE's experts) (tests/training/test_moe.py resumes EP runs)",
     "zero3_ulysses_average": "the divisor of ZeRO-3's reduce-scatter with sequence parallelism "
                              "(tests/training/test_ulysses.py compares grad norms with a single process)",
 }
@@ -231,3 +262,98 @@ def check_zero3_ulysses(zero_stage: int, sp_size: int) -> None:
     """ZeRO-3 with DeepSpeed-Ulysses scales the loss by sp (``megatron.engine.ulysses.backward_loss_scale``)."""
     if zero_stage == 3 and sp_size > 1:
         require("zero3_ulysses_average")
+
+
+class ExpertParallelMarker(DeepSpeedMoE):
+    """Makes DeepSpeed's engine see a model with MoE layers (``has_moe_layers``), for its expert-parallel paths to
+    act on our expert parameters. Holds nothing and is never called: ``deepspeed.moe.layer.MoE.__init__`` (which
+    would build DeepSpeed's own experts and groups) is skipped. Made by ``moe_marker``."""
+
+    def __init__(self, num_experts: int, group_name: str):
+        nn.Module.__init__(self)
+        self.num_experts, self.expert_group_name = num_experts, group_name
+
+    def set_deepspeed_parallelism(self, *args, **kwargs) -> None:
+        """The engine asks each MoE to create its groups: ours are registered (``register_expert_groups``)."""
+
+    def forward(self, *inputs):
+        raise AssertionError("ExpertParallelMarker is a marker for DeepSpeed's engine, not a layer")
+
+
+def moe_marker(num_experts: int, group_name: str) -> ExpertParallelMarker:
+    """The marker to add to the model before ``deepspeed.initialize`` (see ``ExpertParallelMarker``)."""
+    require("expert_parallel")
+    return ExpertParallelMarker(num_experts, group_name)
+
+
+def register_expert_groups(group_name: str, ep_group, expert_data_group, tp_size: int = 1) -> None:
+    """Register our expert-parallel and expert-data-parallel groups in DeepSpeed's private registries under
+    ``group_name``, where its engine and ZeRO-1 / BF16_Optimizer look them up; and that the experts are split over
+    ``tp_size`` TP ranks (BF16_Optimizer then sums their grad norm over the model-parallel group, as for dense
+    TP-split parameters; set anew by each run, since several runs may share one process)."""
+    require("expert_parallel")
+    require("expert_tp_grad_norm")
+    from deepspeed.utils import groups  # noqa: PLC0415 (private DeepSpeed state, imported only after require() checked the version)
+
+    groups._EXPERT_PARALLEL_GROUP[group_name] = ep_group
+    groups._EXPERT_DATA_PARALLEL_GROUP[group_name] = expert_data_group
+    groups.expert_tensor_parallel_world_size = tp_size
+
+
+def mark_moe_parameter(param: torch.Tensor, group_name: str) -> None:
+    """Mark ``param`` as DeepSpeed marks its MoE's expert parameters: reduced over ``group_name``'s groups."""
+    require("expert_parallel")
+    param.allreduce = False
+    param.group_name = group_name
+
+
+def is_moe_parameter(param: torch.Tensor) -> bool:
+    """Whether DeepSpeed treats ``param`` as an expert parameter (``mark_moe_parameter``)."""
+    return is_moe_param(param)
+
+
+def check_moe_engine(engine, group_name: str) -> None:
+    """After ``deepspeed.initialize``: the engine found the marker and holds our expert-data-parallel group."""
+    require("expert_parallel")
+    from deepspeed.utils import groups  # noqa: PLC0415 (private DeepSpeed state, imported only after require() checked the version)
+
+    if not (engine.has_moe_layers and engine.expert_data_parallel_group.get(group_name) is
+            groups._EXPERT_DATA_PARALLEL_GROUP[group_name]):
+        raise RuntimeError(f"DeepSpeed's engine did not take up the expert-parallel groups {group_name!r}: re-check "
+                           f"{WORKAROUNDS['expert_parallel']}")
+
+
+def count_expert_grads_once(optimizer, tp_rank: int) -> None:
+    """BF16_Optimizer ``optimizer``'s grad norm counts a TP-duplicated expert parameter (an expert's output bias)
+    on TP rank 0 only, as it does a dense one: its ``get_grads_for_norm`` counts every expert parameter on every TP
+    rank. No-op for other optimizers (DeepSpeedZeroOptimizer and our fp32 clipper count each once already)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: PLC0415 (private DeepSpeed class, imported only where the workaround applies)
+    from deepspeed.runtime.utils import is_model_parallel_parameter  # noqa: PLC0415 (same)
+
+    if not isinstance(optimizer, BF16_Optimizer) or tp_rank == 0:
+        return
+    require("expert_tp_grad_norm")
+    duplicated = {id(optimizer.fp32_groups_gradients[i][j]) for i, group in enumerate(optimizer.bf16_groups)
+                  for j, param in enumerate(group) if is_moe_param(param) and not is_model_parallel_parameter(param)}
+    counted = optimizer.get_grads_for_norm
+
+    def get_grads_for_norm(for_clipping=False):
+        if for_clipping:
+            return counted(for_clipping=True)
+        dense, experts = counted()
+        return dense, {name: [g for g in grads if id(g) not in duplicated] for name, grads in experts.items()}
+
+    optimizer.get_grads_for_norm = get_grads_for_norm
+
+
+@contextlib.contextmanager
+def plain_checkpoint_files(engine) -> Iterator[None]:
+    """Within: ``engine`` (with our MoE marker) saves and loads its regular files, as without MoE; the caller
+    saves and loads the experts itself."""
+    require("moe_checkpoint")
+    had_moe = engine.has_moe_layers
+    engine.has_moe_layers = False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = had_moe

@@ -27,6 +27,7 @@ from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
 from megatron.engine.cpu import check_cpu_compiler, on_cpu_accelerator
 from megatron.engine.deepspeed_compat import avoid_cpu_jit_builds, check_bf16_stage_0, use_safe_loading
+from megatron.engine.expert_parallel import check_expert_parallel_engine, mark_expert_parameters
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
 from megatron.engine.sharded import DeepSpeedMPU, ShardedEngine, build_sharded_module, set_hpz_group
@@ -72,9 +73,11 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
                                    else 0, tracker=tracker)
     if t.torch_compile:
         _compile_layers(module)
+    experts = mark_expert_parameters(module, rc.model, state)  # MoE with EP > 1 (megatron.engine.expert_parallel)
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
     use_safe_loading(engine)  # --load never unpickles code (megatron.engine.deepspeed_compat)
+    check_expert_parallel_engine(engine, experts, state)
     return engine
 
 
@@ -88,7 +91,7 @@ def _fp32_clipping(client, config: dict, rc: RunConfig, state: ParallelState):
     # with our norm instead. 0 must be explicit: DeepSpeed's default for a missing gradient_clipping is 1.0.
     config["gradient_clipping"] = 0.0
     return GradNormClippingOptimizer(client, clip_grad=rc.optimizer.clip_grad, tp_rank=state.tp_rank,
-                                     model_group=state.model_group)
+                                     model_group=state.model_group, expert_group=state.ep_group)
 
 
 def _compile_layers(module) -> None:

@@ -20,22 +20,33 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import OPTIMIZERS, OptimizerConfig
+from megatron.engine.deepspeed_compat import is_moe_parameter
+from megatron.model.moe import is_expert_parallel
 from megatron.parallel.replicated import sync_tp_duplicated_parameters, tp_duplicated_parameters
 from megatron.parallel.state import group_size
 from megatron.parallel.utils import param_is_tensor_parallel
 
 
 def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: decayed weight matrices, and undecayed biases / norm weights (all 1-D params)."""
-    decay, no_decay = [], []
+    """Two groups: decayed weight matrices, and undecayed biases / norm weights (all 1-D params). With expert
+    parallelism, the experts' parameters (marked by ``megatron.engine.expert_parallel``) form two more, which
+    DeepSpeed reduces and shards over their expert-data-parallel group: ``moe = True``, named by that group."""
+    decay, no_decay, expert_decay, expert_no_decay = [], [], [], []
     for name, param in module.named_parameters():
         if not param.requires_grad:
             continue
         # ZeRO-3 holds a partitioned parameter as an empty 1-D placeholder: its own shape is ds_shape
         ndim = len(getattr(param, "ds_shape", param.shape))
-        (no_decay if ndim == 1 or name.endswith(".bias") else decay).append(param)
+        no_decay_param = ndim == 1 or name.endswith("bias")  # the experts' biases are [El, n]: "experts.fc1_bias"
+        if is_moe_parameter(param):
+            (expert_no_decay if no_decay_param else expert_decay).append(param)
+        else:
+            (no_decay if no_decay_param else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    for params, decayed in ((expert_decay, weight_decay), (expert_no_decay, 0.0)):
+        if params:
+            groups.append({"params": params, "weight_decay": decayed, "name": params[0].group_name, "moe": True})
     return [g for g in groups if g["params"]]
 
 
@@ -58,13 +69,21 @@ def _counted_once(param: torch.Tensor, tp_rank: int) -> bool:
     return tp_rank == 0 or param_is_tensor_parallel(param)
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], *, tp_rank: int, model_group) -> float:
-    """L2 norm of all gradients of the model replica (summed over its TP x PP ranks)."""
-    grads = [p.grad for p in params if p.grad is not None and _counted_once(p, tp_rank)]
-    if grads:
-        squares = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]).square().sum()
-    else:
-        squares = torch.zeros((), dtype=torch.float32)
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]).square().sum()
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], *, tp_rank: int, model_group, expert_group=None) -> float:
+    """L2 norm of all gradients of the model replica (summed over its TP x PP ranks, and for the MoE experts,
+    which each expert-parallel rank holds a share of, over ``expert_group`` too)."""
+    counted = [p for p in params if p.grad is not None and _counted_once(p, tp_rank)]
+    squares = _sum_of_squares([p.grad for p in counted if not is_expert_parallel(p)])
+    expert_squares = _sum_of_squares([p.grad for p in counted if is_expert_parallel(p)])
+    if expert_group is not None:
+        dist.all_reduce(expert_squares, group=expert_group)
+    squares = squares + expert_squares
     if model_group is not None:
         dist.all_reduce(squares, group=model_group)
     return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float("inf")
@@ -75,7 +94,8 @@ class GradNormClippingOptimizer(torch.optim.Optimizer):
     clips to ``clip_grad`` (0 disables), then steps. DeepSpeed reads ``_global_grad_norm`` and
     ``overflow`` after each step, so its skipped-step count and grad-norm report use ours."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, clip_grad: float, tp_rank: int, model_group):
+    def __init__(self, optimizer: torch.optim.Optimizer, *, clip_grad: float, tp_rank: int, model_group,
+                 expert_group=None):
         # DeepSpeed accepts a client optimizer only if it is a torch.optim.Optimizer, so this is one,
         # initialized properly; then it shares the wrapped optimizer's groups, state and defaults (the
         # same objects), so DeepSpeed and the learning-rate schedule act on the real ones.
@@ -87,6 +107,7 @@ class GradNormClippingOptimizer(torch.optim.Optimizer):
         self.clip_grad = clip_grad
         self.tp_rank = tp_rank
         self.model_group = model_group
+        self.expert_group = expert_group
         self._global_grad_norm: Optional[float] = None
         self.overflow = False
 
@@ -110,7 +131,8 @@ class GradNormClippingOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         params = self._params()
-        norm = global_grad_norm(params, tp_rank=self.tp_rank, model_group=self.model_group)
+        norm = global_grad_norm(params, tp_rank=self.tp_rank, model_group=self.model_group,
+                                expert_group=self.expert_group)
         self._global_grad_norm = norm
         self.overflow = not math.isfinite(norm)
         if self.overflow:

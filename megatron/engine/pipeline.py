@@ -125,7 +125,7 @@ def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker
         return TiedLayerSpec("embed", EmbeddingPipe, config, **embed)
     if item.kind == TRANSFORMER:
         return LayerSpec(TransformerLayer, config, tp_group=state.tp_group, layer_number=item.layer_number,
-                         rng_tracker=tracker)
+                         rng_tracker=tracker, ep_group=state.ep_group)
     if item.kind == FINAL_NORM:
         return LayerSpec(FinalLayerNorm, config, tp_group=state.tp_group)
     if item.kind == HEAD:

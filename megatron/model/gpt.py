@@ -92,7 +92,8 @@ class GPTModel(nn.Module):
         self.config = config
         self.tp_group = parallel_state.tp_group
         self.embedding = EmbeddingLayer(config, self.tp_group, rng_tracker)
-        self.layers = nn.ModuleList(TransformerLayer(config, self.tp_group, i, rng_tracker, sequence_exchange)
+        self.layers = nn.ModuleList(TransformerLayer(config, self.tp_group, i, rng_tracker, sequence_exchange,
+                                                     parallel_state.ep_group)
                                     for i in range(config.num_layers))
         self.final_layernorm = FinalLayerNorm(config, self.tp_group)
         self.output_layer = None if config.tied_embeddings else OutputLayer(config, self.tp_group)

@@ -21,6 +21,7 @@ hp = np * hn, f ffn hidden size, fp = f / tp, v / vp vocabulary (per partition).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.model.attention import KVCache, SelfAttention, SequenceExchange
 from megatron.model.initialization import normal_init, output_layer_std, params_torch_dtype
+from megatron.model.moe.layer import MoELayer
 from megatron.model.norm import Norm
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.random import sequence_parallel_dropout
@@ -63,9 +65,9 @@ class ParallelMLP(nn.Module):
     weight. (A [gate; up] stack, Megatron's per-rank layout, would merge wrongly.)
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0):
+    def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, init_prefix: Optional[str] = None):
         super().__init__()
-        prefix = f"layers.{layer_number}.mlp"
+        prefix = init_prefix or f"layers.{layer_number}.mlp"  # the weights' names: their init streams
         self.swiglu = config.swiglu
         width = 2 * config.ffn_size if config.swiglu else config.ffn_size
         sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
@@ -90,6 +92,17 @@ class ParallelMLP(nn.Module):
         return output
 
 
+def _mlp(config: ModelConfig, tp_group, ep_group, layer_number: int) -> nn.Module:
+    moe = config.moe
+    if moe is None or not moe.is_moe_layer(layer_number):
+        return ParallelMLP(config, tp_group, layer_number)
+    shared = None
+    if moe.shared_expert_intermediate_size is not None:
+        shared_config = dataclasses.replace(config, ffn_hidden_size=moe.shared_expert_intermediate_size)
+        shared = ParallelMLP(shared_config, tp_group, layer_number, init_prefix=f"layers.{layer_number}.mlp.shared_expert")
+    return MoELayer(config, tp_group, ep_group, layer_number, shared_expert=shared)
+
+
 class TransformerLayer(nn.Module):
     """One pre-norm decoder layer, tensor-parallel over ``tp_group``.
 
@@ -102,12 +115,16 @@ class TransformerLayer(nn.Module):
         rng_tracker: optional ``RNGStatesTracker`` for attention dropout (see SelfAttention) and, with
             sequence parallelism, the hidden dropout (required then if the dropout is not 0).
         sequence_exchange: DeepSpeed-Ulysses' ``SequenceExchange`` for the attention (None: no Ulysses).
+        ep_group: the expert-model-parallel group of an MoE layer's experts (None: all of them here).
+
+    The MLP is ``ParallelMLP``, or ``MoELayer`` in the layers ``config.moe`` marks (its shared expert, if any, a
+    ParallelMLP of width ``moe.shared_expert_intermediate_size`` named ``mlp.shared_expert``).
 
     Parameters are created in fp32, initialized, then cast to ``config.params_dtype``.
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, rng_tracker=None,
-                 sequence_exchange: Optional[SequenceExchange] = None):
+                 sequence_exchange: Optional[SequenceExchange] = None, ep_group=None):
         super().__init__()
         config.validate(group_size(tp_group))
         if not isinstance(layer_number, int) or not 0 <= layer_number < config.num_layers:
@@ -121,7 +138,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = Norm(config, tp_group)
         self.self_attention = SelfAttention(config, tp_group, layer_number, rng_tracker, sequence_exchange)
         self.post_attention_layernorm = Norm(config, tp_group)
-        self.mlp = ParallelMLP(config, tp_group, layer_number)
+        self.mlp = _mlp(config, tp_group, ep_group, layer_number)
         zero_biases(self)
         self.to(params_torch_dtype(config))
 

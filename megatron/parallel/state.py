@@ -18,6 +18,12 @@ Megatron-DeepSpeed. With sp = 1 the layout is the one above. The sequence-data-p
 state when sp > 1: every SP rank holds the same weights and sees other tokens of the same samples.
 Groups are handed to layers explicitly; nothing here reads globals or the environment.
 
+Expert parallelism (``--expert-model-parallel-size``, ep) is carved from the data-parallel ranks, as in
+Megatron-LM and DeepSpeed: of the dp ranks of one (pipe, seq, model) coordinate, ranks d = e * ep + i
+(i < ep) form an expert-model-parallel group (consecutive data ranks; each holds 1/ep of every MoE layer's
+experts and they exchange tokens all-to-all), and ranks d = j * ep + i (j < dp / ep) of one i form the
+expert-data-parallel group (the same experts on other data: where their gradients are averaged).
+
 A group of ``None`` everywhere in ``megatron.parallel`` means "no parallelism on this axis"
 (size 1, collectives are the identity), never the default WORLD group.
 """
@@ -57,6 +63,9 @@ class GroupLayout:
     sp: int = 1                  # DeepSpeed-Ulysses sequence-parallel size
     sequence: list[list[int]] = dataclasses.field(default_factory=list)       # one per (pipe, data, model)
     sequence_data: list[list[int]] = dataclasses.field(default_factory=list)  # one per (pipe, model): dp x sp
+    ep: int = 1                  # expert-model-parallel size (divides dp)
+    expert: list[list[int]] = dataclasses.field(default_factory=list)         # ep consecutive data ranks
+    expert_data: list[list[int]] = dataclasses.field(default_factory=list)    # dp / ep ranks, stride ep
 
     @property
     def world_size(self) -> int:
@@ -93,9 +102,22 @@ def _check_sizes(tp: int, pp: int, dp: int, world_size: Optional[int], sp: int =
             f"the number of processes")
 
 
-def group_layout(tp: int, pp: int, dp: int, sp: int = 1) -> GroupLayout:
-    """Every group's ranks for the layout, in PipeModelDataParallelTopology's order (SP between data and model)."""
+def _check_expert_size(dp: int, sp: int, ep: int) -> None:
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"expert-model-parallel size must be a positive integer, got {ep!r}")
+    if dp % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp}: expert "
+                         f"parallelism is carved from the data-parallel ranks; use a divisor of {dp}")
+    if ep > 1 and sp > 1:
+        raise ValueError(f"--expert-model-parallel-size {ep} with DeepSpeed-Ulysses (--ds-sequence-parallel-size "
+                         f"{sp}) is not supported; use one of the two")
+
+
+def group_layout(tp: int, pp: int, dp: int, sp: int = 1, ep: int = 1) -> GroupLayout:
+    """Every group's ranks for the layout, in PipeModelDataParallelTopology's order (SP between data and model;
+    EP within data)."""
     _check_sizes(tp, pp, dp, None, sp)
+    _check_expert_size(dp, sp, ep)
     rank = lambda p, d, s, t: ((p * dp + d) * sp + s) * tp + t  # noqa: E731  (GroupLayout.rank_of's formula)
     P, D, S, T = range(pp), range(dp), range(sp), range(tp)
     tensor = [[rank(p, d, s, t) for t in T] for p in P for d in D for s in S]
@@ -105,7 +127,11 @@ def group_layout(tp: int, pp: int, dp: int, sp: int = 1) -> GroupLayout:
     embedding = [sorted({ranks[0], ranks[-1]}) for ranks in pipeline]
     sequence = [[rank(p, d, s, t) for s in S] for p in P for d in D for t in T]
     sequence_data = [[rank(p, d, s, t) for d in D for s in S] for p in P for t in T]
-    return GroupLayout(tp, pp, dp, tensor, pipeline, data, model, embedding, sp, sequence, sequence_data)
+    E, J = range(ep), range(dp // ep)
+    expert = [[rank(p, j * ep + i, s, t) for i in E] for p in P for s in S for t in T for j in J]
+    expert_data = [[rank(p, j * ep + i, s, t) for j in J] for p in P for s in S for t in T for i in E]
+    return GroupLayout(tp, pp, dp, tensor, pipeline, data, model, embedding, sp, sequence, sequence_data, ep,
+                       expert, expert_data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +151,8 @@ class ParallelState:
     embedding_group: Optional[object] = None  # first + last stage (tied embedding); None if not a member
     sp_group: Optional[object] = None         # DeepSpeed-Ulysses sequence-parallel group (slices of one sample)
     sp_data_group: Optional[object] = None    # dp x sp ranks of one (pipe, model) coordinate (gradients, ZeRO)
+    ep_group: Optional[object] = None         # expert-model-parallel group (token all-to-all)
+    expert_dp_group: Optional[object] = None  # expert-data-parallel group (the experts' gradients)
 
     # ---- sizes and coordinates -------------------------------------------------------------
     @property
@@ -142,6 +170,14 @@ class ParallelState:
     @property
     def sp_size(self) -> int:
         return self.layout.sp
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep_size
 
     @property
     def world_size(self) -> int:
@@ -178,8 +214,8 @@ class ParallelState:
         return cls(layout=group_layout(1, 1, 1), rank=0)
 
     @classmethod
-    def create(cls, tp: int, pp: int, dp: Optional[int] = None, backend: Optional[str] = None, sp: int = 1
-               ) -> "ParallelState":
+    def create(cls, tp: int, pp: int, dp: Optional[int] = None, backend: Optional[str] = None, sp: int = 1,
+               ep: int = 1) -> "ParallelState":
         """Create the groups over the initialized world. ``dp`` defaults to world / (tp * pp * sp).
 
         Collective: every rank of the world must call it with the same sizes.
@@ -197,7 +233,7 @@ class ParallelState:
                     f"would not be a whole number")
             dp = world_size // (tp * pp * sp)
         _check_sizes(tp, pp, dp, world_size, sp)
-        layout = group_layout(tp, pp, dp, sp)
+        layout = group_layout(tp, pp, dp, sp, ep)
         rank = dist.get_rank()
 
         def mine(all_ranks: list[list[int]]):
@@ -214,13 +250,15 @@ class ParallelState:
                    tp_group=mine(layout.tensor), pp_group=mine(layout.pipeline),
                    dp_group=mine(layout.data), model_group=mine(layout.model),
                    embedding_group=mine(layout.embedding), sp_group=mine(layout.sequence),
-                   sp_data_group=mine(layout.sequence_data))
+                   sp_data_group=mine(layout.sequence_data),
+                   ep_group=mine(layout.expert) if ep > 1 else None,
+                   expert_dp_group=mine(layout.expert_data) if ep > 1 else None)
 
     def destroy(self) -> None:
         """Destroy the groups this rank holds (the default group is left to the caller)."""
         seen = set()
         for group in (self.tp_group, self.pp_group, self.dp_group, self.model_group,
-                      self.embedding_group, self.sp_group, self.sp_data_group):
+                      self.embedding_group, self.sp_group, self.sp_data_group, self.ep_group, self.expert_dp_group):
             if group is not None and id(group) not in seen:
                 seen.add(id(group))
                 dist.destroy_process_group(group)
@@ -228,4 +266,5 @@ class ParallelState:
     def __repr__(self) -> str:
         return (f"ParallelState(rank={self.rank}, tp={self.tp_rank}/{self.tp_size}, "
                 f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}"
-                + (f", sp={self.sp_rank}/{self.sp_size})" if self.sp_size > 1 else ")"))
+                + (f", sp={self.sp_rank}/{self.sp_size}" if self.sp_size > 1 else "")
+                + (f", ep={self.ep_rank}/{self.ep_size})" if self.ep_size > 1 else ")"))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron.config import RunConfig
 from megatron.engine.timers import PhaseTimers, time_optimizer_inner_step
+from megatron.model.moe import set_aux_loss_scale
 from megatron.training.exit import ExitMonitor
 from megatron.training.guards import LossGuard
 from megatron.training.metrics import TrainingLogger, current_device_name, peak_tflops_for_device, throughput_metrics
@@ -55,9 +56,12 @@ class Trainer:
                  logger: TrainingLogger, exit_monitor: ExitMonitor, progress: Progress,
                  save_fn: Optional[Callable[[Progress], None]] = None,
                  sync_fn: Optional[Callable[[], None]] = None, world_size: int = 1,
-                 harness_fn: Optional[Callable[[], dict]] = None):
+                 harness_fn: Optional[Callable[[], dict]] = None,
+                 moe_stats_fn: Optional[Callable[[], dict[str, float]]] = None):
         self.rc = rc
         self.engine = engine
+        self.moe_stats_fn = moe_stats_fn  # collective, after every trained iteration (megatron.model.moe.stats)
+        self.moe_stats: dict[str, float] = {}
         self.lr_scheduler = lr_scheduler
         self.microbatches = microbatches
         self.train_iterator = train_iterator
@@ -124,12 +128,17 @@ class Trainer:
         iteration = self.progress.iteration + 1
         if self._in_skip_range(iteration):
             self._skip_data()
+            self.moe_stats = {}
             self.lr_scheduler.step(gbs)  # the schedule follows consumed samples, trained on or not
             record = IterationRecord(iteration, float("nan"), None, self.lr_scheduler.get_lr(), gbs, True)
         else:
+            # MoE balancing losses get the gradient the language-model loss gets: 1 / micro-batches per step
+            set_aux_loss_scale(self.engine.module, 1.0 / self.engine.gradient_accumulation_steps())
             with self.timers("train-batch", 1):
                 loss = self.engine.train_batch(self.train_iterator)
                 loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)
+            if self.moe_stats_fn is not None:
+                self.moe_stats = self.moe_stats_fn()
             applied = self.engine.was_step_applied()
             grad_norm = self.engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None else None
@@ -200,7 +209,8 @@ class Trainer:
                              consumed_tokens=self.progress.consumed_tokens, elapsed_ms_per_iter=ms, lr=last.lr,
                              global_batch_size=last.global_batch_size, loss=loss, grad_norm=last.grad_norm,
                              skipped=self.progress.skipped_iterations, nan_iters=self.progress.nonfinite_iterations,
-                             seq_length=self.rc.data.seq_length, world_size=self.world_size, timers=timers_text)
+                             seq_length=self.rc.data.seq_length, world_size=self.world_size, timers=timers_text,
+                             moe=self.moe_stats)
 
     def _report_instruments(self, iteration: int, num_iterations: int) -> str:
         """Timers across ranks (a collective, every rank) and memory to TensorBoard; the log line's part."""
@@ -241,6 +251,7 @@ class Trainer:
                 self.logger.scalars(iteration=it, consumed_samples=self.progress.consumed_samples,
                                     consumed_tokens=self.progress.consumed_tokens, loss=record.loss, lr=record.lr,
                                     global_batch_size=record.global_batch_size, grad_norm=record.grad_norm)
+                self.logger.write_scalars(self.moe_stats, it)
             if it % log_interval == 0:
                 self._log(pending, time.time() - window_start)
                 pending, window_start = [], time.time()

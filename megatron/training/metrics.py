@@ -83,7 +83,7 @@ class TrainingLogger:
                  elapsed_ms_per_iter: float, lr: float, global_batch_size: int, loss: float,
                  grad_norm: Optional[float], skipped: int, nan_iters: int, seq_length: int,
                  tflops_per_gpu: float, world_size: int, model_tflops_per_gpu: Optional[float] = None,
-                 mfu: Optional[float] = None, timers: str = "") -> str:
+                 mfu: Optional[float] = None, timers: str = "", moe: Optional[dict[str, float]] = None) -> str:
         samples_per_s = global_batch_size / (elapsed_ms_per_iter / 1000.0) if elapsed_ms_per_iter > 0 else 0.0
         tokens_per_s = samples_per_s * seq_length
         line = (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:12d} | "
@@ -97,6 +97,10 @@ class TrainingLogger:
             line += f" model TFLOPs: {model_tflops_per_gpu:.3g} |"
         if mfu is not None:
             line += f" MFU: {100 * mfu:.1f}% |"
+        if moe:  # the last iteration's MoE statistics (megatron.model.moe.stats)
+            loads = [v for tag, v in moe.items() if tag.endswith("/load-max-over-mean")]
+            line += (f" moe aux loss: {moe['moe/aux-loss']:.4E} | moe z loss: {moe['moe/z-loss']:.4E} | "
+                     f"moe load max/mean: {max(loads):.3f} | moe dropped fraction: {moe['moe/dropped-fraction']:.4f} |")
         line += timers  # --timing-log-level: megatron.training.timing.format_timers
         self.print_fn(line, flush=True)
         if self.log_timers and self.writer is not None:

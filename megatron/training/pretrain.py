@@ -30,6 +30,8 @@ from megatron.engine.checks import check_finite_after_load
 from megatron.engine.deepspeed_compat import checkpoint_loading
 from megatron.engine.initialize import build_engine, init_deepspeed_comm
 from megatron.engine.optimizer import sync_tp_duplicated
+from megatron.model.moe import update_expert_biases
+from megatron.model.moe.stats import iteration_stats as moe_iteration_stats
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState
 from megatron.training.batches import gpt_micro_batch
@@ -95,9 +97,13 @@ def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> d
     """Saved by DeepSpeed with the weights (in mp_rank_XX_model_states.pt): what a resume restores, and
     Megatron's own top-level keys ('args', 'checkpoint_version'; 'iteration' is added by the writer)."""
     counters = dataclasses.asdict(progress)
-    return {"progress": counters, "lr_scheduler": lr_scheduler.state_dict(), "rng": training_io.rng_state(tracker),
-            UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(rc.model, rc.deepspeed_engine),
-            "args": run_state.megatron_args(rc, counters), "checkpoint_version": run_state.MEGATRON_CHECKPOINT_VERSION}
+    state = {"progress": counters, "lr_scheduler": lr_scheduler.state_dict(), "rng": training_io.rng_state(tracker),
+             "args": run_state.megatron_args(rc, counters), "checkpoint_version": run_state.MEGATRON_CHECKPOINT_VERSION}
+    # MoE: no universal checkpoints yet (--universal-checkpoint is refused), and model.layout's one-layer stand-in
+    # cannot describe a --moe-layer-freq pattern
+    if rc.model.moe is None:
+        state[UNIVERSAL_CHECKPOINT_INFO] = universal_checkpoint_info(rc.model, rc.deepspeed_engine)
+    return state
 
 
 def pretrain(rc: RunConfig) -> PretrainResult:
@@ -125,7 +131,7 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
     except ValueError as error:
         raise on_every_rank(error)
     state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                 sp=p.ds_sequence_parallel_size)
+                                 sp=p.ds_sequence_parallel_size, ep=p.expert_model_parallel_size)
     tracker = set_seeds(rc.training.seed, state)
 
     datasets = build_datasets(rc)
@@ -150,14 +156,21 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
                                           rc.checkpoint.keep_last_n_checkpoints)
         print_rank_0(f"saved checkpoint {os.path.join(rc.checkpoint.save, tag)}")
 
-    sync = (lambda: sync_tp_duplicated(engine.module, state.tp_group)) if t.sync_tp_duplicated_parameters else None
+    def after_step() -> None:
+        if t.sync_tp_duplicated_parameters:
+            sync_tp_duplicated(engine.module, state.tp_group)
+        update_expert_biases(engine.module, state.dp_group)  # MoE routers' biases: counts summed over all DP ranks
+
     monitor = ExitMonitor(exit_interval=rc.exit.exit_interval, exit_duration_in_mins=rc.exit.exit_duration_in_mins,
                           kill_switch_path=rc.exit.kill_switch_path, start_time=start)
     trainer = Trainer(rc, engine, lr_scheduler=lr_scheduler,
                       microbatches=build_num_microbatches_calculator(rc.batch, state.dp_size),
                       train_iterator=train_iter, valid_iterators=valid_iters, logger=logger, exit_monitor=monitor,
-                      progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=sync,
-                      world_size=dist.get_world_size(), harness_fn=_live_harness(rc, engine, state))
+                      progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=after_step,
+                      world_size=dist.get_world_size(), harness_fn=_live_harness(rc, engine, state),
+                      moe_stats_fn=None if rc.model.moe is None else (
+                          lambda: moe_iteration_stats(engine.module, rc.model.moe, rc.model.num_layers, state.dp_group,
+                                                      state.pp_group)))
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
                  f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "
                  f"PP={state.pp_size} DP={state.dp_size}"

@@ -7,6 +7,7 @@ import re
 import deepspeed
 import pytest
 import torch
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
 from megatron.engine import deepspeed_compat
 from tests.helpers.paths import REPO_ROOT
@@ -31,6 +32,9 @@ WORKAROUNDS = {
     "universal_tp_restore": lambda: deepspeed_compat.universal_tp_restore([], 2, None).__enter__(),
     "bf16_stage_0": lambda: deepspeed_compat.check_bf16_stage_0(0, True),
     "zero3_ulysses_average": lambda: deepspeed_compat.check_zero3_ulysses(3, 2),
+    "expert_parallel": lambda: deepspeed_compat.moe_marker(4, "megatron_ep_size_2"),
+    "moe_checkpoint": lambda: deepspeed_compat.plain_checkpoint_files(None).__enter__(),
+    "expert_tp_grad_norm": lambda: deepspeed_compat.count_expert_grads_once(object.__new__(BF16_Optimizer), 1),
 }
 
 
@@ -69,3 +73,40 @@ def test_mending_gives_each_group_its_hyperparameters_and_a_step_of_its_own():
     assert steps[0] is not steps[1] and [float(s) for s in steps] == [5.0, 5.0]
     steps[0].add_(1)  # Adam counting one group's step leaves the other's
     assert float(steps[1]) == 5.0
+
+
+def test_deepspeed_reads_the_expert_groups_marks_and_marker_as_its_own_moe():
+    """What expert parallelism relies on (workaround ``expert_parallel``), read back through DeepSpeed's own
+    accessors: the registered groups, the parameter mark, the marker's type. That the engine then turns on its MoE
+    paths is checked by ``check_moe_engine`` in every EP run (tests/training/test_moe.py)."""
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+
+    ep_group, expert_data_group, name = object(), object(), "megatron_ep_size_test"
+    deepspeed_compat.register_expert_groups(name, ep_group, expert_data_group)
+    try:
+        assert groups._get_expert_parallel_group(name) is ep_group
+        assert groups._get_expert_data_parallel_group(name) is expert_data_group
+        assert groups._get_expert_data_parallel_group_dict()[name] is expert_data_group
+    finally:
+        del groups._EXPERT_PARALLEL_GROUP[name], groups._EXPERT_DATA_PARALLEL_GROUP[name]
+    param, plain = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    deepspeed_compat.mark_moe_parameter(param, name)
+    assert deepspeed_compat.is_moe_parameter(param) and not deepspeed_compat.is_moe_parameter(plain)
+    assert param.group_name == name
+    marker = deepspeed_compat.moe_marker(4, name)
+    assert isinstance(marker, MoE) and not list(marker.parameters()) and not list(marker.buffers())
+    assert (marker.num_experts, marker.expert_group_name) == (4, name)
+
+
+def test_an_engine_without_the_moe_paths_is_refused_naming_what_to_recheck():
+    from deepspeed.utils import groups
+
+    name = "megatron_ep_size_test"
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = object()
+    try:
+        engine = type("Engine", (), {"has_moe_layers": False, "expert_data_parallel_group": {}})()
+        with pytest.raises(RuntimeError, match="has_moe_layers"):
+            deepspeed_compat.check_moe_engine(engine, name)
+    finally:
+        del groups._EXPERT_DATA_PARALLEL_GROUP[name]

@@ -1,0 +1,112 @@
+"""The mixture-of-experts flags (one argument group) and their step: Megatron-LM's names, with
+Megatron-DeepSpeed's spellings accepted where they mean the same thing (``--moe-expert-parallel-size``,
+``--topk``, ``--moe-loss-coeff``, ``--moe-train-capacity-factor``) and refused by name where they do not
+(``--mlp-type residual``, several expert counts for ``--num-experts``).
+"""
+
+from __future__ import annotations
+
+from megatron.config.moe import SCORE_FUNCTIONS, TOKEN_DROP_POLICIES, MoEConfig, parse_layer_freq
+
+__all__ = ["add_moe_arguments", "resolve_moe"]
+
+# Megatron-DeepSpeed's MoE flags with no equivalent here -> what to use instead.
+REFUSED = {
+    "--moe-eval-capacity-factor": "evaluation routes with the training capacity (--moe-expert-capacity-factor)",
+    "--moe-min-capacity": "the capacity is ceil(tokens x topk / experts x --moe-expert-capacity-factor), no minimum",
+    "--expert-interval": "choose the MoE layers with --moe-layer-freq (an interval or a 0/1 pattern)",
+    "--use-tutel": "Tutel's kernels are not used; the experts run as batched matmuls",
+    "--moe-top2-2nd-expert-sampling": "the second expert is the second-best by score, never sampled",
+}
+
+
+def add_moe_arguments(parser) -> None:
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, nargs="+", default=None,
+                   help="Routed experts per MoE layer (unset: dense MLPs). Megatron-DeepSpeed's list form is "
+                        "accepted with one value; its 1 means dense, as there.")
+    g.add_argument("--expert-model-parallel-size", "--moe-expert-parallel-size", dest="expert_model_parallel_size",
+                   type=int, default=1,
+                   help="Ranks each MoE layer's experts are split over (carved from the data-parallel ranks: must "
+                        "divide the data-parallel size and --num-experts); tokens travel by all-to-all. Default 1.")
+    g.add_argument("--moe-layer-freq", default="1",
+                   help="Which layers are MoE: an int N (every N-th layer, from layer 0) or one 0/1 per layer, "
+                        "e.g. '([0]*1+[1]*3)' for DeepSeek-V3-style dense first layers. Default 1: all.")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="Each expert's MLP width. Default: --ffn-hidden-size.")
+    g.add_argument("--moe-router-topk", "--topk", dest="moe_router_topk", type=int, default=2,
+                   help="Experts per token (--topk is Megatron-DeepSpeed's name). Default 2.")
+    g.add_argument("--moe-router-score-function", default="softmax", choices=SCORE_FUNCTIONS,
+                   help="Router scores: softmax over the experts, or a sigmoid per expert (DeepSeek-V3).")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="Softmax scores: weight the chosen experts by the full softmax's values instead of "
+                        "renormalising them over the top k.")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="Multiply the top-k weights by this (DeepSeek-V3: 2.5).")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="Group-limited routing: the experts form this many groups ...")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="... and each token chooses only within its this-many best groups.")
+    g.add_argument("--moe-aux-loss-coeff", "--moe-loss-coeff", dest="moe_aux_loss_coeff", type=float, default=0.0,
+                   help="Load-balancing (Switch) loss coefficient (--moe-loss-coeff: Megatron-DeepSpeed's). Default 0.")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=0.0, help="Router z-loss coefficient. Default 0.")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the choice "
+                        "only, moved after each step towards balance.")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="How far the expert bias moves per step (by the sign of the load's deviation).")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="Width of an always-on shared expert beside the routed ones. Default: none.")
+    g.add_argument("--moe-expert-capacity-factor", "--moe-train-capacity-factor", dest="moe_expert_capacity_factor",
+                   type=float, default=None,
+                   help="Drop the choices beyond ceil(tokens x topk / experts x factor) per expert and micro-batch. "
+                        "Default: dropless.")
+    g.add_argument("--moe-token-drop-policy", default="probs", choices=TOKEN_DROP_POLICIES,
+                   help="Which choices an expert over capacity keeps: its highest-weight ones, or the first ones.")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="Accepted for Megatron-LM compatibility: each rank's experts always run as one batched "
+                        "matmul per weight.")
+    g.add_argument("--mlp-type", default="standard", choices=("standard", "residual"),
+                   help="Megatron-DeepSpeed's PR-MoE 'residual' is not supported (use "
+                        "--moe-shared-expert-intermediate-size for an always-on dense MLP beside the experts).")
+    g.add_argument("--disable-moe-token-dropping", action="store_true",
+                   help="Megatron-DeepSpeed's flag for dropless routing, the default here (no capacity factor).")
+    g.add_argument("--create-moe-param-group", action="store_true",
+                   help="Accepted for Megatron-DeepSpeed compatibility: with expert parallelism the experts always "
+                        "have optimizer groups of their own.")
+    for flag in REFUSED:
+        g.add_argument(flag, default=None, help=f"Megatron-DeepSpeed's; refused here: {REFUSED[flag]}.")
+
+
+def resolve_moe(args) -> None:
+    """``args.moe``: the MoEConfig the flags describe (None: dense), or ValueError for flags meaning what is not
+    here."""
+    if args.mlp_type == "residual":
+        raise ValueError("--mlp-type residual (Megatron-DeepSpeed's PR-MoE: a dense MLP mixed with the experts by a "
+                         "learned coefficient) is not supported; use --moe-shared-expert-intermediate-size for a "
+                         "dense shared expert added to the routed ones")
+    given = [flag for flag in REFUSED if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if given:
+        raise ValueError("; ".join(f"{flag} is not supported: {REFUSED[flag]}" for flag in given))
+    if args.disable_moe_token_dropping and args.moe_expert_capacity_factor is not None:
+        raise ValueError(f"--disable-moe-token-dropping contradicts --moe-expert-capacity-factor "
+                         f"{args.moe_expert_capacity_factor} (--moe-train-capacity-factor); drop one")
+    counts = args.num_experts
+    if counts is not None and len(counts) > 1:
+        raise ValueError(f"--num-experts {' '.join(map(str, counts))}: per-layer expert counts (Megatron-DeepSpeed's "
+                         f"list form) are not supported; give one count and choose the MoE layers with "
+                         f"--moe-layer-freq")
+    if counts is None or counts[0] == 1:
+        args.moe = None
+        return
+    args.moe = MoEConfig(
+        num_experts=counts[0], layer_pattern=parse_layer_freq(args.moe_layer_freq, args.num_layers),
+        ffn_hidden_size=args.moe_ffn_hidden_size, router_topk=args.moe_router_topk,
+        router_score_function=args.moe_router_score_function, router_pre_softmax=args.moe_router_pre_softmax,
+        router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        router_num_groups=args.moe_router_num_groups, router_group_topk=args.moe_router_group_topk,
+        aux_loss_coeff=args.moe_aux_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
+        router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        router_bias_update_rate=args.moe_router_bias_update_rate,
+        shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        expert_capacity_factor=args.moe_expert_capacity_factor, token_drop_policy=args.moe_token_drop_policy)

@@ -1,0 +1,147 @@
+"""MoEConfig: the mixture-of-experts MLP (what replaces the dense MLP in chosen layers), and the run rules it adds.
+
+Field names follow Megatron-LM's flags (``--num-experts``, ``--moe-router-topk``, ...) without the ``moe_``
+prefix; ``megatron.arguments.moe`` maps the flags (and Megatron-DeepSpeed's spellings) onto them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron.config._checks import _positive
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+TOKEN_DROP_POLICIES = ("probs", "position")
+
+
+def parse_layer_freq(value: str, num_layers: int) -> tuple[bool, ...]:
+    """Megatron-LM's ``--moe-layer-freq``: an int N (layer i is MoE when i % N == 0) or a pattern with one 0/1 per
+    layer, written as a list (``[0,1,1,1]``) or as sums of repeated lists (``([0]*1+[1]*3)``, DeepSeek-V3's dense
+    first layers). No eval: only those two forms are read."""
+    text = str(value).replace(" ", "")
+    if text.isdigit():
+        every = int(text)
+        if every < 1:
+            raise ValueError(f"--moe-layer-freq {value!r}: an interval must be >= 1")
+        return tuple(i % every == 0 for i in range(num_layers))
+    if text.startswith("(") and text.endswith(")"):
+        text = text[1:-1]
+    pattern: list[int] = []
+    for term in text.split("+"):
+        body, _, times = term.partition("*")
+        if not (body.startswith("[") and body.endswith("]")) or (times and not times.isdigit()):
+            raise ValueError(f"--moe-layer-freq {value!r} is neither an int nor a pattern like '[0,1,1]' or "
+                             f"'([0]*1+[1]*3)'")
+        items = [item for item in body[1:-1].split(",") if item]
+        if any(item not in ("0", "1") for item in items):
+            raise ValueError(f"--moe-layer-freq {value!r}: a pattern holds only 0 (dense) and 1 (MoE)")
+        pattern += [int(item) for item in items] * (int(times) if times else 1)
+    if len(pattern) != num_layers:
+        raise ValueError(f"--moe-layer-freq {value!r} gives {len(pattern)} layers but --num-layers is {num_layers}; "
+                         f"write one 0/1 per layer")
+    return tuple(bool(item) for item in pattern)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Top-k routed experts replacing the dense MLP of the layers ``layer_pattern`` marks.
+
+    Routing (per token): scores = softmax(logits) or sigmoid(logits) over the experts (fp32); the top-k experts by
+    scores (+ ``expert_bias`` when enabled; within the ``router_group_topk`` best of ``router_num_groups`` groups
+    when set) are chosen; their weights are the chosen scores, normalised to sum 1 (softmax unless
+    ``router_pre_softmax``; sigmoid when k > 1), times ``router_topk_scaling_factor``.
+    """
+
+    num_experts: int
+    layer_pattern: tuple[bool, ...]          # one per layer: True = MoE MLP, False = dense MLP
+    ffn_hidden_size: Optional[int] = None    # each expert's width; None: the dense MLP's
+    router_topk: int = 2
+    router_score_function: str = "softmax"   # softmax | sigmoid
+    router_pre_softmax: bool = False         # softmax: weights are the full softmax's values (not renormalised)
+    router_topk_scaling_factor: Optional[float] = None
+    router_num_groups: Optional[int] = None  # group-limited routing: experts split in this many groups ...
+    router_group_topk: Optional[int] = None  # ... of which each token may use this many (DeepSeek-V3: 8, 4)
+    aux_loss_coeff: float = 0.0              # Switch / GShard load-balancing loss
+    z_loss_coeff: float = 0.0                # ST-MoE router z-loss
+    router_enable_expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3): a per-expert routing bias
+    router_bias_update_rate: float = 1e-3    # ... moved by this much, by sign, after each optimizer step
+    shared_expert_intermediate_size: Optional[int] = None  # an always-on dense MLP beside the experts
+    expert_capacity_factor: Optional[float] = None  # None: dropless; else each expert takes at most
+                                             # ceil(tokens * k / experts * factor) tokens per micro-batch
+    token_drop_policy: str = "probs"         # probs: keep each expert's highest-weight tokens | position: first ones
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        return self.layer_pattern[layer_number]
+
+    def validate(self, num_layers: int) -> "MoEConfig":
+        _positive("--num-experts", self.num_experts)
+        _positive("--moe-router-topk", self.router_topk)
+        _positive("--moe-ffn-hidden-size", self.ffn_hidden_size, allow_none=True)
+        _positive("--moe-shared-expert-intermediate-size", self.shared_expert_intermediate_size, allow_none=True)
+        if len(self.layer_pattern) != num_layers or not any(self.layer_pattern):
+            raise ValueError(f"--moe-layer-freq marks {sum(self.layer_pattern)} of {len(self.layer_pattern)} layers "
+                             f"as MoE for --num-layers {num_layers}; mark at least one, one entry per layer")
+        if self.router_topk > self.num_experts:
+            raise ValueError(f"--moe-router-topk {self.router_topk} is larger than --num-experts {self.num_experts}; "
+                             f"route each token to at most {self.num_experts} experts")
+        if self.router_score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"--moe-router-score-function {self.router_score_function!r} is not one of "
+                             f"{', '.join(SCORE_FUNCTIONS)}")
+        if self.token_drop_policy not in TOKEN_DROP_POLICIES:
+            raise ValueError(f"--moe-token-drop-policy {self.token_drop_policy!r} is not one of "
+                             f"{', '.join(TOKEN_DROP_POLICIES)}")
+        if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
+            raise ValueError(f"--moe-expert-capacity-factor must be positive (or unset for dropless routing), "
+                             f"got {self.expert_capacity_factor}")
+        for name in ("aux_loss_coeff", "z_loss_coeff", "router_bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--moe-{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        self._validate_groups()
+        return self
+
+    def _validate_groups(self) -> None:
+        groups, group_topk, e, k = self.router_num_groups, self.router_group_topk, self.num_experts, self.router_topk
+        if groups is None and group_topk is None:
+            return
+        if groups is None or group_topk is None:
+            raise ValueError("group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk "
+                             f"(got {groups} and {group_topk})")
+        _positive("--moe-router-num-groups", groups)
+        _positive("--moe-router-group-topk", group_topk)
+        if e % groups or group_topk > groups:
+            raise ValueError(f"--moe-router-num-groups {groups} must divide --num-experts {e} and be >= "
+                             f"--moe-router-group-topk {group_topk}")
+        if k % group_topk or k > group_topk * (e // groups):
+            raise ValueError(f"--moe-router-topk {k} must be a multiple of --moe-router-group-topk {group_topk} and "
+                             f"fit in the {group_topk} groups of {e // groups} experts a token may use")
+
+
+def check_moe_run(rc) -> None:
+    """The rules MoE adds across a ``RunConfig``'s settings: the expert-parallel layout, and what does not work
+    with MoE yet (refused by name rather than run wrongly)."""
+    moe, ep = rc.model.moe, rc.parallel.expert_model_parallel_size
+    dp = rc.parallel.data_parallel_size
+    _positive("--expert-model-parallel-size", ep)
+    if moe is None:
+        if ep > 1:
+            raise ValueError(f"--expert-model-parallel-size {ep} needs experts: set --num-experts (a multiple of "
+                             f"{ep}) or drop it")
+        return
+    if moe.num_experts % ep:
+        raise ValueError(f"--num-experts {moe.num_experts} is not divisible by --expert-model-parallel-size {ep}; "
+                         f"each expert-parallel rank holds an equal share: use a divisor of {moe.num_experts}")
+    if dp % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} (world / "
+                         f"(TP x PP)): expert parallelism is carved from the data-parallel ranks; use a divisor of "
+                         f"{dp} or more processes")
+    unsupported = [(rc.checkpoint.universal_checkpoint, "--universal-checkpoint"),
+                   (rc.model.sequence_parallel, "--sequence-parallel"),
+                   (rc.parallel.ds_sequence_parallel_size > 1, "--ds-sequence-parallel-size > 1"),
+                   (rc.precision.zero_stage > 1, "--zero-stage 2 or 3"), (rc.training.torch_compile, "--torch-compile"),
+                   (rc.fp16, "--fp16 (use --bf16)")]
+    named = [name for given, name in unsupported if given]
+    if named:
+        raise ValueError(f"MoE (--num-experts {moe.num_experts}) does not work yet with {', '.join(named)} (not "
+                         f"implemented for MoE models: refused rather than run or written wrongly); drop "
+                         f"{'it' if len(named) == 1 else 'them'}, or train a dense model")

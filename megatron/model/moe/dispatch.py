@@ -1,0 +1,116 @@
+"""Token dispatch and combine: the T * k (token, expert) choices sorted by expert, sent to the ranks holding
+those experts (expert parallelism: an all-to-all over the EP group), and the experts' outputs brought back and
+summed per token with the routing weights.
+
+    dispatch:  tokens [T, h] -> per choice, sorted by expert [N, h] -> all-to-all -> this rank's experts'
+               tokens, grouped by local expert [M, h] (+ counts per local expert)
+    combine:   [M, h] -> all-to-all back -> [N, h] -> out[t] = sum over t's kept choices of weight * y
+
+With a capacity factor, each expert keeps at most C = ceil(T * k / E * factor) of its choices per micro-batch
+(policy ``probs``: its C highest-weight ones; ``position``: the first C in token order, token-major then
+choice); dropped choices add nothing (their weight is not redistributed), as in Megatron-LM.
+
+Shape letters: T tokens, k choices per token, E experts (El = E / ep on this rank), h hidden, N choices this
+rank sends (kept ones), M choices this rank's experts receive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from megatron.config.moe import MoEConfig
+from megatron.model.moe.router import Routing
+from megatron.parallel.all_to_all import all_to_all, all_to_all_counts
+from megatron.parallel.state import group_rank, group_size
+
+__all__ = ["DispatchPlan", "expert_capacity", "kept_choices", "plan_dispatch", "dispatch", "combine", "ep_rank_experts"]
+
+
+def expert_capacity(num_tokens: int, config: MoEConfig) -> Optional[int]:
+    """C, the most choices one expert keeps per micro-batch (None: dropless)."""
+    if config.expert_capacity_factor is None:
+        return None
+    return math.ceil(num_tokens * config.router_topk / config.num_experts * config.expert_capacity_factor)
+
+
+def _rank_within_expert(expert: torch.Tensor, priority: torch.Tensor) -> torch.Tensor:
+    """For each choice: how many choices of the same expert come before it by ``priority`` (lower first)."""
+    by_priority = torch.argsort(priority, stable=True)
+    order = by_priority[torch.argsort(expert[by_priority], stable=True)]  # by expert, then priority
+    counts = torch.bincount(expert)
+    starts = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device) - starts[expert[order]]
+    return rank
+
+
+def kept_choices(routing: Routing, config: MoEConfig) -> torch.Tensor:
+    """[T * k] bool: which choices (token-major) the capacity keeps; all of them when dropless."""
+    expert = routing.expert_index.flatten()
+    capacity = expert_capacity(routing.expert_index.shape[0], config)
+    if capacity is None:
+        return torch.ones_like(expert, dtype=torch.bool)
+    if config.token_drop_policy == "probs":
+        priority = -routing.weight.detach().flatten()
+    else:
+        priority = torch.arange(expert.numel(), device=expert.device, dtype=torch.float32)
+    return _rank_within_expert(expert, priority) < capacity
+
+
+@dataclasses.dataclass
+class DispatchPlan:
+    """Where every kept choice goes and comes back from; built once per forward, read by dispatch and combine."""
+
+    order: torch.Tensor           # [N]: flattened choice indices sorted by expert (kept ones)
+    token: torch.Tensor           # [N]: the token of each sorted choice
+    weight: torch.Tensor          # [N] fp32: its combine weight (differentiable: the router learns through it)
+    send_splits: list[int]        # choices sent to each EP rank
+    recv_splits: list[int]        # choices received from each EP rank
+    local_order: torch.Tensor     # [M]: received rows regrouped by local expert (source rank order within)
+    local_counts: torch.Tensor    # [El]: choices per local expert, in the regrouped order
+
+
+def plan_dispatch(routing: Routing, config: MoEConfig, ep_group=None) -> DispatchPlan:
+    """The plan for ``routing`` on this rank of ``ep_group`` (None: one rank holding every expert)."""
+    num_tokens, k = routing.expert_index.shape
+    ep = group_size(ep_group)
+    local_experts = config.num_experts // ep
+    expert = routing.expert_index.flatten()  # [T * k]
+    keep = kept_choices(routing, config)
+    sort_key = torch.where(keep, expert, torch.full_like(expert, config.num_experts))  # dropped ones last
+    order = torch.argsort(sort_key, stable=True)[:int(keep.sum())]  # [N]
+    counts = torch.bincount(expert[keep], minlength=config.num_experts)  # [E]
+    received = all_to_all_counts(counts.view(ep, local_experts), ep_group)  # [ep, El]: from each source rank
+    # Rows arrive grouped by (source rank, local expert); the experts want them grouped by local expert.
+    local_expert_of_row = torch.arange(local_experts, device=expert.device).repeat(ep).repeat_interleave(
+        received.flatten())  # [M]
+    return DispatchPlan(
+        order=order, token=order // k, weight=routing.weight.flatten()[order],
+        send_splits=counts.view(ep, local_experts).sum(1).tolist(), recv_splits=received.sum(1).tolist(),
+        local_order=torch.argsort(local_expert_of_row, stable=True), local_counts=received.sum(0))
+
+
+def dispatch(tokens: torch.Tensor, plan: DispatchPlan, ep_group=None) -> torch.Tensor:
+    """tokens [T, h] -> this rank's experts' inputs [M, h], grouped by local expert (``plan.local_counts``)."""
+    sent = tokens.index_select(0, plan.token)  # [N, h], sorted by expert
+    received = all_to_all(sent, ep_group, plan.recv_splits, plan.send_splits)  # [M, h] by (source, local expert)
+    return received.index_select(0, plan.local_order)  # [M, h] by local expert
+
+
+def combine(expert_output: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group=None) -> torch.Tensor:
+    """The experts' outputs [M, h] (``dispatch``'s order) -> [T, h]: each token's weighted sum of its choices."""
+    received = torch.empty_like(expert_output).index_copy(0, plan.local_order, expert_output)  # by source
+    back = all_to_all(received, ep_group, plan.send_splits, plan.recv_splits)  # [N, h], sorted by expert
+    weighted = back * plan.weight.to(back.dtype)[:, None]  # [N, h]
+    return back.new_zeros(num_tokens, back.shape[-1]).index_add(0, plan.token, weighted)  # [T, h]
+
+
+def ep_rank_experts(config: MoEConfig, ep_group=None) -> range:
+    """The global indices of the experts this rank of ``ep_group`` holds (a contiguous block)."""
+    local = config.num_experts // group_size(ep_group)
+    start = group_rank(ep_group) * local
+    return range(start, start + local)

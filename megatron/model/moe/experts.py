@@ -1,0 +1,123 @@
+"""This rank's experts as one batched matmul: El MLPs of width f, each h -> f -> h (GeLU) or SwiGLU.
+
+    W1 [El, fp, h] (SwiGLU: [El, 2 fp, h], rows interleaved [fp, 2]: gate, up; as ParallelMLP)
+    W2 [El, h, fp]
+    y = act(x_e W1_e^T + b1_e) W2_e^T + b2_e     for the rows x_e of each local expert e
+
+The rows of all local experts are padded to the largest expert's count and run through ``torch.bmm`` once per
+matrix (``--moe-grouped-gemm``'s intent without a grouped-GEMM kernel; with one local expert there is no
+padding). Tensor parallelism splits every expert along f exactly as the dense MLP is split: the input enters
+through copy-to-TP (backward: all-reduce), the partial outputs are all-reduced before the bias.
+
+Each expert's weights are drawn as the dense MLP's would be, under its own global name
+(``layers.{i}.mlp.experts.{e}.dense_h_to_4h.weight``), full and then sliced: any EP x TP layout starts from the
+same weights. The parameters carry ``expert_parallel = True`` (their gradients are averaged over the
+expert-data-parallel group only) and the TP tags (``partition_dim`` 1 for W1, 2 for W2).
+
+Shape letters: M rows (choices) this rank's experts got, El local experts, C the padded rows per expert,
+h hidden, f expert width, fp = f / tp.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+from megatron.parallel.state import group_rank, group_size
+from megatron.parallel.utils import fp32_empty, set_tensor_model_parallel_attributes
+
+__all__ = ["GroupedExperts", "mark_expert_parallel", "is_expert_parallel"]
+
+
+def mark_expert_parallel(param: torch.Tensor) -> None:
+    param.expert_parallel = True
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    """True for a parameter of one rank's experts (different experts on every EP rank)."""
+    return bool(getattr(param, "expert_parallel", False))
+
+
+def _stacked(full_shape: tuple[int, int], partition_dim: int, tp_group, init_methods: Sequence) -> nn.Parameter:
+    """[El, *shard] from one full fp32 [o, i] weight per expert, each sliced along ``partition_dim`` for this TP
+    rank."""
+    per_partition = full_shape[partition_dim] // group_size(tp_group)
+    start = group_rank(tp_group) * per_partition
+    shards = []
+    for init in init_methods:
+        full = fp32_empty(full_shape)
+        init(full)
+        shards.append(full.narrow(partition_dim, start, per_partition))
+    weight = nn.Parameter(torch.stack(shards))  # [El, ...]
+    set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim + 1)
+    mark_expert_parallel(weight)
+    return weight
+
+
+def _bias(num_experts: int, size: int, split: bool) -> nn.Parameter:
+    bias = nn.Parameter(torch.zeros(num_experts, size))
+    set_tensor_model_parallel_attributes(bias, is_parallel=split, dim=1)
+    mark_expert_parallel(bias)
+    return bias
+
+
+def _padded_rows(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For rows grouped by expert (``counts`` [El]): each row's (expert, slot) in an [El, C] grid, and C."""
+    expert = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)  # [M]
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(expert.numel(), device=counts.device) - starts[expert]  # [M]
+    return expert, slot, int(counts.max()) if counts.numel() else 0
+
+
+class GroupedExperts(nn.Module):
+    """The experts ``expert_ids`` (global indices) of one layer, tensor-parallel over ``tp_group``.
+
+    Args:
+        hidden_size, ffn_size: h and f.
+        expert_ids: the global indices of the experts this rank holds.
+        swiglu: SwiGLU experts (else GeLU, tanh approximation).
+        bias: biases (fc1_bias, fc2_bias) per expert.
+        w1_init, w2_init: ``f(expert_id) -> init_method`` filling a full fp32 [o, i] weight.
+        tp_group: the tensor-parallel group (None: one rank).
+    """
+
+    def __init__(self, hidden_size: int, ffn_size: int, expert_ids: Sequence[int], *, swiglu: bool, bias: bool,
+                 w1_init, w2_init, tp_group=None):
+        super().__init__()
+        self.swiglu, self.tp_group = swiglu, tp_group
+        width = 2 * ffn_size if swiglu else ffn_size
+        self.w1 = _stacked((width, hidden_size), 0, tp_group, [w1_init(e) for e in expert_ids])  # [El, fp, h]
+        self.w2 = _stacked((hidden_size, ffn_size), 1, tp_group, [w2_init(e) for e in expert_ids])  # [El, h, fp]
+        self.fc1_bias = _bias(len(expert_ids), width // group_size(tp_group), True) if bias else None
+        self.fc2_bias = _bias(len(expert_ids), hidden_size, False) if bias else None
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """x [El, C, h] -> partial output [El, C, h] (this TP rank's share of f)."""
+        hidden = torch.bmm(x, self.w1.transpose(1, 2))  # [El, C, fp] (swiglu: [El, C, 2 fp])
+        if self.fc1_bias is not None:
+            hidden = hidden + self.fc1_bias[:, None, :]
+        if self.swiglu:
+            gate, up = hidden.unflatten(-1, (-1, 2)).unbind(-1)  # 2 x [El, C, fp]
+            hidden = F.silu(gate) * up
+        else:
+            hidden = F.gelu(hidden, approximate="tanh")
+        return torch.bmm(hidden, self.w2.transpose(1, 2))  # [El, C, h]
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [M, h] grouped by local expert, ``counts`` [El] rows each -> [M, h]."""
+        rows = copy_to_tensor_model_parallel_region(rows, self.tp_group)
+        if self.w1.shape[0] == 1:
+            out = self._mlp(rows[None])[0]  # [M, h]
+        else:
+            expert, slot, capacity = _padded_rows(counts)
+            grid = rows.new_zeros(self.w1.shape[0], capacity, rows.shape[-1])  # [El, C, h]
+            grid = grid.index_put((expert, slot), rows)
+            out = self._mlp(grid)[expert, slot]  # [M, h]
+        out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
+        if self.fc2_bias is not None:
+            out = out + self.fc2_bias[torch.repeat_interleave(torch.arange(counts.numel(), device=out.device), counts)]
+        return out

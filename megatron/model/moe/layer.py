@@ -1,0 +1,144 @@
+"""MoELayer: the mixture-of-experts MLP, a drop-in for the dense ParallelMLP ([s, b, h] -> [s, b, h]).
+
+    routing = router(x)                                  top-k experts and weights per token (router.py)
+    y = combine(experts(dispatch(x)))                    all-to-all over the EP group and back (dispatch.py)
+      + shared_expert(x)                                 an always-on dense MLP (--moe-shared-expert-...)
+
+The balancing losses (aux, z) are not returned: like Megatron-LM's MoEAuxLossAutoScaler, the layer hands them
+to autograd through its output (``AuxLossScaler``), so they train the router on every pipeline stage without
+travelling with the activations. Their gradient is ``aux_loss_scale`` (set it to 1 / the micro-batches per step
+with ``set_aux_loss_scale``, which is how the language-model loss is scaled), so the optimized objective is
+mean over micro-batches of (lm loss + aux + z). The last values are kept in ``last_aux_loss``; every training
+forward adds its aux and z losses, dropped choices and per-expert load to ``stats`` (read by ``moe.stats``).
+
+Shape letters: s sequence, b micro-batch, h hidden, T = s * b tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.initialization import normal_init, output_layer_std
+from megatron.model.moe.dispatch import combine, dispatch, ep_rank_experts, plan_dispatch
+from megatron.model.moe.experts import GroupedExperts
+from megatron.model.moe.router import TopKRouter, aux_loss, new_expert_bias, z_loss
+from megatron.parallel.state import group_size
+
+__all__ = ["MoELayer", "AuxLossScaler", "set_aux_loss_scale", "update_expert_biases", "moe_layers", "STATS_FIELDS"]
+
+STATS_FIELDS = 5  # forwards, aux loss, z loss, dropped choices, choices; then the load of each expert
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """forward: the output unchanged; backward: the output's gradient, and ``scale`` for the (scalar) loss."""
+
+    @staticmethod
+    def forward(ctx, output, loss, scale):
+        ctx.scale = scale
+        ctx.save_for_backward(loss)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(loss, ctx.scale), None
+
+
+class MoELayer(nn.Module):
+    """Routed experts (this rank's share: ``num_experts / ep`` of them), tensor-parallel over ``tp_group``.
+
+    Args:
+        config: the model configuration (``config.moe`` set).
+        tp_group: the tensor-parallel group (None: one rank).
+        ep_group: the expert-model-parallel group the tokens are exchanged over (None: every expert here).
+        layer_number: 0-based layer index (the weights' names, hence their initial values, depend on it).
+        shared_expert: an always-on MLP added to the experts' output (None: none).
+    """
+
+    def __init__(self, config: ModelConfig, tp_group=None, ep_group=None, layer_number: int = 0,
+                 shared_expert: Optional[nn.Module] = None):
+        super().__init__()
+        moe = config.moe
+        if moe.num_experts % group_size(ep_group):
+            raise ValueError(f"--num-experts {moe.num_experts} is not divisible by --expert-model-parallel-size "
+                             f"{group_size(ep_group)}; use a divisor of the expert count")
+        self.config, self.ep_group = moe, ep_group
+        prefix = f"layers.{layer_number}.mlp"
+        std, seed, out_std = config.init_method_std, config.seed, output_layer_std(config)
+        self.router = TopKRouter(moe, config.hidden_size, normal_init(std, seed, f"{prefix}.router.weight"))
+        self.experts = GroupedExperts(
+            config.hidden_size, config.expert_ffn_size, ep_rank_experts(moe, ep_group), swiglu=config.swiglu,
+            bias=config.add_bias_linear, tp_group=tp_group,
+            w1_init=lambda e: normal_init(std, seed, f"{prefix}.experts.{e}.dense_h_to_4h.weight"),
+            w2_init=lambda e: normal_init(out_std, seed, f"{prefix}.experts.{e}.dense_4h_to_h.weight"))
+        self.shared_expert = shared_expert
+        self.layer_number = layer_number
+        self.aux_loss_scale = 1.0
+        self.last_aux_loss: Optional[torch.Tensor] = None
+        # summed over the training forwards since ``take_stats``: [forwards, aux, z, dropped, choices, load[E]]
+        self.stats = torch.zeros(STATS_FIELDS + moe.num_experts, dtype=torch.float64)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [s, b, h] -> [s, b, h]."""
+        s, b, h = hidden.shape
+        tokens = hidden.reshape(s * b, h)  # [T, h]
+        routing = self.router(tokens)
+        plan = plan_dispatch(routing, self.config, self.ep_group)
+        rows = dispatch(tokens, plan, self.ep_group)  # [M, h]
+        output = combine(self.experts(rows, plan.local_counts), plan, s * b, self.ep_group).view(s, b, h)
+        if self.shared_expert is not None:
+            output = output + self.shared_expert(hidden)
+        if not self.training:
+            return output
+        aux, z = aux_loss(routing, self.config), z_loss(routing, self.config)
+        self._count(routing, plan, aux, z)
+        if self.config.aux_loss_coeff > 0 or self.config.z_loss_coeff > 0:
+            loss = aux + z
+            self.last_aux_loss = loss.detach()
+            output = AuxLossScaler.apply(output, loss, self.aux_loss_scale)
+        return output
+
+    @torch.no_grad()
+    def _count(self, routing, plan, aux: torch.Tensor, z: torch.Tensor) -> None:
+        choices = routing.expert_index.numel()  # T * k
+        load = torch.bincount(routing.expert_index.flatten(), minlength=self.config.num_experts)  # [E]
+        self.stats[:STATS_FIELDS] += torch.tensor([1.0, float(aux), float(z), choices - plan.order.numel(), choices],
+                                                  dtype=torch.float64)
+        self.stats[STATS_FIELDS:] += load.to(self.stats)
+
+    def take_stats(self) -> torch.Tensor:
+        """The statistics summed since the last call ([forwards, aux, z, dropped, choices, load[E]]), reset."""
+        stats, self.stats = self.stats, torch.zeros_like(self.stats)
+        return stats
+
+
+def moe_layers(module: nn.Module) -> list[MoELayer]:
+    return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
+def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
+    """The gradient every MoE layer below ``module`` gives its balancing losses (1 / micro-batches per step)."""
+    for layer in moe_layers(module):
+        layer.aux_loss_scale = scale
+
+
+@torch.no_grad()
+def update_expert_biases(module: nn.Module, data_group=None) -> int:
+    """After an optimizer step: every router's expert bias moved by its rate towards balance, from the choices
+    counted since the last update, summed over ``data_group`` (the ranks that saw other tokens: data-parallel,
+    expert-parallel ranks included). Collective over the group when any router has a bias. Returns the number of
+    routers updated."""
+    routers = [m.router for m in moe_layers(module) if m.router.expert_bias is not None]
+    if not routers:
+        return 0
+    counts = torch.stack([r.tokens_per_expert for r in routers])  # [routers, E]
+    if group_size(data_group) > 1:
+        torch.distributed.all_reduce(counts, group=data_group)
+    for router, load in zip(routers, counts):
+        router.expert_bias.copy_(new_expert_bias(router.expert_bias, load, router.config.router_bias_update_rate))
+        router.tokens_per_expert.zero_()
+    return len(routers)

@@ -1,0 +1,135 @@
+"""The top-k router: which experts each token goes to, with what weight, and the losses that balance them.
+
+For T tokens and E experts, in fp32 whatever the parameters' dtype (a softmax over experts is as sensitive as
+the one over the vocabulary):
+
+    logits = x @ W_r^T                                   [T, E]
+    scores = softmax(logits) | sigmoid(logits)           [T, E]
+    chosen = top-k of (scores + bias), optionally only among the group_topk best groups (a group's
+             score: the sum of its k / group_topk best scores; DeepSeek-V3)
+    weights = scores[chosen], divided by their sum (softmax unless pre_softmax; sigmoid when k > 1),
+              times the scaling factor
+    aux     = coeff * E * sum_e f_e * P_e                (Switch Transformer eq. 4-6; f_e the fraction of the
+              T * k choices that went to expert e, P_e the mean of its (sum-normalised) score)
+    z       = coeff * mean_t logsumexp(logits_t)^2        (ST-MoE eq. 5)
+
+The bias (aux-loss-free balancing, DeepSeek-V3) only steers the choice, never the weights; it is not a
+parameter: after each optimizer step it moves by ``rate * sign(mean load - load)`` (``update_expert_bias``).
+
+Shape letters: T tokens of the micro-batch (s * b), E experts, k experts per token, h hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config.moe import MoEConfig
+
+__all__ = ["Routing", "TopKRouter", "route", "aux_loss", "z_loss", "new_expert_bias"]
+
+
+@dataclasses.dataclass
+class Routing:
+    """What the router decided for T tokens (k choices each)."""
+
+    expert_index: torch.Tensor   # [T, k] int64: the experts chosen, best first
+    weight: torch.Tensor         # [T, k] fp32: their combine weights
+    scores: torch.Tensor         # [T, E] fp32: every expert's score (the aux loss reads them)
+    logits: torch.Tensor         # [T, E] fp32
+
+
+def _group_limited(routing_scores: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """routing_scores [T, E] with the experts outside each token's ``group_topk`` best groups set to -inf."""
+    groups, group_topk = config.router_num_groups, config.router_group_topk
+    per_group = routing_scores.unflatten(-1, (groups, -1))  # [T, G, E/G]
+    group_score = per_group.topk(config.router_topk // group_topk, dim=-1).values.sum(-1)  # [T, G]
+    best = group_score.topk(group_topk, dim=-1).indices  # [T, group_topk]
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+    return per_group.masked_fill(~keep[..., None], float("-inf")).flatten(-2)  # [T, E]
+
+
+def route(logits: torch.Tensor, config: MoEConfig, expert_bias: torch.Tensor | None = None) -> Routing:
+    """The routing of logits [T, E] (any dtype; computed in fp32)."""
+    logits = logits.float()
+    scores = torch.softmax(logits, -1) if config.router_score_function == "softmax" else torch.sigmoid(logits)
+    routing_scores = scores if expert_bias is None else scores + expert_bias
+    if config.router_num_groups is not None:
+        routing_scores = _group_limited(routing_scores, config)
+    expert_index = routing_scores.topk(config.router_topk, dim=-1).indices  # [T, k]
+    weight = scores.gather(1, expert_index)  # [T, k]
+    softmax = config.router_score_function == "softmax"
+    if (softmax and not config.router_pre_softmax) or (not softmax and config.router_topk > 1):
+        weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
+    if config.router_topk_scaling_factor is not None:
+        weight = weight * config.router_topk_scaling_factor
+    return Routing(expert_index, weight, scores, logits)
+
+
+def tokens_per_expert(expert_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of the T * k choices went to each expert: [T, k] -> [E] int64."""
+    return torch.bincount(expert_index.flatten(), minlength=num_experts)
+
+
+def aux_loss(routing: Routing, config: MoEConfig) -> torch.Tensor:
+    """The load-balancing loss (a scalar, 0 when its coefficient is)."""
+    num_tokens, num_experts = routing.scores.shape
+    scores = routing.scores
+    if config.router_score_function == "sigmoid":  # sigmoid scores do not sum to 1: normalise them for P_e
+        scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    fraction = tokens_per_expert(routing.expert_index, num_experts).float() / (num_tokens * config.router_topk)
+    mean_score = scores.mean(0)  # [E]
+    return config.aux_loss_coeff * num_experts * (fraction * mean_score).sum()
+
+
+def z_loss(routing: Routing, config: MoEConfig) -> torch.Tensor:
+    """The router z-loss (a scalar): keeps the logits small."""
+    return config.z_loss_coeff * torch.logsumexp(routing.logits, -1).square().mean()
+
+
+def new_expert_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's update: under-loaded experts (below the mean load) up by ``rate``, over-loaded down."""
+    load = load.float()
+    return bias + rate * torch.sign(load.mean() - load)
+
+
+class TopKRouter(nn.Module):
+    """logits = x W_r^T over all E experts, W_r [E, h] replicated on every rank (every rank routes its own tokens).
+
+    Args:
+        config: the MoE configuration.
+        hidden_size: h.
+        init_method: fills the fp32 [E, h] weight.
+
+    Buffers: ``expert_bias`` [E] fp32 (with ``router_enable_expert_bias``; kept fp32 whatever the module's dtype,
+    since updates of 1e-3 vanish in bf16) and ``tokens_per_expert`` [E] (the choices counted since the last bias
+    update, training only; not saved).
+    """
+
+    def __init__(self, config: MoEConfig, hidden_size: int, init_method):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size, dtype=torch.float32))
+        init_method(self.weight)
+        enabled = config.router_enable_expert_bias
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts) if enabled else None)
+        self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.int64) if enabled
+                             else None, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        bias = self.expert_bias
+        super()._apply(fn, recurse)
+        if bias is not None:  # moves with the module, stays fp32
+            self.expert_bias = bias.to(device=self.weight.device)
+        return self
+
+    def forward(self, tokens: torch.Tensor) -> Routing:
+        """tokens [T, h] -> Routing."""
+        logits = F.linear(tokens.float(), self.weight.float())  # [T, E]
+        routing = route(logits, self.config, self.expert_bias)
+        if self.expert_bias is not None and self.training:
+            self.tokens_per_expert += tokens_per_expert(routing.expert_index.detach(), self.config.num_experts)
+        return routing

@@ -1,0 +1,39 @@
+"""Mixture-of-experts training runs for the end-to-end tests.
+
+    MOE_FLAGS                     the MoE flags the training tests share (4 experts, top-2, aux loss, expert bias)
+    VARIANT_FLAGS                 added to them: SwiGLU, sigmoid group-limited routing, a shared expert, capacity
+                                  dropping, a dense first layer
+    train_moe(rank, world_size, runs)  a run_distributed target: ``train``'s record of each run, plus every
+                                  router's expert bias and how many expert parameters this rank holds
+"""
+
+from tests.helpers.training import record_run
+
+MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+             "--moe-z-loss-coeff", "0.001", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
+             "--moe-ffn-hidden-size", "64"]
+
+VARIANT_FLAGS = ["--swiglu", "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2",
+                 "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.0",
+                 "--moe-shared-expert-intermediate-size", "32", "--moe-expert-capacity-factor", "1.0",
+                 "--moe-token-drop-policy", "position", "--moe-layer-freq", "[0,1]"]
+
+
+def train_moe(rank, world_size, runs):
+    """On each rank: pretrain every argv of ``runs``; per run, ``record_run``'s record with ``expert_bias`` ({layer
+    number: bias list} of this rank's stage) and ``expert_numel`` (expert parameters held here)."""
+    from megatron.arguments import run_config_from_argv
+    from megatron.model.moe import MoELayer, is_expert_parallel
+    from megatron.training.pretrain import pretrain
+
+    out = []
+    for argv in runs:
+        rc = run_config_from_argv(argv, world_size=world_size)
+        result = pretrain(rc)
+        record = record_run(rc, result)
+        module = result.engine.module
+        record["expert_bias"] = {name: m.router.expert_bias.tolist() for name, m in module.named_modules()
+                                 if isinstance(m, MoELayer) and m.router.expert_bias is not None}
+        record["expert_numel"] = sum(p.numel() for p in module.parameters() if is_expert_parallel(p))
+        out.append(record)
+    return out

@@ -1,0 +1,257 @@
+"""The MoE MLP on one process against a plain re-implementation written here from the formulas: the router's
+choices, weights, aux and z losses (softmax / sigmoid, group-limited, expert bias), capacity dropping (which
+choices each policy keeps, counted), the whole layer's output and gradients (GeLU / SwiGLU, shared expert), the
+expert-bias update, and the configuration errors."""
+
+import math
+
+import pytest
+import torch
+
+from megatron.config.moe import MoEConfig, parse_layer_freq
+from megatron.model.moe import MoELayer, route, set_aux_loss_scale, update_expert_biases
+from megatron.model.moe.dispatch import expert_capacity, kept_choices
+from megatron.model.moe.router import aux_loss, z_loss
+from tests.helpers.model import tiny_config
+
+TOKENS, EXPERTS = 24, 8
+
+
+def moe_config(**overrides) -> MoEConfig:
+    fields = dict(num_experts=EXPERTS, layer_pattern=(True, True), router_topk=2)
+    fields.update(overrides)
+    return MoEConfig(**fields).validate(2)
+
+
+# ---- the plain reference: one token at a time, Python lists --------------------------------------------------
+
+def reference_route(logits, cfg, bias=None):
+    """(choices, weights) per token, from the formulas in megatron/model/moe/router.py's docstring."""
+    choices, weights = [], []
+    for row in logits.double().tolist():
+        if cfg.router_score_function == "softmax":
+            top = max(row)
+            exps = [math.exp(v - top) for v in row]
+            scores = [e / sum(exps) for e in exps]
+        else:
+            scores = [1 / (1 + math.exp(-v)) for v in row]
+        steer = [s + (0.0 if bias is None else float(bias[e])) for e, s in enumerate(scores)]
+        allowed = range(len(row))
+        if cfg.router_num_groups:
+            size = len(row) // cfg.router_num_groups
+            per = cfg.router_topk // cfg.router_group_topk
+            group_score = [sum(sorted(steer[g * size:(g + 1) * size], reverse=True)[:per])
+                           for g in range(cfg.router_num_groups)]
+            best = sorted(range(cfg.router_num_groups), key=lambda g: -group_score[g])[:cfg.router_group_topk]
+            allowed = [e for e in range(len(row)) if e // size in best]
+        chosen = sorted(allowed, key=lambda e: -steer[e])[:cfg.router_topk]
+        w = [scores[e] for e in chosen]
+        if (cfg.router_score_function == "softmax" and not cfg.router_pre_softmax) or \
+                (cfg.router_score_function == "sigmoid" and cfg.router_topk > 1):
+            w = [v / sum(w) for v in w]
+        w = [v * (cfg.router_topk_scaling_factor or 1.0) for v in w]
+        choices.append(chosen)
+        weights.append(w)
+    return choices, weights
+
+
+def reference_aux_and_z(logits, cfg, choices):
+    num_tokens, num_experts = logits.shape
+    scores = torch.softmax(logits.double(), -1) if cfg.router_score_function == "softmax" else \
+        torch.sigmoid(logits.double())
+    scores = scores / scores.sum(-1, keepdim=True)
+    load = [sum(row.count(e) for row in choices) / (num_tokens * cfg.router_topk) for e in range(num_experts)]
+    aux = cfg.aux_loss_coeff * num_experts * sum(load[e] * scores[:, e].mean().item() for e in range(num_experts))
+    z = cfg.z_loss_coeff * sum(torch.logsumexp(row, 0).item() ** 2 for row in logits.double()) / num_tokens
+    return aux, z
+
+
+ROUTER_CASES = {
+    "softmax": {},
+    "softmax-pre": dict(router_pre_softmax=True),
+    "sigmoid-scaled": dict(router_score_function="sigmoid", router_topk_scaling_factor=2.5),
+    "softmax-top1": dict(router_topk=1),
+    "sigmoid-groups": dict(router_score_function="sigmoid", router_topk=4, router_num_groups=4, router_group_topk=2),
+    "softmax-groups-bias": dict(router_num_groups=2, router_group_topk=1, router_enable_expert_bias=True),
+    "sigmoid-bias": dict(router_score_function="sigmoid", router_enable_expert_bias=True),
+}
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES)
+def test_router_matches_the_formulas(case):
+    cfg = moe_config(aux_loss_coeff=0.01, z_loss_coeff=1e-3, **ROUTER_CASES[case])
+    logits = torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(0)) * 2
+    bias = torch.linspace(-0.3, 0.3, EXPERTS) if cfg.router_enable_expert_bias else None
+    routing = route(logits, cfg, bias)
+    choices, weights = reference_route(logits, cfg, bias)
+    assert routing.expert_index.tolist() == choices
+    torch.testing.assert_close(routing.weight.double(), torch.tensor(weights, dtype=torch.float64),
+                               rtol=1e-6, atol=1e-7)
+    aux, z = reference_aux_and_z(logits, cfg, choices)
+    assert aux_loss(routing, cfg).item() == pytest.approx(aux, rel=1e-5)
+    assert z_loss(routing, cfg).item() == pytest.approx(z, rel=1e-5)
+    if bias is not None:  # the bias steers: without it some choice differs, the weights stay the scores'
+        assert route(logits, cfg).expert_index.tolist() != choices
+
+
+def test_group_limited_routing_stays_in_the_chosen_groups():
+    cfg = moe_config(router_topk=4, router_num_groups=4, router_group_topk=2)
+    routing = route(torch.randn(64, EXPERTS, generator=torch.Generator().manual_seed(1)), cfg)
+    groups = (routing.expert_index // 2).tolist()
+    assert max(len(set(row)) for row in groups) == 2
+    # without the limit, some token would have used experts of three or four groups
+    free = route(torch.randn(64, EXPERTS, generator=torch.Generator().manual_seed(1)), moe_config(router_topk=4))
+    assert max(len(set(row)) for row in (free.expert_index // 2).tolist()) > 2
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_drops_exactly_what_the_policy_says(policy):
+    cfg = moe_config(expert_capacity_factor=0.5, token_drop_policy=policy)
+    logits = torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(2))
+    logits[:, 3] += 3.0  # expert 3 is everyone's favourite: it must drop
+    routing = route(logits, cfg)
+    capacity = expert_capacity(TOKENS, cfg)
+    assert capacity == math.ceil(TOKENS * 2 / EXPERTS * 0.5) == 3
+    kept = kept_choices(routing, cfg).view(TOKENS, 2).tolist()
+    choices, weights = routing.expert_index.tolist(), routing.weight.tolist()
+    for expert in range(EXPERTS):
+        mine = [(t, j) for t in range(TOKENS) for j in range(2) if choices[t][j] == expert]
+        if policy == "probs":
+            mine.sort(key=lambda tj: -weights[tj[0]][tj[1]])
+        expected = set(mine[:capacity])
+        got = {(t, j) for (t, j) in mine if kept[t][j]}
+        assert got == expected, f"expert {expert}"
+    dropped = sum(not k for row in kept for k in row)
+    assert dropped == sum(max(0, sum(row.count(e) for row in choices) - capacity) for e in range(EXPERTS)) > 0
+
+
+def reference_layer(layer: MoELayer, x: torch.Tensor, swiglu: bool, keep=None):
+    """The layer's output from its own weights, one token and one choice at a time."""
+    cfg = layer.config
+    tokens = x.reshape(-1, x.shape[-1])
+    logits = tokens @ layer.router.weight.T
+    choices, _ = reference_route(logits.detach(), cfg, layer.router.expert_bias)
+    scores = torch.softmax(logits, -1) if cfg.router_score_function == "softmax" else torch.sigmoid(logits)
+    out = []
+    for t, chosen in enumerate(choices):
+        w = scores[t, chosen]
+        w = w / w.sum() if cfg.router_score_function == "softmax" else w
+        acc = torch.zeros_like(tokens[t])
+        for j, e in enumerate(chosen):
+            if keep is not None and not keep[t][j]:
+                continue
+            e_w1, e_w2 = layer.experts.w1[e], layer.experts.w2[e]
+            hidden = e_w1 @ tokens[t] + (layer.experts.fc1_bias[e] if layer.experts.fc1_bias is not None else 0)
+            if swiglu:
+                hidden = torch.nn.functional.silu(hidden[0::2]) * hidden[1::2]
+            else:
+                hidden = torch.nn.functional.gelu(hidden, approximate="tanh")
+            y = e_w2 @ hidden + (layer.experts.fc2_bias[e] if layer.experts.fc2_bias is not None else 0)
+            acc = acc + w[j] * y
+        out.append(acc)
+    out = torch.stack(out).view_as(x)
+    if layer.shared_expert is not None:
+        out = out + layer.shared_expert(x)
+    aux, z = reference_aux_and_z(logits.detach(), cfg, choices)
+    aux_t = cfg.aux_loss_coeff * cfg.num_experts * sum(
+        sum(row.count(e) for row in choices) / (len(choices) * cfg.router_topk) * scores[:, e].mean()
+        for e in range(cfg.num_experts))
+    z_t = cfg.z_loss_coeff * torch.logsumexp(logits, -1).square().mean()
+    assert aux_t.item() == pytest.approx(aux, rel=1e-5) and z_t.item() == pytest.approx(z, rel=1e-5)
+    return out, aux_t + z_t
+
+
+@pytest.mark.parametrize("swiglu,shared,bias", [(False, False, True), (True, True, False)])
+def test_layer_output_and_gradients_match_the_plain_loop(swiglu, shared, bias):
+    cfg = moe_config(aux_loss_coeff=0.01, z_loss_coeff=1e-3, shared_expert_intermediate_size=32 if shared else None)
+    model = tiny_config(moe=cfg, swiglu=swiglu, ffn_hidden_size=48, add_bias_linear=bias)
+    from megatron.model.transformer import TransformerLayer
+
+    layer = TransformerLayer(model, layer_number=1).mlp
+    with torch.no_grad():
+        for p in layer.parameters():  # non-zero biases, so that they are checked too
+            if p.dim() == 2 and p.shape[0] == EXPERTS and p.shape[1] != 64:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(6, 4, 64, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    g = torch.randn(6, 4, 64, generator=torch.Generator().manual_seed(5))
+    set_aux_loss_scale(layer, 0.25)
+    out = layer(x)
+    (out * g).sum().backward()
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    x_grad = x.grad.clone()
+    layer.zero_grad()
+    x.grad = None
+    ref, losses = reference_layer(layer, x, swiglu)
+    ((ref * g).sum() + 0.25 * losses).backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x_grad, x.grad, rtol=1e-5, atol=1e-6)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_dropping_layer_matches_the_plain_loop_without_the_dropped_choices():
+    cfg = moe_config(expert_capacity_factor=0.75)
+    layer = MoELayer(tiny_config(moe=cfg), layer_number=0)
+    x = torch.randn(8, 3, 64, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        routing = layer.router(x.reshape(-1, 64))
+        keep = kept_choices(routing, cfg).view(-1, 2).tolist()
+        ref, _ = reference_layer(layer, x, swiglu=False, keep=keep)
+        torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6)
+    assert sum(not k for row in keep for k in row) > 0
+
+
+def test_expert_bias_moves_towards_balance_outside_the_gradient():
+    cfg = moe_config(router_enable_expert_bias=True, router_bias_update_rate=0.01)
+    layer = MoELayer(tiny_config(moe=cfg), layer_number=0)
+    x = torch.randn(8, 4, 64, generator=torch.Generator().manual_seed(7))
+    layer(x)
+    layer(x)
+    logits = (x.reshape(-1, 64) @ layer.router.weight.T).detach()
+    choices, _ = reference_route(logits, cfg)
+    load = [2 * sum(row.count(e) for row in choices) for e in range(EXPERTS)]
+    assert layer.router.tokens_per_expert.tolist() == load
+    assert update_expert_biases(layer) == 1
+    mean = sum(load) / EXPERTS
+    expected = [0.01 * ((mean > n) - (mean < n)) for n in load]
+    assert layer.router.expert_bias.tolist() == pytest.approx(expected)
+    assert layer.router.tokens_per_expert.sum() == 0
+    assert "router.expert_bias" in layer.state_dict() and not layer.router.expert_bias.requires_grad
+    layer.to(torch.bfloat16)
+    assert layer.router.expert_bias.dtype == torch.float32  # 1e-3 steps would vanish in bf16
+
+
+def test_layer_freq_patterns():
+    assert parse_layer_freq("2", 4) == (True, False, True, False)
+    assert parse_layer_freq("([0]*1+[1]*3)", 4) == (False, True, True, True)
+    assert parse_layer_freq("[1,0,1]", 3) == (True, False, True)
+    with pytest.raises(ValueError, match="one 0/1 per layer"):
+        parse_layer_freq("[0]*2+[1]*1", 4)
+    with pytest.raises(ValueError, match="neither an int nor a pattern"):
+        parse_layer_freq("__import__('os')", 4)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(router_topk=9), "--moe-router-topk 9 is larger than --num-experts 8"),
+    (dict(router_num_groups=3, router_group_topk=1), "must divide --num-experts 8"),
+    (dict(router_num_groups=4), "needs both"),
+    (dict(router_score_function="relu"), "is not one of softmax, sigmoid"),
+    (dict(expert_capacity_factor=0.0), "must be positive"),
+])
+def test_bad_moe_settings_are_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        moe_config(**overrides)
+
+
+def test_expert_width_must_split_over_tensor_parallel_ranks():
+    with pytest.raises(ValueError, match="--moe-ffn-hidden-size 30 is not divisible by --tensor-model-parallel-size 4"):
+        tiny_config(moe=moe_config(ffn_hidden_size=30)).validate(4)
+
+
+def test_flops_count_the_routed_experts_and_the_router():
+    """An all-MoE model (top-2 of 8 GeLU experts of width 48) costs per token what a dense model of MLP width
+    2 x 48 + 8 / 2 (the router's E x h matrix over 2 matrices) costs; a half-MoE model the mean of the two."""
+    moe = tiny_config(moe=moe_config(ffn_hidden_size=48), ffn_hidden_size=256)
+    assert moe.flops_per_iteration(8, False) == tiny_config(ffn_hidden_size=100).flops_per_iteration(8, False)
+    half = tiny_config(moe=moe_config(ffn_hidden_size=48, layer_pattern=(False, True)), ffn_hidden_size=256)
+    assert half.mlp_flops_width == (256 + 100) / 2
