@@ -50,12 +50,16 @@ pretrain: $(STAMP) $(EXT)
 	PYTHON=$(PY) examples/pretrain_tiny_bloom_cpu.sh
 
 # The linter first (a second, pyproject.toml's settings), then the suite; its 25 slowest tests are listed last.
+# Two pytest-xdist workers, each taking a whole test module at a time (--dist loadfile: a module's fixtures
+# are built once): on 2 cores one worker's multi-process run leaves the other core idle much of the time (a
+# pipeline stage waits for its neighbour, a launcher starts its ranks), and the other worker's tests use it.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(EXT) $(BLOOM_CONVERTER)
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests --durations=25
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-quick: $(STAMP) $(EXT)
-	$(PY) -m pytest tests -m "not multiprocess"
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not multiprocess"
 
 clean-venv:
 	rm -rf $(VENV)

@@ -30,6 +30,7 @@ setup(
     python_requires=">=3.10",
     install_requires=read_requirements(),
     extras_require={"test": ["pytest>=8", "pytest-timeout", "hypothesis",
+                             "pytest-xdist==3.8.0",  # make test: two workers, one module each at a time
                              "openai>=1.0",  # the real client, against /v1/completions
                              "ruff==0.17.6"]},  # lint and import order (pyproject.toml), run by make test
     ext_modules=ext_modules,

@@ -88,6 +88,12 @@ def pytest_collection_modifyitems(config, items):
         package = pathlib.Path(str(item.fspath)).relative_to(REPO_ROOT / "tests").parts[0]
         if package in ONE_THREAD_PACKAGES:
             item.add_marker(pytest.mark.usefixtures("one_torch_thread"))
+    # Modules with multi-process tests first: they are the long ones. `make test`'s workers (pytest-xdist,
+    # --dist loadfile) take modules in this order, so the short single-process modules come last and fill the
+    # gaps, instead of a long module starting when the other worker has nothing left (order within a module,
+    # and of modules within each half, is unchanged).
+    multiprocess = {item.fspath for item in items if item.get_closest_marker("multiprocess")}
+    items.sort(key=lambda item: item.fspath not in multiprocess)  # stable
 
 
 # .ci/run: every passing tolerance comparison, with both of its numbers (megatron/testing/tolerance_report.py;
