@@ -79,6 +79,22 @@ def _descendants(pid: int) -> list[int]:
     return found + [grandchild for child in found for grandchild in _descendants(child)]
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "(gone)"
+
+
+def _ranks_and_data_workers(launcher: int) -> tuple[list[int], list[int]]:
+    """torchrun's ranks, and each rank's DataLoader workers: its children forked from it (the same command
+    line), not a short-lived helper a library may run meanwhile (seen once: a fifth process under load)."""
+    ranks = [pid for pid in _children(launcher) if _rank_of(pid) is not None]
+    workers = [child for rank in ranks for child in _children(rank) if _cmdline(child) == _cmdline(rank)]
+    return ranks, workers
+
+
 def _wait_for_iteration(job, lines, iteration: int) -> None:
     deadline = time.time() + 120
     while not any(f"iteration {iteration:8d}/" in line for line in lines):  # the last rank logs each iteration
@@ -173,10 +189,11 @@ def test_sigterm_to_torchrun_or_every_process_saves_and_resumes_exactly(tiny_cor
     reader.start()
     try:
         _wait_for_iteration(job, lines, 3)
-        everyone = _descendants(job.pid)  # 2 ranks and a DataLoader worker each
-        assert len(everyone) == 4, everyone
+        ranks, workers = _ranks_and_data_workers(job.pid)
+        assert len(ranks) == 2 and len(workers) == 2, {pid: _cmdline(pid) for pid in _descendants(job.pid)}
+        everyone = ranks + workers  # 2 ranks and a DataLoader worker each
         start = time.time()
-        for pid in [job.pid] + (everyone if target == "every process" else []):
+        for pid in [job.pid] + (_descendants(job.pid) if target == "every process" else []):
             os.kill(pid, signal.SIGTERM)
         returncode = job.wait(timeout=120)
         elapsed = time.time() - start
