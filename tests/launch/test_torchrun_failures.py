@@ -87,12 +87,17 @@ def _cmdline(pid: int) -> str:
         return "(gone)"
 
 
-def _ranks_and_data_workers(launcher: int) -> tuple[list[int], list[int]]:
-    """torchrun's ranks, and each rank's DataLoader workers: its children forked from it (the same command
-    line), not a short-lived helper a library may run meanwhile (seen once: a fifth process under load)."""
-    ranks = [pid for pid in _children(launcher) if _rank_of(pid) is not None]
-    workers = [child for rank in ranks for child in _children(rank) if _cmdline(child) == _cmdline(rank)]
-    return ranks, workers
+def _ranks_and_data_workers(launcher: int, expected: int = 2, wait_s: float = 20.0) -> tuple[list[int], list[int]]:
+    """torchrun's ranks, and each rank's DataLoader workers: its children forked from it (the same command line),
+    once there are ``expected`` of each. A rank may briefly have another child (seen twice under load: a fork that
+    had not yet run its program, or a worker being replaced), so the count is read again until it settles."""
+    deadline = time.time() + wait_s
+    while True:
+        ranks = [pid for pid in _children(launcher) if _rank_of(pid) is not None]
+        workers = [child for rank in ranks for child in _children(rank) if _cmdline(child) == _cmdline(rank)]
+        if (len(ranks), len(workers)) == (expected, expected) or time.time() > deadline:
+            return ranks, workers
+        time.sleep(0.2)
 
 
 def _wait_for_iteration(job, lines, iteration: int) -> None:
