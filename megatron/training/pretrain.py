@@ -159,7 +159,8 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
     def after_step() -> None:
         if t.sync_tp_duplicated_parameters:
             sync_tp_duplicated(engine.module, state.tp_group)
-        update_expert_biases(engine.module, state.dp_group)  # MoE routers' biases: counts summed over all DP ranks
+        if rc.model.moe is not None:  # MoE routers' biases: counts summed over all DP ranks
+            update_expert_biases(engine.module, state.dp_group)
 
     monitor = ExitMonitor(exit_interval=rc.exit.exit_interval, exit_duration_in_mins=rc.exit.exit_duration_in_mins,
                           kill_switch_path=rc.exit.kill_switch_path, start_time=start)
