@@ -42,11 +42,11 @@ def _rank_of(pid: int):
     return int(env[b"RANK"]) if b"RANK" in env else None
 
 
-def _torchrun(argv, cwd, **kwargs):
+def _torchrun(argv, cwd, nproc=2, **kwargs):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                              str(REPO_ROOT / "pretrain_gpt.py"), *argv], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
 
@@ -182,21 +182,20 @@ SIGTERM_CASES = {  # (layout, who receives SIGTERM, whether the resume is checke
 }
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("case", list(SIGTERM_CASES))
-def test_sigterm_to_torchrun_or_every_process_saves_and_resumes_exactly(tiny_corpus, tmp_path, case):
-    layout_flags, target, check_resume = SIGTERM_CASES[case]
-    save = tmp_path / "ckpt"
-    common = tiny_argv(tiny_corpus, *layout_flags, num_workers=1, save_interval=100000, train_iters=100000)
-    job = _torchrun(common + ["--save", str(save)], tmp_path)
+def _sigterm_a_training_job(common, save, target, nproc=2):
+    """Train ``common`` under torchrun with ``nproc`` ranks, a DataLoader worker each, saving to ``save``;
+    once iteration 3 is logged, SIGTERM torchrun alone (``target`` "launcher") or every process of the job at
+    once ("every process"). Asserts the job stopped within 30 s with every rank's save complete and no process
+    left; returns the iteration it stopped at."""
+    job = _torchrun(common + ["--save", str(save)], save.parent, nproc=nproc)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
     reader.start()
     try:
         _wait_for_iteration(job, lines, 3)
-        ranks, workers = _ranks_and_data_workers(job.pid)
-        assert len(ranks) == 2 and len(workers) == 2, {pid: _cmdline(pid) for pid in _descendants(job.pid)}
-        everyone = ranks + workers  # 2 ranks and a DataLoader worker each
+        ranks, workers = _ranks_and_data_workers(job.pid, expected=nproc)
+        assert len(ranks) == nproc and len(workers) == nproc, {pid: _cmdline(pid) for pid in _descendants(job.pid)}
+        everyone = ranks + workers  # the ranks and a DataLoader worker each
         start = time.time()
         for pid in [job.pid] + (_descendants(job.pid) if target == "every process" else []):
             os.kill(pid, signal.SIGTERM)
@@ -207,9 +206,9 @@ def test_sigterm_to_torchrun_or_every_process_saves_and_resumes_exactly(tiny_cor
             job.kill()
     reader.join(timeout=10)
     output = "".join(lines)
-    print(f"{case}: torchrun exited {returncode} {elapsed:.1f} s after SIGTERM")
+    print(f"{target}, {nproc} ranks: torchrun exited {returncode} {elapsed:.1f} s after SIGTERM")
     assert "DataLoader worker" not in output, output[-3000:]
-    assert elapsed < 30, f"{case}: {elapsed:.0f} s to save and stop"
+    assert elapsed < 30, f"{target}, {nproc} ranks: {elapsed:.0f} s to save and stop"
     # torchrun itself re-raises the signal (its SignalException, exit 1); every rank saved and left with 0:
     # the 'complete' marker is written only after every rank's files are there and checksummed.
     assert returncode in (0, 1), output[-3000:]
@@ -218,6 +217,16 @@ def test_sigterm_to_torchrun_or_every_process_saves_and_resumes_exactly(tiny_cor
     stopped_at = int(tag.removeprefix("global_step"))
     assert stopped_at >= 3
     assert not [pid for pid in everyone if _alive(pid)], "processes of the job outlived it"
+    return stopped_at
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(SIGTERM_CASES))
+def test_sigterm_to_torchrun_or_every_process_saves_and_resumes_exactly(tiny_corpus, tmp_path, case):
+    layout_flags, target, check_resume = SIGTERM_CASES[case]
+    save = tmp_path / "ckpt"
+    common = tiny_argv(tiny_corpus, *layout_flags, num_workers=1, save_interval=100000, train_iters=100000)
+    stopped_at = _sigterm_a_training_job(common, save, target)
     if not check_resume:
         return
     # The resume continues the run loss for loss (the same data order, RNG and optimizer state).
@@ -226,3 +235,27 @@ def test_sigterm_to_torchrun_or_every_process_saves_and_resumes_exactly(tiny_cor
     (reference, tail), _ = run_distributed(train, world_size=2, args=([straight, resumed],), timeout=300)
     assert tail["iterations"] == [stopped_at + 1, stopped_at + 2]
     assert_continues(reference["losses"], tail["losses"], rel=0.0, label=case)
+
+
+@pytest.mark.multiprocess
+def test_sigterm_at_zero1_tp2_pp2_to_torchrun_and_to_every_process_saves_and_both_resume_exactly(tiny_corpus,
+                                                                                                 tmp_path):
+    """TP=2 x PP=2 under ZeRO-1: one job signalled at torchrun, one at every process (as scancel does); both
+    saves resume, in one launch, loss for loss with a straight run. DP is 1: at TP=2 x PP=2 x DP=2 the same
+    test took 114-168 s on the 2-core machine (8 ranks and 8 DataLoader workers), against about 75 s here;
+    DP=2 with SIGTERM is the ZeRO-3 case above."""
+    common = tiny_argv(tiny_corpus, "--zero-stage", "1", "--tensor-model-parallel-size", "2",
+                       "--pipeline-model-parallel-size", "2", num_workers=1, save_interval=100000,
+                       train_iters=100000)
+    saves = {target: tmp_path / target.replace(" ", "-") / "ckpt" for target in ("launcher", "every process")}
+    stops = {}
+    for target, save in saves.items():
+        save.parent.mkdir()
+        stops[target] = _sigterm_a_training_job(common, save, target, nproc=4)
+    straight = common + ["--exit-interval", str(max(stops.values()) + 2)]
+    resumed = [common + ["--exit-interval", str(stops[t] + 2), "--load", str(saves[t])] for t in saves]
+    (reference, *tails), *_ = run_distributed(train, world_size=4, args=([straight, *resumed],), timeout=300)
+    for target, tail in zip(saves, tails):
+        stopped_at = stops[target]
+        assert tail["iterations"] == [stopped_at + 1, stopped_at + 2], target
+        assert_continues(reference["losses"][:stopped_at + 2], tail["losses"], rel=0.0, label=target)
