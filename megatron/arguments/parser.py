@@ -100,6 +100,10 @@ def _model(parser):
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="Keep a bias in the query / key / value projection even with --disable-bias-linear "
                         "(Qwen2; Megatron-LM's flag).")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="Normalize every query and key head over its head dimension before the rotary positions "
+                        "(--normalization's kind, one weight per head dimension shared by the heads; Qwen3, "
+                        "Megatron-LM's flag).")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Standard deviation of the normal weight initialization; output projections use "
                         "std / sqrt(2 x num-layers).")

@@ -1,5 +1,5 @@
 """Our full (TP=1) weights <-> transformers model directories: Bloom (ALiBi), GPT-2 (learned positions),
-GPT-NeoX (rotary) and the Llama family (Llama, Mistral, Qwen2).
+GPT-NeoX (rotary), the Llama family (Llama, Mistral, Qwen2) and its MoE relatives (Mixtral, Qwen3-MoE).
 
     write_hf_model(config, state_dict, out_dir, tokenizer=..., pretraining_tp=...)   -> config.json, model.safetensors
     config, state_dict, info = read_hf_model(hf_dir, padded_vocab_size=..., seq_length=...)
@@ -17,6 +17,8 @@ Which transformers architecture a configuration maps to:
 - RMSNorm + SwiGLU + rotary (GQA, biases and head tying as configured) -> ``LlamaForCausalLM``, or
   ``Qwen2ForCausalLM`` with q / k / v biases only (``megatron.checkpoint.hf_llama``); a Mistral
   directory without sliding window reads as the same model.
+- the same with MoE layers (``--num-experts``, softmax top-k routing) -> ``MixtralForCausalLM``, or
+  ``Qwen3MoeForCausalLM`` with ``--qk-layernorm`` (``megatron.checkpoint.hf_moe``; DeepSeek-V3 is refused).
 The first three need the GPT block: LayerNorm, GeLU, biases, one key / value head per query head and
 a tied head; anything else is refused rather than exported wrongly.
 
@@ -51,6 +53,15 @@ from megatron.checkpoint.hf_llama import (
     model_config_from_llama,
     ours_to_llama_state_dict,
 )
+from megatron.checkpoint.hf_moe import (
+    MOE_FAMILY,
+    REFUSED_MOE,
+    model_config_from_moe,
+    moe_config_kwargs,
+    moe_family_of,
+    moe_state_dict_to_ours,
+    ours_to_moe_state_dict,
+)
 from megatron.config import ModelConfig
 from megatron.data.tokenizers import EOD_TOKEN_CANDIDATES
 from megatron.model.layout import parameter_layout
@@ -73,8 +84,13 @@ _GPT2_BLOCK = [  # (GPT-2 name, our name, transposed: GPT-2's Conv1D stores [in,
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """'bloom', 'gpt2', 'gpt_neox', 'llama' or 'qwen2', or ValueError for a configuration no transformers
-    architecture maps."""
+    """'bloom', 'gpt2', 'gpt_neox', 'llama', 'qwen2', 'mixtral' or 'qwen3_moe', or ValueError for a configuration
+    no transformers architecture maps."""
+    if config.moe is not None:
+        return moe_family_of(config)
+    if config.qk_layernorm:
+        raise ValueError("--qk-layernorm on a dense model: no transformers architecture is mapped for it here "
+                         "(Qwen3-MoE is, with --num-experts)")
     if config.normalization == "rmsnorm" or config.swiglu:
         return llama_family_of(config)
     gpt_block = {"biases": config.add_bias_linear, "one key / value head per query head":
@@ -293,6 +309,13 @@ def write_hf_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], out
                 "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM")}[arch]
         hf_config = kind[0](**llama_config_kwargs(config, vocab_size), **special)
         hf_config.architectures = [kind[1]]
+    elif arch in MOE_FAMILY:
+        tensors = ours_to_moe_state_dict(state_dict, config, vocab_size)
+        if config.tied_embeddings:
+            del tensors["lm_head.weight"]
+        kind = {"mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
+        hf_config = kind(**moe_config_kwargs(config, vocab_size), **special)
+        hf_config.architectures = [MOE_FAMILY[arch]]
     else:
         tensors = ours_to_neox_state_dict(state_dict, config, vocab_size)
         hf_config = transformers.GPTNeoXConfig(**_neox_config_kwargs(config, vocab_size), **special)
@@ -379,9 +402,12 @@ def read_hf_model(hf_dir: str, *, padded_vocab_size_fn, seq_length: Optional[int
     elif arch in LLAMA_FAMILY:
         config = model_config_from_llama(hf_config, seq_length or hf_config.max_position_embeddings, **common)
         state = llama_state_dict_to_ours(_read_hf_tensors(hf_dir), config)
+    elif arch in MOE_FAMILY or arch in REFUSED_MOE:
+        config = model_config_from_moe(hf_config, seq_length or hf_config.max_position_embeddings, **common)
+        state = moe_state_dict_to_ours(_read_hf_tensors(hf_dir), config)
     else:
         raise ValueError(f"{hf_dir!r} holds a {arch!r} model; this converter reads bloom, gpt2, gpt_neox, "
-                         f"{', '.join(LLAMA_FAMILY)}")
+                         f"{', '.join(LLAMA_FAMILY + tuple(MOE_FAMILY))}")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[params_dtype]
     return config, {name: tensor.to(dtype).contiguous() for name, tensor in state.items()}, arch
 

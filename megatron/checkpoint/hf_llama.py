@@ -31,7 +31,7 @@ from megatron.config import ModelConfig
 from megatron.model.layout import parameter_layout
 
 __all__ = ["LLAMA_FAMILY", "llama_family_of", "ours_to_llama_state_dict", "llama_state_dict_to_ours",
-           "llama_config_kwargs", "model_config_from_llama"]
+           "llama_config_kwargs", "model_config_from_llama", "check_llama_block", "split_fc1", "fuse_fc1", "rope_fields"]
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # transformers' model_type values mapped here
 
@@ -79,13 +79,13 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelCo
     return grouped.reshape(-1, *rest)
 
 
-def _split_fc1(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_fc1(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Our fused SwiGLU rows [f, 2] (gate, up interleaved; any trailing dims) -> gate [f], up [f]."""
     pairs = tensor.reshape(-1, 2, *tensor.shape[1:])  # [f, 2, ...]
     return pairs[:, 0], pairs[:, 1]
 
 
-def _fuse_fc1(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def fuse_fc1(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack((gate, up), dim=1).reshape(-1, *gate.shape[1:])  # [2f, ...]
 
 
@@ -115,7 +115,7 @@ def ours_to_llama_state_dict(state: dict[str, torch.Tensor], config: ModelConfig
                 q, k, v = _split_qkv(state[ours + _QKV + kind], config)
                 out.update({f"{theirs}self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", (q, k, v))})
             if ours + _FC1 + kind in state:
-                gate, up = _split_fc1(state[ours + _FC1 + kind])
+                gate, up = split_fc1(state[ours + _FC1 + kind])
                 out.update({f"{theirs}mlp.gate_proj.{kind}": gate, f"{theirs}mlp.up_proj.{kind}": up})
     return out
 
@@ -162,7 +162,7 @@ def llama_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: ModelCon
                 q, k, v = (take(f"{theirs}self_attn.{p}_proj.{kind}") for p in "qkv")
                 ours[mine + _QKV + kind] = _fuse_qkv(q, k, v, config)
             if mine + _FC1 + kind in expected:
-                ours[mine + _FC1 + kind] = _fuse_fc1(take(f"{theirs}mlp.gate_proj.{kind}"),
+                ours[mine + _FC1 + kind] = fuse_fc1(take(f"{theirs}mlp.gate_proj.{kind}"),
                                                      take(f"{theirs}mlp.up_proj.{kind}"))
     if state:
         raise ValueError(f"tensors this model configuration has no place for: {sorted(state)} (biases? check "
@@ -194,7 +194,7 @@ def llama_config_kwargs(config: ModelConfig, vocab_size: Optional[int] = None) -
     return kwargs
 
 
-def _rope_fields(hf_config: Any) -> dict[str, Any]:
+def rope_fields(hf_config: Any) -> dict[str, Any]:
     """ModelConfig's rotary fields of a transformers config: the base, and Llama 3.1's scaling if any."""
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -211,6 +211,21 @@ def _rope_fields(hf_config: Any) -> dict[str, Any]:
     return fields
 
 
+def check_llama_block(hf_config: Any, model_type: str) -> None:
+    """ValueError for what our Llama block lacks: an MLP other than SwiGLU, sliding-window attention (Mistral's
+    and Mixtral's always when set, the others' with use_sliding_window), a head dim other than h / heads."""
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) is mapped")
+    if getattr(hf_config, "sliding_window", None) is not None and (
+            model_type in ("mistral", "mixtral") or getattr(hf_config, "use_sliding_window", False)):
+        raise ValueError(f"{model_type} with sliding_window {hf_config.sliding_window}: sliding-window attention is "
+                         f"not implemented here (set sliding_window None for full attention)")
+    head_dim = getattr(hf_config, "head_dim", None)
+    if head_dim not in (None, hf_config.hidden_size // hf_config.num_attention_heads):
+        raise ValueError(f"head_dim {head_dim} is not hidden_size / num_attention_heads ({hf_config.hidden_size} / "
+                         f"{hf_config.num_attention_heads}); not supported here")
+
+
 def model_config_from_llama(hf_config: Any, seq_length: int, **overrides) -> ModelConfig:
     """A ModelConfig for a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config``.
 
@@ -219,15 +234,7 @@ def model_config_from_llama(hf_config: Any, seq_length: int, **overrides) -> Mod
     model_type = getattr(hf_config, "model_type", "llama")
     if model_type not in LLAMA_FAMILY:
         raise ValueError(f"model_type {model_type!r} is not one of {', '.join(LLAMA_FAMILY)}")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) is mapped")
-    if getattr(hf_config, "sliding_window", None) is not None and (
-            model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)):
-        raise ValueError(f"{model_type} with sliding_window {hf_config.sliding_window}: sliding-window attention is "
-                         f"not implemented here (set sliding_window None for full attention)")
-    head_dim = getattr(hf_config, "head_dim", None)
-    if head_dim not in (None, hf_config.hidden_size // hf_config.num_attention_heads):
-        raise ValueError(f"head_dim {head_dim} is not hidden_size / num_attention_heads; not supported here")
+    check_llama_block(hf_config, model_type)
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
     if attention_bias != mlp_bias:
@@ -238,7 +245,7 @@ def model_config_from_llama(hf_config: Any, seq_length: int, **overrides) -> Mod
                   num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
                   padded_vocab_size=hf_config.vocab_size, seq_length=seq_length,
                   ffn_hidden_size=hf_config.intermediate_size, position_embedding_type="rotary",
-                  **_rope_fields(hf_config), normalization="rmsnorm", swiglu=True,
+                  **rope_fields(hf_config), normalization="rmsnorm", swiglu=True,
                   layernorm_epsilon=hf_config.rms_norm_eps, add_bias_linear=attention_bias,
                   add_qkv_bias=model_type == "qwen2",
                   untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),

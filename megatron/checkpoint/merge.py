@@ -24,6 +24,13 @@ from typing import Optional
 
 import torch
 
+from megatron.checkpoint.expert_files import (
+    check_expert_parallel_size,
+    ep_slice,
+    expert_file_names,
+    read_expert_files,
+    write_expert_files,
+)
 from megatron.checkpoint.integrity import record_checksums, verify_checksums
 from megatron.checkpoint.run_state import (
     checkpoint_layout,
@@ -97,6 +104,8 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
     files = _layer_files(tag_dir)
     tp = _check_layout(files, config, numbering, tag_dir)
     read = [os.path.basename(path) for ranks in files.values() for path in ranks.values()]
+    ep = record.get("parallel", {}).get("expert_model_parallel_size", 1)
+    read += expert_file_names(tag_dir) if ep > 1 else []
     problems = verify_checksums(tag_dir, distributed=False, names=read + ["mp_rank_00_model_states.pt"])
     if problems:
         raise CheckpointFormatError(f"checkpoint {tag_dir!r} is damaged: " + "; ".join(problems))
@@ -124,6 +133,8 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
                 raise CheckpointFormatError(f"pipeline layer {index} of {tag_dir!r} holds {key!r}, which the "
                                             f"recorded model configuration does not have")
             state[name] = merge_tp_shards(layout[name], [shard[key] for shard in shards])
+    if ep > 1:  # the layer files hold EP rank 0's experts: every rank's are in the expert files
+        state.update(read_expert_files(tag_dir, config, layout, tp, ep))
     if head is not None:
         for param in (p for p in layout.values() if p.tied_to_head):
             tied = merge_tp_shards(param, [shard[param.file_key] for shard in head])
@@ -148,15 +159,18 @@ def _layer_state(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, 
 
 def save_as_training_checkpoint(config: ModelConfig, state_dict: dict[str, torch.Tensor], out_dir: str, tp: int,
                                 pp: int, client_state: Optional[dict] = None, run_state: Optional[dict] = None,
-                                tag: str = "global_step0") -> str:
+                                tag: str = "global_step0", ep: int = 1) -> str:
     """Write a TP=1 GPTModel state dict as a checkpoint that ``pretrain_gpt.py --load`` reads at TP ``tp``
     and PP ``pp`` (the weights only: load it with --finetune or --no-load-optim). Returns the tag directory.
 
     Layer files do not depend on PP (their indices are global); PP sets the number of mp_rank files
     DeepSpeed expects (TP x PP). client_state: default :func:`converted_client_state`; run_state
-    (run_state.json): default :func:`converted_run_state` without a tokenizer.
+    (run_state.json): default :func:`converted_run_state` without a tokenizer. ep: an MoE model's
+    expert-parallel size; above 1 the layer files hold EP rank 0's experts and each (EP, TP, PP) coordinate's
+    are in its expert file (``megatron.checkpoint.expert_files``), as the pipeline engine writes them.
     """
     config.validate(tp)
+    check_expert_parallel_size(config, ep)
     if not isinstance(pp, int) or pp < 1:
         raise ValueError(f"--pipeline-model-parallel-size must be a positive integer, got {pp!r}")
     tag_dir = os.path.join(out_dir, tag)
@@ -174,16 +188,19 @@ def save_as_training_checkpoint(config: ModelConfig, state_dict: dict[str, torch
         layer = _layer_state(state_dict, prefix)
         if not layer:
             raise ValueError(f"the state dict has no tensors under {prefix!r} (pipeline layer {index})")
-        shards = {layout[prefix + key].file_key: split_for_tp(layout[prefix + key], tensor.contiguous(), tp)
-                  for key, tensor in layer.items()}
+        shards = {layout[prefix + key].file_key: split_for_tp(
+            layout[prefix + key], ep_slice(layout[prefix + key], tensor, ep, 0).contiguous(), tp)
+            for key, tensor in layer.items()}
         for rank in range(tp):
             path = os.path.join(tag_dir, f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
             torch.save({key: chunks[rank] for key, chunks in shards.items()}, path)
+    if ep > 1:
+        write_expert_files(tag_dir, config, layout, state_dict, tp, pp, ep)
     client = client_state if client_state is not None else converted_client_state()
     for rank in range(tp * pp):
         torch.save({**_deepspeed_record(tp * pp), **client},
                    os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"))
-    record = run_state if run_state is not None else converted_run_state(config, tp, pp)
+    record = run_state if run_state is not None else converted_run_state(config, tp, pp, ep=ep)
     with open(os.path.join(tag_dir, RUN_STATE), "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
     record_checksums(tag_dir, distributed=False)

@@ -23,6 +23,7 @@ from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import RUN_STATE, CheckpointFormatError, resolve_tag
 from megatron.config import ModelConfig, RunConfig
 from megatron.config.model import swiglu_default_ffn_size
+from megatron.config.moe import MoEConfig
 from megatron.config.run import deepspeed_engine_for
 from megatron.model.layout import LAYOUT, LEGACY_LAYOUT
 
@@ -188,7 +189,12 @@ def record_from_megatron_args(args: argparse.Namespace, iteration: int, path: st
 def model_config_from_dict(fields: dict) -> ModelConfig:
     """A ModelConfig from ``dataclasses.asdict`` output, ignoring fields this version does not know."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in fields.items() if k in known})
+    kept = {k: v for k, v in fields.items() if k in known}
+    if isinstance(kept.get("moe"), dict):  # asdict flattened the MoE sub-config; JSON made its tuple a list
+        moe_known = {f.name for f in dataclasses.fields(MoEConfig)}
+        moe = {k: v for k, v in kept["moe"].items() if k in moe_known}
+        kept["moe"] = MoEConfig(**{**moe, "layer_pattern": tuple(moe["layer_pattern"])})
+    return ModelConfig(**kept)
 
 
 # Fields that must agree between a checkpoint and the run loading it (the others may change:
@@ -246,11 +252,14 @@ def converted_client_state(seed: int = 1234) -> dict:
 
 
 def converted_run_state(config: ModelConfig, tp: int, pp: int, *, tokenizer: Optional[dict] = None,
-                        extra: Optional[dict] = None) -> dict:
+                        extra: Optional[dict] = None, ep: int = 1) -> dict:
     """The ``run_state.json`` record of a converted checkpoint (what --load checks the flags against): the
-    pipeline engine's layer files, as ``megatron.checkpoint.merge.save_as_training_checkpoint`` writes them."""
-    state = _record(dataclasses.asdict(config), _parallel(tp, pp, 1), tokenizer or {}, _ZERO_PROGRESS,
-                    config.seq_length)
+    pipeline engine's layer files, as ``megatron.checkpoint.merge.save_as_training_checkpoint`` writes them;
+    with ``ep`` > 1 (MoE) one expert file per expert-parallel rank beside them, for ``ep`` data-parallel ranks."""
+    parallel = _parallel(tp, pp, ep)
+    if ep > 1:
+        parallel["expert_model_parallel_size"] = ep
+    state = _record(dataclasses.asdict(config), parallel, tokenizer or {}, _ZERO_PROGRESS, config.seq_length)
     state.update({SAVING_ENGINE: "pipeline", WEIGHT_FILES: "layer_files"})
     state.update(extra or {})
     return state

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.checkpoint.expert_files import EXPERT_FILE
 from megatron.config import ModelConfig
 from megatron.engine.deepspeed_compat import (
     check_moe_engine,
@@ -45,7 +46,6 @@ from megatron.parallel.state import ParallelState
 __all__ = ["expert_group_name", "mark_expert_parameters", "check_expert_parallel_engine", "EXPERT_FILE",
            "attach_expert_checkpoints"]
 
-EXPERT_FILE = "expert_states_ep_{ep:02d}_tp_{tp:02d}_pp_{pp:02d}.pt"
 
 
 def _expert_data_group(state: ParallelState):

@@ -46,6 +46,7 @@ from megatron.model.attention_core import (
 )
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.kv_cache import BatchKVCache
+from megatron.model.norm import Norm
 from megatron.model.positional import alibi_bias, alibi_slopes_for_rank, apply_rotary, rotary_cos_sin
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.random import tracked_checkpoint_func
@@ -176,6 +177,9 @@ class SelfAttention(nn.Module):
             config.hidden_size, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
             input_is_parallel=True, sequence_parallel=sequence_parallel,
             init_method=normal_init(output_layer_std(config), config.seed, f"{prefix}.dense.weight"))
+        # --qk-layernorm (Qwen3, OLMo 2's per-head form): each query / key head normalized before the rotary
+        self.q_layernorm = Norm(config, tp_group, per_head_size=config.head_dim) if config.qk_layernorm else None
+        self.k_layernorm = Norm(config, tp_group, per_head_size=config.head_dim) if config.qk_layernorm else None
         self._rope_scaling = None
         if config.rope_scaling_factor is not None:
             self._rope_scaling = (config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
@@ -220,6 +224,8 @@ class SelfAttention(nn.Module):
         query, key, value = mixed.split([np_ // ng, 1, 1], dim=3)
         query = query.reshape(sq, b, np_, hn)  # [sq, b, np, hn]: group 0's query heads first
         key, value = key.squeeze(3), value.squeeze(3)  # 2 x [sq, b, ng, hn]
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)  # over hn, per head
 
         row_lengths = None  # the rows' lengths before this step, for a BatchKVCache (the key of their mask)
         if isinstance(kv_cache, BatchKVCache):

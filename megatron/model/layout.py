@@ -73,6 +73,7 @@ class ParameterLayout:
     tied_to_head: bool = False     # the output head on the last stage uses it too (a second copy there)
     file_key: str = ""             # its key in the layer file (BLOOM's name); "" means local_name
     in_tied_module: bool = False   # a DeepSpeed tied module holds it (the embedding, when tied to the head)
+    expert_parallel: bool = False  # an MoE layer's experts: dim 0 is the expert, split across expert-parallel ranks
 
     @property
     def replicated(self) -> bool:
@@ -133,53 +134,66 @@ def local_name_of_file_key(key: str, layout: str = LAYOUT) -> str:
     return _swap_prefix(key, layout, to_file=False)
 
 
-def _structure(config: ModelConfig) -> ModelConfig:
+def _structure(config: ModelConfig, moe_layer: bool = False) -> ModelConfig:
     """A one-layer stand-in with the same structure and tiny sizes: its modules carry the same tags
-    and names as the real ones, and it builds in milliseconds whatever the real model's size."""
-    heads = config.num_attention_heads
+    and names as the real ones, and it builds in milliseconds whatever the real model's size. With
+    ``moe_layer`` its layer is an MoE layer of ``config.moe`` (else dense: the stand-in has no MoE)."""
+    heads, moe = config.num_attention_heads, None
+    if moe_layer:
+        shared = 4 if config.moe.shared_expert_intermediate_size is not None else None
+        moe = dataclasses.replace(config.moe, layer_pattern=(True,), ffn_hidden_size=4,
+                                  shared_expert_intermediate_size=shared)
     return dataclasses.replace(config, num_layers=1, hidden_size=2 * heads, ffn_hidden_size=4, padded_vocab_size=8,
                                original_vocab_size=None, seq_length=4, max_position_embeddings=4,
-                               params_dtype="fp32").validate()
+                               params_dtype="fp32", moe=moe).validate()
 
 
 @functools.lru_cache(maxsize=32)
-def _tags(structure: ModelConfig) -> tuple[tuple[str, Optional[int], bool], ...]:
-    """(GPTModel name, partition dim or None, vocab-parallel) of every parameter of the stand-in."""
+def _tags(structure: ModelConfig) -> tuple[tuple[str, Optional[int], bool, bool], ...]:
+    """(GPTModel name, partition dim or None, vocab-parallel, expert-parallel) of every parameter of the stand-in."""
     from megatron.model.gpt import GPTModel  # noqa: PLC0415 (a cycle: gpt.py reads this module's layout)
 
     out = []
     for name, param in GPTModel(structure).named_parameters():
         split = getattr(param, "tensor_model_parallel", False)
-        out.append((name, param.partition_dim if split else None, bool(getattr(param, "vocab_parallel", False))))
+        out.append((name, param.partition_dim if split else None, bool(getattr(param, "vocab_parallel", False)),
+                    bool(getattr(param, "expert_parallel", False))))
     return tuple(out)
+
+
+def _layer_template(structure: ModelConfig) -> list[tuple[str, Optional[int], bool, bool]]:
+    """The stand-in's layer-0 parameters, named inside the layer."""
+    return [(name[len("layers.0."):], *tags) for name, *tags in _tags(structure) if name.startswith("layers.0.")]
 
 
 def parameter_layout(config: ModelConfig, layout: str = LAYOUT) -> dict[str, ParameterLayout]:
     """Every parameter of ``GPTModel(config)``, by name, in ``named_parameters`` order, placed in
-    ``layout``'s pipeline numbering."""
+    ``layout``'s pipeline numbering. An MoE layer's experts are all listed ([E, ...]: every expert)."""
     items = pipeline_items(config, layout)
     by_prefix = {item.prefix: item for item in items if item.prefix is not None}
     template = _tags(_structure(config))
     params: dict[str, ParameterLayout] = {}
 
-    def add(item: PipelineItem, local: str, dim: Optional[int], vocab: bool) -> None:
+    def add(item: PipelineItem, local: str, dim: Optional[int], vocab: bool, expert: bool) -> None:
         name = item.prefix + local
         tied = config.tied_embeddings and item.kind == EMBEDDING
         params[name] = ParameterLayout(name, item.index, local, dim, vocab, tied_to_head=vocab and tied,
-                                       file_key=file_key(local, layout), in_tied_module=tied)
+                                       file_key=file_key(local, layout), in_tied_module=tied, expert_parallel=expert)
 
-    layer_params = [(name[len("layers.0."):], dim, vocab) for name, dim, vocab in template if name.startswith("layers.0.")]
-    for name, dim, vocab in template:
+    dense_layer = _layer_template(_structure(config))
+    moe_layer = _layer_template(_structure(config, moe_layer=True)) if config.moe is not None else dense_layer
+    for name, *tags in template:
         if name.startswith("embedding."):
-            add(by_prefix["embedding."], name[len("embedding."):], dim, vocab)
+            add(by_prefix["embedding."], name[len("embedding."):], *tags)
     for item in items:
         if item.kind == TRANSFORMER:
-            for local, dim, vocab in layer_params:
-                add(item, local, dim, vocab)
+            is_moe = config.moe is not None and config.moe.is_moe_layer(item.layer_number)
+            for local, *tags in (moe_layer if is_moe else dense_layer):
+                add(item, local, *tags)
     for prefix in ("final_layernorm.", "output_layer."):
-        for name, dim, vocab in template:
+        for name, *tags in template:
             if name.startswith(prefix):
-                add(by_prefix[prefix], name[len(prefix):], dim, vocab)
+                add(by_prefix[prefix], name[len(prefix):], *tags)
     return params
 
 

@@ -1,10 +1,13 @@
 """``Norm``: the LayerNorm or RMSNorm every block, the final norm and BLOOM's embedding norm use.
 
 Which one is ``ModelConfig.normalization``; both act on the last (hidden) dimension of [s, b, h]
-(with sequence parallelism, this TP rank's [s/tp, b, h]).
+(with sequence parallelism, this TP rank's [s/tp, b, h]), or with ``--qk-layernorm`` on the head
+dimension of the queries and keys [s, b, np, hn].
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,23 +33,29 @@ class Norm(nn.Module):
     its own tokens, so its weight (and bias) gradient is a partial sum over the group: the parameters
     pass through copy_to (forward identity, backward all-reduce over ``tp_group``) and are tagged
     ``sequence_parallel = True``. That works under any engine, recomputation and ZeRO-3.
+
+    ``per_head_size`` hn (``--qk-layernorm``): the norm of each query / key head, over [..., hn] instead of h.
+    Each TP rank holds other heads, so its gradient is again a partial sum: it goes through copy_to over
+    ``tp_group`` whatever the sequence parallelism (one all-reduce of hn values per step).
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None):
+    def __init__(self, config: ModelConfig, tp_group=None, per_head_size: Optional[int] = None):
         super().__init__()
         self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
-        self.tp_group = tp_group if self.sequence_parallel else None
-        self.normalized_shape, self.eps = (config.hidden_size,), config.layernorm_epsilon
-        self.weight = nn.Parameter(torch.ones(config.hidden_size))
+        partial_grads = self.sequence_parallel or (per_head_size is not None and group_size(tp_group) > 1)
+        self.tp_group = tp_group if partial_grads else None
+        size = config.hidden_size if per_head_size is None else per_head_size
+        self.normalized_shape, self.eps = (size,), config.layernorm_epsilon
+        self.weight = nn.Parameter(torch.ones(size))
         if config.normalization == "layernorm":
-            self.bias = nn.Parameter(torch.zeros(config.hidden_size))
+            self.bias = nn.Parameter(torch.zeros(size))
         else:
             self.register_parameter("bias", None)
         for param in self.parameters():
             param.sequence_parallel = self.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # tp_group is None without sequence parallelism: copy_to is then the identity.
+        # tp_group is None unless the gradients are partial sums (see above): copy_to is then the identity.
         weight = copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
         if self.bias is not None:
             bias = copy_to_tensor_model_parallel_region(self.bias, self.tp_group)

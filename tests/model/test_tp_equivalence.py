@@ -43,10 +43,13 @@ def _max_diffs(model, reference, group, attribute):
 # biases, an untied head. Under the key "llama" beside the position types.
 LLAMA = dict(position_embedding_type="rotary", normalization="rmsnorm", swiglu=True, num_key_value_heads=2,
              add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=96)
+# Qwen3's attention: Llama's with every query / key head RMS-normed (--qk-layernorm). Each TP rank holds other
+# heads, so those norms' weight gradients must be summed over the TP group to equal the single process's.
+VARIANTS = {"llama": LLAMA, "qwen3": dict(LLAMA, qk_layernorm=True)}
 
 
 def _compare_one(position_type, state):
-    fields = LLAMA if position_type == "llama" else dict(position_embedding_type=position_type, embed_layernorm=True)
+    fields = VARIANTS.get(position_type) or dict(position_embedding_type=position_type, embed_layernorm=True)
     config = tiny_config(num_attention_heads=4, **fields)
     model, reference = GPTModel(config, state), GPTModel(config, ParallelState.single())
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
@@ -97,7 +100,7 @@ def _run(rank, world_size):
     try:
         results = {pt: _compare_one(pt, state) for pt in POSITION_TYPES}
         if state.tp_size <= 2:  # 2 key / value heads
-            results["llama"] = _compare_one("llama", state)
+            results.update({variant: _compare_one(variant, state) for variant in VARIANTS})
         results["sync"] = _check_sync(state)
         return results
     finally:
@@ -112,7 +115,7 @@ def test_tensor_parallel_model_equals_single_process(tp_size):
     results = run_distributed(_run, world_size=tp_size)
     per_rank = 4 // tp_size
     for rank, result in enumerate(results):
-        for position_type in POSITION_TYPES + (("llama",) if tp_size <= 2 else ()):
+        for position_type in POSITION_TYPES + (tuple(VARIANTS) if tp_size <= 2 else ()):
             out = result[position_type]
             where = f"rank {rank}, {position_type}"
             assert out["init"] == 0.0, where  # the same full weights, sliced

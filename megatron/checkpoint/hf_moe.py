@@ -1,0 +1,205 @@
+"""Map full (TP=1, every expert) weights and configs between GPTModel and transformers' MoE Llama relatives:
+``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``.
+
+Both are the Llama block (``megatron.checkpoint.hf_llama`` maps its attention, norms, embedding and head) with
+the MLP of chosen layers replaced by routed SwiGLU experts, routed as transformers computes it:
+
+    Mixtral:    scores = softmax(x W_g^T) (fp32), top-k, the k weights divided by their sum
+    Qwen3-MoE:  the same, divided by their sum only with ``norm_topk_prob`` (else the softmax values:
+                our ``router_pre_softmax``); every query / key head RMS-normed before the rotary
+                (``q_norm`` / ``k_norm``: our ``--qk-layernorm``); layers in ``mlp_only_layers`` (or off
+                ``decoder_sparse_step``) keep a dense MLP of ``intermediate_size``
+
+which is ``megatron.model.moe.router.route`` with softmax scores, no groups, bias, scaling or capacity (both are
+dropless). The checkpoints on disk (what ``save_pretrained`` writes; transformers fuses them in memory) hold one
+matrix per expert, where we stack them:
+
+    mlp.router.weight    [E, h]          <-> Mixtral block_sparse_moe.gate.weight, Qwen3 mlp.gate.weight
+    mlp.experts.w1       [E, 2f, h]      <-> per expert: gate (Mixtral w1, Qwen3 gate_proj) and up (w3, up_proj)
+                                             [f, h], our rows interleaved [f, 2] as the dense MLP's
+    mlp.experts.w2       [E, h, f]       <-> per expert: down (Mixtral w2, Qwen3 down_proj) [h, f]
+    self_attention.q_layernorm.weight    <-> self_attn.q_norm.weight [hn] (k likewise)
+
+``DeepseekV3ForCausalLM`` is refused by name: its multi-head latent attention is not implemented here.
+Nothing here imports transformers. Shape letters: E experts, h hidden, f expert width, hn head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megatron.checkpoint.hf_llama import (
+    check_llama_block,
+    fuse_fc1,
+    llama_config_kwargs,
+    llama_family_of,
+    llama_state_dict_to_ours,
+    ours_to_llama_state_dict,
+    rope_fields,
+    split_fc1,
+)
+from megatron.config import ModelConfig
+from megatron.config.moe import MoEConfig
+
+__all__ = ["MOE_FAMILY", "REFUSED_MOE", "moe_family_of", "ours_to_moe_state_dict", "moe_state_dict_to_ours",
+           "moe_config_kwargs", "model_config_from_moe"]
+
+MOE_FAMILY = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # model_type -> class
+REFUSED_MOE = {"deepseek_v3": "DeepseekV3ForCausalLM needs multi-head latent attention (compressed, low-rank "
+                              "query / key / value projections with a decoupled rotary part), which this model "
+                              "does not implement; its MoE routing alone would not make the model"}
+
+# Per family: the router's name and each expert's (gate, up, down) names inside ``model.layers.{i}.``.
+_NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                      "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+          "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                        "mlp.experts.{e}.down_proj.weight")}
+_QK_NORMS = (("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+             ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"))
+
+
+def moe_family_of(config: ModelConfig) -> str:
+    """'mixtral' or 'qwen3_moe' (the transformers model_type ``config`` exports to), or ValueError naming what
+    neither has."""
+    llama_family_of(config)
+    moe = config.moe
+    if moe is None:
+        raise ValueError("a dense model is not a Mixtral / Qwen3-MoE model (no --num-experts)")
+    wrong = [what for what, present in (
+        ("biases (needs --disable-bias-linear, no --add-qkv-bias)", config.qkv_bias),
+        (f"--moe-router-score-function {moe.router_score_function} (needs softmax)",
+         moe.router_score_function != "softmax"),
+        ("group-limited routing", moe.router_num_groups is not None),
+        ("--moe-router-topk-scaling-factor", moe.router_topk_scaling_factor is not None),
+        ("an expert bias (--moe-router-enable-expert-bias)", moe.router_enable_expert_bias),
+        ("a shared expert", moe.shared_expert_intermediate_size is not None),
+        ("capacity dropping (both are dropless)", moe.expert_capacity_factor is not None)) if present]
+    family = "qwen3_moe" if config.qk_layernorm else "mixtral"
+    if family == "mixtral" and moe.router_pre_softmax:
+        wrong.append("--moe-router-pre-softmax without --qk-layernorm (Mixtral renormalises the top-k weights)")
+    if family == "mixtral" and not all(moe.layer_pattern):
+        wrong.append("dense layers without --qk-layernorm (every Mixtral layer is MoE)")
+    if wrong:
+        raise ValueError(f"transformers' Mixtral / Qwen3-MoE cannot hold this MoE model: {', '.join(wrong)}")
+    return family
+
+
+def _moe_layers(config: ModelConfig) -> list[int]:
+    return [i for i in range(config.num_layers) if config.moe.is_moe_layer(i)]
+
+
+def ours_to_moe_state_dict(state: dict[str, torch.Tensor], config: ModelConfig,
+                           vocab_size: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """A TP=1 GPTModel state dict (every expert) -> a Mixtral / Qwen3-MoE state dict as ``save_pretrained``
+    writes it (one matrix per expert). vocab_size: keep only the first rows of the embedding and the head."""
+    family = moe_family_of(config)
+    out = ours_to_llama_state_dict(state, config, vocab_size)  # all but the experts, the router and QK norms
+    router, gate, up, down = _NAMES[family]
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        for mine, hf in _QK_NORMS if config.qk_layernorm else ():
+            out[theirs + hf] = state[ours + mine]
+        if not config.moe.is_moe_layer(i):
+            continue
+        out[theirs + router] = state[ours + "mlp.router.weight"]
+        w1, w2 = state[ours + "mlp.experts.w1"], state[ours + "mlp.experts.w2"]  # [E, 2f, h], [E, h, f]
+        for e in range(config.moe.num_experts):
+            out[theirs + gate.format(e=e)], out[theirs + up.format(e=e)] = split_fc1(w1[e])  # 2 x [f, h]
+            out[theirs + down.format(e=e)] = w2[e]  # [h, f]
+    return out
+
+
+def moe_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A Mixtral / Qwen3-MoE state dict (one matrix per expert) -> a TP=1 GPTModel state dict of ``config``.
+    ValueError for any tensor left unmapped or missing."""
+    family = moe_family_of(config)
+    state = dict(hf_state)
+    router, gate, up, down = _NAMES[family]
+    ours = {}
+    for i in range(config.num_layers):
+        mine, theirs = f"layers.{i}.", f"model.layers.{i}."
+        for our_name, hf in _QK_NORMS if config.qk_layernorm else ():
+            ours[mine + our_name] = state.pop(theirs + hf)
+        if not config.moe.is_moe_layer(i):
+            continue
+        try:
+            ours[mine + "mlp.router.weight"] = state.pop(theirs + router)
+            experts = range(config.moe.num_experts)
+            ours[mine + "mlp.experts.w1"] = torch.stack([fuse_fc1(state.pop(theirs + gate.format(e=e)), state.pop(
+                theirs + up.format(e=e))) for e in experts])  # [E, 2f, h]
+            ours[mine + "mlp.experts.w2"] = torch.stack([state.pop(theirs + down.format(e=e)) for e in experts])
+        except KeyError as missing:
+            raise ValueError(f"layer {i} lacks {missing.args[0]}: not a {family} checkpoint with "
+                             f"{config.moe.num_experts} experts per MoE layer") from None
+    ours.update(llama_state_dict_to_ours(state, config))  # the rest; it refuses any tensor left over
+    return ours
+
+
+def moe_config_kwargs(config: ModelConfig, vocab_size: Optional[int] = None) -> dict[str, Any]:
+    """Keyword arguments for ``transformers.MixtralConfig`` / ``Qwen3MoeConfig`` (``moe_family_of(config)``)."""
+    family, moe = moe_family_of(config), config.moe
+    kwargs = llama_config_kwargs(config, vocab_size)
+    for name in ("attention_bias", "mlp_bias"):  # neither family has biases (moe_family_of checked)
+        kwargs.pop(name, None)
+    kwargs.update(num_experts_per_tok=moe.router_topk, router_aux_loss_coef=moe.aux_loss_coeff)
+    if family == "mixtral":
+        kwargs.update(num_local_experts=moe.num_experts, intermediate_size=config.expert_ffn_size,
+                      router_jitter_noise=0.0, sliding_window=None)
+    else:
+        kwargs.pop("head_dim")  # Qwen3MoeConfig derives it (hidden / heads) as we do
+        kwargs.update(num_experts=moe.num_experts, moe_intermediate_size=config.expert_ffn_size,
+                      norm_topk_prob=not moe.router_pre_softmax, decoder_sparse_step=1,
+                      mlp_only_layers=[i for i in range(config.num_layers) if not moe.is_moe_layer(i)],
+                      use_sliding_window=False)
+    return kwargs
+
+
+def _moe_config(hf_config: Any, model_type: str) -> tuple[MoEConfig, int]:
+    """Our MoEConfig of a Mixtral / Qwen3-MoE config, and the dense MLP width of any dense layers."""
+    n = hf_config.num_hidden_layers
+    if model_type == "mixtral":
+        if getattr(hf_config, "router_jitter_noise", 0.0):
+            raise ValueError(f"router_jitter_noise {hf_config.router_jitter_noise}: the router's training noise is "
+                             f"not implemented here (set it to 0)")
+        return MoEConfig(num_experts=hf_config.num_local_experts, layer_pattern=(True,) * n,
+                         ffn_hidden_size=hf_config.intermediate_size, router_topk=hf_config.num_experts_per_tok,
+                         aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0))), \
+            hf_config.intermediate_size
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    step = hf_config.decoder_sparse_step
+    pattern = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))  # transformers' Qwen3MoeDecoderLayer
+    return MoEConfig(num_experts=hf_config.num_experts, layer_pattern=pattern,
+                     ffn_hidden_size=hf_config.moe_intermediate_size, router_topk=hf_config.num_experts_per_tok,
+                     router_pre_softmax=not hf_config.norm_topk_prob,
+                     aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0))), \
+        hf_config.intermediate_size
+
+
+def model_config_from_moe(hf_config: Any, seq_length: int, **overrides) -> ModelConfig:
+    """A ModelConfig for a transformers ``MixtralConfig`` / ``Qwen3MoeConfig`` (DeepSeek-V3: ValueError saying why).
+
+    seq_length: the training / inference length. overrides: any other ModelConfig field (padded_vocab_size...).
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in REFUSED_MOE:
+        raise ValueError(f"model_type {model_type!r} is not converted: {REFUSED_MOE[model_type]}")
+    if model_type not in MOE_FAMILY:
+        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MOE_FAMILY)}")
+    check_llama_block(hf_config, model_type)
+    if getattr(hf_config, "attention_bias", False):
+        raise ValueError("attention_bias True: this converter maps Mixtral / Qwen3-MoE without biases")
+    moe, dense_width = _moe_config(hf_config, model_type)
+    fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+                  num_attention_heads=hf_config.num_attention_heads,
+                  num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+                  padded_vocab_size=hf_config.vocab_size, seq_length=seq_length, ffn_hidden_size=dense_width,
+                  position_embedding_type="rotary", **rope_fields(hf_config), normalization="rmsnorm", swiglu=True,
+                  layernorm_epsilon=hf_config.rms_norm_eps, add_bias_linear=False,
+                  qk_layernorm=model_type == "qwen3_moe",
+                  untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
+                  attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0,
+                  init_method_std=getattr(hf_config, "initializer_range", 0.02), moe=moe)
+    fields.update(overrides)
+    return ModelConfig(**fields).validate()
