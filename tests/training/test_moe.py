@@ -1,7 +1,8 @@
 """Mixture-of-experts training end to end: one process learns with the aux loss on and the expert bias moving;
 expert parallelism (EP = 2, carved from DP) trains exactly as one process does (fp32, within 1e-5 over 10
-iterations), alone, with TP = 2, with PP = 2, with ZeRO-1, and in bf16 (BF16_Optimizer) close to it; bad layouts
-and what MoE does not support yet are refused before any process starts."""
+iterations), alone, with TP = 2, with PP = 2, with ZeRO-1, with all of EP x TP x PP x DP at once (8 processes), with
+ZeRO-2 on the non-pipeline engine, and in bf16 (BF16_Optimizer) close to it; bad layouts and what MoE does not
+support yet are refused before any process starts."""
 
 import re
 
@@ -77,6 +78,8 @@ def test_recomputed_activations_train_the_same(reference_runs):
     (["--num-experts", "4", "--load", "{tmp}", "--universal-checkpoint"], 1,
      "does not work yet with --universal-checkpoint"),
     (["--num-experts", "4", "--moe-layer-freq", "[0]*3+[1]*1"], 1, "gives 4 layers but --num-layers is 2"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-stage", "3"], 2,
+     "does not work with --zero-stage 3: DeepSpeed's ZeRO-3 takes expert-parallel layers only from its AutoEP"),
 ])
 def test_bad_layouts_are_refused_before_launch(tiny_corpus, tmp_path, flags, world_size, match):
     flags = [flag.replace("{tmp}", str(tmp_path / "checkpoints")) for flag in flags]
@@ -204,3 +207,28 @@ def test_expert_parallel_checkpoints_resume_loss_for_loss(moe_argv, tmp_path):
                                     world_size=4)
     with pytest.raises(ValueError, match=re.escape("saved with --expert-model-parallel-size 2 (this run: 1)")):
         resume_point(other_ep)
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_composes_with_every_axis_and_zero2(moe_argv, reference_run):
+    """One 8-process launch: EP = 2 x TP = 2 x PP = 2 x DP = 2 in fp32 (dropless, aux loss on, expert bias moving)
+    trains as one process; the BLOOM path (bf16, BF16_Optimizer) on the same layout tracks it; and ZeRO-2 on the
+    non-pipeline engine at EP = 2 x TP = 2 over DP = 4 (DeepSpeedZeroOptimizer reduce-scattering each expert's
+    gradient over its 2-rank expert-data-parallel group) trains as one process too."""
+    ep = ["--expert-model-parallel-size", 2]
+    runs = [layout(moe_argv, *ep, tp=2, pp=2), layout(moe_argv, *ep, "--bf16", tp=2, pp=2),
+            layout(moe_argv, *ep, "--zero-stage", 2, tp=2)]
+    results = run_distributed(train_moe, world_size=8, args=(runs,), timeout=600)
+    for rank, (full, bf16, zero2) in enumerate(results):
+        assert full["dp_size"] == 2 and full["optimizer"] != "BF16_Optimizer", f"rank {rank}: {full['optimizer']}"
+        assert_same_moe_run(reference_run, full, f"rank {rank} of EP=2 x TP=2 x PP=2 x DP=2")
+        assert len(full["expert_bias"]) == 1, f"rank {rank}: one MoE layer per stage, {full['expert_bias']}"
+        assert bf16["optimizer"] == "BF16_Optimizer", f"rank {rank}"
+        for i, (a, b) in enumerate(zip(reference_run["losses"], bf16["losses"], strict=True)):
+            assert abs(a - b) <= 1e-3 * a, f"rank {rank}: bf16 EP=2 x TP=2 x PP=2 iteration {i + 1} loss {b} vs {a}"
+        assert (zero2["engine"], zero2["engine_stage"], zero2["optimizer"]) == (
+            "ShardedEngine", 2, "DeepSpeedZeroOptimizer"), f"rank {rank}"
+        assert [name for name, _ in zero2["groups"]] == ["decay", "no_decay"] + ["megatron_ep_size_2"] * 2
+        assert_same_moe_run(reference_run, zero2, f"rank {rank} of ZeRO-2, EP=2 x TP=2 x DP=4")
+        assert sorted(zero2["expert_bias"]) == ["3.mlp", "4.mlp"], f"rank {rank}"
+        assert zero2["expert_numel"] < reference_run["expert_numel"] / 2, f"rank {rank}: half the experts, TP-split"
