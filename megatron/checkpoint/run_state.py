@@ -23,6 +23,7 @@ from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import RUN_STATE, CheckpointFormatError, resolve_tag
 from megatron.config import ModelConfig, RunConfig
 from megatron.config.model import swiglu_default_ffn_size
+from megatron.config.moe import MoEConfig
 from megatron.config.run import deepspeed_engine_for
 from megatron.model.layout import LAYOUT, LEGACY_LAYOUT
 
@@ -188,7 +189,11 @@ def record_from_megatron_args(args: argparse.Namespace, iteration: int, path: st
 def model_config_from_dict(fields: dict) -> ModelConfig:
     """A ModelConfig from ``dataclasses.asdict`` output, ignoring fields this version does not know."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in fields.items() if k in known})
+    kept = {k: v for k, v in fields.items() if k in known}
+    if isinstance(kept.get("moe"), dict):  # MoE: its own dataclass (JSON made its layer pattern a list)
+        moe = {k: v for k, v in kept["moe"].items() if k in {f.name for f in dataclasses.fields(MoEConfig)}}
+        kept["moe"] = MoEConfig(**dict(moe, layer_pattern=tuple(moe["layer_pattern"])))
+    return ModelConfig(**kept)
 
 
 # Fields that must agree between a checkpoint and the run loading it (the others may change:

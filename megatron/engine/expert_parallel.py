@@ -147,7 +147,7 @@ def attach_expert_checkpoints(engine, state: ParallelState) -> None:
     def load_checkpoint(load_dir, tag=None, load_optimizer_states=True, **kwargs):
         with plain_checkpoint_files(deepspeed_engine):
             path, client_state = load(load_dir, tag=tag, load_optimizer_states=load_optimizer_states, **kwargs)
-        if path is not None:
+        if path is not None and not deepspeed_engine.load_universal_checkpoint():  # universal: experts in zero/
             load_expert_states(engine, os.path.join(load_dir, str(tag)), state, load_optimizer_states)
         return path, client_state
 

@@ -73,6 +73,7 @@ class ParameterLayout:
     tied_to_head: bool = False     # the output head on the last stage uses it too (a second copy there)
     file_key: str = ""             # its key in the layer file (BLOOM's name); "" means local_name
     in_tied_module: bool = False   # a DeepSpeed tied module holds it (the embedding, when tied to the head)
+    expert_parallel: bool = False  # an MoE expert's: dim 0 is the experts, each EP rank holds its share of them
 
     @property
     def replicated(self) -> bool:
@@ -133,24 +134,37 @@ def local_name_of_file_key(key: str, layout: str = LAYOUT) -> str:
     return _swap_prefix(key, layout, to_file=False)
 
 
+def _layer_kinds(config: ModelConfig) -> tuple[bool, ...]:
+    """The kinds of transformer layer the model has, in the stand-in's order: (False,) dense only; with MoE
+    (True,) or (False, True) (True: an MoE MLP)."""
+    return (False,) if config.moe is None else tuple(sorted(set(config.moe.layer_pattern)))
+
+
 def _structure(config: ModelConfig) -> ModelConfig:
-    """A one-layer stand-in with the same structure and tiny sizes: its modules carry the same tags
-    and names as the real ones, and it builds in milliseconds whatever the real model's size."""
-    heads = config.num_attention_heads
-    return dataclasses.replace(config, num_layers=1, hidden_size=2 * heads, ffn_hidden_size=4, padded_vocab_size=8,
-                               original_vocab_size=None, seq_length=4, max_position_embeddings=4,
-                               params_dtype="fp32").validate()
+    """A stand-in with the same structure and tiny sizes, one layer of each kind (``_layer_kinds``): its
+    modules carry the same tags and names as the real ones, and it builds in milliseconds whatever the
+    real model's size."""
+    heads, kinds = config.num_attention_heads, _layer_kinds(config)
+    moe = config.moe
+    if moe is not None:
+        shared = None if moe.shared_expert_intermediate_size is None else 4
+        moe = dataclasses.replace(moe, layer_pattern=kinds, ffn_hidden_size=4, shared_expert_intermediate_size=shared)
+    return dataclasses.replace(config, num_layers=len(kinds), hidden_size=2 * heads, ffn_hidden_size=4,
+                               padded_vocab_size=8, original_vocab_size=None, seq_length=4, max_position_embeddings=4,
+                               params_dtype="fp32", moe=moe).validate()
 
 
 @functools.lru_cache(maxsize=32)
-def _tags(structure: ModelConfig) -> tuple[tuple[str, Optional[int], bool], ...]:
-    """(GPTModel name, partition dim or None, vocab-parallel) of every parameter of the stand-in."""
+def _tags(structure: ModelConfig) -> tuple[tuple[str, Optional[int], bool, bool], ...]:
+    """(GPTModel name, partition dim or None, vocab-parallel, expert-parallel) of every parameter of the
+    stand-in."""
     from megatron.model.gpt import GPTModel  # noqa: PLC0415 (a cycle: gpt.py reads this module's layout)
 
     out = []
     for name, param in GPTModel(structure).named_parameters():
         split = getattr(param, "tensor_model_parallel", False)
-        out.append((name, param.partition_dim if split else None, bool(getattr(param, "vocab_parallel", False))))
+        out.append((name, param.partition_dim if split else None, bool(getattr(param, "vocab_parallel", False)),
+                    bool(getattr(param, "expert_parallel", False))))
     return tuple(out)
 
 
@@ -162,24 +176,27 @@ def parameter_layout(config: ModelConfig, layout: str = LAYOUT) -> dict[str, Par
     template = _tags(_structure(config))
     params: dict[str, ParameterLayout] = {}
 
-    def add(item: PipelineItem, local: str, dim: Optional[int], vocab: bool) -> None:
+    def add(item: PipelineItem, local: str, dim: Optional[int], vocab: bool, expert: bool) -> None:
         name = item.prefix + local
         tied = config.tied_embeddings and item.kind == EMBEDDING
         params[name] = ParameterLayout(name, item.index, local, dim, vocab, tied_to_head=vocab and tied,
-                                       file_key=file_key(local, layout), in_tied_module=tied)
+                                       file_key=file_key(local, layout), in_tied_module=tied, expert_parallel=expert)
 
-    layer_params = [(name[len("layers.0."):], dim, vocab) for name, dim, vocab in template if name.startswith("layers.0.")]
-    for name, dim, vocab in template:
+    kinds = _layer_kinds(config)
+    layer_params = {kind: [(name[len(f"layers.{i}."):], *tags) for name, *tags in template
+                           if name.startswith(f"layers.{i}.")] for i, kind in enumerate(kinds)}
+    for name, *tags in template:
         if name.startswith("embedding."):
-            add(by_prefix["embedding."], name[len("embedding."):], dim, vocab)
+            add(by_prefix["embedding."], name[len("embedding."):], *tags)
     for item in items:
         if item.kind == TRANSFORMER:
-            for local, dim, vocab in layer_params:
-                add(item, local, dim, vocab)
+            kind = config.moe is not None and config.moe.is_moe_layer(item.layer_number)
+            for local, *tags in layer_params[kind]:
+                add(item, local, *tags)
     for prefix in ("final_layernorm.", "output_layer."):
-        for name, dim, vocab in template:
+        for name, *tags in template:
             if name.startswith(prefix):
-                add(by_prefix[prefix], name[len(prefix):], dim, vocab)
+                add(by_prefix[prefix], name[len(prefix):], *tags)
     return params
 
 

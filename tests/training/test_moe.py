@@ -4,6 +4,7 @@ iterations), alone, with TP = 2, with PP = 2, with ZeRO-1, with all of EP x TP x
 ZeRO-2 on the non-pipeline engine, and in bf16 (BF16_Optimizer) close to it; bad layouts and what MoE does not
 support yet are refused before any process starts."""
 
+import os
 import re
 
 import pytest
@@ -12,7 +13,7 @@ from megatron.arguments import run_config_from_argv
 from megatron.checkpoint.resume import resume_point
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.moe import MOE_FLAGS, VARIANT_FLAGS, train_moe
-from tests.helpers.training import assert_same_run, layout, tensorboard_scalars
+from tests.helpers.training import assert_same_run, layout, tensorboard_scalars, to_universal
 
 ITERS = 10
 
@@ -75,8 +76,7 @@ def test_recomputed_activations_train_the_same(reference_runs):
                                                           "with --moe-layer-freq"),
     (["--num-experts", "4", "--disable-moe-token-dropping", "--moe-train-capacity-factor", "1"], 1,
      "--disable-moe-token-dropping contradicts --moe-expert-capacity-factor 1.0"),
-    (["--num-experts", "4", "--load", "{tmp}", "--universal-checkpoint"], 1,
-     "does not work yet with --universal-checkpoint"),
+    (["--num-experts", "4", "--torch-compile"], 1, "does not work yet with --torch-compile"),
     (["--num-experts", "4", "--moe-layer-freq", "[0]*3+[1]*1"], 1, "gives 4 layers but --num-layers is 2"),
     (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-stage", "3"], 2,
      "does not work with --zero-stage 3: DeepSpeed's ZeRO-3 takes expert-parallel layers only from its AutoEP"),
@@ -232,3 +232,28 @@ def test_expert_parallel_composes_with_every_axis_and_zero2(moe_argv, reference_
         assert_same_moe_run(reference_run, zero2, f"rank {rank} of ZeRO-2, EP=2 x TP=2 x DP=4")
         assert sorted(zero2["expert_bias"]) == ["3.mlp", "4.mlp"], f"rank {rank}"
         assert zero2["expert_numel"] < reference_run["expert_numel"] / 2, f"rank {rank}: half the experts, TP-split"
+
+
+@pytest.mark.multiprocess
+def test_a_universal_checkpoint_moves_an_moe_run_between_layouts(moe_argv, reference_run, tmp_path):
+    """Saved after 3 iterations at EP = 2 x TP = 2 (DP = 2, fp32 ZeRO-1), converted by ds_to_universal.py (each
+    expert parameter's folder then holds all 4 experts: the EP ranks' shards joined, the TP slices of each
+    joined along the parameter's own split dim; the routers' expert biases beside them), and resumed in one
+    2-process launch at EP = 1 x TP = 2, EP = 1 x PP = 2 and EP = 2 x DP = 2: each continues the one-process run
+    within 1e-5 to iteration 10, and ends with its expert biases."""
+    save = str(tmp_path / "checkpoints")
+    run_distributed(train_moe, world_size=4, timeout=600, args=([layout(
+        moe_argv, "--expert-model-parallel-size", 2, "--zero-stage", 1, "--save", save, "--save-interval", 100,
+        "--exit-interval", 3, tp=2)],))
+    universal = to_universal(os.path.join(save, "global_step3"))
+    assert sorted(n for n in os.listdir(os.path.join(universal, "zero")) if ".experts." in n) == [
+        f"{layer}.mlp.experts.{p}" for layer in (3, 4) for p in ("fc1_bias", "fc2_bias", "w1", "w2")]
+    load = ["--zero-stage", 1, "--load", save, "--universal-checkpoint"]
+    runs = [layout(moe_argv, *load, tp=2), layout(moe_argv, *load, pp=2),
+            layout(moe_argv, *load, "--expert-model-parallel-size", 2)]
+    results = run_distributed(train_moe, world_size=2, args=(runs,), timeout=600)
+    tail = dict(reference_run, losses=reference_run["losses"][3:], grad_norms=reference_run["grad_norms"][3:])
+    for rank, records in enumerate(results):
+        for name, run in zip(("EP=1 x TP=2", "EP=1 x PP=2", "EP=2 x DP=2"), records, strict=True):
+            assert run["iterations"] == list(range(4, ITERS + 1)), f"rank {rank}, {name}: {run['iterations']}"
+            assert_same_moe_run(tail, run, f"rank {rank}, EP=2 x TP=2 -> universal -> {name}")
