@@ -226,6 +226,8 @@ def test_expert_parallel_composes_with_every_axis_and_zero2(moe_argv, reference_
         assert bf16["optimizer"] == "BF16_Optimizer", f"rank {rank}"
         for i, (a, b) in enumerate(zip(reference_run["losses"], bf16["losses"], strict=True)):
             assert abs(a - b) <= 1e-3 * a, f"rank {rank}: bf16 EP=2 x TP=2 x PP=2 iteration {i + 1} loss {b} vs {a}"
+        for i, (a, b) in enumerate(zip(reference_run["grad_norms"], bf16["grad_norms"], strict=True)):
+            assert abs(a - b) <= 2e-3 * a, f"rank {rank}: bf16 EP=2 x TP=2 x PP=2 iteration {i + 1} grad norm {b} vs {a}"
         assert (zero2["engine"], zero2["engine_stage"], zero2["optimizer"]) == (
             "ShardedEngine", 2, "DeepSpeedZeroOptimizer"), f"rank {rank}"
         assert [name for name, _ in zero2["groups"]] == ["decay", "no_decay"] + ["megatron_ep_size_2"] * 2

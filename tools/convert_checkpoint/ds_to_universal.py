@@ -23,6 +23,9 @@ Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), whic
   - records the checksums of every output file (after the renaming), writes our ``run_state.json`` and marks the output
     ``complete`` last (our loader refuses tags without it), so a crashed conversion is never loaded
     and a damaged one is named when loaded.
+  - for an MoE model, gives every expert parameter one folder holding all the experts (at EP > 1 DeepSpeed's
+    converter reads a copy of the tag with per-EP-rank expert names) and keeps the routers' expert biases
+    (``megatron.checkpoint.universal_moe``), so the run moves between EP sizes too;
 ZeRO-2 and ZeRO-3 checkpoints convert too, for ZeRO-2 / ZeRO-3 runs or (``--target-engine pipeline``) a
 3D one; a 3D checkpoint converts for them with ``--target-engine model``.
 Options other than the two folders and ``--target-engine`` are passed through to DeepSpeed's converter.
