@@ -10,6 +10,8 @@
     merge         any TP / PP -> full TP=1 GPTModel weights, and back to a training checkpoint
     universal     the parameter patterns DeepSpeed's ``ds_to_universal`` needs (imports deepspeed's key names)
     universal_engines  a converted universal checkpoint renamed and rewritten for the other DeepSpeed engine
+    universal_moe      MoE experts in universal checkpoints: every EP rank's experts in one folder per parameter
+    universal_router   the MoE routers' expert biases beside a universal checkpoint, restored at a resume
     hf_bloom      full weights and configs <-> transformers' Bloom (names only, no transformers import)
     hf_export     full weights <-> transformers model directories: Bloom, GPT-2, GPT-NeoX; tokenizers
 

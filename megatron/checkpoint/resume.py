@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron.checkpoint import run_state, tags, training_io
 from megatron.checkpoint.integrity import verify_checksums
+from megatron.checkpoint.universal_router import load_router_state
 from megatron.config import RunConfig
 from megatron.model.layout import LAYOUT
 
@@ -91,9 +92,11 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, saved: dict) -> None:
     # MoE: each EP rank's experts are in their own file (absent: EP = 1)
     ep = (recorded.get("expert_model_parallel_size", 1), p.expert_model_parallel_size)
     if ep[0] != ep[1]:
-        raise ValueError(f"{tag_dir} was saved with --expert-model-parallel-size {ep[0]} (this run: {ep[1]}); an MoE "
-                         f"checkpoint loads only at its own expert-parallel size (universal checkpoints do not "
-                         f"support MoE yet): run with --expert-model-parallel-size {ep[0]}")
+        raise ValueError(f"{tag_dir} was saved with --expert-model-parallel-size {ep[0]} (this run: {ep[1]}); a regular MoE "
+                         f"checkpoint loads only at its own expert-parallel size: run with "
+                         f"--expert-model-parallel-size {ep[0]}, or convert it once: python "
+                         f"tools/convert_checkpoint/ds_to_universal.py --input_folder {tag_dir} --output_folder "
+                         f"{tag_dir}_universal, then add --universal-checkpoint")
     if not (ck.no_load_optim or ck.finetune):
         sizes["data-parallel size"] = (recorded.get("data_parallel_size"), p.data_parallel_size)
         # ZeRO shards the optimizer state over dp x sp ranks
@@ -168,6 +171,8 @@ def restore(rc: RunConfig, engine, point: Point, lr_scheduler, tracker, *,
     with loading():
         client = training_io.load_checkpoint(engine, ck.load, tag,
                                              load_optimizer_states=not (ck.no_load_optim or ck.finetune))
+    if ck.universal_checkpoint:  # MoE routers' expert biases: buffers, beside the parameter folders
+        load_router_state(engine.module, tag_dir, rc.model)
     if after_load is not None:
         after_load(tag_dir)
     if ck.finetune:

@@ -190,10 +190,9 @@ def model_config_from_dict(fields: dict) -> ModelConfig:
     """A ModelConfig from ``dataclasses.asdict`` output, ignoring fields this version does not know."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     kept = {k: v for k, v in fields.items() if k in known}
-    if isinstance(kept.get("moe"), dict):  # asdict flattened the MoE sub-config; JSON made its tuple a list
-        moe_known = {f.name for f in dataclasses.fields(MoEConfig)}
-        moe = {k: v for k, v in kept["moe"].items() if k in moe_known}
-        kept["moe"] = MoEConfig(**{**moe, "layer_pattern": tuple(moe["layer_pattern"])})
+    if isinstance(kept.get("moe"), dict):  # MoE: its own dataclass (JSON made its layer pattern a list)
+        moe = {k: v for k, v in kept["moe"].items() if k in {f.name for f in dataclasses.fields(MoEConfig)}}
+        kept["moe"] = MoEConfig(**dict(moe, layer_pattern=tuple(moe["layer_pattern"])))
     return ModelConfig(**kept)
 
 

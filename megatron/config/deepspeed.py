@@ -105,6 +105,12 @@ def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
         # megatron.engine.ulysses scales the loss for this path's averaging over dp x sp ranks
         out.append((("zero_optimization", "reduce_scatter"), True,
                     f"--ds-sequence-parallel-size {sp} with --zero-stage 3 (DeepSpeed's reduce-scatter path)"))
+    ep = rc.parallel.expert_model_parallel_size
+    if ep > 1 and rc.deepspeed_zero_stage == 2:
+        # ZeRO-2 reduces a gradient over its expert-data-parallel group only on the reduce-scatter path; its
+        # all-reduce path would average the different experts of the whole data-parallel group
+        out.append((("zero_optimization", "reduce_scatter"), True,
+                    f"--expert-model-parallel-size {ep} with --zero-stage 2 (experts reduced per expert-data group)"))
     if bf16 and rc.deepspeed_zero_stage <= 1:
         # Megatron accumulates bf16 gradients in fp32; DeepSpeed then picks BF16_Optimizer
         out.append((("data_types", "grad_accum_dtype"), "fp32", "--bf16 (gradients accumulate in fp32)"))

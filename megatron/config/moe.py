@@ -135,11 +135,17 @@ def check_moe_run(rc) -> None:
         raise ValueError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} (world / "
                          f"(TP x PP)): expert parallelism is carved from the data-parallel ranks; use a divisor of "
                          f"{dp} or more processes")
-    unsupported = [(rc.checkpoint.universal_checkpoint, "--universal-checkpoint"),
-                   (rc.model.sequence_parallel, "--sequence-parallel"),
+    unsupported = [(rc.model.sequence_parallel, "--sequence-parallel"),
                    (rc.parallel.ds_sequence_parallel_size > 1, "--ds-sequence-parallel-size > 1"),
-                   (rc.precision.zero_stage > 1, "--zero-stage 2 or 3"), (rc.training.torch_compile, "--torch-compile"),
+                   (rc.training.torch_compile, "--torch-compile"),
                    (rc.fp16, "--fp16 (use --bf16)")]
+    if rc.precision.zero_stage == 3:
+        # DeepSpeed's engine (the pinned version) asserts that ZeRO-3 meets MoE layers only as its AutoEP layers
+        # (Hugging Face models), and its stage-3 optimizer has no expert-data-parallel partitioning for ours
+        raise ValueError(f"MoE (--num-experts {moe.num_experts}) does not work with --zero-stage 3: DeepSpeed's "
+                         f"ZeRO-3 takes expert-parallel layers only from its AutoEP (Hugging Face models), and "
+                         f"cannot shard our experts over their expert-data-parallel group; use --zero-stage 2 (the "
+                         f"experts' gradients and optimizer state sharded there) or 1")
     named = [name for given, name in unsupported if given]
     if named:
         raise ValueError(f"MoE (--num-experts {moe.num_experts}) does not work yet with {', '.join(named)} (not "

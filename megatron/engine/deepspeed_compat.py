@@ -44,6 +44,9 @@ they differ (an upgrade then fails at the first workaround it reaches, not silen
                               size is > 1, and counts every expert          a TP-duplicated expert gradient from the
                               parameter on every TP rank (a TP-duplicated   norm on TP ranks > 0
                               expert bias twice at TP = 2)
+    universal_expert_slicing  its universal loader cuts an expert tensor    ``universal_expert_slicing``: for the load,
+                              to this EP rank's experts from the group      the registry holds only this run's EP group,
+                              registry, parsing ``ep_size_N`` names         under DeepSpeed's name (none at EP = 1)
     moe_checkpoint            with ``has_moe_layers`` it saves and loads    ``plain_checkpoint_files``: its regular files
                               its own MoE's per-expert files (found by      while it saves and loads; our experts go to
                               module type), which our marker holds none of  files of their own (``megatron.engine.
@@ -78,7 +81,7 @@ __all__ = ["PINNED_VERSION", "WORKAROUNDS", "require", "installed_version", "che
            "silence_renamed_collectives", "check_bf16_stage_0", "check_zero3_ulysses", "DEEPSPEED_GLOBALS",
            "SafeTorchCheckpointEngine", "use_safe_loading", "avoid_cpu_jit_builds",
            "ExpertParallelMarker", "moe_marker", "register_expert_groups", "mark_moe_parameter", "is_moe_parameter",
-           "check_moe_engine", "count_expert_grads_once", "plain_checkpoint_files"]
+           "check_moe_engine", "count_expert_grads_once", "plain_checkpoint_files", "universal_expert_slicing"]
 
 PINNED_VERSION = "0.19.8"
 
@@ -106,6 +109,10 @@ WORKAROUNDS = {
     "expert_tp_grad_norm": "groups.expert_tensor_parallel_world_size in get_global_norm_of_tensors and "
                            "BF16_Optimizer.get_grads_for_norm's expert filter (tests/training/test_moe.py compares "
                            "the bf16 grad norm at EP = 2 x TP = 2 with one process's)",
+    "universal_expert_slicing": "base_optimizer._get_universal_checkpoint_ep_info (the EP rank and size from "
+                                "groups._EXPERT_PARALLEL_GROUP's 'ep_size_N' names) and load_hp_checkpoint_state's "
+                                "EP_IS_EXPERT_PARAM slicing (tests/training/test_moe.py resumes a universal MoE "
+                                "checkpoint)",
     "moe_checkpoint": "how save_checkpoint / _load_checkpoint branch on has_moe_layers (the MoE path wants "
                       "deepspeed.moe.layer.MoE's experts) (tests/training/test_moe.py resumes EP runs)",
     "zero3_ulysses_average": "the divisor of ZeRO-3's reduce-scatter with sequence parallelism "
@@ -185,10 +192,31 @@ def checkpoint_loading(engine, universal: bool) -> Iterator[None]:
     ``universal_tp_restore``, megatron.engine.sharded) and the optimizer mended after the load."""
     own_groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
     tp_restore = getattr(engine, "universal_tp_restore", None) if universal else None
-    with safe_loading(), (tp_restore() if tp_restore else contextlib.nullcontext()):
+    with safe_loading(), (tp_restore() if tp_restore else contextlib.nullcontext()), \
+            (universal_expert_slicing(engine) if universal else contextlib.nullcontext()):
         yield
     if universal:
         mend_universal_optimizer(engine.optimizer, own_groups)
+
+
+@contextlib.contextmanager
+def universal_expert_slicing(engine) -> Iterator[None]:
+    """Within: DeepSpeed's ZeRO-1/2 universal loader cuts this EP rank's experts (dim 0) out of an expert
+    folder's ``[E, ...]`` tensors (``megatron.checkpoint.universal_moe``), asking its expert-group registry for
+    the EP rank and size: it parses the size from a group named ``ep_size_N`` (ours is named
+    ``megatron_ep_size_N``, and fails to parse), and with no group it slices nothing (EP = 1). So the registry
+    holds, for the load only, this run's expert-parallel group under DeepSpeed's name, or nothing."""
+    require("universal_expert_slicing")
+    from deepspeed.utils import groups  # noqa: PLC0415 (private DeepSpeed state, imported only after require() checked the version)
+
+    names = {group["name"] for group in engine.optimizer.param_groups if group.get("moe")}
+    registry = groups._EXPERT_PARALLEL_GROUP
+    ours = {f"ep_size_{torch.distributed.get_world_size(registry[name])}": registry[name] for name in names}
+    groups._EXPERT_PARALLEL_GROUP = ours
+    try:
+        yield
+    finally:
+        groups._EXPERT_PARALLEL_GROUP = registry
 
 
 @contextlib.contextmanager

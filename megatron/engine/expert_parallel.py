@@ -1,5 +1,6 @@
-"""Expert parallelism on DeepSpeed's pipeline engine: the experts' gradients averaged, and their optimizer
-state sharded, over the expert-data-parallel group only.
+"""Expert parallelism on DeepSpeed's pipeline engine (ZeRO-0/1, BF16_Optimizer) and on its non-pipeline engine
+(ZeRO-2, ``megatron.engine.sharded``): the experts' gradients averaged, and their optimizer state sharded, over
+the expert-data-parallel group only.
 
 Every data-parallel rank holds the dense parameters, but an expert-parallel rank holds only its share of each
 MoE layer's experts (``megatron.model.moe.experts``): averaging an expert's gradient over the whole
@@ -135,17 +136,18 @@ def attach_expert_checkpoints(engine, state: ParallelState) -> None:
     """Make ``engine.save_checkpoint`` / ``load_checkpoint`` write and read DeepSpeed's regular files plus our
     expert files (see the module docstring); called for EP > 1 only."""
     save, load = engine.save_checkpoint, engine.load_checkpoint
+    deepspeed_engine = getattr(engine, "engine", engine)  # ZeRO-2: the DeepSpeedEngine inside a ShardedEngine
 
     def save_checkpoint(save_dir, tag=None, **kwargs):
-        with plain_checkpoint_files(engine):
+        with plain_checkpoint_files(deepspeed_engine):
             written = save(save_dir, tag=tag, **kwargs)
         save_expert_states(engine, os.path.join(save_dir, str(tag)), state)
         return written
 
     def load_checkpoint(load_dir, tag=None, load_optimizer_states=True, **kwargs):
-        with plain_checkpoint_files(engine):
+        with plain_checkpoint_files(deepspeed_engine):
             path, client_state = load(load_dir, tag=tag, load_optimizer_states=load_optimizer_states, **kwargs)
-        if path is not None:
+        if path is not None and not deepspeed_engine.load_universal_checkpoint():  # universal: experts in zero/
             load_expert_states(engine, os.path.join(load_dir, str(tag)), state, load_optimizer_states)
         return path, client_state
 

@@ -5,7 +5,8 @@
 
 The returned object is DeepSpeed's ``PipelineEngine`` (also for a single stage, so there is one code
 path), except with ``--zero-stage`` 2 or 3 or ``--ds-sequence-parallel-size`` > 1: DeepSpeed's non-pipeline engine behind the same
-``train_batch`` / ``eval_batch`` (``megatron.engine.sharded``). Its optimizer: in bf16 with
+``train_batch`` / ``eval_batch`` (``megatron.engine.sharded``; MoE expert parallelism on either engine, marked
+by ``megatron.engine.expert_parallel``). Its optimizer: in bf16 with
 ``zero_optimization.stage`` 1 and fp32 gradient accumulation (what
 ``--bf16`` with ``--zero-stage`` 0 or 1 gives), ``BF16_Optimizer`` (BLOOM's path); in fp32 with
 ZeRO-1, ``DeepSpeedZeroOptimizer`` (its grad norm counts replicated parameters on TP rank 0 of every
@@ -108,7 +109,12 @@ def _build_sharded_engine(rc: RunConfig, state: ParallelState, config: dict, tra
     module = build_sharded_module(rc, state, config, mpu, tracker)
     if rc.training.torch_compile:
         _compile_layers(module)
+    # ZeRO-2 (megatron.config.moe refuses ZeRO-3 with MoE): DeepSpeedZeroOptimizer reduce-scatters a marked
+    # expert's gradient over its expert-data-parallel group and shards its state there, as ZeRO-1 does
+    experts = mark_expert_parameters(module, rc.model, state)
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config, mpu=mpu)
     use_safe_loading(engine)
-    return ShardedEngine(engine, state, mpu, hpz_ranks)
+    sharded = ShardedEngine(engine, state, mpu, hpz_ranks)
+    check_expert_parallel_engine(sharded, experts, state)
+    return sharded

@@ -73,7 +73,7 @@ class ParameterLayout:
     tied_to_head: bool = False     # the output head on the last stage uses it too (a second copy there)
     file_key: str = ""             # its key in the layer file (BLOOM's name); "" means local_name
     in_tied_module: bool = False   # a DeepSpeed tied module holds it (the embedding, when tied to the head)
-    expert_parallel: bool = False  # an MoE layer's experts: dim 0 is the expert, split across expert-parallel ranks
+    expert_parallel: bool = False  # an MoE expert's: dim 0 is the experts, each EP rank holds its share of them
 
     @property
     def replicated(self) -> bool:
@@ -134,23 +134,30 @@ def local_name_of_file_key(key: str, layout: str = LAYOUT) -> str:
     return _swap_prefix(key, layout, to_file=False)
 
 
-def _structure(config: ModelConfig, moe_layer: bool = False) -> ModelConfig:
-    """A one-layer stand-in with the same structure and tiny sizes: its modules carry the same tags
-    and names as the real ones, and it builds in milliseconds whatever the real model's size. With
-    ``moe_layer`` its layer is an MoE layer of ``config.moe`` (else dense: the stand-in has no MoE)."""
-    heads, moe = config.num_attention_heads, None
-    if moe_layer:
-        shared = 4 if config.moe.shared_expert_intermediate_size is not None else None
-        moe = dataclasses.replace(config.moe, layer_pattern=(True,), ffn_hidden_size=4,
-                                  shared_expert_intermediate_size=shared)
-    return dataclasses.replace(config, num_layers=1, hidden_size=2 * heads, ffn_hidden_size=4, padded_vocab_size=8,
-                               original_vocab_size=None, seq_length=4, max_position_embeddings=4,
+def _layer_kinds(config: ModelConfig) -> tuple[bool, ...]:
+    """The kinds of transformer layer the model has, in the stand-in's order: (False,) dense only; with MoE
+    (True,) or (False, True) (True: an MoE MLP)."""
+    return (False,) if config.moe is None else tuple(sorted(set(config.moe.layer_pattern)))
+
+
+def _structure(config: ModelConfig) -> ModelConfig:
+    """A stand-in with the same structure and tiny sizes, one layer of each kind (``_layer_kinds``): its
+    modules carry the same tags and names as the real ones, and it builds in milliseconds whatever the
+    real model's size."""
+    heads, kinds = config.num_attention_heads, _layer_kinds(config)
+    moe = config.moe
+    if moe is not None:
+        shared = None if moe.shared_expert_intermediate_size is None else 4
+        moe = dataclasses.replace(moe, layer_pattern=kinds, ffn_hidden_size=4, shared_expert_intermediate_size=shared)
+    return dataclasses.replace(config, num_layers=len(kinds), hidden_size=2 * heads, ffn_hidden_size=4,
+                               padded_vocab_size=8, original_vocab_size=None, seq_length=4, max_position_embeddings=4,
                                params_dtype="fp32", moe=moe).validate()
 
 
 @functools.lru_cache(maxsize=32)
 def _tags(structure: ModelConfig) -> tuple[tuple[str, Optional[int], bool, bool], ...]:
-    """(GPTModel name, partition dim or None, vocab-parallel, expert-parallel) of every parameter of the stand-in."""
+    """(GPTModel name, partition dim or None, vocab-parallel, expert-parallel) of every parameter of the
+    stand-in."""
     from megatron.model.gpt import GPTModel  # noqa: PLC0415 (a cycle: gpt.py reads this module's layout)
 
     out = []
@@ -180,15 +187,16 @@ def parameter_layout(config: ModelConfig, layout: str = LAYOUT) -> dict[str, Par
         params[name] = ParameterLayout(name, item.index, local, dim, vocab, tied_to_head=vocab and tied,
                                        file_key=file_key(local, layout), in_tied_module=tied, expert_parallel=expert)
 
-    dense_layer = _layer_template(_structure(config))
-    moe_layer = _layer_template(_structure(config, moe_layer=True)) if config.moe is not None else dense_layer
+    kinds = _layer_kinds(config)
+    layer_params = {kind: [(name[len(f"layers.{i}."):], *tags) for name, *tags in template
+                           if name.startswith(f"layers.{i}.")] for i, kind in enumerate(kinds)}
     for name, *tags in template:
         if name.startswith("embedding."):
             add(by_prefix["embedding."], name[len("embedding."):], *tags)
     for item in items:
         if item.kind == TRANSFORMER:
-            is_moe = config.moe is not None and config.moe.is_moe_layer(item.layer_number)
-            for local, *tags in (moe_layer if is_moe else dense_layer):
+            kind = config.moe is not None and config.moe.is_moe_layer(item.layer_number)
+            for local, *tags in layer_params[kind]:
                 add(item, local, *tags)
     for prefix in ("final_layernorm.", "output_layer."):
         for name, *tags in template:

@@ -99,10 +99,7 @@ def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> d
     counters = dataclasses.asdict(progress)
     state = {"progress": counters, "lr_scheduler": lr_scheduler.state_dict(), "rng": training_io.rng_state(tracker),
              "args": run_state.megatron_args(rc, counters), "checkpoint_version": run_state.MEGATRON_CHECKPOINT_VERSION}
-    # MoE: no universal checkpoints yet (--universal-checkpoint is refused), and model.layout's one-layer stand-in
-    # cannot describe a --moe-layer-freq pattern
-    if rc.model.moe is None:
-        state[UNIVERSAL_CHECKPOINT_INFO] = universal_checkpoint_info(rc.model, rc.deepspeed_engine)
+    state[UNIVERSAL_CHECKPOINT_INFO] = universal_checkpoint_info(rc.model, rc.deepspeed_engine)
     return state
 
 

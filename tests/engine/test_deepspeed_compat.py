@@ -34,6 +34,7 @@ WORKAROUNDS = {
     "zero3_ulysses_average": lambda: deepspeed_compat.check_zero3_ulysses(3, 2),
     "expert_parallel": lambda: deepspeed_compat.moe_marker(4, "megatron_ep_size_2"),
     "moe_checkpoint": lambda: deepspeed_compat.plain_checkpoint_files(None).__enter__(),
+    "universal_expert_slicing": lambda: deepspeed_compat.universal_expert_slicing(None).__enter__(),
     "expert_tp_grad_norm": lambda: deepspeed_compat.count_expert_grads_once(object.__new__(BF16_Optimizer), 1),
 }
 

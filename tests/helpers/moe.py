@@ -7,6 +7,8 @@
                                   router's expert bias and how many expert parameters this rank holds
 """
 
+import re
+
 from tests.helpers.training import record_run
 
 MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
@@ -19,9 +21,15 @@ VARIANT_FLAGS = ["--swiglu", "--moe-router-score-function", "sigmoid", "--moe-ro
                  "--moe-token-drop-policy", "position", "--moe-layer-freq", "[0,1]"]
 
 
+def _pipeline_name(name: str) -> str:
+    """A GPTModel module name (ZeRO-2's engine: ``layers.0.mlp``) as the pipeline names it (``3.mlp``: BLOOM's
+    numbering puts transformer layer i at pipeline item i + 3)."""
+    return re.sub(r"^layers\.(\d+)", lambda m: str(int(m.group(1)) + 3), name)
+
+
 def train_moe(rank, world_size, runs):
     """On each rank: pretrain every argv of ``runs``; per run, ``record_run``'s record with ``expert_bias`` ({layer
-    number: bias list} of this rank's stage) and ``expert_numel`` (expert parameters held here)."""
+    number, as the pipeline names it: bias list} of this rank's stage) and ``expert_numel`` (expert parameters held here)."""
     from megatron.arguments import run_config_from_argv
     from megatron.model.moe import MoELayer, is_expert_parallel
     from megatron.training.pretrain import pretrain
@@ -32,7 +40,8 @@ def train_moe(rank, world_size, runs):
         result = pretrain(rc)
         record = record_run(rc, result)
         module = result.engine.module
-        record["expert_bias"] = {name: m.router.expert_bias.tolist() for name, m in module.named_modules()
+        record["expert_bias"] = {_pipeline_name(name): m.router.expert_bias.tolist()
+                                 for name, m in module.named_modules()
                                  if isinstance(m, MoELayer) and m.router.expert_bias is not None}
         record["expert_numel"] = sum(p.numel() for p in module.parameters() if is_expert_parallel(p))
         out.append(record)

@@ -1,8 +1,10 @@
 """Mixture-of-experts training end to end: one process learns with the aux loss on and the expert bias moving;
 expert parallelism (EP = 2, carved from DP) trains exactly as one process does (fp32, within 1e-5 over 10
-iterations), alone, with TP = 2, with PP = 2, with ZeRO-1, and in bf16 (BF16_Optimizer) close to it; bad layouts
-and what MoE does not support yet are refused before any process starts."""
+iterations), alone, with TP = 2, with PP = 2, with ZeRO-1, with all of EP x TP x PP x DP at once (8 processes), with
+ZeRO-2 on the non-pipeline engine, and in bf16 (BF16_Optimizer) close to it; bad layouts and what MoE does not
+support yet are refused before any process starts."""
 
+import os
 import re
 
 import pytest
@@ -11,7 +13,7 @@ from megatron.arguments import run_config_from_argv
 from megatron.checkpoint.resume import resume_point
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.moe import MOE_FLAGS, VARIANT_FLAGS, train_moe
-from tests.helpers.training import assert_same_run, layout, tensorboard_scalars
+from tests.helpers.training import assert_same_run, layout, tensorboard_scalars, to_universal
 
 ITERS = 10
 
@@ -74,9 +76,10 @@ def test_recomputed_activations_train_the_same(reference_runs):
                                                           "with --moe-layer-freq"),
     (["--num-experts", "4", "--disable-moe-token-dropping", "--moe-train-capacity-factor", "1"], 1,
      "--disable-moe-token-dropping contradicts --moe-expert-capacity-factor 1.0"),
-    (["--num-experts", "4", "--load", "{tmp}", "--universal-checkpoint"], 1,
-     "does not work yet with --universal-checkpoint"),
+    (["--num-experts", "4", "--torch-compile"], 1, "does not work yet with --torch-compile"),
     (["--num-experts", "4", "--moe-layer-freq", "[0]*3+[1]*1"], 1, "gives 4 layers but --num-layers is 2"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-stage", "3"], 2,
+     "does not work with --zero-stage 3: DeepSpeed's ZeRO-3 takes expert-parallel layers only from its AutoEP"),
 ])
 def test_bad_layouts_are_refused_before_launch(tiny_corpus, tmp_path, flags, world_size, match):
     flags = [flag.replace("{tmp}", str(tmp_path / "checkpoints")) for flag in flags]
@@ -204,3 +207,55 @@ def test_expert_parallel_checkpoints_resume_loss_for_loss(moe_argv, tmp_path):
                                     world_size=4)
     with pytest.raises(ValueError, match=re.escape("saved with --expert-model-parallel-size 2 (this run: 1)")):
         resume_point(other_ep)
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_composes_with_every_axis_and_zero2(moe_argv, reference_run):
+    """One 8-process launch: EP = 2 x TP = 2 x PP = 2 x DP = 2 in fp32 (dropless, aux loss on, expert bias moving)
+    trains as one process; the BLOOM path (bf16, BF16_Optimizer) on the same layout tracks it; and ZeRO-2 on the
+    non-pipeline engine at EP = 2 x TP = 2 over DP = 4 (DeepSpeedZeroOptimizer reduce-scattering each expert's
+    gradient over its 2-rank expert-data-parallel group) trains as one process too."""
+    ep = ["--expert-model-parallel-size", 2]
+    runs = [layout(moe_argv, *ep, tp=2, pp=2), layout(moe_argv, *ep, "--bf16", tp=2, pp=2),
+            layout(moe_argv, *ep, "--zero-stage", 2, tp=2)]
+    results = run_distributed(train_moe, world_size=8, args=(runs,), timeout=600)
+    for rank, (full, bf16, zero2) in enumerate(results):
+        assert full["dp_size"] == 2 and full["optimizer"] != "BF16_Optimizer", f"rank {rank}: {full['optimizer']}"
+        assert_same_moe_run(reference_run, full, f"rank {rank} of EP=2 x TP=2 x PP=2 x DP=2")
+        assert len(full["expert_bias"]) == 1, f"rank {rank}: one MoE layer per stage, {full['expert_bias']}"
+        assert bf16["optimizer"] == "BF16_Optimizer", f"rank {rank}"
+        for i, (a, b) in enumerate(zip(reference_run["losses"], bf16["losses"], strict=True)):
+            assert abs(a - b) <= 1e-3 * a, f"rank {rank}: bf16 EP=2 x TP=2 x PP=2 iteration {i + 1} loss {b} vs {a}"
+        for i, (a, b) in enumerate(zip(reference_run["grad_norms"], bf16["grad_norms"], strict=True)):
+            assert abs(a - b) <= 2e-3 * a, f"rank {rank}: bf16 EP=2 x TP=2 x PP=2 iteration {i + 1} grad norm {b} vs {a}"
+        assert (zero2["engine"], zero2["engine_stage"], zero2["optimizer"]) == (
+            "ShardedEngine", 2, "DeepSpeedZeroOptimizer"), f"rank {rank}"
+        assert [name for name, _ in zero2["groups"]] == ["decay", "no_decay"] + ["megatron_ep_size_2"] * 2
+        assert_same_moe_run(reference_run, zero2, f"rank {rank} of ZeRO-2, EP=2 x TP=2 x DP=4")
+        assert sorted(zero2["expert_bias"]) == ["3.mlp", "4.mlp"], f"rank {rank}"
+        assert zero2["expert_numel"] < reference_run["expert_numel"] / 2, f"rank {rank}: half the experts, TP-split"
+
+
+@pytest.mark.multiprocess
+def test_a_universal_checkpoint_moves_an_moe_run_between_layouts(moe_argv, reference_run, tmp_path):
+    """Saved after 3 iterations at EP = 2 x TP = 2 (DP = 2, fp32 ZeRO-1), converted by ds_to_universal.py (each
+    expert parameter's folder then holds all 4 experts: the EP ranks' shards joined, the TP slices of each
+    joined along the parameter's own split dim; the routers' expert biases beside them), and resumed in one
+    2-process launch at EP = 1 x TP = 2, EP = 1 x PP = 2 and EP = 2 x DP = 2: each continues the one-process run
+    within 1e-5 to iteration 10, and ends with its expert biases."""
+    save = str(tmp_path / "checkpoints")
+    run_distributed(train_moe, world_size=4, timeout=600, args=([layout(
+        moe_argv, "--expert-model-parallel-size", 2, "--zero-stage", 1, "--save", save, "--save-interval", 100,
+        "--exit-interval", 3, tp=2)],))
+    universal = to_universal(os.path.join(save, "global_step3"))
+    assert sorted(n for n in os.listdir(os.path.join(universal, "zero")) if ".experts." in n) == [
+        f"{layer}.mlp.experts.{p}" for layer in (3, 4) for p in ("fc1_bias", "fc2_bias", "w1", "w2")]
+    load = ["--zero-stage", 1, "--load", save, "--universal-checkpoint"]
+    runs = [layout(moe_argv, *load, tp=2), layout(moe_argv, *load, pp=2),
+            layout(moe_argv, *load, "--expert-model-parallel-size", 2)]
+    results = run_distributed(train_moe, world_size=2, args=(runs,), timeout=600)
+    tail = dict(reference_run, losses=reference_run["losses"][3:], grad_norms=reference_run["grad_norms"][3:])
+    for rank, records in enumerate(results):
+        for name, run in zip(("EP=1 x TP=2", "EP=1 x PP=2", "EP=2 x DP=2"), records, strict=True):
+            assert run["iterations"] == list(range(4, ITERS + 1)), f"rank {rank}, {name}: {run['iterations']}"
+            assert_same_moe_run(tail, run, f"rank {rank}, EP=2 x TP=2 -> universal -> {name}")

@@ -23,6 +23,9 @@ Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), whic
   - records the checksums of every output file (after the renaming), writes our ``run_state.json`` and marks the output
     ``complete`` last (our loader refuses tags without it), so a crashed conversion is never loaded
     and a damaged one is named when loaded.
+  - for an MoE model, gives every expert parameter one folder holding all the experts (at EP > 1 DeepSpeed's
+    converter reads a copy of the tag with per-EP-rank expert names) and keeps the routers' expert biases
+    (``megatron.checkpoint.universal_moe``), so the run moves between EP sizes too;
 ZeRO-2 and ZeRO-3 checkpoints convert too, for ZeRO-2 / ZeRO-3 runs or (``--target-engine pipeline``) a
 3D one; a 3D checkpoint converts for them with ``--target-engine model``.
 Options other than the two folders and ``--target-engine`` are passed through to DeepSpeed's converter.
@@ -32,6 +35,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -63,11 +67,18 @@ def main(argv=None) -> int:
     if problems:
         raise SystemExit(f"{known.input_folder} is damaged: " + "; ".join(problems)
                          + "; convert an intact checkpoint (an earlier global_step*)")
-    args = _parse_with(converter, ["--input_folder", known.input_folder, "--output_folder", known.output_folder]
-                       + rest)
-    with safe_loading():  # DeepSpeed's converter asks torch.load for weights_only=False
-        converter.main(args)
-    renamed = retarget(known.output_folder, model_config_from_dict(record["model_config"]), source, target)
+    config = model_config_from_dict(record["model_config"])
+    staging = _stage_experts(tag_dir, known.output_folder, config, source, record)
+    args = _parse_with(converter, ["--input_folder", staging or known.input_folder,
+                                   "--output_folder", known.output_folder] + rest)
+    try:
+        with safe_loading():  # DeepSpeed's converter asks torch.load for weights_only=False
+            converter.main(args)
+    finally:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
+    _merge_experts(tag_dir, known.output_folder, config, source, record)
+    renamed = retarget(known.output_folder, config, source, target)
     if renamed:
         print(f"{renamed} parameters renamed for the {target} engine")
     record_checksums(known.output_folder, distributed=False)
@@ -76,6 +87,36 @@ def main(argv=None) -> int:
     write_complete_marker(known.output_folder, os.path.basename(os.path.normpath(known.input_folder)))
     print(f"universal checkpoint written to {known.output_folder}")
     return 0
+
+
+def _stage_experts(tag_dir: str, output_folder: str, config, source: str, record: dict):
+    """MoE at EP > 1: the copy of ``tag_dir`` with per-EP-rank expert names that DeepSpeed's converter reads
+    (``megatron.checkpoint.universal_moe``), beside the output; None for other checkpoints."""
+    from megatron.checkpoint.universal_moe import stage_expert_names
+
+    ep = record.get("parallel", {}).get("expert_model_parallel_size", 1)
+    if config.moe is None or ep == 1:
+        return None
+    staging = os.path.normpath(output_folder) + ".ep_staging"
+    shutil.rmtree(staging, ignore_errors=True)  # left by a conversion that died half-way
+    stage_expert_names(tag_dir, staging, config, source, ep)
+    return staging
+
+
+def _merge_experts(tag_dir: str, output_folder: str, config, source: str, record: dict) -> None:
+    """MoE: every expert parameter's folder holds all the experts, and the routers' expert biases are kept."""
+    from megatron.checkpoint.universal import C, universal_checkpoint_info
+    from megatron.checkpoint.universal_moe import merge_expert_folders, save_router_state
+
+    if config.moe is None:
+        return
+    parallel = record.get("parallel", {})
+    rows = universal_checkpoint_info(config, source)[C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS]
+    merged = merge_expert_folders(os.path.join(output_folder, "zero"), config, source,
+                                  parallel.get("expert_model_parallel_size", 1),
+                                  parallel.get("tensor_model_parallel_size", 1), rows)
+    biases = save_router_state(tag_dir, output_folder, config)
+    print(f"MoE: {merged} expert parameters merged over the expert-parallel ranks, {biases} routers' expert biases")
 
 
 def _refuse_unpartitioned(tag_dir: str, record: dict) -> None:

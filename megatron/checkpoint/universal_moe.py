@@ -1,0 +1,157 @@
+"""Mixture-of-experts parameters in universal checkpoints: one folder per expert parameter, holding every expert.
+
+In a regular checkpoint at expert-parallel size EP > 1, each EP rank's experts are different tensors under one
+name (``3.mlp.experts.w1``, ``[E / EP, ...]`` on every rank): the optimizer files of data-parallel rank r hold
+EP rank ``r % EP``'s experts, sharded over its expert-data-parallel group (ranks r // EP). DeepSpeed's converter
+(``deepspeed.checkpoint.ds_to_universal``) would concatenate all of them as fragments of one tensor. So,
+around it (tools/convert_checkpoint/ds_to_universal.py):
+
+    stage_expert_names(tag_dir, staging, config, engine, ep)
+        a copy of the tag for the converter (unchanged files linked) in which every expert parameter is named
+        per EP rank, ``ep01.3.mlp.experts.w1``: in each optimizer file (its EP rank's) and, for every EP rank,
+        in the model-states files' parameter shapes; DeepSpeed then merges each EP rank's shards and TP slices
+        on their own (the universal patterns match the prefixed names, ``megatron.checkpoint.universal``)
+    merge_expert_folders(zero_dir, config, engine, ep, tp)
+        the EP ranks' folders joined along dim 0 into the parameter's own folder: ``[E, ...]``, each state
+        file marked as an expert parameter of E experts (DeepSpeed's universal loader then cuts this run's
+        experts, dim 0, before its TP slice) and split along the parameter's own TP dim (``CAT_DIM``)
+
+    save_router_state(tag_dir, out_dir, config)
+        the routers' expert biases (buffers, outside the optimizer's folders) from the source's layer files (or
+        model states) to ``universal_router.ROUTER_STATE_FILE``, read back at a universal resume
+
+An EP = 1 checkpoint needs no staging; its expert folders are marked the same way.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import os
+import re
+import shutil
+
+import torch
+
+from megatron.checkpoint.safe_load import safe_load
+from megatron.checkpoint.universal import C
+from megatron.checkpoint.universal_engines import folder_names
+from megatron.checkpoint.universal_router import ROUTER_BUFFER, ROUTER_STATE_FILE
+from megatron.checkpoint.zero_files import DEEPSPEED_GLOBALS
+from megatron.config import ModelConfig
+from megatron.model.layout import ParameterLayout, pipeline_items
+
+__all__ = ["EP_PREFIX", "expert_folders", "stage_expert_names", "merge_expert_folders", "save_router_state"]
+
+EP_PREFIX = "ep{:02d}."
+_STATES = ("fp32", "exp_avg", "exp_avg_sq")
+_OPTIM_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+_MODEL_STATES = "mp_rank_*_model_states.pt"
+
+
+def _load(path: str):
+    return safe_load(path, extra_globals=DEEPSPEED_GLOBALS)
+
+
+def expert_folders(config: ModelConfig, engine: str) -> dict[str, ParameterLayout]:
+    """The expert parameters' ``zero/`` folder names under ``engine``'s naming, to their layout."""
+    return {name: p for name, p in folder_names(config, engine).items() if p.expert_parallel}
+
+
+def _renamed(mapping: dict, experts, ranks) -> dict:
+    """``mapping`` (name -> value, in order) with every expert name replaced by its EP-prefixed names."""
+    out = type(mapping)()
+    for name, value in mapping.items():
+        for prefix in ([EP_PREFIX.format(r) for r in ranks] if name in experts else [""]):
+            out[prefix + name] = value
+    return out
+
+
+def stage_expert_names(tag_dir: str, staging: str, config: ModelConfig, engine: str, ep: int) -> None:
+    """Write into ``staging`` the copy of ``tag_dir`` DeepSpeed's converter reads (see the module docstring)."""
+    experts = expert_folders(config, engine)
+    os.makedirs(staging)
+    for name in sorted(os.listdir(tag_dir)):
+        source, target = os.path.join(tag_dir, name), os.path.join(staging, name)
+        optim = _OPTIM_FILE.search(name)
+        if optim is not None:
+            state = _load(source)
+            ep_rank = int(optim.group(1)) % ep  # data-parallel rank r holds EP rank r % EP's experts
+            sd = state[C.OPTIMIZER_STATE_DICT]
+            sd[C.PARAM_SLICE_MAPPINGS] = [_renamed(group, experts, [ep_rank]) for group in sd[C.PARAM_SLICE_MAPPINGS]]
+            torch.save(state, target)
+        elif fnmatch.fnmatch(name, _MODEL_STATES):
+            state = _load(source)
+            state[C.PARAM_SHAPES] = [_renamed(group, experts, range(ep)) for group in state[C.PARAM_SHAPES]]
+            torch.save(state, target)
+        else:
+            os.symlink(os.path.abspath(source), target)
+
+
+def _state_file(path: str, param: ParameterLayout, ds_cat_dim: int, tp: int) -> dict:
+    """One EP rank's merged state of ``param``, its TP slices joined along the parameter's own TP dim (DeepSpeed
+    joined them along ``ds_cat_dim``: 1 for the row-parallel patterns, else 0)."""
+    record = _load(path)
+    record = dict(record) if isinstance(record, dict) else {C.PARAM: record}
+    tensor = record[C.PARAM]
+    if tp > 1 and param.partition_dim is not None and param.partition_dim != ds_cat_dim:
+        tensor = torch.cat(tensor.chunk(tp, dim=ds_cat_dim), dim=param.partition_dim)
+    record[C.PARAM] = tensor
+    return record
+
+
+def merge_expert_folders(zero_dir: str, config: ModelConfig, engine: str, ep: int, tp: int,
+                         row_patterns: list[str]) -> int:
+    """Join the EP ranks' folders of every expert parameter into its own folder (see the module docstring); the
+    number of parameters written. ``row_patterns``: the universal info's row-parallel patterns (DeepSpeed's
+    TP merge joined those along dim 1)."""
+    num_experts = config.moe.num_experts
+    experts = expert_folders(config, engine)
+    for name, param in experts.items():
+        sources = [os.path.join(zero_dir, EP_PREFIX.format(r) + name) for r in range(ep)] if ep > 1 else \
+            [os.path.join(zero_dir, name)]
+        ds_cat_dim = 1 if any(re.match(p, name) for p in row_patterns) else 0
+        merged = {}
+        for state in _STATES:
+            records = [_state_file(os.path.join(src, f"{state}.pt"), param, ds_cat_dim, tp) for src in sources]
+            tensor = torch.cat([r[C.PARAM] for r in records], dim=0)  # [E, ...]: EP rank 0's experts first
+            if tensor.shape[0] != num_experts:
+                raise ValueError(f"{sources[0]}: {tensor.shape[0]} experts merged from {ep} EP ranks, the model "
+                                 f"has --num-experts {num_experts}")
+            record = {C.PARAM: tensor, C.EP_IS_EXPERT_PARAM: True, C.EP_NUM_EXPERTS: num_experts}
+            if param.partition_dim is not None:
+                record[C.CAT_DIM] = param.partition_dim
+            merged[state] = record
+        step = os.path.join(sources[0], "step.pt")
+        step_value = _load(step) if os.path.isfile(step) else None
+        target = os.path.join(zero_dir, name)
+        for src in sources + [target]:  # DeepSpeed may have written EP rank 0's weights under the bare name
+            shutil.rmtree(src, ignore_errors=True)
+        os.makedirs(target)
+        for state, record in merged.items():
+            torch.save(record, os.path.join(target, f"{state}.pt"))
+        if step_value is not None:
+            torch.save(step_value, os.path.join(target, "step.pt"))
+    return len(experts)
+
+
+def save_router_state(tag_dir: str, out_dir: str, config: ModelConfig) -> int:
+    """Copy the routers' expert biases from the regular checkpoint ``tag_dir`` (the pipeline engine's layer files,
+    or the non-pipeline engine's model states) to ``out_dir/ROUTER_STATE_FILE``, by GPTModel module name; how
+    many (0 without expert bias: no file)."""
+    biases = {}
+    for item in pipeline_items(config):
+        if item.layer_number is None:
+            continue
+        files = sorted(glob.glob(os.path.join(tag_dir, f"layer_{item.index:02d}-model_*-model_states.pt")))
+        if files:  # the same on every TP rank: the first file's
+            state = _load(files[0])
+            if ROUTER_BUFFER in state:
+                biases[item.prefix + ROUTER_BUFFER] = state[ROUTER_BUFFER]
+    if not biases:
+        for path in sorted(glob.glob(os.path.join(tag_dir, _MODEL_STATES)))[:1]:
+            module = _load(path).get("module") or {}
+            biases = {name: t for name, t in module.items() if name.endswith(ROUTER_BUFFER)}
+    if biases:
+        torch.save(biases, os.path.join(out_dir, ROUTER_STATE_FILE))
+    return len(biases)
