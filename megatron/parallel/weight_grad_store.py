@@ -78,13 +78,15 @@ class _LinearDeferredWeightGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, store):
-        ctx.save_for_backward(x, weight)
-        ctx.store, ctx.has_bias = store, bias is not None
+        ctx.save_for_backward(x)
+        # The parameter itself, not a saved tensor: under activation recomputation a saved tensor comes back as
+        # a recomputed alias, and a .grad set on that alias would never reach the parameter.
+        ctx.weight, ctx.store, ctx.has_bias = weight, store, bias is not None
         return F.linear(x, weight, bias)  # [.., o]
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None  # [.., h]
         grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if ctx.has_bias else None  # [o]
         if ctx.needs_input_grad[1]:

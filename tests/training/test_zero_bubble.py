@@ -1,7 +1,8 @@
 """ZB-H1 (--enable-zbh1-pipeline --enable-zbh1-exact-semantics) trains exactly as 1F1B does, end to end.
 
 fp32, no dropout, 10 iterations, 4 micro-batches per step: PP=4 and TP=2 x PP=2 give the losses and grad norms of
-1F1B on the same layout within 1e-6 (relative); bf16 tracks fp32; a 1F1B checkpoint resumes under ZB-H1 and a
+1F1B on the same layout within 1e-6 (relative), PP=2 x DP=2 with recomputed activations 1F1B's at PP=4 within the
+layout tests' 1e-5; bf16 tracks fp32; a 1F1B checkpoint resumes under ZB-H1 and a
 ZB-H1 checkpoint under 1F1B, loss for loss. The engine's executed instruction streams are the schedule
 generator's, and their idle slots are ZB-H1's analytic bubble. One 4-process launch trains every run in turn.
 """
@@ -28,6 +29,7 @@ def runs(tiny_corpus, tmp_path_factory):
         "1f1b tp2 pp2": layout(argv, tp=2, pp=2),
         "zbh1 tp2 pp2": layout(argv, *ZBH1, tp=2, pp=2),
         "zbh1 pp4 bf16": layout(argv, *ZBH1, "--bf16", pp=4),
+        "zbh1 pp2 dp2 recompute": layout(argv, *ZBH1, "--checkpoint-activations", pp=2),
         "1f1b first half": layout(argv, "--save", one_f_one_b, *half, pp=4),
         "zbh1 first half": layout(argv, *ZBH1, "--save", zero_bubble, *half, pp=4),
         "zbh1 from 1f1b": layout(argv, *ZBH1, "--load", one_f_one_b, pp=4),
@@ -46,6 +48,14 @@ def test_zbh1_trains_as_1f1b_at_pp4_and_tp2_pp2(runs):
             assert_same_run(results[reference], results[label], f"rank {rank}: {label}", rel_loss=1e-6,
                             rel_norm=1e-6)
         assert results["1f1b pp4"]["losses"][-1] < results["1f1b pp4"]["losses"][0] - 0.05  # it learns
+
+
+@pytest.mark.multiprocess
+def test_zbh1_with_data_parallelism_and_recomputation_trains_as_1f1b(runs):
+    """PP=2 x DP=2 (2 micro-batches per rank) recomputing activations: the deferred products of the recomputed
+    forward, then the DP all-reduce; the same run as 1F1B at PP=4 (another layout: the layout tests' 1e-5)."""
+    for rank, results in runs.items():
+        assert_same_run(results["1f1b pp4"], results["zbh1 pp2 dp2 recompute"], f"rank {rank}: zbh1 pp2 dp2")
 
 
 @pytest.mark.multiprocess
