@@ -15,10 +15,18 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["ONE_F_ONE_B_COSTS", "ZERO_BUBBLE_COSTS", "schedule_streams", "idle_slots", "analytic_idle_slots"]
+from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+from megatron.engine.zero_bubble import ZeroBubbleH1Schedule
+
+__all__ = ["ONE_F_ONE_B_COSTS", "ZERO_BUBBLE_COSTS", "SCHEDULES", "schedule_streams", "idle_slots",
+           "analytic_idle_slots"]
 
 ONE_F_ONE_B_COSTS = {"ForwardPass": 1, "BackwardPass": 2}                  # backward = B + W
 ZERO_BUBBLE_COSTS = {"ForwardPass": 1, "BackwardPass": 1, "WeightPass": 1}  # backward = B; W apart
+
+# name -> (DeepSpeed schedule class, unit costs of its instructions)
+SCHEDULES = {"1f1b": (TrainSchedule, ONE_F_ONE_B_COSTS), "zbh1": (ZeroBubbleH1Schedule, ZERO_BUBBLE_COSTS)}
 
 _RECV_FROM = {"RecvActivation": ("SendActivation", -1), "RecvGrad": ("SendGrad", +1)}
 
