@@ -51,6 +51,10 @@ they differ (an upgrade then fails at the first workaround it reaches, not silen
                               its own MoE's per-expert files (found by      while it saves and loads; our experts go to
                               module type), which our marker holds none of  files of their own (``megatron.engine.
                                                                             expert_parallel``)
+    pipeline_schedule         PipelineEngine runs only its TrainSchedule    ``adopt_pipeline_engine_class``: the engine
+                              (1F1B); no hook for another schedule or for  becomes our subclass that overrides its
+                              new instructions                             private schedule methods (megatron.engine.
+                                                                            zero_bubble: ZB-H1)
 
 Models of DeepSpeed's behaviour outside this package, which cannot import it, re-measured against the real
 thing by their tests rather than checked here: the planner's ZeRO communication counts and defaults
@@ -71,6 +75,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import nn
 
 from megatron.checkpoint.safe_load import only_safe_loading, safe_load
@@ -81,7 +86,8 @@ __all__ = ["PINNED_VERSION", "WORKAROUNDS", "require", "installed_version", "che
            "silence_renamed_collectives", "check_bf16_stage_0", "check_zero3_ulysses", "DEEPSPEED_GLOBALS",
            "SafeTorchCheckpointEngine", "use_safe_loading", "avoid_cpu_jit_builds",
            "ExpertParallelMarker", "moe_marker", "register_expert_groups", "mark_moe_parameter", "is_moe_parameter",
-           "check_moe_engine", "count_expert_grads_once", "plain_checkpoint_files", "universal_expert_slicing"]
+           "check_moe_engine", "count_expert_grads_once", "plain_checkpoint_files", "universal_expert_slicing",
+           "adopt_pipeline_engine_class"]
 
 PINNED_VERSION = "0.19.8"
 
@@ -117,6 +123,9 @@ WORKAROUNDS = {
                       "deepspeed.moe.layer.MoE's experts) (tests/training/test_moe.py resumes EP runs)",
     "zero3_ulysses_average": "the divisor of ZeRO-3's reduce-scatter with sequence parallelism "
                              "(tests/training/test_ulysses.py compares grad norms with a single process)",
+    "pipeline_schedule": "PipelineEngine's _train_schedule, _exec_schedule, _INSTRUCTION_MAP and _exec_backward_pass, "
+                         "TrainSchedule's step order, BF16_Optimizer.clear_lp_grads / update_hp_grads "
+                         "(tests/training/test_zero_bubble.py trains ZB-H1 against 1F1B)",
 }
 
 
@@ -385,3 +394,13 @@ def plain_checkpoint_files(engine) -> Iterator[None]:
         yield
     finally:
         engine.has_moe_layers = had_moe
+
+
+def adopt_pipeline_engine_class(engine, engine_class) -> None:
+    """Make the ``PipelineEngine`` that ``deepspeed.initialize`` built an instance of ``engine_class``, a subclass
+    overriding its private schedule methods (``deepspeed.initialize`` takes no engine class for a pipeline)."""
+    require("pipeline_schedule")
+    if type(engine) is not PipelineEngine or not issubclass(engine_class, PipelineEngine):
+        raise AssertionError(f"expected DeepSpeed's PipelineEngine and a subclass of it, got {type(engine).__name__} "
+                             f"and {engine_class.__name__}")
+    engine.__class__ = engine_class

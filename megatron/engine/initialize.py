@@ -32,6 +32,7 @@ from megatron.engine.expert_parallel import check_expert_parallel_engine, mark_e
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
 from megatron.engine.sharded import DeepSpeedMPU, ShardedEngine, build_sharded_module, set_hpz_group
+from megatron.engine.zero_bubble import enable_zero_bubble
 from megatron.model.compile import compile_transformer_layers
 from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState
@@ -78,6 +79,8 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
     use_safe_loading(engine)  # --load never unpickles code (megatron.engine.deepspeed_compat)
+    if rc.parallel.enable_zbh1_pipeline:
+        engine = enable_zero_bubble(engine)  # ZB-H1 (megatron.engine.zero_bubble)
     check_expert_parallel_engine(engine, experts, state)
     return engine
 

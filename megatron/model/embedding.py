@@ -35,6 +35,7 @@ from megatron.parallel.mappings import (
 )
 from megatron.parallel.random import sequence_parallel_dropout
 from megatron.parallel.state import group_size
+from megatron.parallel.weight_grad_store import linear
 
 __all__ = ["EmbeddingLayer", "OutputLayer"]
 
@@ -89,6 +90,7 @@ class EmbeddingLayer(nn.Module):
         if config.embed_layernorm:
             self.embed_layernorm = Norm(config, tp_group)
         self.to(params_torch_dtype(config))
+        self.weight_grad_store = None  # ZB-H1: where the tied head's weight gradient is deferred
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids [b, s] (and position_ids [b, s], learned positions only) -> [s, b, h].
@@ -123,7 +125,7 @@ class EmbeddingLayer(nn.Module):
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)  # [s, b, h]
         else:
             hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)  # [s, b, h]
-        return F.linear(hidden, self.word_embeddings.weight)  # [s, b, vp]
+        return linear(hidden, self.word_embeddings.weight, None, self.weight_grad_store)  # [s, b, vp]
 
 
 class OutputLayer(ColumnParallelLinear):

@@ -31,6 +31,7 @@ from megatron.parallel.mappings import (
 )
 from megatron.parallel.state import group_rank, group_size
 from megatron.parallel.utils import divide, fp32_empty, set_tensor_model_parallel_attributes
+from megatron.parallel.weight_grad_store import linear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "default_init_method"]
@@ -103,6 +104,7 @@ class ColumnParallelLinear(torch.nn.Module):
             self.bias = _zero_bias(self.output_size_per_partition, True, params_dtype, device)
         else:
             self.register_parameter("bias", None)
+        self.weight_grad_store = None  # ZB-H1: where the weight gradient is deferred (weight_grad_store.py)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.sequence_parallel:
@@ -110,7 +112,7 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             total_input = copy_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, h]
         bias = None if self.skip_bias_add else self.bias
-        output_parallel = F.linear(total_input, self.weight, bias)  # [s, b, o/tp]
+        output_parallel = linear(total_input, self.weight, bias, self.weight_grad_store)  # [s, b, o/tp]
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output_parallel, self.tp_group)  # [s, b, o]
         else:
@@ -172,6 +174,7 @@ class RowParallelLinear(torch.nn.Module):
             self.bias.sequence_parallel = sequence_parallel and tp > 1
         else:
             self.register_parameter("bias", None)
+        self.weight_grad_store = None  # ZB-H1: where the weight gradient is deferred (weight_grad_store.py)
 
     def _bias_for_use(self) -> Optional[torch.Tensor]:
         # With sequence parallelism each rank adds the bias to its own tokens only, so the gradient
@@ -185,7 +188,7 @@ class RowParallelLinear(torch.nn.Module):
             input_parallel = x  # [s, b, h/tp]
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, h/tp]
-        output_parallel = F.linear(input_parallel, self.weight)  # [s, b, o], partial sum
+        output_parallel = linear(input_parallel, self.weight, None, self.weight_grad_store)  # [s, b, o], partial sum
         if self.sequence_parallel:
             # [s, b, o] partial sums -> [s/tp, b, o] full sums of this rank's tokens
             output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)

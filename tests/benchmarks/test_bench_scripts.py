@@ -67,3 +67,13 @@ def test_bench_serving_reads_a_process_cpu_time_that_grows_with_its_work():
         total += sum(range(10000))
     grown = bench_serving.process_cpu_seconds(os.getpid()) - before
     assert 0.15 <= grown <= 0.2 + (os.times().system - cpu_before.system) + 0.05, grown
+
+
+def test_bench_pipeline_bubble_counts_both_schedules_against_the_formulas():
+    from benchmarks import bench_pipeline_bubble
+
+    row = bench_pipeline_bubble.counted(12, 128)  # BLOOM-176B's PP with its final 128 micro-batches
+    assert row["1f1b"]["idle_slots_per_stage"] == [row["1f1b"]["analytic_idle_slots"]] * 12 == [33] * 12
+    assert row["zbh1"]["idle_slots_per_stage"] == [row["zbh1"]["analytic_idle_slots"]] * 12 == [11] * 12
+    assert round(row["1f1b"]["bubble_fraction"], 4) == round(11 / 139, 4)
+    assert round(row["zbh1"]["bubble_fraction"], 4) == round(11 / 395, 4)

@@ -36,6 +36,7 @@ WORKAROUNDS = {
     "moe_checkpoint": lambda: deepspeed_compat.plain_checkpoint_files(None).__enter__(),
     "universal_expert_slicing": lambda: deepspeed_compat.universal_expert_slicing(None).__enter__(),
     "expert_tp_grad_norm": lambda: deepspeed_compat.count_expert_grads_once(object.__new__(BF16_Optimizer), 1),
+    "pipeline_schedule": lambda: deepspeed_compat.adopt_pipeline_engine_class(None, object),
 }
 
 

@@ -71,6 +71,8 @@ def _engine_record(engine) -> dict:
         "hpz_ranks_engine": getattr(engine, "hpz_ranks", None),
         "compiled_layers": sum(getattr(m, "_compiled_call_impl", None) is not None
                                for m in engine.module.modules()),  # --torch-compile's layers
+        "executed_steps": getattr(engine, "executed_steps", None),  # ZB-H1's last step, instruction names
+        "stage": getattr(engine, "stage_id", None),
     }
 
 

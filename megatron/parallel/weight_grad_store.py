@@ -1,0 +1,112 @@
+"""Deferred weight gradients for zero-bubble pipeline schedules (ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline
+Parallelism").
+
+A linear layer's backward is two independent products: the input gradient dX = dY A (what the previous
+pipeline stage waits for) and the weight gradient dA = dY^T X (what only the optimizer step needs). ZB-H1 runs
+the first in the backward pass (B) and keeps the second as a closure (W) that the schedule runs later, in a slot
+where the stage would otherwise wait.
+
+    store = WeightGradStore()
+    defer_weight_grads(module, store)      every layer that can split its backward now defers into store
+    loss.backward()                        B: input gradients (and biases); weight products queued
+    store.close_micro_batch()              the queued products form one W pass
+    store.run_oldest()                     W: dA accumulated into weight.grad, oldest micro-batch first
+
+A layer that can defer carries ``weight_grad_store`` (None: the plain ``F.linear``, autograd computes both
+products, bit for bit as before). Column/RowParallelLinear and the vocab-parallel heads do.
+
+Shape letters: t tokens (every leading dim flattened), h input features, o output features.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["WeightGradStore", "linear", "defer_weight_grads"]
+
+
+class WeightGradStore:
+    """A queue of deferred weight-gradient products, grouped by the backward pass (micro-batch) that made them."""
+
+    def __init__(self):
+        self._open: list[Callable[[], None]] = []            # products of the backward pass running now
+        self._closed: deque[list[Callable[[], None]]] = deque()  # one W pass each, oldest first
+
+    def defer(self, product: Callable[[], None]) -> None:
+        self._open.append(product)
+
+    def close_micro_batch(self) -> None:
+        """End of a backward pass: what it deferred becomes one W pass (possibly empty: a stage without linears)."""
+        self._closed.append(self._open)
+        self._open = []
+
+    @property
+    def num_pending(self) -> int:
+        """W passes waiting to run."""
+        return len(self._closed)
+
+    def run_oldest(self) -> None:
+        """Run the oldest W pass: accumulate its weight gradients into ``.grad``."""
+        if not self._closed:
+            raise AssertionError("a W pass was scheduled with no deferred backward pass waiting")
+        for product in self._closed.popleft():
+            product()
+
+    def assert_empty(self) -> None:
+        if self._open or self._closed:
+            raise AssertionError(f"{len(self._closed)} W passes (and {len(self._open)} products of an open backward "
+                                 f"pass) still deferred: the optimizer would step on incomplete gradients")
+
+
+@torch.no_grad()
+def _accumulate_weight_grad(weight: torch.nn.Parameter, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+    # dA [o, h] = dY^T [o, t] @ X [t, h]
+    grad_weight = grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+    if weight.grad is None:
+        weight.grad = grad_weight
+    else:
+        weight.grad.add_(grad_weight)
+
+
+class _LinearDeferredWeightGrad(torch.autograd.Function):
+    """Y = X A^T + b whose backward returns dX and db and defers dA to the store."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x)
+        # The parameter itself, not a saved tensor: under activation recomputation a saved tensor comes back as
+        # a recomputed alias, and a .grad set on that alias would never reach the parameter.
+        ctx.weight, ctx.store, ctx.has_bias = weight, store, bias is not None
+        return F.linear(x, weight, bias)  # [.., o]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,), weight = ctx.saved_tensors, ctx.weight
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None  # [.., h]
+        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if ctx.has_bias else None  # [o]
+        if ctx.needs_input_grad[1]:
+            ctx.store.defer(partial(_accumulate_weight_grad, weight, x, grad_output))
+        return grad_input, None, grad_bias, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+           store: Optional[WeightGradStore]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; with a store, the weight gradient is deferred to it (outside grad mode,
+    e.g. evaluation, nothing is deferred)."""
+    if store is None or not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    return _LinearDeferredWeightGrad.apply(x, weight, bias, store)
+
+
+def defer_weight_grads(module: torch.nn.Module, store: Optional[WeightGradStore]) -> int:
+    """Point every sub-module that can defer its weight gradient (it carries ``weight_grad_store``) at ``store``
+    (None: back to plain autograd); the number of such modules."""
+    layers = [m for m in module.modules() if hasattr(m, "weight_grad_store")]
+    for layer in layers:
+        layer.weight_grad_store = store
+    return len(layers)

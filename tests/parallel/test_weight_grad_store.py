@@ -1,0 +1,111 @@
+"""The split backward of ZB-H1: input gradients in the backward pass, weight gradients deferred to a store.
+
+A layer with a store computes the same output, input gradient and bias gradient in the backward pass, leaves the
+weight's ``.grad`` untouched until its W pass runs, and then holds the same weight gradient as plain autograd.
+"""
+
+import pytest
+import torch
+
+from megatron.model import GPTModel
+from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.parallel.weight_grad_store import WeightGradStore, defer_weight_grads
+from tests.helpers.model import tiny_config
+from tests.helpers.parallel import randn, rel_err, seeded_init
+
+
+def _grads(layer, x, store=None, micro_batches=1):
+    """Run ``micro_batches`` forward/backward passes of ``layer`` on ``x`` (scaled per micro-batch); the output,
+    the input gradient, and each parameter's gradient after the backward passes and after the W passes."""
+    layer.zero_grad(set_to_none=True)
+    layer.weight_grad_store = store
+    for i in range(micro_batches):
+        xi = (x * (i + 1)).requires_grad_()
+        out, _ = layer(xi)
+        out.square().sum().backward()
+        if store is not None:
+            store.close_micro_batch()
+    after_backward = {name: None if p.grad is None else p.grad.clone() for name, p in layer.named_parameters()}
+    if store is not None:
+        assert store.num_pending == micro_batches
+        for _ in range(micro_batches):
+            store.run_oldest()
+        store.assert_empty()
+    final = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    return out.detach(), xi.grad, after_backward, final
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_deferred_weight_grad_matches_autograd(kind):
+    if kind == "column":
+        layer = ColumnParallelLinear(16, 24, tp_group=None, init_method=seeded_init(1))
+    else:
+        layer = RowParallelLinear(24, 16, tp_group=None, init_method=seeded_init(1))
+    with torch.no_grad():
+        layer.bias.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(2))
+    x = randn(5, 3, layer.input_size, seed=3)  # [s, b, h]
+    out, dx, _, plain = _grads(layer, x, micro_batches=2)
+    out_z, dx_z, after_backward, deferred = _grads(layer, x, WeightGradStore(), micro_batches=2)
+    assert torch.equal(out_z, out), kind
+    assert rel_err(dx_z, dx) < 1e-6, kind
+    assert after_backward["weight"] is None, f"{kind}: the weight gradient ran in the backward pass"
+    assert rel_err(after_backward["bias"], plain["bias"]) < 1e-6, f"{kind}: bias gradient not in the backward pass"
+    assert rel_err(deferred["weight"], plain["weight"]) < 1e-6, kind
+
+
+def test_deferred_weight_grad_reaches_the_parameter_under_recomputation():
+    """Non-reentrant activation checkpointing hands the backward recomputed aliases of saved tensors; the W pass
+    must still accumulate into the parameter itself."""
+    first = ColumnParallelLinear(8, 16, tp_group=None, init_method=seeded_init(5))
+    second = RowParallelLinear(16, 8, tp_group=None, init_method=seeded_init(6))
+
+    def block(x):
+        return second(torch.nn.functional.gelu(first(x)[0]))[0]
+
+    def weight_grads(store, recompute):
+        for layer in (first, second):
+            layer.zero_grad(set_to_none=True)
+            layer.weight_grad_store = store
+        x = randn(4, 2, 8, seed=7).requires_grad_()
+        y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        y.square().sum().backward()
+        if store is not None:
+            store.close_micro_batch()
+            store.run_oldest()
+        return [first.weight.grad, second.weight.grad]
+
+    for plain, deferred in zip(weight_grads(None, False), weight_grads(WeightGradStore(), True)):
+        assert deferred is not None and rel_err(deferred, plain) < 1e-6
+
+
+def test_model_with_a_store_trains_the_same_gradients():
+    """Every linear and the tied head of a whole model defer; after the W passes every gradient equals autograd's."""
+    config = tiny_config()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    labels, mask = torch.roll(ids, -1, dims=1), torch.ones(2, 16)
+    plain, split = GPTModel(config), GPTModel(config)
+    store = WeightGradStore()
+    # 2 per layer in attention, 2 in the MLP, and the embedding (its tied head)
+    assert defer_weight_grads(split, store) == 4 * config.num_layers + 1
+    plain(ids, labels=labels, loss_mask=mask).backward()
+    loss = split(ids, labels=labels, loss_mask=mask)
+    loss.backward()
+    store.close_micro_batch()
+    head = split.embedding.word_embeddings.weight
+    lookup_only = head.grad.clone()  # the embedding lookup's part; the head's product waits
+    store.run_oldest()
+    assert not torch.equal(head.grad, lookup_only), "the tied head deferred nothing"
+    for (name, p), q in zip(plain.named_parameters(), split.parameters()):
+        assert rel_err(q.grad, p.grad) < 1e-5, name
+    with torch.no_grad():  # evaluation defers nothing
+        split(ids)
+    store.assert_empty()
+
+
+def test_store_refuses_a_w_pass_without_a_backward_and_a_step_with_waiting_ones():
+    store = WeightGradStore()
+    with pytest.raises(AssertionError, match="no deferred backward pass"):
+        store.run_oldest()
+    store.defer(lambda: None)
+    with pytest.raises(AssertionError, match="incomplete gradients"):
+        store.assert_empty()
