@@ -83,8 +83,13 @@ def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
     b, p, dp = rc.batch, rc.precision, rc.parallel.data_parallel_size
     bf16, fp16 = rc.bf16, rc.fp16
     gas = b.global_batch_size // (b.micro_batch_size * dp)
+    cp = rc.parallel.context_parallel_size
+    # With context parallelism DeepSpeed's data axis holds dp x cp ranks, each reading every sample of its DP rank
+    # (1/cp of its tokens): in DeepSpeed's count the batch is cp times the samples
+    batch = (f"--global-batch-size {b.global_batch_size}" if cp == 1 else
+             f"--global-batch-size {b.global_batch_size} x --context-parallel-size {cp}")
     out = [
-        (("train_batch_size",), b.global_batch_size, f"--global-batch-size {b.global_batch_size}"),
+        (("train_batch_size",), b.global_batch_size * cp, batch),
         (("train_micro_batch_size_per_gpu",), b.micro_batch_size, f"--micro-batch-size {b.micro_batch_size}"),
         (("gradient_accumulation_steps",), gas,
          f"--global-batch-size {b.global_batch_size} / (--micro-batch-size {b.micro_batch_size} x data-parallel "
