@@ -62,7 +62,7 @@ class RingExchange:
     def start(self, tensors: Sequence[torch.Tensor]) -> None:
         """Begin sending ``tensors`` on and receiving the previous rank's (same shapes and dtypes)."""
         assert not self._pending, "wait() for the previous exchange first"
-        self._received = [torch.empty_like(t) for t in tensors]
+        self._received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = []
         for sent, received in zip(tensors, self._received):
             # Even ranks send first, odd ranks receive first: with two ranks both directions pair up in order.

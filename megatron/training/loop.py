@@ -113,8 +113,10 @@ class Trainer:
     def _set_batch_size(self) -> int:
         self.microbatches.update(self.progress.consumed_samples)
         gbs = self.microbatches.get_current_global_batch_size()
-        if gbs != self.engine.train_batch_size():
-            self.engine.set_train_batch_size(gbs)
+        # DeepSpeed's data axis holds the dp x cp ranks: in its count the batch is cp times the samples
+        deepspeed_batch = gbs * self.rc.parallel.context_parallel_size
+        if deepspeed_batch != self.engine.train_batch_size():
+            self.engine.set_train_batch_size(deepspeed_batch)
         return gbs
 
     # ---- one iteration ----------------------------------------------------------------------
