@@ -28,13 +28,17 @@ def _models(corpus):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_corpus):
+def runs(tiny_corpus, tmp_path_factory):
     models = _models(tiny_corpus)
+    save = str(tmp_path_factory.mktemp("cp2"))
     references = dict(zip(models, run_distributed(train, world_size=1, timeout=300,
                                                   args=(list(models.values()),))[0]))
     bloom, llama = models["bloom"], models["llama"]
     two = {"bloom cp2": (layout(bloom, *CP2), "bloom"), "llama cp2": (layout(llama, *CP2), "llama"),
-           "bloom cp2 bf16": (layout(bloom, *CP2, "--bf16"), "bloom")}
+           "bloom cp2 bf16": (layout(bloom, *CP2, "--bf16"), "bloom"),
+           # saved at CP=2, resumed at CP=1 x DP=2: the same two ZeRO-1 shards, the same weights
+           "first half": (layout(bloom, *CP2, "--save", save, "--save-interval", 100, "--exit-interval", 5), "bloom"),
+           "resumed cp1 dp2": (layout(bloom, "--load", save), "bloom")}
     four = {"bloom cp2 pp2": (layout(bloom, *CP2, pp=2), "bloom"), "llama cp2 pp2": (layout(llama, *CP2, pp=2), "llama"),
             "bloom cp4": (layout(bloom, *CP4), "bloom"), "llama cp2 tp2": (layout(llama, *CP2, tp=2), "llama"),
             "bloom cp2 dp2": (layout(bloom, *CP2), "bloom")}
@@ -78,6 +82,20 @@ def test_context_parallel_bf16_tracks_fp32(runs):
     references, out = runs
     for rank, (model, result) in out["bloom cp2 bf16"].items():
         assert_same_run(references[model], result, f"rank {rank}: bf16", rel_loss=2e-2, rel_norm=2e-1)
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_saved_at_cp2_continues_at_cp1(runs):
+    """The weights are not sharded by CP: a CP=2 checkpoint of iteration 5 resumes at CP=1 x DP=2 (the ZeRO-1
+    state is sharded over dp x cp = 2 ranks either way) and continues the straight run's losses within 1e-5."""
+    _, out = runs
+    for rank in (0, 1):
+        first, resumed = out["first half"][rank][1], out["resumed cp1 dp2"][rank][1]
+        straight = out["bloom cp2"][rank][1]
+        assert first["iterations"] == [1, 2, 3, 4, 5] and resumed["iterations"] == [6, 7, 8, 9, 10], rank
+        assert first["losses"] == straight["losses"][:5], rank
+        for i, (a, b) in enumerate(zip(straight["losses"][5:], resumed["losses"])):
+            assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank}: iteration {i + 6} loss {b} vs {a}"
 
 
 @pytest.mark.parametrize("flags,world,message", [
