@@ -2,7 +2,8 @@
 
 fp32, no dropout, 10 iterations of pretrain_gpt's path on the pipeline engine with ZeRO-1: losses within 1e-5
 (relative) and grad norms within 1e-4 of a single process, for BLOOM (ALiBi) and a Llama-style model (rotary,
-GQA), at CP=2, CP=4, CP=2 x PP=2, CP=2 x TP=2 and CP=2 x DP=2; bf16 (BF16_Optimizer) tracks fp32; DeepSpeed's
+GQA), at CP=2, CP=4, CP=2 x PP=2, CP=2 x TP=2 (also with --sequence-parallel) and CP=2 x DP=2; a checkpoint
+saved at CP=2 continues at CP=1 x DP=2; bf16 (BF16_Optimizer) tracks fp32; DeepSpeed's
 data axis holds the dp x cp ranks. One launch per world size trains every layout of that size in turn.
 Layouts that cannot work yet are refused before launch, naming the fix.
 """
@@ -41,7 +42,9 @@ def runs(tiny_corpus, tmp_path_factory):
            "resumed cp1 dp2": (layout(bloom, "--load", save), "bloom")}
     four = {"bloom cp2 pp2": (layout(bloom, *CP2, pp=2), "bloom"), "llama cp2 pp2": (layout(llama, *CP2, pp=2), "llama"),
             "bloom cp4": (layout(bloom, *CP4), "bloom"), "llama cp2 tp2": (layout(llama, *CP2, tp=2), "llama"),
-            "bloom cp2 dp2": (layout(bloom, *CP2), "bloom")}
+            "bloom cp2 dp2": (layout(bloom, *CP2), "bloom"),
+            # Megatron's --sequence-parallel inside each TP group, on this rank's s / cp tokens
+            "bloom cp2 tp2 megatron sp": (layout(bloom, *CP2, "--sequence-parallel", tp=2), "bloom")}
     out = {}
     for world, layouts in ((2, two), (4, four)):
         results = run_distributed(train, world_size=world, args=([argv for argv, _ in layouts.values()],),
@@ -52,7 +55,8 @@ def runs(tiny_corpus, tmp_path_factory):
     return references, out
 
 
-EXACT = ["bloom cp2", "llama cp2", "bloom cp2 pp2", "llama cp2 pp2", "bloom cp4", "llama cp2 tp2", "bloom cp2 dp2"]
+EXACT = ["bloom cp2", "llama cp2", "bloom cp2 pp2", "llama cp2 pp2", "bloom cp4", "llama cp2 tp2", "bloom cp2 dp2",
+         "bloom cp2 tp2 megatron sp"]
 
 
 @pytest.mark.multiprocess
