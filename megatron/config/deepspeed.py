@@ -8,7 +8,8 @@ Keys derived from flags (a user JSON value that differs is a ValueError naming k
 key                                                   flag
 ====================================================  ===========================================
 train_batch_size                                      --global-batch-size (the final size; during a
-                                                      rampup the loop calls set_train_batch_size)
+                                                      rampup the loop calls set_train_batch_size);
+                                                      x --context-parallel-size in the built config
 train_micro_batch_size_per_gpu                        --micro-batch-size
 gradient_accumulation_steps                           global / (micro x data-parallel size)
 gradient_clipping                                     --clip-grad
@@ -76,6 +77,10 @@ def build_deepspeed_config(run_config, user_config: Optional[dict] = None) -> di
     for path, value, _ in derived:
         _assign(config, path, value)
     config["zero_optimization"]["stage"] = run_config.deepspeed_zero_stage  # checked above as asked for
+    # Context parallelism: DeepSpeed's data axis holds the dp x cp ranks, each reading every sample of its DP
+    # rank (1/cp of its tokens), so in DeepSpeed's count the batch is cp times the samples. The JSON keeps
+    # Megatron's meaning (checked above against --global-batch-size).
+    config["train_batch_size"] *= run_config.parallel.context_parallel_size
     return config
 
 
@@ -83,13 +88,8 @@ def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
     b, p, dp = rc.batch, rc.precision, rc.parallel.data_parallel_size
     bf16, fp16 = rc.bf16, rc.fp16
     gas = b.global_batch_size // (b.micro_batch_size * dp)
-    cp = rc.parallel.context_parallel_size
-    # With context parallelism DeepSpeed's data axis holds dp x cp ranks, each reading every sample of its DP rank
-    # (1/cp of its tokens): in DeepSpeed's count the batch is cp times the samples
-    batch = (f"--global-batch-size {b.global_batch_size}" if cp == 1 else
-             f"--global-batch-size {b.global_batch_size} x --context-parallel-size {cp}")
     out = [
-        (("train_batch_size",), b.global_batch_size * cp, batch),
+        (("train_batch_size",), b.global_batch_size, f"--global-batch-size {b.global_batch_size}"),
         (("train_micro_batch_size_per_gpu",), b.micro_batch_size, f"--micro-batch-size {b.micro_batch_size}"),
         (("gradient_accumulation_steps",), gas,
          f"--global-batch-size {b.global_batch_size} / (--micro-batch-size {b.micro_batch_size} x data-parallel "
