@@ -86,6 +86,17 @@ def _halves(length: int):
     return (slice(0, half), slice(half, length))
 
 
+def _visible_pairs(block: _Block, query, key, positions, docs, rank: int, source: int):
+    """(query rows, key rows, scores) of every pair of halves (this rank's queries, ``source``'s keys) in which
+    some key is visible: a rank's slice is two chunks, each ascending, so a half is one run of positions."""
+    for q_rows in _halves(query.shape[2]):
+        for k_rows in _halves(key.shape[2]):
+            scores = block.scores(query[:, :, q_rows], key[:, :, k_rows], positions[rank][q_rows],
+                                  positions[source][k_rows], _rows(docs[rank], q_rows), _rows(docs[source], k_rows))
+            if scores is not None:
+                yield q_rows, k_rows, scores
+
+
 def _merge(out, lse, rows, block_out, block_lse):
     """Fold one block's (o, lse) into the running ones for the query rows ``rows`` (in place)."""
     old_lse = lse[:, :, rows]
@@ -119,12 +130,8 @@ class RingAttention(torch.autograd.Function):
             source = (r - step) % c
             if step < c - 1:
                 ring.start(kv)  # the next block travels while this one is computed
-            for q_rows in _halves(sl):
-                for k_rows in _halves(sl):
-                    scores = block.scores(query[:, :, q_rows], kv[0][:, :, k_rows], positions[r][q_rows],
-                                          positions[source][k_rows], _rows(docs[r], q_rows), _rows(docs[source], k_rows))
-                    if scores is not None:
-                        _merge(out, lse, q_rows, *block.forward(scores, kv[1][:, :, k_rows]))
+            for q_rows, k_rows, scores in _visible_pairs(block, query, kv[0], positions, docs, r, source):
+                _merge(out, lse, q_rows, *block.forward(scores, kv[1][:, :, k_rows]))
             if step < c - 1:
                 kv = tuple(ring.wait())
         out = out.to(query.dtype)
@@ -137,7 +144,7 @@ class RingAttention(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         block, positions, docs = ctx.block, ctx.positions, ctx.docs
         kv_ring, grad_ring = RingExchange(ctx.group), RingExchange(ctx.group)
-        c, r, sl = kv_ring.size, kv_ring.rank, query.shape[2]
+        c, r = kv_ring.size, kv_ring.rank
         grad_out = grad_out.float()
         delta = (grad_out * out.float()).sum(dim=-1)  # [b, np, sl]
         grad_query = torch.zeros_like(query, dtype=torch.float32)
@@ -147,18 +154,12 @@ class RingAttention(torch.autograd.Function):
             source = (r - step) % c
             if step < c - 1:
                 kv_ring.start(kv)
-            for q_rows in _halves(sl):
-                for k_rows in _halves(sl):
-                    scores = block.scores(query[:, :, q_rows], kv[0][:, :, k_rows], positions[r][q_rows],
-                                          positions[source][k_rows], _rows(docs[r], q_rows), _rows(docs[source], k_rows))
-                    if scores is None:
-                        continue
-                    dq, dk, dv = block.backward(scores, query[:, :, q_rows], kv[0][:, :, k_rows],
-                                                kv[1][:, :, k_rows], grad_out[:, :, q_rows], lse[:, :, q_rows],
-                                                delta[:, :, q_rows])
-                    grad_query[:, :, q_rows] += dq
-                    grad_kv[0][:, :, k_rows] += dk
-                    grad_kv[1][:, :, k_rows] += dv
+            for q_rows, k_rows, scores in _visible_pairs(block, query, kv[0], positions, docs, r, source):
+                dq, dk, dv = block.backward(scores, query[:, :, q_rows], kv[0][:, :, k_rows], kv[1][:, :, k_rows],
+                                            grad_out[:, :, q_rows], lse[:, :, q_rows], delta[:, :, q_rows])
+                grad_query[:, :, q_rows] += dq
+                grad_kv[0][:, :, k_rows] += dk
+                grad_kv[1][:, :, k_rows] += dv
             if c > 1:  # the block's gradients follow it; after c hops they are back at their owner
                 grad_ring.start(grad_kv)
                 grad_kv = tuple(grad_ring.wait())

@@ -64,11 +64,9 @@ class RingExchange:
         assert not self._pending, "wait() for the previous exchange first"
         self._received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = []
-        for sent, received in zip(tensors, self._received):
-            # Even ranks send first, odd ranks receive first: with two ranks both directions pair up in order.
-            send = dist.P2POp(dist.isend, sent.contiguous(), self.next_rank, self.group)
-            recv = dist.P2POp(dist.irecv, received, self.prev_rank, self.group)
-            ops.extend((send, recv) if self.rank % 2 == 0 else (recv, send))
+        for sent, received in zip(tensors, self._received):  # non-blocking both: no order can deadlock
+            ops.append(dist.P2POp(dist.isend, sent.contiguous(), self.next_rank, self.group))
+            ops.append(dist.P2POp(dist.irecv, received, self.prev_rank, self.group))
         self._pending = dist.batch_isend_irecv(ops)
 
     def wait(self) -> list[torch.Tensor]:
