@@ -22,7 +22,7 @@ def check_context_parallel_run(rc) -> None:
     unsupported = [
         (rc.parallel.ds_sequence_parallel_size > 1,
          f"--ds-sequence-parallel-size {rc.parallel.ds_sequence_parallel_size} (both split the sequence)"),
-        (rc.precision.zero_stage > 1, f"--zero-stage {rc.precision.zero_stage} (the non-pipeline engine; use 0 or 1)"),
+        (rc.parallel.zero_hpz_partition_size > 1, f"--zero-hpz-partition-size {rc.parallel.zero_hpz_partition_size}"),
         (m.moe is not None, "MoE (--num-experts)"),
         (m.attention_dropout > 0, f"--attention-dropout {m.attention_dropout} (the ring kernel has no dropout; use 0)"),
         (m.attention_backend not in ("auto", "sdpa"),

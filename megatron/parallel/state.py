@@ -200,6 +200,20 @@ class ParallelState:
         return self.layout.sp_rank_of(self.rank) if self.cp_size > 1 else 0
 
     @property
+    def seq_size(self) -> int:
+        """Ranks splitting each sample's tokens: Ulysses' sp or context parallelism's cp (the other is 1)."""
+        return self.layout.seq
+
+    @property
+    def seq_rank(self) -> int:
+        return self.layout.sp_rank_of(self.rank)
+
+    @property
+    def seq_group(self):
+        """The group of ranks splitting each sample's tokens (Ulysses' or CP's; None when seq_size is 1)."""
+        return self.sp_group if self.sp_size > 1 else self.cp_group
+
+    @property
     def ep_size(self) -> int:
         return self.layout.ep
 
