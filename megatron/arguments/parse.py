@@ -105,18 +105,20 @@ def _uniform_beside_checkpoint_activations(args) -> bool:
 
 
 def derive_parallel(args) -> None:
-    """``data_parallel_size`` = world size / (TP x PP x SP)."""
+    """``data_parallel_size`` = world size / (TP x PP x SP x CP)."""
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
-    sp = args.ds_sequence_parallel_size
-    if tp < 1 or pp < 1 or sp < 1 or world < 1:
+    sp, cp = args.ds_sequence_parallel_size, args.context_parallel_size
+    if tp < 1 or pp < 1 or sp < 1 or cp < 1 or world < 1:
         raise ValueError(f"world size {world}, --tensor-model-parallel-size {tp}, --pipeline-model-parallel-size "
-                         f"{pp} and --ds-sequence-parallel-size {sp} must be positive")
-    if world % (tp * pp * sp):
+                         f"{pp}, --ds-sequence-parallel-size {sp} and --context-parallel-size {cp} must be positive")
+    split = tp * pp * sp * cp
+    if world % split:
         ulysses = f" x --ds-sequence-parallel-size {sp}" if sp > 1 else ""
+        ulysses += f" x --context-parallel-size {cp}" if cp > 1 else ""
         raise ValueError(f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
-                         f"--pipeline-model-parallel-size {pp}{ulysses} = {tp * pp * sp}; launch a multiple of "
-                         f"{tp * pp * sp} processes or change TP/PP" + ("/SP" if sp > 1 else ""))
-    args.data_parallel_size = world // (tp * pp * sp)
+                         f"--pipeline-model-parallel-size {pp}{ulysses} = {split}; launch a multiple of "
+                         f"{split} processes or change TP/PP" + ("/SP" if sp > 1 else "") + ("/CP" if cp > 1 else ""))
+    args.data_parallel_size = world // split
 
 
 def fill_defaults(args) -> None:

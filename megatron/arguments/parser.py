@@ -13,6 +13,7 @@ from megatron.arguments.moe import add_moe_arguments
 from megatron.arguments.zero_bubble import add_zero_bubble_arguments
 from megatron.config import (
     ATTENTION_BACKENDS,
+    CP_COMM_TYPES,
     DATA_IMPLS,
     DISTRIBUTED_BACKENDS,
     LR_DECAY_STYLES,
@@ -128,6 +129,15 @@ def _parallelism(parser):
                         "Data-parallel size = world size / (TP x PP x SP); --seq-length, the attention heads and "
                         "the key / value heads must be divisible by it (heads by TP x SP). Pipeline size 1 only; "
                         "runs on DeepSpeed's non-pipeline engine at any --zero-stage. Default 1: off.")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Context parallelism (Megatron-LM's flag): each sample's sequence is split over this many "
+                        "ranks, each holding chunks i and 2c-1-i of 2c (even causal work), and attention passes the "
+                        "key / value blocks around the ring (ring attention, online softmax). Data-parallel size = "
+                        "world size / (TP x PP x CP); gradients are reduced over DP x CP. --seq-length must be a "
+                        "multiple of 2 x CP. Pipeline engine (--zero-stage 0 or 1) only. Default 1: off.")
+    g.add_argument("--cp-comm-type", default="p2p", choices=CP_COMM_TYPES,
+                   help="How context parallelism exchanges key / value blocks (Megatron-LM's flag): p2p, a ring of "
+                        "point-to-point sends overlapped with the block computation. Default p2p.")
     g.add_argument("--pp-partition-method", default="type:transformer", metavar="{" + ",".join(PARTITION_METHODS) + "}",
                    help="How DeepSpeed splits the layers over pipeline stages: 'type:transformer' balances "
                         "transformer layers; 'type:transformer|embedding' also counts the tied embedding on the "

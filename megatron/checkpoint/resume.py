@@ -99,6 +99,12 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, saved: dict) -> None:
                          f"{tag_dir}_universal, then add --universal-checkpoint")
     if not (ck.no_load_optim or ck.finetune):
         sizes["data-parallel size"] = (recorded.get("data_parallel_size"), p.data_parallel_size)
+        cp = (recorded.get("context_parallel_size", 1), p.context_parallel_size)
+        if max(cp) > 1 and recorded.get("data_parallel_size") is not None:
+            # the weights do not depend on CP; the ZeRO-1 state is sharded over the dp x cp ranks: that must agree
+            del sizes["data-parallel size"]
+            sizes["data-parallel x context-parallel size (ZeRO shards)"] = (
+                recorded["data_parallel_size"] * cp[0], p.data_parallel_size * cp[1])
         # ZeRO shards the optimizer state over dp x sp ranks
         sizes["--ds-sequence-parallel-size"] = (recorded.get("ds_sequence_parallel_size", 1),
                                                 p.ds_sequence_parallel_size)

@@ -51,6 +51,8 @@ def build_run_state(rc: RunConfig, progress: dict[str, int]) -> dict:
     parallel["zero_stage"] = rc.deepspeed_zero_stage  # 2 and 3 write DeepSpeed's non-pipeline files
     if p.ds_sequence_parallel_size > 1:  # ZeRO shards over dp x sp ranks
         parallel["ds_sequence_parallel_size"] = p.ds_sequence_parallel_size
+    if p.context_parallel_size > 1:  # ZeRO-1 shards over dp x cp ranks; the weights do not depend on CP
+        parallel["context_parallel_size"] = p.context_parallel_size
     if p.expert_model_parallel_size > 1:  # one expert file per EP rank (megatron.engine.expert_parallel)
         parallel["expert_model_parallel_size"] = p.expert_model_parallel_size
     record = _record(dataclasses.asdict(rc.model), parallel, dataclasses.asdict(rc.data.tokenizer), progress,

@@ -20,6 +20,7 @@ from megatron.config.model import (
                                  ModelConfig,
 )
 from megatron.config.run import (
+                                 CP_COMM_TYPES,
                                  DISTRIBUTED_BACKENDS,
                                  LR_DECAY_STYLES,
                                  OPTIMIZERS,
@@ -42,4 +43,4 @@ __all__ = ["ModelConfig", "ATTENTION_BACKENDS", "POSITION_EMBEDDING_TYPES", "NOR
            "DataConfig", "DatasetGroup", "DatasetSplit", "TOKENIZER_TYPES", "TokenizerConfig", "DATA_IMPLS",
            "ParallelConfig", "OptimizerConfig", "LRScheduleConfig", "BatchConfig", "PrecisionConfig", "TrainingConfig",
            "LoggingConfig", "CheckpointConfig", "ExitConfig", "RunConfig", "PARTITION_METHODS", "DISTRIBUTED_BACKENDS",
-           "LR_DECAY_STYLES", "OPTIMIZERS", "check_rampup_batch_size", "deepspeed_zero_stage"]
+           "LR_DECAY_STYLES", "OPTIMIZERS", "check_rampup_batch_size", "deepspeed_zero_stage", "CP_COMM_TYPES"]

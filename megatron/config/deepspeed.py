@@ -8,7 +8,8 @@ Keys derived from flags (a user JSON value that differs is a ValueError naming k
 key                                                   flag
 ====================================================  ===========================================
 train_batch_size                                      --global-batch-size (the final size; during a
-                                                      rampup the loop calls set_train_batch_size)
+                                                      rampup the loop calls set_train_batch_size);
+                                                      x --context-parallel-size in the built config
 train_micro_batch_size_per_gpu                        --micro-batch-size
 gradient_accumulation_steps                           global / (micro x data-parallel size)
 gradient_clipping                                     --clip-grad
@@ -76,6 +77,10 @@ def build_deepspeed_config(run_config, user_config: Optional[dict] = None) -> di
     for path, value, _ in derived:
         _assign(config, path, value)
     config["zero_optimization"]["stage"] = run_config.deepspeed_zero_stage  # checked above as asked for
+    # Context parallelism on the pipeline engine: DeepSpeed's data axis holds the dp x cp ranks, each reading
+    # every sample of its DP rank (1/cp of its tokens), so in DeepSpeed's count the batch is cp times the samples.
+    # The JSON keeps Megatron's meaning (checked above against --global-batch-size).
+    config["train_batch_size"] *= deepspeed_batch_factor(run_config)
     return config
 
 
@@ -101,10 +106,12 @@ def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
         why = "--sequence-parallel (TP ranks hold different sequence shards, not copies of one activation)"
         out += [(("pipeline", "pipe_partitioned"), False, why), (("pipeline", "grad_partitioned"), False, why)]
     sp = rc.parallel.ds_sequence_parallel_size
-    if sp > 1 and rc.deepspeed_zero_stage == 3:
-        # megatron.engine.ulysses scales the loss for this path's averaging over dp x sp ranks
+    cp = rc.parallel.context_parallel_size
+    if max(sp, cp) > 1 and rc.deepspeed_zero_stage == 3:
+        # megatron.engine.ulysses scales the loss for this path's averaging over dp x sp (or dp x cp) ranks
+        flag = f"--ds-sequence-parallel-size {sp}" if sp > 1 else f"--context-parallel-size {cp}"
         out.append((("zero_optimization", "reduce_scatter"), True,
-                    f"--ds-sequence-parallel-size {sp} with --zero-stage 3 (DeepSpeed's reduce-scatter path)"))
+                    f"{flag} with --zero-stage 3 (DeepSpeed's reduce-scatter path)"))
     ep = rc.parallel.expert_model_parallel_size
     if ep > 1 and rc.deepspeed_zero_stage == 2:
         # ZeRO-2 reduces a gradient over its expert-data-parallel group only on the reduce-scatter path; its
@@ -139,6 +146,13 @@ def _defaults(rc) -> dict:
             "partition_activations": False, "contiguous_memory_optimization": False, "cpu_checkpointing": False,
             "number_checkpoints": rc.model.num_layers, "synchronize_checkpoint_boundary": False, "profile": False}
     return config
+
+
+def deepspeed_batch_factor(run_config) -> int:
+    """DeepSpeed's train_batch_size / --global-batch-size: cp on the pipeline engine with context parallelism
+    (its data axis holds dp x cp ranks), else 1 (the non-pipeline engine's mpu reports dp alone)."""
+    p = run_config.parallel
+    return p.context_parallel_size if run_config.deepspeed_engine == "pipeline" else 1
 
 
 def _same(a, b) -> bool:

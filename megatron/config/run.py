@@ -8,6 +8,7 @@ import math
 from typing import Optional
 
 from megatron.config._checks import _positive
+from megatron.config.context_parallel import check_context_parallel_run
 from megatron.config.data import DataConfig, DatasetGroup, DatasetSplit  # noqa: F401 (RunConfig fields)
 from megatron.config.model import ModelConfig
 from megatron.config.moe import check_moe_run
@@ -15,13 +16,14 @@ from megatron.config.zero_bubble import check_zero_bubble_run
 
 PARTITION_METHODS = ("type:transformer", "type:transformer|embedding", "parameters", "uniform")
 DISTRIBUTED_BACKENDS = ("nccl", "gloo", "ccl")
+CP_COMM_TYPES = ("p2p",)  # Megatron-LM's --cp-comm-type values implemented here (all_gather, a2a, a2a+p2p are not)
 LR_DECAY_STYLES = ("linear", "cosine", "constant")
 OPTIMIZERS = ("adam", "sgd")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """How the world's processes are laid out: world = TP x PP x DP x SP (megatron.parallel.state's order)."""
+    """How the world's processes are laid out: world = TP x PP x DP x SP x CP (megatron.parallel.state's order)."""
 
     tensor_model_parallel_size: int = 1    # ranks that split each layer's matrices (whole heads each)
     pipeline_model_parallel_size: int = 1  # pipeline stages; each holds a contiguous run of layers
@@ -38,14 +40,21 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1    # MoE: ranks sharing out each layer's experts, carved from DP
     enable_zbh1_pipeline: bool = False     # ZB-H1 pipeline schedule: weight gradients deferred into the bubble
     enable_zbh1_exact_semantics: bool = False  # ZB-H1: optimizer step only after every deferred weight gradient
+    context_parallel_size: int = 1         # ring attention: ranks holding 1/cp of each sample's tokens (chunks i
+                                           # and 2cp-1-i); gradients reduced over DP x CP; 1: off
+    cp_comm_type: str = "p2p"              # how the key / value blocks travel: p2p (a ring), one of CP_COMM_TYPES
 
     @property
     def world_size(self) -> int:
         return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
-                * self.ds_sequence_parallel_size)
+                * self.ds_sequence_parallel_size * self.context_parallel_size)
 
     def validate(self) -> "ParallelConfig":
         _positive("--tensor-model-parallel-size", self.tensor_model_parallel_size)
+        _positive("--context-parallel-size", self.context_parallel_size)
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type {self.cp_comm_type!r} is not implemented; use one of "
+                             f"{', '.join(CP_COMM_TYPES)}")
         _positive("--ds-sequence-parallel-size", self.ds_sequence_parallel_size)
         _positive("--pipeline-model-parallel-size", self.pipeline_model_parallel_size)
         _positive("data-parallel size", self.data_parallel_size)
@@ -472,6 +481,7 @@ class RunConfig:
         self._validate_schedule()
         check_moe_run(self)
         check_zero_bubble_run(self)
+        check_context_parallel_run(self)
         if self.model.seq_length != self.data.seq_length:
             raise ValueError(f"model seq_length {self.model.seq_length} != data seq_length {self.data.seq_length}")
         if self.data.reset_position_ids and self.model.position_embedding_type != "absolute":

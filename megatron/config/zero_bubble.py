@@ -38,6 +38,9 @@ def check_zero_bubble_run(rc) -> None:
     if rc.model.moe is not None:
         raise ValueError(f"{_FLAG} is not tested with mixture-of-experts layers (their expert matmuls do not defer "
                          f"weight gradients); drop {_FLAG} or --num-experts")
+    if p.context_parallel_size > 1:
+        raise ValueError(f"{_FLAG} is not tested with --context-parallel-size {p.context_parallel_size} (ring attention "
+                         f"and the deferred weight passes have not been run together); drop one of them")
     if rc.training.torch_compile:
         raise ValueError(f"{_FLAG} does not combine with --torch-compile (a compiled layer cannot hand its weight "
                          f"gradient to the schedule); drop one of them")

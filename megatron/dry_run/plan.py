@@ -30,24 +30,26 @@ def layout_section(rc: RunConfig, item_param_counts: Optional[Sequence[int]] = N
     p, m = rc.parallel, rc.model
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     sp = p.ds_sequence_parallel_size  # Ulysses: between data and model in the rank order
+    cp = p.context_parallel_size  # context parallelism: the same place (never with Ulysses)
     bounds = stage_bounds(m, pp, p.pp_partition_method, item_param_counts)
     items = pipeline_items(m)
     layer_of = {item.index: n for n, item in enumerate(i for i in items if i.kind == TRANSFORMER)}
-    ranks = group_layout(tp, pp, dp, sp)
+    ranks = group_layout(tp, pp, dp, sp, cp=cp)
     stages = []
     for stage in range(pp):
         held = items[bounds[stage]:bounds[stage + 1]]
         layers = [layer_of[item.index] for item in held if item.kind == TRANSFORMER]
         stages.append({
             "stage": stage,
-            "ranks": [ranks.rank_of(stage, 0, 0), ranks.rank_of(stage, dp - 1, tp - 1, sp - 1)],
+            "ranks": [ranks.rank_of(stage, 0, 0), ranks.rank_of(stage, dp - 1, tp - 1, sp * cp - 1)],
             "items": [bounds[stage], bounds[stage + 1] - 1] if held else None,
             "num_transformer_layers": len(layers),
             "transformer_layers": [layers[0], layers[-1]] if layers else None,
             "holds": [item.kind for item in held if item.kind in (EMBEDDING, FINAL_NORM, HEAD)],
         })
     return {"world_size": rc.world_size, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-            "data_parallel_size": dp, "ds_sequence_parallel_size": sp, "sequence_parallel": rc.model.sequence_parallel,
+            "data_parallel_size": dp, "ds_sequence_parallel_size": sp, "context_parallel_size": cp,
+            "sequence_parallel": rc.model.sequence_parallel,
             "pp_partition_method": p.pp_partition_method, "num_pipeline_items": len(items), "stages": stages}
 
 

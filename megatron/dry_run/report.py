@@ -84,6 +84,10 @@ def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
     if gpu is None:
         check.not_checked.append("the memory and step-time estimates: no GPU to assume (see the problems)")
         return
+    if rc.parallel.context_parallel_size > 1:
+        check.not_checked.append(f"the memory and step-time estimates: the planner does not model "
+                                 f"--context-parallel-size {rc.parallel.context_parallel_size} yet")
+        return
     stage_layers = [stage["num_transformer_layers"] for stage in report["layout"]["stages"]]
     try:
         report["memory"] = memory_section(rc, stage_layers, gpu)

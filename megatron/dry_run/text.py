@@ -51,6 +51,8 @@ def _layout(lay: dict) -> list[str]:
     sp = " (sequence parallel)" if lay.get("sequence_parallel") else ""
     ulysses = lay.get("ds_sequence_parallel_size", 1)
     ulysses = f" x Ulysses SP {ulysses}" if ulysses > 1 else ""
+    cp = lay.get("context_parallel_size", 1)
+    ulysses += f" x CP {cp} (ring attention)" if cp > 1 else ""
     lines = ["", f"layout       TP {lay['tensor_model_parallel_size']}{sp} x PP {lay['pipeline_model_parallel_size']} x "
              f"DP {lay['data_parallel_size']}{ulysses} = {lay['world_size']} ranks; {lay['num_pipeline_items']} "
              f"pipeline items split by --pp-partition-method {lay['pp_partition_method']} (DeepSpeed's rule)"]

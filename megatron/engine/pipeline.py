@@ -41,7 +41,8 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSp
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.config import PARTITION_METHODS, ModelConfig
-from megatron.model import EmbeddingLayer, FinalLayerNorm, OutputLayer, TransformerLayer, gpt_loss
+from megatron.engine.ulysses import sequence_parallel_loss
+from megatron.model import EmbeddingLayer, FinalLayerNorm, OutputLayer, TransformerLayer, gpt_loss, per_token_loss
 from megatron.model.layout import (
     EMBEDDING,
     FINAL_NORM,
@@ -107,14 +108,21 @@ def pass_through(inputs):
 
 
 class GPTLossFn:
-    """Pipeline loss: masked mean of the vocab-parallel cross-entropy over the micro-batch."""
+    """Pipeline loss: masked mean of the vocab-parallel cross-entropy over the micro-batch.
 
-    def __init__(self, tp_group):
-        self.tp_group = tp_group
+    With context parallelism (``cp_group``) each rank holds 1/cp of the tokens: its part of the whole sequence's
+    masked mean (the mask count all-reduced over the group), times cp, because DeepSpeed averages gradients and
+    reported losses over the data axis, which holds the dp x cp ranks (Megatron-LM scales by cp likewise)."""
+
+    def __init__(self, tp_group, cp_group=None, cp_size: int = 1):
+        self.tp_group, self.cp_group, self.cp_size = tp_group, cp_group, cp_size
 
     def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
         target, loss_mask = labels
-        return gpt_loss(logits, target, loss_mask, self.tp_group)
+        if self.cp_group is None:
+            return gpt_loss(logits, target, loss_mask, self.tp_group)
+        part = sequence_parallel_loss(per_token_loss(logits, target, self.tp_group), loss_mask, self.cp_group)
+        return part * self.cp_size
 
 
 def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker: Optional[RNGStatesTracker]):
@@ -125,7 +133,7 @@ def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker
         return TiedLayerSpec("embed", EmbeddingPipe, config, **embed)
     if item.kind == TRANSFORMER:
         return LayerSpec(TransformerLayer, config, tp_group=state.tp_group, layer_number=item.layer_number,
-                         rng_tracker=tracker, ep_group=state.ep_group)
+                         rng_tracker=tracker, ep_group=state.ep_group, cp_group=state.cp_group)
     if item.kind == FINAL_NORM:
         return LayerSpec(FinalLayerNorm, config, tp_group=state.tp_group)
     if item.kind == HEAD:
@@ -158,8 +166,12 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
     if partition_method == "type:transformer" and config.num_layers < state.pp_size:
         raise ValueError(f"--num-layers {config.num_layers} is smaller than --pipeline-model-parallel-size "
                          f"{state.pp_size}: every stage needs at least one transformer layer")
-    topology = PipeModelDataParallelTopology(num_pp=state.pp_size, num_mp=state.tp_size, num_dp=state.dp_size)
-    assert topology.get_rank(pipe=state.pp_rank, data=state.dp_rank, model=state.tp_rank) == dist.get_rank()
+    # Context parallelism: DeepSpeed's data axis holds the dp x cp ranks (CP innermost, as in our layout), so
+    # that it reduces gradients and partitions ZeRO-1 state over both, as Megatron's data-parallel-with-CP group.
+    topology = PipeModelDataParallelTopology(num_pp=state.pp_size, num_mp=state.tp_size,
+                                             num_dp=state.dp_size * state.cp_size)
+    data_rank = state.dp_rank * state.cp_size + state.cp_rank
+    assert topology.get_rank(pipe=state.pp_rank, data=data_rank, model=state.tp_rank) == dist.get_rank()
     # The constructor copies the tied word embedding from the first stage to the last with an in-place
     # dist.broadcast of the parameter. c10d::broadcast_ has no autograd kernel: in grad mode torch's fallback
     # then warns on every backward that reaches the parameter ("c10d::broadcast_: an autograd kernel was not
@@ -170,7 +182,7 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
         return PipelineModule(
             layers=layer_specs(config, state, tracker),
             topology=topology,
-            loss_fn=GPTLossFn(state.tp_group),
+            loss_fn=GPTLossFn(state.tp_group, state.cp_group, state.cp_size),
             partition_method=partition_method,
             activation_checkpoint_interval=activation_checkpoint_interval,
             activation_checkpoint_func=tracked_checkpoint_func(tracker),

@@ -61,9 +61,10 @@ class DeepSpeedMPU:
         self._dp_group = state.dp_group if state.dp_size > 1 else _groups_of(layout.data, state.rank)
         self._dp_ranks = next(ranks for ranks in layout.data if state.rank in ranks)
         self._tp_ranks = next(ranks for ranks in layout.tensor if state.rank in ranks)
-        # sp = 1: the sequence-data-parallel group is the data-parallel group, as DeepSpeed's default
-        self._sp_group = state.sp_group if state.sp_size > 1 else None
-        self._sp_data_group = state.sp_data_group if state.sp_size > 1 else self._dp_group
+        # The sequence axis is Ulysses' or context parallelism's (CP: DeepSpeed reduces over dp x cp the same way).
+        # Size 1: the sequence-data-parallel group is the data-parallel group, as DeepSpeed's default
+        self._sp_group = state.seq_group
+        self._sp_data_group = state.sp_data_group if state.seq_size > 1 else self._dp_group
         self._sp_data_ranks = next(ranks for ranks in layout.sequence_data if state.rank in ranks)
 
     # tensor (= model, with one stage) parallelism
@@ -98,18 +99,19 @@ class DeepSpeedMPU:
 
     # DeepSpeed-Ulysses
     def get_sequence_parallel_world_size(self) -> int:
-        return self.state.sp_size
+        return self.state.seq_size
 
     def get_sequence_parallel_rank(self) -> int:
-        return self.state.sp_rank
+        return self.state.seq_rank
 
     def get_sequence_parallel_group(self):
         if self._sp_group is None:
-            raise KeyError("this run has no sequence-parallel group (--ds-sequence-parallel-size 1)")
+            raise KeyError("this run has no sequence-parallel group (--ds-sequence-parallel-size 1 and "
+                           "--context-parallel-size 1)")
         return self._sp_group
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        return self.state.dp_size * self.state.sp_size
+        return self.state.dp_size * self.state.seq_size
 
     def get_sequence_data_parallel_rank(self) -> int:
         return self._sp_data_ranks.index(self.state.rank)
@@ -160,7 +162,8 @@ def build_sharded_module(rc: RunConfig, state: ParallelState, config: dict, mpu:
     activations with --checkpoint-activations (every --checkpoint-num-layers)."""
     deepspeed_compat.silence_renamed_collectives()
     with zero_stage3_init(rc, config, mpu):
-        model = GPTModel(rc.model, state, rng_tracker=tracker, sequence_exchange=ulysses_exchange(state))
+        model = GPTModel(rc.model, state, rng_tracker=tracker, sequence_exchange=ulysses_exchange(state),
+                         cp_group=state.cp_group)
     t = rc.training
     if t.checkpoint_activations:
         model.recompute_activations(tracked_checkpoint_func(tracker), t.checkpoint_num_layers)
@@ -180,25 +183,26 @@ class ShardedEngine:
         self.mpu = mpu
         self.hpz_ranks = hpz_ranks  # this rank's hpZ group (world ranks), or None
         self.phase_timers = NO_TIMERS  # the training loop sets its own (--timing-log-level)
-        deepspeed_compat.check_zero3_ulysses(engine.zero_optimization_stage(), state.sp_size)
-        self.backward_scale = backward_loss_scale(engine.zero_optimization_stage(), state.sp_size)
+        # context parallelism reduces like Ulysses: the sequence axis' parts summed, averaged over dp
+        deepspeed_compat.check_zero3_ulysses(engine.zero_optimization_stage(), state.seq_size)
+        self.backward_scale = backward_loss_scale(engine.zero_optimization_stage(), state.seq_size)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def _loss(self, micro_batch) -> torch.Tensor:
-        """The micro-batch loss (with Ulysses this rank's part of it, megatron.engine.ulysses)."""
+        """The micro-batch loss (with Ulysses or CP this rank's part of it, megatron.engine.ulysses)."""
         (input_ids, position_ids), (labels, loss_mask) = micro_batch
         device = self.engine.device
-        if self.state.sp_size == 1:
+        if self.state.seq_size == 1:
             return self.engine(input_ids.to(device), position_ids.to(device), labels.to(device), loss_mask.to(device))
         per_token = self.engine(input_ids.to(device), position_ids.to(device), labels.to(device))  # [b, s/sp]
-        return sequence_parallel_loss(per_token, loss_mask.to(device), self.state.sp_group)
+        return sequence_parallel_loss(per_token, loss_mask.to(device), self.state.seq_group)
 
     def _mean_over_data_parallel(self, total: torch.Tensor, count: int) -> torch.Tensor:
         """Mean over micro-batches and data-parallel ranks; with Ulysses the SP ranks' parts are summed first."""
         loss = total.detach().float() / count
-        if self.state.dp_size * self.state.sp_size > 1:
+        if self.state.dp_size * self.state.seq_size > 1:
             dist.all_reduce(loss, group=self.mpu.get_sequence_data_parallel_group())
             loss /= self.state.dp_size
         return loss

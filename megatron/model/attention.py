@@ -20,6 +20,10 @@ deepspeed) hands the core attention the whole sequence for np / sp heads, [s/sp,
 [s, b, np/sp, hn], and back. The query heads are ordered group by group, so rank j's np / sp query heads
 are exactly those of its ng / sp key / value heads; ALiBi takes the slopes of those heads.
 
+Context parallelism (a CP group given at construction): each of cp ranks holds the load-balanced s / cp tokens
+of every sample (chunks i and 2cp-1-i of 2cp); rotary takes their global positions, and the core attention is
+ring attention (megatron.model.ring_attention), which passes the key / value blocks around the group.
+
 Shape letters: s sequence (sq queries, sk keys incl. cached ones), b micro-batch, h hidden,
 np heads per partition, ng query groups (key / value heads) per partition, hn head dim,
 hp = np * hn, v / vp vocabulary (per partition).
@@ -48,6 +52,8 @@ from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.kv_cache import BatchKVCache
 from megatron.model.norm import Norm
 from megatron.model.positional import alibi_bias, alibi_slopes_for_rank, apply_rotary, rotary_cos_sin
+from megatron.model.ring_attention import ring_attention
+from megatron.parallel.context_parallel import load_balanced_positions
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.random import tracked_checkpoint_func
 from megatron.parallel.state import group_rank, group_size
@@ -152,13 +158,18 @@ class SelfAttention(nn.Module):
         rng_tracker: a ``RNGStatesTracker``; attention dropout runs inside its
             'model-parallel-rng' fork so that it differs across TP ranks (each holds other heads).
         sequence_exchange: DeepSpeed-Ulysses' ``SequenceExchange`` for this rank (None: the whole sequence here).
+        cp_group: the context-parallel group (None: one rank); this rank then holds its load-balanced tokens.
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, rng_tracker=None,
-                 sequence_exchange: Optional[SequenceExchange] = None):
+                 sequence_exchange: Optional[SequenceExchange] = None, cp_group=None):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
+        self.cp_group = cp_group
+        if cp_group is not None and sequence_exchange is not None:
+            raise ValueError("context parallelism and DeepSpeed-Ulysses both split the sequence; pass one of "
+                             "cp_group and sequence_exchange")
         self.rng_tracker = rng_tracker
         tp_size = group_size(tp_group)
         self.num_heads_per_partition = config.num_attention_heads // tp_size  # np
@@ -214,8 +225,9 @@ class SelfAttention(nn.Module):
         kv_cache: a ``KVCache`` (every row at the same position), or a ``BatchKVCache`` whose rows
         are sequences of different lengths (each row's queries at its own positions, its own mask)."""
         np_, ng, hn = self.num_heads_per_partition, self.num_groups_per_partition, self.head_dim
-        if self._sequence_exchange is not None and kv_cache is not None:
-            raise ValueError("decoding with a KV cache runs without sequence parallelism (SP = 1 when serving)")
+        if (self._sequence_exchange is not None or self.cp_group is not None) and kv_cache is not None:
+            raise ValueError("decoding with a KV cache runs without sequence or context parallelism (SP = CP = 1 "
+                             "when serving)")
         mixed, _ = self.query_key_value(hidden)  # [sq, b, ng * (np/ng + 2) * hn]
         sq, b, _ = mixed.shape  # the whole sequence even where hidden is a sequence-parallel shard
         # Ulysses: this rank's tokens start at sp_rank * sq of the whole sequence
@@ -231,6 +243,9 @@ class SelfAttention(nn.Module):
         if isinstance(kv_cache, BatchKVCache):
             row_lengths = kv_cache.lengths
             positions = kv_cache.position_ids(sq, hidden.device)  # [b, sq]
+        elif self.cp_group is not None:  # this rank's chunks i and 2cp-1-i of the sequence
+            cp = group_size(self.cp_group)
+            positions = load_balanced_positions(sq * cp, cp, group_rank(self.cp_group), hidden.device)  # [sq]
         else:
             positions = torch.arange(offset, offset + sq, device=hidden.device)  # [sq]
         if self.config.position_embedding_type == "rotary":
@@ -244,6 +259,11 @@ class SelfAttention(nn.Module):
         if self._sequence_exchange is not None:
             context = self._sequence_exchange(query, key, value, 1)  # [sq, b, np, hn]; batch is dim 1
             output, _ = self.dense(context.reshape(sq, b, np_ * hn))  # [sq, b, h]
+            return output
+        if self.cp_group is not None:
+            context = ring_attention(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+                                     self.cp_group, 1.0 / math.sqrt(hn), self.alibi_slopes)  # [b, np, sq, hn]
+            output, _ = self.dense(context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn))  # [sq, b, h]
             return output
 
         # SDPA wants [b, np, s, hn]. Its fused kernels accumulate the softmax in fp32.

@@ -115,6 +115,7 @@ class TransformerLayer(nn.Module):
         rng_tracker: optional ``RNGStatesTracker`` for attention dropout (see SelfAttention) and, with
             sequence parallelism, the hidden dropout (required then if the dropout is not 0).
         sequence_exchange: DeepSpeed-Ulysses' ``SequenceExchange`` for the attention (None: no Ulysses).
+        cp_group: the context-parallel group: ring attention over this rank's load-balanced tokens (None: one rank).
         ep_group: the expert-model-parallel group of an MoE layer's experts (None: all of them here).
 
     The MLP is ``ParallelMLP``, or ``MoELayer`` in the layers ``config.moe`` marks (its shared expert, if any, a
@@ -124,7 +125,7 @@ class TransformerLayer(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, rng_tracker=None,
-                 sequence_exchange: Optional[SequenceExchange] = None, ep_group=None):
+                 sequence_exchange: Optional[SequenceExchange] = None, ep_group=None, cp_group=None):
         super().__init__()
         config.validate(group_size(tp_group))
         if not isinstance(layer_number, int) or not 0 <= layer_number < config.num_layers:
@@ -136,7 +137,7 @@ class TransformerLayer(nn.Module):
         self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
         self.rng_tracker = rng_tracker
         self.input_layernorm = Norm(config, tp_group)
-        self.self_attention = SelfAttention(config, tp_group, layer_number, rng_tracker, sequence_exchange)
+        self.self_attention = SelfAttention(config, tp_group, layer_number, rng_tracker, sequence_exchange, cp_group)
         self.post_attention_layernorm = Norm(config, tp_group)
         self.mlp = _mlp(config, tp_group, ep_group, layer_number)
         zero_biases(self)

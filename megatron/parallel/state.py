@@ -18,6 +18,12 @@ Megatron-DeepSpeed. With sp = 1 the layout is the one above. The sequence-data-p
 state when sp > 1: every SP rank holds the same weights and sees other tokens of the same samples.
 Groups are handed to layers explicitly; nothing here reads globals or the environment.
 
+Context parallelism (``--context-parallel-size``, cp; ring attention, ``megatron.model.ring_attention``)
+takes the same place as Ulysses' axis (the two are never combined): rank = ((pp_rank * dp + dp_rank) * cp +
+cp_rank) * tp + tp_rank, Megatron-LM's order (TP innermost, then CP, then DP, then PP). Every CP rank holds
+the same weights; gradients are reduced over the dp x cp ranks of one (pipe, model) coordinate (Megatron's
+data-parallel-with-CP group), the ``sequence_data`` lists.
+
 Expert parallelism (``--expert-model-parallel-size``, ep) is carved from the data-parallel ranks, as in
 Megatron-LM and DeepSpeed: of the dp ranks of one (pipe, seq, model) coordinate, ranks d = e * ep + i
 (i < ep) form an expert-model-parallel group (consecutive data ranks; each holds 1/ep of every MoE layer's
@@ -66,40 +72,51 @@ class GroupLayout:
     ep: int = 1                  # expert-model-parallel size (divides dp)
     expert: list[list[int]] = dataclasses.field(default_factory=list)         # ep consecutive data ranks
     expert_data: list[list[int]] = dataclasses.field(default_factory=list)    # dp / ep ranks, stride ep
+    cp: int = 1                  # context-parallel size (ring attention); the sequence axis when > 1
+
+    @property
+    def seq(self) -> int:
+        """Ranks on the axis between data and model: Ulysses' sp or context parallelism's cp (one is 1)."""
+        return self.sp * self.cp
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.sp
+        return self.tp * self.pp * self.dp * self.seq
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp_rank, dp_rank, tp_rank) of a global rank (its sp_rank: :meth:`sp_rank_of`)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size} ranks")
         tp_rank = rank % self.tp
-        dp_rank = (rank // (self.tp * self.sp)) % self.dp
-        pp_rank = rank // (self.tp * self.sp * self.dp)
+        dp_rank = (rank // (self.tp * self.seq)) % self.dp
+        pp_rank = rank // (self.tp * self.seq * self.dp)
         return pp_rank, dp_rank, tp_rank
 
     def sp_rank_of(self, rank: int) -> int:
-        """The sequence-parallel rank of a global rank: which slice of each sample's tokens it holds."""
+        """The sequence-axis rank of a global rank (Ulysses' or, with cp > 1, context parallelism's): which slice
+        of each sample's tokens it holds."""
         self.coords(rank)  # range check
-        return (rank // self.tp) % self.sp
+        return (rank // self.tp) % self.seq
 
     def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int, sp_rank: int = 0) -> int:
-        return ((pp_rank * self.dp + dp_rank) * self.sp + sp_rank) * self.tp + tp_rank
+        return ((pp_rank * self.dp + dp_rank) * self.seq + sp_rank) * self.tp + tp_rank
 
 
-def _check_sizes(tp: int, pp: int, dp: int, world_size: Optional[int], sp: int = 1) -> None:
+def _check_sizes(tp: int, pp: int, dp: int, world_size: Optional[int], sp: int = 1, cp: int = 1) -> None:
     for name, value in (("tensor-model-parallel size", tp), ("pipeline-model-parallel size", pp),
-                        ("data-parallel size", dp), ("sequence-parallel size", sp)):
+                        ("data-parallel size", dp), ("sequence-parallel size", sp), ("context-parallel size", cp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if world_size is not None and tp * pp * dp * sp != world_size:
+    if sp > 1 and cp > 1:
+        raise ValueError(f"DeepSpeed-Ulysses (sequence-parallel size {sp}) and context parallelism (size {cp}) "
+                         f"both split the sequence; use one of the two")
+    if world_size is not None and tp * pp * dp * sp * cp != world_size:
         ulysses = f" x sequence-parallel size {sp}" if sp > 1 else ""
+        ulysses += f" x context-parallel size {cp}" if cp > 1 else ""
         raise ValueError(
             f"world size {world_size} != tensor-model-parallel size {tp} x pipeline-model-parallel "
-            f"size {pp} x data-parallel size {dp}{ulysses} = {tp * pp * dp * sp}; choose sizes whose product is "
-            f"the number of processes")
+            f"size {pp} x data-parallel size {dp}{ulysses} = {tp * pp * dp * sp * cp}; choose sizes whose product "
+            f"is the number of processes")
 
 
 def _check_expert_size(dp: int, sp: int, ep: int) -> None:
@@ -113,13 +130,14 @@ def _check_expert_size(dp: int, sp: int, ep: int) -> None:
                          f"{sp}) is not supported; use one of the two")
 
 
-def group_layout(tp: int, pp: int, dp: int, sp: int = 1, ep: int = 1) -> GroupLayout:
-    """Every group's ranks for the layout, in PipeModelDataParallelTopology's order (SP between data and model;
-    EP within data)."""
-    _check_sizes(tp, pp, dp, None, sp)
-    _check_expert_size(dp, sp, ep)
-    rank = lambda p, d, s, t: ((p * dp + d) * sp + s) * tp + t  # noqa: E731  (GroupLayout.rank_of's formula)
-    P, D, S, T = range(pp), range(dp), range(sp), range(tp)
+def group_layout(tp: int, pp: int, dp: int, sp: int = 1, ep: int = 1, cp: int = 1) -> GroupLayout:
+    """Every group's ranks for the layout, in PipeModelDataParallelTopology's order (SP or CP between data and
+    model; EP within data)."""
+    _check_sizes(tp, pp, dp, None, sp, cp)
+    _check_expert_size(dp, sp * cp, ep)
+    seq = sp * cp  # the sequence axis: Ulysses' or context parallelism's
+    rank = lambda p, d, s, t: ((p * dp + d) * seq + s) * tp + t  # noqa: E731  (GroupLayout.rank_of's formula)
+    P, D, S, T = range(pp), range(dp), range(seq), range(tp)
     tensor = [[rank(p, d, s, t) for t in T] for p in P for d in D for s in S]
     pipeline = [[rank(p, d, s, t) for p in P] for d in D for s in S for t in T]
     data = [[rank(p, d, s, t) for d in D] for p in P for s in S for t in T]
@@ -131,7 +149,7 @@ def group_layout(tp: int, pp: int, dp: int, sp: int = 1, ep: int = 1) -> GroupLa
     expert = [[rank(p, j * ep + i, s, t) for i in E] for p in P for s in S for t in T for j in J]
     expert_data = [[rank(p, j * ep + i, s, t) for j in J] for p in P for s in S for t in T for i in E]
     return GroupLayout(tp, pp, dp, tensor, pipeline, data, model, embedding, sp, sequence, sequence_data, ep,
-                       expert, expert_data)
+                       expert, expert_data, cp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +168,11 @@ class ParallelState:
     model_group: Optional[object] = None      # TP x PP ranks of one model replica
     embedding_group: Optional[object] = None  # first + last stage (tied embedding); None if not a member
     sp_group: Optional[object] = None         # DeepSpeed-Ulysses sequence-parallel group (slices of one sample)
-    sp_data_group: Optional[object] = None    # dp x sp ranks of one (pipe, model) coordinate (gradients, ZeRO)
+    sp_data_group: Optional[object] = None    # dp x sp (or dp x cp) ranks of one (pipe, model) coordinate (gradients,
+                                              # ZeRO)
     ep_group: Optional[object] = None         # expert-model-parallel group (token all-to-all)
     expert_dp_group: Optional[object] = None  # expert-data-parallel group (the experts' gradients)
+    cp_group: Optional[object] = None         # context-parallel group (ring attention over slices of one sample)
 
     # ---- sizes and coordinates -------------------------------------------------------------
     @property
@@ -172,6 +192,28 @@ class ParallelState:
         return self.layout.sp
 
     @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.layout.sp_rank_of(self.rank) if self.cp_size > 1 else 0
+
+    @property
+    def seq_size(self) -> int:
+        """Ranks splitting each sample's tokens: Ulysses' sp or context parallelism's cp (the other is 1)."""
+        return self.layout.seq
+
+    @property
+    def seq_rank(self) -> int:
+        return self.layout.sp_rank_of(self.rank)
+
+    @property
+    def seq_group(self):
+        """The group of ranks splitting each sample's tokens (Ulysses' or CP's; None when seq_size is 1)."""
+        return self.sp_group if self.sp_size > 1 else self.cp_group
+
+    @property
     def ep_size(self) -> int:
         return self.layout.ep
 
@@ -185,7 +227,7 @@ class ParallelState:
 
     @property
     def sp_rank(self) -> int:
-        return self.layout.sp_rank_of(self.rank)
+        return self.layout.sp_rank_of(self.rank) if self.sp_size > 1 else 0
 
     @property
     def pp_rank(self) -> int:
@@ -215,8 +257,8 @@ class ParallelState:
 
     @classmethod
     def create(cls, tp: int, pp: int, dp: Optional[int] = None, backend: Optional[str] = None, sp: int = 1,
-               ep: int = 1) -> "ParallelState":
-        """Create the groups over the initialized world. ``dp`` defaults to world / (tp * pp * sp).
+               ep: int = 1, cp: int = 1) -> "ParallelState":
+        """Create the groups over the initialized world. ``dp`` defaults to world / (tp * pp * sp * cp).
 
         Collective: every rank of the world must call it with the same sizes.
         """
@@ -225,15 +267,16 @@ class ParallelState:
                                "(or use ParallelState.single() for one process)")
         world_size = dist.get_world_size()
         if dp is None:
-            if tp < 1 or pp < 1 or sp < 1 or world_size % (tp * pp * sp) != 0:
+            if tp < 1 or pp < 1 or sp < 1 or cp < 1 or world_size % (tp * pp * sp * cp) != 0:
                 ulysses = f" x sequence-parallel size {sp}" if sp != 1 else ""
+                ulysses += f" x context-parallel size {cp}" if cp != 1 else ""
                 raise ValueError(
                     f"world size {world_size} is not divisible by tensor-model-parallel size {tp} x "
-                    f"pipeline-model-parallel size {pp}{ulysses} = {tp * pp * sp}; the data-parallel size "
+                    f"pipeline-model-parallel size {pp}{ulysses} = {tp * pp * sp * cp}; the data-parallel size "
                     f"would not be a whole number")
-            dp = world_size // (tp * pp * sp)
-        _check_sizes(tp, pp, dp, world_size, sp)
-        layout = group_layout(tp, pp, dp, sp, ep)
+            dp = world_size // (tp * pp * sp * cp)
+        _check_sizes(tp, pp, dp, world_size, sp, cp)
+        layout = group_layout(tp, pp, dp, sp, ep, cp)
         rank = dist.get_rank()
 
         def mine(all_ranks: list[list[int]]):
@@ -246,19 +289,21 @@ class ParallelState:
                     found = group
             return found
 
-        return cls(layout=layout, rank=rank,
-                   tp_group=mine(layout.tensor), pp_group=mine(layout.pipeline),
-                   dp_group=mine(layout.data), model_group=mine(layout.model),
-                   embedding_group=mine(layout.embedding), sp_group=mine(layout.sequence),
-                   sp_data_group=mine(layout.sequence_data),
+        tp_group, pp_group, dp_group = mine(layout.tensor), mine(layout.pipeline), mine(layout.data)
+        model_group, embedding_group, seq_group = mine(layout.model), mine(layout.embedding), mine(layout.sequence)
+        return cls(layout=layout, rank=rank, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group,
+                   model_group=model_group, embedding_group=embedding_group,
+                   sp_group=seq_group if sp > 1 else None, sp_data_group=mine(layout.sequence_data),
                    ep_group=mine(layout.expert) if ep > 1 else None,
-                   expert_dp_group=mine(layout.expert_data) if ep > 1 else None)
+                   expert_dp_group=mine(layout.expert_data) if ep > 1 else None,
+                   cp_group=seq_group if cp > 1 else None)
 
     def destroy(self) -> None:
         """Destroy the groups this rank holds (the default group is left to the caller)."""
         seen = set()
         for group in (self.tp_group, self.pp_group, self.dp_group, self.model_group,
-                      self.embedding_group, self.sp_group, self.sp_data_group, self.ep_group, self.expert_dp_group):
+                      self.embedding_group, self.sp_group, self.sp_data_group, self.ep_group, self.expert_dp_group,
+                      self.cp_group):
             if group is not None and id(group) not in seen:
                 seen.add(id(group))
                 dist.destroy_process_group(group)
@@ -267,4 +312,5 @@ class ParallelState:
         return (f"ParallelState(rank={self.rank}, tp={self.tp_rank}/{self.tp_size}, "
                 f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}"
                 + (f", sp={self.sp_rank}/{self.sp_size}" if self.sp_size > 1 else "")
+                + (f", cp={self.cp_rank}/{self.cp_size}" if self.cp_size > 1 else "")
                 + (f", ep={self.ep_rank}/{self.ep_size})" if self.ep_size > 1 else ")"))

@@ -9,6 +9,8 @@ rank of a stage reads the same samples itself (the sampler depends on the data-p
 so nothing is broadcast. With DeepSpeed-Ulysses (``--ds-sequence-parallel-size`` sp) every rank of a
 sequence-parallel group reads the same samples too and keeps its slice of the sequence, tokens
 sp_rank * s/sp .. (sp_rank + 1) * s/sp - 1 of each of the four tensors (the position ids stay global).
+With context parallelism (``--context-parallel-size`` c) a rank keeps its load-balanced tokens instead:
+chunks cp_rank and 2c-1-cp_rank of 2c (``megatron.parallel.context_parallel``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 from typing import Iterable, Iterator, Optional
 
 import torch
+
+from megatron.parallel.context_parallel import load_balanced_positions
 
 
 def gpt_micro_batch(tokens: torch.Tensor, eod: Optional[int] = None, eod_mask_loss: bool = False,
@@ -59,15 +63,26 @@ def sequence_slice(micro_batch, sp_rank: int, sp_size: int):
             (labels[:, cut].contiguous(), loss_mask[:, cut].contiguous()))  # 4 x [b, s/sp]
 
 
+def context_slice(micro_batch, cp_rank: int, cp_size: int):
+    """This context-parallel rank's tokens of a micro-batch: every [b, s] tensor -> [b, s/cp], the positions
+    load_balanced_positions(s, cp, cp_rank) in that order (ValueError unless 2 x cp divides s)."""
+    if cp_size == 1:
+        return micro_batch
+    (input_ids, position_ids), (labels, loss_mask) = micro_batch
+    mine = load_balanced_positions(input_ids.shape[1], cp_size, cp_rank)  # [s/cp]
+    return ((input_ids[:, mine], position_ids[:, mine]), (labels[:, mine], loss_mask[:, mine]))  # 4 x [b, s/cp]
+
+
 class MicroBatchIterator:
     """Wraps a DataLoader of {'text': [b, s + 1]} batches into pipeline micro-batches (this sequence-parallel
-    rank's slice of them). It ends with the loader: training never wraps around its data (the sampler covers
-    the whole run)."""
+    rank's slice of them, or this context-parallel rank's). It ends with the loader: training never wraps around
+    its data (the sampler covers the whole run)."""
 
     def __init__(self, loader: Iterable, sp_rank: int = 0, sp_size: int = 1, eod: Optional[int] = None,
-                 eod_mask_loss: bool = False, reset_position_ids: bool = False):
+                 eod_mask_loss: bool = False, reset_position_ids: bool = False, cp_rank: int = 0, cp_size: int = 1):
         self.loader = loader
         self.sp_rank, self.sp_size = sp_rank, sp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.masking = dict(eod=eod, eod_mask_loss=eod_mask_loss, reset_position_ids=reset_position_ids)
         self._it: Optional[Iterator] = None
 
@@ -77,7 +92,8 @@ class MicroBatchIterator:
     def __next__(self):
         if self._it is None:
             self._it = iter(self.loader)
-        return sequence_slice(gpt_micro_batch(next(self._it)["text"], **self.masking), self.sp_rank, self.sp_size)
+        micro_batch = gpt_micro_batch(next(self._it)["text"], **self.masking)
+        return context_slice(sequence_slice(micro_batch, self.sp_rank, self.sp_size), self.cp_rank, self.cp_size)
 
     def close(self) -> None:
         """Stop the loader's worker processes now (they ignore SIGTERM: ``megatron.training.exit``)."""

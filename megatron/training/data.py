@@ -72,13 +72,15 @@ atexit.register(close_data_iterators)  # runs before multiprocessing's own exit 
 
 
 def micro_batch_iterator(dataset, rc: RunConfig, *, consumed_samples: int, dp_rank: int, dp_size: int,
-                         num_workers: int, sp_rank: int = 0, sp_size: int = 1) -> MicroBatchIterator:
+                         num_workers: int, sp_rank: int = 0, sp_size: int = 1, cp_rank: int = 0,
+                         cp_size: int = 1) -> MicroBatchIterator:
     """This data-parallel rank's pipeline micro-batches of ``dataset``, from ``consumed_samples`` on (with
-    Ulysses, sp_size > 1, this sequence-parallel rank's slice of each)."""
+    Ulysses, sp_size > 1, this sequence-parallel rank's slice of each; with cp_size > 1, this context-parallel
+    rank's load-balanced tokens)."""
     loader = build_pretraining_data_loader(dataset, consumed_samples, rc.batch.micro_batch_size, dp_rank, dp_size,
                                            num_workers=num_workers, worker_init_fn=data_loader_worker_init)
     d = rc.data
     iterator = MicroBatchIterator(loader, sp_rank, sp_size, eod=d.eod_token_id, eod_mask_loss=d.eod_mask_loss,
-                                  reset_position_ids=d.reset_position_ids)
+                                  reset_position_ids=d.reset_position_ids, cp_rank=cp_rank, cp_size=cp_size)
     _open_iterators.add(iterator)
     return iterator

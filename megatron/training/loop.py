@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import RunConfig
+from megatron.config.deepspeed import deepspeed_batch_factor
 from megatron.engine.timers import PhaseTimers, time_optimizer_inner_step
 from megatron.model.moe import set_aux_loss_scale
 from megatron.training.exit import ExitMonitor
@@ -113,8 +114,9 @@ class Trainer:
     def _set_batch_size(self) -> int:
         self.microbatches.update(self.progress.consumed_samples)
         gbs = self.microbatches.get_current_global_batch_size()
-        if gbs != self.engine.train_batch_size():
-            self.engine.set_train_batch_size(gbs)
+        deepspeed_batch = gbs * deepspeed_batch_factor(self.rc)  # CP on the pipeline engine: x cp
+        if deepspeed_batch != self.engine.train_batch_size():
+            self.engine.set_train_batch_size(deepspeed_batch)
         return gbs
 
     # ---- one iteration ----------------------------------------------------------------------

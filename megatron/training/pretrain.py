@@ -128,7 +128,8 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
     except ValueError as error:
         raise on_every_rank(error)
     state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                 sp=p.ds_sequence_parallel_size, ep=p.expert_model_parallel_size)
+                                 sp=p.ds_sequence_parallel_size, ep=p.expert_model_parallel_size,
+                                 cp=p.context_parallel_size)
     tracker = set_seeds(rc.training.seed, state)
 
     datasets = build_datasets(rc)
@@ -139,7 +140,8 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
                                   loading=lambda: checkpoint_loading(engine, rc.checkpoint.universal_checkpoint),
                                   after_load=lambda where: check_finite_after_load(engine, rc.model, where)))
 
-    dp = dict(dp_rank=state.dp_rank, dp_size=state.dp_size, sp_rank=state.sp_rank, sp_size=state.sp_size)
+    dp = dict(dp_rank=state.dp_rank, dp_size=state.dp_size, sp_rank=state.sp_rank, sp_size=state.sp_size,
+              cp_rank=state.cp_rank, cp_size=state.cp_size)
     train_iter = micro_batch_iterator(datasets.train, rc, consumed_samples=progress.consumed_samples,
                                       num_workers=rc.data.num_workers, **dp)
     valid_iters = {name: micro_batch_iterator(ds, rc, consumed_samples=0, num_workers=rc.data.valid_num_workers,
@@ -173,6 +175,7 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
                  f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "
                  f"PP={state.pp_size} DP={state.dp_size}"
                  + (f" SP={state.sp_size} (DeepSpeed-Ulysses)" if state.sp_size > 1 else "")
+                 + (f" CP={state.cp_size} (ring attention)" if state.cp_size > 1 else "")
                  + f", {_sharding_summary(rc)}); training")
     try:
         reason = trainer.train()

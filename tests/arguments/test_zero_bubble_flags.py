@@ -23,6 +23,8 @@ def test_zbh1_flags_reach_the_parallel_config(files):
     (2, dict(zero_stage=2, **ZBH1), "non-pipeline engine"),
     (2, dict(pipeline_model_parallel_size=2, zero_stage=1, **ZBH1), "--zero-stage 0"),
     (2, dict(pipeline_model_parallel_size=2, torch_compile=True, **ZBH1), "--torch-compile"),
+    (4, dict(pipeline_model_parallel_size=2, context_parallel_size=2, attention_dropout=0.0, **ZBH1),
+     "--context-parallel-size 2"),
 ])
 def test_layouts_zbh1_cannot_run_are_refused(files, world, flags, words):
     with pytest.raises(ValueError, match=words):

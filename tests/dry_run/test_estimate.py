@@ -67,3 +67,15 @@ def test_the_layout_section_counts_the_ulysses_ranks(files):
     assert (section["data_parallel_size"], section["ds_sequence_parallel_size"]) == (2, 2)
     assert section["stages"][0]["ranks"] == [0, 7]  # one stage over all 8 ranks, not the first 4
     assert "TP 2 x PP 1 x DP 2 x Ulysses SP 2 = 8 ranks" in _layout(section)[1]
+
+
+def test_the_layout_section_counts_the_context_parallel_ranks(files):
+    from megatron.dry_run.plan import layout_section
+    from megatron.dry_run.text import _layout
+
+    rc = parse(files, world_size=8, pipeline_model_parallel_size=2, context_parallel_size=2, global_batch_size=16,
+               attention_dropout=0.0)
+    section = layout_section(rc)
+    assert (section["data_parallel_size"], section["context_parallel_size"]) == (2, 2)
+    assert [stage["ranks"] for stage in section["stages"]] == [[0, 3], [4, 7]]  # rank = (pp * dp + d) * cp + c
+    assert "TP 1 x PP 2 x DP 2 x CP 2 (ring attention) = 8 ranks" in _layout(section)[1]

@@ -174,3 +174,17 @@ def test_on_a_laptop_without_data_or_tokenizer_the_plan_is_still_made(tr11_files
     assert report["model"]["padded_vocab_size"] is None
     assert any("--pad-vocab-size-to 250880" in w for w in report["warnings"])
     assert len(report["not_checked"]) == 3  # the two splits' data files, the tokenizer
+
+
+def test_bloom_176b_with_context_parallelism_lays_out_the_ranks_and_says_what_is_not_estimated(tr11_files):
+    """BLOOM-176B's 48-node layout with --context-parallel-size 2 on twice the GPUs: the stages span the CP ranks,
+    and the memory and step-time estimates are listed as not checked (the planner does not model CP yet)."""
+    job = JOBS["176B-48nodes"]
+    report = build_report(job.argv(tr11_files["176B-48nodes"]) + [
+        "--dry-run", "--world-size", str(2 * job.world_size), "--context-parallel-size", "2",
+        "--attention-dropout", "0"])
+    assert report["ok"], report["problems"]
+    layout = report["layout"]
+    assert (layout["context_parallel_size"], layout["data_parallel_size"], layout["world_size"]) == (2, 8, 768)
+    assert layout["stages"][0]["ranks"] == [0, 63] and report.get("memory") is None  # TP 4 x DP 8 x CP 2 a stage
+    assert any("does not model --context-parallel-size 2" in line for line in report["not_checked"]), report

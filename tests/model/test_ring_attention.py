@@ -1,0 +1,125 @@
+"""Ring attention (megatron.model.ring_attention) over CP = 2 and CP = 4 gloo processes equals plain attention on
+the whole sequence: outputs and the gradients of queries, keys and values within 1e-5 (fp32), for causal,
+ALiBi, document masks and grouped-query heads; the bytes each rank sends equal the analytic count.
+
+One launch per CP size runs every case; each rank holds the load-balanced slice (chunks i and 2c-1-i of 2c)
+and must return exactly that slice of the reference output and gradients.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.model.positional import alibi_bias, alibi_slopes
+from megatron.model.ring_attention import document_ids, ring_attention
+from megatron.parallel.context_parallel import check_context_parallel_length, load_balanced_positions
+from megatron.testing import run_distributed
+
+B, NP, HN, S = 2, 4, 8, 32
+CASES = {  # name -> (key / value heads, alibi, documents)
+    "causal": (NP, False, False),
+    "alibi": (NP, True, False),
+    "documents": (NP, False, True),
+    "alibi gqa documents": (2, True, True),
+}
+
+
+def _inputs(ng: int, documents: bool):
+    gen = torch.Generator().manual_seed(11)
+    query = torch.randn(B, NP, S, HN, generator=gen)
+    key, value = (torch.randn(B, ng, S, HN, generator=gen) for _ in range(2))
+    weight = torch.randn(B, NP, S, HN, generator=gen)  # the loss: sum(out * weight)
+    position_ids = torch.arange(S).repeat(B, 1)  # [b, s]
+    if documents:  # documents of uneven lengths, crossing the chunk borders; row 1 differs from row 0
+        position_ids = torch.cat((torch.arange(5), torch.arange(13), torch.arange(14))).repeat(B, 1)
+        position_ids[1] = torch.cat((torch.arange(20), torch.arange(12)))
+    return query, key, value, weight, document_ids(position_ids) if documents else None
+
+
+def _reference(name):
+    ng, alibi, documents = CASES[name]
+    query, key, value, weight, docs = _inputs(ng, documents)
+    query, key, value = (t.requires_grad_() for t in (query, key, value))
+    positions = torch.arange(S)
+    slopes = torch.tensor(alibi_slopes(NP)) if alibi else torch.zeros(NP)
+    mask = alibi_bias(slopes, positions, positions)[None]  # [1, np, s, s]: causal (-inf after), ALiBi or 0
+    if docs is not None:
+        mask = mask.masked_fill(~(docs[:, :, None] == docs[:, None, :])[:, None], float("-inf"))
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=1 / math.sqrt(HN),
+                                         enable_gqa=ng != NP)
+    (out * weight).sum().backward()
+    return out.detach(), query.grad, key.grad, value.grad
+
+
+def _worker(rank, world_size):
+    import torch.distributed as dist
+
+    import megatron.parallel.context_parallel as context_parallel
+
+    torch.set_num_threads(1)
+    sent = []
+    original = context_parallel.dist.batch_isend_irecv
+
+    def counting(ops):  # every byte this rank sends through the ring
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return original(ops)
+
+    context_parallel.dist.batch_isend_irecv = counting
+    group = dist.new_group(list(range(world_size)))
+    mine = load_balanced_positions(S, world_size, rank)
+    results = {}
+    for name, (ng, alibi, documents) in CASES.items():
+        query, key, value, weight, docs = (None if t is None else t[:, :, mine] if t.dim() == 4 else t[:, mine]
+                                           for t in _inputs(ng, documents))
+        query, key, value = (t.contiguous().requires_grad_() for t in (query, key, value))
+        slopes = torch.tensor(alibi_slopes(NP)) if alibi else None
+        sent.clear()
+        out = ring_attention(query, key, value, group, 1 / math.sqrt(HN), slopes, docs)
+        forward_bytes = sum(sent)
+        (out * weight).sum().backward()
+        results[name] = {"out": out.detach(), "grads": [query.grad, key.grad, value.grad],
+                         "bytes": [forward_bytes, sum(sent) - forward_bytes]}
+    dist.destroy_process_group(group)
+    return {"positions": mine, "cases": results}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
+def ring_results(request):
+    return request.param, run_distributed(_worker, world_size=request.param, timeout=120)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(CASES))
+def test_ring_attention_equals_whole_sequence_attention(ring_results, name):
+    cp, results = ring_results
+    reference = _reference(name)
+    for rank, result in enumerate(results):
+        mine = torch.tensor(result["positions"])
+        case = result["cases"][name]
+        got = [torch.tensor(case["out"])] + [torch.tensor(g) for g in case["grads"]]
+        for label, value, full in zip(("output", "dq", "dk", "dv"), got, reference):
+            expected = full[:, :, mine]
+            diff = (value - expected).abs().max().item()
+            assert diff <= 1e-5, f"CP={cp} rank {rank} {name}: {label} differs by {diff:.2e}"
+
+
+@pytest.mark.multiprocess
+def test_ring_p2p_bytes_match_the_analytic_count(ring_results):
+    """Forward: (c-1) hops of the K and V blocks; backward: (c-1) hops of K and V, c hops of dK and dV (fp32)."""
+    cp, results = ring_results
+    for name, (ng, _, _) in CASES.items():
+        block = B * ng * (S // cp) * HN * 4  # one K (or V) block of a rank, fp32 bytes
+        for rank, result in enumerate(results):
+            assert result["cases"][name]["bytes"] == [2 * (cp - 1) * block, 2 * (cp - 1) * block + 2 * cp * block], \
+                f"CP={cp} rank {rank} {name}"
+
+
+def test_sequence_not_divisible_by_twice_cp_is_refused():
+    with pytest.raises(ValueError, match=r"sequence length 36 is not divisible by 2 x context-parallel size 4 = 8"):
+        check_context_parallel_length(36, 4)
+    with pytest.raises(ValueError, match="not divisible"):
+        load_balanced_positions(30, 4, 0)
+    assert load_balanced_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert load_balanced_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]

@@ -1,0 +1,128 @@
+"""Context parallelism (--context-parallel-size, ring attention) trains exactly as one process does.
+
+fp32, no dropout, 10 iterations of pretrain_gpt's path: losses within 1e-5 (relative) and grad norms within 1e-4
+of a single process, for BLOOM (ALiBi) and a Llama-style model (rotary, GQA). On the pipeline engine with ZeRO-1
+(DeepSpeed's data axis then holds the dp x cp ranks): CP=2, CP=4, CP=2 x PP=2, CP=2 x TP=2 (also with
+--sequence-parallel) and CP=2 x DP=2; on DeepSpeed's non-pipeline engine: CP=2 under ZeRO-2 and ZeRO-3. A
+checkpoint saved at CP=2 continues at CP=1 x DP=2; bf16 (BF16_Optimizer) tracks fp32. One launch per world size
+trains every layout of that size in turn. Layouts that cannot work yet are refused before launch, naming the fix.
+"""
+
+import pytest
+
+from megatron.arguments import run_config_from_argv
+from megatron.config import ParallelConfig
+from megatron.testing import run_distributed, tiny_argv
+from tests.helpers.training import assert_same_run, layout, train
+
+ITERS = 10
+LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96")
+CP2, CP4 = ("--context-parallel-size", 2), ("--context-parallel-size", 4)
+
+
+def _models(corpus):
+    bloom = tiny_argv(corpus, train_iters=ITERS, zero_stage=1)
+    llama = tiny_argv(corpus, *LLAMA, train_iters=ITERS, zero_stage=1, position_embedding_type="rope",
+                      embed_layernorm=False)
+    return {"bloom": bloom, "llama": llama}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_corpus, tmp_path_factory):
+    models = _models(tiny_corpus)
+    save = str(tmp_path_factory.mktemp("cp2"))
+    references = dict(zip(models, run_distributed(train, world_size=1, timeout=300,
+                                                  args=(list(models.values()),))[0]))
+    bloom, llama = models["bloom"], models["llama"]
+    two = {"bloom cp2": (layout(bloom, *CP2), "bloom"), "llama cp2": (layout(llama, *CP2), "llama"),
+           "bloom cp2 bf16": (layout(bloom, *CP2, "--bf16"), "bloom"),
+           # saved at CP=2, resumed at CP=1 x DP=2: the same two ZeRO-1 shards, the same weights
+           "first half": (layout(bloom, *CP2, "--save", save, "--save-interval", 100, "--exit-interval", 5), "bloom"),
+           "resumed cp1 dp2": (layout(bloom, "--load", save), "bloom"),
+           # DeepSpeed's non-pipeline engine: ZeRO-2 and ZeRO-3 shard over dp x cp
+           "bloom cp2 zero2": (layout(bloom, *CP2, "--zero-stage", 2), "bloom"),
+           "llama cp2 zero3": (layout(llama, *CP2, "--zero-stage", 3), "llama")}
+    four = {"bloom cp2 pp2": (layout(bloom, *CP2, pp=2), "bloom"), "llama cp2 pp2": (layout(llama, *CP2, pp=2), "llama"),
+            "bloom cp4": (layout(bloom, *CP4), "bloom"), "llama cp2 tp2": (layout(llama, *CP2, tp=2), "llama"),
+            "bloom cp2 dp2": (layout(bloom, *CP2), "bloom"),
+            # Megatron's --sequence-parallel inside each TP group, on this rank's s / cp tokens
+            "bloom cp2 tp2 megatron sp": (layout(bloom, *CP2, "--sequence-parallel", tp=2), "bloom")}
+    out = {}
+    for world, layouts in ((2, two), (4, four)):
+        results = run_distributed(train, world_size=world, args=([argv for argv, _ in layouts.values()],),
+                                  timeout=600)
+        for rank, per_rank in enumerate(results):
+            for (label, (_, model)), result in zip(layouts.items(), per_rank):
+                out.setdefault(label, {})[rank] = (model, result)
+    return references, out
+
+
+EXACT = ["bloom cp2", "llama cp2", "bloom cp2 pp2", "llama cp2 pp2", "bloom cp4", "llama cp2 tp2", "bloom cp2 dp2",
+         "bloom cp2 tp2 megatron sp", "bloom cp2 zero2", "llama cp2 zero3"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("label", EXACT)
+def test_context_parallel_matches_single_process_in_fp32(runs, label):
+    references, out = runs
+    for rank, (model, result) in out[label].items():
+        assert len(result["losses"]) == ITERS, (label, rank)
+        assert_same_run(references[model], result, f"rank {rank}: {label}")
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_engine_and_optimizers(runs):
+    """The pipeline engine, its data axis dp x cp (where DeepSpeed reduces gradients and shards ZeRO-1)."""
+    _, out = runs
+    expected = {"bloom cp2": (2, "DeepSpeedZeroOptimizer"), "bloom cp2 bf16": (2, "BF16_Optimizer"),
+                "bloom cp2 pp2": (2, "DeepSpeedZeroOptimizer"), "bloom cp4": (4, "DeepSpeedZeroOptimizer"),
+                "llama cp2 tp2": (2, "DeepSpeedZeroOptimizer"), "bloom cp2 dp2": (4, "DeepSpeedZeroOptimizer")}
+    for label, (dp_cp, optimizer) in expected.items():
+        for rank, (_, result) in out[label].items():
+            assert result["engine"] == "PipelineEngine", (label, rank, result["engine"])
+            assert (result["dp_size"], result["optimizer"]) == (dp_cp, optimizer), (label, rank, result)
+    for label, optimizer in {"bloom cp2 zero2": "DeepSpeedZeroOptimizer",
+                             "llama cp2 zero3": "DeepSpeedZeroOptimizer_Stage3"}.items():
+        for rank, (_, result) in out[label].items():
+            assert (result["engine"], result["optimizer"]) == ("ShardedEngine", optimizer), (label, rank, result)
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_bf16_tracks_fp32(runs):
+    references, out = runs
+    for rank, (model, result) in out["bloom cp2 bf16"].items():
+        assert_same_run(references[model], result, f"rank {rank}: bf16", rel_loss=2e-2, rel_norm=2e-1)
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_saved_at_cp2_continues_at_cp1(runs):
+    """The weights are not sharded by CP: a CP=2 checkpoint of iteration 5 resumes at CP=1 x DP=2 (the ZeRO-1
+    state is sharded over dp x cp = 2 ranks either way) and continues the straight run's losses within 1e-5."""
+    _, out = runs
+    for rank in (0, 1):
+        first, resumed = out["first half"][rank][1], out["resumed cp1 dp2"][rank][1]
+        straight = out["bloom cp2"][rank][1]
+        assert first["iterations"] == [1, 2, 3, 4, 5] and resumed["iterations"] == [6, 7, 8, 9, 10], rank
+        assert first["losses"] == straight["losses"][:5], rank
+        for i, (a, b) in enumerate(zip(straight["losses"][5:], resumed["losses"])):
+            assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank}: iteration {i + 6} loss {b} vs {a}"
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (("--seq-length", 36, "--max-position-embeddings", 64), 4,
+     r"--seq-length 36 is not divisible by 2 x --context-parallel-size 4 = 8"),
+    (("--ds-sequence-parallel-size", 2), 8, "both split the sequence"),
+    (("--zero-stage", 3, "--zero-hpz-partition-size", 2), 8, r"does not work yet with --zero-hpz-partition-size 2"),
+    (("--num-experts", 2), 4, r"MoE \(--num-experts\)"),
+    (("--attention-dropout", 0.1), 4, r"--attention-dropout 0.1 \(the ring kernel has no dropout"),
+])
+def test_impossible_context_parallel_layouts_are_refused_before_launch(tiny_corpus, flags, world, message):
+    argv = layout(tiny_argv(tiny_corpus, zero_stage=1), *CP4, *flags)
+    with pytest.raises(ValueError, match=message):
+        run_config_from_argv(argv, world_size=world)
+
+
+def test_only_the_p2p_ring_is_implemented():
+    with pytest.raises(ValueError, match=r"--cp-comm-type 'a2a\+p2p' is not implemented; use one of p2p"):
+        ParallelConfig(context_parallel_size=2, cp_comm_type="a2a+p2p").validate()
