@@ -1,0 +1,85 @@
+"""The mixture-of-experts examples: examples/slurm/mixtral-8x7b.slurm's flags are a Mixtral-8x7B (46.7B
+parameters, 8 experts top-2, EP=8 inside a node) that ``--dry-run`` plans on 64 H100s, and
+examples/pretrain_tiny_moe_cpu.sh trains a tiny MoE on 4 CPU processes with expert parallelism."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.data.tokenizers import train_sentencepiece_tokenizer
+from megatron.dry_run import dry_run
+from megatron.planner import model_shape_of
+from megatron.testing.corpus import make_text, write_stand_in_dataset
+from tests.helpers.examples import EXAMPLES, sbatch_option, script_argv, stand_in_run_config
+
+SCRIPT = EXAMPLES / "slurm" / "mixtral-8x7b.slurm"
+
+
+@pytest.fixture(scope="module")
+def mixtral_files(tmp_path_factory):
+    """A stand-in dataset and a small SentencePiece model in place of Mistral's tokenizer.model (the script pads
+    the vocabulary to 32,000 rows either way)."""
+    d = tmp_path_factory.mktemp("mixtral")
+    tokenizer = train_sentencepiece_tokenizer(make_text(200, seed=0), 500, d / "spm", model_type="bpe")
+    return {"DATA_PREFIX": write_stand_in_dataset(d / "mixtral_text_document"),
+            "TOKENIZER_MODEL": tokenizer["tokenizer_model"]}
+
+
+def test_mixtral_script_is_mixtral_8x7b(mixtral_files, tmp_path):
+    world_size, argv = script_argv(SCRIPT, tmp_path, mixtral_files)
+    assert world_size == int(sbatch_option(SCRIPT, "nodes")) * 8 == 64
+    rc = stand_in_run_config(argv, world_size)
+    m, p, moe = rc.model, rc.parallel, rc.model.moe
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.ffn_size, m.seq_length) == \
+        (32, 4096, 32, 8, 14336, 4096)
+    assert (moe.num_experts, moe.router_topk, m.expert_ffn_size, moe.expert_capacity_factor) == (8, 2, 14336, None)
+    assert all(moe.layer_pattern) and moe.aux_loss_coeff == 0.02 and m.rotary_base == 1e6
+    assert model_shape_of(m, 32000).total_params() == 46_702_792_704  # transformers' Mixtral-8x7B count
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
+            p.expert_model_parallel_size) == (1, 2, 32, 8)
+    assert rc.bf16 and rc.deepspeed_zero_stage == 1 and rc.training.checkpoint_activations
+    assert rc.batch.global_batch_size * m.seq_length == 4 * 1024 ** 2
+
+
+def test_mixtral_dry_run_plan(mixtral_files, tmp_path):
+    world_size, argv = script_argv(SCRIPT, tmp_path, mixtral_files)
+    out = tmp_path / "plan.json"
+    assert dry_run(argv + ["--dry-run", "--world-size", str(world_size), "--dry-run-gpu", "H100-80GB",
+                           "--dry-run-json", str(out)], out=io.StringIO()) == 0
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["problems"] == [], report["problems"]
+    assert report["memory"]["fits"] and 40 < report["memory"]["peak_gib"] < 60, report["memory"]
+    experts = report["experts"]
+    assert (experts["experts_per_rank"], experts["expert_data_parallel_size"]) == (1, 4)
+    # 16 MoE layers per stage, one expert each: 3 x 4096 x 14336 parameters per layer
+    assert [s["expert_params_per_rank"] for s in experts["stages"]] == [16 * 3 * 4096 * 14336] * 2
+    # per stage and step: 32 micro-batches x 16 layers x (3 passes x 2 exchanges) x 4096 x 2 choices x 4096 x 2 B
+    handed = 32 * 16 * (6 * 4096 * 2 * 4096 * 2 + 2 * 8 * 8)
+    assert [s["all_to_all_gib"] for s in experts["stages"]] == [round(handed / 2 ** 30, 4)] * 2
+    # EP not dividing the experts is refused before anything starts, naming both
+    _, bad = script_argv(SCRIPT, tmp_path, dict(mixtral_files, EP_SIZE="16"))
+    assert dry_run(bad + ["--dry-run", "--world-size", "64", "--dry-run-json", str(out)], out=io.StringIO()) == 1
+    assert any("--num-experts 8 is not divisible by --expert-model-parallel-size 16" in problem
+               for problem in json.loads(out.read_text())["problems"])
+
+
+@pytest.mark.multiprocess
+def test_tiny_moe_script_trains_with_expert_parallelism(tmp_path):
+    from megatron.testing.corpus import make_tiny_corpus
+
+    corpus = make_tiny_corpus(str(tmp_path / "corpus"))
+    env = dict(os.environ, PY=sys.executable, RUN_DIR=str(tmp_path / "run"), TRAIN_ITERS="4", SAVE_INTERVAL="4",
+               DATA_PREFIX=corpus["data_prefix"], VOCAB_FILE=corpus["vocab_file"], MERGE_FILE=corpus["merge_file"],
+               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PRECISION="fp32", NPROC="2", PP="1")
+    proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_tiny_moe_cpu.sh"), "--log-interval", "1",
+                           "--eval-iters", "0"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in proc.stdout.splitlines() if "lm loss:" in line]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "global_step4"
