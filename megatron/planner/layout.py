@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.parallel.pipeline_partition import stage_bounds
+from megatron.parallel.state import _check_expert_size as check_expert_size
 from megatron.planner.specs import ModelShape
 
 
@@ -36,9 +37,7 @@ class Layout:
     def __post_init__(self):
         if self.ulysses < 1:
             raise ValueError(f"the Ulysses degree must be at least 1 (got {self.ulysses})")
-        if self.ep < 1 or self.dp % self.ep:
-            raise ValueError(f"expert-parallel size {self.ep} does not divide the data-parallel size {self.dp}: "
-                             f"expert parallelism is carved from the data-parallel ranks; use a divisor of {self.dp}")
+        check_expert_size(self.dp, self.ulysses, self.ep)  # the run's own rule (EP divides DP, no Ulysses)
 
     @property
     def expert_replicas(self) -> int:

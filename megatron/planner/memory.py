@@ -214,7 +214,7 @@ def estimate_memory(model: ModelShape, layout: Layout, seq_length: int, global_b
     m = layout.num_micro_batches(global_batch_size)
     layers = stage_layer_counts(model, layout)
     if model.moe is not None:
-        check_expert_layout(model.moe, layout.dp, layout.ep, t, layout.ulysses)
+        check_expert_layout(model.moe, layout.ep, t)
         moe_layers = model.moe.stage_moe_layers(layers)
     else:
         moe_layers = [0] * layout.pp

@@ -133,20 +133,12 @@ def step_all_to_all_bytes(moe: MoEShape, seq_length: int, micro_batch_size: int,
     return {key: value * times for key, value in one.items()}
 
 
-def check_expert_layout(moe: MoEShape, dp: int, ep: int, tp: int = 1, ulysses: int = 1) -> None:
-    """The layout rules expert parallelism adds (the same ones ``megatron.config.moe.check_moe_run`` applies to a
-    run): ValueError naming the values and the fix."""
-    if ep < 1:
-        raise ValueError(f"the expert-parallel size must be at least 1, got {ep}")
+def check_expert_layout(moe: MoEShape, ep: int, tp: int = 1) -> None:
+    """What expert parallelism needs of the experts (``Layout`` checks EP against DP and Ulysses, as the run does):
+    ValueError naming the values and the fix."""
     if moe.num_experts % ep:
         raise ValueError(f"{moe.num_experts} experts are not divisible by expert-parallel size {ep}; each EP rank "
                          f"holds an equal share: use a divisor of {moe.num_experts}")
-    if dp % ep:
-        raise ValueError(f"expert-parallel size {ep} does not divide the data-parallel size {dp}: expert "
-                         f"parallelism is carved from the data-parallel ranks; use a divisor of {dp}")
-    if ep > 1 and ulysses > 1:
-        raise ValueError(f"expert-parallel size {ep} with Ulysses degree {ulysses}: MoE does not run with "
-                         f"DeepSpeed-Ulysses; use one of them")
     if moe.expert_ffn % tp or (moe.shared_expert_ffn and moe.shared_expert_ffn % tp):
         raise ValueError(f"expert width {moe.expert_ffn} (shared {moe.shared_expert_ffn}) is not divisible by TP "
                          f"{tp}; use a TP size that divides it")
