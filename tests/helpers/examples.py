@@ -37,3 +37,19 @@ def sbatch_option(script, name) -> str:
     match = re.search(rf"^#SBATCH --{name}[= ](\S+)", script.read_text(), re.MULTILINE)
     assert match, f"{script} has no #SBATCH --{name}"
     return match.group(1)
+
+
+def train_cpu_example(script_name: str, tmp_path, env_extra: dict, flags: list[str]) -> tuple[str, list[float]]:
+    """Run examples/``script_name`` on the tiny corpus (RUN_DIR = tmp_path / "run", gloo on the CPU) with
+    ``env_extra`` and ``flags`` (each iteration logged); its stdout and the logged training losses."""
+    from megatron.testing.corpus import make_tiny_corpus
+
+    corpus = make_tiny_corpus(str(tmp_path / "corpus"))
+    env = dict(os.environ, PY=sys.executable, RUN_DIR=str(tmp_path / "run"), DATA_PREFIX=corpus["data_prefix"],
+               VOCAB_FILE=corpus["vocab_file"], MERGE_FILE=corpus["merge_file"], DS_ACCELERATOR="cpu",
+               OMP_NUM_THREADS="1", **env_extra)
+    proc = subprocess.run(["bash", str(EXAMPLES / script_name), "--log-interval", "1", *flags], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in proc.stdout.splitlines() if "lm loss:" in line]
+    return proc.stdout, losses

@@ -17,7 +17,7 @@ from megatron.data.tokenizers import train_sentencepiece_tokenizer
 from megatron.dry_run import dry_run
 from megatron.planner import model_shape_of
 from megatron.testing.corpus import make_text, write_stand_in_dataset
-from tests.helpers.examples import EXAMPLES, sbatch_option, script_argv, stand_in_run_config
+from tests.helpers.examples import EXAMPLES, sbatch_option, script_argv, stand_in_run_config, train_cpu_example
 
 SCRIPT = EXAMPLES / "slurm" / "llama2-7b.slurm"
 
@@ -95,20 +95,12 @@ def test_llama2_7b_script_as_zero3_with_hpz(llama_files, tmp_path):
 
 @pytest.mark.multiprocess
 def test_tiny_llama_script_trains_under_zero3_with_tp(tmp_path):
-    from megatron.testing.corpus import make_tiny_corpus
-
-    corpus = make_tiny_corpus(str(tmp_path / "corpus"))
-    env = dict(os.environ, PY=sys.executable, RUN_DIR=str(tmp_path / "run"), TRAIN_ITERS="6", SAVE_INTERVAL="6",
-               ZERO_STAGE="3", NPROC="4", TP="2", PP="1", DATA_PREFIX=corpus["data_prefix"],
-               VOCAB_FILE=corpus["vocab_file"], MERGE_FILE=corpus["merge_file"], DS_ACCELERATOR="cpu",
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_tiny_llama_cpu.sh"), "--log-interval", "1",
-                           "--eval-iters", "0"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "TP=2 PP=1 DP=2, ZeRO-3: optimizer state, gradients and parameters over DP=2" in proc.stdout
+    stdout, losses = train_cpu_example("pretrain_tiny_llama_cpu.sh", tmp_path,
+                                       dict(TRAIN_ITERS="6", SAVE_INTERVAL="6", ZERO_STAGE="3", NPROC="4", TP="2",
+                                            PP="1"), ["--eval-iters", "0"])
+    assert "TP=2 PP=1 DP=2, ZeRO-3: optimizer state, gradients and parameters over DP=2" in stdout
     # bf16 where the CPU computes it in hardware, fp32 on AVX2 (as the main job chooses)
-    assert f"precision: {default_precision()[0]} (" in proc.stdout
-    losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in proc.stdout.splitlines() if "lm loss:" in line]
+    assert f"precision: {default_precision()[0]} (" in stdout
     assert len(losses) == 6 and losses[-1] < losses[0], losses
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "global_step6"
 

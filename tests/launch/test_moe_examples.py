@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -16,7 +13,7 @@ from megatron.data.tokenizers import train_sentencepiece_tokenizer
 from megatron.dry_run import dry_run
 from megatron.planner import model_shape_of
 from megatron.testing.corpus import make_text, write_stand_in_dataset
-from tests.helpers.examples import EXAMPLES, sbatch_option, script_argv, stand_in_run_config
+from tests.helpers.examples import EXAMPLES, sbatch_option, script_argv, stand_in_run_config, train_cpu_example
 
 SCRIPT = EXAMPLES / "slurm" / "mixtral-8x7b.slurm"
 
@@ -71,15 +68,10 @@ def test_mixtral_dry_run_plan(mixtral_files, tmp_path):
 
 @pytest.mark.multiprocess
 def test_tiny_moe_script_trains_with_expert_parallelism(tmp_path):
-    from megatron.testing.corpus import make_tiny_corpus
-
-    corpus = make_tiny_corpus(str(tmp_path / "corpus"))
-    env = dict(os.environ, PY=sys.executable, RUN_DIR=str(tmp_path / "run"), TRAIN_ITERS="4", SAVE_INTERVAL="4",
-               DATA_PREFIX=corpus["data_prefix"], VOCAB_FILE=corpus["vocab_file"], MERGE_FILE=corpus["merge_file"],
-               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PRECISION="fp32", NPROC="2", PP="1")
-    proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_tiny_moe_cpu.sh"), "--log-interval", "1",
-                           "--eval-iters", "0"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in proc.stdout.splitlines() if "lm loss:" in line]
+    """Shrunk (2 processes, EP = 2 over DP = 2, seq 32, micro-batch 1) to keep the launch short."""
+    _, losses = train_cpu_example("pretrain_tiny_moe_cpu.sh", tmp_path,
+                                  dict(TRAIN_ITERS="4", SAVE_INTERVAL="4", PRECISION="fp32", NPROC="2", PP="1"),
+                                  ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+                                   "--eval-iters", "0"])
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "global_step4"
