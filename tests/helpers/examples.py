@@ -53,3 +53,15 @@ def train_cpu_example(script_name: str, tmp_path, env_extra: dict, flags: list[s
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in proc.stdout.splitlines() if "lm loss:" in line]
     return proc.stdout, losses
+
+
+def sentencepiece_stand_ins(directory, dataset_name: str) -> dict:
+    """DATA_PREFIX and TOKENIZER_MODEL for a script that reads a SentencePiece tokenizer.model: a stand-in
+    dataset ``directory / dataset_name`` and a small BPE SentencePiece model (the scripts pad the vocabulary to
+    their model's rows either way)."""
+    from megatron.data.tokenizers import train_sentencepiece_tokenizer
+    from megatron.testing.corpus import make_text, write_stand_in_dataset
+
+    tokenizer = train_sentencepiece_tokenizer(make_text(200, seed=0), 500, directory / "spm", model_type="bpe")
+    return {"DATA_PREFIX": write_stand_in_dataset(directory / dataset_name),
+            "TOKENIZER_MODEL": tokenizer["tokenizer_model"]}

@@ -13,11 +13,16 @@ import sys
 import pytest
 
 from megatron.config.hardware import default_precision
-from megatron.data.tokenizers import train_sentencepiece_tokenizer
 from megatron.dry_run import dry_run
 from megatron.planner import model_shape_of
-from megatron.testing.corpus import make_text, write_stand_in_dataset
-from tests.helpers.examples import EXAMPLES, sbatch_option, script_argv, stand_in_run_config, train_cpu_example
+from tests.helpers.examples import (
+    EXAMPLES,
+    sbatch_option,
+    script_argv,
+    sentencepiece_stand_ins,
+    stand_in_run_config,
+    train_cpu_example,
+)
 
 SCRIPT = EXAMPLES / "slurm" / "llama2-7b.slurm"
 
@@ -26,10 +31,7 @@ SCRIPT = EXAMPLES / "slurm" / "llama2-7b.slurm"
 def llama_files(tmp_path_factory):
     """A stand-in dataset and a small SentencePiece model in place of Meta's tokenizer.model (the script pads
     the vocabulary to Meta's 32,000 rows either way)."""
-    d = tmp_path_factory.mktemp("llama")
-    tokenizer = train_sentencepiece_tokenizer(make_text(200, seed=0), 500, d / "spm", model_type="bpe")
-    return {"DATA_PREFIX": write_stand_in_dataset(d / "llama_text_document"),
-            "TOKENIZER_MODEL": tokenizer["tokenizer_model"]}
+    return sentencepiece_stand_ins(tmp_path_factory.mktemp("llama"), "llama_text_document")
 
 
 def test_llama2_7b_script_is_llama_2_7b(llama_files, tmp_path):

@@ -9,11 +9,16 @@ import json
 
 import pytest
 
-from megatron.data.tokenizers import train_sentencepiece_tokenizer
 from megatron.dry_run import dry_run
 from megatron.planner import model_shape_of
-from megatron.testing.corpus import make_text, write_stand_in_dataset
-from tests.helpers.examples import EXAMPLES, sbatch_option, script_argv, stand_in_run_config, train_cpu_example
+from tests.helpers.examples import (
+    EXAMPLES,
+    sbatch_option,
+    script_argv,
+    sentencepiece_stand_ins,
+    stand_in_run_config,
+    train_cpu_example,
+)
 
 SCRIPT = EXAMPLES / "slurm" / "mixtral-8x7b.slurm"
 
@@ -22,10 +27,7 @@ SCRIPT = EXAMPLES / "slurm" / "mixtral-8x7b.slurm"
 def mixtral_files(tmp_path_factory):
     """A stand-in dataset and a small SentencePiece model in place of Mistral's tokenizer.model (the script pads
     the vocabulary to 32,000 rows either way)."""
-    d = tmp_path_factory.mktemp("mixtral")
-    tokenizer = train_sentencepiece_tokenizer(make_text(200, seed=0), 500, d / "spm", model_type="bpe")
-    return {"DATA_PREFIX": write_stand_in_dataset(d / "mixtral_text_document"),
-            "TOKENIZER_MODEL": tokenizer["tokenizer_model"]}
+    return sentencepiece_stand_ins(tmp_path_factory.mktemp("mixtral"), "mixtral_text_document")
 
 
 def test_mixtral_script_is_mixtral_8x7b(mixtral_files, tmp_path):
