@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
 import subprocess
@@ -65,3 +67,12 @@ def sentencepiece_stand_ins(directory, dataset_name: str) -> dict:
     tokenizer = train_sentencepiece_tokenizer(make_text(200, seed=0), 500, directory / "spm", model_type="bpe")
     return {"DATA_PREFIX": write_stand_in_dataset(directory / dataset_name),
             "TOKENIZER_MODEL": tokenizer["tokenizer_model"]}
+
+
+def dry_run_report(argv: list[str], world_size: int, out, *flags: str) -> tuple[int, dict]:
+    """``pretrain_gpt.py <argv> --dry-run --world-size N <flags>``: its exit status and the JSON report (in ``out``)."""
+    from megatron.dry_run import dry_run
+
+    status = dry_run(argv + ["--dry-run", "--world-size", str(world_size), *flags, "--dry-run-json", str(out)],
+                     out=io.StringIO())
+    return status, json.loads(out.read_text())

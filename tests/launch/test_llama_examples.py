@@ -17,6 +17,7 @@ from megatron.dry_run import dry_run
 from megatron.planner import model_shape_of
 from tests.helpers.examples import (
     EXAMPLES,
+    dry_run_report,
     sbatch_option,
     script_argv,
     sentencepiece_stand_ins,
@@ -57,11 +58,8 @@ def test_llama2_7b_script_is_llama_2_7b(llama_files, tmp_path):
 
 def test_llama2_7b_dry_run_plan(llama_files, tmp_path):
     world_size, argv = script_argv(SCRIPT, tmp_path, llama_files)
-    out = tmp_path / "plan.json"
-    assert dry_run(argv + ["--dry-run", "--world-size", str(world_size), "--dry-run-gpu", "H100-80GB",
-                           "--dry-run-json", str(out)], out=io.StringIO()) == 0
-    report = json.loads(out.read_text())
-    assert report["ok"] and report["problems"] == [], report["problems"]
+    status, report = dry_run_report(argv, world_size, tmp_path / "plan.json", "--dry-run-gpu", "H100-80GB")
+    assert status == 0 and report["ok"] and report["problems"] == [], report["problems"]
     model = report["model"]
     assert (model["num_parameters"], model["padded_vocab_size"], model["ffn_hidden_size"]) == (6_738_415_616, 32000,
                                                                                                11008)
@@ -72,9 +70,9 @@ def test_llama2_7b_dry_run_plan(llama_files, tmp_path):
     assert report["run"]["tokens"] >= 2 * 10 ** 12
     # an impossible variant is refused naming the fix, before anything starts
     _, bad = script_argv(SCRIPT, tmp_path, dict(llama_files, NUM_KV_HEADS="1"))
-    assert dry_run(bad + ["--dry-run", "--world-size", "32", "--dry-run-json", str(out)], out=io.StringIO()) == 1
-    assert any("--num-key-value-heads 1 is not divisible by --tensor-model-parallel-size 2" in problem
-               for problem in json.loads(out.read_text())["problems"])
+    status, report = dry_run_report(bad, 32, tmp_path / "bad.json")
+    assert status == 1 and any("--num-key-value-heads 1 is not divisible by --tensor-model-parallel-size 2" in problem
+                               for problem in report["problems"])
 
 
 def test_llama2_7b_script_as_zero3_with_hpz(llama_files, tmp_path):

@@ -4,35 +4,24 @@ examples/pretrain_tiny_moe_cpu.sh trains a tiny MoE on 4 CPU processes with expe
 
 from __future__ import annotations
 
-import io
-import json
-
 import pytest
 
-from megatron.dry_run import dry_run
 from megatron.planner import model_shape_of
-from tests.helpers.examples import (
-    EXAMPLES,
-    sbatch_option,
-    script_argv,
-    sentencepiece_stand_ins,
-    stand_in_run_config,
-    train_cpu_example,
-)
+from tests.helpers import examples
+from tests.helpers.examples import script_argv, stand_in_run_config
 
-SCRIPT = EXAMPLES / "slurm" / "mixtral-8x7b.slurm"
+SCRIPT = examples.EXAMPLES / "slurm" / "mixtral-8x7b.slurm"
 
 
 @pytest.fixture(scope="module")
 def mixtral_files(tmp_path_factory):
-    """A stand-in dataset and a small SentencePiece model in place of Mistral's tokenizer.model (the script pads
-    the vocabulary to 32,000 rows either way)."""
-    return sentencepiece_stand_ins(tmp_path_factory.mktemp("mixtral"), "mixtral_text_document")
+    """Stand-ins for the dataset and Mistral's tokenizer.model (padded to 32,000 rows either way)."""
+    return examples.sentencepiece_stand_ins(tmp_path_factory.mktemp("mixtral"), "mixtral_text_document")
 
 
 def test_mixtral_script_is_mixtral_8x7b(mixtral_files, tmp_path):
     world_size, argv = script_argv(SCRIPT, tmp_path, mixtral_files)
-    assert world_size == int(sbatch_option(SCRIPT, "nodes")) * 8 == 64
+    assert world_size == int(examples.sbatch_option(SCRIPT, "nodes")) * 8 == 64
     rc = stand_in_run_config(argv, world_size)
     m, p, moe = rc.model, rc.parallel, rc.model.moe
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.ffn_size, m.seq_length) == \
@@ -48,11 +37,8 @@ def test_mixtral_script_is_mixtral_8x7b(mixtral_files, tmp_path):
 
 def test_mixtral_dry_run_plan(mixtral_files, tmp_path):
     world_size, argv = script_argv(SCRIPT, tmp_path, mixtral_files)
-    out = tmp_path / "plan.json"
-    assert dry_run(argv + ["--dry-run", "--world-size", str(world_size), "--dry-run-gpu", "H100-80GB",
-                           "--dry-run-json", str(out)], out=io.StringIO()) == 0
-    report = json.loads(out.read_text())
-    assert report["ok"] and report["problems"] == [], report["problems"]
+    status, report = examples.dry_run_report(argv, world_size, tmp_path / "plan.json", "--dry-run-gpu", "H100-80GB")
+    assert status == 0 and report["ok"] and report["problems"] == [], report["problems"]
     assert report["memory"]["fits"] and 40 < report["memory"]["peak_gib"] < 60, report["memory"]
     experts = report["experts"]
     assert (experts["experts_per_rank"], experts["expert_data_parallel_size"]) == (1, 4)
@@ -63,15 +49,15 @@ def test_mixtral_dry_run_plan(mixtral_files, tmp_path):
     assert [s["all_to_all_gib"] for s in experts["stages"]] == [round(handed / 2 ** 30, 4)] * 2
     # EP not dividing the experts is refused before anything starts, naming both
     _, bad = script_argv(SCRIPT, tmp_path, dict(mixtral_files, EP_SIZE="16"))
-    assert dry_run(bad + ["--dry-run", "--world-size", "64", "--dry-run-json", str(out)], out=io.StringIO()) == 1
-    assert any("--num-experts 8 is not divisible by --expert-model-parallel-size 16" in problem
-               for problem in json.loads(out.read_text())["problems"])
+    status, report = examples.dry_run_report(bad, 64, tmp_path / "bad.json")
+    assert status == 1 and any("--num-experts 8 is not divisible by --expert-model-parallel-size 16" in problem
+                               for problem in report["problems"])
 
 
 @pytest.mark.multiprocess
 def test_tiny_moe_script_trains_with_expert_parallelism(tmp_path):
     """Shrunk (2 processes, EP = 2 over DP = 2, seq 32, micro-batch 1) to keep the launch short."""
-    _, losses = train_cpu_example("pretrain_tiny_moe_cpu.sh", tmp_path,
+    _, losses = examples.train_cpu_example("pretrain_tiny_moe_cpu.sh", tmp_path,
                                   dict(TRAIN_ITERS="4", SAVE_INTERVAL="4", PRECISION="fp32", NPROC="2", PP="1"),
                                   ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
                                    "--eval-iters", "0"])
