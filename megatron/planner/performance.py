@@ -201,28 +201,13 @@ def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cluste
     return out
 
 
-def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
-                  global_batch_size: int) -> StepEstimate:
-    m = layout.num_micro_batches(global_batch_size)
-    tp_bw, dp_bw, pp_bw = _bandwidths(layout, gpu, cluster)
-    layers = stage_layer_counts(model, layout)
-    params = stage_param_counts(model, layout)
-    moe_layers = model.moe.stage_moe_layers(layers) if model.moe is not None else [0] * layout.pp
-    slots = [_stage_slot(model, layout, gpu, cluster, seq_length, layers[i], params[i], i == 0,
-                         i == layout.pp - 1, tp_bw, moe_layers[i]) for i in range(layout.pp)]
-    slowest = max(range(layout.pp), key=lambda i: sum(slots[i].values()))
-    slot = dict(slots[slowest])
-    if layout.pp > 1:
-        # DeepSpeed sends 1/t of the activation (pipe_partitioned) and all-gathers it over the TP group
-        act_bytes = 2 * seq_length / layout.ulysses * layout.micro_batch_size * model.hidden_size
-        slot["pp_comm"] = 2 * (act_bytes / layout.tp / (pp_bw * 1e9) + cluster.p2p_latency_us * 1e-6)
-        slot["pp_comm"] += 3 * _allgather_s(act_bytes, layout.tp, tp_bw, cluster.collective_latency_us)
-    slot_s = sum(slot.values())
-    n = max(params)
+def _dp_comm_s(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, n: int, n_experts: int,
+               m: int, dp_bw: float) -> float:
+    """Data-parallel communication of one step: ZeRO-2 / 3's per micro-batch, or BF16_Optimizer's once (the routed
+    experts' ``n_experts`` parameters over their DP / EP ranks)."""
     bytes_grad = 4 if layout.precision == "fp32" else 2  # bf16: cast to communication_data_type; fp16 grads as they are
     latency = cluster.collective_latency_us
     d = layout.weight_replicas
-    n_experts = max(stage_expert_param_counts(model, layout)) if model.moe is not None else 0
     if layout.zero_stage >= 2:
         # ZeRO-2: each micro-batch's gradients ALL-REDUCED whole (the pinned DeepSpeed's multi-rank bucket
         # all-reduce, measured: megatron.planner.comm_zero), the updated weights all-gathered once; ZeRO-3:
@@ -253,6 +238,30 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
             dp += _allreduce_s(bytes_grad * n_experts, layout.expert_replicas, dp_bw, latency)
             if layout.precision == "bf16" and layout.zero_stage >= 1:
                 dp += _allgather_s(2 * n_experts, layout.expert_replicas, dp_bw, latency)
+    return dp
+
+
+def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
+                  global_batch_size: int) -> StepEstimate:
+    m = layout.num_micro_batches(global_batch_size)
+    tp_bw, dp_bw, pp_bw = _bandwidths(layout, gpu, cluster)
+    layers = stage_layer_counts(model, layout)
+    params = stage_param_counts(model, layout)
+    moe_layers = model.moe.stage_moe_layers(layers) if model.moe is not None else [0] * layout.pp
+    slots = [_stage_slot(model, layout, gpu, cluster, seq_length, layers[i], params[i], i == 0,
+                         i == layout.pp - 1, tp_bw, moe_layers[i]) for i in range(layout.pp)]
+    slowest = max(range(layout.pp), key=lambda i: sum(slots[i].values()))
+    slot = dict(slots[slowest])
+    if layout.pp > 1:
+        # DeepSpeed sends 1/t of the activation (pipe_partitioned) and all-gathers it over the TP group
+        act_bytes = 2 * seq_length / layout.ulysses * layout.micro_batch_size * model.hidden_size
+        slot["pp_comm"] = 2 * (act_bytes / layout.tp / (pp_bw * 1e9) + cluster.p2p_latency_us * 1e-6)
+        slot["pp_comm"] += 3 * _allgather_s(act_bytes, layout.tp, tp_bw, cluster.collective_latency_us)
+    slot_s = sum(slot.values())
+    n = max(params)
+    n_experts = max(stage_expert_param_counts(model, layout)) if model.moe is not None else 0
+    d = layout.weight_replicas
+    dp = _dp_comm_s(model, layout, gpu, cluster, n, n_experts, m, dp_bw)
     tied = 0.0
     if layout.pp > 1 and model.tied_embeddings:
         tied = _allreduce_s(4 * model.vocab_size * model.hidden_size / layout.tp, 2, cluster.inter_node_gbps,
@@ -261,7 +270,7 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
     if layout.sequence_parallel:
         # each rank's norm (and row-parallel bias) gradients cover its s/t tokens only: summed over TP
         replicated = 2 * model.norm_params + (2 * model.hidden_size if model.add_bias_linear else 0)
-        sp_norms = _allreduce_s(4 * max(layers) * replicated, layout.tp, tp_bw, latency)
+        sp_norms = _allreduce_s(4 * max(layers) * replicated, layout.tp, tp_bw, cluster.collective_latency_us)
     shard = d if layout.zero_stage >= 1 else 1
     optimizer = (32 * n / shard + 4 * n) / (gpu.hbm_gbps * 1e9)
     if model.moe is not None and layout.zero_stage >= 1:  # the experts' Adam runs over DP / EP shards
