@@ -13,7 +13,8 @@ from typing import Optional
 from megatron.config import RunConfig
 from megatron.model.layout import EMBEDDING, FINAL_NORM, HEAD, TRANSFORMER, pipeline_items
 from megatron.planner import CLUSTERS, GPUS, Layout, ModelShape, estimate_memory, estimate_step
-from megatron.planner.memory import MEMORY_HEADROOM
+from megatron.planner.memory import MEMORY_HEADROOM, stage_expert_param_counts
+from megatron.planner.moe import step_all_to_all_bytes
 from megatron.planner.specs import DEFAULT_CLUSTER, GiB, model_shape_of
 
 DEFAULT_GPU = "A100-80GB"  # what BLOOM-176B trained on (Jean Zay), the GPU these flags were written for
@@ -47,11 +48,13 @@ def model_shape(rc: RunConfig) -> ModelShape:
 def item_param_counts(rc: RunConfig) -> list[int]:
     """Parameters of each pipeline item on one TP rank, as DeepSpeed's 'parameters' partition counts them
     (it builds each layer spec: the head's module is the word embedding alone)."""
-    shape, tp = model_shape(rc), rc.parallel.tensor_model_parallel_size
+    shape, tp, ep = model_shape(rc), rc.parallel.tensor_model_parallel_size, rc.parallel.expert_model_parallel_size
     h, word = shape.hidden_size, shape.vocab_size * shape.hidden_size // tp
     per_kind = {EMBEDDING: word + shape.learned_positions * h + (shape.norm_params if shape.embed_layernorm else 0),
-                TRANSFORMER: shape.layer_params(tp), FINAL_NORM: shape.norm_params, HEAD: word}
-    return [per_kind.get(item.kind, 0) for item in pipeline_items(rc.model)]
+                FINAL_NORM: shape.norm_params, HEAD: word}
+    layers = iter(range(shape.num_layers))  # an MoE layer counts this EP rank's experts
+    return [sum(shape.layer_params_split(next(layers), tp, ep)) if item.kind == TRANSFORMER
+            else per_kind.get(item.kind, 0) for item in pipeline_items(rc.model)]
 
 
 def stores_attention_scores(rc: RunConfig) -> bool:
@@ -70,7 +73,7 @@ def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
                   partition_method=p.pp_partition_method, stage_layers=tuple(stage_layers),
                   hpz=p.zero_hpz_partition_size, sequence_parallel=p.sequence_parallel,
                   ulysses=p.ds_sequence_parallel_size,
-                  store_attention_scores=stores_attention_scores(rc))
+                  store_attention_scores=stores_attention_scores(rc), ep=p.expert_model_parallel_size)
 
 
 def memory_section(rc: RunConfig, stage_layers: list[int], gpu) -> dict:
@@ -83,6 +86,27 @@ def memory_section(rc: RunConfig, stage_layers: list[int], gpu) -> dict:
             "limit_gib": round(limit / GiB, 1), "headroom": MEMORY_HEADROOM,
             "peak_gib": round(memory.peak / GiB, 2), "peak_stage": memory.peak_stage, "fits": memory.peak <= limit,
             "per_stage_gib": [{k: round(v / GiB, 2) for k, v in stage.items()} for stage in memory.per_stage]}
+
+
+def experts_section(rc: RunConfig, stage_layers: list[int]) -> Optional[dict]:
+    """An MoE job's experts on each rank of each stage and the token all-to-all bytes of one step
+    (``megatron.planner.moe``: dropless and balanced; a capacity factor bounds them); None for a dense model."""
+    shape, layout = model_shape(rc), planner_layout(rc, stage_layers)
+    moe = shape.moe
+    if moe is None:
+        return None
+    moe_layers = moe.stage_moe_layers(stage_layers)
+    expert_params = stage_expert_param_counts(shape, layout)
+    m = rc.batch.num_micro_batches(layout.dp)
+    width = 4 if layout.precision == "fp32" else 2
+    traffic = [step_all_to_all_bytes(moe, rc.data.seq_length, layout.micro_batch_size, m, shape.hidden_size,
+                                     width, layout.ep, n, layout.recompute) for n in moe_layers]
+    return {"num_experts": moe.num_experts, "topk": moe.topk, "expert_model_parallel_size": layout.ep,
+            "experts_per_rank": moe.num_experts // layout.ep, "expert_data_parallel_size": layout.expert_replicas,
+            "dropless": moe.capacity_factor is None,
+            "stages": [{"moe_layers": n, "expert_params_per_rank": e, "all_to_all_calls": t["calls"],
+                        "all_to_all_gib": round(t["handed"] / GiB, 4), "cross_rank_gib": round(t["cross_rank"] / GiB, 4)}
+                       for n, e, t in zip(moe_layers, expert_params, traffic)]}
 
 
 def step_section(rc: RunConfig, stage_layers: list[int], gpu, cluster, batch_steps) -> dict:

@@ -13,6 +13,7 @@ from typing import Mapping, Optional, Sequence
 
 from megatron.arguments.check import ArgvCheck, check_argv
 from megatron.dry_run.estimate import (
+    experts_section,
     hardware,
     item_param_counts,
     memory_section,
@@ -23,7 +24,7 @@ from megatron.dry_run.estimate import (
 from megatron.dry_run.plan import RunSteps, batch_section, layout_section, lr_section, run_section
 from megatron.dry_run.text import render
 
-SECTIONS = ("layout", "batch", "run", "lr_schedule", "memory", "step")
+SECTIONS = ("layout", "batch", "run", "lr_schedule", "memory", "step", "experts")
 
 
 def dry_run(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, out=None) -> int:
@@ -92,6 +93,7 @@ def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
     try:
         report["memory"] = memory_section(rc, stage_layers, gpu)
         report["step"] = step_section(rc, stage_layers, gpu, cluster, steps.steps_per_batch_size())
+        report["experts"] = experts_section(rc, stage_layers)
     except ValueError as error:
         check.not_checked.append(f"the memory and step-time estimates: {error}")
         return

@@ -17,7 +17,7 @@ def render(report: dict) -> str:
     lines = ["pretrain_gpt.py --dry-run: the job checked without starting it",
              f"world size   {world['value'] if world['value'] is not None else 'unknown'} (from {world['source']})"]
     for key, section in (("model", _model), ("layout", _layout), ("batch", _batch), ("run", _run),
-                         ("lr_schedule", _lr), ("memory", _memory), ("step", _step)):
+                         ("lr_schedule", _lr), ("memory", _memory), ("step", _step), ("experts", _experts)):
         if report[key] is not None:  # None: not computed (the report's "not_checked" says why)
             lines += section(report[key])
     for title, key, prefix in (("warnings (logged at startup, or about the estimates)", "warnings", ""),
@@ -110,3 +110,15 @@ def _step(s: dict) -> list[str]:
             f"per step at the full batch, bubble {s['bubble_fraction']:.1%}, {s['model_tflops_per_gpu']} model "
             f"TFLOP/s per GPU (MFU {s['mfu']:.1%}), {_n(s['tokens_per_s'])} tokens/s; the whole run "
             f"about {s['run_days']:.1f} days"]
+
+
+def _experts(e: dict) -> list[str]:
+    routing = "dropless, balanced" if e["dropless"] else "capacity-bounded"
+    lines = ["", f"experts      {e['num_experts']} per MoE layer, top-{e['topk']}; EP {e['expert_model_parallel_size']}: "
+             f"{e['experts_per_rank']} per rank, optimizer state over {e['expert_data_parallel_size']} "
+             f"expert-data-parallel rank(s); all-to-all per step ({routing})"]
+    for i, stage in enumerate(e["stages"]):
+        lines.append(f"  stage {i:<4} {stage['moe_layers']} MoE layers, {_n(stage['expert_params_per_rank'])} expert "
+                     f"parameters per rank, {stage['all_to_all_calls']} all-to-alls, {stage['all_to_all_gib']:g} GiB "
+                     f"handed ({stage['cross_rank_gib']:g} GiB cross-rank)")
+    return lines

@@ -7,6 +7,7 @@
     performance.py  step time from a compute + communication model, TFLOPs, MFU
     search.py       enumerate (TP, PP, DP, SP, Ulysses, micro-batch, recompute, ZeRO) layouts, rank them;
                     the longest sequence each family of layouts fits
+    moe.py          mixture of experts: experts per (TP, EP) rank, the token all-to-all bytes, EP layout rules
     comm_count.py   the analytic count of collectives / p2p in one step, and a recorder that
                     counts the real ones (wrapping torch.distributed) to compare with
 

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.parallel.pipeline_partition import stage_bounds
+from megatron.parallel.state import _check_expert_size as check_expert_size
 from megatron.planner.specs import ModelShape
 
 
@@ -30,10 +31,19 @@ class Layout:
     # the core attention keeps its [np, s, s] softmax and dropout output for backward (Korthikanti's 5as/h);
     # False: a fused kernel (flash / flex / SDPA's fused ones) or selective recomputation of the core attention
     store_attention_scores: bool = True
+    # expert parallelism: each MoE layer's experts split over ep of the DP ranks (megatron.planner.moe)
+    ep: int = 1
 
     def __post_init__(self):
         if self.ulysses < 1:
             raise ValueError(f"the Ulysses degree must be at least 1 (got {self.ulysses})")
+        check_expert_size(self.dp, self.ulysses, self.ep)  # the run's own rule (EP divides DP, no Ulysses)
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts: the expert-data-parallel group, DP / EP (ZeRO shards the experts'
+        optimizer state over them)."""
+        return self.weight_replicas // self.ep
 
     @property
     def zero_label(self) -> str:
@@ -69,6 +79,7 @@ class Layout:
 
     def short(self) -> str:
         seq = f" {self.sequence_label}" if self.sequence_label else ""
+        seq += f" EP={self.ep}" if self.ep > 1 else ""
         return (f"TP={self.tp} PP={self.pp} DP={self.dp}{seq} MBS={self.micro_batch_size} "
                 f"{'recompute' if self.recompute else 'no-recompute'} ZeRO-{self.zero_label} {self.precision}")
 
@@ -97,7 +108,8 @@ def pipeline_item_params(model: ModelShape, tp: int = 1) -> list[int]:
     head's module is the word embedding itself), aligned with ``pipeline_item_names``."""
     h, word = model.hidden_size, model.vocab_size * model.hidden_size // tp
     embedding = word + model.learned_positions * h + (model.norm_params if model.embed_layernorm else 0)
-    return [0, embedding, 0] + [model.layer_params(tp)] * model.num_layers + [0, model.norm_params, word]
+    layers = [sum(model.layer_params_split(i, tp)) for i in range(model.num_layers)]
+    return [0, embedding, 0] + layers + [0, model.norm_params, word]
 
 
 def layers_per_stage(model: ModelShape, pp: int, partition_method: str = "type:transformer", tp: int = 1) -> list[int]:

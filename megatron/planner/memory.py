@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.planner.layout import Layout, stage_layer_counts
+from megatron.planner.moe import check_expert_layout
 from megatron.planner.specs import GiB, ModelShape
 
 RUNTIME_OVERHEAD = 3 * GiB   # assumption, not measured here: CUDA context ~0.5-1 GiB + NCCL buffers + workspaces
@@ -57,7 +58,7 @@ MEMORY_HEADROOM = 0.9        # rule of thumb: plan for 90% of the device, the re
 
 
 def stage_param_counts(model: ModelShape, layout: Layout) -> list[int]:
-    """Parameters held by one TP rank of each pipeline stage."""
+    """Parameters held by one TP rank of each pipeline stage (its EP rank's experts included)."""
     h, t = model.hidden_size, layout.tp
     counts = stage_layer_counts(model, layout)
     norm = model.norm_params
@@ -65,9 +66,10 @@ def stage_param_counts(model: ModelShape, layout: Layout) -> list[int]:
     # The output head: the word embedding alone (the tied copy on the last stage is LMHeadPipe, without
     # positions or the embedding LayerNorm), or the untied output layer.
     head = model.vocab_size * h // t
-    out = []
+    out, first_layer = [], 0
     for i, n_layers in enumerate(counts):
-        n = n_layers * model.layer_params(t)
+        n = sum(sum(model.layer_params_split(j, t, layout.ep)) for j in range(first_layer, first_layer + n_layers))
+        first_layer += n_layers
         if i == 0:
             n += embedding
         if i == layout.pp - 1:
@@ -78,13 +80,28 @@ def stage_param_counts(model: ModelShape, layout: Layout) -> list[int]:
     return out
 
 
+def stage_expert_param_counts(model: ModelShape, layout: Layout) -> list[int]:
+    """The routed experts' parameters held by one (TP, EP) rank of each pipeline stage (0 for a dense model)."""
+    out, first_layer = [], 0
+    for n_layers in stage_layer_counts(model, layout):
+        out.append(sum(model.layer_params_split(j, layout.tp, layout.ep)[1]
+                       for j in range(first_layer, first_layer + n_layers)))
+        first_layer += n_layers
+    return out
+
+
 RESIDENT = ("weights", "grad_buffer", "master", "adam")  # allocated at start-up, alive between steps
 
 
-def static_bytes(num_params: int, layout: Layout) -> dict[str, float]:
+def static_bytes(num_params: int, layout: Layout, expert_params: int = 0) -> dict[str, float]:
     """Weights, gradients and optimizer state of one rank holding ``num_params`` parameters
     (``grads``, the modules' .grad, live only from the first backward to the optimizer step, which
-    frees them; the other components are RESIDENT)."""
+    frees them; the other components are RESIDENT). ``expert_params`` of them are routed experts, whose
+    optimizer state ZeRO shards over the expert-data-parallel group (``layout.expert_replicas``) instead."""
+    if expert_params:
+        dense = static_bytes(num_params - expert_params, layout)
+        experts = static_bytes(expert_params, dataclasses.replace(layout, dp=layout.expert_replicas, ulysses=1, ep=1))
+        return {key: dense[key] + experts[key] for key in dense}
     n, shard = num_params, (layout.weight_replicas if layout.zero_stage >= 1 else 1)
     if layout.zero_stage >= 2:
         return _sharded_static_bytes(n, layout)
@@ -129,7 +146,7 @@ def activation_bytes_per_element(layout: Layout) -> int:
 
 
 def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int = 2, *,
-                           sp_saves_gathered_inputs: bool = False) -> float:
+                           sp_saves_gathered_inputs: bool = False, moe_layer: bool = False) -> float:
     """One layer, one micro-batch, on one rank: everything kept for backward (Korthikanti eqs. 2 and 4).
 
     With bytes_per_element w (2: bf16, Korthikanti's numbers), in units of s*b*h elements:
@@ -149,6 +166,11 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     sp_saves_gathered_inputs: the SP implementation keeps the all-gathered [s, b, h] inputs of the QKV and
     MLP column-parallel layers for their weight gradients (2w at full size) instead of gathering them again.
     A tiny CPU model in fp32: ``layer_activation_bytes(model_shape_of(config), Layout(...), seq, 4)``.
+
+    moe_layer: an MoE layer of ``model.moe`` (an estimate, dropless and balanced, not measured): the MLP term
+    for k x the expert width + the shared expert's (each token's rows through its k experts), plus the k
+    dispatched input rows and k returned output rows (2k w per h, not split by TP: each TP rank routes every
+    token) and the router's fp32 logits and scores (8E/h).
     """
     s, b, h, a = seq_length, layout.micro_batch_size, model.hidden_size, model.num_attention_heads
     t, u, w = layout.tp, layout.ulysses, bytes_per_element
@@ -159,9 +181,13 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
             outside += 2 * w * (1 - 1 / t)
     second_context = 1 if u > 1 and not layout.store_attention_scores else 0
     attention = (2 + 2 * model.kv_hidden / h + second_context) * w
-    mlp = (4 if model.swiglu else 2) * model.ffn / h * w
+    mlp_width, routed = model.ffn, 0.0
+    if moe_layer:
+        mlp_width = model.moe.topk * model.moe.expert_ffn + model.moe.shared_expert_ffn
+        routed = 2 * model.moe.topk * w + 8 * model.moe.num_experts / h
+    mlp = (4 if model.swiglu else 2) * mlp_width / h * w
     scores = (2 * w + 1) * a * s / h if layout.store_attention_scores else 0.0
-    return s / u * b * h * (outside + (attention + mlp + scores) / t)
+    return s / u * b * h * (outside + routed + (attention + mlp + scores) / t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,22 +213,33 @@ def estimate_memory(model: ModelShape, layout: Layout, seq_length: int, global_b
     w = activation_bytes_per_element(layout)
     m = layout.num_micro_batches(global_batch_size)
     layers = stage_layer_counts(model, layout)
+    if model.moe is not None:
+        check_expert_layout(model.moe, layout.ep, t)
+        moe_layers = model.moe.stage_moe_layers(layers)
+    else:
+        moe_layers = [0] * layout.pp
     full_layer = layer_activation_bytes(model, layout, seq_length, w)
+    moe_layer = layer_activation_bytes(model, layout, seq_length, w, moe_layer=True) if model.moe else 0.0
     local_tokens = s * b / layout.sequence_split  # a layer's input and the embedding output: this rank's shard
     stages = []
+    experts = stage_expert_param_counts(model, layout)
     for i, n_params in enumerate(stage_param_counts(model, layout)):
         in_flight = min(layout.pp - i, m)
+        biggest = max(full_layer, moe_layer) if moe_layers[i] else full_layer
+        dense_layers = layers[i] - moe_layers[i]
         # + the layer being back-propagated: its activation gradients (about one layer's set), and
         # with recomputation also its recomputed activations.
         if layout.recompute:
-            act = in_flight * layers[i] * w * local_tokens * h + 2 * full_layer
+            act = in_flight * layers[i] * w * local_tokens * h + 2 * biggest
         else:
-            act = in_flight * layers[i] * full_layer + full_layer
+            act = in_flight * dense_layers * full_layer + biggest
+            if moe_layers[i]:
+                act += in_flight * moe_layers[i] * moe_layer
         if i == 0:
             act += in_flight * local_tokens * h  # embedding dropout mask (1 byte per element)
         if i == layout.pp - 1:
             act += (w + 8) * s / layout.ulysses * b * model.vocab_size / t  # logits, fp32 copy, fp32 gradient
-        stage = dict(static_bytes(n_params, layout))
+        stage = dict(static_bytes(n_params, layout, experts[i]))
         if layout.zero_stage == 3:
             # the gathered full weights of the layer being computed and of the one prefetched (an estimate:
             # DeepSpeed's stage3_prefetch_bucket_size / max_live_parameters bound it, not modelled exactly)

@@ -25,6 +25,11 @@ Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
               a recomputed forward, each moving (u-1)/u of its tensor: NVLink while t*u fits a node.
   PP          one activation forward and one gradient backward of s*b*h bf16 per micro-batch; with
               TP > 1 DeepSpeed sends 1/t of it and all-gathers it over the TP group (3 per slot).
+  MoE         (``ModelShape.moe``) an MoE layer's MLP FLOPs are k experts' + the shared expert's + the router's;
+              its token all-to-alls (``megatron.planner.moe.layer_bytes``, the cross-rank part) go over NVLink
+              while TP x EP fits a node, else over the GPU's NIC; the experts' gradients are all-reduced (and
+              under ZeRO-1 their weights all-gathered) over the DP / EP ranks that hold them. The experts'
+              GEMMs are counted at the dense GEMMs' rate (T k / E rows each: optimistic for small batches).
   grad accum  BF16_Optimizer adds the bf16 .grad into the fp32 buffer after every micro-batch
               (read 2N + read/write 8N bytes) and zeroes the bf16 grads (2N).
 
@@ -47,7 +52,8 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.planner.layout import Layout, stage_layer_counts
-from megatron.planner.memory import layer_activation_bytes, stage_param_counts
+from megatron.planner.memory import layer_activation_bytes, stage_expert_param_counts, stage_param_counts
+from megatron.planner.moe import layer_bytes
 from megatron.planner.specs import ClusterSpec, GPUSpec, ModelShape
 
 GEMM_EFFICIENCY = 0.75       # large bf16 GEMMs reach ~75% of the dense peak (cuBLAS, A100 and H100)
@@ -144,8 +150,30 @@ def _ulysses_comm_s(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cl
     return n_layers * one_pass * (3 if layout.recompute else 2)
 
 
+def _moe_comm_s(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
+                n_moe_layers: int) -> float:
+    """The token all-to-alls of one micro-batch's MoE layers (``megatron.planner.moe.layer_bytes``: dispatch and
+    combine, forward, backward, a recomputed forward): NVLink while the EP group (TP x EP consecutive ranks) fits
+    a node, else each GPU's own NIC."""
+    if layout.ep == 1 or not n_moe_layers:
+        return 0.0
+    bw = gpu.nvlink_busbw_gbps if layout.tp * layout.ep <= cluster.gpus_per_node else cluster.inter_node_gbps
+    one = layer_bytes(model.moe, seq_length * layout.micro_batch_size, model.hidden_size, 2, layout.ep,
+                      layout.recompute)
+    return n_moe_layers * (one["cross_rank"] / (bw * 1e9) + one["calls"] * cluster.collective_latency_us * 1e-6)
+
+
+def _mlp_width(model: ModelShape, n_layers: int, n_moe_layers: int) -> float:
+    """The stage's average MLP width for the FLOPs (an MoE layer: k experts + the shared one + the router)."""
+    if not n_moe_layers:
+        return model.ffn
+    moe = model.moe
+    width = moe.topk * moe.expert_ffn + moe.shared_expert_ffn + moe.num_experts / (3 if model.swiglu else 2)
+    return ((n_layers - n_moe_layers) * model.ffn + n_moe_layers * width) / n_layers
+
+
 def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
-                n_layers: int, n_params: int, first: bool, last: bool, tp_bw: float) -> dict:
+                n_layers: int, n_params: int, first: bool, last: bool, tp_bw: float, n_moe_layers: int = 0) -> dict:
     b, h, t, V, u = layout.micro_batch_size, model.hidden_size, layout.tp, model.vocab_size, layout.ulysses
     s = seq_length
     passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
@@ -153,38 +181,30 @@ def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cluste
     gemm_rate = gpu.peak_bf16_tflops * 1e12 * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)
     attn_rate = gpu.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY
     mlp_matrices = 3 if model.swiglu else 2
-    dense = 2 * rows * h * (h + 2 * model.kv_hidden + h + mlp_matrices * model.ffn) * passes / t  # qkv, dense, MLP
+    mlp = _mlp_width(model, n_layers, n_moe_layers)
+    dense = 2 * rows * h * (h + 2 * model.kv_hidden + h + mlp_matrices * mlp) * passes / t  # qkv, dense, MLP
     attn = 4 * b * s * s * h * passes / (t * u)  # s/u queries against s keys, or all s for a/(tu) heads
     matmul = n_layers * (dense / gemm_rate + attn / attn_rate)
     if last:
         matmul += 2 * rows * h * V * 3 / t / gemm_rate
-    elementwise = n_layers * layer_activation_bytes(model, layout, seq_length) * (
-        ELEMENTWISE_PASSES + (1 if layout.recompute else 0)) / (gpu.hbm_gbps * 1e9)
+    activations = (n_layers - n_moe_layers) * layer_activation_bytes(model, layout, seq_length)
+    if n_moe_layers:
+        activations += n_moe_layers * layer_activation_bytes(model, layout, seq_length, moe_layer=True)
+    elementwise = activations * (ELEMENTWISE_PASSES + (1 if layout.recompute else 0)) / (gpu.hbm_gbps * 1e9)
     tp = _tp_comm_s(model, layout, cluster, seq_length, n_layers, first, last, tp_bw)
     accum = (12 * n_params if layout.precision == "bf16" else 0) / (gpu.hbm_gbps * 1e9)
     out = {"matmul": matmul, "elementwise": elementwise, "tp_comm": tp, "grad_accum": accum}
     if u > 1:
         out["ulysses_comm"] = _ulysses_comm_s(model, layout, gpu, cluster, seq_length, n_layers)
+    if n_moe_layers and layout.ep > 1:
+        out["moe_all_to_all"] = _moe_comm_s(model, layout, gpu, cluster, seq_length, n_moe_layers)
     return out
 
 
-def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
-                  global_batch_size: int) -> StepEstimate:
-    m = layout.num_micro_batches(global_batch_size)
-    tp_bw, dp_bw, pp_bw = _bandwidths(layout, gpu, cluster)
-    layers = stage_layer_counts(model, layout)
-    params = stage_param_counts(model, layout)
-    slots = [_stage_slot(model, layout, gpu, cluster, seq_length, layers[i], params[i], i == 0,
-                         i == layout.pp - 1, tp_bw) for i in range(layout.pp)]
-    slowest = max(range(layout.pp), key=lambda i: sum(slots[i].values()))
-    slot = dict(slots[slowest])
-    if layout.pp > 1:
-        # DeepSpeed sends 1/t of the activation (pipe_partitioned) and all-gathers it over the TP group
-        act_bytes = 2 * seq_length / layout.ulysses * layout.micro_batch_size * model.hidden_size
-        slot["pp_comm"] = 2 * (act_bytes / layout.tp / (pp_bw * 1e9) + cluster.p2p_latency_us * 1e-6)
-        slot["pp_comm"] += 3 * _allgather_s(act_bytes, layout.tp, tp_bw, cluster.collective_latency_us)
-    slot_s = sum(slot.values())
-    n = max(params)
+def _dp_comm_s(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, n: int, n_experts: int,
+               m: int, dp_bw: float) -> float:
+    """Data-parallel communication of one step: ZeRO-2 / 3's per micro-batch, or BF16_Optimizer's once (the routed
+    experts' ``n_experts`` parameters over their DP / EP ranks)."""
     bytes_grad = 4 if layout.precision == "fp32" else 2  # bf16: cast to communication_data_type; fp16 grads as they are
     latency = cluster.collective_latency_us
     d = layout.weight_replicas
@@ -210,9 +230,38 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
             gathers = 2 * m * gather
         dp = scatter + gathers
     else:
-        dp = _allreduce_s(bytes_grad * n, d, dp_bw, latency)
+        # the routed experts' gradients go over their expert-data-parallel group (DP / EP ranks) instead
+        dp = _allreduce_s(bytes_grad * (n - n_experts), d, dp_bw, latency)
         if layout.precision == "bf16" and layout.zero_stage >= 1:
-            dp += _allgather_s(2 * n, d, dp_bw, latency)
+            dp += _allgather_s(2 * (n - n_experts), d, dp_bw, latency)
+        if n_experts:
+            dp += _allreduce_s(bytes_grad * n_experts, layout.expert_replicas, dp_bw, latency)
+            if layout.precision == "bf16" and layout.zero_stage >= 1:
+                dp += _allgather_s(2 * n_experts, layout.expert_replicas, dp_bw, latency)
+    return dp
+
+
+def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
+                  global_batch_size: int) -> StepEstimate:
+    m = layout.num_micro_batches(global_batch_size)
+    tp_bw, dp_bw, pp_bw = _bandwidths(layout, gpu, cluster)
+    layers = stage_layer_counts(model, layout)
+    params = stage_param_counts(model, layout)
+    moe_layers = model.moe.stage_moe_layers(layers) if model.moe is not None else [0] * layout.pp
+    slots = [_stage_slot(model, layout, gpu, cluster, seq_length, layers[i], params[i], i == 0,
+                         i == layout.pp - 1, tp_bw, moe_layers[i]) for i in range(layout.pp)]
+    slowest = max(range(layout.pp), key=lambda i: sum(slots[i].values()))
+    slot = dict(slots[slowest])
+    if layout.pp > 1:
+        # DeepSpeed sends 1/t of the activation (pipe_partitioned) and all-gathers it over the TP group
+        act_bytes = 2 * seq_length / layout.ulysses * layout.micro_batch_size * model.hidden_size
+        slot["pp_comm"] = 2 * (act_bytes / layout.tp / (pp_bw * 1e9) + cluster.p2p_latency_us * 1e-6)
+        slot["pp_comm"] += 3 * _allgather_s(act_bytes, layout.tp, tp_bw, cluster.collective_latency_us)
+    slot_s = sum(slot.values())
+    n = max(params)
+    n_experts = max(stage_expert_param_counts(model, layout)) if model.moe is not None else 0
+    d = layout.weight_replicas
+    dp = _dp_comm_s(model, layout, gpu, cluster, n, n_experts, m, dp_bw)
     tied = 0.0
     if layout.pp > 1 and model.tied_embeddings:
         tied = _allreduce_s(4 * model.vocab_size * model.hidden_size / layout.tp, 2, cluster.inter_node_gbps,
@@ -221,9 +270,11 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
     if layout.sequence_parallel:
         # each rank's norm (and row-parallel bias) gradients cover its s/t tokens only: summed over TP
         replicated = 2 * model.norm_params + (2 * model.hidden_size if model.add_bias_linear else 0)
-        sp_norms = _allreduce_s(4 * max(layers) * replicated, layout.tp, tp_bw, latency)
+        sp_norms = _allreduce_s(4 * max(layers) * replicated, layout.tp, tp_bw, cluster.collective_latency_us)
     shard = d if layout.zero_stage >= 1 else 1
     optimizer = (32 * n / shard + 4 * n) / (gpu.hbm_gbps * 1e9)
+    if model.moe is not None and layout.zero_stage >= 1:  # the experts' Adam runs over DP / EP shards
+        optimizer += 32 * n_experts * (1 / layout.expert_replicas - 1 / shard) / (gpu.hbm_gbps * 1e9)
     pipe = (m + layout.pp - 1) * slot_s
     components = {k: v * (m + layout.pp - 1) for k, v in slot.items()}
     components.update(dp_comm=dp, tied_embedding=tied, optimizer=optimizer)

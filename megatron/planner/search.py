@@ -36,7 +36,7 @@ class Plan:
     def row(self) -> dict:
         """A flat, JSON-ready summary (memory in GiB)."""
         lay, st = self.layout, self.step
-        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "sequence_parallel": lay.sequence_parallel,
+        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "sequence_parallel": lay.sequence_parallel,
                 "ulysses": lay.ulysses, "sequence": lay.sequence_label, "micro_batch_size": lay.micro_batch_size,
                 "num_micro_batches": self.num_micro_batches,
                 "recompute": lay.recompute, "zero_stage": lay.zero_stage, "hpz": lay.hpz, "zero": lay.zero_label,
@@ -57,8 +57,25 @@ def candidate_layouts(model: ModelShape, num_gpus: int, gpus_per_node: int, glob
                       zero_stages: Iterable[int] = (1, 0, 2, 3), precision: str = "bf16",
                       partition_method: str = "type:transformer", sequence_parallel: Iterable[bool] = (False,),
                       ulysses_sizes: Iterable[int] = (1,), store_attention_scores: bool = True,
-                      ulysses_across_nodes: bool = False) -> list[Layout]:
+                      ulysses_across_nodes: bool = False, ep_sizes: Iterable[int] = (1,)) -> list[Layout]:
     """Every layout of the module docstring's rules; ``ulysses_across_nodes`` lets TP x u exceed a node."""
+    out = _dense_candidates(model, num_gpus, gpus_per_node, global_batch_size, micro_batch_sizes, recompute,
+                            zero_stages, precision, partition_method, sequence_parallel, ulysses_sizes,
+                            store_attention_scores, ulysses_across_nodes)
+    return [dataclasses.replace(layout, ep=ep) if ep > 1 else layout for layout in out for ep in ep_sizes
+            if ep == 1 or (model.moe is not None and _runs_experts(model, layout, ep))]
+
+
+def _runs_experts(model: ModelShape, layout: Layout, ep: int) -> bool:
+    """EP > 1 on a layout: carved from its DP ranks, an equal share of experts each, no Ulysses, and ZeRO-1 / 2
+    (our MoE does not run under ZeRO-3)."""
+    return (layout.dp % ep == 0 and model.moe.num_experts % ep == 0 and layout.ulysses == 1
+            and layout.zero_stage <= 2 and model.moe.expert_ffn % layout.tp == 0)
+
+
+def _dense_candidates(model, num_gpus, gpus_per_node, global_batch_size, micro_batch_sizes, recompute, zero_stages,
+                      precision, partition_method, sequence_parallel, ulysses_sizes, store_attention_scores,
+                      ulysses_across_nodes) -> list[Layout]:
     out = []
     kv_heads = model.num_key_value_heads or model.num_attention_heads
     for tp in _divisors(min(num_gpus, gpus_per_node)):
@@ -118,14 +135,18 @@ def plan_layouts(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus
                  recompute: Iterable[bool] = (True, False), zero_stages: Iterable[int] = (1, 0, 2, 3),
                  partition_method: str = "type:transformer", memory_limit: Optional[float] = None,
                  include_infeasible: bool = False, sequence_parallel: Iterable[bool] = (False,),
-                 ulysses_sizes: Iterable[int] = (1,), store_attention_scores: bool = True) -> list[Plan]:
-    """Every candidate layout with its memory and step estimates; fitting ones first, fastest first."""
+                 ulysses_sizes: Iterable[int] = (1,), store_attention_scores: bool = True,
+                 ep_sizes: Iterable[int] = (1,)) -> list[Plan]:
+    """Every candidate layout with its memory and step estimates; fitting ones first, fastest first.
+    ``ep_sizes``: the expert-parallel sizes to try on an MoE model (each must divide its experts)."""
     _check_positive(num_gpus, global_batch_size, seq_length)
+    ep_sizes = tuple(ep_sizes)
+    _check_ep_sizes(model, ep_sizes)
     limit = _limit(gpu, memory_limit)
     plans = []
     for layout in candidate_layouts(model, num_gpus, cluster.gpus_per_node, global_batch_size, micro_batch_sizes,
                                     recompute, zero_stages, "bf16", partition_method, sequence_parallel,
-                                    ulysses_sizes, store_attention_scores):
+                                    ulysses_sizes, store_attention_scores, ep_sizes=ep_sizes):
         if not runs_sequence(layout, seq_length):
             continue
         try:
@@ -138,6 +159,20 @@ def plan_layouts(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus
             plans.append(Plan(layout, memory, step, fits, layout.num_micro_batches(global_batch_size)))
     plans.sort(key=lambda p: (not p.fits, p.step.step_s, p.memory.peak))
     return plans
+
+
+def _check_ep_sizes(model: ModelShape, ep_sizes: tuple) -> None:
+    if any(ep < 1 for ep in ep_sizes):
+        raise ValueError(f"expert-parallel sizes {ep_sizes} must be positive")
+    if model.moe is None:
+        if any(ep > 1 for ep in ep_sizes):
+            raise ValueError(f"expert-parallel sizes {ep_sizes} need an MoE model (ModelShape.moe); plan a dense "
+                             f"model with EP 1")
+        return
+    bad = [ep for ep in ep_sizes if model.moe.num_experts % ep]
+    if bad:
+        raise ValueError(f"expert-parallel sizes {bad} do not divide the {model.moe.num_experts} experts; each EP "
+                         f"rank holds an equal share: use divisors of {model.moe.num_experts}")
 
 
 def _check_positive(num_gpus: int, global_batch_size: int, seq_length: int) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.config.model import ModelConfig, megatron_flops, swiglu_default_ffn_size
+from megatron.planner.moe import MoEShape, mlp_params, moe_layer_params
 
 GiB = 1024 ** 3
 
@@ -80,6 +81,7 @@ class ModelShape:
     add_bias_linear: bool = True         # biases in every linear layer
     add_qkv_bias: bool = False           # a QKV bias even without add_bias_linear (Qwen2)
     normalization: str = "layernorm"     # layernorm (weight + bias) | rmsnorm (weight)
+    moe: Optional[MoEShape] = None       # routed experts in the layers its pattern marks (None: dense)
 
     @property
     def ffn(self) -> int:
@@ -110,17 +112,40 @@ class ModelShape:
         replicated = 2 * self.norm_params + (2 * h if self.add_bias_linear else 0)  # norms, dense and ffn -> h biases
         return split // tp + replicated
 
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.layer_pattern[layer]
+
+    def layer_params_split(self, layer: int, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+        """(non-expert, routed-expert) parameters of layer ``layer`` on one (TP, EP) rank
+        (``megatron.planner.moe``); a dense layer has no expert part."""
+        if not self.is_moe_layer(layer):
+            return self.layer_params(tp), 0
+        dense_mlp = mlp_params(self.hidden_size, self.ffn, self.swiglu, self.add_bias_linear, tp)
+        return moe_layer_params(self.layer_params(tp), dense_mlp, self.moe, self.hidden_size, self.swiglu,
+                                self.add_bias_linear, tp, ep)
+
     def total_params(self) -> int:
         h = self.hidden_size
         extra = self.norm_params if self.embed_layernorm else 0
         head = 0 if self.tied_embeddings else self.vocab_size * h
-        return (self.vocab_size * h + self.learned_positions * h + extra + self.num_layers * self.layer_params()
-                + self.norm_params + head)
+        layers = sum(sum(self.layer_params_split(i)) for i in range(self.num_layers))
+        return self.vocab_size * h + self.learned_positions * h + extra + layers + self.norm_params + head
+
+    @property
+    def mlp_flops_width(self) -> float:
+        """The dense MLP width with the same matmul FLOPs per token, averaged over the layers: an MoE layer
+        counts k x the expert width + the shared expert's + the router's E / m (``ModelConfig.mlp_flops_width``)."""
+        if self.moe is None:
+            return self.ffn
+        moe = self.moe
+        width = moe.topk * moe.expert_ffn + moe.shared_expert_ffn + moe.num_experts / (3 if self.swiglu else 2)
+        return ((self.num_layers - moe.num_moe_layers) * self.ffn + moe.num_moe_layers * width) / self.num_layers
 
     def flops_per_iteration(self, seq_length: int, global_batch_size: int, recompute: bool) -> float:
         """``megatron_flops`` of this shape."""
         return megatron_flops(self.num_layers, self.hidden_size, self.vocab_size, seq_length, global_batch_size,
-                              recompute, ffn_hidden_size=self.ffn, kv_hidden_size=self.kv_hidden, swiglu=self.swiglu)
+                              recompute, ffn_hidden_size=self.mlp_flops_width, kv_hidden_size=self.kv_hidden,
+                              swiglu=self.swiglu)
 
 
 def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> ModelShape:
@@ -131,7 +156,15 @@ def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> Mod
                       learned_positions=config.max_positions if config.position_embedding_type == "absolute" else 0,
                       tied_embeddings=config.tied_embeddings, num_key_value_heads=config.num_kv_heads,
                       swiglu=config.swiglu, add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
-                      normalization=config.normalization)
+                      normalization=config.normalization, moe=_moe_shape_of(config))
+
+
+def _moe_shape_of(config: ModelConfig) -> Optional[MoEShape]:
+    moe = config.moe
+    if moe is None:
+        return None
+    return MoEShape(moe.num_experts, moe.router_topk, config.expert_ffn_size, moe.layer_pattern,
+                    moe.shared_expert_intermediate_size or 0, moe.expert_capacity_factor)
 
 
 def _bloom(layers: int, hidden: int, heads: int) -> ModelShape:
@@ -166,4 +199,20 @@ LLAMA_SIZES = {
     "llama-3-8b": _llama(32, 4096, 32, 8, 14336, 128256),
     "llama-3-70b": _llama(80, 8192, 64, 8, 28672, 128256),
 }
-MODEL_SIZES = {**BLOOM_SIZES, **LLAMA_SIZES}
+
+
+def _moe(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, moe: MoEShape) -> ModelShape:
+    return dataclasses.replace(_llama(layers, hidden, heads, kv_heads, ffn, vocab), moe=moe)
+
+
+# Mixture-of-experts shapes (their transformers configs). DeepSeek-V3's attention is multi-head latent attention
+# (MLA: low-rank compressed keys / values, 128 heads of 128 + 64 rotary dims); we have no MLA, so it is planned as
+# MHA of 128 heads over h = 7168 (head dim 56): about 4 h^2 = 206M attention parameters per layer where MLA has
+# about 187M, and MHA's larger K / V activations. Its first 3 layers are dense (width 18432), the other 58 hold
+# 256 routed experts (top-8) of width 2048 and one shared expert of the same width; vocabulary 129280, untied.
+MOE_SIZES = {
+    "mixtral-8x7b": _moe(32, 4096, 32, 8, 14336, 32000, MoEShape(8, 2, 14336, (True,) * 32)),
+    "deepseek-v3": _moe(61, 7168, 128, 128, 18432, 129280,
+                        MoEShape(256, 8, 2048, (False,) * 3 + (True,) * 58, shared_expert_ffn=2048)),
+}
+MODEL_SIZES = {**BLOOM_SIZES, **LLAMA_SIZES, **MOE_SIZES}

@@ -77,3 +77,19 @@ def test_bench_pipeline_bubble_counts_both_schedules_against_the_formulas():
     assert row["zbh1"]["idle_slots_per_stage"] == [row["zbh1"]["analytic_idle_slots"]] * 12 == [11] * 12
     assert round(row["1f1b"]["bubble_fraction"], 4) == round(11 / 139, 4)
     assert round(row["zbh1"]["bubble_fraction"], 4) == round(11 / 395, 4)
+
+
+def test_bench_moe_times_grouped_loop_and_transformers_experts_on_the_same_weights():
+    import argparse
+
+    from benchmarks import bench_moe
+
+    args = argparse.Namespace(tokens=32, hidden_size=16, ffn_hidden_size=24, num_experts=4, topk=2,
+                              hf_implementations=["eager"], warmup=0, reps=1)
+    rows = bench_moe.run(args)
+    assert set(rows) == {"grouped", "loop", "transformers_eager"}, rows
+    for name, row in rows.items():
+        assert row["tokens_per_s"] > 0 and row["fwd_bwd_s"] > 0, name
+        # the three compute the same function: transformers' Mixtral block holds our router and experts
+        assert row["max_abs_diff_vs_grouped"] < 1e-5, (name, row)
+    assert rows["grouped"]["speed_vs_grouped"] == 1.0

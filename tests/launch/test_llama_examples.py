@@ -13,11 +13,17 @@ import sys
 import pytest
 
 from megatron.config.hardware import default_precision
-from megatron.data.tokenizers import train_sentencepiece_tokenizer
 from megatron.dry_run import dry_run
 from megatron.planner import model_shape_of
-from megatron.testing.corpus import make_text, write_stand_in_dataset
-from tests.helpers.examples import EXAMPLES, sbatch_option, script_argv, stand_in_run_config
+from tests.helpers.examples import (
+    EXAMPLES,
+    dry_run_report,
+    sbatch_option,
+    script_argv,
+    sentencepiece_stand_ins,
+    stand_in_run_config,
+    train_cpu_example,
+)
 
 SCRIPT = EXAMPLES / "slurm" / "llama2-7b.slurm"
 
@@ -26,10 +32,7 @@ SCRIPT = EXAMPLES / "slurm" / "llama2-7b.slurm"
 def llama_files(tmp_path_factory):
     """A stand-in dataset and a small SentencePiece model in place of Meta's tokenizer.model (the script pads
     the vocabulary to Meta's 32,000 rows either way)."""
-    d = tmp_path_factory.mktemp("llama")
-    tokenizer = train_sentencepiece_tokenizer(make_text(200, seed=0), 500, d / "spm", model_type="bpe")
-    return {"DATA_PREFIX": write_stand_in_dataset(d / "llama_text_document"),
-            "TOKENIZER_MODEL": tokenizer["tokenizer_model"]}
+    return sentencepiece_stand_ins(tmp_path_factory.mktemp("llama"), "llama_text_document")
 
 
 def test_llama2_7b_script_is_llama_2_7b(llama_files, tmp_path):
@@ -55,11 +58,8 @@ def test_llama2_7b_script_is_llama_2_7b(llama_files, tmp_path):
 
 def test_llama2_7b_dry_run_plan(llama_files, tmp_path):
     world_size, argv = script_argv(SCRIPT, tmp_path, llama_files)
-    out = tmp_path / "plan.json"
-    assert dry_run(argv + ["--dry-run", "--world-size", str(world_size), "--dry-run-gpu", "H100-80GB",
-                           "--dry-run-json", str(out)], out=io.StringIO()) == 0
-    report = json.loads(out.read_text())
-    assert report["ok"] and report["problems"] == [], report["problems"]
+    status, report = dry_run_report(argv, world_size, tmp_path / "plan.json", "--dry-run-gpu", "H100-80GB")
+    assert status == 0 and report["ok"] and report["problems"] == [], report["problems"]
     model = report["model"]
     assert (model["num_parameters"], model["padded_vocab_size"], model["ffn_hidden_size"]) == (6_738_415_616, 32000,
                                                                                                11008)
@@ -70,9 +70,9 @@ def test_llama2_7b_dry_run_plan(llama_files, tmp_path):
     assert report["run"]["tokens"] >= 2 * 10 ** 12
     # an impossible variant is refused naming the fix, before anything starts
     _, bad = script_argv(SCRIPT, tmp_path, dict(llama_files, NUM_KV_HEADS="1"))
-    assert dry_run(bad + ["--dry-run", "--world-size", "32", "--dry-run-json", str(out)], out=io.StringIO()) == 1
-    assert any("--num-key-value-heads 1 is not divisible by --tensor-model-parallel-size 2" in problem
-               for problem in json.loads(out.read_text())["problems"])
+    status, report = dry_run_report(bad, 32, tmp_path / "bad.json")
+    assert status == 1 and any("--num-key-value-heads 1 is not divisible by --tensor-model-parallel-size 2" in problem
+                               for problem in report["problems"])
 
 
 def test_llama2_7b_script_as_zero3_with_hpz(llama_files, tmp_path):
@@ -95,20 +95,12 @@ def test_llama2_7b_script_as_zero3_with_hpz(llama_files, tmp_path):
 
 @pytest.mark.multiprocess
 def test_tiny_llama_script_trains_under_zero3_with_tp(tmp_path):
-    from megatron.testing.corpus import make_tiny_corpus
-
-    corpus = make_tiny_corpus(str(tmp_path / "corpus"))
-    env = dict(os.environ, PY=sys.executable, RUN_DIR=str(tmp_path / "run"), TRAIN_ITERS="6", SAVE_INTERVAL="6",
-               ZERO_STAGE="3", NPROC="4", TP="2", PP="1", DATA_PREFIX=corpus["data_prefix"],
-               VOCAB_FILE=corpus["vocab_file"], MERGE_FILE=corpus["merge_file"], DS_ACCELERATOR="cpu",
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_tiny_llama_cpu.sh"), "--log-interval", "1",
-                           "--eval-iters", "0"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "TP=2 PP=1 DP=2, ZeRO-3: optimizer state, gradients and parameters over DP=2" in proc.stdout
+    stdout, losses = train_cpu_example("pretrain_tiny_llama_cpu.sh", tmp_path,
+                                       dict(TRAIN_ITERS="6", SAVE_INTERVAL="6", ZERO_STAGE="3", NPROC="4", TP="2",
+                                            PP="1"), ["--eval-iters", "0"])
+    assert "TP=2 PP=1 DP=2, ZeRO-3: optimizer state, gradients and parameters over DP=2" in stdout
     # bf16 where the CPU computes it in hardware, fp32 on AVX2 (as the main job chooses)
-    assert f"precision: {default_precision()[0]} (" in proc.stdout
-    losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in proc.stdout.splitlines() if "lm loss:" in line]
+    assert f"precision: {default_precision()[0]} (" in stdout
     assert len(losses) == 6 and losses[-1] < losses[0], losses
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "global_step6"
 
