@@ -11,6 +11,7 @@ from megatron.config._checks import _positive
 from megatron.config.data import DataConfig, DatasetGroup, DatasetSplit  # noqa: F401 (RunConfig fields)
 from megatron.config.model import ModelConfig
 from megatron.config.moe import check_moe_run
+from megatron.config.pipeline_schedule import check_interleaved_run
 
 PARTITION_METHODS = ("type:transformer", "type:transformer|embedding", "parameters", "uniform")
 DISTRIBUTED_BACKENDS = ("nccl", "gloo", "ccl")
@@ -35,6 +36,7 @@ class ParallelConfig:
     sequence_parallel: bool = False        # --sequence-parallel as asked; the model runs it only with TP > 1
                                            # (ModelConfig.sequence_parallel is what the modules read)
     expert_model_parallel_size: int = 1    # MoE: ranks sharing out each layer's experts, carved from DP
+    num_virtual_stages_per_pipeline_rank: int = 1  # interleaved 1F1B: chunks of layers per pipeline rank; 1: off
 
     @property
     def world_size(self) -> int:
@@ -468,6 +470,7 @@ class RunConfig:
         self._validate_ulysses(pp)
         self._validate_schedule()
         check_moe_run(self)
+        check_interleaved_run(self)
         if self.model.seq_length != self.data.seq_length:
             raise ValueError(f"model seq_length {self.model.seq_length} != data seq_length {self.data.seq_length}")
         if self.data.reset_position_ids and self.model.position_embedding_type != "absolute":

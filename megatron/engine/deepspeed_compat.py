@@ -44,6 +44,9 @@ they differ (an upgrade then fails at the first workaround it reaches, not silen
                               size is > 1, and counts every expert          a TP-duplicated expert gradient from the
                               parameter on every TP rank (a TP-duplicated   norm on TP ranks > 0
                               expert bias twice at TP = 2)
+    pipeline_engine_class     ``deepspeed.initialize`` builds PipelineEngine  ``pipeline_engine_class``: our engine class
+                              (or DualPipeVEngine) for any PipelineModule,  in that module global while initialize runs
+                              read from a module global of ``deepspeed``    (interleaved virtual stages)
     moe_checkpoint            with ``has_moe_layers`` it saves and loads    ``plain_checkpoint_files``: its regular files
                               its own MoE's per-expert files (found by      while it saves and loads; our experts go to
                               module type), which our marker holds none of  files of their own (``megatron.engine.
@@ -78,7 +81,7 @@ __all__ = ["PINNED_VERSION", "WORKAROUNDS", "require", "installed_version", "che
            "silence_renamed_collectives", "check_bf16_stage_0", "check_zero3_ulysses", "DEEPSPEED_GLOBALS",
            "SafeTorchCheckpointEngine", "use_safe_loading", "avoid_cpu_jit_builds",
            "ExpertParallelMarker", "moe_marker", "register_expert_groups", "mark_moe_parameter", "is_moe_parameter",
-           "check_moe_engine", "count_expert_grads_once", "plain_checkpoint_files"]
+           "check_moe_engine", "count_expert_grads_once", "plain_checkpoint_files", "pipeline_engine_class"]
 
 PINNED_VERSION = "0.19.8"
 
@@ -108,6 +111,9 @@ WORKAROUNDS = {
                            "the bf16 grad norm at EP = 2 x TP = 2 with one process's)",
     "moe_checkpoint": "how save_checkpoint / _load_checkpoint branch on has_moe_layers (the MoE path wants "
                       "deepspeed.moe.layer.MoE's experts) (tests/training/test_moe.py resumes EP runs)",
+    "pipeline_engine_class": "how deepspeed.initialize picks the pipeline engine class (the module global "
+                             "PipelineEngine), and the PipelineEngine / PipelineModule internals "
+                             "megatron.engine.interleaved overrides (tests/training/test_interleaved.py)",
     "zero3_ulysses_average": "the divisor of ZeRO-3's reduce-scatter with sequence parallelism "
                              "(tests/training/test_ulysses.py compares grad norms with a single process)",
 }
@@ -357,3 +363,15 @@ def plain_checkpoint_files(engine) -> Iterator[None]:
         yield
     finally:
         engine.has_moe_layers = had_moe
+
+
+@contextlib.contextmanager
+def pipeline_engine_class(engine_class) -> Iterator[None]:
+    """Within: ``deepspeed.initialize`` builds ``engine_class`` (a PipelineEngine subclass) for a PipelineModule."""
+    require("pipeline_engine_class")
+    original = deepspeed.PipelineEngine
+    deepspeed.PipelineEngine = engine_class
+    try:
+        yield
+    finally:
+        deepspeed.PipelineEngine = original

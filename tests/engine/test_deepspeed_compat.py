@@ -35,6 +35,7 @@ WORKAROUNDS = {
     "expert_parallel": lambda: deepspeed_compat.moe_marker(4, "megatron_ep_size_2"),
     "moe_checkpoint": lambda: deepspeed_compat.plain_checkpoint_files(None).__enter__(),
     "expert_tp_grad_norm": lambda: deepspeed_compat.count_expert_grads_once(object.__new__(BF16_Optimizer), 1),
+    "pipeline_engine_class": lambda: deepspeed_compat.pipeline_engine_class(object).__enter__(),
 }
 
 
