@@ -3,10 +3,11 @@
 fp32, no dropout, gloo on CPU, PP = 2 with 4 layers: v = 2 puts layers 0 and 2 on rank 0, 1 and 3 on rank 1.
 One 2-process launch trains 1F1B and interleaved (ZeRO-1) for 10 iterations each, saving at 5 and 10. The
 layer files are BLOOM's either way, but a rank's ZeRO optimizer shard holds the layers of its chunks, so a
-regular checkpoint resumes only under its own schedule (refused by name otherwise) and switches schedule
-through a universal checkpoint: a second launch resumes each from iteration 5 under the other schedule, and
-trains both schedules in bf16 (BF16_Optimizer). Losses and grad norms agree with 1F1B's within 1e-6
-(relative) over the 10 iterations, through both resumes, and between the two bf16 runs.
+regular checkpoint resumes only under its own schedule (there bit for bit; refused by name otherwise) and
+switches schedule through a universal checkpoint. A second launch resumes each from iteration 5 under the
+other schedule and the interleaved one under its own, and trains both schedules in bf16 (BF16_Optimizer).
+Losses and grad norms agree with 1F1B's within 1e-6 (relative) over the 10 iterations, through both
+resumes, and between the two bf16 runs.
 """
 
 import os
@@ -40,10 +41,13 @@ def runs(tiny_corpus, tmp_path_factory):
                        _regular_load_refusal(_argv(tiny_corpus, load=saved_interleaved))]
     for saved in (saved_1f1b, saved_interleaved):
         to_universal(os.path.join(saved, "global_step5"))  # and points latest_universal at it
+    with open(os.path.join(saved_interleaved, "latest"), "w") as latest:  # roll the regular pointer back to 5
+        latest.write("global_step5")
     argvs = [_argv(tiny_corpus, *VIRTUAL, load=saved_1f1b, universal_checkpoint=True),
              _argv(tiny_corpus, load=saved_interleaved, universal_checkpoint=True),
+             _argv(tiny_corpus, *VIRTUAL, load=saved_interleaved),
              _argv(tiny_corpus, "--bf16", train_iters=5), _argv(tiny_corpus, "--bf16", *VIRTUAL, train_iters=5)]
-    names = ["interleaved_resumed", "1f1b_resumed", "1f1b_bf16", "interleaved_bf16"]
+    names = ["interleaved_resumed", "1f1b_resumed", "interleaved_own_resume", "1f1b_bf16", "interleaved_bf16"]
     return out | dict(zip(names, run_distributed(train, world_size=2, args=(argvs,), timeout=600)[-1]))
 
 
@@ -82,6 +86,9 @@ def test_checkpoints_switch_schedules_on_resume(runs):
         assert runs[resumed]["iterations"] == list(range(6, ITERS + 1)), resumed
         assert_same_run(_between(reference, 6, ITERS), runs[resumed], f"{resumed} from {saved}'s iteration 5",
                         rel_loss=1e-6, rel_norm=1e-6)
+    own = runs["interleaved_own_resume"]  # a regular checkpoint under its own schedule: exact
+    assert own["iterations"] == list(range(6, ITERS + 1))
+    assert own["losses"] == runs["interleaved"]["losses"][5:] and own["grad_norms"] == runs["interleaved"]["grad_norms"][5:]
     for refusal in runs["refusals"]:  # a regular checkpoint's optimizer shards are per rank: convert it once
         assert "--num-virtual-stages-per-pipeline-rank" in refusal and "ds_to_universal.py" in refusal, refusal
 
