@@ -65,7 +65,7 @@ def step_times(args) -> dict:
     schedules = {"1f1b": [], "interleaved_v2": ["--num-virtual-stages-per-pipeline-rank", "2"]}
     runs = [_common.tiny_argv(corpus, train_iters=iters, **flags) + ["--pipeline-model-parallel-size", "2"] + extra
             for extra in schedules.values() for iters in (args.short, args.long)]
-    warm_up = _common.tiny_argv(corpus, train_iters=1, **flags) + ["--pipeline-model-parallel-size", "2"]
+    warm_up = _common.tiny_argv(corpus, train_iters=3, **flags) + ["--pipeline-model-parallel-size", "2"]
     # the first pretrain of a process pays the lazy imports: a throw-away run first
     seconds = run_distributed(_timed_runs, world_size=2, args=([warm_up] + runs,), timeout=1800)[0][1:]
     out = {}

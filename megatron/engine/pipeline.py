@@ -25,6 +25,9 @@ A tied word embedding lives on the first and the last stage (DeepSpeed keeps the
 all-reduces their gradients). Every module initializes from (seed, its own identity) only, so a
 stage holding layers 4..7 starts exactly as the same layers of a single-stage model.
 
+With ``--num-virtual-stages-per-pipeline-rank`` v > 1 the same specs are cut into PP x v chunks and each rank
+builds v of them (``megatron.engine.interleaved``); layer files keep the same numbers.
+
 ``--pp-partition-method``: DeepSpeed's own methods. ``type:transformer`` balances the transformer
 layers (regex on class names, case-insensitive); ``type:transformer|embedding`` counts the two
 embeddings as layers too (BLOOM-176B's setting); ``parameters`` balances parameter counts;
