@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
-from megatron.arguments import moe, parse
+from megatron.arguments import interleaved, moe, parse
 from megatron.arguments.build import assemble_run_config, resolve_vocab_size
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
@@ -155,6 +155,8 @@ FLAG_STEPS = (
          produces=("recompute_core_attention", "checkpoint_activations", "checkpoint_num_layers")),
     Step("the parallel sizes against the world size", parse.derive_parallel, needs=(WORLD,),
          produces=("data_parallel_size",)),
+    Step("the virtual pipeline stages", interleaved.resolve_virtual_stages, needs=("the required flags",),
+         produces=("num_virtual_stages_per_pipeline_rank",)),
     Step("the defaults", parse.fill_defaults, produces=("distributed_backend", "profile_ranks")),
     Step("the skipped iteration ranges", parse.merge_iteration_ranges, produces=("skip_train_iteration_range",)),
     Step("the data flags", parse.parse_data_flags,

@@ -108,6 +108,9 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, saved: dict) -> None:
         # ZeRO shards the optimizer state over dp x sp ranks
         sizes["--ds-sequence-parallel-size"] = (recorded.get("ds_sequence_parallel_size", 1),
                                                 p.ds_sequence_parallel_size)
+        # interleaving changes which layers a rank's optimizer shard holds (the layer files are the same)
+        sizes["--num-virtual-stages-per-pipeline-rank"] = (recorded.get("num_virtual_stages_per_pipeline_rank", 1),
+                                                           p.num_virtual_stages_per_pipeline_rank)
     saved_stage = recorded.get("zero_stage")
     if saved_stage is not None and saved_stage != rc.deepspeed_zero_stage and max(saved_stage, rc.deepspeed_zero_stage) >= 2:
         # ZeRO-2 and ZeRO-3 write DeepSpeed's non-pipeline engine's files, each its own way

@@ -55,6 +55,8 @@ def build_run_state(rc: RunConfig, progress: dict[str, int]) -> dict:
         parallel["context_parallel_size"] = p.context_parallel_size
     if p.expert_model_parallel_size > 1:  # one expert file per EP rank (megatron.engine.expert_parallel)
         parallel["expert_model_parallel_size"] = p.expert_model_parallel_size
+    if p.num_virtual_stages_per_pipeline_rank > 1:  # each rank's optimizer shard holds its v chunks' layers
+        parallel["num_virtual_stages_per_pipeline_rank"] = p.num_virtual_stages_per_pipeline_rank
     record = _record(dataclasses.asdict(rc.model), parallel, dataclasses.asdict(rc.data.tokenizer), progress,
                      rc.data.seq_length)
     # How the checkpoint was written, so that no reader re-derives it from the flags (weight_files).

@@ -12,6 +12,7 @@ from megatron.config.context_parallel import check_context_parallel_run
 from megatron.config.data import DataConfig, DatasetGroup, DatasetSplit  # noqa: F401 (RunConfig fields)
 from megatron.config.model import ModelConfig
 from megatron.config.moe import check_moe_run
+from megatron.config.pipeline_schedule import check_interleaved_run
 from megatron.config.zero_bubble import check_zero_bubble_run
 
 PARTITION_METHODS = ("type:transformer", "type:transformer|embedding", "parameters", "uniform")
@@ -43,6 +44,7 @@ class ParallelConfig:
     context_parallel_size: int = 1         # ring attention: ranks holding 1/cp of each sample's tokens (chunks i
                                            # and 2cp-1-i); gradients reduced over DP x CP; 1: off
     cp_comm_type: str = "p2p"              # how the key / value blocks travel: p2p (a ring), one of CP_COMM_TYPES
+    num_virtual_stages_per_pipeline_rank: int = 1  # interleaved 1F1B: chunks of layers per pipeline rank; 1: off
 
     @property
     def world_size(self) -> int:
@@ -482,6 +484,7 @@ class RunConfig:
         check_moe_run(self)
         check_zero_bubble_run(self)
         check_context_parallel_run(self)
+        check_interleaved_run(self)
         if self.model.seq_length != self.data.seq_length:
             raise ValueError(f"model seq_length {self.model.seq_length} != data seq_length {self.data.seq_length}")
         if self.data.reset_position_ids and self.model.position_embedding_type != "absolute":

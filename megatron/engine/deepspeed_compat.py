@@ -47,13 +47,16 @@ they differ (an upgrade then fails at the first workaround it reaches, not silen
     universal_expert_slicing  its universal loader cuts an expert tensor    ``universal_expert_slicing``: for the load,
                               to this EP rank's experts from the group      the registry holds only this run's EP group,
                               registry, parsing ``ep_size_N`` names         under DeepSpeed's name (none at EP = 1)
+    pipeline_engine_class     ``deepspeed.initialize`` builds PipelineEngine  ``pipeline_engine_class``: our engine class
+                              (or DualPipeVEngine) for any PipelineModule,  in that module global while initialize runs
+                              read from a module global of ``deepspeed``    (interleaved virtual stages)
     moe_checkpoint            with ``has_moe_layers`` it saves and loads    ``plain_checkpoint_files``: its regular files
                               its own MoE's per-expert files (found by      while it saves and loads; our experts go to
                               module type), which our marker holds none of  files of their own (``megatron.engine.
                                                                             expert_parallel``)
-    pipeline_schedule         PipelineEngine runs only its TrainSchedule    ``adopt_pipeline_engine_class``: the engine
-                              (1F1B); no hook for another schedule or for  becomes our subclass that overrides its
-                              new instructions                             private schedule methods (megatron.engine.
+    pipeline_schedule         PipelineEngine runs only its TrainSchedule    ``pipeline_engine_class`` builds our
+                              (1F1B); no hook for another schedule or for  subclass that overrides its private
+                              new instructions                             schedule methods (megatron.engine.
                                                                             zero_bubble: ZB-H1)
 
 Models of DeepSpeed's behaviour outside this package, which cannot import it, re-measured against the real
@@ -75,7 +78,6 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import nn
 
 from megatron.checkpoint.safe_load import only_safe_loading, safe_load
@@ -87,7 +89,7 @@ __all__ = ["PINNED_VERSION", "WORKAROUNDS", "require", "installed_version", "che
            "SafeTorchCheckpointEngine", "use_safe_loading", "avoid_cpu_jit_builds",
            "ExpertParallelMarker", "moe_marker", "register_expert_groups", "mark_moe_parameter", "is_moe_parameter",
            "check_moe_engine", "count_expert_grads_once", "plain_checkpoint_files", "universal_expert_slicing",
-           "adopt_pipeline_engine_class"]
+           "pipeline_engine_class"]
 
 PINNED_VERSION = "0.19.8"
 
@@ -121,6 +123,9 @@ WORKAROUNDS = {
                                 "checkpoint)",
     "moe_checkpoint": "how save_checkpoint / _load_checkpoint branch on has_moe_layers (the MoE path wants "
                       "deepspeed.moe.layer.MoE's experts) (tests/training/test_moe.py resumes EP runs)",
+    "pipeline_engine_class": "how deepspeed.initialize picks the pipeline engine class (the module global "
+                             "PipelineEngine), and the PipelineEngine / PipelineModule internals "
+                             "megatron.engine.interleaved overrides (tests/training/test_interleaved.py)",
     "zero3_ulysses_average": "the divisor of ZeRO-3's reduce-scatter with sequence parallelism "
                              "(tests/training/test_ulysses.py compares grad norms with a single process)",
     "pipeline_schedule": "PipelineEngine's _train_schedule, _exec_schedule, _INSTRUCTION_MAP and _exec_backward_pass, "
@@ -396,11 +401,13 @@ def plain_checkpoint_files(engine) -> Iterator[None]:
         engine.has_moe_layers = had_moe
 
 
-def adopt_pipeline_engine_class(engine, engine_class) -> None:
-    """Make the ``PipelineEngine`` that ``deepspeed.initialize`` built an instance of ``engine_class``, a subclass
-    overriding its private schedule methods (``deepspeed.initialize`` takes no engine class for a pipeline)."""
-    require("pipeline_schedule")
-    if type(engine) is not PipelineEngine or not issubclass(engine_class, PipelineEngine):
-        raise AssertionError(f"expected DeepSpeed's PipelineEngine and a subclass of it, got {type(engine).__name__} "
-                             f"and {engine_class.__name__}")
-    engine.__class__ = engine_class
+@contextlib.contextmanager
+def pipeline_engine_class(engine_class) -> Iterator[None]:
+    """Within: ``deepspeed.initialize`` builds ``engine_class`` (a PipelineEngine subclass) for a PipelineModule."""
+    require("pipeline_engine_class")
+    original = deepspeed.PipelineEngine
+    deepspeed.PipelineEngine = engine_class
+    try:
+        yield
+    finally:
+        deepspeed.PipelineEngine = original

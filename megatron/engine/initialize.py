@@ -16,6 +16,7 @@ stage, correctly); in fp32 without ZeRO, the client optimizer wrapped by our gra
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import logging
@@ -27,12 +28,18 @@ import torch.distributed as dist
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
 from megatron.engine.cpu import check_cpu_compiler, on_cpu_accelerator
-from megatron.engine.deepspeed_compat import avoid_cpu_jit_builds, check_bf16_stage_0, use_safe_loading
+from megatron.engine.deepspeed_compat import (
+    avoid_cpu_jit_builds,
+    check_bf16_stage_0,
+    pipeline_engine_class,
+    use_safe_loading,
+)
 from megatron.engine.expert_parallel import check_expert_parallel_engine, mark_expert_parameters
+from megatron.engine.interleaved import InterleavedPipelineEngine
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
 from megatron.engine.sharded import DeepSpeedMPU, ShardedEngine, build_sharded_module, set_hpz_group
-from megatron.engine.zero_bubble import enable_zero_bubble
+from megatron.engine.zero_bubble import ZeroBubblePipelineEngine, enable_zero_bubble
 from megatron.model.compile import compile_transformer_layers
 from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState
@@ -72,12 +79,19 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
     t = rc.training
     module = build_pipeline_module(rc.model, state, partition_method=rc.parallel.pp_partition_method,
                                    activation_checkpoint_interval=t.checkpoint_num_layers if t.checkpoint_activations
-                                   else 0, tracker=tracker)
+                                   else 0, tracker=tracker,
+                                   num_virtual_stages=rc.parallel.num_virtual_stages_per_pipeline_rank)
     if t.torch_compile:
         _compile_layers(module)
     experts = mark_expert_parameters(module, rc.model, state)  # MoE with EP > 1 (megatron.engine.expert_parallel)
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
+    engine_class = None  # DeepSpeed's PipelineEngine (1F1B), else the schedule's subclass of it
+    if rc.parallel.num_virtual_stages_per_pipeline_rank > 1:
+        engine_class = InterleavedPipelineEngine
+    elif rc.parallel.enable_zbh1_pipeline:
+        engine_class = ZeroBubblePipelineEngine
+    with pipeline_engine_class(engine_class) if engine_class else contextlib.nullcontext():
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
     use_safe_loading(engine)  # --load never unpickles code (megatron.engine.deepspeed_compat)
     if rc.parallel.enable_zbh1_pipeline:
         engine = enable_zero_bubble(engine)  # ZB-H1 (megatron.engine.zero_bubble)

@@ -25,6 +25,9 @@ A tied word embedding lives on the first and the last stage (DeepSpeed keeps the
 all-reduces their gradients). Every module initializes from (seed, its own identity) only, so a
 stage holding layers 4..7 starts exactly as the same layers of a single-stage model.
 
+With ``--num-virtual-stages-per-pipeline-rank`` v > 1 the same specs are cut into PP x v chunks and each rank
+builds v of them (``megatron.engine.interleaved``); layer files keep the same numbers.
+
 ``--pp-partition-method``: DeepSpeed's own methods. ``type:transformer`` balances the transformer
 layers (regex on class names, case-insensitive); ``type:transformer|embedding`` counts the two
 embeddings as layers too (BLOOM-176B's setting); ``parameters`` balances parameter counts;
@@ -41,6 +44,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSp
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.config import PARTITION_METHODS, ModelConfig
+from megatron.engine.interleaved import InterleavedPipelineModule
 from megatron.engine.ulysses import sequence_parallel_loss
 from megatron.model import EmbeddingLayer, FinalLayerNorm, OutputLayer, TransformerLayer, gpt_loss, per_token_loss
 from megatron.model.layout import (
@@ -151,9 +155,11 @@ def layer_specs(config: ModelConfig, state: ParallelState, tracker: Optional[RNG
 
 
 def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partition_method: str = "type:transformer",
-                          activation_checkpoint_interval: int = 0,
-                          tracker: Optional[RNGStatesTracker] = None) -> PipelineModule:
+                          activation_checkpoint_interval: int = 0, tracker: Optional[RNGStatesTracker] = None,
+                          num_virtual_stages: int = 1) -> PipelineModule:
     """The model's stage for this rank, on a topology identical to ``state``'s layout.
+
+    num_virtual_stages: above 1, the rank's v chunks for the interleaved schedule (``megatron.engine.interleaved``).
 
     activation_checkpoint_interval: recompute the activations of every run of this many layers in
     backward (``--checkpoint-num-layers`` with ``--checkpoint-activations``); 0 keeps them all.
@@ -178,8 +184,11 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
     # registered ... may lead to silently incorrect behavior"), on each rank holding the tie. The gradients
     # were right (the fallback passes them through), but copying weights is not part of the model's function:
     # no grad is what is meant. checkpoint/training_io.load_checkpoint does the same for DeepSpeed's re-sync.
+    module_class, chunks = PipelineModule, {}
+    if num_virtual_stages > 1:
+        module_class, chunks = InterleavedPipelineModule, dict(num_virtual_stages=num_virtual_stages)
     with torch.no_grad():
-        return PipelineModule(
+        return module_class(
             layers=layer_specs(config, state, tracker),
             topology=topology,
             loss_fn=GPTLossFn(state.tp_group, state.cp_group, state.cp_size),
@@ -188,4 +197,5 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
             activation_checkpoint_func=tracked_checkpoint_func(tracker),
             checkpointable_layers=["TransformerLayer"],
             seed_layers=False,
+            **chunks,
         )

@@ -35,7 +35,7 @@ from deepspeed.runtime.pipe.schedule import (
     TrainSchedule,
 )
 
-from megatron.engine.deepspeed_compat import adopt_pipeline_engine_class
+from megatron.engine.deepspeed_compat import require
 from megatron.parallel.weight_grad_store import WeightGradStore, defer_weight_grads
 
 __all__ = ["WeightPass", "ZeroBubbleH1Schedule", "ZeroBubblePipelineEngine", "enable_zero_bubble"]
@@ -137,8 +137,9 @@ class ZeroBubblePipelineEngine(PipelineEngine):
 
 
 def enable_zero_bubble(engine) -> ZeroBubblePipelineEngine:
-    """Turn the PipelineEngine that ``deepspeed.initialize`` built into a ZB-H1 engine: its module's linears defer
-    their weight gradients to the engine's store, its schedule runs them."""
+    """Set up the ZB-H1 engine that ``deepspeed.initialize`` built (``megatron.engine.initialize`` passes it the
+    class): its module's linears defer their weight gradients to the engine's store, its schedule runs them."""
+    require("pipeline_schedule")  # the engine class overrides PipelineEngine's private schedule methods
     if engine.optimizer is not None and getattr(engine.optimizer, "immediate_grad_update", False):
         raise ValueError("ZB-H1 (--enable-zbh1-pipeline) does not combine with bf16.immediate_grad_update in the "
                          "DeepSpeed config: it adds gradients to the fp32 copy from autograd hooks, which a deferred "
@@ -148,7 +149,9 @@ def enable_zero_bubble(engine) -> ZeroBubblePipelineEngine:
                          f"(ZeRO stage {engine.zero_optimization_stage()} without BF16_Optimizer): it collects "
                          f"gradients from autograd hooks, which a deferred weight gradient never reaches. Use "
                          f"--zero-stage 0 in fp32, or --bf16 with fp32 gradient accumulation (BF16_Optimizer)")
-    adopt_pipeline_engine_class(engine, ZeroBubblePipelineEngine)
+    if not isinstance(engine, ZeroBubblePipelineEngine):
+        raise AssertionError(f"deepspeed.initialize built {type(engine).__name__}, not ZeroBubblePipelineEngine: build "
+                             f"it within deepspeed_compat.pipeline_engine_class(ZeroBubblePipelineEngine)")
     engine.weight_grad_store = WeightGradStore()
     engine.executed_steps = []
     defer_weight_grads(engine.module, engine.weight_grad_store)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-from megatron.engine import deepspeed_compat
+from megatron.engine import deepspeed_compat, zero_bubble
 from tests.helpers.paths import REPO_ROOT
 
 
@@ -36,7 +36,8 @@ WORKAROUNDS = {
     "moe_checkpoint": lambda: deepspeed_compat.plain_checkpoint_files(None).__enter__(),
     "universal_expert_slicing": lambda: deepspeed_compat.universal_expert_slicing(None).__enter__(),
     "expert_tp_grad_norm": lambda: deepspeed_compat.count_expert_grads_once(object.__new__(BF16_Optimizer), 1),
-    "pipeline_schedule": lambda: deepspeed_compat.adopt_pipeline_engine_class(None, object),
+    "pipeline_schedule": lambda: zero_bubble.enable_zero_bubble(None),
+    "pipeline_engine_class": lambda: deepspeed_compat.pipeline_engine_class(object).__enter__(),
 }
 
 

@@ -1,0 +1,102 @@
+"""Interleaved virtual pipeline stages (--num-virtual-stages-per-pipeline-rank) train as 1F1B does.
+
+fp32, no dropout, gloo on CPU, PP = 2 with 4 layers: v = 2 puts layers 0 and 2 on rank 0, 1 and 3 on rank 1.
+One 2-process launch trains 1F1B and interleaved (ZeRO-1) for 10 iterations each, saving at 5 and 10. The
+layer files are BLOOM's either way, but a rank's ZeRO optimizer shard holds the layers of its chunks, so a
+regular checkpoint resumes only under its own schedule (there bit for bit; refused by name otherwise) and
+switches schedule through a universal checkpoint. A second launch resumes each from iteration 5 under the
+other schedule and the interleaved one under its own, and trains both schedules in bf16 (BF16_Optimizer).
+Losses and grad norms agree with 1F1B's within 1e-6 (relative) over the 10 iterations, through both
+resumes, and between the two bf16 runs.
+"""
+
+import os
+
+import pytest
+
+from megatron.testing import run_distributed, tiny_argv
+from tests.helpers.training import assert_same_run, to_universal, train
+
+ITERS = 10
+VIRTUAL = ["--num-virtual-stages-per-pipeline-rank", "2"]
+
+
+def _argv(corpus, *extra, **flags):
+    return tiny_argv(corpus, "--pipeline-model-parallel-size", "2", *extra,
+                     **dict(dict(num_layers=4, train_iters=ITERS, zero_stage=1), **flags))
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_corpus, tmp_path_factory):
+    """1F1B and interleaved for 10 iterations, saving at 5 and 10; each resumed from its iteration 5 under the
+    other schedule; both in bf16 for 5 iterations."""
+    root = tmp_path_factory.mktemp("interleaved")
+    saved_1f1b, saved_interleaved = str(root / "1f1b"), str(root / "interleaved")
+    evaluate = dict(eval_interval=ITERS, eval_iters=2)  # eval_batch: the forward-only schedule
+    argvs = [_argv(tiny_corpus, save=saved_1f1b, save_interval=5, **evaluate),
+             _argv(tiny_corpus, *VIRTUAL, save=saved_interleaved, save_interval=5, **evaluate)]
+    out = dict(zip(["1f1b", "interleaved"], run_distributed(train, world_size=2, args=(argvs,), timeout=600)[-1]))
+    # The latest regular checkpoints (iteration 10) under the other schedule: refused before any launch.
+    out["refusals"] = [_regular_load_refusal(_argv(tiny_corpus, *VIRTUAL, load=saved_1f1b)),
+                       _regular_load_refusal(_argv(tiny_corpus, load=saved_interleaved))]
+    for saved in (saved_1f1b, saved_interleaved):
+        to_universal(os.path.join(saved, "global_step5"))  # and points latest_universal at it
+    with open(os.path.join(saved_interleaved, "latest"), "w") as latest:  # roll the regular pointer back to 5
+        latest.write("global_step5")
+    argvs = [_argv(tiny_corpus, *VIRTUAL, load=saved_1f1b, universal_checkpoint=True),
+             _argv(tiny_corpus, load=saved_interleaved, universal_checkpoint=True),
+             _argv(tiny_corpus, *VIRTUAL, load=saved_interleaved),
+             _argv(tiny_corpus, "--bf16", train_iters=5), _argv(tiny_corpus, "--bf16", *VIRTUAL, train_iters=5)]
+    names = ["interleaved_resumed", "1f1b_resumed", "interleaved_own_resume", "1f1b_bf16", "interleaved_bf16"]
+    return out | dict(zip(names, run_distributed(train, world_size=2, args=(argvs,), timeout=600)[-1]))
+
+
+def _regular_load_refusal(argv) -> str:
+    """The ValueError resuming a regular checkpoint under the other schedule gives, before any launch."""
+    from megatron.arguments import run_config_from_argv
+    from megatron.checkpoint.resume import resume_point
+
+    with pytest.raises(ValueError) as refused:
+        resume_point(run_config_from_argv(argv, world_size=2))
+    return str(refused.value)
+
+
+def _between(run, first, last):
+    """``run``'s iterations ``first`` .. ``last`` with their losses and grad norms."""
+    keep = [i for i, it in enumerate(run["iterations"]) if first <= it <= last]
+    return {key: [run[key][i] for i in keep] for key in ("iterations", "losses", "grad_norms")}
+
+
+@pytest.mark.multiprocess
+def test_interleaved_trains_as_1f1b(runs):
+    reference, interleaved = runs["1f1b"], runs["interleaved"]
+    assert reference["iterations"] == list(range(1, ITERS + 1))
+    assert reference["losses"][-1] < reference["losses"][0] - 0.05, reference["losses"]  # it learns
+    assert interleaved["engine"] == "InterleavedPipelineEngine" and reference["engine"] == "PipelineEngine"
+    assert_same_run(reference, interleaved, "interleaved v=2 vs 1F1B", rel_loss=1e-6, rel_norm=1e-6)
+    assert reference["valid"] and interleaved["valid"].keys() == reference["valid"].keys()
+    for name, loss in reference["valid"].items():
+        assert interleaved["valid"][name] == pytest.approx(loss, rel=1e-6), name
+
+
+@pytest.mark.multiprocess
+def test_checkpoints_switch_schedules_on_resume(runs):
+    reference = runs["1f1b"]
+    for saved, resumed in (("1f1b", "interleaved_resumed"), ("interleaved", "1f1b_resumed")):
+        assert runs[resumed]["iterations"] == list(range(6, ITERS + 1)), resumed
+        assert_same_run(_between(reference, 6, ITERS), runs[resumed], f"{resumed} from {saved}'s iteration 5",
+                        rel_loss=1e-6, rel_norm=1e-6)
+    own = runs["interleaved_own_resume"]  # a regular checkpoint under its own schedule: exact
+    assert own["iterations"] == list(range(6, ITERS + 1))
+    assert own["losses"] == runs["interleaved"]["losses"][5:] and own["grad_norms"] == runs["interleaved"]["grad_norms"][5:]
+    for refusal in runs["refusals"]:  # a regular checkpoint's optimizer shards are per rank: convert it once
+        assert "--num-virtual-stages-per-pipeline-rank" in refusal and "ds_to_universal.py" in refusal, refusal
+
+
+@pytest.mark.multiprocess
+def test_bf16_interleaved_uses_bf16_optimizer_and_tracks_1f1b(runs):
+    one_f_one_b, interleaved = runs["1f1b_bf16"], runs["interleaved_bf16"]
+    assert interleaved["optimizer"] == "BF16_Optimizer" and interleaved["engine"] == "InterleavedPipelineEngine"
+    assert_same_run(one_f_one_b, interleaved, "bf16 interleaved vs bf16 1F1B", rel_loss=1e-6, rel_norm=1e-6)
+    assert_same_run(_between(runs["1f1b"], 1, 5), interleaved, "bf16 interleaved vs fp32 1F1B", rel_loss=2e-2,
+                    rel_norm=5e-2)
