@@ -23,6 +23,10 @@ def test_both_spellings_give_the_virtual_stages(files):
     (dict(num_virtual_stages_per_pipeline_rank=2, num_experts=4), "MoE layers"),
     (dict(num_virtual_stages_per_pipeline_rank=2, pipeline_model_parallel_size=1), "no bubble to fill"),
     (dict(num_virtual_stages_per_pipeline_rank=2, zero_stage=2), "--zero-stage 2 does not combine with --pipeline"),
+    (dict(num_virtual_stages_per_pipeline_rank=2, enable_zbh1_pipeline=True, enable_zbh1_exact_semantics=True),
+     "does not support --enable-zbh1-pipeline"),
+    (dict(num_virtual_stages_per_pipeline_rank=2, context_parallel_size=2, attention_dropout=0.0, world_size=4),
+     "does not support --context-parallel-size 2"),
     (dict(num_virtual_stages_per_pipeline_rank=2, train_iters=None, train_samples=800, rampup_batch_size=[4, 4, 64]),
      "does not support --rampup-batch-size"),
 ])
