@@ -7,6 +7,8 @@
         --global-batch-size 512
     python tools/plan_parallelism.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
         --num-gpus 8 --gpu H100-80GB --global-batch-size 512 --json
+    python tools/plan_parallelism.py --model deepseek-v3 --num-gpus 256 --gpu H100-80GB --seq-length 4096 \
+        --global-batch-size 1024 --ep-sizes 1 2 4 8
     python tools/plan_parallelism.py --model 7B1 --num-gpus 8 --gpu A100-80GB --global-batch-size 8 \
         --longest-sequence --ulysses-sizes 1 2 4 8 --attention fused
 
@@ -62,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Megatron sequence parallelism (layouts with TP > 1): try both, or fix it")
     p.add_argument("--ulysses-sizes", type=int, nargs="+", default=[1],
                    help="DeepSpeed-Ulysses degrees to consider (heads divisible by TP x u, TP x u within a node, PP 1)")
+    p.add_argument("--ep-sizes", type=int, nargs="+",
+                   help="expert-parallel sizes to consider on an MoE model (--model mixtral-8x7b, deepseek-v3); "
+                        "default: every power of two dividing its experts, up to --num-gpus")
     p.add_argument("--attention", choices=["fused", "materialized"], default="materialized",
                    help="materialized (the default, the published runs' numbers): Korthikanti's 5as/h bytes per "
                         "layer (Megatron's fused softmax); fused: the core attention keeps no [heads, s, s] scores "
@@ -88,6 +93,22 @@ def model_from_args(args) -> ModelShape:
                       tied_embeddings=not args.untie_embeddings_and_output_weights)
 
 
+def ep_sizes_from_args(args, model: ModelShape) -> tuple[int, ...]:
+    """The EP sizes to search: the given ones, else (MoE) the powers of two dividing the experts."""
+    if args.ep_sizes is not None:
+        if model.moe is None and args.ep_sizes != [1]:
+            raise SystemExit(f"--ep-sizes {args.ep_sizes}: the model has no experts (choose an MoE --model)")
+        return tuple(args.ep_sizes)
+    if model.moe is None:
+        return (1,)
+    sizes, ep = [], 1
+    while ep <= min(model.moe.num_experts, args.num_gpus):
+        if model.moe.num_experts % ep == 0:
+            sizes.append(ep)
+        ep *= 2
+    return tuple(sizes)
+
+
 def hardware_from_args(args):
     gpu = GPUS[args.gpu]
     if args.gpu_memory_gib:
@@ -103,11 +124,11 @@ def hardware_from_args(args):
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {'seq':>6} {'MBS':>3} {'m':>5} {'recomp':>6} {'ZeRO':>8} "
+    head = (f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {'EP':>3} {'seq':>6} {'MBS':>3} {'m':>5} {'recomp':>6} {'ZeRO':>8} "
             f"{'mem GiB':>8} {'step s':>8} {'TFLOPs hw':>9} {'TFLOPs mdl':>10} {'MFU':>6} {'bubble':>6} {'tokens/s':>10}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
-        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['sequence'] or '-':>6} "
+        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['ep']:>3} {r['sequence'] or '-':>6} "
                      f"{r['micro_batch_size']:>3} "
                      f"{r['num_micro_batches']:>5} {'yes' if r['recompute'] else 'no':>6} {r['zero']:>8} "
                      f"{r['memory_gib']:>8.1f} {r['step_s']:>8.2f} {r['hardware_tflops_per_gpu']:>9.1f} "
@@ -168,7 +189,8 @@ def main(argv=None) -> int:
                          include_infeasible=args.show_infeasible,
                          sequence_parallel=SEQUENCE_PARALLEL[args.sequence_parallel],
                          ulysses_sizes=tuple(args.ulysses_sizes),
-                         store_attention_scores=args.attention == "materialized")
+                         store_attention_scores=args.attention == "materialized",
+                         ep_sizes=ep_sizes_from_args(args, model))
     rows = [p.row() for p in plans[:args.top]]
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(model), "gpu": dataclasses.asdict(gpu),

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tools import plan_parallelism
 
 BLOOM_ARGS = ["--model", "176B", "--num-gpus", "384", "--gpu", "A100-80GB", "--cluster", "jean-zay-a100",
@@ -57,3 +59,22 @@ def test_ranking_with_sp_and_ulysses_counts_every_gpu(capsys):
     assert {r["ulysses"] for r in rows} == {1, 2, 4} and {r["sequence_parallel"] for r in rows} == {False, True}
     assert plan_parallelism.main(argv[:-2] + ["--sequence-parallel", "off"]) == 0
     assert not any(r["sequence_parallel"] for r in json.loads(capsys.readouterr().out)["layouts"])
+
+
+def test_an_moe_model_is_searched_over_expert_parallel_sizes(capsys):
+    """Mixtral-8x7B: by default EP 1, 2, 4 and 8 (the powers of two dividing its 8 experts), each a divisor of DP
+    (EP ranks are carved from the data-parallel ones); --ep-sizes narrows the search; a dense model refuses it."""
+    argv = ["--model", "mixtral-8x7b", "--num-gpus", "64", "--gpu", "H100-80GB", "--seq-length", "4096",
+            "--global-batch-size", "512", "--micro-batch-sizes", "1", "--sequence-parallel", "off",
+            "--zero-stages", "1", "--json", "--top", "1000"]
+    assert plan_parallelism.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert {r["ep"] for r in rows} == {1, 2, 4, 8}, sorted({r["ep"] for r in rows})
+    assert all(r["tp"] * r["pp"] * r["dp"] == 64 and r["dp"] % r["ep"] == 0 for r in rows)
+    assert plan_parallelism.main(argv + ["--ep-sizes", "2"]) == 0
+    assert {r["ep"] for r in json.loads(capsys.readouterr().out)["layouts"]} == {2}
+    assert plan_parallelism.main(argv[:-3] + ["--ep-sizes", "4", "--top", "3"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split()[4] == "EP" and all(line.split()[4] == "4" for line in table[3:]), table
+    with pytest.raises(SystemExit, match="has no experts"):
+        plan_parallelism.main(["--model", "7B1", "--num-gpus", "8", "--global-batch-size", "8", "--ep-sizes", "2"])
