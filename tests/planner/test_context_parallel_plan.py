@@ -163,3 +163,43 @@ def test_cp_layer_activations_ring_bytes_and_overlap_by_hand():
     assert ring_exposed_s(tiny, cp2, gpu, cluster, s, 2, 1.0) == pytest.approx(2 * 2 * 2 * 2048 * 4 / bw)
     # compute instant: nothing hidden
     assert ring_exposed_s(tiny, cp2, gpu, cluster, s, 2, 1e30) == pytest.approx(2 * 49152 / bw)
+
+
+def test_bloom_176b_layout_at_32k_fits_with_cp8_at_micro_batch_2_and_cp4_at_1():
+    """docs/parallelism.md's figures: BLOOM-176B's TP=4 PP=12 on 384 A100-80GB (DP x CP = 8, ZeRO-1, recompute,
+    global batch 2048) at 32k tokens: stage 0 holds 12 micro-batches' checkpointed inputs of 5 layers."""
+    from megatron.planner import BLOOM_SIZES, GPUS
+    from megatron.planner.layout import Layout
+    from megatron.planner.memory import MEMORY_HEADROOM, estimate_memory
+    from megatron.planner.search import longest_sequence_of_layout
+    from megatron.planner.specs import GiB
+
+    model, gpu, limit = BLOOM_SIZES["176B"], GPUS["A100-80GB"], GPUS["A100-80GB"].memory_bytes * MEMORY_HEADROOM
+
+    def bloom(cp, micro_batch, **kw):
+        return Layout(4, 12, 8 // cp, micro_batch, recompute=True, zero_stage=1, cp=cp,
+                      partition_method="type:transformer|embedding", **kw)
+
+    peaks = {(c, b): estimate_memory(model, bloom(c, b), 32768, 2048).peak / GiB for c in (2, 4, 8) for b in (1, 2)}
+    assert [peaks[(c, 2)] <= limit / GiB for c in (2, 4, 8)] == [False, False, True], peaks
+    assert [peaks[(c, 1)] <= limit / GiB for c in (2, 4, 8)] == [False, True, True], peaks
+    assert peaks[(8, 2)] == pytest.approx(56.94, abs=0.01) and peaks[(4, 2)] == pytest.approx(75.65, abs=0.01)
+    # CP = 1 with a fused kernel (no [np, s, s] scores, as ring attention keeps none) and with the scores kept
+    longest = [longest_sequence_of_layout(model, bloom(c, 2, store_attention_scores=False), gpu, 2048)
+               for c in (1, 2, 4, 8)]
+    assert longest == [7680, 14592, 29440, 59136]
+    assert longest_sequence_of_layout(model, bloom(1, 2), gpu, 2048) == 4864
+
+
+def test_on_one_node_cp_fits_less_than_tp_with_sp():
+    """docs/parallelism.md: BLOOM-7B1 on 8 GPUs, recomputation, micro-batch 1, fused attention: a CP rank holds the
+    whole layer's weights, which TP splits."""
+    from megatron.planner import BLOOM_SIZES, GPUS
+    from megatron.planner.layout import Layout
+    from megatron.planner.search import longest_sequence_of_layout
+
+    longest = [longest_sequence_of_layout(BLOOM_SIZES["7B1"], Layout(tp, 1, 1, 1, zero_stage=1 if cp > 1 else 0,
+                                                                     sequence_parallel=tp > 1, cp=cp,
+                                                                     store_attention_scores=False),
+                                          GPUS["A100-80GB"], 8) for tp, cp in ((8, 1), (4, 2), (2, 4), (1, 8))]
+    assert longest == [148480, 125184, 89344, 17408]
