@@ -3,7 +3,7 @@
 fp32, no dropout, 10 iterations of pretrain_gpt's path: losses within 1e-5 (relative) and grad norms within 1e-4
 of a single process, for BLOOM (ALiBi) and a Llama-style model (rotary, GQA). On the pipeline engine with ZeRO-1
 (DeepSpeed's data axis then holds the dp x cp ranks): CP=2, CP=4, CP=2 x PP=2, CP=2 x TP=2 (also with
---sequence-parallel) and CP=2 x DP=2; on DeepSpeed's non-pipeline engine: CP=2 under ZeRO-2 and ZeRO-3. A
+--sequence-parallel), CP=2 x DP=2 and CP=2 x PP=2 x DP=2 (8 processes); on DeepSpeed's non-pipeline engine: CP=2 under ZeRO-2 and ZeRO-3. A
 checkpoint saved at CP=2 continues at CP=1 x DP=2 exactly as a straight CP=1 x DP=2 run (and CP=1 x DP=2 -> CP=2,
 CP=2 x DP=2 -> CP=4); bf16 (BF16_Optimizer) tracks fp32. One launch per world size
 trains every layout of that size in turn. Layouts that cannot work yet are refused before launch, naming the fix.
@@ -57,8 +57,10 @@ def runs(tiny_corpus, tmp_path_factory):
             "resumed cp4": (layout(bloom, *CP4, "--load", save_cp2dp2), "bloom"),
             # Megatron's --sequence-parallel inside each TP group, on this rank's s / cp tokens
             "bloom cp2 tp2 megatron sp": (layout(bloom, *CP2, "--sequence-parallel", tp=2), "bloom")}
+    # every axis at once on 8 processes (measured alone: about 10 s)
+    eight = {"bloom cp2 pp2 dp2": (layout(bloom, *CP2, pp=2), "bloom")}
     out = {}
-    for world, layouts in ((2, two), (4, four)):
+    for world, layouts in ((2, two), (4, four), (8, eight)):
         results = run_distributed(train, world_size=world, args=([argv for argv, _ in layouts.values()],),
                                   timeout=600)
         for rank, per_rank in enumerate(results):
@@ -68,7 +70,7 @@ def runs(tiny_corpus, tmp_path_factory):
 
 
 EXACT = ["bloom cp2", "llama cp2", "bloom cp2 pp2", "llama cp2 pp2", "bloom cp4", "llama cp2 tp2", "bloom cp2 dp2",
-         "bloom cp2 tp2 megatron sp", "bloom cp2 zero2", "llama cp2 zero3"]
+         "bloom cp2 tp2 megatron sp", "bloom cp2 zero2", "llama cp2 zero3", "bloom cp2 pp2 dp2"]
 
 
 @pytest.mark.multiprocess
@@ -86,7 +88,8 @@ def test_context_parallel_engine_and_optimizers(runs):
     _, out = runs
     expected = {"bloom cp2": (2, "DeepSpeedZeroOptimizer"), "bloom cp2 bf16": (2, "BF16_Optimizer"),
                 "bloom cp2 pp2": (2, "DeepSpeedZeroOptimizer"), "bloom cp4": (4, "DeepSpeedZeroOptimizer"),
-                "llama cp2 tp2": (2, "DeepSpeedZeroOptimizer"), "bloom cp2 dp2": (4, "DeepSpeedZeroOptimizer")}
+                "llama cp2 tp2": (2, "DeepSpeedZeroOptimizer"), "bloom cp2 dp2": (4, "DeepSpeedZeroOptimizer"),
+                "bloom cp2 pp2 dp2": (4, "DeepSpeedZeroOptimizer")}
     for label, (dp_cp, optimizer) in expected.items():
         for rank, (_, result) in out[label].items():
             assert result["engine"] == "PipelineEngine", (label, rank, result["engine"])
