@@ -3,9 +3,9 @@
 fp32, no dropout, 10 iterations of pretrain_gpt's path: losses within 1e-5 (relative) and grad norms within 1e-4
 of a single process, for BLOOM (ALiBi) and a Llama-style model (rotary, GQA). On the pipeline engine with ZeRO-1
 (DeepSpeed's data axis then holds the dp x cp ranks): CP=2, CP=4, CP=2 x PP=2, CP=2 x TP=2 (also with
---sequence-parallel), CP=2 x DP=2 and CP=2 x PP=2 x DP=2 (8 processes); on DeepSpeed's non-pipeline engine: CP=2 under ZeRO-2 and ZeRO-3. A
-checkpoint saved at CP=2 continues at CP=1 x DP=2 exactly as a straight CP=1 x DP=2 run (and CP=1 x DP=2 -> CP=2,
-CP=2 x DP=2 -> CP=4); bf16 (BF16_Optimizer) tracks fp32. One launch per world size
+--sequence-parallel), CP=2 x DP=2 and CP=2 x PP=2 x DP=2 (8 processes); on DeepSpeed's non-pipeline engine: CP=2
+under ZeRO-2 and ZeRO-3. A checkpoint saved at CP=2 continues at CP=1 x DP=2 exactly as a straight CP=1 x DP=2 run
+(and CP=1 x DP=2 -> CP=2, CP=2 x DP=2 -> CP=4); bf16 (BF16_Optimizer) tracks fp32. One launch per world size
 trains every layout of that size in turn. Layouts that cannot work yet are refused before launch, naming the fix.
 """
 
