@@ -68,9 +68,11 @@ def item_param_counts(rc: RunConfig) -> list[int]:
 def stores_attention_scores(rc: RunConfig) -> bool:
     """Whether the core attention keeps [np, s, s] scores for backward on the GPU the estimate assumes:
     not with selective recomputation, flash or flex, nor with ``auto`` (on CUDA it runs flash, flex or
-    SDPA's fused kernels); an explicit ``sdpa`` is counted as materializing them (its math kernel may run)."""
+    SDPA's fused kernels); an explicit ``sdpa`` is counted as materializing them (its math kernel may run). Never
+    under context parallelism: the ring kernel keeps one block's scores at a time."""
     m = rc.model
-    return not m.recompute_core_attention and m.attention_backend == "sdpa"
+    return (not m.recompute_core_attention and m.attention_backend == "sdpa"
+            and rc.parallel.context_parallel_size == 1)
 
 
 def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
