@@ -13,8 +13,16 @@ from typing import Optional
 from megatron.config import RunConfig
 from megatron.model.layout import EMBEDDING, FINAL_NORM, HEAD, TRANSFORMER, pipeline_items
 from megatron.planner import CLUSTERS, GPUS, Layout, ModelShape, estimate_memory, estimate_step
+from megatron.planner.context_parallel import (
+    ring_bandwidth_gbps,
+    ring_buffer_bytes,
+    ring_bytes,
+    ring_exposed_s,
+    step_ring_bytes,
+)
 from megatron.planner.memory import MEMORY_HEADROOM, stage_expert_param_counts
 from megatron.planner.moe import step_all_to_all_bytes
+from megatron.planner.performance import ATTENTION_EFFICIENCY
 from megatron.planner.specs import DEFAULT_CLUSTER, GiB, model_shape_of
 
 DEFAULT_GPU = "A100-80GB"  # what BLOOM-176B trained on (Jean Zay), the GPU these flags were written for
@@ -60,9 +68,11 @@ def item_param_counts(rc: RunConfig) -> list[int]:
 def stores_attention_scores(rc: RunConfig) -> bool:
     """Whether the core attention keeps [np, s, s] scores for backward on the GPU the estimate assumes:
     not with selective recomputation, flash or flex, nor with ``auto`` (on CUDA it runs flash, flex or
-    SDPA's fused kernels); an explicit ``sdpa`` is counted as materializing them (its math kernel may run)."""
+    SDPA's fused kernels); an explicit ``sdpa`` is counted as materializing them (its math kernel may run). Never
+    under context parallelism: the ring kernel keeps one block's scores at a time."""
     m = rc.model
-    return not m.recompute_core_attention and m.attention_backend == "sdpa"
+    return (not m.recompute_core_attention and m.attention_backend == "sdpa"
+            and rc.parallel.context_parallel_size == 1)
 
 
 def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
@@ -73,7 +83,8 @@ def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
                   partition_method=p.pp_partition_method, stage_layers=tuple(stage_layers),
                   hpz=p.zero_hpz_partition_size, sequence_parallel=p.sequence_parallel,
                   ulysses=p.ds_sequence_parallel_size,
-                  store_attention_scores=stores_attention_scores(rc), ep=p.expert_model_parallel_size)
+                  store_attention_scores=stores_attention_scores(rc), ep=p.expert_model_parallel_size,
+                  cp=p.context_parallel_size)
 
 
 def memory_section(rc: RunConfig, stage_layers: list[int], gpu) -> dict:
@@ -123,3 +134,29 @@ def step_section(rc: RunConfig, stage_layers: list[int], gpu, cluster, batch_ste
             "hardware_tflops_per_gpu": round(full.hardware_tflops_per_gpu, 1), "mfu": round(full.mfu, 4),
             "tokens_per_s": round(full.tokens_per_s, 1), "run_days": round(run_s / 86400, 2),
             "components_s": {k: round(v, 3) for k, v in full.components_s.items()}}
+
+
+def context_parallel_section(rc: RunConfig, stage_layers: list[int], gpu, cluster) -> Optional[dict]:
+    """A context-parallel job's ring: the K / V (and dK / dV) bytes each rank sends per layer and per step, the
+    buffers they need, and the part of the ring's time the block computation does not hide
+    (``megatron.planner.context_parallel``); None without CP."""
+    layout = planner_layout(rc, stage_layers)
+    if layout.cp == 1:
+        return None
+    shape, seq, width = model_shape(rc), rc.data.seq_length, (4 if layout.precision == "fp32" else 2)
+    m = rc.batch.num_micro_batches(layout.dp)
+    per_layer = ring_bytes(shape, layout, seq, width)
+    attention_rate = gpu.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY
+    stages = []
+    for n in stage_layers:
+        step = step_ring_bytes(shape, layout, seq, width, n, m)
+        exposed = m * ring_exposed_s(shape, layout, gpu, cluster, seq, n, attention_rate, width)
+        stages.append({"layers": n, "sends": int(step["sends"]), "p2p_gib": round(step["total"] / GiB, 4),
+                       "exposed_s": round(exposed, 4)})
+    return {"context_parallel_size": layout.cp, "tokens_per_rank": seq // layout.cp,
+            "bandwidth_gbps": ring_bandwidth_gbps(layout, gpu, cluster),
+            "per_layer_mib": {k: round(per_layer[k] / 2 ** 20, 4) for k in ("forward", "backward",
+                                                                           "recomputed_forward", "total")},
+            "ring_buffers_mib": round(ring_buffer_bytes(shape, layout, seq, width) / 2 ** 20, 3),
+            "overlap": "each K / V hop travels while the current block is computed; the dK / dV hop is exposed",
+            "stages": stages}

@@ -13,6 +13,7 @@ from typing import Mapping, Optional, Sequence
 
 from megatron.arguments.check import ArgvCheck, check_argv
 from megatron.dry_run.estimate import (
+    context_parallel_section,
     experts_section,
     hardware,
     item_param_counts,
@@ -24,7 +25,7 @@ from megatron.dry_run.estimate import (
 from megatron.dry_run.plan import RunSteps, batch_section, layout_section, lr_section, run_section
 from megatron.dry_run.text import render
 
-SECTIONS = ("layout", "batch", "run", "lr_schedule", "memory", "step", "experts")
+SECTIONS = ("layout", "batch", "run", "lr_schedule", "memory", "step", "experts", "context_parallel")
 
 
 def dry_run(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, out=None) -> int:
@@ -85,15 +86,12 @@ def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
     if gpu is None:
         check.not_checked.append("the memory and step-time estimates: no GPU to assume (see the problems)")
         return
-    if rc.parallel.context_parallel_size > 1:
-        check.not_checked.append(f"the memory and step-time estimates: the planner does not model "
-                                 f"--context-parallel-size {rc.parallel.context_parallel_size} yet")
-        return
     stage_layers = [stage["num_transformer_layers"] for stage in report["layout"]["stages"]]
     try:
         report["memory"] = memory_section(rc, stage_layers, gpu)
         report["step"] = step_section(rc, stage_layers, gpu, cluster, steps.steps_per_batch_size())
         report["experts"] = experts_section(rc, stage_layers)
+        report["context_parallel"] = context_parallel_section(rc, stage_layers, gpu, cluster)
     except ValueError as error:
         check.not_checked.append(f"the memory and step-time estimates: {error}")
         return

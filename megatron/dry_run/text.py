@@ -17,7 +17,8 @@ def render(report: dict) -> str:
     lines = ["pretrain_gpt.py --dry-run: the job checked without starting it",
              f"world size   {world['value'] if world['value'] is not None else 'unknown'} (from {world['source']})"]
     for key, section in (("model", _model), ("layout", _layout), ("batch", _batch), ("run", _run),
-                         ("lr_schedule", _lr), ("memory", _memory), ("step", _step), ("experts", _experts)):
+                         ("lr_schedule", _lr), ("memory", _memory), ("step", _step), ("experts", _experts),
+                         ("context_parallel", _context_parallel)):
         if report[key] is not None:  # None: not computed (the report's "not_checked" says why)
             lines += section(report[key])
     for title, key, prefix in (("warnings (logged at startup, or about the estimates)", "warnings", ""),
@@ -121,4 +122,17 @@ def _experts(e: dict) -> list[str]:
         lines.append(f"  stage {i:<4} {stage['moe_layers']} MoE layers, {_n(stage['expert_params_per_rank'])} expert "
                      f"parameters per rank, {stage['all_to_all_calls']} all-to-alls, {stage['all_to_all_gib']:g} GiB "
                      f"handed ({stage['cross_rank_gib']:g} GiB cross-rank)")
+    return lines
+
+
+def _context_parallel(c: dict) -> list[str]:
+    layer = c["per_layer_mib"]
+    lines = ["", f"ring         CP {c['context_parallel_size']}: {_n(c['tokens_per_rank'])} tokens per rank; K / V "
+             f"sent per layer and micro-batch {layer['forward']:g} MiB forward, {layer['backward']:g} MiB backward "
+             f"(with dK / dV), {layer['recomputed_forward']:g} MiB recomputed; buffers {c['ring_buffers_mib']:g} MiB; "
+             f"{c['bandwidth_gbps']:g} GB/s",
+             f"  overlap    {c['overlap']}"]
+    for i, stage in enumerate(c["stages"]):
+        lines.append(f"  stage {i:<4} {stage['layers']} layers, {_n(stage['sends'])} sends, {stage['p2p_gib']:g} GiB "
+                     f"per step, {stage['exposed_s']:g} s not hidden")
     return lines

@@ -8,6 +8,8 @@
     search.py       enumerate (TP, PP, DP, SP, Ulysses, micro-batch, recompute, ZeRO) layouts, rank them;
                     the longest sequence each family of layouts fits
     moe.py          mixture of experts: experts per (TP, EP) rank, the token all-to-all bytes, EP layout rules
+    context_parallel.py  context parallelism (ring attention): what the kernel keeps, its buffers, the ring's
+                    p2p bytes per layer and the part the block computation does not hide
     comm_count.py   the analytic count of collectives / p2p in one step, and a recorder that
                     counts the real ones (wrapping torch.distributed) to compare with
 

@@ -33,10 +33,17 @@ class Layout:
     store_attention_scores: bool = True
     # expert parallelism: each MoE layer's experts split over ep of the DP ranks (megatron.planner.moe)
     ep: int = 1
+    # context parallelism (ring attention): every layer on s/cp tokens, key / value blocks passed around the ring
+    # (megatron.planner.context_parallel); its ranks hold the same weights, like DP's
+    cp: int = 1
 
     def __post_init__(self):
-        if self.ulysses < 1:
-            raise ValueError(f"the Ulysses degree must be at least 1 (got {self.ulysses})")
+        if self.ulysses < 1 or self.cp < 1:
+            raise ValueError(f"the Ulysses degree and the context-parallel size must be at least 1 (got "
+                             f"{self.ulysses} and {self.cp})")
+        if self.ulysses > 1 and self.cp > 1:
+            raise ValueError(f"Ulysses {self.ulysses} and context parallelism {self.cp} both split the sequence; "
+                             f"the run refuses them together: pick one")
         check_expert_size(self.dp, self.ulysses, self.ep)  # the run's own rule (EP divides DP, no Ulysses)
 
     @property
@@ -51,18 +58,23 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.ulysses
+        return self.tp * self.pp * self.dp * self.ulysses * self.cp
 
     @property
     def weight_replicas(self) -> int:
-        """Ranks holding the same weights: DP x Ulysses (a sequence group's ranks see the same parameters
+        """Ranks holding the same weights: DP x Ulysses x CP (a sequence group's ranks see the same parameters
         and different tokens). ZeRO shards over them and gradients are averaged over them."""
-        return self.dp * self.ulysses
+        return self.dp * self.ulysses * self.cp
 
     @property
     def sequence_split(self) -> int:
-        """How many ranks share one sample's tokens outside the TP region: Ulysses x (TP with SP)."""
-        return self.ulysses * (self.tp if self.sequence_parallel else 1)
+        """How many ranks share one sample's tokens outside the TP region: Ulysses x CP x (TP with SP)."""
+        return self.ulysses * self.cp * (self.tp if self.sequence_parallel else 1)
+
+    @property
+    def token_split(self) -> int:
+        """How many ranks share one sample's tokens everywhere, the TP region included: Ulysses x CP."""
+        return self.ulysses * self.cp
 
     def num_micro_batches(self, global_batch_size: int) -> int:
         per_step = self.micro_batch_size * self.dp
@@ -73,8 +85,9 @@ class Layout:
 
     @property
     def sequence_label(self) -> str:
-        """"SP", "U2", "SP+U2" or "" (neither)."""
+        """"SP", "U2", "SP+U2", "CP2", "SP+CP2" or "" (none)."""
         parts = (["SP"] if self.sequence_parallel else []) + ([f"U{self.ulysses}"] if self.ulysses > 1 else [])
+        parts += [f"CP{self.cp}"] if self.cp > 1 else []
         return "+".join(parts)
 
     def short(self) -> str:

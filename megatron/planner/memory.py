@@ -39,6 +39,8 @@ Recomputation in Large Transformer Models", eqs. 2 and 4), bf16, t = TP, u = Uly
   embedding dropout mask (s*b*h bytes per micro-batch, split like a layer's input); the last stage the
   logits of one micro-batch: bf16 logits + fp32 copy for the loss + fp32 gradient = 10*s*b*V/t bytes
   (/u with Ulysses). fp32 runs: 4-byte activations (``activation_bytes_per_element``).
+Context parallelism (CP = c, ring attention): every term for s/c tokens, no scores, plus what the ring kernel
+keeps and its buffers (``megatron.planner.context_parallel``).
 The layer being back-propagated adds its activation gradients (~ one layer's set) and, with
 recomputation, its recomputed activations. Runtime overhead (CUDA context, NCCL buffers): a flat
 RUNTIME_OVERHEAD. A layout fits when the total is at most MEMORY_HEADROOM of the GPU's memory (the
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron.planner.context_parallel import ring_buffer_bytes, ring_saved_bytes
 from megatron.planner.layout import Layout, stage_layer_counts
 from megatron.planner.moe import check_expert_layout
 from megatron.planner.specs import GiB, ModelShape
@@ -172,6 +175,11 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     dispatched input rows and k returned output rows (2k w per h, not split by TP: each TP rank routes every
     token) and the router's fp32 logits and scores (8E/h).
     """
+    if layout.cp > 1:  # ring attention: everything for s/c tokens, no scores (megatron.planner.context_parallel)
+        local = dataclasses.replace(layout, cp=1, store_attention_scores=False)
+        return (layer_activation_bytes(model, local, seq_length / layout.cp, bytes_per_element,
+                                       sp_saves_gathered_inputs=sp_saves_gathered_inputs, moe_layer=moe_layer)
+                + ring_saved_bytes(model, layout, seq_length, bytes_per_element))
     s, b, h, a = seq_length, layout.micro_batch_size, model.hidden_size, model.num_attention_heads
     t, u, w = layout.tp, layout.ulysses, bytes_per_element
     outside = 4 * w + 2
@@ -238,7 +246,8 @@ def estimate_memory(model: ModelShape, layout: Layout, seq_length: int, global_b
         if i == 0:
             act += in_flight * local_tokens * h  # embedding dropout mask (1 byte per element)
         if i == layout.pp - 1:
-            act += (w + 8) * s / layout.ulysses * b * model.vocab_size / t  # logits, fp32 copy, fp32 gradient
+            act += (w + 8) * s / layout.token_split * b * model.vocab_size / t  # logits, fp32 copy, fp32 gradient
+        act += ring_buffer_bytes(model, layout, s, w)  # CP: the ring's blocks while a layer runs backward
         stage = dict(static_bytes(n_params, layout, experts[i]))
         if layout.zero_stage == 3:
             # the gathered full weights of the layer being computed and of the one prefetched (an estimate:

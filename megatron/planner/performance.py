@@ -23,6 +23,9 @@ Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
               for a/(t*u) heads): compute / u. Around the core attention 4 all-to-alls in forward (q, k,
               v, the context: s/u*b*h/t bf16 values each, k and v kv_hidden wide), 4 in backward, 4 more in
               a recomputed forward, each moving (u-1)/u of its tensor: NVLink while t*u fits a node.
+  CP          (context parallelism, ring attention) every layer on s/c tokens: GEMM rows b*s/c, attention
+              s/c queries against s keys (compute / c); the ring's K / V (and dK / dV) sends, less what the
+              block computation hides (``megatron.planner.context_parallel.ring_exposed_s``): ``cp_comm``.
   PP          one activation forward and one gradient backward of s*b*h bf16 per micro-batch; with
               TP > 1 DeepSpeed sends 1/t of it and all-gathers it over the TP group (3 per slot).
   MoE         (``ModelShape.moe``) an MoE layer's MLP FLOPs are k experts' + the shared expert's + the router's;
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron.planner.context_parallel import ring_exposed_s
 from megatron.planner.layout import Layout, stage_layer_counts
 from megatron.planner.memory import layer_activation_bytes, stage_expert_param_counts, stage_param_counts
 from megatron.planner.moe import layer_bytes
@@ -129,7 +133,7 @@ def _tp_comm_s(model: ModelShape, layout: Layout, cluster: ClusterSpec, seq_leng
                first: bool, last: bool, tp_bw: float) -> float:
     """TP collectives of one micro-batch: all-reduces, or with SP reduce-scatter + all-gather pairs."""
     t, latency = layout.tp, cluster.collective_latency_us
-    nbytes = 2 * seq_length / layout.ulysses * layout.micro_batch_size * model.hidden_size
+    nbytes = 2 * seq_length / layout.token_split * layout.micro_batch_size * model.hidden_size
     calls = n_layers * (5 if layout.recompute else 4) + (1 if first else 0) + (1 if last else 0)  # see comm_count
     if not layout.sequence_parallel:
         return calls * _allreduce_s(nbytes, t, tp_bw, latency)
@@ -177,13 +181,13 @@ def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cluste
     b, h, t, V, u = layout.micro_batch_size, model.hidden_size, layout.tp, model.vocab_size, layout.ulysses
     s = seq_length
     passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
-    rows = b * s / u
+    rows = b * s / layout.token_split
     gemm_rate = gpu.peak_bf16_tflops * 1e12 * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)
     attn_rate = gpu.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY
     mlp_matrices = 3 if model.swiglu else 2
     mlp = _mlp_width(model, n_layers, n_moe_layers)
     dense = 2 * rows * h * (h + 2 * model.kv_hidden + h + mlp_matrices * mlp) * passes / t  # qkv, dense, MLP
-    attn = 4 * b * s * s * h * passes / (t * u)  # s/u queries against s keys, or all s for a/(tu) heads
+    attn = 4 * b * s * s * h * passes / (t * layout.token_split)  # s/u (s/c) queries against s keys, or a/(tu) heads
     matmul = n_layers * (dense / gemm_rate + attn / attn_rate)
     if last:
         matmul += 2 * rows * h * V * 3 / t / gemm_rate
@@ -196,6 +200,9 @@ def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cluste
     out = {"matmul": matmul, "elementwise": elementwise, "tp_comm": tp, "grad_accum": accum}
     if u > 1:
         out["ulysses_comm"] = _ulysses_comm_s(model, layout, gpu, cluster, seq_length, n_layers)
+    if layout.cp > 1:
+        w = 4 if layout.precision == "fp32" else 2
+        out["cp_comm"] = ring_exposed_s(model, layout, gpu, cluster, seq_length, n_layers, attn_rate, w)
     if n_moe_layers and layout.ep > 1:
         out["moe_all_to_all"] = _moe_comm_s(model, layout, gpu, cluster, seq_length, n_moe_layers)
     return out
@@ -254,7 +261,7 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
     slot = dict(slots[slowest])
     if layout.pp > 1:
         # DeepSpeed sends 1/t of the activation (pipe_partitioned) and all-gathers it over the TP group
-        act_bytes = 2 * seq_length / layout.ulysses * layout.micro_batch_size * model.hidden_size
+        act_bytes = 2 * seq_length / layout.token_split * layout.micro_batch_size * model.hidden_size
         slot["pp_comm"] = 2 * (act_bytes / layout.tp / (pp_bw * 1e9) + cluster.p2p_latency_us * 1e-6)
         slot["pp_comm"] += 3 * _allgather_s(act_bytes, layout.tp, tp_bw, cluster.collective_latency_us)
     slot_s = sum(slot.values())

@@ -10,7 +10,8 @@ groups of one node, cut from the DP x u ranks). A layout runs a sequence length 
 A layout fits when its busiest stage's predicted memory is at most MEMORY_HEADROOM of the GPU's memory.
 
 ``longest_sequence`` answers the other question: the longest sequence (a multiple of 256) that some
-layout of a family (plain, +SP, +Ulysses, +both) fits, found by doubling and then bisection.
+layout of a family (plain, +SP, +Ulysses, +both) fits, found by doubling and then bisection;
+``longest_sequence_of_layout`` the same for one given layout (a context-parallel one, for instance).
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ def _batch_variants(tp, pp, dp, global_batch_size, micro_batch_sizes, recompute,
 
 
 def runs_sequence(layout: Layout, seq_length: int) -> bool:
-    """Ulysses splits the sequence over u ranks, SP (within them) over t."""
-    return seq_length % layout.sequence_split == 0
+    """Ulysses splits the sequence over u ranks, SP (within them) over t; CP into 2c chunks."""
+    return seq_length % (layout.sequence_split * (2 if layout.cp > 1 else 1)) == 0
 
 
 def plan_layouts(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus: int, seq_length: int,
@@ -259,3 +260,26 @@ def longest_sequences(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num
             out.append(longest_sequence(model, gpu, cluster, num_gpus, global_batch_size, sequence_parallel=sp,
                                         ulysses_sizes=sizes, recompute=recompute, family=name, **kwargs))
     return out
+
+
+def longest_sequence_of_layout(model: ModelShape, layout: Layout, gpu: GPUSpec, global_batch_size: int,
+                               memory_limit: Optional[float] = None) -> int:
+    """The longest multiple of SEQUENCE_STEP tokens that this one layout runs and fits (0: not even one step);
+    by doubling and bisection, as ``longest_sequence`` does over a family."""
+    limit = _limit(gpu, memory_limit)
+
+    def fits(steps: int) -> bool:
+        seq = steps * SEQUENCE_STEP
+        return runs_sequence(layout, seq) and estimate_memory(model, layout, seq, global_batch_size).peak <= limit
+
+    if not fits(1):
+        return 0
+    good, bad = 1, 2
+    while fits(bad):
+        good, bad = bad, 2 * bad
+        if bad * SEQUENCE_STEP > MAX_SEQUENCE:
+            raise ValueError(f"more than {MAX_SEQUENCE} tokens fit: a memory limit this large is not meaningful")
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good * SEQUENCE_STEP

@@ -79,3 +79,17 @@ def test_the_layout_section_counts_the_context_parallel_ranks(files):
     assert (section["data_parallel_size"], section["context_parallel_size"]) == (2, 2)
     assert [stage["ranks"] for stage in section["stages"]] == [[0, 3], [4, 7]]  # rank = (pp * dp + d) * cp + c
     assert "TP 1 x PP 2 x DP 2 x CP 2 (ring attention) = 8 ranks" in _layout(section)[1]
+
+
+def test_planner_layout_reads_context_parallelism(files):
+    """--context-parallel-size reaches the planner's layout (ZeRO over dp x cp), and the ring kernel keeps no
+    [np, s, s] scores even where an explicit sdpa would."""
+    import dataclasses
+
+    rc = parse(files, world_size=8, pipeline_model_parallel_size=2, context_parallel_size=2, global_batch_size=16,
+               attention_dropout=0.0, attention_backend="sdpa")
+    layout = planner_layout(rc, [1, 1])
+    assert (layout.cp, layout.dp, layout.weight_replicas, layout.world_size) == (2, 2, 4, 8)
+    assert not layout.store_attention_scores and layout.sequence_label == "CP2"
+    plain = dataclasses.replace(rc, parallel=dataclasses.replace(rc.parallel, context_parallel_size=1))
+    assert planner_layout(plain, [1, 1]).store_attention_scores

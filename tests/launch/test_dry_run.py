@@ -15,6 +15,7 @@ import pytest
 
 from megatron.data.tokenizers import train_bpe_tokenizer
 from megatron.dry_run import build_report, dry_run
+from megatron.dry_run.text import render
 from megatron.planner import ModelShape
 from megatron.planner.layout import layers_per_stage
 from megatron.testing.corpus import make_text
@@ -176,15 +177,29 @@ def test_on_a_laptop_without_data_or_tokenizer_the_plan_is_still_made(tr11_files
     assert len(report["not_checked"]) == 3  # the two splits' data files, the tokenizer
 
 
-def test_bloom_176b_with_context_parallelism_lays_out_the_ranks_and_says_what_is_not_estimated(tr11_files):
+def test_bloom_176b_with_context_parallelism_lays_out_the_ranks_and_estimates_the_ring(tr11_files):
     """BLOOM-176B's 48-node layout with --context-parallel-size 2 on twice the GPUs: the stages span the CP ranks,
-    and the memory and step-time estimates are listed as not checked (the planner does not model CP yet)."""
+    the memory is the planner's for s/2 tokens per rank, and the ring section gives the K / V bytes of a step."""
     job = JOBS["176B-48nodes"]
-    report = build_report(job.argv(tr11_files["176B-48nodes"]) + [
-        "--dry-run", "--world-size", str(2 * job.world_size), "--context-parallel-size", "2",
-        "--attention-dropout", "0"])
+    argv = job.argv(tr11_files["176B-48nodes"]) + ["--dry-run", "--world-size", str(2 * job.world_size)]
+    plain = build_report(job.argv(tr11_files["176B-48nodes"]) + ["--dry-run", "--world-size", str(job.world_size)])
+    report = build_report(argv + ["--context-parallel-size", "2", "--attention-dropout", "0"])
     assert report["ok"], report["problems"]
     layout = report["layout"]
     assert (layout["context_parallel_size"], layout["data_parallel_size"], layout["world_size"]) == (2, 8, 768)
-    assert layout["stages"][0]["ranks"] == [0, 63] and report.get("memory") is None  # TP 4 x DP 8 x CP 2 a stage
-    assert any("does not model --context-parallel-size 2" in line for line in report["not_checked"]), report
+    assert layout["stages"][0]["ranks"] == [0, 63]  # TP 4 x DP 8 x CP 2 a stage
+    assert not any("context-parallel" in line for line in report["not_checked"]), report["not_checked"]
+    # against the same job on 384 GPUs (DP 8, CP 1): half the tokens per rank, the optimizer state sharded over
+    # dp x cp = 16 ranks instead of 8
+    cp_stage, dp_stage = report["memory"]["per_stage_gib"][0], plain["memory"]["per_stage_gib"][0]
+    assert cp_stage["activations"] < 0.6 * dp_stage["activations"], (cp_stage, dp_stage)
+    assert cp_stage["adam"] == pytest.approx(dp_stage["adam"] / 2, abs=0.01) and cp_stage["weights"] == dp_stage["weights"]
+    ring = report["context_parallel"]
+    assert (ring["context_parallel_size"], ring["tokens_per_rank"]) == (2, 1024)
+    # by hand: one K block = b 2 x 112/4 heads x 1024 tokens x 128 = 7,340,032 elements; per layer and micro-batch
+    # forward K + V 2 x block x 2 bytes, backward that + 2 x (dK + dV) in fp32, recomputed forward again: 28 blocks
+    block, layers, micro_batches = 2 * 14336 // 4 * 1024, layout["stages"][0]["num_transformer_layers"], 2048 // 16
+    assert ring["per_layer_mib"]["total"] == pytest.approx(28 * block / 2 ** 20, abs=1e-4)
+    assert ring["stages"][0]["sends"] == 10 * layers * micro_batches  # (1 + 1 + 1) K/V hops x 2 + 2 dK/dV hops x 2
+    assert ring["stages"][0]["p2p_gib"] == pytest.approx(28 * block * layers * micro_batches / 2 ** 30, abs=1e-4)
+    assert "ring         CP 2: 1,024 tokens per rank" in render(report)
