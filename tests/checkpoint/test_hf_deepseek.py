@@ -16,9 +16,20 @@ from safetensors.torch import load_file
 from megatron.checkpoint.hf_deepseek import deepseek_state_dict_to_ours, model_config_from_deepseek
 from megatron.checkpoint.hf_export import hf_architecture
 from megatron.checkpoint.merge import load_full_state_dict
+from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.hf import export_round_trip, greedy_pair, hf_logits_diff, import_hf, save_with_tiny_tokenizer
 from tests.helpers.inference import PROMPTS
+from tests.helpers.moe import train_moe
 
+# The model above as training flags (what from_hf's record says; --load checks them).
+DEEPSEEK_FLAGS = ["--normalization", "rmsnorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                  "--ffn-hidden-size", "96", "--layernorm-epsilon", "1e-6", "--qk-layernorm", "--num-experts", "8",
+                  "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0,1,1]",
+                  "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2", "--moe-router-group-topk",
+                  "1", "--moe-router-topk-scaling-factor", "2.5", "--moe-router-enable-expert-bias",
+                  "--moe-router-bias-update-rate", "0.01", "--moe-shared-expert-intermediate-size", "32",
+                  "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+                  "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"]
 SCALE = 0.15  # weight perturbation, as the other HF tests': every tensor differs from its neighbours
 SIZES = dict(vocab_size=400, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
@@ -97,3 +108,25 @@ def test_multi_token_prediction_layers_are_dropped_with_a_warning_and_unmapped_r
                             (dict(rope_interleave=False), "rope_interleave False")):
         with pytest.raises(ValueError, match=message):
             model_config_from_deepseek(transformers.DeepseekV3Config(**dict(SIZES, **change)), seq_length=32)
+
+
+@pytest.mark.multiprocess
+def test_training_from_the_import_at_ep2_equals_tp2_and_moves_the_expert_bias(hf_dirs, tmp_path, tiny_corpus):
+    """Two runs on 2 ranks (one launch), from the import at EP=2 (x DP 2) and at TP=2: the same losses (MLA's
+    tensor parallelism and the experts where training expects them); the trained checkpoint's export carries the
+    expert bias training moved."""
+    _, hf_in = hf_dirs[32]
+    runs = []
+    for tp, ep in ((1, 2), (2, 1)):
+        import_hf(hf_in, tmp_path / f"import_tp{tp}_ep{ep}", tp=tp, ep=ep)
+        runs.append(tiny_argv(tiny_corpus, *DEEPSEEK_FLAGS, num_layers=3, position_embedding_type="rotary",
+                              embed_layernorm=False, train_iters=3, lr_warmup_iters=1, lr=1e-3,
+                              load=str(tmp_path / f"import_tp{tp}_ep{ep}"), finetune=True,
+                              tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                              save=str(tmp_path / f"trained_tp{tp}"), save_interval=3))
+    ep2, tp2 = run_distributed(train_moe, world_size=2, args=(runs,), env={"OMP_NUM_THREADS": "1"}, timeout=300)[0]
+    assert ep2["iterations"] == tp2["iterations"] == [1, 2, 3]
+    for a, b in zip(ep2["losses"], tp2["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(a), (ep2["losses"], tp2["losses"])
+    before, changed, added = export_round_trip(tmp_path / "trained_tp2", hf_in, tmp_path / "hf_trained")
+    assert added == [] and "model.layers.2.mlp.gate.e_score_correction_bias" in changed, changed

@@ -125,3 +125,8 @@ def test_mla_refuses_what_it_does_not_implement():
         tiny_config(**mla, sequence_parallel=True)
     with pytest.raises(ValueError, match="--qk-pos-emb-head-dim 7 must be even"):
         tiny_config(**dict(mla, mla=dataclasses.replace(MLA, qk_pos_emb_head_dim=7)))
+    from megatron.inference.batching import BatchRunner
+    from megatron.model import GPTModel
+
+    with pytest.raises(ValueError, match="--multi-latent-attention has no batched KV cache: the inference server"):
+        BatchRunner(GPTModel(tiny_config(**mla, normalization="rmsnorm", swiglu=True)), 256)
