@@ -50,7 +50,8 @@ def assemble_run_config(args) -> RunConfig:
         rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
         attention_backend=args.attention_backend, recompute_core_attention=args.recompute_core_attention,
         # with one TP rank there is no sequence to split (the startup warnings say so)
-        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1, moe=args.moe)
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1, moe=args.moe,
+        mla=args.mla)
     rampup = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
     global_batch = args.global_batch_size
     if global_batch is None:  # Megatron's default: one micro-batch per data-parallel rank and step

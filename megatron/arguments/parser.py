@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.arguments.interleaved import add_interleaved_arguments
+from megatron.arguments.mla import add_mla_arguments
 from megatron.arguments.moe import add_moe_arguments
 from megatron.arguments.zero_bubble import add_zero_bubble_arguments
 from megatron.config import (
@@ -39,9 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain_gpt.py", allow_abbrev=False,
         description="Pretrain a GPT/BLOOM model. Flag names and meanings follow Megatron-DeepSpeed.")
-    for add in (_model, _parallelism, add_interleaved_arguments, add_zero_bubble_arguments, add_moe_arguments, _data,
-                _tokenizer, _training, _learning_rate, _regularization, _mixed_precision, _speed, _checkpointing,
-                _logging, _exit, _deepspeed, _dry_run):
+    for add in (_model, _parallelism, add_interleaved_arguments, add_zero_bubble_arguments, add_moe_arguments,
+                add_mla_arguments, _data, _tokenizer, _training, _learning_rate, _regularization, _mixed_precision,
+                _speed, _checkpointing, _logging, _exit, _deepspeed, _dry_run):
         add(parser)
     return parser
 

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
-from megatron.arguments import interleaved, moe, parse
+from megatron.arguments import interleaved, mla, moe, parse
 from megatron.arguments.build import assemble_run_config, resolve_vocab_size
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
@@ -151,6 +151,7 @@ FLAG_STEPS = (
     Step("the model flags spelled two ways", parse.resolve_model_spellings,
          produces=("position_embedding_type", "num_key_value_heads")),
     Step("the mixture-of-experts flags", moe.resolve_moe, needs=("the required flags",), produces=("moe",)),
+    Step("the multi-head latent attention flags", mla.resolve_mla, produces=("mla",)),
     Step("the recomputation flags", parse.resolve_recompute_spellings,
          produces=("recompute_core_attention", "checkpoint_activations", "checkpoint_num_layers")),
     Step("the parallel sizes against the world size", parse.derive_parallel, needs=(WORLD,),
@@ -179,6 +180,7 @@ CONFIG_STEPS = (
     # every flag step that fills in a field the run configuration reads, in the order they run
     Step("the run configuration", _assemble, on="run", produces=("config",),
          needs=(WORLD, "the required flags", "the model flags spelled two ways", "the mixture-of-experts flags",
+                "the multi-head latent attention flags",
                 "the recomputation flags",
                 "the parallel sizes against the world size", "the defaults", "the skipped iteration ranges",
                 "the data flags", "the DeepSpeed JSON", "the startup warnings")),

@@ -18,7 +18,9 @@ Which transformers architecture a configuration maps to:
   ``Qwen2ForCausalLM`` with q / k / v biases only (``megatron.checkpoint.hf_llama``); a Mistral
   directory without sliding window reads as the same model.
 - the same with MoE layers (``--num-experts``, softmax top-k routing) -> ``MixtralForCausalLM``, or
-  ``Qwen3MoeForCausalLM`` with ``--qk-layernorm`` (``megatron.checkpoint.hf_moe``; DeepSeek-V3 is refused).
+  ``Qwen3MoeForCausalLM`` with ``--qk-layernorm`` (``megatron.checkpoint.hf_moe``).
+- MoE with ``--multi-latent-attention`` (sigmoid, group-limited routing, expert bias, a shared expert) ->
+  ``DeepseekV3ForCausalLM`` (``megatron.checkpoint.hf_deepseek``).
 The first three need the GPT block: LayerNorm, GeLU, biases, one key / value head per query head and
 a tied head; anything else is refused rather than exported wrongly.
 
@@ -45,6 +47,14 @@ from megatron.checkpoint.hf_bloom import (
     model_config_from_bloom,
     ours_to_bloom_state_dict,
 )
+from megatron.checkpoint.hf_deepseek import (
+    DEEPSEEK_V3,
+    check_deepseek,
+    deepseek_config_kwargs,
+    deepseek_state_dict_to_ours,
+    model_config_from_deepseek,
+    ours_to_deepseek_state_dict,
+)
 from megatron.checkpoint.hf_llama import (
     LLAMA_FAMILY,
     llama_config_kwargs,
@@ -55,13 +65,13 @@ from megatron.checkpoint.hf_llama import (
 )
 from megatron.checkpoint.hf_moe import (
     MOE_FAMILY,
-    REFUSED_MOE,
     model_config_from_moe,
     moe_config_kwargs,
     moe_family_of,
     moe_state_dict_to_ours,
     ours_to_moe_state_dict,
 )
+from megatron.checkpoint.merge import router_buffer_names
 from megatron.config import ModelConfig
 from megatron.data.tokenizers import EOD_TOKEN_CANDIDATES
 from megatron.model.layout import parameter_layout
@@ -84,8 +94,11 @@ _GPT2_BLOCK = [  # (GPT-2 name, our name, transposed: GPT-2's Conv1D stores [in,
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """'bloom', 'gpt2', 'gpt_neox', 'llama', 'qwen2', 'mixtral' or 'qwen3_moe', or ValueError for a configuration
-    no transformers architecture maps."""
+    """'bloom', 'gpt2', 'gpt_neox', 'llama', 'qwen2', 'mixtral', 'qwen3_moe' or 'deepseek_v3', or ValueError for a
+    configuration no transformers architecture maps."""
+    if config.mla is not None:
+        check_deepseek(config)
+        return "deepseek_v3"
     if config.moe is not None:
         return moe_family_of(config)
     if config.qk_layernorm:
@@ -316,6 +329,12 @@ def write_hf_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], out
         kind = {"mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
         hf_config = kind(**moe_config_kwargs(config, vocab_size), **special)
         hf_config.architectures = [MOE_FAMILY[arch]]
+    elif arch in DEEPSEEK_V3:
+        tensors = ours_to_deepseek_state_dict(state_dict, config, vocab_size)
+        if config.tied_embeddings:
+            del tensors["lm_head.weight"]
+        hf_config = transformers.DeepseekV3Config(**deepseek_config_kwargs(config, vocab_size), **special)
+        hf_config.architectures = [DEEPSEEK_V3[arch]]
     else:
         tensors = ours_to_neox_state_dict(state_dict, config, vocab_size)
         hf_config = transformers.GPTNeoXConfig(**_neox_config_kwargs(config, vocab_size), **special)
@@ -402,14 +421,19 @@ def read_hf_model(hf_dir: str, *, padded_vocab_size_fn, seq_length: Optional[int
     elif arch in LLAMA_FAMILY:
         config = model_config_from_llama(hf_config, seq_length or hf_config.max_position_embeddings, **common)
         state = llama_state_dict_to_ours(_read_hf_tensors(hf_dir), config)
-    elif arch in MOE_FAMILY or arch in REFUSED_MOE:
+    elif arch in MOE_FAMILY:
         config = model_config_from_moe(hf_config, seq_length or hf_config.max_position_embeddings, **common)
         state = moe_state_dict_to_ours(_read_hf_tensors(hf_dir), config)
+    elif arch in DEEPSEEK_V3:
+        config = model_config_from_deepseek(hf_config, seq_length or hf_config.max_position_embeddings, **common)
+        state = deepseek_state_dict_to_ours(_read_hf_tensors(hf_dir), config)
     else:
         raise ValueError(f"{hf_dir!r} holds a {arch!r} model; this converter reads bloom, gpt2, gpt_neox, "
-                         f"{', '.join(LLAMA_FAMILY + tuple(MOE_FAMILY))}")
+                         f"{', '.join(LLAMA_FAMILY + tuple(MOE_FAMILY) + tuple(DEEPSEEK_V3))}")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[params_dtype]
-    return config, {name: tensor.to(dtype).contiguous() for name, tensor in state.items()}, arch
+    fp32 = set(router_buffer_names(config))  # the expert biases stay fp32, as the routers keep them
+    return config, {name: tensor.to(torch.float32 if name in fp32 else dtype).contiguous()
+                    for name, tensor in state.items()}, arch
 
 
 def _model_config_from_gpt2(hf_config, seq_length: Optional[int], common: dict) -> ModelConfig:

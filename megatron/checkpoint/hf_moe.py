@@ -20,8 +20,9 @@ matrix per expert, where we stack them:
     mlp.experts.w2       [E, h, f]       <-> per expert: down (Mixtral w2, Qwen3 down_proj) [h, f]
     self_attention.q_layernorm.weight    <-> self_attn.q_norm.weight [hn] (k likewise)
 
-``DeepseekV3ForCausalLM`` is refused by name: its multi-head latent attention is not implemented here.
-Nothing here imports transformers. Shape letters: E experts, h hidden, f expert width, hn head dim.
+``DeepseekV3ForCausalLM`` (multi-head latent attention, sigmoid group-limited routing) is mapped by
+``megatron.checkpoint.hf_deepseek`` with this module's expert helpers. Nothing here imports transformers.
+Shape letters: E experts, h hidden, f expert width, hn head dim.
 """
 
 from __future__ import annotations
@@ -43,14 +44,10 @@ from megatron.checkpoint.hf_llama import (
 from megatron.config import ModelConfig
 from megatron.config.moe import MoEConfig
 
-__all__ = ["MOE_FAMILY", "REFUSED_MOE", "moe_family_of", "ours_to_moe_state_dict", "moe_state_dict_to_ours",
-           "moe_config_kwargs", "model_config_from_moe"]
+__all__ = ["MOE_FAMILY", "moe_family_of", "experts_to_hf", "experts_from_hf", "ours_to_moe_state_dict",
+           "moe_state_dict_to_ours", "moe_config_kwargs", "model_config_from_moe"]
 
 MOE_FAMILY = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # model_type -> class
-REFUSED_MOE = {"deepseek_v3": "DeepseekV3ForCausalLM needs multi-head latent attention (compressed, low-rank "
-                              "query / key / value projections with a decoupled rotary part), which this model "
-                              "does not implement; its MoE routing alone would not make the model"}
-
 # Per family: the router's name and each expert's (gate, up, down) names inside ``model.layers.{i}.``.
 _NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
                       "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
@@ -96,19 +93,43 @@ def ours_to_moe_state_dict(state: dict[str, torch.Tensor], config: ModelConfig,
     writes it (one matrix per expert). vocab_size: keep only the first rows of the embedding and the head."""
     family = moe_family_of(config)
     out = ours_to_llama_state_dict(state, config, vocab_size)  # all but the experts, the router and QK norms
-    router, gate, up, down = _NAMES[family]
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         for mine, hf in _QK_NORMS if config.qk_layernorm else ():
             out[theirs + hf] = state[ours + mine]
         if not config.moe.is_moe_layer(i):
             continue
-        out[theirs + router] = state[ours + "mlp.router.weight"]
-        w1, w2 = state[ours + "mlp.experts.w1"], state[ours + "mlp.experts.w2"]  # [E, 2f, h], [E, h, f]
-        for e in range(config.moe.num_experts):
-            out[theirs + gate.format(e=e)], out[theirs + up.format(e=e)] = split_fc1(w1[e])  # 2 x [f, h]
-            out[theirs + down.format(e=e)] = w2[e]  # [h, f]
+        out.update(experts_to_hf(state, ours, theirs, _NAMES[family], config.moe.num_experts))
     return out
+
+
+def experts_to_hf(state: dict[str, torch.Tensor], ours: str, theirs: str, names: tuple[str, str, str, str],
+                  num_experts: int) -> dict[str, torch.Tensor]:
+    """One MoE layer's router and stacked experts (our names under ``ours``) -> one matrix per expert under
+    ``theirs``; names: (router, gate, up, down) with ``{e}`` for the expert."""
+    router, gate, up, down = names
+    out = {theirs + router: state[ours + "mlp.router.weight"]}
+    w1, w2 = state[ours + "mlp.experts.w1"], state[ours + "mlp.experts.w2"]  # [E, 2f, h], [E, h, f]
+    for e in range(num_experts):
+        out[theirs + gate.format(e=e)], out[theirs + up.format(e=e)] = split_fc1(w1[e])  # 2 x [f, h]
+        out[theirs + down.format(e=e)] = w2[e]  # [h, f]
+    return out
+
+
+def experts_from_hf(state: dict[str, torch.Tensor], ours: str, theirs: str, names: tuple[str, str, str, str],
+                    num_experts: int, family: str) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`experts_to_hf`: pops one layer's tensors from ``state``; ValueError naming the first
+    one missing (``family``: the checkpoint's kind, for the message)."""
+    router, gate, up, down = names
+    experts = range(num_experts)
+    try:
+        return {ours + "mlp.router.weight": state.pop(theirs + router),
+                ours + "mlp.experts.w1": torch.stack([fuse_fc1(state.pop(theirs + gate.format(e=e)), state.pop(
+                    theirs + up.format(e=e))) for e in experts]),  # [E, 2f, h]
+                ours + "mlp.experts.w2": torch.stack([state.pop(theirs + down.format(e=e)) for e in experts])}
+    except KeyError as missing:
+        raise ValueError(f"{theirs.rstrip('.')} lacks {missing.args[0]}: not a {family} checkpoint with {num_experts} "
+                         f"experts per MoE layer") from None
 
 
 def moe_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -116,7 +137,6 @@ def moe_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: ModelConfi
     ValueError for any tensor left unmapped or missing."""
     family = moe_family_of(config)
     state = dict(hf_state)
-    router, gate, up, down = _NAMES[family]
     ours = {}
     for i in range(config.num_layers):
         mine, theirs = f"layers.{i}.", f"model.layers.{i}."
@@ -124,15 +144,7 @@ def moe_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: ModelConfi
             ours[mine + our_name] = state.pop(theirs + hf)
         if not config.moe.is_moe_layer(i):
             continue
-        try:
-            ours[mine + "mlp.router.weight"] = state.pop(theirs + router)
-            experts = range(config.moe.num_experts)
-            ours[mine + "mlp.experts.w1"] = torch.stack([fuse_fc1(state.pop(theirs + gate.format(e=e)), state.pop(
-                theirs + up.format(e=e))) for e in experts])  # [E, 2f, h]
-            ours[mine + "mlp.experts.w2"] = torch.stack([state.pop(theirs + down.format(e=e)) for e in experts])
-        except KeyError as missing:
-            raise ValueError(f"layer {i} lacks {missing.args[0]}: not a {family} checkpoint with "
-                             f"{config.moe.num_experts} experts per MoE layer") from None
+        ours.update(experts_from_hf(state, mine, theirs, _NAMES[family], config.moe.num_experts, family))
     ours.update(llama_state_dict_to_ours(state, config))  # the rest; it refuses any tensor left over
     return ours
 
@@ -178,13 +190,11 @@ def _moe_config(hf_config: Any, model_type: str) -> tuple[MoEConfig, int]:
 
 
 def model_config_from_moe(hf_config: Any, seq_length: int, **overrides) -> ModelConfig:
-    """A ModelConfig for a transformers ``MixtralConfig`` / ``Qwen3MoeConfig`` (DeepSeek-V3: ValueError saying why).
+    """A ModelConfig for a transformers ``MixtralConfig`` / ``Qwen3MoeConfig``.
 
     seq_length: the training / inference length. overrides: any other ModelConfig field (padded_vocab_size...).
     """
     model_type = getattr(hf_config, "model_type", None)
-    if model_type in REFUSED_MOE:
-        raise ValueError(f"model_type {model_type!r} is not converted: {REFUSED_MOE[model_type]}")
     if model_type not in MOE_FAMILY:
         raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MOE_FAMILY)}")
     check_llama_block(hf_config, model_type)

@@ -43,10 +43,11 @@ from megatron.checkpoint.run_state import (
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import COMPLETE_MARKER, LATEST, RUN_STATE, CheckpointFormatError, resolve_tag
 from megatron.checkpoint.tp_shards import merge_tp_shards, split_for_tp
+from megatron.checkpoint.universal_router import ROUTER_BUFFER
 from megatron.config import ModelConfig
 from megatron.model.layout import local_name_of_file_key, parameter_layout, pipeline_items
 
-__all__ = ["load_full_state_dict", "save_as_training_checkpoint"]
+__all__ = ["load_full_state_dict", "save_as_training_checkpoint", "router_buffer_names"]
 
 _LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 
@@ -129,6 +130,9 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
             if any(key not in shard for shard in shards):
                 raise CheckpointFormatError(f"{key} of pipeline layer {index} is missing on some TP rank")
             name = prefix + local_name_of_file_key(key, numbering)
+            if key == ROUTER_BUFFER:  # an MoE router's expert bias: a buffer, the same on every TP rank
+                state[name] = shards[0][key]
+                continue
             if name not in layout:
                 raise CheckpointFormatError(f"pipeline layer {index} of {tag_dir!r} holds {key!r}, which the "
                                             f"recorded model configuration does not have")
@@ -142,6 +146,15 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
                 raise CheckpointFormatError(f"the tied output head's {param.local_name} differs from the input "
                                             f"embedding's")
     return config, state, record
+
+
+def router_buffer_names(config: ModelConfig) -> list[str]:
+    """The GPTModel names of the routers' expert biases (``--moe-router-enable-expert-bias``): buffers, not in the
+    parameter layout, that layer files and full state dicts carry beside the parameters."""
+    moe = config.moe
+    if moe is None or not moe.router_enable_expert_bias:
+        return []
+    return [f"layers.{i}.{ROUTER_BUFFER}" for i in range(config.num_layers) if moe.is_moe_layer(i)]
 
 
 def _deepspeed_record(mp_world_size: int) -> dict:
@@ -177,7 +190,7 @@ def save_as_training_checkpoint(config: ModelConfig, state_dict: dict[str, torch
     if os.path.exists(tag_dir) and os.listdir(tag_dir):
         raise ValueError(f"{tag_dir!r} already exists and is not empty; choose another --save directory")
     layout = parameter_layout(config)
-    unknown = sorted(set(state_dict) - set(layout))
+    unknown = sorted(set(state_dict) - set(layout) - set(router_buffer_names(config)))
     if unknown:
         raise ValueError(f"state dict entries outside GPTModel's layout: {unknown}")
     os.makedirs(tag_dir, exist_ok=True)
@@ -190,7 +203,9 @@ def save_as_training_checkpoint(config: ModelConfig, state_dict: dict[str, torch
             raise ValueError(f"the state dict has no tensors under {prefix!r} (pipeline layer {index})")
         shards = {layout[prefix + key].file_key: split_for_tp(
             layout[prefix + key], ep_slice(layout[prefix + key], tensor, ep, 0).contiguous(), tp)
-            for key, tensor in layer.items()}
+            for key, tensor in layer.items() if key != ROUTER_BUFFER}
+        if ROUTER_BUFFER in layer:  # the expert bias: whole on every TP rank
+            shards[ROUTER_BUFFER] = [layer[ROUTER_BUFFER].contiguous()] * tp
         for rank in range(tp):
             path = os.path.join(tag_dir, f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
             torch.save({key: chunks[rank] for key, chunks in shards.items()}, path)

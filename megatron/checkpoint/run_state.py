@@ -22,6 +22,7 @@ import torch
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import RUN_STATE, CheckpointFormatError, resolve_tag
 from megatron.config import ModelConfig, RunConfig
+from megatron.config.mla import MLAConfig
 from megatron.config.model import swiglu_default_ffn_size
 from megatron.config.moe import MoEConfig
 from megatron.config.run import deepspeed_engine_for
@@ -197,6 +198,9 @@ def model_config_from_dict(fields: dict) -> ModelConfig:
     if isinstance(kept.get("moe"), dict):  # MoE: its own dataclass (JSON made its layer pattern a list)
         moe = {k: v for k, v in kept["moe"].items() if k in {f.name for f in dataclasses.fields(MoEConfig)}}
         kept["moe"] = MoEConfig(**dict(moe, layer_pattern=tuple(moe["layer_pattern"])))
+    if isinstance(kept.get("mla"), dict):  # multi-head latent attention: its own dataclass
+        mla_fields = {f.name for f in dataclasses.fields(MLAConfig)}
+        kept["mla"] = MLAConfig(**{k: v for k, v in kept["mla"].items() if k in mla_fields})
     return ModelConfig(**kept)
 
 
@@ -206,7 +210,7 @@ def model_config_from_dict(fields: dict) -> ModelConfig:
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                        "position_embedding_type", "embed_layernorm", "layernorm_epsilon", "max_position_embeddings",
                        "num_key_value_heads", "normalization", "swiglu", "add_bias_linear", "add_qkv_bias",
-                       "untie_embeddings_and_output_weights")
+                       "untie_embeddings_and_output_weights", "mla")
 
 
 def check_model_config(saved: dict[str, Any], current: dict[str, Any], universal: bool = False) -> None:

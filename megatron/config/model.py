@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron.config.mla import MLAConfig
 from megatron.config.moe import MoEConfig
 
 POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi", "none")
@@ -91,6 +92,8 @@ class ModelConfig:
     sequence_parallel: bool = False
     # Mixture of experts (--num-experts): the MLP of the layers moe.layer_pattern marks is routed experts; None: dense.
     moe: Optional[MoEConfig] = None
+    # Multi-head latent attention (--multi-latent-attention, DeepSeek-V3) in every layer; None: the fused-QKV attention.
+    mla: Optional[MLAConfig] = None
 
     @property
     def expert_ffn_size(self) -> int:
@@ -160,6 +163,7 @@ class ModelConfig:
                              f"--tensor-model-parallel-size {tp}; each TP rank must hold whole heads")
         self._validate_attention(tp)
         self._validate_moe(tp)
+        self._validate_mla()
         if self.sequence_parallel and self.seq_length % tp:
             raise ValueError(f"--sequence-parallel splits the sequence over the {tp} tensor-parallel ranks, but "
                              f"--seq-length {self.seq_length} is not a multiple of --tensor-model-parallel-size {tp}; "
@@ -234,3 +238,18 @@ class ModelConfig:
                              f"group count, which is not implemented here. Use a TP size dividing {kv}, or more "
                              f"key / value heads")
 
+    def _validate_mla(self) -> None:
+        if self.mla is None:
+            return
+        self.mla.validate()
+        wrong = [what for what, present in (
+            (f"--position-embedding-type {self.position_embedding_type} (needs rope)",
+             self.position_embedding_type != "rotary"),
+            ("--num-key-value-heads / --group-query-attention (every head has its own expanded key and value)",
+             self.num_key_value_heads not in (None, self.num_attention_heads)),
+            (f"--attention-backend {self.attention_backend} (auto or sdpa: torch's fused attention)",
+             self.attention_backend not in ("auto", "sdpa")),
+            ("--sequence-parallel", self.sequence_parallel),
+            ("biases (--disable-bias-linear; DeepSeek-V3 has none)", self.qkv_bias)) if present]
+        if wrong:
+            raise ValueError(f"--multi-latent-attention is not implemented with {', '.join(wrong)}")

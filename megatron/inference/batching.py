@@ -55,6 +55,10 @@ class BatchRunner:
     """
 
     def __init__(self, model, vocab_size: int):
+        if getattr(model, "config", None) is not None and model.config.mla is not None:
+            raise ValueError("--multi-latent-attention has no batched KV cache: the inference server and the "
+                             "harness's batched generation are not implemented for it; generate with "
+                             "tools/generate.py")
         self.model = model
         self.vocab_size = vocab_size
         self.device = next(model.parameters()).device

@@ -31,6 +31,7 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.model.attention import KVCache, SelfAttention, SequenceExchange
 from megatron.model.initialization import normal_init, output_layer_std, params_torch_dtype
+from megatron.model.latent_attention import MultiLatentAttention
 from megatron.model.moe.layer import MoELayer
 from megatron.model.norm import Norm
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -119,7 +120,8 @@ class TransformerLayer(nn.Module):
         ep_group: the expert-model-parallel group of an MoE layer's experts (None: all of them here).
 
     The MLP is ``ParallelMLP``, or ``MoELayer`` in the layers ``config.moe`` marks (its shared expert, if any, a
-    ParallelMLP of width ``moe.shared_expert_intermediate_size`` named ``mlp.shared_expert``).
+    ParallelMLP of width ``moe.shared_expert_intermediate_size`` named ``mlp.shared_expert``). The attention is
+    ``SelfAttention``, or ``MultiLatentAttention`` with ``config.mla`` (--multi-latent-attention).
 
     Parameters are created in fp32, initialized, then cast to ``config.params_dtype``.
     """
@@ -137,7 +139,8 @@ class TransformerLayer(nn.Module):
         self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
         self.rng_tracker = rng_tracker
         self.input_layernorm = Norm(config, tp_group)
-        self.self_attention = SelfAttention(config, tp_group, layer_number, rng_tracker, sequence_exchange, cp_group)
+        attention = SelfAttention if config.mla is None else MultiLatentAttention  # --multi-latent-attention
+        self.self_attention = attention(config, tp_group, layer_number, rng_tracker, sequence_exchange, cp_group)
         self.post_attention_layernorm = Norm(config, tp_group)
         self.mlp = _mlp(config, tp_group, ep_group, layer_number)
         zero_biases(self)

@@ -14,15 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpoint.hf_export import export_tokenizer, hf_architecture
+from megatron.checkpoint.hf_export import hf_architecture
 from megatron.checkpoint.hf_moe import model_config_from_moe
 from megatron.checkpoint.merge import load_full_state_dict, save_as_training_checkpoint
 from megatron.checkpoint.safe_load import safe_load
-from megatron.config import TokenizerConfig
-from megatron.data.tokenizers import build_tokenizer
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.checkpoint import tiny_model_config
-from tests.helpers.hf import generate_tool, hf_greedy, hf_logits_diff
+from tests.helpers.hf import export_round_trip, greedy_pair, hf_logits_diff, import_hf, save_with_tiny_tokenizer
 from tests.helpers.inference import PROMPTS
 from tests.helpers.moe import train_moe
 from tools.convert_checkpoint import from_hf, to_hf
@@ -63,24 +61,16 @@ def hf_dirs(tmp_path_factory, tiny_corpus):
     for kind in FAMILY:
         path = tmp_path_factory.mktemp(kind) / "hf_in"
         model = _random_hf_model(kind)
-        model.save_pretrained(str(path))
-        export_tokenizer({"tokenizer_type": "GPT2BPETokenizer", "vocab_file": tiny_corpus["vocab_file"],
-                          "merge_file": tiny_corpus["merge_file"]}, str(path))
+        save_with_tiny_tokenizer(model, path, tiny_corpus)
         out[kind] = model, path
     return out
-
-
-def _import(hf_dir, ckpt, tp=1, pp=1, ep=1):
-    assert from_hf.main(["--hf-dir", str(hf_dir), "--save", str(ckpt), "--tensor-model-parallel-size", str(tp),
-                         "--pipeline-model-parallel-size", str(pp), "--expert-model-parallel-size", str(ep),
-                         "--seq-length", "32"]) == 0
 
 
 @pytest.mark.parametrize("kind,tp,pp,ep", [("mixtral", 1, 1, 1), ("mixtral", 2, 2, 2), ("qwen3_moe", 1, 1, 1),
                                            ("qwen3_moe", 2, 2, 2)])
 def test_import_gives_transformers_logits_and_export_gives_every_tensor_back(hf_dirs, tmp_path, kind, tp, pp, ep):
     model, hf_in = hf_dirs[kind]
-    _import(hf_in, tmp_path / "ckpt", tp, pp, ep)
+    import_hf(hf_in, tmp_path / "ckpt", tp, pp, ep)
     experts = sorted(f for f in os.listdir(tmp_path / "ckpt" / "global_step0") if f.startswith("expert_states"))
     assert len(experts) == (ep * tp * pp if ep > 1 else 0), experts
     config, state, _ = load_full_state_dict(str(tmp_path / "ckpt"))
@@ -90,39 +80,34 @@ def test_import_gives_transformers_logits_and_export_gives_every_tensor_back(hf_
     diff, _ = hf_logits_diff(model, config, state)
     assert diff <= 1e-5, diff
 
-    assert to_hf.main(["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "hf_out")]) == 0
-    before, after = load_file(str(hf_in / "model.safetensors")), load_file(str(tmp_path / "hf_out" / "model.safetensors"))
-    assert set(before) == set(after) and len(before) > 20
-    for name, tensor in before.items():
-        assert torch.equal(after[name], tensor), name
+    before, changed, added = export_round_trip(tmp_path / "ckpt", hf_in, tmp_path / "hf_out")
+    assert len(before) > 20 and changed == [] and added == [], (changed, added)
 
 
 def test_greedy_text_from_an_ep2_import_is_transformers(hf_dirs, tmp_path):
     model, hf_in = hf_dirs["qwen3_moe"]
-    _import(hf_in, tmp_path / "ckpt", tp=2, pp=1, ep=2)
-    results = generate_tool(tmp_path / "ckpt", tmp_path / "out.json", PROMPTS, max_new_tokens=12)
-    tokenizer = build_tokenizer(TokenizerConfig("PretrainedFromHF", tokenizer_name_or_path=str(hf_in)))
-    expected = hf_greedy(model, tokenizer, PROMPTS, max_new_tokens=12)
-    assert [r["token_ids"] for r in results] == expected
+    import_hf(hf_in, tmp_path / "ckpt", tp=2, pp=1, ep=2)
+    ours, expected = greedy_pair(model, hf_in, tmp_path / "ckpt", tmp_path / "out.json", PROMPTS, 12)
+    assert ours == expected
     assert len({tuple(ids) for ids in expected}) == len(PROMPTS)  # the prompts do lead to different texts
 
 
-def test_deepseek_v3_is_refused_by_name(tmp_path):
+def test_an_unmapped_deepseek_v3_is_refused_by_name_before_any_weight_is_read(tmp_path):
     import transformers
 
     config = transformers.DeepseekV3Config(vocab_size=400, hidden_size=64, intermediate_size=96,
                                            moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                           n_routed_experts=4, num_experts_per_tok=2)
+                                           num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                           n_group=2, topk_group=1, rope_interleave=False)
     config.save_pretrained(str(tmp_path / "hf"))  # the config alone: it is refused before any weight is read
-    with pytest.raises(ValueError, match="'deepseek_v3' is not converted: DeepseekV3ForCausalLM needs multi-head "
-                                         "latent attention"):
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM with rope_interleave False .* is not converted"):
         from_hf.main(["--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")])
     assert not (tmp_path / "ckpt").exists()
 
 
 def test_bad_expert_parallel_sizes_and_unmappable_routing_are_refused(hf_dirs, tmp_path):
     with pytest.raises(ValueError, match="--expert-model-parallel-size 3 does not divide the 4 experts"):
-        _import(hf_dirs["mixtral"][1], tmp_path / "ckpt", ep=3)
+        import_hf(hf_dirs["mixtral"][1], tmp_path / "ckpt", ep=3)
     dense = tiny_model_config(position_embedding_type="rotary", embed_layernorm=False, normalization="rmsnorm",
                               swiglu=True, add_bias_linear=False)
     with pytest.raises(ValueError, match="--expert-model-parallel-size 2 needs an MoE model"):
@@ -158,7 +143,7 @@ def test_training_loads_the_ep2_import_as_the_ep1_one_and_its_checkpoint_convert
     _, hf_in = hf_dirs["qwen3_moe"]
     runs = []
     for ep in (1, 2):
-        _import(hf_in, tmp_path / f"import_ep{ep}", ep=ep)
+        import_hf(hf_in, tmp_path / f"import_ep{ep}", ep=ep)
         runs.append(tiny_argv(tiny_corpus, *QWEN3_MOE_FLAGS, position_embedding_type="rotary", embed_layernorm=False,
                               train_iters=2, lr_warmup_iters=1, lr=1e-3,
                               load=str(tmp_path / f"import_ep{ep}"), finetune=True, expert_model_parallel_size=ep,
@@ -173,7 +158,7 @@ def test_training_loads_the_ep2_import_as_the_ep1_one_and_its_checkpoint_convert
     moved = load_file(str(tmp_path / "hf_trained" / "model.safetensors"))
     name = "model.layers.1.mlp.experts.3.down_proj.weight"  # an expert of EP rank 1 that training moved
     assert not torch.equal(moved[name], load_file(str(hf_in / "model.safetensors"))[name])
-    _import(tmp_path / "hf_trained", tmp_path / "again", ep=2)
+    import_hf(tmp_path / "hf_trained", tmp_path / "again", ep=2)
     saved, converted = _tensors(trained / "global_step2"), _tensors(tmp_path / "again" / "global_step0")
     assert set(saved) == set(converted) and sum(n.startswith("expert_states") for n in saved) == 2, sorted(saved)
     for file, tensors in saved.items():

@@ -6,6 +6,7 @@ import torch
 
 from megatron.testing.tolerance import model_tolerance
 from tools import generate
+from tools.convert_checkpoint import from_hf, to_hf
 
 
 def hf_logits_diff(hf_model, config, state, vocab=400):
@@ -40,3 +41,41 @@ def generate_tool(ckpt, out_json, prompts, max_new_tokens=32):
         argv += ["--prompt", prompt]
     assert generate.main(argv) == 0
     return json.loads(out_json.read_text())
+
+
+def save_with_tiny_tokenizer(hf_model, path, tiny_corpus):
+    """``hf_model.save_pretrained(path)`` with the tiny corpus' GPT-2 tokenizer beside it (a tokenizer.json)."""
+    from megatron.checkpoint.hf_export import export_tokenizer
+
+    hf_model.save_pretrained(str(path))
+    export_tokenizer({"tokenizer_type": "GPT2BPETokenizer", "vocab_file": tiny_corpus["vocab_file"],
+                      "merge_file": tiny_corpus["merge_file"]}, str(path))
+    return path
+
+
+def import_hf(hf_dir, ckpt, tp=1, pp=1, ep=1, seq_length=32):
+    """tools/convert_checkpoint/from_hf.py on ``hf_dir`` into ``ckpt`` at the given TP / PP / EP."""
+    assert from_hf.main(["--hf-dir", str(hf_dir), "--save", str(ckpt), "--tensor-model-parallel-size", str(tp),
+                         "--pipeline-model-parallel-size", str(pp), "--expert-model-parallel-size", str(ep),
+                         "--seq-length", str(seq_length)]) == 0
+
+
+def export_round_trip(ckpt, hf_in, out_dir):
+    """tools/convert_checkpoint/to_hf.py on ``ckpt`` into ``out_dir``: (the tensors of ``hf_in``, the names of those
+    the export does not reproduce bit for bit or lacks, the names it adds)."""
+    from safetensors.torch import load_file
+
+    assert to_hf.main(["--load", str(ckpt), "--output-dir", str(out_dir)]) == 0
+    before, after = load_file(str(hf_in / "model.safetensors")), load_file(str(out_dir / "model.safetensors"))
+    changed = [name for name, tensor in before.items() if name not in after or not torch.equal(after[name], tensor)]
+    return before, changed, sorted(set(after) - set(before))
+
+
+def greedy_pair(hf_model, hf_in, ckpt, out_json, prompts, max_new_tokens):
+    """(tools/generate.py --greedy's token ids on ``ckpt``, transformers' on ``hf_model``), ``hf_in``'s tokenizer."""
+    from megatron.config import TokenizerConfig
+    from megatron.data.tokenizers import build_tokenizer
+
+    results = generate_tool(ckpt, out_json, prompts, max_new_tokens=max_new_tokens)
+    tokenizer = build_tokenizer(TokenizerConfig("PretrainedFromHF", tokenizer_name_or_path=str(hf_in)))
+    return [r["token_ids"] for r in results], hf_greedy(hf_model, tokenizer, prompts, max_new_tokens=max_new_tokens)

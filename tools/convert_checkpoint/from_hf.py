@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Convert a local transformers directory (Bloom, GPT-2, GPT-NeoX, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE) into a
-training checkpoint.
+"""Convert a local transformers directory (Bloom, GPT-2, GPT-NeoX, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE,
+DeepSeek-V3) into a training checkpoint.
 
     python tools/convert_checkpoint/from_hf.py --hf-dir DIR --save CKPT \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 [--expert-model-parallel-size 2]
@@ -12,9 +12,10 @@ weights only (iteration 0, no optimizer state): continue with --finetune (or --n
 also takes the recorded iteration 0 and an RNG state seeded with --seed). A tokenizer.json in
 --hf-dir is recorded as the checkpoint's tokenizer (PretrainedFromHF). An MoE model's experts are
 split over --expert-model-parallel-size ranks as a training run at that size saves them (train at that
-size; the expert files follow the default --pp-partition-method). DeepSeek-V3 is refused: its multi-head
-latent attention is not implemented here. The work is in ``megatron.checkpoint.hf_export`` and
-``megatron.checkpoint.merge``.
+size; the expert files follow the default --pp-partition-method). DeepSeek-V3 becomes a model with
+--multi-latent-attention and sigmoid, group-limited routing with an expert bias (its multi-token-prediction
+layers are dropped with a warning, as transformers' model ignores them). The work is in
+``megatron.checkpoint.hf_export`` and ``megatron.checkpoint.merge``.
 """
 
 import argparse
@@ -29,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--expert-model-parallel-size", type=int, default=1,
-                        help="MoE (Mixtral, Qwen3-MoE): split each layer's experts over this many expert-parallel "
+                        help="MoE (Mixtral, Qwen3-MoE, DeepSeek-V3): split each layer's experts over this many expert-parallel "
                              "ranks, as a training run at that size saves them (one expert file per rank)")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     parser.add_argument("--pad-vocab-size-to", type=int, default=None)

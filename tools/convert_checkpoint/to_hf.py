@@ -6,7 +6,8 @@
 ALiBi + embedding LayerNorm (BLOOM) writes a ``BloomForCausalLM``, learned positions a
 ``GPT2LMHeadModel``, rotary a ``GPTNeoXForCausalLM``, RMSNorm + SwiGLU + rotary a ``LlamaForCausalLM``
 (``Qwen2ForCausalLM`` with q / k / v biases only), the same with MoE layers a ``MixtralForCausalLM``
-(``Qwen3MoeForCausalLM`` with --qk-layernorm) (config.json + model.safetensors). An MoE checkpoint of any
+(``Qwen3MoeForCausalLM`` with --qk-layernorm), with --multi-latent-attention a ``DeepseekV3ForCausalLM``
+(config.json + model.safetensors). An MoE checkpoint of any
 --expert-model-parallel-size is read whole (its expert files gathered). The vocabulary is cut to
 the tokenizer's (original_vocab_size); Bloom's ``pretraining_tp`` records the training TP. When the
 checkpoint's tokenizer record names existing files they are exported too, so

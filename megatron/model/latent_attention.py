@@ -1,0 +1,175 @@
+"""Multi-head latent attention (MLA; DeepSeek-V2, Liu et al. 2024; DeepSeek-V3), heads split across the TP group.
+
+    q        = W_qB norm(W_qA x)   (or W_q x without a query latent)       [s, b, np, dn + dr]
+    c, k_r   = W_kvA x                                                      [s, b, dc], [s, b, dr]
+    k_n, v   = W_kvB norm(c)                                                [s, b, np, dn], [s, b, np, dv]
+    k        = [k_n, rope(k_r)] (k_r one head, shared by all), q = [q_n, rope(q_r)]
+    out      = W_o softmax(q k^T / sqrt(dn + dr), causal) v
+
+W_qA, W_kvA and the two latent norms are replicated on every TP rank: their input is the whole hidden state and
+the column-parallel W_qB / W_kvB behind them all-reduce the latents' gradients (their ``copy_to``); the shared
+rotary key k_r, which this rank's heads alone use, passes through a ``copy_to`` of its own (forward identity,
+backward all-reduce over TP). So every rank computes the same full gradient for them, with no further
+all-reduce. W_q, W_qB and W_kvB are column-parallel by heads (their rows are per head: [np, dn + dr] and
+[np, dn + dv], transformers' layout), W_o row-parallel. The rotary part is laid out as DeepSeek's checkpoints
+hold it, in interleaved pairs (x0, x1), (x2, x3), ...: it is de-interleaved to [x0, x2, ..; x1, x3, ..] before
+the half-split rotary of ``megatron.model.positional`` (what Megatron-LM's MLA and transformers' rope_interleave
+do), the same on queries and keys, so the scores are those of the interleaved rotation.
+
+Not implemented (refused): context parallelism, DeepSpeed-Ulysses, sequence parallelism (``ModelConfig``), the
+inference server's batched KV cache; a plain ``KVCache`` (tools/generate.py) holds the expanded keys and
+values.
+
+Shape letters: s sequence (sq queries, sk keys incl. cached ones), b micro-batch, h hidden, np heads per partition,
+dn / dr / dv the query-key position-free / rotary / value head dims (qk_head_dim, qk_pos_emb_head_dim, v_head_dim),
+dq / dc the query / key-value latent ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.attention import KVCache
+from megatron.model.initialization import normal_init, output_layer_std
+from megatron.model.kv_cache import BatchKVCache
+from megatron.model.norm import Norm
+from megatron.model.positional import apply_rotary, rotary_cos_sin
+from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.parallel.random import tracked_checkpoint_func
+from megatron.parallel.state import group_size
+
+__all__ = ["MultiLatentAttention", "ReplicatedLinear", "deinterleave"]
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., dr] in pairs (x0, x1), (x2, x3), ... -> [x0, x2, ..., x1, x3, ...] (each pair's two halves apart)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)  # [..., dr]
+
+
+class ReplicatedLinear(nn.Module):
+    """Y = X A^T, the full A [o, i] on every TP rank (no tensor-parallel tag: layouts read it as replicated)."""
+
+    def __init__(self, input_size: int, output_size: int, init_method):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.float32))
+        init_method(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class MultiLatentAttention(nn.Module):
+    """Causal multi-head latent attention; the same constructor and forward as ``SelfAttention``.
+
+    Args:
+        config: the model configuration (``config.mla`` holds the latent sizes).
+        tp_group: the tensor-parallel process group (None: one rank).
+        layer_number: this layer's 0-based index in the whole model (names its init streams).
+        rng_tracker: a ``RNGStatesTracker``; attention dropout runs in its model-parallel stream.
+        sequence_exchange, cp_group: must be None (Ulysses and context parallelism are not implemented for MLA).
+    """
+
+    def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, rng_tracker=None,
+                 sequence_exchange=None, cp_group=None):
+        super().__init__()
+        if sequence_exchange is not None or cp_group is not None:
+            raise ValueError("--multi-latent-attention is not implemented with DeepSpeed-Ulysses "
+                             "(--ds-sequence-parallel-size) or --context-parallel-size; use 1 for both")
+        mla = config.mla
+        self.config, self.mla, self.rng_tracker, self.tp_group = config, mla, rng_tracker, tp_group
+        self.num_heads_per_partition = config.num_attention_heads // group_size(tp_group)  # np
+        heads, h, std, seed = config.num_attention_heads, config.hidden_size, config.init_method_std, config.seed
+        prefix = f"layers.{layer_number}.self_attention"
+
+        def column(inputs: int, per_head: int, name: str) -> ColumnParallelLinear:
+            return ColumnParallelLinear(inputs, heads * per_head, tp_group=tp_group, bias=False, gather_output=False,
+                                        init_method=normal_init(std, seed, f"{prefix}.{name}.weight"))
+
+        def replicated(inputs: int, outputs: int, name: str) -> ReplicatedLinear:
+            return ReplicatedLinear(inputs, outputs, normal_init(std, seed, f"{prefix}.{name}.weight"))
+
+        if mla.q_lora_rank is None:
+            self.linear_q_proj = column(h, mla.q_head_dim, "linear_q_proj")
+        else:
+            self.linear_q_down_proj = replicated(h, mla.q_lora_rank, "linear_q_down_proj")
+            self.q_layernorm = Norm(config, per_head_size=mla.q_lora_rank) if config.qk_layernorm else None
+            self.linear_q_up_proj = column(mla.q_lora_rank, mla.q_head_dim, "linear_q_up_proj")
+        self.linear_kv_down_proj = replicated(h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim, "linear_kv_down_proj")
+        self.kv_layernorm = Norm(config, per_head_size=mla.kv_lora_rank) if config.qk_layernorm else None
+        self.linear_kv_up_proj = column(mla.kv_lora_rank, mla.qk_head_dim + mla.v_head_dim, "linear_kv_up_proj")
+        self.dense = RowParallelLinear(
+            heads * mla.v_head_dim, h, tp_group=tp_group, bias=False, input_is_parallel=True,
+            init_method=normal_init(output_layer_std(config), seed, f"{prefix}.dense.weight"))
+        self._rope_scaling = None
+        if config.rope_scaling_factor is not None:
+            self._rope_scaling = (config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
+                                  config.rope_scaling_high_freq_factor, config.rope_scaling_original_max_positions)
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [sq, b, h] -> q [sq, b, np * (dn + dr)]."""
+        if self.mla.q_lora_rank is None:
+            return self.linear_q_proj(hidden)[0]
+        latent = self.linear_q_down_proj(hidden)  # [sq, b, dq]
+        if self.q_layernorm is not None:
+            latent = self.q_layernorm(latent)
+        return self.linear_q_up_proj(latent)[0]
+
+    def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """hidden [sq, b, h] (already normed) -> attention output [sq, b, h]. ``kv_cache``: a ``KVCache`` holding
+        this layer's expanded keys [sk, b, np, dn + dr] and values [sk, b, np, dv]."""
+        if isinstance(kv_cache, BatchKVCache):
+            raise ValueError("--multi-latent-attention has no batched KV cache (the inference server's); decode "
+                             "with tools/generate.py")
+        mla, np_ = self.mla, self.num_heads_per_partition
+        dn, dr, dv = mla.qk_head_dim, mla.qk_pos_emb_head_dim, mla.v_head_dim
+        sq, b, _ = hidden.shape
+        query = self._query(hidden).view(sq, b, np_, dn + dr)  # [sq, b, np, dn + dr]
+        q_nope, q_rope = query.split([dn, dr], dim=-1)
+        latent, k_rope = self.linear_kv_down_proj(hidden).split([mla.kv_lora_rank, dr], dim=-1)  # [sq, b, dc], [sq, b, dr]
+        if self.kv_layernorm is not None:
+            latent = self.kv_layernorm(latent)
+        kv, _ = self.linear_kv_up_proj(latent)  # [sq, b, np * (dn + dv)]
+        k_nope, value = kv.view(sq, b, np_, dn + dv).split([dn, dv], dim=-1)  # [sq, b, np, dn], [sq, b, np, dv]
+
+        offset = 0 if kv_cache is None else kv_cache.length
+        positions = torch.arange(offset, offset + sq, device=hidden.device)  # [sq]
+        cos, sin = rotary_cos_sin(positions, dr, self.config.rotary_base, self._rope_scaling)  # 2 x [sq, dr]
+        q_rope = apply_rotary(deinterleave(q_rope), cos, sin)  # [sq, b, np, dr]
+        k_rope = copy_to_tensor_model_parallel_region(k_rope, self.tp_group)  # every head's gradient summed
+        k_rope = apply_rotary(deinterleave(k_rope)[:, :, None, :], cos, sin)  # [sq, b, 1, dr]
+        query = torch.cat((q_nope, q_rope), dim=-1)  # [sq, b, np, dn + dr]
+        key = torch.cat((k_nope, k_rope.expand(sq, b, np_, dr)), dim=-1)  # [sq, b, np, dn + dr]
+        if kv_cache is not None:
+            key, value = kv_cache.append(key, value)  # [sk, b, np, dn + dr], [sk, b, np, dv]
+
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, d]
+        if self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
+            context = tracked_checkpoint_func(self.rng_tracker)(self._core_attention, query, key, value, offset)
+        else:
+            context = self._core_attention(query, key, value, offset)  # [b, np, sq, dv]
+        output, _ = self.dense(context.permute(2, 0, 1, 3).reshape(sq, b, np_ * dv))  # [sq, b, h]
+        return output
+
+    def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        offset: int) -> torch.Tensor:
+        """softmax(Q K^T / sqrt(dn + dr), causal) V by torch's SDPA: query [b, np, sq, dn + dr], key
+        [b, np, sk, dn + dr], value [b, np, sk, dv] -> [b, np, sq, dv]; queries at offset .. offset + sq - 1."""
+        sq, sk = query.shape[2], key.shape[2]
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        mask = None  # is_causal (sq == sk), or one new token seeing every cached key
+        if sq != sk and sq > 1:
+            positions = torch.arange(offset, offset + sq, device=query.device)  # [sq]
+            mask = torch.arange(sk, device=query.device)[None, :] <= positions[:, None]  # [sq, sk], True = attend
+        fork = self.rng_tracker.fork() if dropout_p > 0 and self.rng_tracker is not None else contextlib.nullcontext()
+        with fork:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
+                                                  is_causal=mask is None and sq > 1,
+                                                  scale=1.0 / math.sqrt(self.mla.q_head_dim))

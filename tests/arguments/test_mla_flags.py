@@ -1,0 +1,35 @@
+"""The multi-head latent attention flags (Megatron-LM's names) reach ModelConfig.mla, and the parallelisms MLA does
+not implement are refused by name before launch."""
+
+import pytest
+
+from megatron.arguments import run_config_from_argv
+from megatron.config.mla import MLAConfig
+from tests.helpers.arguments import tiny_config_argv
+
+DEEPSEEK = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+            "--untie-embeddings-and-output-weights", "--qk-layernorm", "--multi-latent-attention", "--q-lora-rank", "32",
+            "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"]
+
+
+def _model(files, extra, world_size=1):
+    return run_config_from_argv(tiny_config_argv(files) + extra, world_size=world_size, with_vocab=False).model
+
+
+def test_megatron_lm_mla_flags_give_the_latent_sizes(files):
+    model = _model(files, DEEPSEEK, world_size=2)
+    assert model.mla == MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12)
+    assert model.qk_layernorm and model.mla.q_head_dim == 24
+    assert _model(files, DEEPSEEK[:-12]).mla is None  # without --multi-latent-attention: the fused-QKV attention
+
+
+@pytest.mark.parametrize("extra,world_size,message", [
+    (["--context-parallel-size", "2"], 2, "--multi-latent-attention is not implemented with --context-parallel-size 2"),
+    (["--ds-sequence-parallel-size", "2"], 2, "with --ds-sequence-parallel-size 2 \\(DeepSpeed-Ulysses\\)"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, "with --sequence-parallel"),
+    (["--position-embedding-type", "alibi"], 1, "with --position-embedding-type alibi \\(needs rope\\)"),
+    (["--kv-lora-rank", "0"], 1, "--kv-lora-rank must be a positive integer, got 0"),
+])
+def test_what_mla_does_not_implement_is_refused_before_launch(files, extra, world_size, message):
+    with pytest.raises(ValueError, match=message):
+        _model(files, DEEPSEEK + extra, world_size=world_size)

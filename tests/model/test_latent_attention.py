@@ -1,0 +1,132 @@
+"""Multi-head latent attention against transformers' DeepseekV3Attention (the independent reference: eager
+matmuls, its own interleaved rotary), with and without a query latent, at TP=1 and TP=2 in one launch: the
+output and the gradient of the input and of every weight (shards against the slices of transformers' full ones),
+within 1e-5 in fp32. Plus what MLA refuses before launch.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron.checkpoint.hf_deepseek import MLA_NAMES
+from megatron.config.mla import MLAConfig
+from megatron.parallel.state import ParallelState
+from megatron.testing import run_distributed
+from tests.helpers.model import tiny_config
+
+MLA = MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12)
+S, B = 12, 2
+
+
+def _hf_attention(q_lora_rank):
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    config = transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                           q_lora_rank=q_lora_rank,
+                                           kv_lora_rank=MLA.kv_lora_rank, qk_nope_head_dim=MLA.qk_head_dim,
+                                           qk_rope_head_dim=MLA.qk_pos_emb_head_dim, v_head_dim=MLA.v_head_dim,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config._attn_implementation = "eager"
+    torch.manual_seed(11)
+    attention = DeepseekV3Attention(config, layer_idx=0)
+    with torch.no_grad():
+        for param in attention.parameters():  # norms start at 1: perturb every tensor, so a misplaced one shows
+            param.copy_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.15) + (param.dim() == 1))
+    return attention, DeepseekV3RotaryEmbedding(config)
+
+
+def _hf_forward(attention, rotary, x):
+    """x [b, s, h] -> transformers' output [b, s, h] (causal)."""
+    positions = torch.arange(S)[None]
+    mask = torch.full((S, S), torch.finfo(torch.float32).min).triu(1)[None, None]
+    out, _ = attention(x, position_embeddings=rotary(x, positions), attention_mask=mask)
+    return out
+
+
+def _our_attention(q_lora_rank, tp_group, hf_attention):
+    from megatron.model.latent_attention import MultiLatentAttention
+    from megatron.parallel.state import group_rank, group_size
+
+    config = tiny_config(position_embedding_type="rotary", normalization="rmsnorm", swiglu=True,
+                         add_bias_linear=False, qk_layernorm=True, layernorm_epsilon=1e-6,
+                         mla=dataclasses.replace(MLA, q_lora_rank=q_lora_rank))
+    ours = MultiLatentAttention(config, tp_group)
+    rank, tp = group_rank(tp_group), group_size(tp_group)
+    theirs = dict(hf_attention.named_parameters())
+    pairs = [(mine, theirs[hf]) for mine, hf in MLA_NAMES + (("dense.weight", "o_proj.weight"),) if hf in theirs]
+    with torch.no_grad():
+        for mine, full in pairs:
+            param = ours.get_parameter(mine)
+            param.copy_(_shard(full, param, rank, tp))
+    assert len(pairs) == len(list(ours.parameters())), [n for n, _ in ours.named_parameters()]
+    return ours, pairs
+
+
+def _shard(full, param, rank, tp):
+    """This TP rank's part of a full tensor (the parameter's own partition dim), or the whole one if replicated."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    return full.chunk(tp, dim=param.partition_dim)[rank]
+
+
+def _compare(q_lora_rank, tp_group):
+    from megatron.parallel.state import group_rank, group_size
+
+    hf_attention, rotary = _hf_attention(q_lora_rank)
+    ours, pairs = _our_attention(q_lora_rank, tp_group, hf_attention)
+    x = torch.randn(B, S, 64, generator=torch.Generator().manual_seed(3))
+    weight = torch.randn(B, S, 64, generator=torch.Generator().manual_seed(4))
+    x_hf, x_ours = x.clone().requires_grad_(), x.transpose(0, 1).clone().requires_grad_()
+    expected = _hf_forward(hf_attention, rotary, x_hf)
+    got = ours(x_ours).transpose(0, 1)  # [b, s, h]
+    (expected * weight).sum().backward()
+    (got * weight).sum().backward()
+    rank, tp = group_rank(tp_group), group_size(tp_group)
+    grads = {mine: (ours.get_parameter(mine).grad - _shard(full.grad, ours.get_parameter(mine), rank, tp)
+                    ).abs().max().item() for mine, full in pairs}
+    return {"output": (got - expected).abs().max().item(), "scale": expected.abs().max().item(),
+            "input_grad": (x_ours.grad.transpose(0, 1) - x_hf.grad).abs().max().item(), "grads": grads}
+
+
+def _run(rank, world_size):
+    torch.set_num_threads(1)
+    state = ParallelState.create(tp=world_size, pp=1)
+    try:
+        return {(q_lora, tp): _compare(q_lora, state.tp_group if tp > 1 else None)
+                for q_lora in (32, None) for tp in (1, world_size)}
+    finally:
+        state.destroy()
+
+
+@pytest.mark.multiprocess
+def test_mla_equals_transformers_deepseek_v3_attention_at_tp1_and_tp2():
+    results = run_distributed(_run, world_size=2, timeout=240)
+    for rank, result in enumerate(results):
+        for (q_lora, tp), out in result.items():
+            where = f"rank {rank}, q_lora_rank {q_lora}, TP {tp}"
+            assert out["scale"] > 0.1, where
+            assert out["output"] <= 1e-5, (where, out["output"])
+            assert out["input_grad"] <= 1e-5, (where, out["input_grad"])
+            assert len(out["grads"]) == (7 if q_lora else 5), (where, sorted(out["grads"]))
+            worst = max(out["grads"], key=out["grads"].get)
+            assert out["grads"][worst] <= 1e-5, (where, worst, out["grads"][worst])
+
+
+def test_mla_refuses_what_it_does_not_implement():
+    mla = dict(position_embedding_type="rotary", add_bias_linear=False, mla=MLA)
+    with pytest.raises(ValueError, match="--multi-latent-attention is not implemented with --position-embedding-type "
+                                         "alibi"):
+        tiny_config(**dict(mla, position_embedding_type="alibi"))
+    with pytest.raises(ValueError, match="--num-key-value-heads"):
+        tiny_config(**mla, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="--sequence-parallel"):
+        tiny_config(**mla, sequence_parallel=True)
+    with pytest.raises(ValueError, match="--qk-pos-emb-head-dim 7 must be even"):
+        tiny_config(**dict(mla, mla=dataclasses.replace(MLA, qk_pos_emb_head_dim=7)))
+    from megatron.inference.batching import BatchRunner
+    from megatron.model import GPTModel
+
+    with pytest.raises(ValueError, match="--multi-latent-attention has no batched KV cache: the inference server"):
+        BatchRunner(GPTModel(tiny_config(**mla, normalization="rmsnorm", swiglu=True)), 256)
