@@ -37,7 +37,10 @@ def resolve_mla(args) -> None:
         (f"--context-parallel-size {args.context_parallel_size}", args.context_parallel_size > 1),
         (f"--ds-sequence-parallel-size {args.ds_sequence_parallel_size} (DeepSpeed-Ulysses)",
          args.ds_sequence_parallel_size > 1),
-        ("--sequence-parallel", args.sequence_parallel and args.tensor_model_parallel_size > 1)) if present]
+        ("--sequence-parallel", args.sequence_parallel and args.tensor_model_parallel_size > 1),
+        ("--enable-zbh1-pipeline (not tested with MLA)", args.enable_zbh1_pipeline),
+        (f"--num-virtual-stages-per-pipeline-rank {args.num_virtual_stages_per_pipeline_rank} (not tested with MLA)",
+         args.num_virtual_stages_per_pipeline_rank > 1)) if present]
     if refused:
         raise ValueError(f"--multi-latent-attention is not implemented with {', '.join(refused)}; drop "
                          f"{'them' if len(refused) > 1 else 'it'} or use the fused-QKV attention")
