@@ -18,13 +18,14 @@ from megatron.dry_run.estimate import (
     item_param_counts,
     memory_section,
     model_shape,
+    schedule_section,
     step_section,
     vocabulary_rows,
 )
 from megatron.dry_run.plan import RunSteps, batch_section, layout_section, lr_section, run_section
 from megatron.dry_run.text import render
 
-SECTIONS = ("layout", "batch", "run", "lr_schedule", "memory", "step", "experts")
+SECTIONS = ("layout", "batch", "run", "lr_schedule", "memory", "step", "schedule", "experts")
 
 
 def dry_run(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, out=None) -> int:
@@ -93,6 +94,7 @@ def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
     try:
         report["memory"] = memory_section(rc, stage_layers, gpu)
         report["step"] = step_section(rc, stage_layers, gpu, cluster, steps.steps_per_batch_size())
+        report["schedule"] = schedule_section(rc, stage_layers, gpu, cluster)
         report["experts"] = experts_section(rc, stage_layers)
     except ValueError as error:
         check.not_checked.append(f"the memory and step-time estimates: {error}")
