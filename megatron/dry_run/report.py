@@ -107,4 +107,14 @@ def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
         report["warnings"].append(f"the planner's estimate for stage {mem['peak_stage']}, {mem['peak_gib']} GiB, is "
                                   f"above {mem['limit_gib']} GiB ({mem['headroom']:.0%} of the {mem['gpu']}): the job "
                                   "may run out of memory (more PP or TP, a smaller micro-batch, "
-                                  "--checkpoint-activations)")
+                                  "--checkpoint-activations" + _schedule_hint(report["schedule"]) + ")")
+
+
+def _schedule_hint(schedule) -> str:
+    """Where the run's schedule holds more activations than 1F1B would on its busiest stage, say so."""
+    if schedule is None or schedule["schedule"] == "1f1b":
+        return ""
+    if max(schedule["activation_gib"]) <= max(schedule["activation_gib_1f1b"]):
+        return ""
+    return (f", or 1F1B: {schedule['label']} holds {max(schedule['activation_gib']):g} GiB of activations on its "
+            f"busiest stage against 1F1B's {max(schedule['activation_gib_1f1b']):g}")
