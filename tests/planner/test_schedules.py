@@ -13,7 +13,17 @@ import pytest
 
 from megatron.engine.bubble import SCHEDULES as STREAMS
 from megatron.engine.bubble import idle_slots, schedule_streams
-from megatron.planner import CLUSTERS, GPUS, LLAMA_SIZES, Layout, ModelShape, estimate_step, plan_layouts
+from megatron.planner import (
+    BLOOM_SIZES,
+    CLUSTERS,
+    GPUS,
+    LLAMA_SIZES,
+    Layout,
+    ModelShape,
+    estimate_memory,
+    estimate_step,
+    plan_layouts,
+)
 from megatron.planner.memory import activation_terms, head_weight_pass_bytes, weight_pass_bytes
 from megatron.planner.schedules import (
     bubble_fraction,
@@ -156,3 +166,33 @@ def test_the_search_chooses_among_the_schedules_where_they_run():
     assert pipelined[0].layout.schedule != "1f1b"  # with a pipeline, a schedule with less bubble wins
     with pytest.raises(ValueError, match="not plannable"):
         plan_layouts(model, gpu, cluster, 64, 4096, 128, schedules=("gpipe",))
+
+
+def _figures(model, base, gpu, cluster, seq, gbs, schedule, v=1, recompute=True):
+    """(bubble slots, % of the step, busiest stage's activations in GiB, peak GiB per GPU) as the docs give them."""
+    lay = dataclasses.replace(base, schedule=schedule, virtual_stages=v, recompute=recompute)
+    step = estimate_step(model, lay, GPUS[gpu], CLUSTERS[cluster], seq, gbs)
+    acts = max(sum(t.values()) for t in activation_terms(model, lay, seq, gbs)) / 2 ** 30
+    memory = estimate_memory(model, lay, seq, gbs).peak / 2 ** 30
+    return round(step.bubble_s / step.slot_s, 2), round(100 * step.bubble_s / step.step_s, 1), round(acts, 1), round(memory, 1)
+
+
+def test_the_docs_schedule_tables():
+    """docs/parallelism.md, "Choosing a pipeline schedule": BLOOM-176B's and Llama-3-70B's rows."""
+    bloom = Layout(4, 12, 8, 2, True, 1, "bf16", "type:transformer|embedding", store_attention_scores=False)
+    args = (BLOOM_SIZES["176B"], bloom, "A100-80GB", "jean-zay-a100", 2048, 2048)
+    assert _figures(*args, "1f1b") == (11.0, 7.7, 9.0, 47.2)
+    assert _figures(*args, "zbh1") == (5.96, 4.3, 57.1, 95.4)
+    llama = Layout(8, 4, 2, 1, True, 1, "bf16", store_attention_scores=False)
+    args = (LLAMA_SIZES["llama-3-70b"], llama, "H100-80GB", "dgx-h100", 4096, 256)
+    assert _figures(*args, "1f1b") == (3.0, 2.3, 6.0, 38.6)
+    assert _figures(*args, "zbh1") == (2.09, 1.6, 30.2, 62.8)
+    assert _figures(*args, "interleaved", 2) == (1.5, 1.1, 8.0, 40.6)
+    assert _figures(*args, "interleaved", 4) == (0.75, 0.6, 7.1, 39.7)
+    assert _figures(*args, "1f1b", recompute=False) == (3.0, 2.3, 35.7, 68.3)
+    assert _figures(*args, "zbh1", recompute=False) == (1.83, 1.4, 35.7, 68.3)
+    plans = plan_layouts(LLAMA_SIZES["llama-3-70b"], GPUS["H100-80GB"], CLUSTERS["dgx-h100"], 64, 4096, 512,
+                         micro_batch_sizes=(1, 2), recompute=(True,), zero_stages=(1,),
+                         schedules=("1f1b", "zbh1", "interleaved"), virtual_stages=(2, 4))
+    best = next(p.layout for p in plans if p.fits and p.layout.pp > 1)
+    assert best.short() == "TP=4 PP=4 DP=4 MBS=2 recompute ZeRO-1 bf16 interleaved 1F1B v=4"
