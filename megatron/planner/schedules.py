@@ -89,10 +89,16 @@ def in_flight(schedule: str, pp: int, num_micro_batches: int, stage: int, virtua
 
 
 def first_chunk_in_flight(pp: int, num_micro_batches: int, virtual_stages: int) -> int:
-    """Interleaved: micro-batches through rank 0's first chunk (the embedding's) still waiting for backward at its
-    peak: forward k runs chunk (k // p) % v, so count those of the first n_0 forwards."""
-    n = in_flight("interleaved", pp, num_micro_batches, 0, virtual_stages) * virtual_stages
-    return sum(1 for k in range(round(n)) if (k // pp) % virtual_stages == 0)
+    """Interleaved: the most micro-batches waiting for backward in rank 0's first chunk (the embedding's). Forward k
+    runs chunk (k // p) % v, backward k chunk v - 1 - (k // p) % v; replayed over Megatron's order."""
+    v, total = virtual_stages, num_micro_batches * virtual_stages
+    warmup = warmup_chunk_forwards(pp, v, num_micro_batches, 0)
+    held = most = sum(1 for k in range(warmup) if (k // pp) % v == 0)
+    for k in range(total - warmup):
+        held += (warmup + k) // pp % v == 0
+        most = max(most, held)
+        held -= k // pp % v == v - 1
+    return most
 
 
 def peak_units(schedule: str, pp: int, num_micro_batches: int, stage: int, activations: float,
