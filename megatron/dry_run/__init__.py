@@ -5,7 +5,8 @@
 - ``megatron.arguments.check``: every problem of the flags, files and environment at once;
 - ``plan``: the pipeline stages (DeepSpeed's partition rule, ``megatron.engine.partition``), the batch
   and its rampup, the run's iterations, samples and tokens, the learning-rate schedule's key points;
-- ``estimate``: the planner's memory per GPU and step time for this layout, and a CP job's ring (``megatron.planner``);
+- ``estimate``: the planner's memory per GPU, step time and pipeline schedule (bubble, activations per stage,
+  p2p bytes) for this layout, and a CP job's ring (``megatron.planner``);
 - ``report``: the whole as one dict, its JSON file, the exit status; ``text``: the printed form.
 
 No process group starts and nothing runs on a GPU (CUDA is only asked whether it is there). Sits at

@@ -8,6 +8,7 @@ fabric are assumptions (``--dry-run-gpu``, ``--dry-run-cluster``), said in the r
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from megatron.config import RunConfig
@@ -20,9 +21,10 @@ from megatron.planner.context_parallel import (
     ring_exposed_s,
     step_ring_bytes,
 )
-from megatron.planner.memory import MEMORY_HEADROOM, stage_expert_param_counts
+from megatron.planner.memory import MEMORY_HEADROOM, activation_terms, stage_expert_param_counts
 from megatron.planner.moe import step_all_to_all_bytes
 from megatron.planner.performance import ATTENTION_EFFICIENCY
+from megatron.planner.schedules import in_flight, p2p_bytes_per_step
 from megatron.planner.specs import DEFAULT_CLUSTER, GiB, model_shape_of
 
 DEFAULT_GPU = "A100-80GB"  # what BLOOM-176B trained on (Jean Zay), the GPU these flags were written for
@@ -75,8 +77,18 @@ def stores_attention_scores(rc: RunConfig) -> bool:
             and rc.parallel.context_parallel_size == 1)
 
 
+def run_schedule(rc: RunConfig) -> tuple[str, int]:
+    """(planner schedule, virtual stages) the run's flags choose: interleaved with v > 1 virtual stages per rank
+    (--num-virtual-stages-per-pipeline-rank), ZB-H1 with --enable-zbh1-pipeline, else DeepSpeed's 1F1B."""
+    v = rc.parallel.num_virtual_stages_per_pipeline_rank
+    if v > 1:
+        return "interleaved", v
+    return ("zbh1" if rc.parallel.enable_zbh1_pipeline else "1f1b"), 1
+
+
 def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
     p = rc.parallel
+    schedule, virtual_stages = run_schedule(rc)
     return Layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
                   rc.batch.micro_batch_size, recompute=rc.training.checkpoint_activations,
                   zero_stage=rc.deepspeed_zero_stage, precision=rc.model.params_dtype,
@@ -84,7 +96,7 @@ def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
                   hpz=p.zero_hpz_partition_size, sequence_parallel=p.sequence_parallel,
                   ulysses=p.ds_sequence_parallel_size,
                   store_attention_scores=stores_attention_scores(rc), ep=p.expert_model_parallel_size,
-                  cp=p.context_parallel_size)
+                  cp=p.context_parallel_size, schedule=schedule, virtual_stages=virtual_stages)
 
 
 def memory_section(rc: RunConfig, stage_layers: list[int], gpu) -> dict:
@@ -160,3 +172,30 @@ def context_parallel_section(rc: RunConfig, stage_layers: list[int], gpu, cluste
             "ring_buffers_mib": round(ring_buffer_bytes(shape, layout, seq, width) / 2 ** 20, 3),
             "overlap": "each K / V hop travels while the current block is computed; the dK / dV hop is exposed",
             "stages": stages}
+
+
+def schedule_section(rc: RunConfig, stage_layers: list[int], gpu, cluster) -> Optional[dict]:
+    """The pipeline schedule's bubble, activation memory per stage and p2p bytes per step for the run's own flags,
+    beside 1F1B's on the same layout (``megatron.planner.schedules``); None without a pipeline (PP 1)."""
+    layout = planner_layout(rc, stage_layers)
+    if layout.pp == 1:
+        return None
+    shape, seq, batch = model_shape(rc), rc.data.seq_length, rc.batch.global_batch_size
+    m = layout.num_micro_batches(batch)
+    figures = {}
+    for name, lay in (("run", layout), ("1f1b", dataclasses.replace(layout, schedule="1f1b", virtual_stages=1))):
+        step = estimate_step(shape, lay, gpu, cluster, seq, batch)
+        terms = activation_terms(shape, lay, seq, batch)
+        figures[name] = {"bubble_fraction": round(step.bubble_s / step.step_s, 4),
+                         "activation_gib": [round(sum(t.values()) / GiB, 3) for t in terms]}
+    width = 4 if layout.precision == "fp32" else 2
+    tensor = width * seq / layout.sequence_split * layout.micro_batch_size * shape.hidden_size
+    p2p = p2p_bytes_per_step(layout.schedule, layout.pp, m, tensor, layout.virtual_stages, layout.tp)
+    return {"schedule": layout.schedule, "label": layout.schedule_label, "virtual_stages": layout.virtual_stages,
+            "num_micro_batches": m, "bubble_fraction": figures["run"]["bubble_fraction"],
+            "bubble_fraction_1f1b": figures["1f1b"]["bubble_fraction"],
+            "in_flight_micro_batches": [round(in_flight(layout.schedule, layout.pp, m, i, layout.virtual_stages), 3)
+                                        for i in range(layout.pp)],
+            "deferred_weight_passes": [min(i + 1, m) if layout.schedule == "zbh1" else 0 for i in range(layout.pp)],
+            "activation_gib": figures["run"]["activation_gib"], "activation_gib_1f1b": figures["1f1b"]["activation_gib"],
+            "p2p_gib_per_rank": round(p2p["per_rank"] / GiB, 3), "p2p_gib_pipeline": round(p2p["pipeline"] / GiB, 3)}

@@ -19,13 +19,14 @@ from megatron.dry_run.estimate import (
     item_param_counts,
     memory_section,
     model_shape,
+    schedule_section,
     step_section,
     vocabulary_rows,
 )
 from megatron.dry_run.plan import RunSteps, batch_section, layout_section, lr_section, run_section
 from megatron.dry_run.text import render
 
-SECTIONS = ("layout", "batch", "run", "lr_schedule", "memory", "step", "experts", "context_parallel")
+SECTIONS = ("layout", "batch", "run", "lr_schedule", "memory", "step", "schedule", "experts", "context_parallel")
 
 
 def dry_run(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, out=None) -> int:
@@ -90,6 +91,7 @@ def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
     try:
         report["memory"] = memory_section(rc, stage_layers, gpu)
         report["step"] = step_section(rc, stage_layers, gpu, cluster, steps.steps_per_batch_size())
+        report["schedule"] = schedule_section(rc, stage_layers, gpu, cluster)
         report["experts"] = experts_section(rc, stage_layers)
         report["context_parallel"] = context_parallel_section(rc, stage_layers, gpu, cluster)
     except ValueError as error:
@@ -103,4 +105,14 @@ def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
         report["warnings"].append(f"the planner's estimate for stage {mem['peak_stage']}, {mem['peak_gib']} GiB, is "
                                   f"above {mem['limit_gib']} GiB ({mem['headroom']:.0%} of the {mem['gpu']}): the job "
                                   "may run out of memory (more PP or TP, a smaller micro-batch, "
-                                  "--checkpoint-activations)")
+                                  "--checkpoint-activations" + _schedule_hint(report["schedule"]) + ")")
+
+
+def _schedule_hint(schedule) -> str:
+    """Where the run's schedule holds more activations than 1F1B would on its busiest stage, say so."""
+    if schedule is None or schedule["schedule"] == "1f1b":
+        return ""
+    if max(schedule["activation_gib"]) <= max(schedule["activation_gib_1f1b"]):
+        return ""
+    return (f", or 1F1B: {schedule['label']} holds {max(schedule['activation_gib']):g} GiB of activations on its "
+            f"busiest stage against 1F1B's {max(schedule['activation_gib_1f1b']):g}")

@@ -17,8 +17,8 @@ def render(report: dict) -> str:
     lines = ["pretrain_gpt.py --dry-run: the job checked without starting it",
              f"world size   {world['value'] if world['value'] is not None else 'unknown'} (from {world['source']})"]
     for key, section in (("model", _model), ("layout", _layout), ("batch", _batch), ("run", _run),
-                         ("lr_schedule", _lr), ("memory", _memory), ("step", _step), ("experts", _experts),
-                         ("context_parallel", _context_parallel)):
+                         ("lr_schedule", _lr), ("memory", _memory), ("step", _step), ("schedule", _schedule),
+                         ("experts", _experts), ("context_parallel", _context_parallel)):
         if report[key] is not None:  # None: not computed (the report's "not_checked" says why)
             lines += section(report[key])
     for title, key, prefix in (("warnings (logged at startup, or about the estimates)", "warnings", ""),
@@ -111,6 +111,20 @@ def _step(s: dict) -> list[str]:
             f"per step at the full batch, bubble {s['bubble_fraction']:.1%}, {s['model_tflops_per_gpu']} model "
             f"TFLOP/s per GPU (MFU {s['mfu']:.1%}), {_n(s['tokens_per_s'])} tokens/s; the whole run "
             f"about {s['run_days']:.1f} days"]
+
+
+def _schedule(s: dict) -> list[str]:
+    def gib(values) -> str:
+        return " ".join(f"{v:.2f}" for v in values)
+
+    lines = [f"schedule     {s['label']}, {s['num_micro_batches']} micro-batches per step: bubble "
+             f"{s['bubble_fraction']:.1%} of the step (1F1B {s['bubble_fraction_1f1b']:.1%}); p2p "
+             f"{s['p2p_gib_per_rank']:g} GiB per rank and step ({s['p2p_gib_pipeline']:g} GiB through the pipeline)",
+             f"  in flight  {' '.join(f'{n:g}' for n in s['in_flight_micro_batches'])} micro-batches per stage"
+             + (f"; W passes waiting up to {' '.join(str(n) for n in s['deferred_weight_passes'])}"
+                if any(s["deferred_weight_passes"]) else ""),
+             f"  activations per stage {gib(s['activation_gib'])} GiB (1F1B {gib(s['activation_gib_1f1b'])})"]
+    return lines
 
 
 def _experts(e: dict) -> list[str]:

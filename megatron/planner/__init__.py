@@ -5,7 +5,9 @@
     memory.py       bytes per rank: weights, gradients, optimizer state (per DeepSpeed optimizer),
                     activations (Korthikanti et al. 2022; with SP and Ulysses), 1F1B in-flight micro-batches
     performance.py  step time from a compute + communication model, TFLOPs, MFU
-    search.py       enumerate (TP, PP, DP, SP, Ulysses, micro-batch, recompute, ZeRO) layouts, rank them;
+    schedules.py    pipeline schedules (1F1B, ZB-H1, interleaved): bubble, micro-batches in flight, deferred
+                    weight-gradient passes, p2p bytes, which layouts each runs
+    search.py       enumerate (TP, PP, DP, SP, Ulysses, micro-batch, recompute, ZeRO, schedule) layouts, rank them;
                     the longest sequence each family of layouts fits
     moe.py          mixture of experts: experts per (TP, EP) rank, the token all-to-all bytes, EP layout rules
     context_parallel.py  context parallelism (ring attention): what the kernel keeps, its buffers, the ring's

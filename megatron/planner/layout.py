@@ -7,6 +7,7 @@ from typing import Optional
 
 from megatron.parallel.pipeline_partition import stage_bounds
 from megatron.parallel.state import _check_expert_size as check_expert_size
+from megatron.planner.schedules import LABELS, SCHEDULES
 from megatron.planner.specs import ModelShape
 
 
@@ -36,6 +37,10 @@ class Layout:
     # context parallelism (ring attention): every layer on s/cp tokens, key / value blocks passed around the ring
     # (megatron.planner.context_parallel); its ranks hold the same weights, like DP's
     cp: int = 1
+    # the pipeline schedule (megatron.planner.schedules): "1f1b", "zbh1" or "interleaved" with virtual_stages
+    # chunks of layers per rank (Megatron-LM's --num-virtual-stages-per-pipeline-rank)
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
 
     def __post_init__(self):
         if self.ulysses < 1 or self.cp < 1:
@@ -44,6 +49,12 @@ class Layout:
         if self.ulysses > 1 and self.cp > 1:
             raise ValueError(f"Ulysses {self.ulysses} and context parallelism {self.cp} both split the sequence; "
                              f"the run refuses them together: pick one")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule {self.schedule!r} is not one the planner models; pick one of "
+                             f"{SCHEDULES}")
+        if (self.virtual_stages != 1) != (self.schedule == "interleaved") or self.virtual_stages < 1:
+            raise ValueError(f"virtual_stages {self.virtual_stages} with schedule {self.schedule!r}: interleaved "
+                             f"runs v >= 2 chunks per rank, the other schedules 1")
         check_expert_size(self.dp, self.ulysses, self.ep)  # the run's own rule (EP divides DP, no Ulysses)
 
     @property
@@ -90,11 +101,17 @@ class Layout:
         parts += [f"CP{self.cp}"] if self.cp > 1 else []
         return "+".join(parts)
 
+    @property
+    def schedule_label(self) -> str:
+        """"1F1B", "ZB-H1" or "interleaved 1F1B v=2"."""
+        return LABELS[self.schedule] + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+
     def short(self) -> str:
         seq = f" {self.sequence_label}" if self.sequence_label else ""
         seq += f" EP={self.ep}" if self.ep > 1 else ""
+        schedule = f" {self.schedule_label}" if self.schedule != "1f1b" else ""
         return (f"TP={self.tp} PP={self.pp} DP={self.dp}{seq} MBS={self.micro_batch_size} "
-                f"{'recompute' if self.recompute else 'no-recompute'} ZeRO-{self.zero_label} {self.precision}")
+                f"{'recompute' if self.recompute else 'no-recompute'} ZeRO-{self.zero_label} {self.precision}{schedule}")
 
 
 def stage_layer_counts(model: ModelShape, layout: Layout) -> list[int]:

@@ -35,7 +35,8 @@ Recomputation in Large Transformer Models", eqs. 2 and 4), bf16, t = TP, u = Uly
   With full recomputation a layer keeps only its input, 2*s*b*h bytes (/t with SP, /u with Ulysses:
   the layer's input is the rank's own shard), and one layer's full set is alive while it is
   recomputed and back-propagated. Under 1F1B (non-interleaved) stage i holds min(p - i, m)
-  micro-batches in flight, so the first stage holds p of them. The first stage also keeps the
+  micro-batches in flight, so the first stage holds p of them; ZB-H1 and interleaved 1F1B hold what
+  ``megatron.planner.schedules`` derives (ZB-H1 adds the waiting weight-gradient passes' inputs). The first stage also keeps the
   embedding dropout mask (s*b*h bytes per micro-batch, split like a layer's input); the last stage the
   logits of one micro-batch: bf16 logits + fp32 copy for the loss + fp32 gradient = 10*s*b*V/t bytes
   (/u with Ulysses). fp32 runs: 4-byte activations (``activation_bytes_per_element``).
@@ -54,6 +55,7 @@ import dataclasses
 from megatron.planner.context_parallel import ring_buffer_bytes, ring_saved_bytes
 from megatron.planner.layout import Layout, stage_layer_counts
 from megatron.planner.moe import check_expert_layout
+from megatron.planner.schedules import check_schedule, first_chunk_in_flight, in_flight, peak_units
 from megatron.planner.specs import GiB, ModelShape
 
 RUNTIME_OVERHEAD = 3 * GiB   # assumption, not measured here: CUDA context ~0.5-1 GiB + NCCL buffers + workspaces
@@ -103,7 +105,7 @@ def static_bytes(num_params: int, layout: Layout, expert_params: int = 0) -> dic
     optimizer state ZeRO shards over the expert-data-parallel group (``layout.expert_replicas``) instead."""
     if expert_params:
         dense = static_bytes(num_params - expert_params, layout)
-        experts = static_bytes(expert_params, dataclasses.replace(layout, dp=layout.expert_replicas, ulysses=1, ep=1))
+        experts = static_bytes(expert_params, dataclasses.replace(layout, dp=layout.expert_replicas, ulysses=1, cp=1, ep=1))
         return {key: dense[key] + experts[key] for key in dense}
     n, shard = num_params, (layout.weight_replicas if layout.zero_stage >= 1 else 1)
     if layout.zero_stage >= 2:
@@ -216,43 +218,83 @@ class MemoryEstimate:
         return totals.index(max(totals))
 
 
-def estimate_memory(model: ModelShape, layout: Layout, seq_length: int, global_batch_size: int) -> MemoryEstimate:
-    s, b, h, t = seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
+def weight_pass_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int = 2) -> float:
+    """One layer's deferred weight-gradient pass (ZB-H1's W, ``megatron.parallel.weight_grad_store``) on one rank:
+    each linear keeps its input X and output gradient dY until dA = dY^T X runs. Per token, in elements:
+      inputs   QKV and MLP-in (column-parallel, full h each), dense (h/t), MLP-out (f/t)
+      grads    QKV (h + 2 kv)/t, MLP-in f/t (2f/t SwiGLU), dense and MLP-out (row-parallel, full h each)
+    Measured on CPU (tests/planner/test_schedule_memory.py). With SP the column inputs are the gathered ones."""
+    h, t, f = model.hidden_size, layout.tp, model.ffn
+    inputs = 2 * h + (h + f) / t
+    grads = (h + 2 * model.kv_hidden + (2 if model.swiglu else 1) * f) / t + 2 * h
+    return seq_length / layout.token_split * layout.micro_batch_size * (inputs + grads) * bytes_per_element
+
+
+def head_weight_pass_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int = 2) -> float:
+    """The vocab-parallel head's deferred W: its input [s, b, h] and the logits' gradient [s, b, V/t]."""
+    tokens = seq_length / layout.token_split * layout.micro_batch_size
+    return tokens * (model.hidden_size + model.vocab_size / layout.tp) * bytes_per_element
+
+
+def activation_terms(model: ModelShape, layout: Layout, seq_length: int, global_batch_size: int) -> list[dict]:
+    """Activation bytes of each stage by term, at the stage's peak under ``layout.schedule``:
+      saved      the activations the layers keep for backward, of every micro-batch in flight
+                 (``megatron.planner.schedules.in_flight``), plus ZB-H1's waiting W passes (the head's too)
+      embedding  the first stage's embedding dropout masks (1 byte per element), one per micro-batch in flight
+      logits     the last stage's logits of one micro-batch: the logits, an fp32 copy and its fp32 gradient
+      backward   the layer being back-propagated: its activation gradients (~ one layer's set) and, with
+                 recomputation, its recomputed activations; with CP also the ring's key / value blocks
+    ``saved`` is what tests/planner/test_schedule_memory.py measures on the engine."""
+    s, b, h, t, p = seq_length, layout.micro_batch_size, model.hidden_size, layout.tp, layout.pp
     w = activation_bytes_per_element(layout)
     m = layout.num_micro_batches(global_batch_size)
+    check_schedule(layout.schedule, p, m, model.num_layers, layout.virtual_stages, layout.precision,
+                   layout.zero_stage)
     layers = stage_layer_counts(model, layout)
     if model.moe is not None:
         check_expert_layout(model.moe, layout.ep, t)
         moe_layers = model.moe.stage_moe_layers(layers)
     else:
-        moe_layers = [0] * layout.pp
+        moe_layers = [0] * p
     full_layer = layer_activation_bytes(model, layout, seq_length, w)
     moe_layer = layer_activation_bytes(model, layout, seq_length, w, moe_layer=True) if model.moe else 0.0
     local_tokens = s * b / layout.sequence_split  # a layer's input and the embedding output: this rank's shard
+    w_layer = weight_pass_bytes(model, layout, seq_length, w) if layout.schedule == "zbh1" else 0.0
+    out = []
+    for i in range(p):
+        biggest = max(full_layer, moe_layer) if moe_layers[i] else full_layer
+        if layout.recompute:
+            one, working = layers[i] * w * local_tokens * h, 2 * biggest
+        else:
+            one = (layers[i] - moe_layers[i]) * full_layer + moe_layers[i] * moe_layer
+            working = biggest
+        weight_pass = layers[i] * w_layer
+        if w_layer and i == p - 1:
+            weight_pass += head_weight_pass_bytes(model, layout, seq_length, w)
+        terms = {"saved": peak_units(layout.schedule, p, m, i, one, weight_pass, layout.virtual_stages),
+                 "embedding": 0.0, "logits": 0.0, "backward": working}
+        # CP: the ring's key / value (and dK / dV) blocks while a layer runs backward
+        terms["backward"] += ring_buffer_bytes(model, layout, s, w)
+        if i == 0:
+            first = (first_chunk_in_flight(p, m, layout.virtual_stages) if layout.schedule == "interleaved"
+                     else in_flight(layout.schedule, p, m, 0))
+            terms["embedding"] = first * local_tokens * h  # embedding dropout mask (1 byte per element)
+        if i == p - 1:
+            terms["logits"] = (w + 8) * s / layout.token_split * b * model.vocab_size / t  # logits, fp32 copy, gradient
+        out.append(terms)
+    return out
+
+
+def estimate_memory(model: ModelShape, layout: Layout, seq_length: int, global_batch_size: int) -> MemoryEstimate:
     stages = []
     experts = stage_expert_param_counts(model, layout)
+    terms = activation_terms(model, layout, seq_length, global_batch_size)
     for i, n_params in enumerate(stage_param_counts(model, layout)):
-        in_flight = min(layout.pp - i, m)
-        biggest = max(full_layer, moe_layer) if moe_layers[i] else full_layer
-        dense_layers = layers[i] - moe_layers[i]
-        # + the layer being back-propagated: its activation gradients (about one layer's set), and
-        # with recomputation also its recomputed activations.
-        if layout.recompute:
-            act = in_flight * layers[i] * w * local_tokens * h + 2 * biggest
-        else:
-            act = in_flight * dense_layers * full_layer + biggest
-            if moe_layers[i]:
-                act += in_flight * moe_layers[i] * moe_layer
-        if i == 0:
-            act += in_flight * local_tokens * h  # embedding dropout mask (1 byte per element)
-        if i == layout.pp - 1:
-            act += (w + 8) * s / layout.token_split * b * model.vocab_size / t  # logits, fp32 copy, fp32 gradient
-        act += ring_buffer_bytes(model, layout, s, w)  # CP: the ring's blocks while a layer runs backward
         stage = dict(static_bytes(n_params, layout, experts[i]))
         if layout.zero_stage == 3:
             # the gathered full weights of the layer being computed and of the one prefetched (an estimate:
             # DeepSpeed's stage3_prefetch_bucket_size / max_live_parameters bound it, not modelled exactly)
-            stage["gathered"] = 2 * (2 if layout.precision == "bf16" else 4) * model.layer_params(t)
-        stage.update(activations=act, overhead=RUNTIME_OVERHEAD)
+            stage["gathered"] = 2 * (2 if layout.precision == "bf16" else 4) * model.layer_params(layout.tp)
+        stage.update(activations=sum(terms[i].values()), overhead=RUNTIME_OVERHEAD)
         stages.append(stage)
     return MemoryEstimate(stages)

@@ -37,7 +37,9 @@ Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
               (read 2N + read/write 8N bytes) and zeroes the bf16 grads (2N).
 
 Step = (m + p - 1) * slot + DP + tied embedding + optimizer, where slot is the slowest stage's
-micro-batch time (1F1B: m micro-batches plus p-1 slots of fill and drain; bubble (p-1)/m).
+micro-batch time (1F1B: m micro-batches plus p-1 slots of fill and drain; bubble (p-1)/m). Other schedules
+(``megatron.planner.schedules``): ZB-H1 idles (p - 1)(F + B - W), W the weight-gradient GEMMs (one forward's
+weight GEMMs); interleaved with v chunks per rank (p - 1) / v slots, and v times the p2p sends per slot.
   DP          over d = DP x Ulysses ranks (all of them hold the same weights).
               BF16_Optimizer all-reduces the fp32 gradient buffer cast to bf16, DeepSpeed's default
               communication_data_type (2N bytes: 2(d-1)/d * 2N / bw),
@@ -58,6 +60,7 @@ from megatron.planner.context_parallel import ring_exposed_s
 from megatron.planner.layout import Layout, stage_layer_counts
 from megatron.planner.memory import layer_activation_bytes, stage_expert_param_counts, stage_param_counts
 from megatron.planner.moe import layer_bytes
+from megatron.planner.schedules import bubble_slots
 from megatron.planner.specs import ClusterSpec, GPUSpec, ModelShape
 
 GEMM_EFFICIENCY = 0.75       # large bf16 GEMMs reach ~75% of the dense peak (cuBLAS, A100 and H100)
@@ -176,21 +179,33 @@ def _mlp_width(model: ModelShape, n_layers: int, n_moe_layers: int) -> float:
     return ((n_layers - n_moe_layers) * model.ffn + n_moe_layers * width) / n_layers
 
 
+def _weight_gemm_forward_s(model: ModelShape, layout: Layout, gpu: GPUSpec, seq_length: int, n_layers: int,
+                           n_moe_layers: int, head: bool) -> float:
+    """One forward's GEMMs with weights on a stage (qkv, dense, MLP; the logits when ``head``): also what a
+    weight-gradient pass (ZB-H1's W) costs, dA = dY^T X being as many FLOPs as Y = X A^T."""
+    h, t = model.hidden_size, layout.tp
+    rows = layout.micro_batch_size * seq_length / layout.token_split
+    gemm_rate = gpu.peak_bf16_tflops * 1e12 * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)
+    mlp_matrices = 3 if model.swiglu else 2
+    dense = 2 * rows * h * (h + 2 * model.kv_hidden + h + mlp_matrices * _mlp_width(model, n_layers, n_moe_layers))
+    out = n_layers * dense / t / gemm_rate if n_layers else 0.0
+    if head:
+        out += 2 * rows * h * model.vocab_size / t / gemm_rate
+    return out
+
+
 def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
                 n_layers: int, n_params: int, first: bool, last: bool, tp_bw: float, n_moe_layers: int = 0) -> dict:
-    b, h, t, V, u = layout.micro_batch_size, model.hidden_size, layout.tp, model.vocab_size, layout.ulysses
+    b, h, t, u = layout.micro_batch_size, model.hidden_size, layout.tp, layout.ulysses
     s = seq_length
     passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
-    rows = b * s / layout.token_split
-    gemm_rate = gpu.peak_bf16_tflops * 1e12 * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)
     attn_rate = gpu.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY
-    mlp_matrices = 3 if model.swiglu else 2
-    mlp = _mlp_width(model, n_layers, n_moe_layers)
-    dense = 2 * rows * h * (h + 2 * model.kv_hidden + h + mlp_matrices * mlp) * passes / t  # qkv, dense, MLP
     attn = 4 * b * s * s * h * passes / (t * layout.token_split)  # s/u (s/c) queries against s keys, or a/(tu) heads
-    matmul = n_layers * (dense / gemm_rate + attn / attn_rate)
+    # the weight GEMMs: one forward's worth per pass (the head's logits: forward, input and weight gradients)
+    matmul = _weight_gemm_forward_s(model, layout, gpu, seq_length, n_layers, n_moe_layers, False) * passes
+    matmul += n_layers * attn / attn_rate
     if last:
-        matmul += 2 * rows * h * V * 3 / t / gemm_rate
+        matmul += 3 * _weight_gemm_forward_s(model, layout, gpu, seq_length, 0, 0, True)
     activations = (n_layers - n_moe_layers) * layer_activation_bytes(model, layout, seq_length)
     if n_moe_layers:
         activations += n_moe_layers * layer_activation_bytes(model, layout, seq_length, moe_layer=True)
@@ -264,7 +279,11 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
         act_bytes = 2 * seq_length / layout.token_split * layout.micro_batch_size * model.hidden_size
         slot["pp_comm"] = 2 * (act_bytes / layout.tp / (pp_bw * 1e9) + cluster.p2p_latency_us * 1e-6)
         slot["pp_comm"] += 3 * _allgather_s(act_bytes, layout.tp, tp_bw, cluster.collective_latency_us)
+        slot["pp_comm"] *= layout.virtual_stages  # interleaved: a send and a receive per chunk boundary
     slot_s = sum(slot.values())
+    weight_pass = _weight_gemm_forward_s(model, layout, gpu, seq_length, layers[slowest], moe_layers[slowest],
+                                         slowest == layout.pp - 1)
+    bubble = bubble_slots(layout.schedule, layout.pp, layout.virtual_stages, weight_pass / slot_s)
     n = max(params)
     n_experts = max(stage_expert_param_counts(model, layout)) if model.moe is not None else 0
     d = layout.weight_replicas
@@ -282,14 +301,14 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
     optimizer = (32 * n / shard + 4 * n) / (gpu.hbm_gbps * 1e9)
     if model.moe is not None and layout.zero_stage >= 1:  # the experts' Adam runs over DP / EP shards
         optimizer += 32 * n_experts * (1 / layout.expert_replicas - 1 / shard) / (gpu.hbm_gbps * 1e9)
-    pipe = (m + layout.pp - 1) * slot_s
-    components = {k: v * (m + layout.pp - 1) for k, v in slot.items()}
+    pipe = (m + bubble) * slot_s
+    components = {k: v * (m + bubble) for k, v in slot.items()}
     components.update(dp_comm=dp, tied_embedding=tied, optimizer=optimizer)
     if layout.sequence_parallel:
         components["sp_norm_grads"] = sp_norms
     step = pipe + dp + tied + optimizer + sp_norms
     return StepEstimate(
-        step_s=step, slot_s=slot_s, bubble_s=(layout.pp - 1) * slot_s, components_s=components,
+        step_s=step, slot_s=slot_s, bubble_s=bubble * slot_s, components_s=components,
         model_flops=model.flops_per_iteration(seq_length, global_batch_size, False),
         hardware_flops=model.flops_per_iteration(seq_length, global_batch_size, layout.recompute),
         num_gpus=layout.world_size, tokens_per_step=global_batch_size * seq_length,

@@ -7,7 +7,9 @@ num_gpus / (TP x u) no larger than the layer count, DP the rest, sequence parall
 TP > 1) on, every micro-batch size in ``micro_batch_sizes`` that divides global_batch / DP,
 recomputation on and off, ZeRO stages 0 and 1 (any PP) and 2 and 3 (PP 1; ZeRO-3 also with hpZ
 groups of one node, cut from the DP x u ranks). A layout runs a sequence length divisible by u (x TP with SP).
-A layout fits when its busiest stage's predicted memory is at most MEMORY_HEADROOM of the GPU's memory.
+Each layout with PP > 1 is tried under every pipeline schedule asked for that runs it (1F1B, ZB-H1, interleaved
+with v virtual stages: ``schedule_variants``). A layout fits when its busiest stage's predicted memory is at most
+MEMORY_HEADROOM of the GPU's memory.
 
 ``longest_sequence`` answers the other question: the longest sequence (a multiple of 256) that some
 layout of a family (plain, +SP, +Ulysses, +both) fits, found by doubling and then bisection;
@@ -22,6 +24,7 @@ from typing import Iterable, Optional
 from megatron.planner.layout import Layout
 from megatron.planner.memory import MEMORY_HEADROOM, MemoryEstimate, estimate_memory
 from megatron.planner.performance import StepEstimate, estimate_step
+from megatron.planner.schedules import SCHEDULES, check_schedule
 from megatron.planner.specs import ClusterSpec, GPUSpec, ModelShape
 
 
@@ -46,6 +49,7 @@ class Plan:
                 "hardware_tflops_per_gpu": round(st.hardware_tflops_per_gpu, 1),
                 "model_tflops_per_gpu": round(st.model_tflops_per_gpu, 1), "mfu": round(st.mfu, 4),
                 "tokens_per_s": round(st.tokens_per_s, 1), "bubble_fraction": round(st.bubble_s / st.step_s, 4),
+                "schedule": lay.schedule, "virtual_stages": lay.virtual_stages,
                 "components_s": {k: round(v, 3) for k, v in st.components_s.items()}}
 
 
@@ -137,9 +141,17 @@ def plan_layouts(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus
                  partition_method: str = "type:transformer", memory_limit: Optional[float] = None,
                  include_infeasible: bool = False, sequence_parallel: Iterable[bool] = (False,),
                  ulysses_sizes: Iterable[int] = (1,), store_attention_scores: bool = True,
-                 ep_sizes: Iterable[int] = (1,)) -> list[Plan]:
+                 ep_sizes: Iterable[int] = (1,), schedules: Iterable[str] = ("1f1b",),
+                 virtual_stages: Iterable[int] = (2,)) -> list[Plan]:
     """Every candidate layout with its memory and step estimates; fitting ones first, fastest first.
-    ``ep_sizes``: the expert-parallel sizes to try on an MoE model (each must divide its experts)."""
+    ``ep_sizes``: the expert-parallel sizes to try on an MoE model (each must divide its experts).
+    ``schedules``: the pipeline schedules to try on every layout with PP > 1 where they run (``schedule_variants``;
+    "interleaved" with each of ``virtual_stages``)."""
+    schedules, virtual_stages = tuple(schedules), tuple(virtual_stages)
+    bad = [name for name in schedules if name not in SCHEDULES] + [f"v={v}" for v in virtual_stages if v < 2]
+    if bad or not schedules:
+        raise ValueError(f"schedules {schedules} / virtual_stages {virtual_stages}: {bad or 'none'} not plannable; "
+                         f"use names from {SCHEDULES} and virtual stages >= 2")
     _check_positive(num_gpus, global_batch_size, seq_length)
     ep_sizes = tuple(ep_sizes)
     _check_ep_sizes(model, ep_sizes)
@@ -150,16 +162,37 @@ def plan_layouts(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus
                                     ulysses_sizes, store_attention_scores, ep_sizes=ep_sizes):
         if not runs_sequence(layout, seq_length):
             continue
-        try:
-            memory = estimate_memory(model, layout, seq_length, global_batch_size)
-        except ValueError:
-            continue  # too few layers for this many stages
-        step = estimate_step(model, layout, gpu, cluster, seq_length, global_batch_size)
-        fits = memory.peak <= limit
-        if fits or include_infeasible:
-            plans.append(Plan(layout, memory, step, fits, layout.num_micro_batches(global_batch_size)))
+        for variant in schedule_variants(model, layout, global_batch_size, schedules, virtual_stages):
+            try:
+                memory = estimate_memory(model, variant, seq_length, global_batch_size)
+            except ValueError:
+                continue  # too few layers for this many stages
+            step = estimate_step(model, variant, gpu, cluster, seq_length, global_batch_size)
+            fits = memory.peak <= limit
+            if fits or include_infeasible:
+                plans.append(Plan(variant, memory, step, fits, variant.num_micro_batches(global_batch_size)))
     plans.sort(key=lambda p: (not p.fits, p.step.step_s, p.memory.peak))
     return plans
+
+
+def schedule_variants(model: ModelShape, layout: Layout, global_batch_size: int, schedules: tuple,
+                      virtual_stages: tuple) -> list[Layout]:
+    """``layout`` under each of ``schedules`` that runs it (``megatron.planner.schedules.check_schedule``: ZB-H1 on the
+    pipeline engine with m >= p micro-batches in bf16 or at ZeRO 0, interleaved where the layers split into p x v
+    equal chunks and m is a multiple of p); at PP 1 there is no pipeline to schedule: the layout itself."""
+    if layout.pp == 1:
+        return [layout]
+    out, m = [], layout.num_micro_batches(global_batch_size)
+    for name in schedules:
+        for v in (virtual_stages if name == "interleaved" else (1,)):
+            try:
+                check_schedule(name, layout.pp, m, model.num_layers, v, layout.precision, layout.zero_stage)
+            except ValueError:
+                continue
+            if name == "interleaved" and layout.stage_layers is not None:
+                continue  # an uneven partition: interleaving needs equal chunks
+            out.append(dataclasses.replace(layout, schedule=name, virtual_stages=v))
+    return out
 
 
 def _check_ep_sizes(model: ModelShape, ep_sizes: tuple) -> None:
