@@ -1,19 +1,25 @@
 """Context parallelism (--context-parallel-size, ring attention) trains exactly as one process does.
 
 fp32, no dropout, 10 iterations of pretrain_gpt's path: losses within 1e-5 (relative) and grad norms within 1e-4
-of a single process, for BLOOM (ALiBi) and a Llama-style model (rotary, GQA). On the pipeline engine with ZeRO-1
-(DeepSpeed's data axis then holds the dp x cp ranks): CP=2, CP=4, CP=2 x PP=2, CP=2 x TP=2 (also with
---sequence-parallel), CP=2 x DP=2 and CP=2 x PP=2 x DP=2 (8 processes); on DeepSpeed's non-pipeline engine: CP=2
-under ZeRO-2 and ZeRO-3. A checkpoint saved at CP=2 continues at CP=1 x DP=2 exactly as a straight CP=1 x DP=2 run
-(and CP=1 x DP=2 -> CP=2, CP=2 x DP=2 -> CP=4); bf16 (BF16_Optimizer) tracks fp32. One launch per world size
-trains every layout of that size in turn. Layouts that cannot work yet are refused before launch, naming the fix.
+of a single process, for BLOOM (ALiBi), a Llama-style model (rotary, GQA) and, at CP=2, a GPT-2-style one (learned
+absolute positions) with --reset-position-ids and --eod-mask-loss. On the pipeline engine with ZeRO-1 (DeepSpeed's
+data axis then holds the dp x cp ranks): CP=2, CP=4, CP=2 x PP=2, CP=2 x TP=2 (also with --sequence-parallel),
+CP=2 x DP=2 and CP=2 x PP=2 x DP=2 (8 processes); on DeepSpeed's non-pipeline engine: CP=2 under ZeRO-2 and
+ZeRO-3. A checkpoint saved at CP=2 continues at CP=1 x DP=2 exactly as a straight CP=1 x DP=2 run (and
+CP=1 x DP=2 -> CP=2, CP=2 x DP=2 -> CP=4); bf16 (BF16_Optimizer) tracks fp32. One launch per world size trains
+every layout of that size in turn. Layouts that cannot work yet are refused before launch, naming the fix.
 """
 
+from itertools import islice
+
 import pytest
+import torch
 
 from megatron.arguments import run_config_from_argv
 from megatron.config import ParallelConfig
+from megatron.parallel.context_parallel import load_balanced_positions
 from megatron.testing import run_distributed, tiny_argv
+from megatron.training.data import build_datasets, micro_batch_iterator
 from tests.helpers.training import assert_same_run, layout, train
 
 ITERS = 10
@@ -26,7 +32,10 @@ def _models(corpus):
     bloom = tiny_argv(corpus, train_iters=ITERS, zero_stage=1)
     llama = tiny_argv(corpus, *LLAMA, train_iters=ITERS, zero_stage=1, position_embedding_type="rope",
                       embed_layernorm=False)
-    return {"bloom": bloom, "llama": llama}
+    # learned positions restarting at each document, no loss on the eod inputs (Megatron's document flags)
+    documents = tiny_argv(corpus, train_iters=ITERS, zero_stage=1, position_embedding_type="absolute",
+                          embed_layernorm=False, reset_position_ids=True, eod_mask_loss=True)
+    return {"bloom": bloom, "llama": llama, "documents": documents}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +47,7 @@ def runs(tiny_corpus, tmp_path_factory):
                                                   args=(list(models.values()),))[0]))
     bloom, llama = models["bloom"], models["llama"]
     two = {"bloom cp2": (layout(bloom, *CP2), "bloom"), "llama cp2": (layout(llama, *CP2), "llama"),
+           "documents cp2": (layout(models["documents"], *CP2), "documents"),
            "bloom cp2 bf16": (layout(bloom, *CP2, "--bf16"), "bloom"),
            # saved at CP=2, resumed at CP=1 x DP=2: the same two ZeRO-1 shards, the same weights
            "first half": (layout(bloom, *CP2, "--save", save, *half), "bloom"),
@@ -69,8 +79,8 @@ def runs(tiny_corpus, tmp_path_factory):
     return references, out
 
 
-EXACT = ["bloom cp2", "llama cp2", "bloom cp2 pp2", "llama cp2 pp2", "bloom cp4", "llama cp2 tp2", "bloom cp2 dp2",
-         "bloom cp2 tp2 megatron sp", "bloom cp2 zero2", "llama cp2 zero3", "bloom cp2 pp2 dp2"]
+EXACT = ["bloom cp2", "llama cp2", "documents cp2", "bloom cp2 pp2", "llama cp2 pp2", "bloom cp4", "llama cp2 tp2",
+         "bloom cp2 dp2", "bloom cp2 tp2 megatron sp", "bloom cp2 zero2", "llama cp2 zero3", "bloom cp2 pp2 dp2"]
 
 
 @pytest.mark.multiprocess
@@ -80,6 +90,35 @@ def test_context_parallel_matches_single_process_in_fp32(runs, label):
     for rank, (model, result) in out[label].items():
         assert len(result["losses"]) == ITERS, (label, rank)
         assert_same_run(references[model], result, f"rank {rank}: {label}")
+
+
+def test_each_rank_reads_its_tokens_document_positions_and_loss_mask(tiny_corpus):
+    """What "documents cp2" trains on: many of the 80 samples of its 10 iterations start a document after their
+    first token (30 on the tiny corpus), so the reset and the mask act on both ranks' tokens; and each CP rank's
+    micro-batches hold the whole sample's per-document positions and loss mask at its load-balanced tokens."""
+    rc = run_config_from_argv(layout(_models(tiny_corpus)["documents"], *CP2), world_size=2)
+    dataset, count = build_datasets(rc).train, ITERS * rc.batch.global_batch_size // rc.batch.micro_batch_size
+
+    def micro_batches(cp_rank, cp_size):  # the run's: one data-parallel rank (dp x cp = 2 reads as dp 1)
+        return list(islice(micro_batch_iterator(dataset, rc, consumed_samples=0, dp_rank=0, dp_size=1, num_workers=0,
+                                                cp_rank=cp_rank, cp_size=cp_size), count))
+
+    wholes = micro_batches(0, 1)
+    positions = torch.cat([whole[0][1] for whole in wholes])  # [samples, s]
+    masks = torch.cat([whole[1][1] for whole in wholes])  # [samples, s]
+    s = positions.shape[1]
+    restarts = (positions != torch.arange(s)).any(dim=1)  # samples with a document start after token 0
+    assert len(positions) == 80 and int(restarts.sum()) >= 20 and int((masks == 0).sum()) >= 20, \
+        (len(positions), int(restarts.sum()), int((masks == 0).sum()))
+    for cp_rank in (0, 1):
+        mine = load_balanced_positions(s, 2, cp_rank)  # [s/2]
+        assert (positions[:, mine] != mine).any() and (masks[:, mine] == 0).any(), cp_rank
+        for whole, part in zip(wholes, micro_batches(cp_rank, 2), strict=True):
+            (whole_ids, whole_positions), (whole_labels, whole_mask) = whole
+            (input_ids, position_ids), (labels, loss_mask) = part
+            assert torch.equal(position_ids, whole_positions[:, mine]), cp_rank
+            assert torch.equal(loss_mask, whole_mask[:, mine]) and torch.equal(input_ids, whole_ids[:, mine])
+            assert torch.equal(labels, whole_labels[:, mine]), cp_rank
 
 
 @pytest.mark.multiprocess
