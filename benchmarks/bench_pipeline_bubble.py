@@ -1,15 +1,23 @@
-"""The pipeline bubble of 1F1B and ZB-H1, side by side: idle slots counted from the schedules' instruction streams
-against the analytic fractions, and (``--measure``) the step time of both on this machine.
+"""The pipeline bubble of 1F1B, ZB-H1 and interleaved 1F1B, side by side: idle slots counted from the schedules'
+instruction streams against the analytic fractions, and (``--measure``) the step time of all three on this machine.
 
-Counted: for each (stages, micro-batches), every stage's instruction stream of one step (DeepSpeed's
-TrainSchedule; our ZeroBubbleH1Schedule) replayed at unit costs by ``megatron.engine.bubble.idle_slots`` (F = B = W
-= 1, 1F1B's backward B + W = 2), and the analytic idle slots 3(p - 1) and p - 1 with their fractions of the step.
+Counted: for each (stages p, micro-batches m), every stage's instruction stream of one step replayed at unit costs,
+in units of one whole stage's pass (F = B = W = 1):
+  1f1b, zbh1        DeepSpeed's TrainSchedule and our ZeroBubbleH1Schedule, replayed by
+                    ``megatron.engine.bubble.idle_slots`` (a receive waits for its send; 1F1B's backward B + W = 2)
+  interleaved_v2/4  our InterleavedSchedule's passes placed on a timeline by
+                    ``megatron.engine.interleaved_schedule.simulate`` (a chunk's forward 1, its backward 2, each
+                    1/v of a stage's), the idle chunk slots divided by v
+against the planner's analytic idle slots (``megatron.planner.schedules.bubble_slots``: (p - 1) slots of F + B + W
+for 1F1B, (p - 1)(F + B - W) for ZB-H1, (p - 1) / v slots for interleaved) and the bubble's share of the step.
+A layout a schedule cannot run (interleaved: m not a multiple of p) records the refusal instead.
 
-Measured (``--measure``): a tiny BLOOM-style model (4 layers, hidden 64, seq 32, 8 micro-batches of 2) at PP = 4 on
-4 gloo processes: both engines built in one launch (``pretrain`` for one iteration each), then ``train_batch`` on
-the same synthetic micro-batches timed ``--steps`` times per engine, the engines alternating for ``--rounds``
-rounds; the median step per schedule and their ratio. On a shared CPU the load average, recorded before and
-after, says how much to trust it. Prints ONE JSON line.
+Measured (``--measure``): a tiny BLOOM-style model (8 layers, hidden 64, seq 32, 8 micro-batches of 2, fp32) at
+PP = 4 on 4 gloo processes: the three engines built in one launch (``pretrain`` for one iteration each), then
+``train_batch`` on the same synthetic micro-batches timed ``--steps`` times per engine, the engines alternating for
+``--rounds`` rounds; the median step per schedule and its ratio to 1F1B's, beside the ratio the counted slots
+predict. On a shared CPU the ranks compete for the cores (idle pipeline slots are not idle CPU): the load average,
+recorded before and after, says how much to trust it. Prints ONE JSON line.
 
     python -m benchmarks.bench_pipeline_bubble --measure --output benchmarks/results/pipeline_bubble_<date>.json
 """
@@ -24,22 +32,47 @@ import time
 
 from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
 from benchmarks._common import emit, machine
-from megatron.engine.bubble import SCHEDULES, analytic_idle_slots, idle_slots, schedule_streams
+from megatron.engine.bubble import SCHEDULES, idle_slots, schedule_streams
+from megatron.engine.interleaved_schedule import InterleavedSchedule, passes_of, simulate
+from megatron.planner.schedules import bubble_slots, check_schedule
 from megatron.testing import make_tiny_corpus, run_distributed, tiny_argv
 
-LAYOUTS = [(2, 8), (4, 4), (4, 16), (8, 32), (12, 12), (12, 128)]  # (stages, micro-batches); 12: BLOOM-176B
-ZBH1_FLAGS = ["--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"]
+# (stages, micro-batches); 12: BLOOM-176B (12 at its rampup start, its final 128, and 132 for interleaving)
+LAYOUTS = [(2, 4), (2, 8), (4, 8), (4, 16), (8, 32), (12, 12), (12, 128), (12, 132)]
+VIRTUAL = (2, 4)
+UNITS_PER_SLOT = 3  # a slot is F + B + W of one micro-batch through a whole stage
+FLAGS = {"1f1b": [], "zbh1": ["--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"],
+         "interleaved_v2": ["--num-virtual-stages-per-pipeline-rank", "2"]}
+MEASURED_LAYOUT = {"stages": 4, "micro_batches": 8, "num_layers": 8}
+
+
+def _row(idle: list[float], analytic_slots: float, micro_batches: int) -> dict:
+    analytic = round(UNITS_PER_SLOT * analytic_slots, 6)
+    busy = UNITS_PER_SLOT * micro_batches
+    return {"idle_slots_per_stage": idle, "analytic_idle_slots": analytic,
+            "bubble_fraction": max(idle) / (busy + max(idle)), "analytic_fraction": analytic / (busy + analytic)}
+
+
+def _interleaved_idle(stages: int, micro_batches: int, v: int) -> list[float]:
+    """Each rank's idle time in whole-stage units: the replayed timeline's idle chunk slots over v."""
+    streams = [passes_of(InterleavedSchedule(micro_batches, stages, rank, v).steps()) for rank in range(stages)]
+    return [round(idle / v, 6) for idle in simulate(streams, v).idle]
 
 
 def counted(stages: int, micro_batches: int) -> dict:
-    """Per schedule: idle slots per stage from the replayed streams, the analytic ones, and the step fraction."""
+    """Per schedule: idle units per stage from the replayed streams, the planner's, and the bubble fractions."""
     row = {}
     for name, (schedule, costs) in SCHEDULES.items():
         idle = idle_slots(schedule_streams(schedule, stages, micro_batches), costs)
-        busy = 3 * micro_batches
-        row[name] = {"idle_slots_per_stage": idle, "analytic_idle_slots": analytic_idle_slots(name, stages,
-                                                                                              micro_batches),
-                     "bubble_fraction": max(idle) / (busy + max(idle))}
+        row[name] = _row(idle, bubble_slots(name, stages), micro_batches)
+    for v in VIRTUAL:
+        try:
+            check_schedule("interleaved", stages, micro_batches, num_layers=stages * v, virtual_stages=v)
+        except ValueError as refused:
+            row[f"interleaved_v{v}"] = {"refused": str(refused)}
+            continue
+        row[f"interleaved_v{v}"] = _row(_interleaved_idle(stages, micro_batches, v),
+                                        bubble_slots("interleaved", stages, v), micro_batches)
     return row
 
 
@@ -79,26 +112,33 @@ def _step_times(rank, world_size, argvs, steps, rounds):
 
 
 def measured(steps: int, rounds: int) -> dict:
+    p, m = MEASURED_LAYOUT["stages"], MEASURED_LAYOUT["micro_batches"]
     corpus = make_tiny_corpus(tempfile.mkdtemp(prefix="bubble_bench_"))
-    base = tiny_argv(corpus, num_layers=4, global_batch_size=16, pipeline_model_parallel_size=4, train_iters=1,
-                     lr_warmup_iters=0, log_interval=1000)
-    argvs = [base, base + ZBH1_FLAGS]
+    base = tiny_argv(corpus, num_layers=MEASURED_LAYOUT["num_layers"], global_batch_size=2 * m,
+                     pipeline_model_parallel_size=p, train_iters=1, lr_warmup_iters=0, log_interval=1000)
     load_before = os.getloadavg()
-    times = run_distributed(_step_times, world_size=4, args=(argvs, steps, rounds), timeout=1200)[0]
-    step = {name: statistics.median(t) for name, t in zip(SCHEDULES, times)}
-    return {"median_step_s": step, "zbh1_over_1f1b": step["zbh1"] / step["1f1b"], "steps": steps, "rounds": rounds,
-            "stages": 4, "micro_batches": 8, "model": "4 layers, hidden 64, seq 32, micro-batch 2, fp32",
+    times = run_distributed(_step_times, world_size=p, args=([base + f for f in FLAGS.values()], steps, rounds),
+                            timeout=1200)[0]
+    step = {name: statistics.median(t) for name, t in zip(FLAGS, times)}
+    slots = counted(p, m)
+    predicted = {name: (UNITS_PER_SLOT * m + max(slots[name]["idle_slots_per_stage"])) for name in FLAGS}
+    return {"median_step_s": step,
+            "over_1f1b": {name: step[name] / step["1f1b"] for name in FLAGS},
+            "counted_over_1f1b": {name: predicted[name] / predicted["1f1b"] for name in FLAGS},
+            "steps": steps, "rounds": rounds, **MEASURED_LAYOUT,
+            "model": "8 layers, hidden 64, seq 32, micro-batch 2, fp32",
             "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg())}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measure", action="store_true", help="also time both schedules on 4 local processes")
+    parser.add_argument("--measure", action="store_true", help="also time the three schedules on 4 local processes")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per engine and round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the engines alternating")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
-    result = {"benchmark": "pipeline_bubble", "config": {"layouts": LAYOUTS, "unit_costs": "F = B = W = 1"},
+    result = {"benchmark": "pipeline_bubble",
+              "config": {"layouts": LAYOUTS, "virtual_stages": VIRTUAL, "unit_costs": "F = B = W = 1 per stage"},
               "machine": machine(),
               "counted": {f"p{p}_m{m}": counted(p, m) for p, m in LAYOUTS}}
     if args.measure:

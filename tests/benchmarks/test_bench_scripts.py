@@ -69,7 +69,7 @@ def test_bench_serving_reads_a_process_cpu_time_that_grows_with_its_work():
     assert 0.15 <= grown <= 0.2 + (os.times().system - cpu_before.system) + 0.05, grown
 
 
-def test_bench_pipeline_bubble_counts_both_schedules_against_the_formulas():
+def test_bench_pipeline_bubble_counts_the_three_schedules_against_the_formulas():
     from benchmarks import bench_pipeline_bubble
 
     row = bench_pipeline_bubble.counted(12, 128)  # BLOOM-176B's PP with its final 128 micro-batches
@@ -77,6 +77,12 @@ def test_bench_pipeline_bubble_counts_both_schedules_against_the_formulas():
     assert row["zbh1"]["idle_slots_per_stage"] == [row["zbh1"]["analytic_idle_slots"]] * 12 == [11] * 12
     assert round(row["1f1b"]["bubble_fraction"], 4) == round(11 / 139, 4)
     assert round(row["zbh1"]["bubble_fraction"], 4) == round(11 / 395, 4)
+    assert "multiple of 12" in row["interleaved_v2"]["refused"]  # 128 micro-batches do not form groups of 12
+    # the measured layout (p = 4, m = 8): interleaving halves (v = 2) and quarters (v = 4) 1F1B's 9 idle units
+    row = bench_pipeline_bubble.counted(4, 8)
+    for name, idle in (("1f1b", 9), ("zbh1", 3), ("interleaved_v2", 4.5), ("interleaved_v4", 2.25)):
+        assert row[name]["idle_slots_per_stage"] == [row[name]["analytic_idle_slots"]] * 4 == [idle] * 4, name
+    assert round(row["interleaved_v2"]["bubble_fraction"], 6) == round(3 / 19, 6)  # (p - 1) / (v m + p - 1)
 
 
 def test_bench_moe_times_grouped_loop_and_transformers_experts_on_the_same_weights():

@@ -7,7 +7,8 @@ regular checkpoint resumes only under its own schedule (there bit for bit; refus
 switches schedule through a universal checkpoint. A second launch resumes each from iteration 5 under the
 other schedule and the interleaved one under its own, and trains both schedules in bf16 (BF16_Optimizer).
 Losses and grad norms agree with 1F1B's within 1e-6 (relative) over the 10 iterations, through both
-resumes, and between the two bf16 runs.
+resumes, and between the two bf16 runs. One 4-process launch trains TP=2 x PP=2 (4 layers) and PP=4 (8 layers:
+one per chunk) under 1F1B and under v = 2, 10 iterations each: the same losses and grad norms within 1e-6.
 """
 
 import os
@@ -15,7 +16,7 @@ import os
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.training import assert_same_run, to_universal, train
+from tests.helpers.training import assert_same_run, layout, to_universal, train
 
 ITERS = 10
 VIRTUAL = ["--num-virtual-stages-per-pipeline-rank", "2"]
@@ -49,6 +50,17 @@ def runs(tiny_corpus, tmp_path_factory):
              _argv(tiny_corpus, "--bf16", train_iters=5), _argv(tiny_corpus, "--bf16", *VIRTUAL, train_iters=5)]
     names = ["interleaved_resumed", "1f1b_resumed", "interleaved_own_resume", "1f1b_bf16", "interleaved_bf16"]
     return out | dict(zip(names, run_distributed(train, world_size=2, args=(argvs,), timeout=600)[-1]))
+
+
+@pytest.fixture(scope="module")
+def wider_runs(tiny_corpus):
+    """On 4 processes (fp32, ZeRO-1, 4 micro-batches): TP=2 x PP=2 and PP=4 (8 layers), each under 1F1B and v=2."""
+    argv = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1, num_layers=4)
+    eight = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1, num_layers=8)
+    layouts = {"1f1b tp2 pp2": layout(argv, tp=2, pp=2), "interleaved tp2 pp2": layout(argv, *VIRTUAL, tp=2, pp=2),
+               "1f1b pp4": layout(eight, pp=4), "interleaved pp4": layout(eight, *VIRTUAL, pp=4)}
+    results = run_distributed(train, world_size=4, args=(list(layouts.values()),), timeout=600)
+    return {rank: dict(zip(layouts, per_rank)) for rank, per_rank in enumerate(results)}
 
 
 def _regular_load_refusal(argv) -> str:
@@ -100,3 +112,15 @@ def test_bf16_interleaved_uses_bf16_optimizer_and_tracks_1f1b(runs):
     assert_same_run(one_f_one_b, interleaved, "bf16 interleaved vs bf16 1F1B", rel_loss=1e-6, rel_norm=1e-6)
     assert_same_run(_between(runs["1f1b"], 1, 5), interleaved, "bf16 interleaved vs fp32 1F1B", rel_loss=2e-2,
                     rel_norm=5e-2)
+
+
+@pytest.mark.multiprocess
+def test_interleaved_trains_as_1f1b_at_tp2_pp2_and_pp4(wider_runs):
+    for rank, results in wider_runs.items():
+        for shape in ("tp2 pp2", "pp4"):
+            reference, interleaved = results[f"1f1b {shape}"], results[f"interleaved {shape}"]
+            assert interleaved["engine"] == "InterleavedPipelineEngine", (rank, shape, interleaved["engine"])
+            assert reference["iterations"] == interleaved["iterations"] == list(range(1, ITERS + 1)), (rank, shape)
+            assert_same_run(reference, interleaved, f"rank {rank}: interleaved v=2 {shape} vs 1F1B", rel_loss=1e-6,
+                            rel_norm=1e-6)
+        assert results["1f1b pp4"]["losses"][-1] < results["1f1b pp4"]["losses"][0] - 0.05  # it learns
