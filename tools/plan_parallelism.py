@@ -67,6 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ep-sizes", type=int, nargs="+",
                    help="expert-parallel sizes to consider on an MoE model (--model mixtral-8x7b, deepseek-v3); "
                         "default: every power of two dividing its experts, up to --num-gpus")
+    p.add_argument("--schedules", nargs="+", choices=["1f1b", "zbh1", "interleaved"], default=["1f1b"],
+                   help="pipeline schedules to try on every layout with PP > 1 where they run (docs/parallelism.md, "
+                        "'Choosing a pipeline schedule'); default: DeepSpeed's 1F1B only")
+    p.add_argument("--virtual-stages", type=int, nargs="+", default=[2],
+                   help="with --schedules interleaved: the virtual stages per pipeline rank to try")
     p.add_argument("--attention", choices=["fused", "materialized"], default="materialized",
                    help="materialized (the default, the published runs' numbers): Korthikanti's 5as/h bytes per "
                         "layer (Megatron's fused softmax); fused: the core attention keeps no [heads, s, s] scores "
@@ -124,8 +129,9 @@ def hardware_from_args(args):
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {'EP':>3} {'seq':>6} {'MBS':>3} {'m':>5} {'recomp':>6} {'ZeRO':>8} "
-            f"{'mem GiB':>8} {'step s':>8} {'TFLOPs hw':>9} {'TFLOPs mdl':>10} {'MFU':>6} {'bubble':>6} {'tokens/s':>10}")
+    head = (f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {'EP':>3} {'seq':>6} {'MBS':>3} {'m':>5} {'recomp':>6} "
+            f"{'ZeRO':>8} {'mem GiB':>8} {'step s':>8} {'TFLOPs hw':>9} {'TFLOPs mdl':>10} {'MFU':>6} {'bubble':>6} "
+            f"{'tokens/s':>10} {'schedule':>8}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
         lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['ep']:>3} {r['sequence'] or '-':>6} "
@@ -133,8 +139,12 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['num_micro_batches']:>5} {'yes' if r['recompute'] else 'no':>6} {r['zero']:>8} "
                      f"{r['memory_gib']:>8.1f} {r['step_s']:>8.2f} {r['hardware_tflops_per_gpu']:>9.1f} "
                      f"{r['model_tflops_per_gpu']:>10.1f} {r['mfu']:>6.3f} {r['bubble_fraction']:>6.3f} "
-                     f"{r['tokens_per_s']:>10.0f}" + ("" if r["fits"] else "  (does not fit)"))
+                     f"{r['tokens_per_s']:>10.0f} {_schedule_label(r):>8}" + ("" if r["fits"] else "  (does not fit)"))
     return "\n".join(lines)
+
+
+def _schedule_label(row: dict) -> str:
+    return {"1f1b": "1F1B", "zbh1": "ZB-H1"}.get(row["schedule"], f"int v={row['virtual_stages']}")
 
 
 SEQUENCE_PARALLEL = {"both": (False, True), "on": (True,), "off": (False,)}
@@ -190,7 +200,8 @@ def main(argv=None) -> int:
                          sequence_parallel=SEQUENCE_PARALLEL[args.sequence_parallel],
                          ulysses_sizes=tuple(args.ulysses_sizes),
                          store_attention_scores=args.attention == "materialized",
-                         ep_sizes=ep_sizes_from_args(args, model))
+                         ep_sizes=ep_sizes_from_args(args, model), schedules=tuple(args.schedules),
+                         virtual_stages=tuple(args.virtual_stages))
     rows = [p.row() for p in plans[:args.top]]
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(model), "gpu": dataclasses.asdict(gpu),

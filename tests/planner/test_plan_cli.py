@@ -78,3 +78,21 @@ def test_an_moe_model_is_searched_over_expert_parallel_sizes(capsys):
     assert table[1].split()[4] == "EP" and all(line.split()[4] == "4" for line in table[3:]), table
     with pytest.raises(SystemExit, match="has no experts"):
         plan_parallelism.main(["--model", "7B1", "--num-gpus", "8", "--global-batch-size", "8", "--ep-sizes", "2"])
+
+
+def test_pipeline_schedules_are_searched_when_asked(capsys):
+    """--schedules: each layout with PP > 1 also under ZB-H1 and interleaved v = 2 where they run; the table names
+    the schedule; the default stays 1F1B only."""
+    argv = ["--model", "llama-3-70b", "--num-gpus", "64", "--gpu", "H100-80GB", "--seq-length", "4096",
+            "--global-batch-size", "512", "--micro-batch-sizes", "1", "--sequence-parallel", "off",
+            "--zero-stages", "1", "--json", "--top", "1000"]
+    assert plan_parallelism.main(argv) == 0
+    assert {r["schedule"] for r in json.loads(capsys.readouterr().out)["layouts"]} == {"1f1b"}
+    assert plan_parallelism.main(argv + ["--schedules", "1f1b", "zbh1", "interleaved"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert {r["schedule"] for r in rows} == {"1f1b", "zbh1", "interleaved"}
+    assert all(r["pp"] > 1 for r in rows if r["schedule"] != "1f1b")
+    assert {r["virtual_stages"] for r in rows if r["schedule"] == "interleaved"} == {2}
+    assert plan_parallelism.main(argv[:-3] + ["--schedules", "zbh1", "--top", "3"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split()[-1] == "schedule" and all(line.split()[-1] == "ZB-H1" for line in table[3:]), table
