@@ -227,13 +227,7 @@ def model_config_from_deepseek(hf_config: Any, seq_length: int, **overrides) -> 
     mla = MLAConfig(q_lora_rank=hf_config.q_lora_rank, kv_lora_rank=hf_config.kv_lora_rank,
                     qk_head_dim=hf_config.qk_nope_head_dim, qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
                     v_head_dim=hf_config.v_head_dim)
-    fields = dict(num_layers=n, hidden_size=hf_config.hidden_size, num_attention_heads=hf_config.num_attention_heads,
-                  padded_vocab_size=hf_config.vocab_size, seq_length=seq_length,
-                  ffn_hidden_size=hf_config.intermediate_size, position_embedding_type="rotary", **rope,
-                  normalization="rmsnorm", swiglu=True, layernorm_epsilon=hf_config.rms_norm_eps,
-                  add_bias_linear=False, qk_layernorm=True,
-                  untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
-                  attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0,
-                  init_method_std=getattr(hf_config, "initializer_range", 0.02), moe=moe, mla=mla)
+    fields = dict(hf_llama.llama_block_fields(hf_config, seq_length), ffn_hidden_size=hf_config.intermediate_size,
+                  **rope, add_bias_linear=False, qk_layernorm=True, moe=moe, mla=mla)
     fields.update(overrides)
     return ModelConfig(**fields).validate()

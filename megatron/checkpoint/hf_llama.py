@@ -240,16 +240,26 @@ def model_config_from_llama(hf_config: Any, seq_length: int, **overrides) -> Mod
     if attention_bias != mlp_bias:
         raise ValueError(f"attention_bias {attention_bias} with mlp_bias {mlp_bias}: biases are all or none here "
                          f"(add_bias_linear), or q / k / v only (Qwen2)")
-    fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
-                  num_attention_heads=hf_config.num_attention_heads,
-                  num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-                  padded_vocab_size=hf_config.vocab_size, seq_length=seq_length,
-                  ffn_hidden_size=hf_config.intermediate_size, position_embedding_type="rotary",
-                  **rope_fields(hf_config), normalization="rmsnorm", swiglu=True,
-                  layernorm_epsilon=hf_config.rms_norm_eps, add_bias_linear=attention_bias,
-                  add_qkv_bias=model_type == "qwen2",
-                  untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
-                  attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0,
-                  init_method_std=getattr(hf_config, "initializer_range", 0.02))
+    fields = dict(llama_block_fields(hf_config, seq_length), num_key_value_heads=kv_heads_of(hf_config),
+                  ffn_hidden_size=hf_config.intermediate_size, **rope_fields(hf_config),
+                  add_bias_linear=attention_bias, add_qkv_bias=model_type == "qwen2")
     fields.update(overrides)
     return ModelConfig(**fields).validate()
+
+
+def llama_block_fields(hf_config: Any, seq_length: int) -> dict[str, Any]:
+    """The ModelConfig fields every Llama-style transformers config maps the same way (Llama, Mistral, Qwen2,
+    Mixtral, Qwen3-MoE, DeepSeek-V3): sizes, rotary positions (``rope_fields`` adds the scaling), RMSNorm, SwiGLU,
+    the head's tying, dropout and the init std."""
+    return dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+                num_attention_heads=hf_config.num_attention_heads, padded_vocab_size=hf_config.vocab_size,
+                seq_length=seq_length, position_embedding_type="rotary", normalization="rmsnorm", swiglu=True,
+                layernorm_epsilon=hf_config.rms_norm_eps,
+                untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
+                attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0,
+                init_method_std=getattr(hf_config, "initializer_range", 0.02))
+
+
+def kv_heads_of(hf_config: Any) -> int:
+    """Key / value heads (grouped-query attention), one per head where the config does not say."""
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads

@@ -34,6 +34,8 @@ import torch
 from megatron.checkpoint.hf_llama import (
     check_llama_block,
     fuse_fc1,
+    kv_heads_of,
+    llama_block_fields,
     llama_config_kwargs,
     llama_family_of,
     llama_state_dict_to_ours,
@@ -201,15 +203,8 @@ def model_config_from_moe(hf_config: Any, seq_length: int, **overrides) -> Model
     if getattr(hf_config, "attention_bias", False):
         raise ValueError("attention_bias True: this converter maps Mixtral / Qwen3-MoE without biases")
     moe, dense_width = _moe_config(hf_config, model_type)
-    fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
-                  num_attention_heads=hf_config.num_attention_heads,
-                  num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-                  padded_vocab_size=hf_config.vocab_size, seq_length=seq_length, ffn_hidden_size=dense_width,
-                  position_embedding_type="rotary", **rope_fields(hf_config), normalization="rmsnorm", swiglu=True,
-                  layernorm_epsilon=hf_config.rms_norm_eps, add_bias_linear=False,
-                  qk_layernorm=model_type == "qwen3_moe",
-                  untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
-                  attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0,
-                  init_method_std=getattr(hf_config, "initializer_range", 0.02), moe=moe)
+    fields = dict(llama_block_fields(hf_config, seq_length), num_key_value_heads=kv_heads_of(hf_config),
+                  ffn_hidden_size=dense_width, **rope_fields(hf_config), add_bias_linear=False,
+                  qk_layernorm=model_type == "qwen3_moe", moe=moe)
     fields.update(overrides)
     return ModelConfig(**fields).validate()

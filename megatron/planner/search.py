@@ -267,6 +267,16 @@ def longest_sequence(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_
 
     if not fits(1):
         return LongestSequence(family, recompute, 0, None)
+    seq = _most_steps_that_fit(fits) * SEQUENCE_STEP
+    plans = plan_layouts(model, gpu, cluster, num_gpus, seq, global_batch_size, micro_batch_sizes=micro_batch_sizes,
+                         recompute=(recompute,), zero_stages=zero_stages, partition_method=partition_method,
+                         memory_limit=limit, sequence_parallel=tuple(sequence_parallel),
+                         ulysses_sizes=tuple(ulysses_sizes), store_attention_scores=store_attention_scores)
+    return LongestSequence(family, recompute, seq, plans[0])
+
+
+def _most_steps_that_fit(fits) -> int:
+    """The largest n with ``fits(n)``, given ``fits(1)`` and that fitting is monotone: doubling, then bisection."""
     good, bad = 1, 2
     while fits(bad):
         good, bad = bad, 2 * bad
@@ -275,12 +285,7 @@ def longest_sequence(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_
     while bad - good > 1:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
-    seq = good * SEQUENCE_STEP
-    plans = plan_layouts(model, gpu, cluster, num_gpus, seq, global_batch_size, micro_batch_sizes=micro_batch_sizes,
-                         recompute=(recompute,), zero_stages=zero_stages, partition_method=partition_method,
-                         memory_limit=limit, sequence_parallel=tuple(sequence_parallel),
-                         ulysses_sizes=tuple(ulysses_sizes), store_attention_scores=store_attention_scores)
-    return LongestSequence(family, recompute, seq, plans[0])
+    return good
 
 
 def longest_sequences(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus: int, global_batch_size: int,
@@ -307,12 +312,4 @@ def longest_sequence_of_layout(model: ModelShape, layout: Layout, gpu: GPUSpec, 
 
     if not fits(1):
         return 0
-    good, bad = 1, 2
-    while fits(bad):
-        good, bad = bad, 2 * bad
-        if bad * SEQUENCE_STEP > MAX_SEQUENCE:
-            raise ValueError(f"more than {MAX_SEQUENCE} tokens fit: a memory limit this large is not meaningful")
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        good, bad = (mid, bad) if fits(mid) else (good, mid)
-    return good * SEQUENCE_STEP
+    return _most_steps_that_fit(fits) * SEQUENCE_STEP
