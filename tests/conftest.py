@@ -4,12 +4,17 @@ command-line tests' data files. Shared code (not fixtures) lives in ``tests.help
 import os
 import pathlib
 import shutil
+import sys
 
 import pytest
 
-from megatron.testing.corpus import write_stand_in_dataset
-from megatron.testing.tolerance_report import record as record_tolerance
-from tests.helpers.paths import REPO_ROOT, SHARED_DATA, make_read_only, make_writable
+# The comparisons the test modules share (assert_same_run, ...) are asserted in tests/helpers: rewritten like a
+# test module's, their failures show both numbers and the tolerance report (below) sees them.
+pytest.register_assert_rewrite("tests.helpers")
+
+from megatron.testing.corpus import write_stand_in_dataset  # noqa: E402 (after the rewrite registration)
+from megatron.testing.tolerance_report import record as record_tolerance  # noqa: E402
+from tests.helpers.paths import REPO_ROOT, SHARED_DATA, make_read_only, make_writable  # noqa: E402
 
 # DeepSpeed picks its accelerator at import time; on these machines it is the CPU one.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -103,6 +108,20 @@ TOLERANCE_REPORT = os.environ.get("MEGATRON_TOLERANCE_REPORT")
 
 def pytest_assertion_pass(item, lineno, orig, expl):
     if TOLERANCE_REPORT:
-        # The line is in the module that asserted, which may be a helper of another test file: orig says which.
-        where = f"{pathlib.Path(str(item.fspath)).relative_to(REPO_ROOT)}, line {lineno}: {orig}"
+        test_file = pathlib.Path(str(item.fspath)).relative_to(REPO_ROOT)
+        asserted_in = _asserting_file(lineno, orig)
+        via = f" via {asserted_in}" if asserted_in and asserted_in != test_file else ""
+        where = f"{test_file}{via}, line {lineno}: {orig}"
         record_tolerance(TOLERANCE_REPORT, item.nodeid, where, expl)
+
+
+def _asserting_file(lineno, orig):
+    """The file of the frame that asserted (a test module, or a helper in tests/helpers it called): the
+    innermost caller of this hook that is at ``lineno`` in a file of this repository."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = pathlib.Path(frame.f_code.co_filename)
+        if frame.f_lineno == lineno and path.is_relative_to(REPO_ROOT) and path.name != "conftest.py":
+            return path.relative_to(REPO_ROOT)
+        frame = frame.f_back
+    return None

@@ -19,6 +19,24 @@ with scale the size of the numbers compared (the largest magnitude of the refere
 distance from 1 to the next number (2**-23 fp32, 2**-7 bf16), so a factor of two of margin is built in.
 The tests that use it give the differences measured on both CPU kinds (AVX-512 / AMX, and AVX2, where the
 kernels and their summation orders differ) and the margin left.
+
+Training runs (``run_tolerance``): a loss or gradient norm logged at iteration k of two runs that compute
+differently (another layout, schedule or kernels, a resume across layouts) is the end of a longer chain.
+Its own step is a forward and a backward: the gradient passes back through every forward operation (one
+product each) and ends in a weight gradient, ``step_depth = 2 * transformer_depth + 1`` roundings in the
+activations' dtype, each summing up to ``width`` terms; a weight gradient sums over every token of the
+global batch, so ``width`` is at least the batch's tokens. The k - 1 steps before it reach it through the
+weights: both runs keep fp32 weights (bf16 runs: DeepSpeed's fp32 master copy) and update them by the same
+rule, so each earlier step adds the roundings of its sums in fp32 and one rounding of the weights to the
+activations' dtype:
+
+    sqrt(step_depth + k - 1) * eps(dtype) + sqrt(k * step_depth * width) * eps(fp32)
+
+relative to the number compared. In bf16 this is about 6% (2 layers, k = 10): one differing fp32 master
+bit can flip a bf16 rounding of a weight, after which two bf16 runs are two bf16 computations; that holds
+for two bf16 schedules that only accumulate micro-batches in another fp32 order too. Exactness (``==``) is
+kept for what provably repeats the same operations in the same order: a resume at the same layout, the
+same process run twice.
 """
 
 from __future__ import annotations
@@ -27,7 +45,7 @@ import math
 
 import torch
 
-__all__ = ["tolerance", "transformer_depth", "model_tolerance", "OPS_PER_LAYER"]
+__all__ = ["tolerance", "transformer_depth", "model_tolerance", "step_depth", "run_tolerance", "OPS_PER_LAYER"]
 
 # The roundings one transformer layer puts on the residual path, in sequence: input norm, QKV, Q.K^T, softmax,
 # probabilities x V, dense, residual add, second norm, h -> 4h, activation, 4h -> h, residual add.
@@ -58,3 +76,20 @@ def model_tolerance(config, dtype: torch.dtype, reference: torch.Tensor) -> floa
     against ``reference``: its layers' depth, its widest product (the MLP's), the reference's size."""
     width = max(config.hidden_size, config.ffn_hidden_size or 4 * config.hidden_size)
     return tolerance(dtype, transformer_depth(config.num_layers), width, scale=reference.abs().max().item())
+
+
+def step_depth(num_layers: int) -> int:
+    """Roundings in sequence from the weights to a weight gradient: the forward's, one product back through
+    each of them for the input gradients, and the weight gradient's own product."""
+    return 2 * transformer_depth(num_layers) + 1
+
+
+def run_tolerance(dtype: torch.dtype, num_layers: int, width: int, iteration: int) -> float:
+    """Relative tolerance for a loss or gradient norm logged at ``iteration`` (from 1) by two training runs of
+    the same ``num_layers`` model on the same data that compute differently (module docstring); ``width``: the
+    longest sum, at least the tokens of a global batch (a weight gradient sums over all of them)."""
+    if iteration < 1:
+        raise ValueError(f"iteration counts from 1, got {iteration}")
+    depth, fp32 = step_depth(num_layers), torch.float32
+    return (math.sqrt(depth + iteration - 1) * max(torch.finfo(dtype).eps, torch.finfo(fp32).eps)
+            + math.sqrt(iteration * depth * width) * torch.finfo(fp32).eps)

@@ -4,8 +4,9 @@
     record_run(rc, result)                that record, for a target that does more around pretrain
     pretrain_error(rank, world_size, argv)  the ValueError pretrain refused with, or None
     layout(argv, *flags, tp=, pp=)        argv with a layout's flags appended
-    assert_same_run(reference, other, label)  per-iteration losses and grad norms agree
-    assert_continues(straight, tail, rel, label)  a resumed run's losses continue a straight run's
+    assert_same_run(reference, other, label, dtype)  per-iteration losses and grad norms agree (run_tolerance)
+    assert_continues(straight, tail, label, dtype)  a resumed run's losses continue a straight run's (exactly
+                                          where dtype is None)
     tensorboard_scalars(logdir)           {tag: [(step, value)]} of a run's tensorboard events
     to_universal(tag_dir, output_dir=None, *flags)  ds_to_universal.py, asserted to succeed
     convert_to_universal(tag_dir, output_dir=None, *flags)  the same, returning the finished process
@@ -15,6 +16,9 @@ import os
 import subprocess
 import sys
 
+import torch
+
+from megatron.testing.tolerance import run_tolerance
 from tests.helpers.paths import REPO_ROOT
 
 DS_TO_UNIVERSAL = REPO_ROOT / "tools" / "convert_checkpoint" / "ds_to_universal.py"
@@ -96,23 +100,36 @@ def layout(argv, *flags, tp=None, pp=None) -> list:
     return list(argv) + [str(f) for f in sizes + list(flags)]
 
 
-def assert_same_run(reference, other, label, rel_loss=1e-5, rel_norm=1e-4):
-    """``other`` trained as ``reference`` did: as many iterations, and at each the loss within ``rel_loss``
-    and the grad norm within ``rel_norm`` of the reference's (relative)."""
+# tiny_argv's model: 2 layers; its longest sum is 256 terms (the MLP's 4 x 64, and a weight gradient's 8 samples x
+# 32 tokens of a global batch).
+TINY_LAYERS, TINY_WIDTH = 2, 256
+
+
+def assert_same_run(reference, other, label, dtype=torch.float32, num_layers=TINY_LAYERS, width=TINY_WIDTH):
+    """``other`` trained as ``reference`` did, computing differently (another layout, schedule or precision):
+    as many iterations, and at each the loss and the grad norm within ``run_tolerance`` (relative) of the
+    reference's. ``dtype``: the coarser of the two runs' (bf16 where either is). Iterations are numbered
+    from ``other["iterations"]`` where it has them (a resumed tail), else from 1."""
     assert reference["losses"] and len(other["losses"]) == len(reference["losses"]), label
-    for i, (a, b) in enumerate(zip(reference["losses"], other["losses"])):
-        assert abs(a - b) <= rel_loss * abs(a), f"{label}: iteration {i + 1} loss {b} vs {a} on (1,1,1)"
-    for i, (a, b) in enumerate(zip(reference["grad_norms"], other["grad_norms"])):
-        assert abs(a - b) <= rel_norm * abs(a), f"{label}: iteration {i + 1} grad norm {b} vs {a} on (1,1,1)"
+    iterations = other.get("iterations") or range(1, len(other["losses"]) + 1)
+    for key in ("losses", "grad_norms"):
+        for it, a, b in zip(iterations, reference[key], other[key], strict=True):
+            rel = run_tolerance(dtype, num_layers, width, it)
+            assert abs(a - b) <= rel * abs(a), f"{label}: iteration {it} {key[:-1]} {b} vs {a} ({rel:.2g} relative)"
 
 
-def assert_continues(straight, tail, rel, label):
-    """The losses ``tail`` of a resumed run equal, within ``rel``, the last ones of ``straight`` (a run's
-    losses from iteration 1)."""
+def assert_continues(straight, tail, label, dtype=None, num_layers=TINY_LAYERS, width=TINY_WIDTH):
+    """The losses ``tail`` of a resumed run continue the last ones of ``straight`` (a run's losses from
+    iteration 1): bit for bit where ``dtype`` is None (the resume repeats the straight run's operations:
+    the same layout), else within ``run_tolerance(dtype, ...)`` (it resumed at another layout)."""
     assert tail and len(tail) <= len(straight), label
     first = len(straight) - len(tail) + 1
-    for i, (a, b) in enumerate(zip(straight[-len(tail):], tail)):
-        assert abs(a - b) <= rel * abs(a), f"{label}: iteration {first + i}: loss {b} vs {a} straight"
+    for it, a, b in zip(range(first, len(straight) + 1), straight[-len(tail):], tail, strict=True):
+        if dtype is None:
+            assert a == b, f"{label}: iteration {it}: loss {b} vs {a} straight (bit for bit)"
+        else:
+            rel = run_tolerance(dtype, num_layers, width, it)
+            assert abs(a - b) <= rel * abs(a), f"{label}: iteration {it}: loss {b} vs {a} straight ({rel:.2g})"
 
 
 def tensorboard_scalars(logdir) -> dict:

@@ -1,13 +1,14 @@
-"""Context parallelism (--context-parallel-size, ring attention) trains exactly as one process does.
+"""Context parallelism (--context-parallel-size, ring attention) trains as one process does.
 
-fp32, no dropout, 10 iterations of pretrain_gpt's path: losses within 1e-5 (relative) and grad norms within 1e-4
-of a single process, for BLOOM (ALiBi), a Llama-style model (rotary, GQA) and, at CP=2, a GPT-2-style one (learned
-absolute positions) with --reset-position-ids and --eod-mask-loss. On the pipeline engine with ZeRO-1 (DeepSpeed's
-data axis then holds the dp x cp ranks): CP=2, CP=4, CP=2 x PP=2, CP=2 x TP=2 (also with --sequence-parallel),
-CP=2 x DP=2 and CP=2 x PP=2 x DP=2 (8 processes); on DeepSpeed's non-pipeline engine: CP=2 under ZeRO-2 and
-ZeRO-3. A checkpoint saved at CP=2 continues at CP=1 x DP=2 exactly as a straight CP=1 x DP=2 run (and
-CP=1 x DP=2 -> CP=2, CP=2 x DP=2 -> CP=4); bf16 (BF16_Optimizer) tracks fp32. One launch per world size trains
-every layout of that size in turn. Layouts that cannot work yet are refused before launch, naming the fix.
+fp32, no dropout, 10 iterations of pretrain_gpt's path: losses and grad norms within ``run_tolerance``
+(megatron/testing/tolerance.py: two computations that sum in other orders) of a single process, for BLOOM
+(ALiBi), a Llama-style model (rotary, GQA) and, at CP=2, a GPT-2-style one (learned absolute positions) with
+--reset-position-ids and --eod-mask-loss. On the pipeline engine with ZeRO-1 (DeepSpeed's data axis then holds
+the dp x cp ranks): CP=2, CP=4, CP=2 x PP=2, CP=2 x TP=2 (also with --sequence-parallel), CP=2 x DP=2 and
+CP=2 x PP=2 x DP=2 (8 processes); on DeepSpeed's non-pipeline engine: CP=2 under ZeRO-2 and ZeRO-3. A checkpoint
+saved at CP=2 continues at CP=1 x DP=2 as a straight CP=1 x DP=2 run does (and CP=1 x DP=2 -> CP=2,
+CP=2 x DP=2 -> CP=4), within the same tolerance; bf16 (BF16_Optimizer) tracks fp32. One launch per world size
+trains every layout of that size in turn. Layouts that cannot work yet are refused before launch, naming the fix.
 """
 
 from itertools import islice
@@ -20,7 +21,7 @@ from megatron.config import ParallelConfig
 from megatron.parallel.context_parallel import load_balanced_positions
 from megatron.testing import run_distributed, tiny_argv
 from megatron.training.data import build_datasets, micro_batch_iterator
-from tests.helpers.training import assert_same_run, layout, train
+from tests.helpers.training import assert_continues, assert_same_run, layout, train
 
 ITERS = 10
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
@@ -143,38 +144,39 @@ def test_context_parallel_engine_and_optimizers(runs):
 def test_context_parallel_bf16_tracks_fp32(runs):
     references, out = runs
     for rank, (model, result) in out["bloom cp2 bf16"].items():
-        assert_same_run(references[model], result, f"rank {rank}: bf16", rel_loss=2e-2, rel_norm=2e-1)
+        assert_same_run(references[model], result, f"rank {rank}: bf16", dtype=torch.bfloat16)
 
 
 @pytest.mark.multiprocess
 def test_checkpoint_saved_at_cp2_continues_at_cp1(runs):
     """The weights are not sharded by CP: a CP=2 checkpoint of iteration 5 resumes at CP=1 x DP=2 (the ZeRO-1
-    state is sharded over dp x cp = 2 ranks either way) and continues the straight run's losses within 1e-5."""
+    state is sharded over dp x cp = 2 ranks either way) and continues the straight CP=2 run's losses within
+    ``run_tolerance``: the second half runs at another layout. Its first half is the straight run's, bit for bit."""
     _, out = runs
     for rank in (0, 1):
         first, resumed = out["first half"][rank][1], out["resumed cp1 dp2"][rank][1]
         straight = out["bloom cp2"][rank][1]
         assert first["iterations"] == [1, 2, 3, 4, 5] and resumed["iterations"] == [6, 7, 8, 9, 10], rank
         assert first["losses"] == straight["losses"][:5], rank
-        for i, (a, b) in enumerate(zip(straight["losses"][5:], resumed["losses"])):
-            assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank}: iteration {i + 6} loss {b} vs {a}"
+        assert_continues(straight["losses"], resumed["losses"], f"rank {rank}: CP=2 -> CP=1 x DP=2", dtype=torch.float32)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("saved,resumed,straight,world", [("first half", "resumed cp1 dp2", "bloom dp2", 2),
                                                          ("first half dp2", "resumed cp2", "bloom cp2", 2),
                                                          ("first half cp2 dp2", "resumed cp4", "bloom cp4", 4)])
-def test_resume_across_cp_sizes_is_exact(runs, saved, resumed, straight, world):
+def test_resume_across_cp_sizes_continues_the_straight_run(runs, saved, resumed, straight, world):
     """CP=2 -> CP=1 x DP=2, CP=1 x DP=2 -> CP=2 and CP=2 x DP=2 -> CP=4: the resumed run's losses and grad norms
-    are the straight run's of the layout it resumes at, bit for bit (the checkpoint holds everything, whatever CP
-    wrote it). Two layouts' straight runs may differ in the last bit of a logged loss: the loss is averaged in
-    another order (docs/parallelism.md)."""
+    continue the straight run of the layout it resumes at (the checkpoint holds everything, whatever CP wrote
+    it), within ``run_tolerance``: its first half ran at the other layout, which reduces in another order. Bit
+    for bit where the orders happen to agree (AVX2 kernels); one loss of 6.125 differed by 4.8e-7 on an AVX-512
+    machine (docs/parallelism.md)."""
     _, out = runs
     for rank in range(world):
         first, tail, whole = out[saved][rank][1], out[resumed][rank][1], out[straight][rank][1]
         assert first["iterations"] == [1, 2, 3, 4, 5] and tail["iterations"] == [6, 7, 8, 9, 10], rank
-        assert (tail["losses"], tail["grad_norms"]) == (whole["losses"][5:], whole["grad_norms"][5:]), \
-            f"rank {rank}: {resumed} {tail['losses']} vs {straight} {whole['losses'][5:]}"
+        assert_same_run({key: whole[key][5:] for key in ("losses", "grad_norms")}, tail,
+                        f"rank {rank}: {resumed} vs {straight}")
 
 
 @pytest.mark.parametrize("flags,world,message", [

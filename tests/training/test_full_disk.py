@@ -72,7 +72,7 @@ def _check_failed_save_and_resume(save, failed):
     assert "global_step4" not in entries and not [name for name in entries if ".tmp." in name], entries
     assert "latest" in entries and "global_step2" in entries
     assert len(losses) == 4 and resumed["iterations"] == [3, 4]  # resumed from global_step2 ...
-    assert_continues(losses, resumed["losses"], rel=0.0, label="resumed after the failed save")  # ... exactly
+    assert_continues(losses, resumed["losses"], "resumed after the failed save")  # ... exactly
 
 
 @pytest.mark.multiprocess

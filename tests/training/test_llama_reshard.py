@@ -9,6 +9,7 @@ heads: one group per rank), with the untied head and its vocabulary padding kept
 import os
 
 import pytest
+import torch
 
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.training import assert_continues, to_universal, train
@@ -39,10 +40,10 @@ def test_llama_reshards_222_to_111_to_412(tiny_corpus, tmp_path):
         _argv(tiny_corpus, 1, 1, load=first, universal_checkpoint=True, save=middle, save_interval=5,
               exit_interval=15)],))[0]
     assert to_111["iterations"] == list(range(11, 16))
-    assert_continues(reference[:15], to_111["losses"], 1e-5, "Llama (2,2,2) -> (1,1,1)")
+    assert_continues(reference[:15], to_111["losses"], "Llama (2,2,2) -> (1,1,1)", dtype=torch.float32)
 
     to_universal(os.path.join(middle, "global_step15"))
     (to_412,) = run_distributed(train, world_size=8, timeout=900, args=([
         _argv(tiny_corpus, 4, 1, load=middle, universal_checkpoint=True)],))[-1]
     assert to_412["iterations"] == list(range(16, 21))
-    assert_continues(reference, to_412["losses"], 1e-5, "Llama (1,1,1) -> (4,1,2)")
+    assert_continues(reference, to_412["losses"], "Llama (1,1,1) -> (4,1,2)", dtype=torch.float32)

@@ -59,7 +59,7 @@ def test_recomputed_activations_train_the_same(reference_runs):
     """The recomputed forward routes as the first did; it counts the choices twice, which leaves the sign of each
     expert's deviation from the mean load, hence the bias, unchanged."""
     reference, _, recomputed = reference_runs
-    assert_same_run(reference, recomputed, "--checkpoint-activations", rel_loss=1e-6, rel_norm=1e-6)
+    assert_same_run(reference, recomputed, "--checkpoint-activations")
     assert recomputed["expert_bias"] == reference["expert_bias"]
 
 
