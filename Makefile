@@ -53,13 +53,14 @@ pretrain: $(STAMP) $(EXT)
 # Two pytest-xdist workers, each taking a whole test module at a time (--dist loadfile: a module's fixtures
 # are built once): on 2 cores one worker's multi-process run leaves the other core idle much of the time (a
 # pipeline stage waits for its neighbour, a launcher starts its ranks), and the other worker's tests use it.
+# The modules go out longest first (tests/conftest.py, from tests/module_seconds.json), not in xdist's order.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(EXT) $(BLOOM_CONVERTER)
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 test-quick: $(STAMP) $(EXT)
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not multiprocess"
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not multiprocess"
 
 clean-venv:
 	rm -rf $(VENV)

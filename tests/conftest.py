@@ -1,6 +1,7 @@
 """Shared test set-up: DeepSpeed's CPU accelerator, the reference data folder, the tiny corpus, the
 command-line tests' data files. Shared code (not fixtures) lives in ``tests.helpers``."""
 
+import json
 import os
 import pathlib
 import shutil
@@ -88,17 +89,46 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+# How long each test module took in a measured run of the suite (setup, calls and teardown summed), for the order
+# below. Rewrite it after adding or changing a long module: MEGATRON_RECORD_DURATIONS=tests/module_seconds.json
+# make test. A module it does not name counts as UNKNOWN_MULTIPROCESS_S if it has multi-process tests, else 1 s.
+MODULE_SECONDS_FILE = REPO_ROOT / "tests" / "module_seconds.json"
+MODULE_SECONDS = json.loads(MODULE_SECONDS_FILE.read_text()) if MODULE_SECONDS_FILE.is_file() else {}
+UNKNOWN_MULTIPROCESS_S = 60.0
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         package = pathlib.Path(str(item.fspath)).relative_to(REPO_ROOT / "tests").parts[0]
         if package in ONE_THREAD_PACKAGES:
             item.add_marker(pytest.mark.usefixtures("one_torch_thread"))
-    # Modules with multi-process tests first: they are the long ones. `make test`'s workers (pytest-xdist,
-    # --dist loadfile) take modules in this order, so the short single-process modules come last and fill the
-    # gaps, instead of a long module starting when the other worker has nothing left (order within a module,
-    # and of modules within each half, is unchanged).
-    multiprocess = {item.fspath for item in items if item.get_closest_marker("multiprocess")}
-    items.sort(key=lambda item: item.fspath not in multiprocess)  # stable
+    # The longest modules first. `make test`'s two workers (pytest-xdist, --dist loadfile --no-loadscope-reorder)
+    # take whole modules in this order as they become free, so the short ones come last and fill the gaps: a
+    # long module that started when the other worker had nothing left would be the run's tail (Graham's
+    # longest-processing-time-first rule; xdist's own order, most tests first, left a 3-minute module to the end).
+    multiprocess = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("multiprocess")}
+
+    def seconds(item) -> float:
+        module = item.nodeid.split("::")[0]
+        return MODULE_SECONDS.get(module, UNKNOWN_MULTIPROCESS_S if module in multiprocess else 1.0)
+
+    items.sort(key=lambda item: -seconds(item))  # stable: a module's tests keep their order
+
+
+_RECORD_DURATIONS = os.environ.get("MEGATRON_RECORD_DURATIONS")
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if _RECORD_DURATIONS:  # in the controller, the workers' reports arrive here too
+        module = report.nodeid.split("::")[0]
+        _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if _RECORD_DURATIONS and not hasattr(session.config, "workerinput") and _module_seconds:
+        ordered = dict(sorted(((m, round(s, 1)) for m, s in _module_seconds.items()), key=lambda kv: -kv[1]))
+        pathlib.Path(_RECORD_DURATIONS).write_text(json.dumps(ordered, indent=1) + "\n")
 
 
 # .ci/run: every passing tolerance comparison, with both of its numbers (megatron/testing/tolerance_report.py;
@@ -121,7 +151,8 @@ def _asserting_file(lineno, orig):
     frame = sys._getframe(2)
     while frame is not None:
         path = pathlib.Path(frame.f_code.co_filename)
-        if frame.f_lineno == lineno and path.is_relative_to(REPO_ROOT) and path.name != "conftest.py":
+        if (frame.f_lineno == lineno and path.is_relative_to(REPO_ROOT) and path.name != "conftest.py"
+                and not path.is_relative_to(REPO_ROOT / ".venv")):
             return path.relative_to(REPO_ROOT)
         frame = frame.f_back
     return None

@@ -7,6 +7,7 @@
     assert_same_run(reference, other, label, dtype)  per-iteration losses and grad norms agree (run_tolerance)
     assert_continues(straight, tail, label, dtype)  a resumed run's losses continue a straight run's (exactly
                                           where dtype is None)
+    weights_tolerance(dtype, iterations, max_lr, scale)  how far such runs' weights can be apart
     tensorboard_scalars(logdir)           {tag: [(step, value)]} of a run's tensorboard events
     to_universal(tag_dir, output_dir=None, *flags)  ds_to_universal.py, asserted to succeed
     convert_to_universal(tag_dir, output_dir=None, *flags)  the same, returning the finished process
@@ -100,9 +101,9 @@ def layout(argv, *flags, tp=None, pp=None) -> list:
     return list(argv) + [str(f) for f in sizes + list(flags)]
 
 
-# tiny_argv's model: 2 layers; its longest sum is 256 terms (the MLP's 4 x 64, and a weight gradient's 8 samples x
-# 32 tokens of a global batch).
-TINY_LAYERS, TINY_WIDTH = 2, 256
+# tiny_argv's model: 2 layers; its longest sum is the loss's softmax over the 512 rows of the padded vocabulary
+# (the MLP sums 4 x 64 = 256 terms, a weight gradient the 8 x 32 tokens of a global batch).
+TINY_LAYERS, TINY_WIDTH = 2, 512
 
 
 def assert_same_run(reference, other, label, dtype=torch.float32, num_layers=TINY_LAYERS, width=TINY_WIDTH):
@@ -130,6 +131,16 @@ def assert_continues(straight, tail, label, dtype=None, num_layers=TINY_LAYERS, 
         else:
             rel = run_tolerance(dtype, num_layers, width, it)
             assert abs(a - b) <= rel * abs(a), f"{label}: iteration {it}: loss {b} vs {a} straight ({rel:.2g})"
+
+
+def weights_tolerance(dtype, iterations, max_lr, scale, num_layers=TINY_LAYERS, width=TINY_WIDTH) -> float:
+    """How far a weight of two runs that compute differently (``assert_same_run``'s) can be apart after
+    ``iterations`` Adam steps of at most ``max_lr``, for weights of size ``scale``: a step moves a weight by lr
+    times m / sqrt(v), a ratio of the gradient's running averages whose size is about 1 and which a relative
+    difference d of the gradients moves by about d (``run_tolerance``); and each step's addition rounds the two
+    runs' weights apart by up to one unit in the last place, eps x scale."""
+    return (iterations * max_lr * run_tolerance(dtype, num_layers, width, iterations)
+            + iterations * scale * torch.finfo(torch.float32).eps)
 
 
 def tensorboard_scalars(logdir) -> dict:

@@ -2,8 +2,8 @@
 architecture checks.
 
 Launches are the expensive part here, so each launch trains several runs in turn. Losses are
-compared with a run of 20 iterations straight on (2, 2, 2) (equal to (1, 1, 1) within 1e-5, see
-test_equivalence.py).
+compared with a run of 20 iterations straight on (2, 2, 2) (equal to (1, 1, 1) within the tolerance of two
+layouts, ``run_tolerance``: see test_equivalence.py).
 """
 
 import json

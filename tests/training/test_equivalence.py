@@ -1,7 +1,7 @@
 """The same model, seed and data give the same training run on any (TP, PP, DP) layout.
 
-fp32, no dropout, gloo on CPU: per-iteration losses agree within 1e-5 (relative) and grad norms
-within 1e-4 with (1,1,1) for (2,1,1), (1,2,1), (1,1,2) and (2,2,2). Launches are expensive here, so
+fp32, no dropout, gloo on CPU: per-iteration losses and grad norms agree within ``run_tolerance`` (megatron/testing/tolerance.py)
+with (1,1,1) for (2,1,1), (1,2,1), (1,1,2) and (2,2,2). Launches are expensive here, so
 one 2-process launch trains the three 2-rank layouts one after the other, and the 8-process launch
 also runs the bf16 (BLOOM) configuration.
 """

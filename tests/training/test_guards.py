@@ -1,6 +1,6 @@
 """The loss guard on its own: when a non-finite loss, gradient norm or skipped step stops the run, and
-which losses are reported as spikes; and in a real bf16 run, a step DeepSpeed skipped for overflowing
-gradients (the loss still finite) stops the run before that state is saved."""
+which losses are reported as spikes; and in a real bf16 run, a step DeepSpeed skipped for an overflowing
+gradient (injected; the loss still finite) stops the run before that state is saved."""
 
 import math
 
@@ -56,12 +56,14 @@ def test_a_loss_above_factor_times_its_running_mean_is_reported_with_its_ratio()
         == [None] * 7
 
 
-def _train_watching_the_guard(rank, world_size, argv):
-    """On each rank: pretrain ``argv`` with every ``LossGuard.observe`` call recorded; those calls
+def _train_watching_the_guard(rank, world_size, argv, poisoned_iteration=None):
+    """On each rank: pretrain ``argv`` with every ``LossGuard.observe`` call recorded (and, where
+    ``poisoned_iteration`` is given, one gradient element made inf in that iteration's backward); those calls
     (iteration, loss, grad norm, skipped) and the message of the NonFiniteLossError that stopped it (or None)."""
     from megatron.arguments import run_config_from_argv
     from megatron.training import guards
     from megatron.training.pretrain import pretrain
+    from tests.helpers.faults import poison_gradients
 
     seen = []
     observe = guards.LossGuard.observe
@@ -71,6 +73,8 @@ def _train_watching_the_guard(rank, world_size, argv):
         return observe(self, iteration, loss, grad_norm, skipped)
 
     guards.LossGuard.observe = watched  # this rank's process only
+    if poisoned_iteration is not None:
+        poison_gradients({poisoned_iteration}, math.inf)
     try:
         pretrain(run_config_from_argv(argv, world_size=world_size))
     except NonFiniteLossError as error:
@@ -80,15 +84,16 @@ def _train_watching_the_guard(rank, world_size, argv):
 
 @pytest.mark.multiprocess
 def test_a_bf16_step_deepspeed_skips_for_overflow_stops_the_run_before_its_save(tiny_corpus, tmp_path):
-    # lr 1e4 without clipping: iteration 2's loss is large but finite (about 3e9) and its gradients overflow,
-    # so DeepSpeed's BF16_Optimizer skips the step. bf16 has no loss scaler to explain a skip.
+    # An inf in one gradient element of iteration 2 (injected: which learning rate overflows bf16, and when,
+    # depends on the CPU's kernels): DeepSpeed's BF16_Optimizer finds the norm non-finite and skips the step,
+    # while the loss is finite. bf16 has no loss scaler to explain a skip.
     save = tmp_path / "ckpt"
-    argv = tiny_argv(tiny_corpus, "--bf16", train_iters=4, lr=1e4, min_lr=1e3, clip_grad=0.0, lr_warmup_iters=0,
-                     save=str(save), save_interval=1)
-    (seen, error), = run_distributed(_train_watching_the_guard, world_size=1, args=(argv,))
-    *trained, (bad, loss, grad_norm, skipped) = seen
-    assert trained and all(math.isfinite(r[1]) and math.isfinite(r[2]) and not r[3] for r in trained), seen
+    argv = tiny_argv(tiny_corpus, "--bf16", train_iters=4, save=str(save), save_interval=1)
+    (seen, error), = run_distributed(_train_watching_the_guard, world_size=1, args=(argv, 2))
+    assert [r[0] for r in seen] == [1, 2], seen  # it stopped at the poisoned iteration
+    (_, *first), (_, loss, grad_norm, skipped) = seen
+    assert all(math.isfinite(x) for x in first[:2]) and not first[2], seen
     assert math.isfinite(loss) and skipped, seen  # the loss alone would not have stopped it
     assert grad_norm == math.inf  # DeepSpeed reports a skipped step's norm as inf (bf16_optimizer.step)
-    assert error is not None and error.startswith(f"iteration {bad}: ") and "skipped by DeepSpeed" in error, error
-    assert (save / "latest").read_text().strip() == f"global_step{bad - 1}" and not (save / f"global_step{bad}").exists()
+    assert error is not None and error.startswith("iteration 2: ") and "skipped by DeepSpeed" in error, error
+    assert (save / "latest").read_text().strip() == "global_step1" and not (save / "global_step2").exists()

@@ -1,14 +1,14 @@
 """Interleaved virtual pipeline stages (--num-virtual-stages-per-pipeline-rank) train as 1F1B does.
 
-fp32, no dropout, gloo on CPU, PP = 2 with 4 layers: v = 2 puts layers 0 and 2 on rank 0, 1 and 3 on rank 1.
-One 2-process launch trains 1F1B and interleaved (ZeRO-1) for 10 iterations each, saving at 5 and 10. The
-layer files are BLOOM's either way, but a rank's ZeRO optimizer shard holds the layers of its chunks, so a
-regular checkpoint resumes only under its own schedule (there bit for bit; refused by name otherwise) and
-switches schedule through a universal checkpoint. A second launch resumes each from iteration 5 under the
-other schedule and the interleaved one under its own, and trains both schedules in bf16 (BF16_Optimizer).
-Losses and grad norms agree with 1F1B's within 1e-6 (relative) over the 10 iterations, through both
-resumes, and between the two bf16 runs. One 4-process launch trains TP=2 x PP=2 (4 layers) and PP=4 (8 layers:
-one per chunk) under 1F1B and under v = 2, 10 iterations each: the same losses and grad norms within 1e-6.
+fp32, no dropout, gloo on CPU, PP = 2 with 4 layers: v = 2 puts layers 0 and 2 on rank 0, 1 and 3 on rank 1. One
+2-process launch trains 1F1B and interleaved (ZeRO-1) for 10 iterations each, saving at 5 and 10. The layer files
+are BLOOM's either way, but a rank's ZeRO optimizer shard holds the layers of its chunks, so a regular checkpoint
+resumes only under its own schedule (there bit for bit; refused by name otherwise) and switches schedule through a
+universal checkpoint. A second launch resumes each from iteration 5 under the other schedule and the interleaved one
+under its own, and trains both schedules in bf16 (BF16_Optimizer). Losses and grad norms agree with 1F1B's within
+``run_tolerance`` (megatron/testing/tolerance.py) over the 10 iterations, through both resumes, and between the two
+bf16 runs (bf16's tolerance). One 4-process launch trains TP=2 x PP=2 (4 layers) and PP=4 (8 layers: one per chunk)
+under 1F1B and under v = 2, 10 iterations each: the same losses and grad norms within that tolerance.
 """
 
 import os
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.training import assert_same_run, layout, to_universal, train
+from megatron.testing.tolerance import run_tolerance
+from tests.helpers.training import TINY_LAYERS, TINY_WIDTH, assert_same_run, layout, to_universal, train
 
 ITERS = 10
 VIRTUAL = ["--num-virtual-stages-per-pipeline-rank", "2"]
@@ -88,8 +89,9 @@ def test_interleaved_trains_as_1f1b(runs):
     assert interleaved["engine"] == "InterleavedPipelineEngine" and reference["engine"] == "PipelineEngine"
     assert_same_run(reference, interleaved, "interleaved v=2 vs 1F1B")
     assert reference["valid"] and interleaved["valid"].keys() == reference["valid"].keys()
-    for name, loss in reference["valid"].items():
-        assert interleaved["valid"][name] == pytest.approx(loss, rel=1e-6), name
+    for name, loss in reference["valid"].items():  # evaluated after the last step: another schedule's weights
+        rel = run_tolerance(torch.float32, TINY_LAYERS, TINY_WIDTH, ITERS)
+        assert abs(interleaved["valid"][name] - loss) <= rel * abs(loss), name
 
 
 @pytest.mark.multiprocess

@@ -1,5 +1,5 @@
 """A Llama-style run resharded through DeepSpeed's universal checkpoints continues loss for loss:
-(2,2,2) -> (1,1,1) -> (4,1,2) within 1e-5 in fp32 of 20 iterations straight on (2,2,2).
+(2,2,2) -> (1,1,1) -> (4,1,2) within ``run_tolerance`` in fp32 of 20 iterations straight on (2,2,2).
 
 What it shows: the fused QKV laid out per query group and SwiGLU's interleaved (gate, up) rows are merged
 exactly by DeepSpeed's dim-0 concatenation of TP shards, and split again at TP 4 (8 heads, 4 key / value

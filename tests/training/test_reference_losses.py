@@ -1,5 +1,5 @@
-"""Refactors that do not change the math reproduce the recorded losses bit for bit (on the machine
-kind they were recorded on; within tolerance elsewhere), and a checkpoint written by the tree of
+"""Refactors that do not change the math reproduce the recorded losses bit for bit (on each machine
+kind they were recorded on; within ``run_tolerance`` elsewhere), and a checkpoint written by the tree of
 2026-12-01 before the structure refactor still resumes exactly once converted to BLOOM's numbering
 (and is refused, naming the converter, without it). See tests/helpers/reference_losses.py."""
 
@@ -9,15 +9,21 @@ import pytest
 import torch
 
 from megatron.testing.corpus import tiny_argv
-from tests.helpers.reference_losses import CHECKPOINT_DIR, GOLDEN_FILE, compare, machine, measure, upgraded_checkpoint
+from tests.helpers.reference_losses import (
+    CHECKPOINT_DIR,
+    GOLDEN_FILE,
+    compare,
+    measure,
+    record_for,
+    upgraded_checkpoint,
+)
 from tests.helpers.training import pretrain_error
 
 
 @pytest.mark.multiprocess
 def test_recorded_losses_and_an_old_checkpoint_are_reproduced(tiny_corpus, tmp_path):
-    recorded = json.loads(GOLDEN_FILE.read_text())
+    recorded, exact = record_for(json.loads(GOLDEN_FILE.read_text()))
     measured = measure(tiny_corpus, resume_from=upgraded_checkpoint(str(tmp_path / "upgraded")))
-    exact = recorded["machine"] == machine()
     assert len(measured["222_bf16_resumed"]["losses"]) == 10  # it resumed at iteration 10, not from scratch
     problems = compare(recorded["runs"], measured, exact)
     assert not problems, f"{'bit-exact' if exact else 'tolerance'} comparison failed:\n" + "\n".join(problems)

@@ -1,7 +1,7 @@
-"""--sequence-parallel trains exactly as the same layout without it, on both engines.
+"""--sequence-parallel trains as the same layout without it does, on both engines.
 
-fp32, no dropout, 10 iterations of pretrain(): losses within 1e-5 (relative) and grad norms within
-1e-4 of the same layout without --sequence-parallel, for TP=2, TP=2 with --checkpoint-activations,
+fp32, no dropout, 10 iterations of pretrain(): losses and grad norms within ``run_tolerance`` (megatron/testing/tolerance.py)
+of the same layout without --sequence-parallel, for TP=2, TP=2 with --checkpoint-activations,
 TP=4, TP=2 x PP=2 (DeepSpeed's pipeline engine, activations sent unpartitioned) and TP=2 x DP=2 under
 ZeRO-3 (the non-pipeline engine, every parameter partitioned); a run saved at iteration 5 and resumed
 continues as the straight run, and its checkpoint serves (decoding builds the model without it). One launch per
@@ -11,9 +11,10 @@ world size (launches are the expensive part).
 import json
 
 import pytest
+import torch
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.training import assert_same_run, layout, to_universal, train
+from tests.helpers.training import assert_continues, assert_same_run, layout, to_universal, train
 
 ITERS = 10
 SP = "--sequence-parallel"
@@ -62,6 +63,7 @@ def _assert_serves(ckpt_dir):
     import torch
 
     from megatron.inference.generation import Generator
+    from megatron.testing.tolerance import model_tolerance
 
     generator = Generator.from_checkpoint(ckpt_dir)
     assert not generator.config.sequence_parallel
@@ -71,7 +73,8 @@ def _assert_serves(ckpt_dir):
         full = model(ids)  # [s, b, vp]
         caches = model.new_kv_caches()
         steps = [model(ids[:, i:i + 1], kv_caches=caches) for i in range(ids.shape[1])]
-    assert torch.allclose(torch.cat(steps), full, atol=1e-5), (torch.cat(steps) - full).abs().max()
+    diff = (torch.cat(steps) - full).abs().max().item()
+    assert diff <= model_tolerance(generator.config, torch.float32, full), diff  # one token at a time: other sums
 
 
 @pytest.mark.multiprocess
@@ -99,7 +102,7 @@ def test_four_ranks_tp4_pipeline_and_zero3(tiny_corpus, tmp_path):
 def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus, tmp_path):
     """--sequence-parallel changes no parameter: a TP=2 run with it (ZeRO-1, as universal conversion wants),
     converted at iteration 5 by ds_to_universal.py, continues at TP=4 with it (shards of s/4 instead of s/2)
-    and at TP=1 x DP=4 without it, each within 1e-5 of the straight run's losses."""
+    and at TP=1 x DP=4 without it, each within ``run_tolerance`` of the straight run's losses."""
     import os
 
     argv = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1)
@@ -116,8 +119,7 @@ def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus,
         for label, run in zip(targets, per_rank):
             assert run["iterations"] == list(range(6, 11)), (label, run["iterations"])
             assert run["model_sp"] == (label == "tp4 sp")
-            for i, (a, b) in enumerate(zip(straight["losses"][5:], run["losses"])):
-                assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank} {label}: iteration {i + 6} loss {b} vs {a} straight"
+            assert_continues(straight["losses"], run["losses"], f"rank {rank} {label}", dtype=torch.float32)
 
 
 def test_sequence_not_divisible_by_tp_is_refused_before_launch(tiny_corpus):

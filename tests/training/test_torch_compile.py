@@ -5,7 +5,7 @@ import pytest
 
 from megatron.testing import run_distributed
 from megatron.testing.corpus import tiny_argv
-from tests.helpers.training import train
+from tests.helpers.training import assert_same_run, train
 
 
 @pytest.mark.multiprocess
@@ -16,11 +16,8 @@ def test_compiled_layers_train_to_the_eager_losses_with_tp_pp_and_recompute(tiny
     compiled = tiny_argv(tiny_corpus, "--torch-compile", **flags)
     results = run_distributed(train, world_size=4, args=([eager, compiled],), timeout=600)
     eager_run, compiled_run = results[0]
-    eager_losses = [h[1] for h in eager_run["history"]]
-    compiled_losses = [h[1] for h in compiled_run["history"]]
-    assert len(compiled_losses) == 3
-    diffs = [abs(a - b) / abs(a) for a, b in zip(eager_losses, compiled_losses)]
-    assert max(diffs) < 1e-5, (eager_losses, compiled_losses)
+    assert len(compiled_run["losses"]) == 3
+    assert_same_run(eager_run, compiled_run, "compiled vs eager")  # inductor's fused kernels sum in other orders
 
 
 def test_every_transformer_layer_is_compiled_in_place_and_a_missing_compiler_is_named(monkeypatch):

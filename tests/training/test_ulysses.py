@@ -1,19 +1,26 @@
-"""DeepSpeed-Ulysses (--ds-sequence-parallel-size) trains exactly as (1, 1, 1) does.
+"""DeepSpeed-Ulysses (--ds-sequence-parallel-size) trains as (1, 1, 1) does.
 
-fp32, no dropout, 10 iterations of pretrain_gpt's path: losses within 1e-5 (relative) and grad norms within
-1e-4 of a single process, for BLOOM (ALiBi), a Llama-style model (rotary, SwiGLU, RMSNorm, GQA) and learned
-positions, at SP=2 (ZeRO 0, 1, 2 and 3; with --torch-compile at ZeRO 0 and 3), SP=4, SP=2 x TP=2 (also with
-Megatron's --sequence-parallel) and SP=2 x DP=2, and ZeRO-3 with hpZ groups of 2 at SP=2 x DP=2 and SP=2 x TP=2;
-bf16 tracks fp32; a run saved at
-iteration 5 and resumed with SP=2 continues bit for bit; bad layouts are refused before launch. One launch
-per world size trains every layout of that size in turn.
+fp32, no dropout, 10 iterations of pretrain_gpt's path: losses and grad norms within ``run_tolerance``
+(megatron/testing/tolerance.py) of a single process, for BLOOM (ALiBi), a Llama-style model (rotary, SwiGLU,
+RMSNorm, GQA) and learned positions, at SP=2 (ZeRO 0, 1, 2 and 3; with --torch-compile at ZeRO 0 and 3), SP=4, SP=2
+x TP=2 (also with Megatron's --sequence-parallel) and SP=2 x DP=2, and ZeRO-3 with hpZ groups of 2 at SP=2 x DP=2
+and SP=2 x TP=2; bf16 tracks fp32; a run saved at iteration 5 and resumed with SP=2 continues bit for bit; bad
+layouts are refused before launch. One launch per world size trains every layout of that size in turn.
 """
 
 import pytest
 import torch
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.training import assert_same_run, layout, pretrain_error, to_universal, train
+from tests.helpers.training import (
+    assert_continues,
+    assert_same_run,
+    layout,
+    pretrain_error,
+    to_universal,
+    train,
+    weights_tolerance,
+)
 
 ITERS = 10
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
@@ -140,7 +147,7 @@ def test_ulysses_resume_is_exact(runs):
 def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus, tmp_path):
     """The SP ranks hold the same weights: an SP=2 ZeRO-1 checkpoint, converted at iteration 5 by
     ds_to_universal.py (for the non-pipeline engine, which Ulysses runs on, and with --target-engine pipeline),
-    continues at SP=4, at SP=2 x DP=2, at SP=1 x DP=4 under ZeRO-2 and in 3D (TP=2 x PP=2), each within 1e-5
+    continues at SP=4, at SP=2 x DP=2, at SP=1 x DP=4 under ZeRO-2 and in 3D (TP=2 x PP=2), each within ``run_tolerance``
     of the straight SP=2 run."""
     import os
 
@@ -158,8 +165,7 @@ def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus,
         for rank, results in enumerate(per_rank):
             for label, run in zip(runs, results):
                 assert run["iterations"] == list(range(6, 11)), (label, run["iterations"])
-                for i, (a, b) in enumerate(zip(straight["losses"][5:], run["losses"])):
-                    assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank} {label}: iteration {i + 6} loss {b} vs {a}"
+                assert_continues(straight["losses"], run["losses"], f"rank {rank} {label}", dtype=torch.float32)
 
     convert("global_step5_universal")
     resume({"sp4": layout(argv, *SP4), "sp2 dp2": layout(argv, *SP2),
@@ -197,8 +203,9 @@ def test_ulysses_zero0_and_zero1_checkpoints_export_and_refuse_the_pipeline_engi
         assert (record["saving_engine"], record["weight_files"]) == ("model", "module_states"), record
         config, state, _ = load_full_state_dict(save)
         assert set(state) == set(reference), stage
-        for name, tensor in reference.items():  # 3 iterations that agree within 1e-5: the weights do too
-            assert torch.allclose(state[name], tensor, rtol=1e-4, atol=1e-6), (stage, name)
+        for name, tensor in reference.items():  # 3 iterations at another layout: weights_tolerance apart
+            diff = (state[name] - tensor).abs().max().item()
+            assert diff <= weights_tolerance(torch.float32, 3, 1e-3, tensor.abs().max().item()), (stage, name, diff)
         assert to_hf.main(["--load", save, "--output-dir", str(tmp_path / f"hf{stage}")]) == 0
         hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"hf{stage}")).eval()
         ours = GPTModel(config).eval()

@@ -1,8 +1,8 @@
-"""ZB-H1 (--enable-zbh1-pipeline --enable-zbh1-exact-semantics) trains exactly as 1F1B does, end to end.
+"""ZB-H1 (--enable-zbh1-pipeline --enable-zbh1-exact-semantics) trains as 1F1B does, end to end.
 
 fp32, no dropout, 10 iterations, 4 micro-batches per step: PP=4 and TP=2 x PP=2 give the losses and grad norms of
-1F1B on the same layout within 1e-6 (relative; measured identical), PP=2 x DP=2 with recomputed activations
-1F1B's at PP=4 within the layout tests' 1e-5; bf16 equals bf16 1F1B within 1e-6 and tracks fp32; a 1F1B
+1F1B on the same layout within ``run_tolerance`` (megatron/testing/tolerance.py) (measured identical on AVX2), PP=2 x DP=2
+with recomputed activations 1F1B's at PP=4 within it; bf16 equals bf16 1F1B within bf16's and tracks fp32; a 1F1B
 checkpoint resumes under ZB-H1 and a ZB-H1 checkpoint under 1F1B, loss for loss. The engine's executed
 instruction streams are the schedule generator's, and their idle slots are ZB-H1's analytic bubble. One 4-process
 launch trains every run in turn.
@@ -55,7 +55,7 @@ def test_zbh1_trains_as_1f1b_at_pp4_and_tp2_pp2(runs):
 @pytest.mark.multiprocess
 def test_zbh1_with_data_parallelism_and_recomputation_trains_as_1f1b(runs):
     """PP=2 x DP=2 (2 micro-batches per rank) recomputing activations: the deferred products of the recomputed
-    forward, then the DP all-reduce; the same run as 1F1B at PP=4 (another layout: the layout tests' 1e-5)."""
+    forward, then the DP all-reduce; the same run as 1F1B at PP=4 (another layout: ``run_tolerance``)."""
     for rank, results in runs.items():
         assert_same_run(results["1f1b pp4"], results["zbh1 pp2 dp2 recompute"], f"rank {rank}: zbh1 pp2 dp2")
 

@@ -1,6 +1,6 @@
-"""ZeRO-2 / ZeRO-3 (and ZeRO++'s hpZ) with our tensor parallelism train exactly as (1, 1, 1) does.
+"""ZeRO-2 / ZeRO-3 (and ZeRO++'s hpZ) with our tensor parallelism train as (1, 1, 1) does.
 
-fp32, no dropout, 10 iterations: losses within 1e-5 (relative) and grad norms within 1e-4 of a
+fp32, no dropout, 10 iterations: losses and grad norms within ``run_tolerance`` (megatron/testing/tolerance.py) of a
 single process, for ZeRO-2 DP=4, ZeRO-3 DP=4, ZeRO-3 TP=2 x DP=2 and hpZ groups of 2 (DP=4, and
 TP=2 x DP=2 where DeepSpeed's own grouping of consecutive ranks would pair TP peers); bf16 variants
 track fp32; resuming a ZeRO-2 or ZeRO-3 checkpoint continues bit for bit. One 4-process launch
@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.training import assert_same_run, layout, pretrain_error, to_universal, train
+from tests.helpers.training import (
+    assert_continues,
+    assert_same_run,
+    layout,
+    pretrain_error,
+    to_universal,
+    train,
+    weights_tolerance,
+)
 
 ITERS = 10
 
@@ -136,8 +144,9 @@ def test_zero2_and_zero3_checkpoints_give_the_single_process_weights_and_export(
         assert record["parallel"]["zero_stage"] == int(stage[-1]) and set(state) == set(reference)
         for name, tensor in reference.items():
             assert state[name].dtype == torch.float32 and state[name].shape == tensor.shape, name
-            assert torch.allclose(state[name], tensor.float(), rtol=1e-4, atol=1e-6), \
-                f"{stage} {name}: max diff {(state[name] - tensor.float()).abs().max().item()}"
+            # ITERS steps at another layout: weights_tolerance apart
+            diff, scale = (state[name] - tensor.float()).abs().max().item(), tensor.abs().max().item()
+            assert diff <= weights_tolerance(torch.float32, 5, 1e-3, scale), f"{stage} {name}: max diff {diff}"
     exports = {}
     for name in ("one", "zero3"):
         assert to_hf.main(["--load", saves[name], "--output-dir", str(tmp_path / name)]) == 0
@@ -145,8 +154,9 @@ def test_zero2_and_zero3_checkpoints_give_the_single_process_weights_and_export(
 
         exports[name] = AutoModelForCausalLM.from_pretrained(str(tmp_path / name)).state_dict()
     assert set(exports["one"]) == set(exports["zero3"])
-    for name, tensor in exports["one"].items():
-        assert torch.allclose(exports["zero3"][name], tensor, rtol=1e-4, atol=1e-6), name
+    for name, tensor in exports["one"].items():  # the same weights as above, converted
+        diff, scale = (exports["zero3"][name] - tensor).abs().max().item(), tensor.abs().max().item()
+        assert diff <= weights_tolerance(torch.float32, 5, 1e-3, scale), (name, diff)
 
 
 @pytest.mark.multiprocess
@@ -192,8 +202,7 @@ def test_a_zero3_checkpoint_reshapes_through_a_universal_checkpoint(runs, tiny_c
     straight = by_rank[0]["zero3 tp2 dp2"]
     for rank, (run,) in enumerate(resumed):
         assert run["iterations"] == list(range(6, 11)), run["iterations"]
-        for i, (a, b) in enumerate(zip(straight["losses"][5:], run["losses"])):
-            assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank}: iteration {i + 6} loss {b} vs {a} straight"
+        assert_continues(straight["losses"], run["losses"], f"rank {rank}: ZeRO-3 TP=2 -> TP=1", dtype=torch.float32)
     error = run_distributed(pretrain_error, world_size=4, timeout=300, args=(
         layout(argv, "--zero-stage", 1, "--load", saves["zero3"], "--universal-checkpoint"),))[0]
     assert error and "universal checkpoint for the model engine" in error and "--target-engine pipeline" in error, error
@@ -203,5 +212,4 @@ def test_a_zero3_checkpoint_reshapes_through_a_universal_checkpoint(runs, tiny_c
                  "--target-engine", "pipeline")
     (run,), = run_distributed(train, world_size=1, timeout=300, args=(
         [layout(argv, "--zero-stage", 1, "--load", for_pipeline, "--universal-checkpoint")],))
-    for i, (a, b) in enumerate(zip(straight["losses"][5:], run["losses"])):
-        assert abs(a - b) <= 1e-5 * abs(a), f"ZeRO-3 TP=2 -> (1,1,1) ZeRO-1: iteration {i + 6} loss {b} vs {a} straight"
+    assert_continues(straight["losses"], run["losses"], "ZeRO-3 TP=2 -> (1,1,1) ZeRO-1", dtype=torch.float32)

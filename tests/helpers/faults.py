@@ -1,0 +1,69 @@
+"""Faults injected on purpose, so a test of a guard tests the guard and not the CPU.
+
+Whether a learning rate of 1e4 overflows a bf16 gradient, or 1e9 turns an fp32 loss into NaN, and at which
+iteration, depends on the kernels one CPU kind happens to run (an AVX-512 machine skipped no step where an
+AMX one did). A test that needs a non-finite gradient makes one instead:
+
+    poison_gradients({3}, math.inf)       in a rank (a run_distributed target): from now on in this process,
+                                          iteration 3's backward makes one gradient element inf
+    poisoned_env(tmp_path, {3}, "nan")    the environment of a subprocess (pretrain_gpt.py) doing the same:
+                                          a sitecustomize in ``tmp_path`` installs it at start-up
+
+The element is the first of the first trainable parameter the engine holds (on this rank's pipeline stage),
+set in every micro-batch's gradient of the chosen iterations, before DeepSpeed accumulates it.
+"""
+
+import os
+import pathlib
+
+from tests.helpers.paths import REPO_ROOT
+
+ENV = "MEGATRON_TEST_POISON_GRADIENTS"  # "3,4:nan": the iterations, then the value
+
+
+def poison_gradients(iterations, value: float):
+    """Patch ``Trainer.train_step`` in this process: during each of ``iterations`` (1-based), one gradient
+    element becomes ``value``. Returns a function that undoes the patch."""
+    from megatron.training.loop import Trainer
+
+    iterations = set(iterations)
+    train_step = Trainer.train_step
+
+    def poisoned(self):
+        if self.progress.iteration + 1 not in iterations:
+            return train_step(self)
+        param = next(p for p in self.engine.module.parameters() if p.requires_grad)
+        handle = param.register_hook(lambda grad: _with_first_element(grad, value))
+        try:
+            return train_step(self)
+        finally:
+            handle.remove()
+
+    Trainer.train_step = poisoned
+    return lambda: setattr(Trainer, "train_step", train_step)
+
+
+def _with_first_element(grad, value):
+    grad = grad.clone()
+    grad.view(-1)[0] = value
+    return grad
+
+
+def poisoned_env(folder, iterations, value: str) -> dict:
+    """``os.environ`` plus what makes a Python subprocess started with it call ``poison_gradients(iterations,
+    float(value))`` at start-up: a ``sitecustomize.py`` written to ``folder``, first on PYTHONPATH."""
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import os\n"
+        f"if os.environ.get({ENV!r}):\n"
+        "    from tests.helpers.faults import install_from_env\n"
+        "    install_from_env()\n")
+    path = os.pathsep.join([str(folder), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return dict(os.environ, PYTHONPATH=path, **{ENV: f"{','.join(map(str, sorted(iterations)))}:{value}"})
+
+
+def install_from_env() -> None:
+    """``poison_gradients`` as ``MEGATRON_TEST_POISON_GRADIENTS`` ("3,4:nan") asks (the sitecustomize's call)."""
+    iterations, value = os.environ[ENV].split(":")
+    poison_gradients({int(i) for i in iterations.split(",")}, float(value))
