@@ -3,6 +3,9 @@
 import os
 
 import pytest
+import torch
+
+from megatron.testing.tolerance import tolerance
 
 
 def test_flex_alibi_matches_the_models_sdpa_bias_on_cpu():
@@ -11,7 +14,13 @@ def test_flex_alibi_matches_the_models_sdpa_bias_on_cpu():
 
     out = bench_gpu.attention_kernels(b=1, heads=4, seq=32, head_dim=16, reps=1, device="cpu")
     assert out["flex_error"] is None
-    assert out["flex_vs_plain_max_abs_diff"] < 0.02  # bf16 rounding of outputs of size ~1
+    # Two bf16 attentions: the scaling, Q.K^T, the ALiBi bias (rounded to bf16 on the plain path), softmax's exp
+    # and normalization, P.V (depth 6), summing over the 32 keys; the output is a weighted mean of the values, so
+    # its roundings are on their size. The values as the benchmark draws them:
+    torch.manual_seed(0)
+    value = [torch.randn(1, 4, 32, 16, dtype=torch.bfloat16) for _ in range(3)][2]
+    bound = tolerance(torch.bfloat16, 6, 32, value.float().abs().max().item())
+    assert out["flex_vs_plain_max_abs_diff"] <= bound, out["flex_vs_plain_max_abs_diff"]
     assert out["plain_sdpa_bias"]["median_fwd_bwd_s"] > 0
 
 
@@ -34,6 +43,8 @@ def test_pipeline_names_map_to_gpt_model_names():
                                      "layers.1.mlp.dense_4h_to_h.bias": 2, "final_layernorm.weight": 3}
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT",
+                    reason="flex attention compiled for the CPU needs a vectorized ATen (AVX2 or better)")
 def test_bench_attention_runs_every_path_and_reports_time_and_memory():
     from benchmarks import bench_attention
 
@@ -55,6 +66,7 @@ def test_bench_decode_step_splits_a_step_into_its_matrix_products_attention_and_
     # Each part is timed on its own (reps=1 here), so their order is not asserted: on a loaded machine the
     # linears timed alone once took longer (2.34 ms) than the whole forward (2.27 ms).
     assert row["step_ms"] > 0 and row["forward_ms"] > 0 and row["linears_ms"] > 0 and row["attention_ms"] > 0
+    # The script's own subtraction, of fields each rounded to 1e-3 ms: at most 4 x 0.5e-3 apart.
     assert abs(row["rest_ms"] - (row["forward_ms"] - row["linears_ms"] - row["attention_ms"])) < 2e-3
 
 
@@ -85,17 +97,29 @@ def test_bench_pipeline_bubble_counts_the_three_schedules_against_the_formulas()
     assert round(row["interleaved_v2"]["bubble_fraction"], 6) == round(3 / 19, 6)  # (p - 1) / (v m + p - 1)
 
 
-def test_bench_moe_times_grouped_loop_and_transformers_experts_on_the_same_weights():
+def test_bench_moe_times_grouped_loop_and_transformers_experts_on_the_same_weights(monkeypatch):
     import argparse
 
     from benchmarks import bench_moe
 
+    outputs = []  # each layer's output, the grouped one first: its size scales the tolerance below
+    time_layer = bench_moe.time_layer
+
+    def recording(*args):
+        seconds, out = time_layer(*args)
+        outputs.append(out)
+        return seconds, out
+
+    monkeypatch.setattr(bench_moe, "time_layer", recording)
     args = argparse.Namespace(tokens=32, hidden_size=16, ffn_hidden_size=24, num_experts=4, topk=2,
                               hf_implementations=["eager"], warmup=0, reps=1)
     rows = bench_moe.run(args)
     assert set(rows) == {"grouped", "loop", "transformers_eager"}, rows
+    # the three compute the same function (transformers' Mixtral block holds our router and experts) in fp32:
+    # the router's product, the scores and their renormalization (5), the expert's two products, SiLU and the gate
+    # product (4), the weighting and the sum over the chosen experts (2): depth 12, the longest sum over 24.
+    bound = tolerance(torch.float32, 12, 24, outputs[0].abs().max().item())
     for name, row in rows.items():
         assert row["tokens_per_s"] > 0 and row["fwd_bwd_s"] > 0, name
-        # the three compute the same function: transformers' Mixtral block holds our router and experts
-        assert row["max_abs_diff_vs_grouped"] < 1e-5, (name, row)
+        assert row["max_abs_diff_vs_grouped"] <= bound, (name, row)
     assert rows["grouped"]["speed_vs_grouped"] == 1.0

@@ -13,10 +13,15 @@ import torch.nn.functional as F
 
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.state import group_rank, group_size
+from megatron.testing.tolerance import tolerance
 from tests.helpers.parallel import gather, randn, rel_err, run_on_tp, seeded_init
 
-RTOL = 1e-5
 S, B, H = 4, 2, 16
+# TP splits the 4h -> h product's sum over the ranks (and, backward, the h -> 4h one's): relative to the largest
+# reference entry, the output's h -> 4h product, bias, GeLU (2), 4h -> h product and bias: depth 6, the longest
+# sum over 4h; a gradient one product back through each and its own (2 x 6 + 1).
+OUTPUT_RTOL = tolerance(torch.float32, 6, 4 * H)
+GRAD_RTOL = tolerance(torch.float32, 13, 4 * H)
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor",
                "reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter")
 # Older torch releases only have the *_tensor names: count them under the newer ones.
@@ -106,7 +111,8 @@ def test_mlp_tp2_equals_tp1_with_one_all_reduce():
     for rank, by_variant in enumerate(results):
         for sp, out in by_variant.items():
             for name, err in out["errors"].items():
-                assert err <= RTOL, f"rank {rank}, sequence_parallel={sp}: {name} error {err:.3g}"
+                bound = OUTPUT_RTOL if name == "output" else GRAD_RTOL
+                assert err <= bound, f"rank {rank}, sequence_parallel={sp}: {name} error {err:.3g}"
         plain, sp = by_variant[False], by_variant[True]
         assert plain["forward"] == {"all_reduce": 1}, f"rank {rank}: forward {plain['forward']}"
         assert plain["backward"] == {"all_reduce": 1}, f"rank {rank}: backward {plain['backward']}"

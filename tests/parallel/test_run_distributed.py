@@ -5,6 +5,7 @@ import os
 import pytest
 
 from megatron.testing import DistributedTestError, run_distributed
+from megatron.testing.tolerance import tolerance
 
 
 def _refuse(rank, world_size):
@@ -38,21 +39,21 @@ def test_every_group_is_created_behind_a_store_barrier():
 
 
 def _compile_something_new(rank, world_size, salt):
-    import time
-
     import torch
 
-    start = time.monotonic()
     # A constant no other test uses: inductor's code cache cannot hold this kernel already.
     compiled = torch.compile(lambda x: torch.cos(x) * salt + rank)
     value = compiled(torch.ones(4)).tolist()
-    return value, time.monotonic() - start, os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    return value, os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 @pytest.mark.multiprocess
 def test_ranks_compile_with_a_cold_cache_after_the_caller_compiled(tmp_path, monkeypatch):
     """A process that compiled holds inductor's asynchronous compile pool; ranks forked from it wait forever
-    on it when they compile something new (cold cache). The fork server's ranks inherit no such pool."""
+    on it when they compile something new (cold cache). The fork server's ranks inherit no such pool.
+
+    The hang shows as run_distributed's timeout (every rank's stack in the error), not as a measured time: the
+    ranks must come back with their values at all, however slowly a loaded machine compiles."""
     import math
     import random
 
@@ -60,14 +61,16 @@ def test_ranks_compile_with_a_cold_cache_after_the_caller_compiled(tmp_path, mon
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     salt = 1.0 + random.random()
-    fp32 = 4 * torch.finfo(torch.float32).eps  # a float32 sine and product against Python's float64 ones
-    assert torch.compile(lambda x: torch.sin(x) * salt)(torch.ones(4)).tolist() == pytest.approx(
-        [math.sin(1.0) * salt] * 4, rel=fp32)
+    # A float32 sine and product against Python's float64 ones: depth 2, nothing summed.
+    value = torch.compile(lambda x: torch.sin(x) * salt)(torch.ones(4))
+    diff = (value.double() - math.sin(1.0) * salt).abs().max().item()
+    assert diff <= tolerance(torch.float32, 2, 1, scale=salt), value
     results = run_distributed(_compile_something_new, world_size=2, args=(salt,), timeout=180)
-    for rank, (value, seconds, cache_dir) in enumerate(results):
-        assert value == pytest.approx([math.cos(1.0) * salt + rank] * 4, rel=fp32), (rank, value)
+    for rank, (value, cache_dir) in enumerate(results):
+        # The cosine, the product and the sum: depth 3, on numbers up to salt + rank.
+        diff = max(abs(v - (math.cos(1.0) * salt + rank)) for v in value)
+        assert diff <= tolerance(torch.float32, 3, 1, scale=salt + rank), (rank, value)
         assert cache_dir == str(tmp_path / "inductor")  # the caller's environment, set after the server started
-        assert seconds < 120, f"rank {rank} took {seconds:.0f} s to compile"
 
 
 def _hang_on_rank_one(rank, world_size):

@@ -1,7 +1,9 @@
 """The split backward of ZB-H1: input gradients in the backward pass, weight gradients deferred to a store.
 
 A layer with a store computes the same output, input gradient and bias gradient in the backward pass, leaves the
-weight's ``.grad`` untouched until its W pass runs, and then holds the same weight gradient as plain autograd.
+weight's ``.grad`` untouched until its W pass runs, and then holds the same weight gradient as plain autograd: the
+output exactly (the same F.linear), the gradients within the tolerance of their products
+(megatron.testing.tolerance): the store computes them with its own matmuls, not autograd's kernels.
 """
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from megatron.model import GPTModel
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.weight_grad_store import WeightGradStore, defer_weight_grads
+from megatron.testing.tolerance import step_depth, tolerance
 from tests.helpers.model import tiny_config
 from tests.helpers.parallel import randn, rel_err, seeded_init
 
@@ -47,10 +50,14 @@ def test_deferred_weight_grad_matches_autograd(kind):
     out, dx, _, plain = _grads(layer, x, micro_batches=2)
     out_z, dx_z, after_backward, deferred = _grads(layer, x, WeightGradStore(), micro_batches=2)
     assert torch.equal(out_z, out), kind
-    assert rel_err(dx_z, dx) < 1e-6, kind
+    tokens = x.shape[0] * x.shape[1]
+    # dX = dY A: one product over the output features.
+    assert rel_err(dx_z, dx) <= tolerance(torch.float32, 1, layer.output_size), kind
     assert after_backward["weight"] is None, f"{kind}: the weight gradient ran in the backward pass"
-    assert rel_err(after_backward["bias"], plain["bias"]) < 1e-6, f"{kind}: bias gradient not in the backward pass"
-    assert rel_err(deferred["weight"], plain["weight"]) < 1e-6, kind
+    # db and dA: a sum (a product) over the tokens, accumulated over the two micro-batches: depth 2.
+    bias_err = rel_err(after_backward["bias"], plain["bias"])
+    assert bias_err <= tolerance(torch.float32, 2, tokens), f"{kind}: bias gradient not in the backward pass"
+    assert rel_err(deferred["weight"], plain["weight"]) <= tolerance(torch.float32, 2, tokens), kind
 
 
 def test_deferred_weight_grad_reaches_the_parameter_under_recomputation():
@@ -75,7 +82,10 @@ def test_deferred_weight_grad_reaches_the_parameter_under_recomputation():
         return [first.weight.grad, second.weight.grad]
 
     for plain, deferred in zip(weight_grads(None, False), weight_grads(WeightGradStore(), True)):
-        assert deferred is not None and rel_err(deferred, plain) < 1e-6
+        # The second layer's input-gradient product, GeLU's backward, the weight gradient's product: depth 3,
+        # the longest sum over the 16 features.
+        assert deferred is not None
+        assert rel_err(deferred, plain) <= tolerance(torch.float32, 3, 16)
 
 
 def test_model_with_a_store_trains_the_same_gradients():
@@ -95,8 +105,11 @@ def test_model_with_a_store_trains_the_same_gradients():
     lookup_only = head.grad.clone()  # the embedding lookup's part; the head's product waits
     store.run_oldest()
     assert not torch.equal(head.grad, lookup_only), "the tied head deferred nothing"
+    # Every input gradient of the backward is the store's product, not autograd's: a whole step's depth, the
+    # longest sum over the MLP's width.
+    bound = tolerance(torch.float32, step_depth(config.num_layers), config.ffn_size)
     for (name, p), q in zip(plain.named_parameters(), split.parameters()):
-        assert rel_err(q.grad, p.grad) < 1e-5, name
+        assert rel_err(q.grad, p.grad) <= bound, name
     with torch.no_grad():  # evaluation defers nothing
         split(ids)
     store.assert_empty()
