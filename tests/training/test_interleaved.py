@@ -18,15 +18,16 @@ import torch
 
 from megatron.testing import run_distributed, tiny_argv
 from megatron.testing.tolerance import run_tolerance
-from tests.helpers.training import TINY_LAYERS, TINY_WIDTH, assert_same_run, layout, to_universal, train
+from tests.helpers.training import TINY_WIDTH, assert_same_run, layout, to_universal, train
 
 ITERS = 10
+LAYERS = 4  # two chunks of one layer on each of 2 pipeline ranks
 VIRTUAL = ["--num-virtual-stages-per-pipeline-rank", "2"]
 
 
 def _argv(corpus, *extra, **flags):
     return tiny_argv(corpus, "--pipeline-model-parallel-size", "2", *extra,
-                     **dict(dict(num_layers=4, train_iters=ITERS, zero_stage=1), **flags))
+                     **dict(dict(num_layers=LAYERS, train_iters=ITERS, zero_stage=1), **flags))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def runs(tiny_corpus, tmp_path_factory):
 @pytest.fixture(scope="module")
 def wider_runs(tiny_corpus):
     """On 4 processes (fp32, ZeRO-1, 4 micro-batches): TP=2 x PP=2 and PP=4 (8 layers), each under 1F1B and v=2."""
-    argv = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1, num_layers=4)
+    argv = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1, num_layers=LAYERS)
     eight = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1, num_layers=8)
     layouts = {"1f1b tp2 pp2": layout(argv, tp=2, pp=2), "interleaved tp2 pp2": layout(argv, *VIRTUAL, tp=2, pp=2),
                "1f1b pp4": layout(eight, pp=4), "interleaved pp4": layout(eight, *VIRTUAL, pp=4)}
@@ -87,10 +88,10 @@ def test_interleaved_trains_as_1f1b(runs):
     assert reference["iterations"] == list(range(1, ITERS + 1))
     assert reference["losses"][-1] < reference["losses"][0] - 0.05, reference["losses"]  # it learns
     assert interleaved["engine"] == "InterleavedPipelineEngine" and reference["engine"] == "PipelineEngine"
-    assert_same_run(reference, interleaved, "interleaved v=2 vs 1F1B")
+    assert_same_run(reference, interleaved, "interleaved v=2 vs 1F1B", num_layers=LAYERS)
     assert reference["valid"] and interleaved["valid"].keys() == reference["valid"].keys()
     for name, loss in reference["valid"].items():  # evaluated after the last step: another schedule's weights
-        rel = run_tolerance(torch.float32, TINY_LAYERS, TINY_WIDTH, ITERS)
+        rel = run_tolerance(torch.float32, LAYERS, TINY_WIDTH, ITERS)
         assert abs(interleaved["valid"][name] - loss) <= rel * abs(loss), name
 
 
@@ -99,7 +100,8 @@ def test_checkpoints_switch_schedules_on_resume(runs):
     reference = runs["1f1b"]
     for saved, resumed in (("1f1b", "interleaved_resumed"), ("interleaved", "1f1b_resumed")):
         assert runs[resumed]["iterations"] == list(range(6, ITERS + 1)), resumed
-        assert_same_run(_between(reference, 6, ITERS), runs[resumed], f"{resumed} from {saved}'s iteration 5")
+        assert_same_run(_between(reference, 6, ITERS), runs[resumed], f"{resumed} from {saved}'s iteration 5",
+                        num_layers=LAYERS)
     own = runs["interleaved_own_resume"]  # a regular checkpoint under its own schedule: exact
     assert own["iterations"] == list(range(6, ITERS + 1))
     assert own["losses"] == runs["interleaved"]["losses"][5:] and own["grad_norms"] == runs["interleaved"]["grad_norms"][5:]
@@ -112,9 +114,9 @@ def test_bf16_interleaved_uses_bf16_optimizer_and_tracks_1f1b(runs):
     one_f_one_b, interleaved = runs["1f1b_bf16"], runs["interleaved_bf16"]
     assert interleaved["optimizer"] == "BF16_Optimizer" and interleaved["engine"] == "InterleavedPipelineEngine"
     assert_same_run(one_f_one_b, interleaved, "bf16 interleaved vs bf16 1F1B",
-                    dtype=torch.bfloat16)
+                    dtype=torch.bfloat16, num_layers=LAYERS)
     assert_same_run(_between(runs["1f1b"], 1, 5), interleaved, "bf16 interleaved vs fp32 1F1B",
-                    dtype=torch.bfloat16)
+                    dtype=torch.bfloat16, num_layers=LAYERS)
 
 
 @pytest.mark.multiprocess
@@ -124,5 +126,6 @@ def test_interleaved_trains_as_1f1b_at_tp2_pp2_and_pp4(wider_runs):
             reference, interleaved = results[f"1f1b {shape}"], results[f"interleaved {shape}"]
             assert interleaved["engine"] == "InterleavedPipelineEngine", (rank, shape, interleaved["engine"])
             assert reference["iterations"] == interleaved["iterations"] == list(range(1, ITERS + 1)), (rank, shape)
-            assert_same_run(reference, interleaved, f"rank {rank}: interleaved v=2 {shape} vs 1F1B")
+            assert_same_run(reference, interleaved, f"rank {rank}: interleaved v=2 {shape} vs 1F1B",
+                            num_layers=8 if shape == "pp4" else LAYERS)
         assert results["1f1b pp4"]["losses"][-1] < results["1f1b pp4"]["losses"][0] - 0.05  # it learns

@@ -17,12 +17,13 @@ from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.training import assert_continues, assert_same_run, layout, train
 
 ITERS, HALF = 10, 5
+LAYERS = 4  # one per stage at PP=4
 ZBH1 = ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics")
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_corpus, tmp_path_factory):
-    argv = tiny_argv(tiny_corpus, train_iters=ITERS, num_layers=4)  # 8 sequences of 2: 4 micro-batches
+    argv = tiny_argv(tiny_corpus, train_iters=ITERS, num_layers=LAYERS)  # 8 sequences of 2: 4 micro-batches
     one_f_one_b, zero_bubble = (str(tmp_path_factory.mktemp(name)) for name in ("1f1b", "zbh1"))
     half = ("--save-interval", 100, "--exit-interval", HALF)
     layouts = {
@@ -48,7 +49,7 @@ def test_zbh1_trains_as_1f1b_at_pp4_and_tp2_pp2(runs):
         for reference, label in (("1f1b pp4", "zbh1 pp4"), ("1f1b tp2 pp2", "zbh1 tp2 pp2")):
             assert results[label]["engine"] == "ZeroBubblePipelineEngine", (rank, label)
             assert results[reference]["engine"] == "PipelineEngine", (rank, reference)
-            assert_same_run(results[reference], results[label], f"rank {rank}: {label}")
+            assert_same_run(results[reference], results[label], f"rank {rank}: {label}", num_layers=LAYERS)
         assert results["1f1b pp4"]["losses"][-1] < results["1f1b pp4"]["losses"][0] - 0.05  # it learns
 
 
@@ -57,7 +58,7 @@ def test_zbh1_with_data_parallelism_and_recomputation_trains_as_1f1b(runs):
     """PP=2 x DP=2 (2 micro-batches per rank) recomputing activations: the deferred products of the recomputed
     forward, then the DP all-reduce; the same run as 1F1B at PP=4 (another layout: ``run_tolerance``)."""
     for rank, results in runs.items():
-        assert_same_run(results["1f1b pp4"], results["zbh1 pp2 dp2 recompute"], f"rank {rank}: zbh1 pp2 dp2")
+        assert_same_run(results["1f1b pp4"], results["zbh1 pp2 dp2 recompute"], f"rank {rank}: zbh1 pp2 dp2", num_layers=LAYERS)
 
 
 @pytest.mark.multiprocess
@@ -65,11 +66,11 @@ def test_zbh1_bf16_tracks_fp32(runs):
     for rank, results in runs.items():
         run = results["zbh1 pp4 bf16"]
         assert run["optimizer"] == "BF16_Optimizer", (rank, run["optimizer"])
-        assert_same_run(results["1f1b pp4"], run, f"rank {rank}: zbh1 bf16", dtype=torch.bfloat16)
+        assert_same_run(results["1f1b pp4"], run, f"rank {rank}: zbh1 bf16", dtype=torch.bfloat16, num_layers=LAYERS)
         # against 1F1B in bf16: the same products, added to BF16_Optimizer's fp32 gradients a W pass later
         # (measured identical on the 2-core EPYC, as in fp32)
         assert_same_run(results["1f1b pp4 bf16"], run, f"rank {rank}: zbh1 bf16 vs 1f1b bf16",
-                        dtype=torch.bfloat16)
+                        dtype=torch.bfloat16, num_layers=LAYERS)
 
 
 @pytest.mark.multiprocess
@@ -81,7 +82,7 @@ def test_checkpoints_switch_between_1f1b_and_zbh1(runs):
         for label in ("zbh1 from 1f1b", "1f1b from zbh1"):
             run = results[label]
             assert run["iterations"] == list(range(HALF + 1, ITERS + 1)), (rank, label, run["iterations"])
-            assert_continues(straight, run["losses"], f"rank {rank}: {label}", dtype=torch.float32)
+            assert_continues(straight, run["losses"], f"rank {rank}: {label}", dtype=torch.float32, num_layers=LAYERS)
 
 
 @pytest.mark.multiprocess
