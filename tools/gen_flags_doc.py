@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Write docs/flags.md, the flags reference, from the parser in megatron.arguments.
+"""Write docs/flags.md, the flags reference, from the parser in megatron.arguments, and its last section, the
+feature combinations refused, from the table in megatron.config.combinations.
 
     python tools/gen_flags_doc.py           # regenerate docs/flags.md
     python tools/gen_flags_doc.py --check   # exit 1 if docs/flags.md is stale
@@ -14,6 +15,7 @@ import pathlib
 import sys
 
 from megatron.arguments import build_parser
+from megatron.config.combinations import render_markdown as render_combinations
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "flags.md"
@@ -57,6 +59,7 @@ def render(parser: argparse.ArgumentParser) -> str:
         lines += [f"## {group.title}", "", "| flag | default | meaning |", "| --- | --- | --- |"]
         lines += [f"| {_cell(_flag(a))} | {_cell(_default(a))} | {_cell(a.help)} |" for a in actions]
         lines.append("")
+    lines += render_combinations()
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """The multi-head latent attention flags (one argument group) and their step: Megatron-LM's names
 (``--multi-latent-attention``, ``--q-lora-rank``, ``--kv-lora-rank``, ``--qk-head-dim``, ``--qk-pos-emb-head-dim``,
-``--v-head-dim``), and the parallelisms MLA is not implemented with, refused by name before launch.
+``--v-head-dim``); the parallelisms MLA is not implemented with are refused by name before launch by
+``RunConfig.validate`` (``megatron.config.combinations``).
 """
 
 from __future__ import annotations
@@ -28,21 +29,11 @@ def add_mla_arguments(parser) -> None:
 
 
 def resolve_mla(args) -> None:
-    """``args.mla``: an ``MLAConfig`` with --multi-latent-attention, else None; ValueError for the parallelisms
-    MLA does not implement."""
+    """``args.mla``: an ``MLAConfig`` with --multi-latent-attention, else None. The parallelisms MLA is not
+    implemented with are refused by ``RunConfig.validate`` (the table in ``megatron.config.combinations``), the
+    model shapes it needs by ``ModelConfig.validate``."""
     if not args.multi_latent_attention:
         args.mla = None
         return
-    refused = [flag for flag, present in (
-        (f"--context-parallel-size {args.context_parallel_size}", args.context_parallel_size > 1),
-        (f"--ds-sequence-parallel-size {args.ds_sequence_parallel_size} (DeepSpeed-Ulysses)",
-         args.ds_sequence_parallel_size > 1),
-        ("--sequence-parallel", args.sequence_parallel and args.tensor_model_parallel_size > 1),
-        ("--enable-zbh1-pipeline (not tested with MLA)", args.enable_zbh1_pipeline),
-        (f"--num-virtual-stages-per-pipeline-rank {args.num_virtual_stages_per_pipeline_rank} (not tested with MLA)",
-         args.num_virtual_stages_per_pipeline_rank > 1)) if present]
-    if refused:
-        raise ValueError(f"--multi-latent-attention is not implemented with {', '.join(refused)}; drop "
-                         f"{'them' if len(refused) > 1 else 'it'} or use the fused-QKV attention")
     args.mla = MLAConfig(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
                          qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim).validate()

@@ -157,7 +157,7 @@ FLAG_STEPS = (
          produces=("data_parallel_size",)),
     Step("the virtual pipeline stages", interleaved.resolve_virtual_stages, needs=("the required flags",),
          produces=("num_virtual_stages_per_pipeline_rank",)),
-    Step("the multi-head latent attention flags", mla.resolve_mla, needs=("the virtual pipeline stages",),
+    Step("the multi-head latent attention flags", mla.resolve_mla,
          produces=("mla",)),
     Step("the defaults", parse.fill_defaults, produces=("distributed_backend", "profile_ranks")),
     Step("the skipped iteration ranges", parse.merge_iteration_ranges, produces=("skip_train_iteration_range",)),

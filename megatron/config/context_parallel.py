@@ -1,7 +1,10 @@
 """The rules context parallelism (``--context-parallel-size``, ring attention) adds across a ``RunConfig``: the
-sequence must split into 2 x cp chunks, and what does not work with it yet is refused by name before launch."""
+sequence must split into 2 x cp chunks, and what does not work with it yet is refused by name before launch (the
+table in ``megatron.config.combinations``)."""
 
 from __future__ import annotations
+
+from megatron.config.combinations import check_combinations
 
 
 def check_context_parallel_run(rc) -> None:
@@ -19,20 +22,4 @@ def check_context_parallel_run(rc) -> None:
         raise ValueError(f"--seq-length {m.seq_length} / {flag} = {m.seq_length // cp} tokens per rank do not split "
                          f"over --tensor-model-parallel-size {tp} for --sequence-parallel; use a --seq-length that is "
                          f"a multiple of {cp * tp * 2}")
-    unsupported = [
-        (rc.parallel.ds_sequence_parallel_size > 1,
-         f"--ds-sequence-parallel-size {rc.parallel.ds_sequence_parallel_size} (both split the sequence)"),
-        (rc.parallel.zero_hpz_partition_size > 1, f"--zero-hpz-partition-size {rc.parallel.zero_hpz_partition_size}"),
-        (m.moe is not None, "MoE (--num-experts)"),
-        (m.attention_dropout > 0, f"--attention-dropout {m.attention_dropout} (the ring kernel has no dropout; use 0)"),
-        (m.attention_backend not in ("auto", "sdpa"),
-         f"--attention-backend {m.attention_backend} (ring attention is its own kernel; use auto)"),
-        (m.recompute_core_attention, "selective recomputation of the core attention"),
-        (rc.training.torch_compile, "--torch-compile"),
-        (bool(rc.training.eval_harness_tasks), "--eval-harness-tasks (evaluate saved checkpoints instead)"),
-        (rc.checkpoint.universal_checkpoint, "--universal-checkpoint"),
-    ]
-    named = [name for given, name in unsupported if given]
-    if named:
-        raise ValueError(f"{flag} does not work yet with {'; '.join(named)}: refused rather than run wrongly; drop "
-                         f"{'it' if len(named) == 1 else 'them'}, or train with --context-parallel-size 1")
+    check_combinations(rc, "context parallelism")

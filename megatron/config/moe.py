@@ -10,6 +10,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.config._checks import _positive
+from megatron.config.combinations import check_combinations
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 TOKEN_DROP_POLICIES = ("probs", "position")
@@ -119,7 +120,7 @@ class MoEConfig:
 
 def check_moe_run(rc) -> None:
     """The rules MoE adds across a ``RunConfig``'s settings: the expert-parallel layout, and what does not work
-    with MoE yet (refused by name rather than run wrongly)."""
+    with MoE yet (refused by name rather than run wrongly: the table in ``megatron.config.combinations``)."""
     moe, ep = rc.model.moe, rc.parallel.expert_model_parallel_size
     dp = rc.parallel.data_parallel_size
     _positive("--expert-model-parallel-size", ep)
@@ -135,19 +136,4 @@ def check_moe_run(rc) -> None:
         raise ValueError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} (world / "
                          f"(TP x PP)): expert parallelism is carved from the data-parallel ranks; use a divisor of "
                          f"{dp} or more processes")
-    unsupported = [(rc.model.sequence_parallel, "--sequence-parallel"),
-                   (rc.parallel.ds_sequence_parallel_size > 1, "--ds-sequence-parallel-size > 1"),
-                   (rc.training.torch_compile, "--torch-compile"),
-                   (rc.fp16, "--fp16 (use --bf16)")]
-    if rc.precision.zero_stage == 3:
-        # DeepSpeed's engine (the pinned version) asserts that ZeRO-3 meets MoE layers only as its AutoEP layers
-        # (Hugging Face models), and its stage-3 optimizer has no expert-data-parallel partitioning for ours
-        raise ValueError(f"MoE (--num-experts {moe.num_experts}) does not work with --zero-stage 3: DeepSpeed's "
-                         f"ZeRO-3 takes expert-parallel layers only from its AutoEP (Hugging Face models), and "
-                         f"cannot shard our experts over their expert-data-parallel group; use --zero-stage 2 (the "
-                         f"experts' gradients and optimizer state sharded there) or 1")
-    named = [name for given, name in unsupported if given]
-    if named:
-        raise ValueError(f"MoE (--num-experts {moe.num_experts}) does not work yet with {', '.join(named)} (not "
-                         f"implemented for MoE models: refused rather than run or written wrongly); drop "
-                         f"{'it' if len(named) == 1 else 'them'}, or train a dense model")
+    check_combinations(rc, "MoE")

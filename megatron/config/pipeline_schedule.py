@@ -6,6 +6,8 @@ The schedule itself is ``megatron.engine.interleaved_schedule``; it reads ``chec
 
 from __future__ import annotations
 
+from megatron.config.combinations import check_combinations
+
 
 def check_interleaved_layout(num_layers: int, pp: int, num_virtual_stages: int, num_micro_batches: int) -> None:
     """Raise ValueError naming the fix for a layout the interleaved schedule cannot run (v = 1: any)."""
@@ -41,19 +43,7 @@ def check_interleaved_run(rc) -> None:
     if pp == 1:
         raise ValueError(f"{flag} interleaves chunks over pipeline ranks, and --pipeline-model-parallel-size is 1 "
                          f"(no bubble to fill): use --pipeline-model-parallel-size 2 or more, or drop the flag")
-    # ZeRO-2/3 and Ulysses need one pipeline stage (RunConfig refuses them with PP > 1 before this)
-    unsupported = {
-        "MoE layers (--num-experts)": rc.model.moe is not None,
-        "--rampup-batch-size (the micro-batch count changes during the ramp)": rc.batch.rampup_batch_size is not None,
-        "--torch-compile": rc.training.torch_compile,
-        "--enable-zbh1-pipeline (a schedule of its own)": rc.parallel.enable_zbh1_pipeline,
-        f"--context-parallel-size {rc.parallel.context_parallel_size} (not run together)":
-            rc.parallel.context_parallel_size > 1,
-        "--pp-partition-method other than type:transformer (chunks must hold equal layer counts)":
-            rc.parallel.pp_partition_method != "type:transformer",
-    }
-    for what, present in unsupported.items():
-        if present:
-            raise ValueError(f"{flag} (interleaved pipeline) does not support {what} yet: drop the virtual stages "
-                             f"(1F1B) or that setting")
+    # ZeRO-2/3 and Ulysses need one pipeline stage (RunConfig refuses them with PP > 1 before this); what the
+    # schedule does not support yet: the table in megatron.config.combinations
+    check_combinations(rc, "interleaved")
     check_interleaved_layout(rc.model.num_layers, pp, v, rc.batch.num_micro_batches(rc.parallel.data_parallel_size))

@@ -8,6 +8,7 @@ import math
 from typing import Optional
 
 from megatron.config._checks import _positive
+from megatron.config.combinations import check_combinations
 from megatron.config.context_parallel import check_context_parallel_run
 from megatron.config.data import DataConfig, DatasetGroup, DatasetSplit  # noqa: F401 (RunConfig fields)
 from megatron.config.model import ModelConfig
@@ -476,10 +477,11 @@ class RunConfig:
         if model.padded_vocab_size is None:  # not known yet: check everything else with a stand-in
             model = dataclasses.replace(model, padded_vocab_size=tp)
         model.validate(tp)
+        check_combinations(self, "MLA")  # the parallelisms MLA is not implemented with (megatron.config.combinations)
         self.batch.validate(self.parallel.data_parallel_size)
         self._validate_pipeline(pp)
-        self._validate_sharding(pp)
-        self._validate_ulysses(pp)
+        self._validate_sharding()
+        self._validate_ulysses()
         self._validate_schedule()
         check_moe_run(self)
         check_zero_bubble_run(self)
@@ -497,11 +499,7 @@ class RunConfig:
                              f"{self.training.eval_interval} iterations, but there is no validation data (no "
                              f"--valid-weighted-split-paths, or a --split without a validation part); pass "
                              f"validation data or --eval-iters 0")
-        if self.training.eval_harness_tasks and self.deepspeed_engine != "pipeline":
-            raise ValueError(f"--eval-harness-tasks runs on the pipeline engine's model; this run (ZeRO stage "
-                             f"{self.precision.zero_stage}, --ds-sequence-parallel-size "
-                             f"{self.parallel.ds_sequence_parallel_size}) trains on DeepSpeed's non-pipeline "
-                             f"engine. Evaluate its saved checkpoints with tools/evaluate.py instead")
+        check_combinations(self, "live evaluation harness")  # on the pipeline engine's model only
         return self
 
     def _validate_pipeline(self, pp: int) -> None:
@@ -526,18 +524,14 @@ class RunConfig:
         parameter names; ``sharded_data_parallel``) or "pipeline". Recorded in every checkpoint it saves."""
         return deepspeed_engine_for(self.precision.zero_stage, self.parallel.ds_sequence_parallel_size)
 
-    def _validate_ulysses(self, pp: int) -> None:
+    def _validate_ulysses(self) -> None:
         """DeepSpeed-Ulysses: whole tokens per rank, whole heads (and key / value heads) after the all-to-all."""
         sp = self.parallel.ds_sequence_parallel_size
         if sp == 1:
             return
         tp, m = self.parallel.tensor_model_parallel_size, self.model
         flag = f"--ds-sequence-parallel-size {sp}"
-        if pp > 1:
-            raise ValueError(f"{flag} does not combine with --pipeline-model-parallel-size {pp}: DeepSpeed's "
-                             f"pipeline engine reduces gradients over the data-parallel group only, not over the "
-                             f"sequence-parallel ranks. Use --pipeline-model-parallel-size 1 (any --zero-stage, "
-                             f"with tensor and data parallelism), or drop {flag} and keep the pipeline")
+        check_combinations(self, "Ulysses")  # with pipeline parallelism
         if m.seq_length % sp:
             raise ValueError(f"--seq-length {m.seq_length} is not divisible by {flag}: each rank holds seq-length / "
                              f"sp tokens of every sample; use a multiple of {sp}")
@@ -551,18 +545,9 @@ class RunConfig:
                 raise ValueError(f"{name} {count} is not divisible by --tensor-model-parallel-size {tp} x {flag} = "
                                  f"{tp * sp}: after the all-to-all each rank attends with whole heads; choose sizes "
                                  f"whose product divides it")
-        self._validate_non_pipeline_engine(flag)
+        check_combinations(self, "non-pipeline engine")
 
-    def _validate_non_pipeline_engine(self, flag: str) -> None:
-        """What DeepSpeed's non-pipeline engine (``megatron.engine.sharded``), which ``flag`` puts the run on,
-        does not run here."""
-        if self.training.deepspeed_activation_checkpointing:
-            raise ValueError(f"--deepspeed-activation-checkpointing is for the pipeline engine; with {flag}, "
-                             f"--checkpoint-activations alone recomputes the layers")
-        if self.fp16:
-            raise ValueError(f"--fp16 with {flag} is not supported here (not testable on CPU); use --bf16 or fp32")
-
-    def _validate_sharding(self, pp: int) -> None:
+    def _validate_sharding(self) -> None:
         stage = self.precision.zero_stage
         hpz = self.parallel.zero_hpz_partition_size
         if hpz > 1 and stage != 3:
@@ -570,16 +555,11 @@ class RunConfig:
                              f"ZeRO-3 has; add --zero-stage 3 (with --pipeline-model-parallel-size 1) or drop it")
         if stage < 2:
             return
-        if pp > 1:
-            raise ValueError(f"--zero-stage {stage} does not combine with --pipeline-model-parallel-size {pp}: "
-                             f"DeepSpeed's pipeline engine shards the optimizer state only (ZeRO-1). Either keep "
-                             f"the pipeline with --zero-stage 1 (3D parallelism, BLOOM's layout), or drop it "
-                             f"(--pipeline-model-parallel-size 1) and shard over data parallelism with ZeRO-{stage} "
-                             f"(tensor parallelism still applies)")
-        self._validate_non_pipeline_engine(f"--zero-stage {stage}")
-        if stage == 3 and self.training.sync_tp_duplicated_parameters:
-            raise ValueError("--sync-tp-duplicated-parameters does not combine with --zero-stage 3 (each rank holds "
-                             "only a partition of every parameter); drop it or use --zero-stage 2")
+        check_combinations(self, "ZeRO-2/3")  # with pipeline parallelism
+        # what DeepSpeed's non-pipeline engine (megatron.engine.sharded) does not run here: its activation
+        # checkpointing, fp16
+        check_combinations(self, "non-pipeline engine")
+        check_combinations(self, "sync TP-duplicated parameters")  # with ZeRO-3
 
     def _validate_schedule(self) -> None:
         s, t = self.lr_schedule, self.training

@@ -3,6 +3,8 @@ refused before any process starts, each message naming the values and the fix.""
 
 from __future__ import annotations
 
+from megatron.config.combinations import check_combinations
+
 __all__ = ["check_zero_bubble_run"]
 
 _FLAG = "--enable-zbh1-pipeline"
@@ -19,10 +21,7 @@ def check_zero_bubble_run(rc) -> None:
         raise ValueError(f"{_FLAG} runs here only with exact semantics: the gradient clipping and the optimizer step "
                          f"come after every deferred weight-gradient pass, so the step is 1F1B's step. Add "
                          f"--enable-zbh1-exact-semantics")
-    if rc.sharded_data_parallel:
-        raise ValueError(f"{_FLAG} is a schedule of the pipeline engine; this run (--zero-stage "
-                         f"{rc.precision.zero_stage}, --ds-sequence-parallel-size {p.ds_sequence_parallel_size}) trains "
-                         f"on DeepSpeed's non-pipeline engine. Use --zero-stage 0 or 1 without Ulysses, or drop {_FLAG}")
+    check_combinations(rc, "ZB-H1")  # the non-pipeline engine, MoE, CP, torch.compile: megatron.config.combinations
     if not rc.bf16 and rc.deepspeed_zero_stage > 0:
         raise ValueError(f"{_FLAG} in fp32 needs --zero-stage 0: fp32 ZeRO-1 (DeepSpeedZeroOptimizer) collects "
                          f"gradients from autograd hooks, which a deferred weight gradient never reaches. Use "
@@ -35,15 +34,6 @@ def check_zero_bubble_run(rc) -> None:
                          f"deferred weight passes fill the bubble to (p - 1)(F + B - W). Raise --global-batch-size (and "
                          f"any --rampup-batch-size start) to {stages * rc.batch.micro_batch_size * p.data_parallel_size} "
                          f"or lower --micro-batch-size")
-    if rc.model.moe is not None:
-        raise ValueError(f"{_FLAG} is not tested with mixture-of-experts layers (their expert matmuls do not defer "
-                         f"weight gradients); drop {_FLAG} or --num-experts")
-    if p.context_parallel_size > 1:
-        raise ValueError(f"{_FLAG} is not tested with --context-parallel-size {p.context_parallel_size} (ring attention "
-                         f"and the deferred weight passes have not been run together); drop one of them")
-    if rc.training.torch_compile:
-        raise ValueError(f"{_FLAG} does not combine with --torch-compile (a compiled layer cannot hand its weight "
-                         f"gradient to the schedule); drop one of them")
 
 
 def _fewest_micro_batches(rc) -> int:

@@ -16,9 +16,9 @@ hold it, in interleaved pairs (x0, x1), (x2, x3), ...: it is de-interleaved to [
 the half-split rotary of ``megatron.model.positional`` (what Megatron-LM's MLA and transformers' rope_interleave
 do), the same on queries and keys, so the scores are those of the interleaved rotation.
 
-Not implemented (refused): context parallelism, DeepSpeed-Ulysses, sequence parallelism (``ModelConfig``), the
-inference server's batched KV cache; a plain ``KVCache`` (tools/generate.py) holds the expanded keys and
-values.
+Not implemented (refused: ``megatron.config.combinations``): context parallelism, DeepSpeed-Ulysses, sequence
+parallelism (also ``ModelConfig``), the inference server's batched KV cache; a plain ``KVCache``
+(tools/generate.py) holds the expanded keys and values.
 
 Shape letters: s sequence (sq queries, sk keys incl. cached ones), b micro-batch, h hidden, np heads per partition,
 dn / dr / dv the query-key position-free / rotary / value head dims (qk_head_dim, qk_pos_emb_head_dim, v_head_dim),

@@ -1,0 +1,259 @@
+"""The one table of refused feature combinations: which two features of a run do not work together (yet), why,
+and what to do instead. Pure (no torch): it reads a ``RunConfig`` and raises ``ValueError`` before any process
+starts.
+
+- ``FEATURES``: each feature's name, its flag as a user writes it, a predicate over a ``RunConfig`` (``rc``) and how
+  a message names it in this run (the flag with its value).
+- ``REFUSED``: every refused pair (feature a, feature b, reason, fix). Feature a's check reports it: the rule
+  functions of megatron/config (``check_context_parallel_run``, ``check_moe_run``, ``check_zero_bubble_run``,
+  ``check_interleaved_run``, ``RunConfig.validate``) call ``check_combinations(rc, a)`` where their own lists
+  used to be, so a refusal is found in the same order as before.
+- ``check_combinations(rc, owner=None)``: ValueError for the refused pairs present (of one owner, or of all). The
+  refusals of a feature in ``GROUPED`` come as one message naming every partner present ("A does not work yet with
+  B (why); C (why): ... fixes"); an entry with its own ``say`` comes alone, worded as before.
+
+Rendered into docs/flags.md ("Feature combinations refused") by tools/gen_flags_doc.py, so the doc cannot drift.
+Checks that are not pair-wise combinations of features (divisibility, sequence lengths, layout rules such as
+"virtual stages need PP > 1", micro-batch counts, ZB-H1's fp32 ZeRO stage) stay with their own rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+__all__ = ["FEATURES", "GROUPED", "REFUSED", "Feature", "Refused", "check_combinations", "feature",
+           "refused_present", "render_markdown"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """One feature a run may use: ``flag`` as a user writes it (the docs), ``present(rc)``, and ``given(rc)``: how
+    a message names it in this run (the flag with its value)."""
+
+    name: str
+    flag: str
+    present: Callable[[Any], bool]
+    given: Callable[[Any], str]
+
+
+def _non_pipeline_flag(rc) -> str:
+    """What puts the run on DeepSpeed's non-pipeline engine: ZeRO-2/3 (checked first, as before), else Ulysses."""
+    stage = rc.precision.zero_stage
+    sp = rc.parallel.ds_sequence_parallel_size
+    return f"--zero-stage {stage}" if stage >= 2 else f"--ds-sequence-parallel-size {sp}"
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("pipeline parallelism", "--pipeline-model-parallel-size N (N > 1)",
+            lambda rc: rc.parallel.pipeline_model_parallel_size > 1,
+            lambda rc: f"--pipeline-model-parallel-size {rc.parallel.pipeline_model_parallel_size}"),
+    Feature("interleaved", "--num-virtual-stages-per-pipeline-rank V (V > 1)",
+            lambda rc: rc.parallel.num_virtual_stages_per_pipeline_rank > 1,
+            lambda rc: f"--num-virtual-stages-per-pipeline-rank {rc.parallel.num_virtual_stages_per_pipeline_rank}"),
+    Feature("ZB-H1", "--enable-zbh1-pipeline", lambda rc: rc.parallel.enable_zbh1_pipeline,
+            lambda rc: "--enable-zbh1-pipeline"),
+    Feature("context parallelism", "--context-parallel-size N (N > 1)",
+            lambda rc: rc.parallel.context_parallel_size > 1,
+            lambda rc: f"--context-parallel-size {rc.parallel.context_parallel_size}"),
+    Feature("Ulysses", "--ds-sequence-parallel-size N (N > 1)", lambda rc: rc.parallel.ds_sequence_parallel_size > 1,
+            lambda rc: f"--ds-sequence-parallel-size {rc.parallel.ds_sequence_parallel_size} (DeepSpeed-Ulysses)"),
+    Feature("sequence parallelism", "--sequence-parallel (with --tensor-model-parallel-size > 1)",
+            lambda rc: rc.model.sequence_parallel, lambda rc: "--sequence-parallel"),
+    Feature("MoE", "--num-experts N", lambda rc: rc.model.moe is not None, lambda rc: "MoE (--num-experts)"),
+    Feature("MLA", "--multi-latent-attention", lambda rc: rc.model.mla is not None,
+            lambda rc: "--multi-latent-attention"),
+    Feature("torch.compile", "--torch-compile", lambda rc: rc.training.torch_compile, lambda rc: "--torch-compile"),
+    Feature("fp16", "--fp16", lambda rc: rc.fp16, lambda rc: "--fp16"),
+    Feature("ZeRO-2/3", "--zero-stage 2 or 3", lambda rc: rc.precision.zero_stage >= 2,
+            lambda rc: f"--zero-stage {rc.precision.zero_stage}"),
+    Feature("ZeRO-3", "--zero-stage 3", lambda rc: rc.precision.zero_stage == 3, lambda rc: "--zero-stage 3"),
+    Feature("non-pipeline engine", "--zero-stage 2 or 3, or --ds-sequence-parallel-size N > 1 (DeepSpeed's "
+            "non-pipeline engine)", lambda rc: rc.sharded_data_parallel, _non_pipeline_flag),
+    Feature("ZeRO++ hpZ", "--zero-hpz-partition-size N (N > 1)", lambda rc: rc.parallel.zero_hpz_partition_size > 1,
+            lambda rc: f"--zero-hpz-partition-size {rc.parallel.zero_hpz_partition_size}"),
+    Feature("attention dropout", "--attention-dropout P (P > 0)", lambda rc: rc.model.attention_dropout > 0,
+            lambda rc: f"--attention-dropout {rc.model.attention_dropout}"),
+    Feature("attention backend other than auto / sdpa", "--attention-backend flex | flash | unfused",
+            lambda rc: rc.model.attention_backend not in ("auto", "sdpa"),
+            lambda rc: f"--attention-backend {rc.model.attention_backend}"),
+    Feature("selective recomputation", "--recompute-granularity selective",
+            lambda rc: rc.model.recompute_core_attention,
+            lambda rc: "selective recomputation of the core attention"),
+    Feature("live evaluation harness", "--eval-harness-tasks", lambda rc: bool(rc.training.eval_harness_tasks),
+            lambda rc: "--eval-harness-tasks"),
+    Feature("universal checkpoint", "--universal-checkpoint", lambda rc: rc.checkpoint.universal_checkpoint,
+            lambda rc: "--universal-checkpoint"),
+    Feature("batch-size rampup", "--rampup-batch-size", lambda rc: rc.batch.rampup_batch_size is not None,
+            lambda rc: "--rampup-batch-size"),
+    Feature("partition method other than type:transformer", "--pp-partition-method (not type:transformer)",
+            lambda rc: rc.parallel.pp_partition_method != "type:transformer",
+            lambda rc: f"--pp-partition-method {rc.parallel.pp_partition_method}"),
+    Feature("DeepSpeed activation checkpointing", "--deepspeed-activation-checkpointing",
+            lambda rc: rc.training.deepspeed_activation_checkpointing,
+            lambda rc: "--deepspeed-activation-checkpointing"),
+    Feature("sync TP-duplicated parameters", "--sync-tp-duplicated-parameters",
+            lambda rc: rc.training.sync_tp_duplicated_parameters, lambda rc: "--sync-tp-duplicated-parameters"),
+)
+_BY_NAME = {f.name: f for f in FEATURES}
+
+
+def feature(name: str) -> Feature:
+    return _BY_NAME[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """Features ``a`` and ``b`` are refused together: ``reason`` and ``fix`` (the docs' table). ``a``'s check
+    reports it: as one part of ``a``'s grouped message (``GROUPED``), or, with ``say``, alone. ``say`` is a
+    ``str.format`` template over ``a`` and ``b`` (the features as given), ``reason``, ``fix`` and ``rc``."""
+
+    a: str
+    b: str
+    reason: str
+    fix: str
+    say: Optional[str] = None
+
+
+# How a feature's grouped message reads (str.format over a, rc, fixes): its head, then "B (why); C (why)", then
+# its closing, which names the partners' fixes.
+GROUPED: dict[str, tuple[str, str]] = {
+    "MLA": ("{a} is not implemented with", "; {fixes} or use the fused-QKV attention"),
+    "MoE": ("MoE (--num-experts {rc.model.moe.num_experts}) does not work yet with",
+            ": refused rather than run or written wrongly; {fixes}, or train a dense model"),
+    "context parallelism": ("{a} does not work yet with",
+                            ": refused rather than run wrongly; {fixes}, or train with --context-parallel-size 1"),
+    "interleaved": ("{a} (interleaved pipeline) does not support", " yet: {fixes}, or drop the virtual stages (1F1B)"),
+}
+
+# "... this run (ZeRO stage 2, --ds-sequence-parallel-size 1) trains on DeepSpeed's non-pipeline engine"
+_NON_PIPELINE_RUN = ("{stage} {{rc.precision.zero_stage}}, --ds-sequence-parallel-size "
+                     "{{rc.parallel.ds_sequence_parallel_size}}) trains on DeepSpeed's non-pipeline engine")
+
+REFUSED: tuple[Refused, ...] = (
+    # MLA (megatron/model/latent_attention.py): the parallelisms it is not implemented with
+    Refused("MLA", "context parallelism", "not implemented for MLA", "drop --context-parallel-size"),
+    Refused("MLA", "Ulysses", "not implemented for MLA", "drop --ds-sequence-parallel-size"),
+    Refused("MLA", "sequence parallelism", "not implemented for MLA", "drop --sequence-parallel"),
+    Refused("MLA", "ZB-H1", "not tested with MLA", "drop --enable-zbh1-pipeline"),
+    Refused("MLA", "interleaved", "not tested with MLA", "drop --num-virtual-stages-per-pipeline-rank"),
+    # the ZeRO stages DeepSpeed's pipeline engine runs
+    Refused("ZeRO-2/3", "pipeline parallelism", "DeepSpeed's pipeline engine shards the optimizer state only (ZeRO-1)",
+            "Either keep the pipeline with --zero-stage 1 (3D parallelism, BLOOM's layout), or drop it "
+            "(--pipeline-model-parallel-size 1) and shard over data parallelism with ZeRO-2 or 3 (tensor parallelism "
+            "still applies)", say="{a} does not combine with {b}: {reason}. {fix}"),
+    Refused("sync TP-duplicated parameters", "ZeRO-3", "each rank holds only a partition of every parameter",
+            "drop it or use --zero-stage 2", say="{a} does not combine with {b} ({reason}); {fix}"),
+    # DeepSpeed-Ulysses
+    Refused("Ulysses", "pipeline parallelism", "DeepSpeed's pipeline engine reduces gradients over the data-parallel "
+            "group only, not over the sequence-parallel ranks",
+            "Use --pipeline-model-parallel-size 1 (any --zero-stage, with tensor and data parallelism), or drop "
+            "--ds-sequence-parallel-size and keep the pipeline", say="{a} does not combine with {b}: {reason}. {fix}"),
+    # what DeepSpeed's non-pipeline engine (ZeRO-2/3, Ulysses: megatron/engine/sharded.py) does not run here
+    Refused("non-pipeline engine", "DeepSpeed activation checkpointing", "it is the pipeline engine's checkpointing",
+            "--checkpoint-activations alone recomputes the layers",
+            say="{b} is for the pipeline engine; with {a}, {fix}"),
+    Refused("non-pipeline engine", "fp16", "not testable on CPU", "use --bf16 or fp32",
+            say="{b} with {a} is not supported here ({reason}); {fix}"),
+    # MoE. ZeRO-3: DeepSpeed's engine (the pinned version) asserts that ZeRO-3 meets MoE layers only as its AutoEP
+    # layers (Hugging Face models), and its stage-3 optimizer has no expert-data-parallel partitioning for ours
+    Refused("MoE", "ZeRO-3", "DeepSpeed's ZeRO-3 takes expert-parallel layers only from its AutoEP (Hugging Face "
+            "models), and cannot shard our experts over their expert-data-parallel group",
+            "use --zero-stage 2 (the experts' gradients and optimizer state sharded there) or 1",
+            say="MoE (--num-experts {rc.model.moe.num_experts}) does not work with {b}: {reason}; {fix}"),
+    Refused("MoE", "sequence parallelism", "not implemented for MoE models", "drop --sequence-parallel"),
+    Refused("MoE", "Ulysses", "not implemented for MoE models", "drop --ds-sequence-parallel-size"),
+    Refused("MoE", "torch.compile", "not implemented for MoE models", "drop --torch-compile"),
+    Refused("MoE", "fp16", "not implemented for MoE models", "use --bf16"),
+    # ZB-H1 (megatron/engine/zero_bubble.py)
+    Refused("ZB-H1", "non-pipeline engine", "ZB-H1 is a schedule of the pipeline engine",
+            "Use --zero-stage 0 or 1 without Ulysses, or drop --enable-zbh1-pipeline",
+            say="{a} is a schedule of the pipeline engine; this run (" + _NON_PIPELINE_RUN.format(stage="--zero-stage")
+            + ". {fix}"),
+    Refused("ZB-H1", "MoE", "their expert matmuls do not defer weight gradients",
+            "drop --enable-zbh1-pipeline or --num-experts",
+            say="{a} is not tested with mixture-of-experts layers ({reason}); {fix}"),
+    Refused("ZB-H1", "context parallelism", "ring attention and the deferred weight passes have not been run together",
+            "drop one of them", say="{a} is not tested with {b} ({reason}); {fix}"),
+    Refused("ZB-H1", "torch.compile", "a compiled layer cannot hand its weight gradient to the schedule",
+            "drop one of them", say="{a} does not combine with {b} ({reason}); {fix}"),
+    # context parallelism (ring attention, megatron/model/ring_attention.py)
+    Refused("context parallelism", "Ulysses", "both split the sequence", "drop --ds-sequence-parallel-size"),
+    Refused("context parallelism", "ZeRO++ hpZ", "not implemented with ring attention yet",
+            "drop --zero-hpz-partition-size"),
+    Refused("context parallelism", "MoE", "not implemented with ring attention yet", "drop --num-experts"),
+    Refused("context parallelism", "attention dropout", "the ring kernel has no dropout",
+            "use --attention-dropout 0"),
+    Refused("context parallelism", "attention backend other than auto / sdpa", "ring attention is its own kernel",
+            "use --attention-backend auto"),
+    Refused("context parallelism", "selective recomputation", "not implemented with ring attention yet",
+            "drop --recompute-granularity selective"),
+    Refused("context parallelism", "torch.compile", "not implemented with ring attention yet", "drop --torch-compile"),
+    Refused("context parallelism", "live evaluation harness", "not implemented with ring attention yet",
+            "evaluate saved checkpoints instead (tools/evaluate.py)"),
+    Refused("context parallelism", "universal checkpoint", "not implemented with ring attention yet",
+            "drop --universal-checkpoint"),
+    # interleaved virtual stages (megatron/engine/interleaved_schedule.py)
+    Refused("interleaved", "MoE", "MoE layers are not supported by the interleaved schedule yet", "drop --num-experts"),
+    Refused("interleaved", "batch-size rampup", "the micro-batch count changes during the ramp",
+            "drop --rampup-batch-size"),
+    Refused("interleaved", "torch.compile", "not supported by the interleaved schedule yet", "drop --torch-compile"),
+    Refused("interleaved", "ZB-H1", "a schedule of its own", "drop --enable-zbh1-pipeline"),
+    Refused("interleaved", "context parallelism", "the two have not been run together", "drop --context-parallel-size"),
+    Refused("interleaved", "partition method other than type:transformer", "chunks must hold equal layer counts",
+            "use --pp-partition-method type:transformer"),
+    # the live evaluation harness (megatron/evaluation/live.py)
+    Refused("live evaluation harness", "non-pipeline engine", "it runs on the pipeline engine's model",
+            "Evaluate its saved checkpoints with tools/evaluate.py instead",
+            say="{a} runs on the pipeline engine's model; this run (" + _NON_PIPELINE_RUN.format(stage="ZeRO stage")
+            + ". {fix}"),
+)
+
+
+def refused_present(rc, owner: Optional[str] = None) -> list[Refused]:
+    """The entries of ``REFUSED`` (of feature ``owner``, or all) whose two features this run has, in table order."""
+    return [r for r in REFUSED if (owner is None or r.a == owner)
+            and _BY_NAME[r.a].present(rc) and _BY_NAME[r.b].present(rc)]
+
+
+def _message(rc, refusals: list[Refused]) -> str:
+    first = refusals[0]
+    a = _BY_NAME[first.a].given(rc)
+    if first.say is not None:
+        return first.say.format(a=a, b=_BY_NAME[first.b].given(rc), reason=first.reason, fix=first.fix, rc=rc)
+    head, closing = GROUPED[first.a]
+    parts = "; ".join(f"{_BY_NAME[r.b].given(rc)} ({r.reason})" for r in refusals)
+    fixes = ", ".join(dict.fromkeys(r.fix for r in refusals))
+    return f"{head.format(a=a, rc=rc)} {parts}{closing.format(a=a, rc=rc, fixes=fixes)}"
+
+
+def check_combinations(rc, owner: Optional[str] = None) -> None:
+    """ValueError for the refused pairs ``rc`` has (those of feature ``owner``, or all, owner by owner in table
+    order): an entry with its own wording alone (the first), else every present partner of the owner in one
+    message."""
+    owners = [owner] if owner is not None else list(dict.fromkeys(r.a for r in REFUSED))
+    for name in owners:
+        present = refused_present(rc, name)
+        alone = [r for r in present if r.say is not None]
+        if alone:
+            raise ValueError(_message(rc, alone[:1]))
+        if present:
+            raise ValueError(_message(rc, present))
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def render_markdown() -> list[str]:
+    """The docs' section: the features, then every refused pair with its reason and fix."""
+    n = len(FEATURES)
+    lines = ["## Feature combinations refused", "",
+             f"From `megatron/config/combinations.py` (`REFUSED`), checked by `check_combinations` before any process "
+             f"starts: {len(REFUSED)} of the {n * (n - 1) // 2} pairs of its {n} features are refused.", "",
+             "| feature | flag |", "| --- | --- |"]
+    lines += [f"| {_cell(f.name)} | {_cell(f.flag)} |" for f in FEATURES]
+    lines += ["", "| feature | refused with | reason | fix |", "| --- | --- | --- | --- |"]
+    lines += [f"| {_cell(r.a)} | {_cell(r.b)} | {_cell(r.reason)} | {_cell(r.fix)} |" for r in REFUSED]
+    lines.append("")
+    return lines
