@@ -1,7 +1,6 @@
 """The one parser of the dataset flags (--split, --data-path, weighted split paths and their files)
 and the blend arithmetic: results, and errors that name the flag, the group and the entry."""
 
-import numpy as np
 import pytest
 
 from megatron.config import DatasetGroup, DatasetSplit
@@ -33,7 +32,8 @@ def test_parse_data_path_and_sample_counts():
     pairs = parse_data_path("0.3 /d/A 0.7 /d/B".split())
     assert pairs == ((0.3, "/d/A"), (0.7, "/d/B"))
     weights = normalize_weights([w for w, _ in pairs])
-    assert np.allclose(weights, [0.3, 0.7]) and np.allclose(normalize_weights([3, 1]), [0.75, 0.25])
+    # exact: w / sum(w), with sums (1.0, 4.0) and quotients (0.3, 0.7, 0.75, 0.25) that round to these doubles
+    assert weights == [0.3, 0.7] and normalize_weights([3, 1]) == [0.75, 0.25]
     assert per_dataset_num_samples(weights, [1000, 100, 0]) == [[302, 31, 0], [704, 71, 0]]
     for bad, message in [(["0.3", "/d/A", "0.7"], "odd"), (["x", "/d/A", "1", "/d/B"], r"'x' \(before '/d/A'\) is not"),
                          (["0", "/d/A", "1", "/d/B"], "> 0"), (["-1", "/d/A", "2", "/d/B"], "> 0"),

@@ -187,11 +187,11 @@ def test_blended_and_weighted_split_groups(synthetic, tmp_path):
                                                          [50, 10, 0], 8, 1, cache_dir=cache)
     assert len(train) == 50 and len(valid) == 10 and test is None
     assert [len(d) >= n for d, n in zip(train.datasets, (16, 36))] == [True, True]  # ceil(w*50*1.005)
-    assert np.allclose(train.weights, [0.3, 0.7])
+    assert np.array_equal(train.weights, [0.3, 0.7])  # exact: normalize_weights' w / 1.0
     # DataConfig.data_path's (weight, prefix) pairs build the same blend.
     same = build_train_valid_test_datasets(((3.0, prefix_a), (7.0, prefix_b)), "8,2,0", [50, 10, 0], 8, 1,
                                            cache_dir=cache)[0]
-    assert np.allclose(same.weights, [0.3, 0.7]) and [same[i]["text"].tolist() for i in range(5)] == \
+    assert np.array_equal(same.weights, [0.3, 0.7]) and [same[i]["text"].tolist() for i in range(5)] == \
         [train[i]["text"].tolist() for i in range(5)]
     with pytest.raises(ValueError, match="--data-path is empty"):
         build_train_valid_test_datasets([], "1", [1, 0, 0], 8, 1)
@@ -203,7 +203,7 @@ def test_blended_and_weighted_split_groups(synthetic, tmp_path):
         [valid_a, f"VALID_AB: 0.5 0.8:1 {prefix_a}, 0.5 0.8:1 {prefix_b}"],
         [], [40, 6, 0], 8, 1, cache_dir=cache)
     assert len(train) == 40 and test == {}
-    assert np.allclose(train.weights, [0.6, 0.4])
+    assert np.array_equal(train.weights, [0.6, 0.4])  # exact: w / 1.0
     assert set(np.asarray(train.datasets[0].doc_idx).tolist()) == set(range(32))   # 0:0.8 of 40 documents
     assert sorted(valid) == ["VALID_A", "VALID_AB"] and len(valid["VALID_AB"]) == 6
     assert set(np.asarray(valid["VALID_A"].doc_idx).tolist()) == set(range(32, 40))
