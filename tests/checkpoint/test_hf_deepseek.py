@@ -3,8 +3,9 @@
 shared expert, multi-head latent attention with and without a query latent) built here from its config (nothing
 downloaded), imported at EP=1 and at EP=2 x TP=2, and exported again.
 
-transformers is the independent reference: its logits within 1e-5 (fp32), its greedy text token for token, every
-one of its tensors (the expert biases among them) reproduced by import -> export.
+transformers is the independent reference: its logits within the fp32 tolerance of the model's depth (the MoE
+layers' routing and experts and the latent attention counted: tests/helpers/hf.py's logits_tolerance), its greedy
+text token for token, every one of its tensors (the expert biases among them) reproduced by import -> export.
 """
 
 import os
@@ -17,9 +18,17 @@ from megatron.checkpoint.hf_deepseek import deepseek_state_dict_to_ours, model_c
 from megatron.checkpoint.hf_export import hf_architecture
 from megatron.checkpoint.merge import load_full_state_dict
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.hf import export_round_trip, greedy_pair, hf_logits_diff, import_hf, save_with_tiny_tokenizer
+from tests.helpers.hf import (
+    export_round_trip,
+    greedy_pair,
+    hf_logits_diff,
+    import_hf,
+    run_layers,
+    save_with_tiny_tokenizer,
+)
 from tests.helpers.inference import PROMPTS
 from tests.helpers.moe import train_moe
+from tests.helpers.training import assert_same_run
 
 # The model above as training flags (what from_hf's record says; --load checks them).
 DEEPSEEK_FLAGS = ["--normalization", "rmsnorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -78,8 +87,9 @@ def test_import_gives_transformers_logits_and_export_gives_every_tensor_back(hf_
         (2, 1, 2.5)
     bias = model.model.layers[2].mlp.gate.e_score_correction_bias
     assert torch.equal(state["layers.2.mlp.router.expert_bias"], bias) and bias.abs().max() > 0.05
-    diff, _ = hf_logits_diff(model, config, state)
-    assert diff <= 1e-5, diff
+    # fp32, another implementation (transformers' MLA, routing and experts): within the tolerance of the model's depth
+    diff, tolerance = hf_logits_diff(model, config, state)
+    assert diff <= tolerance, (diff, tolerance)
 
     before, changed, added = export_round_trip(tmp_path / "ckpt", hf_in, tmp_path / "hf_out")
     assert len(before) > 60 and changed == [] and added == [], (changed, added)
@@ -126,7 +136,9 @@ def test_training_from_the_import_at_ep2_equals_tp2_and_moves_the_expert_bias(hf
                               save=str(tmp_path / f"trained_tp{tp}"), save_interval=3))
     ep2, tp2 = run_distributed(train_moe, world_size=2, args=(runs,), env={"OMP_NUM_THREADS": "1"}, timeout=300)[0]
     assert ep2["iterations"] == tp2["iterations"] == [1, 2, 3]
-    for a, b in zip(ep2["losses"], tp2["losses"]):
-        assert abs(a - b) <= 1e-5 * abs(a), (ep2["losses"], tp2["losses"])
+    # TP=2 splits the attention's and the MLPs' products over the ranks, EP=2 the experts' tokens: two fp32 runs of a
+    # model as deep as run_layers' dense ones (MLA and the MoE layers' routing counted), within run_tolerance.
+    config = model_config_from_deepseek(hf_dirs[32][0].config, seq_length=32)
+    assert_same_run(ep2, tp2, "TP=2 vs EP=2", num_layers=run_layers(config))
     before, changed, added = export_round_trip(tmp_path / "trained_tp2", hf_in, tmp_path / "hf_trained")
     assert added == [] and "model.layers.2.mlp.gate.e_score_correction_bias" in changed, changed

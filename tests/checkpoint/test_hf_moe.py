@@ -2,9 +2,11 @@
 top-k weights not renormalised, QK-norm) built here from their configs (nothing downloaded), imported at EP=1 and
 at EP=2 x TP=2 x PP=2, and exported again.
 
-transformers is the independent reference: its logits within 1e-5 (fp32), its greedy text token for token, every
+transformers is the independent reference: its logits within the fp32 tolerance of the model's depth (the MoE
+layers' routing and experts counted: tests/helpers/hf.py's logits_tolerance), its greedy text token for token, every
 one of its tensors reproduced by import -> export. A training run at EP=2 loads the EP=2 import as a run at EP=1
-loads the EP=1 one, and the checkpoint it saves goes back through to_hf -> from_hf into the same files.
+loads the EP=1 one (their losses and grad norms within run_tolerance: EP splits the experts' sums, not the model),
+and the checkpoint it saves goes back through to_hf -> from_hf into the same files.
 """
 
 import dataclasses
@@ -20,9 +22,17 @@ from megatron.checkpoint.merge import load_full_state_dict, save_as_training_che
 from megatron.checkpoint.safe_load import safe_load
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.checkpoint import tiny_model_config
-from tests.helpers.hf import export_round_trip, greedy_pair, hf_logits_diff, import_hf, save_with_tiny_tokenizer
+from tests.helpers.hf import (
+    export_round_trip,
+    greedy_pair,
+    hf_logits_diff,
+    import_hf,
+    run_layers,
+    save_with_tiny_tokenizer,
+)
 from tests.helpers.inference import PROMPTS
 from tests.helpers.moe import train_moe
+from tests.helpers.training import assert_same_run
 from tools.convert_checkpoint import from_hf, to_hf
 
 SCALE = 0.15  # weight perturbation, as tests/checkpoint/test_hf_llama.py's: logits reach about 6
@@ -77,8 +87,9 @@ def test_import_gives_transformers_logits_and_export_gives_every_tensor_back(hf_
     assert (config.moe.num_experts, config.moe.router_topk, config.qk_layernorm) == (4, 2, kind == "qwen3_moe")
     assert config.moe.layer_pattern == ((True, True) if kind == "mixtral" else (False, True))
     assert config.moe.router_pre_softmax == (kind == "qwen3_moe")  # norm_topk_prob False
-    diff, _ = hf_logits_diff(model, config, state)
-    assert diff <= 1e-5, diff
+    # fp32, another implementation (transformers' routing and experts): within the tolerance of the model's depth
+    diff, tolerance = hf_logits_diff(model, config, state)
+    assert diff <= tolerance, (diff, tolerance)
 
     before, changed, added = export_round_trip(tmp_path / "ckpt", hf_in, tmp_path / "hf_out")
     assert len(before) > 20 and changed == [] and added == [], (changed, added)
@@ -150,8 +161,12 @@ def test_training_loads_the_ep2_import_as_the_ep1_one_and_its_checkpoint_convert
                               save=str(tmp_path / f"trained_ep{ep}"), save_interval=2))
     ep1, ep2 = run_distributed(train_moe, world_size=2, args=(runs,), env={"OMP_NUM_THREADS": "1"}, timeout=300)[0]
     assert ep1["iterations"] == ep2["iterations"] == [1, 2]
-    for a, b in zip(ep1["losses"], ep2["losses"]):
-        assert abs(a - b) <= 1e-5 * abs(a), (ep1["losses"], ep2["losses"])
+    # EP=2 computes the experts' tokens in other batches and sums their gradients over other ranks: two fp32 runs
+    # of a model as deep as run_layers' dense ones (the MoE layer's routing counted), within run_tolerance. (They
+    # came out bit-identical on the AVX-512, AVX2 and scalar kernels, but not by construction: an expert's weight
+    # gradient sums both ranks' tokens in one product at EP=2, two products and an all-reduce at EP=1.)
+    config = model_config_from_moe(hf_dirs["qwen3_moe"][0].config, seq_length=32)
+    assert_same_run(ep1, ep2, "EP=2 vs EP=1", num_layers=run_layers(config))
 
     trained = tmp_path / "trained_ep2"
     assert to_hf.main(["--load", str(trained), "--output-dir", str(tmp_path / "hf_trained")]) == 0

@@ -22,8 +22,10 @@ def data(**overrides) -> DataConfig:
 
 
 def test_split_fractions_and_validation_data():
-    assert data().validate().split_fractions == pytest.approx((0.969, 0.030, 0.001))  # Megatron's default
-    assert data(split="90,10").split_fractions == pytest.approx((0.9, 0.1, 0.0))
+    # Exact: each fraction is one correctly rounded division of integers (969 / 1000, their sum exact), the same
+    # nearest double as the literal's.
+    assert data().validate().split_fractions == (0.969, 0.030, 0.001)  # Megatron's default
+    assert data(split="90,10").split_fractions == (0.9, 0.1, 0.0)
     assert not data(split="100,0,0").has_validation_data
     weighted = data(data_path=(), train_weighted_split_groups=(GROUP,)).validate()
     assert weighted.uses_weighted_splits and not weighted.has_validation_data

@@ -1,17 +1,56 @@
 """Comparisons with transformers' models: logits of the same weights, greedy text, and tools/generate.py's."""
 
 import json
+import math
 
 import torch
 
-from megatron.testing.tolerance import model_tolerance
+from megatron.testing.tolerance import OPS_AROUND_LAYERS, OPS_PER_LAYER, tolerance, transformer_depth
 from tools import generate
 from tools.convert_checkpoint import from_hf, to_hf
+
+# Roundings in sequence that a layer adds to the dense one megatron.testing.tolerance counts (OPS_PER_LAYER):
+# - an MoE MLP in place of the dense one's two products and activation (3): the router's product, the scores and
+#   their renormalization (6), the expert's two products, activation and gate product (4), the weighting and the
+#   sum over the chosen experts (2), the shared expert's sum: 13 (tests/model/test_moe's LAYER_DEPTH), 10 more;
+MOE_EXTRA = 10
+# - multi-head latent attention in place of the QKV product, Q.K^T, softmax, P.V and the dense product (5): the
+#   latents' down products, their norms, the up products, the rotary's product and sum, Q.K^T, the scaling,
+#   softmax's exp and normalization, P.V, the dense product: 11 (tests/model/test_latent_attention's DEPTH), 6 more;
+MLA_EXTRA = 6
+# - a norm of each query and key head (--qk-layernorm) before Q.K^T: 1 more (MLA's latent norms counted above).
+QK_NORM_EXTRA = 1
+
+
+def forward_depth(config) -> int:
+    """Roundings in sequence between a token and a logit of the model ``config`` describes (a ModelConfig):
+    ``transformer_depth`` for a dense model, more for MoE, latent-attention and QK-norm layers (above)."""
+    depth = transformer_depth(config.num_layers)
+    if config.moe is not None:
+        depth += MOE_EXTRA * sum(config.moe.layer_pattern)
+    if config.mla is not None:
+        depth += MLA_EXTRA * config.num_layers
+    elif config.qk_layernorm:
+        depth += QK_NORM_EXTRA * config.num_layers
+    return depth
+
+
+def logits_tolerance(config, reference: torch.Tensor) -> float:
+    """How far two computations (ours, transformers') of the logits ``reference`` of the model ``config`` can be
+    apart: ``megatron.testing.tolerance.model_tolerance`` (the same for a dense model) at ``forward_depth``."""
+    width = max(config.hidden_size, config.ffn_hidden_size or 4 * config.hidden_size)
+    return tolerance(torch.float32, forward_depth(config), width, scale=reference.abs().max().item())
+
+
+def run_layers(config) -> int:
+    """As many dense layers as are as deep as ``config``'s model (``forward_depth``): the ``num_layers`` to give
+    ``run_tolerance`` / ``assert_same_run`` for training runs of it."""
+    return math.ceil((forward_depth(config) - OPS_AROUND_LAYERS) / OPS_PER_LAYER)
 
 
 def hf_logits_diff(hf_model, config, state, vocab=400):
     """(the largest logit difference between transformers' model and ours holding ``state``, the tolerance
-    for it: ``megatron.testing.tolerance.model_tolerance``)."""
+    for it: ``logits_tolerance``)."""
     from megatron.model import GPTModel
 
     ours = GPTModel(config).eval()
@@ -20,7 +59,7 @@ def hf_logits_diff(hf_model, config, state, vocab=400):
     with torch.no_grad():
         theirs = hf_model(ids).logits  # [b, s, v]
         mine = ours(ids).transpose(0, 1)[..., :vocab]  # [b, s, v]
-    return (theirs - mine).abs().max().item(), model_tolerance(config, torch.float32, theirs)
+    return (theirs - mine).abs().max().item(), logits_tolerance(config, theirs)
 
 
 def hf_greedy(hf_model, tokenizer, prompts, max_new_tokens=32):

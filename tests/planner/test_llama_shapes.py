@@ -2,6 +2,7 @@
 biases, untied head): by hand for Llama-2-7B and Llama-3-70B, and against the modules themselves."""
 
 import pytest
+import torch
 
 from megatron.config import ModelConfig
 from megatron.config.model import megatron_flops
@@ -10,6 +11,12 @@ from megatron.model.layout import parameter_layout
 from megatron.planner import LLAMA_SIZES, ModelShape, model_shape_of
 from megatron.planner.layout import Layout
 from megatron.planner.memory import layer_activation_bytes, stage_param_counts
+from megatron.testing.tolerance import tolerance
+
+# The planner's formulas and the ones written out here are both Python float64 arithmetic of a dozen or so
+# operations, in other orders: within 16 roundings in sequence of float64, nothing summed wider
+# (megatron.testing.tolerance), relative. Python's float arithmetic is the same on every CPU.
+F64 = tolerance(torch.float64, 16, 1)
 
 
 def test_llama_2_7b_has_6_74_billion_parameters():
@@ -75,25 +82,28 @@ def test_flops_count_swiglu_and_gqa():
     llama = LLAMA_SIZES["llama-3-70b"]
     h, f, kv, L, V = 8192, 28672, 1024, 80, 128256
     by_hand = 3 * b * s * (L * (2 * (h * (h + 2 * kv) + h * h + 3 * f * h) + 4 * s * h) + 1.5 * V * h)
-    assert llama.flops_per_iteration(s, b, recompute=False) == pytest.approx(by_hand, rel=1e-12)
+    assert llama.flops_per_iteration(s, b, recompute=False) == by_hand  # exact: megatron_flops' expression, in its order
     # ~ 6 N per token plus attention: the dense weights dominate
     dense_params = llama.total_params() - 2 * V * h
+    # (a modelling bound, not a rounding one: the norms' weights are parameters but no products' FLOPs)
     assert by_hand / (3 * b * s) == pytest.approx(2 * dense_params + L * 4 * s * h + 1.5 * V * h, rel=1e-4)
     # The GPT defaults keep Megatron's formula: 24 c B s L h^2 (1 + s / 6h + V / 16 L h)
     gpt = megatron_flops(24, 1024, 50304, 2048, 512, True)
     assert gpt == pytest.approx(24 * 4 * 512 * 2048 * 24 * 1024 ** 2 * (1 + 2048 / 6144 + 50304 / (16 * 24 * 1024)),
-                                rel=1e-12)
+                                rel=F64, abs=0)
     config = ModelConfig(**LLAMA_TINY).validate()
-    assert config.flops_per_iteration(8, recompute=False) == pytest.approx(
-        model_shape_of(config).flops_per_iteration(16, 8, recompute=False), rel=1e-12)
+    # exact: megatron_flops of the same numbers
+    assert config.flops_per_iteration(8, recompute=False) == \
+        model_shape_of(config).flops_per_iteration(16, 8, recompute=False)
 
 
 def test_activations_count_gqa_and_swiglu():
     layout = Layout(tp=2, pp=1, dp=1, micro_batch_size=1)
     s, h, a = 2048, 4096, 32
     gpt = ModelShape(32, h, a, 32000)
-    assert layer_activation_bytes(gpt, layout, s) == pytest.approx(s * h * (10 + 24 / 2 + 5 * a * s / (h * 2)))
+    assert layer_activation_bytes(gpt, layout, s) == pytest.approx(s * h * (10 + 24 / 2 + 5 * a * s / (h * 2)), rel=F64, abs=0)
     llama = ModelShape(32, h, a, 32000, ffn_hidden_size=11008, swiglu=True, num_key_value_heads=8)
     # q and context 4, k and v 4 x 1/4, SwiGLU 2 x 16 x f / 4h
     tp_region = 4 + 1 + 32 * 11008 / (4 * h)
-    assert layer_activation_bytes(llama, layout, s) == pytest.approx(s * h * (10 + tp_region / 2 + 5 * a * s / (h * 2)))
+    assert layer_activation_bytes(llama, layout, s) == pytest.approx(
+        s * h * (10 + tp_region / 2 + 5 * a * s / (h * 2)), rel=F64, abs=0)

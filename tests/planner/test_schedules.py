@@ -10,6 +10,7 @@ backward) replayed for the in-flight peak. Then the refusals, the step estimate 
 import dataclasses
 
 import pytest
+import torch
 
 from megatron.engine.bubble import SCHEDULES as STREAMS
 from megatron.engine.bubble import idle_slots, schedule_streams
@@ -35,6 +36,12 @@ from megatron.planner.schedules import (
     peak_units,
     warmup_chunk_forwards,
 )
+from megatron.testing.tolerance import tolerance
+
+# The planner's formulas and the ones written out here are both Python float64 arithmetic of a dozen or so
+# operations, in other orders: within 16 roundings in sequence of float64, nothing summed wider
+# (megatron.testing.tolerance), relative. Python's float arithmetic is the same on every CPU.
+F64 = tolerance(torch.float64, 16, 1)
 
 LAYOUTS = [(2, 2), (2, 8), (3, 5), (4, 4), (4, 16), (8, 8), (8, 24), (12, 48)]  # (stages, micro-batches)
 
@@ -56,10 +63,10 @@ def test_peak_and_bubble_are_the_engine_schedules(schedule, stages, micro_batche
     for ratio in (0.3, 1.0, 2.5):  # W bytes / activation bytes: recomputation makes it large
         for stage, stream in enumerate(streams):
             assert peak_units(schedule, stages, micro_batches, stage, 1.0, ratio) == \
-                pytest.approx(_stream_peak(stream, 1.0, ratio)), (schedule, stage, ratio)
+                pytest.approx(_stream_peak(stream, 1.0, ratio), rel=F64, abs=0), (schedule, stage, ratio)
     idle = idle_slots(streams, costs)[0] / 3  # in slots of F + B + W
-    assert bubble_slots(schedule, stages) == pytest.approx(idle)
-    assert bubble_fraction(schedule, stages, micro_batches) == pytest.approx(idle / (micro_batches + idle))
+    assert bubble_slots(schedule, stages) == pytest.approx(idle, rel=F64, abs=0)
+    assert bubble_fraction(schedule, stages, micro_batches) == pytest.approx(idle / (micro_batches + idle), rel=F64, abs=0)
 
 
 def _interleaved_peak(pp: int, v: int, m: int, rank: int) -> tuple[int, int]:
@@ -85,18 +92,18 @@ def _interleaved_peak(pp: int, v: int, m: int, rank: int) -> tuple[int, int]:
 def test_interleaved_in_flight_is_megatrons_order(pp, v, m):
     for rank in range(pp):
         most, _ = _interleaved_peak(pp, v, m, rank)
-        assert in_flight("interleaved", pp, m, rank, v) * v == pytest.approx(most), rank
+        assert in_flight("interleaved", pp, m, rank, v) * v == pytest.approx(most, rel=F64, abs=0), rank
         assert most == min(warmup_chunk_forwards(pp, v, m, rank) + 1, m * v)
     if m * v > warmup_chunk_forwards(pp, v, m, 0):  # enough micro-batches that the warm-up is not all of them:
         # rank 0 holds p + (p - 1) / v micro-batches of its layers (1F1B: p), the last p - (p - 1) / v (1F1B: 1)
-        assert in_flight("interleaved", pp, m, 0, v) == pytest.approx(pp + (pp - 1) / v)
-        assert in_flight("interleaved", pp, m, pp - 1, v) == pytest.approx(pp - (pp - 1) / v)
+        assert in_flight("interleaved", pp, m, 0, v) == pytest.approx(pp + (pp - 1) / v, rel=F64, abs=0)
+        assert in_flight("interleaved", pp, m, pp - 1, v) == pytest.approx(pp - (pp - 1) / v, rel=F64, abs=0)
     assert first_chunk_in_flight(pp, m, v) == _interleaved_peak(pp, v, m, 0)[1]
 
 
 def test_interleaved_bubble_and_p2p():
-    assert bubble_fraction("interleaved", 12, 48, 2) == pytest.approx(11 / (2 * 48 + 11))
-    assert bubble_slots("interleaved", 12, 2) == pytest.approx(bubble_slots("1f1b", 12) / 2)
+    assert bubble_fraction("interleaved", 12, 48, 2) == pytest.approx(11 / (2 * 48 + 11), rel=F64, abs=0)
+    assert bubble_slots("interleaved", 12, 2) == pytest.approx(bubble_slots("1f1b", 12) / 2, rel=F64, abs=0)
     one, two = (p2p_bytes_per_step(name, 4, 8, 100.0, v, tp=2) for name, v in (("1f1b", 1), ("interleaved", 2)))
     assert (one["per_rank"], two["per_rank"]) == (2 * 8 * 100 / 2, 2 * 2 * 8 * 100 / 2)
     assert (one["pipeline"], two["pipeline"]) == (2 * 8 * 3 * 100, 2 * 8 * 7 * 100)
@@ -122,8 +129,8 @@ def test_step_estimate_uses_each_schedules_bubble():
     steps = {(name, v): estimate_step(model, dataclasses.replace(base, schedule=name, virtual_stages=v), gpu,
                                       cluster, 4096, 64) for name, v in (("1f1b", 1), ("zbh1", 1), ("interleaved", 2))}
     one, zbh1, inter = steps.values()
-    assert one.bubble_s == pytest.approx(3 * one.slot_s)
-    assert inter.bubble_s == pytest.approx(1.5 * inter.slot_s) and inter.slot_s > one.slot_s  # 2x the p2p sends
+    assert one.bubble_s == pytest.approx(3 * one.slot_s, rel=F64, abs=0)
+    assert inter.bubble_s == pytest.approx(1.5 * inter.slot_s, rel=F64, abs=0) and inter.slot_s > one.slot_s  # 2x the p2p sends
     # (p - 1)(F + B - W): a third of 1F1B's at F = B = W; more here, where the slot's communication, attention and
     # elementwise passes are not weight GEMMs that W could take (W < F)
     assert one.slot_s == zbh1.slot_s and one.bubble_s / 3 < zbh1.bubble_s < one.bubble_s
@@ -140,7 +147,7 @@ def test_zbh1_holds_its_waiting_w_passes_and_the_heads_logits_gradient():
     # last stage: its one micro-batch (1F1B's figure) beside 3 W passes (2 layers and the head each), or 4 W
     # passes once that micro-batch is back-propagated
     w += head_weight_pass_bytes(model, zbh1, 32, 4)
-    assert b[3]["saved"] == pytest.approx(max(a[3]["saved"] + 3 * w, 4 * w))
+    assert b[3]["saved"] == pytest.approx(max(a[3]["saved"] + 3 * w, 4 * w), rel=F64, abs=0)
     assert b[3]["saved"] > 3 * a[3]["saved"]
     assert [t["logits"] for t in a] == [t["logits"] for t in b]
 

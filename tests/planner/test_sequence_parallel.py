@@ -4,12 +4,19 @@ communication by hand, the search's divisibility rules, and the longest sequence
 import dataclasses
 
 import pytest
+import torch
 
 from megatron.planner import BLOOM_SIZES, CLUSTERS, GPUS, LLAMA_SIZES, ModelShape, estimate_step, plan_layouts
 from megatron.planner.layout import Layout
 from megatron.planner.memory import estimate_memory, layer_activation_bytes, static_bytes
 from megatron.planner.performance import _allgather_s, _allreduce_s, _alltoall_s
 from megatron.planner.search import SEQUENCE_STEP, candidate_layouts, longest_sequence, longest_sequences
+from megatron.testing.tolerance import tolerance
+
+# The planner's formulas and the ones written out here are both Python float64 arithmetic of a dozen or so
+# operations, in other orders: within 16 roundings in sequence of float64, nothing summed wider
+# (megatron.testing.tolerance), relative. Python's float arithmetic is the same on every CPU.
+F64 = tolerance(torch.float64, 16, 1)
 
 TINY = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256)  # GELU MLP of 4h
 
@@ -45,7 +52,8 @@ def test_gqa_and_swiglu_shapes_under_sp_and_ulysses():
     s, h = 8192, 4096
     tp_region = 4 + 4 * 1024 / h + 8 * 14336 / h
     both = Layout(tp=2, pp=1, dp=1, micro_batch_size=1, sequence_parallel=True, ulysses=4)
-    assert layer_activation_bytes(llama, both, s) == pytest.approx(s / 4 * h * ((10 + tp_region) / 2 + 5 * 32 * s / (h * 2)))
+    assert layer_activation_bytes(llama, both, s) == pytest.approx(
+        s / 4 * h * ((10 + tp_region) / 2 + 5 * 32 * s / (h * 2)), rel=F64, abs=0)
 
 
 def test_memory_splits_layer_inputs_logits_and_zero_shards_over_dp_times_ulysses():
@@ -56,14 +64,14 @@ def test_memory_splits_layer_inputs_logits_and_zero_shards_over_dp_times_ulysses
     assert static_bytes(1000, uly) == static_bytes(1000, plain)  # ZeRO-3 over the 4 ranks either way
     a, b = (estimate_memory(model, lay, s, 8).per_stage[0]["activations"] for lay in (plain, uly))
     # every term is for s/4 tokens: checkpointed inputs, two full layers, embedding mask, logits
-    assert b == pytest.approx(a / 4)
+    assert b == pytest.approx(a / 4, rel=F64, abs=0)
     sp = dataclasses.replace(plain, sequence_parallel=True)
     h, L = model.hidden_size, model.num_layers
     checkpointed = L * 2 * s * h + s * h  # layer inputs (2 bytes) and the embedding mask (1 byte)
     saved = estimate_memory(model, plain, s, 8).per_stage[0]["activations"] - \
         estimate_memory(model, sp, s, 8).per_stage[0]["activations"]
     full = 2 * (layer_activation_bytes(model, plain, s) - layer_activation_bytes(model, sp, s))
-    assert saved == pytest.approx(checkpointed / 2 + full)  # SP halves (t = 2) the inputs and mask
+    assert saved == pytest.approx(checkpointed / 2 + full, rel=F64, abs=0)  # SP halves (t = 2) the inputs and mask
 
 
 def test_sp_moves_the_same_tp_bytes_and_ulysses_adds_all_to_alls_by_hand():
@@ -75,25 +83,25 @@ def test_sp_moves_the_same_tp_bytes_and_ulysses_adds_all_to_alls_by_hand():
     tp_plain = estimate_step(model, plain, gpu, cluster, s, 8).components_s["tp_comm"]
     tp_sp = estimate_step(model, sp, gpu, cluster, s, 8).components_s["tp_comm"]
     m, calls = 2, L * 4 + 2
-    assert tp_plain == pytest.approx(m * calls * 2 * 3 / 4 * B / bw)
+    assert tp_plain == pytest.approx(m * calls * 2 * 3 / 4 * B / bw, rel=F64, abs=0)
     # reduce-scatter + all-gather per all-reduce (the same bytes), and 2 re-gathers per layer in backward
-    assert tp_sp == pytest.approx(tp_plain + m * 2 * L * 3 / 4 * B / bw)
-    assert _allreduce_s(B, 4, 100, 0) == pytest.approx(2 * _allgather_s(B, 4, 100, 0))
+    assert tp_sp == pytest.approx(tp_plain + m * 2 * L * 3 / 4 * B / bw, rel=F64, abs=0)
+    assert _allreduce_s(B, 4, 100, 0) == pytest.approx(2 * _allgather_s(B, 4, 100, 0), rel=F64, abs=0)
     # Ulysses u = 4 at t = 1: q, k, v, context of s/4 tokens, 3/4 of each crosses, forward + backward
     uly = Layout(tp=1, pp=1, dp=2, micro_batch_size=2, recompute=False, zero_stage=1, ulysses=4)
     step = estimate_step(model, uly, gpu, cluster, s, 8)
-    assert step.components_s["ulysses_comm"] == pytest.approx(m * L * 2 * 4 * 3 / 4 * (B / 4) / bw)
+    assert step.components_s["ulysses_comm"] == pytest.approx(m * L * 2 * 4 * 3 / 4 * (B / 4) / bw, rel=F64, abs=0)
     assert step.num_gpus == 8
     # with GQA k and v are narrower; recomputation replays the forward's 4
     gqa = dataclasses.replace(model, num_key_value_heads=1)
     one = _alltoall_s(B / 4, 4, gpu.nvlink_busbw_gbps, 0)
     rec = dataclasses.replace(uly, recompute=True)
     assert estimate_step(gqa, rec, gpu, cluster, s, 8).components_s["ulysses_comm"] == pytest.approx(
-        m * L * 3 * (2 * one + 2 * one / 4))
+        m * L * 3 * (2 * one + 2 * one / 4), rel=F64, abs=0)
     # the gradients are averaged over DP x Ulysses: as a plain layout of DP 8
     dp8 = Layout(tp=1, pp=1, dp=8, micro_batch_size=1, recompute=False, zero_stage=1)
     assert step.components_s["dp_comm"] == pytest.approx(estimate_step(model, dp8, gpu, cluster, s, 8)
-                                                         .components_s["dp_comm"])
+                                                         .components_s["dp_comm"], rel=F64, abs=0)
 
 
 def test_search_refuses_heads_not_divisible_by_tp_times_ulysses():
