@@ -11,14 +11,23 @@ AMX one did). A test that needs a non-finite gradient makes one instead:
 
 The element is the first of the first trainable parameter the engine holds (on this rank's pipeline stage),
 set in every micro-batch's gradient of the chosen iterations, before DeepSpeed accumulates it.
+
+A test of how promptly a signal stops a run holds the run instead of racing it:
+
+    held_env(tmp_path, 3)                 each rank of the subprocess, once iteration 3's step is done, writes
+                                          ``tmp_path/held-rank<RANK>`` and waits until a signal reached it;
+                                          the signal so arrives inside iteration 3 on every rank, whatever the
+                                          machine's speed, and the run must stop and save at iteration 3
 """
 
 import os
 import pathlib
+import time
 
 from tests.helpers.paths import REPO_ROOT
 
 ENV = "MEGATRON_TEST_POISON_GRADIENTS"  # "3,4:nan": the iterations, then the value
+HOLD_ENV = "MEGATRON_TEST_HOLD_AFTER"  # "3:/folder": the iteration, then where to say "held"
 
 
 def poison_gradients(iterations, value: float):
@@ -49,21 +58,56 @@ def _with_first_element(grad, value):
     return grad
 
 
+def hold_after(iteration: int, folder) -> None:
+    """Patch ``Trainer.train_step`` in this process: once ``iteration``'s step is done, write
+    ``folder/held-rank<RANK>`` and wait until a signal reached the run's exit monitor (``held_env``)."""
+    from megatron.training.loop import Trainer
+
+    train_step = Trainer.train_step
+
+    def held(self):
+        record = train_step(self)
+        if self.progress.iteration == iteration:
+            (pathlib.Path(folder) / f"held-rank{os.environ.get('RANK', '0')}").touch()
+            while self.exit_monitor.received_signal is None:  # the handler runs between these sleeps
+                time.sleep(0.05)
+        return record
+
+    Trainer.train_step = held
+
+
 def poisoned_env(folder, iterations, value: str) -> dict:
     """``os.environ`` plus what makes a Python subprocess started with it call ``poison_gradients(iterations,
     float(value))`` at start-up: a ``sitecustomize.py`` written to ``folder``, first on PYTHONPATH."""
+    return _installing_env(folder, {ENV: f"{','.join(map(str, sorted(iterations)))}:{value}"})
+
+
+def held_env(folder, iteration: int) -> dict:
+    """``os.environ`` plus what makes each rank of a subprocess started with it call ``hold_after(iteration,
+    folder)`` at start-up."""
+    return _installing_env(folder, {HOLD_ENV: f"{iteration}:{pathlib.Path(folder).resolve()}"})
+
+
+def _installing_env(folder, variables: dict) -> dict:
+    """``os.environ`` with ``variables`` and a ``sitecustomize.py`` in ``folder``, first on PYTHONPATH, that
+    installs what they ask for at a Python subprocess's start-up (``install_from_env``)."""
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(
         "import os\n"
-        f"if os.environ.get({ENV!r}):\n"
+        f"if os.environ.get({ENV!r}) or os.environ.get({HOLD_ENV!r}):\n"
         "    from tests.helpers.faults import install_from_env\n"
         "    install_from_env()\n")
     path = os.pathsep.join([str(folder), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return dict(os.environ, PYTHONPATH=path, **{ENV: f"{','.join(map(str, sorted(iterations)))}:{value}"})
+    return dict(os.environ, PYTHONPATH=path, **variables)
 
 
 def install_from_env() -> None:
-    """``poison_gradients`` as ``MEGATRON_TEST_POISON_GRADIENTS`` ("3,4:nan") asks (the sitecustomize's call)."""
-    iterations, value = os.environ[ENV].split(":")
-    poison_gradients({int(i) for i in iterations.split(",")}, float(value))
+    """What ``MEGATRON_TEST_POISON_GRADIENTS`` ("3,4:nan") and ``MEGATRON_TEST_HOLD_AFTER`` ("3:/folder") ask
+    for (the sitecustomize's call)."""
+    if os.environ.get(ENV):
+        iterations, value = os.environ[ENV].split(":")
+        poison_gradients({int(i) for i in iterations.split(",")}, float(value))
+    if os.environ.get(HOLD_ENV):
+        iteration, folder = os.environ[HOLD_ENV].split(":", 1)
+        hold_after(int(iteration), folder)

@@ -5,7 +5,6 @@ with --distributed-timeout-minutes a rank that stops answering (SIGSTOP) ends th
 the timeout, instead of hanging for the backend's 10-30 minutes."""
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
+from tests.helpers.faults import held_env
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.training import assert_continues, train
 
@@ -43,9 +43,9 @@ def _rank_of(pid: int):
     return int(env[b"RANK"]) if b"RANK" in env else None
 
 
-def _torchrun(argv, cwd, nproc=2, **kwargs):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
+def _torchrun(argv, cwd, nproc=2, env=None, **kwargs):
+    env = {k: v for k, v in (env or os.environ).items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                     "MASTER_ADDR", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                              str(REPO_ROOT / "pretrain_gpt.py"), *argv], cwd=cwd, env=env, text=True,
@@ -106,11 +106,6 @@ def _wait_for_iteration(job, lines, iteration: int) -> None:
     while not any(f"iteration {iteration:8d}/" in line for line in lines):  # the last rank logs each iteration
         assert job.poll() is None and time.time() < deadline, "".join(lines[-30:])
         time.sleep(0.2)
-
-
-def _last_iteration(lines) -> int:
-    """The last iteration the job has logged in ``lines`` (read so far)."""
-    return max(int(m[1]) for line in list(lines) if (m := re.search(r"\biteration +(\d+)/", line)))
 
 
 def _alive(pid: int) -> bool:
@@ -179,6 +174,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tiny_corpus, tmp_path):
     assert any("timed out" in line.lower() or "timeout" in line.lower() for line in lines), "".join(lines[-40:])
 
 
+HELD_AT = 3  # the iteration inside which the SIGTERM tests signal the job
 SIGTERM_CASES = {  # (layout, who receives SIGTERM, whether the resume is checked: about 20 s)
     # torchrun forwards SIGTERM to each worker's process group: the rank and its DataLoader workers
     "torchrun, ZeRO-3 DP=2": (["--zero-stage", "3"], "launcher", True),
@@ -189,20 +185,23 @@ SIGTERM_CASES = {  # (layout, who receives SIGTERM, whether the resume is checke
 
 
 def _sigterm_a_training_job(common, save, target, nproc=2):
-    """Train ``common`` under torchrun with ``nproc`` ranks, a DataLoader worker each, saving to ``save``;
-    once iteration 3 is logged, SIGTERM torchrun alone (``target`` "launcher") or every process of the job at
-    once ("every process"). Asserts the job stopped within two iterations of the last one logged before the
-    signal, with every rank's save complete and no process left; returns the iteration it stopped at."""
-    job = _torchrun(common + ["--save", str(save)], save.parent, nproc=nproc)
+    """Train ``common`` under torchrun with ``nproc`` ranks, a DataLoader worker each, saving to ``save``; each
+    rank holds after iteration ``HELD_AT``'s step until a signal reaches it (tests/helpers/faults.held_env), and
+    then SIGTERM goes to torchrun alone (``target`` "launcher") or to every process of the job at once ("every
+    process"). Asserts the job stopped and saved at that iteration, the first boundary after the signal, with every
+    rank's save complete and no process left; returns the iteration it stopped at."""
+    held = save.parent / "held"
+    job = _torchrun(common + ["--save", str(save)], save.parent, nproc=nproc, env=held_env(held, HELD_AT))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
     reader.start()
     try:
-        _wait_for_iteration(job, lines, 3)
+        while len(list(held.glob("held-rank*"))) < nproc:  # pytest's timeout ends a hang
+            assert job.poll() is None, "".join(lines[-30:])
+            time.sleep(0.2)
         ranks, workers = _ranks_and_data_workers(job.pid, expected=nproc)
         assert len(ranks) == nproc and len(workers) == nproc, {pid: _cmdline(pid) for pid in _descendants(job.pid)}
         everyone = ranks + workers  # the ranks and a DataLoader worker each
-        logged = _last_iteration(lines)  # at least this far when signalled
         start = time.time()
         for pid in [job.pid] + (_descendants(job.pid) if target == "every process" else []):
             os.kill(pid, signal.SIGTERM)
@@ -221,9 +220,9 @@ def _sigterm_a_training_job(common, save, target, nproc=2):
     tag = (save / "latest").read_text().strip()
     assert (save / tag / "complete").is_file()
     stopped_at = int(tag.removeprefix("global_step"))
-    # Promptly, counted in iterations, not seconds: each rank finishes the iteration it is in, the ranks agree at
-    # the next boundary, then save (one more for a log line still in the pipe when we read it).
-    assert logged <= stopped_at <= logged + 2, (logged, stopped_at)
+    # Promptly, counted in iterations, not seconds: the signal reached every rank inside iteration HELD_AT, so the
+    # ranks agree to stop at its boundary and save there.
+    assert stopped_at == HELD_AT, (HELD_AT, stopped_at)
     assert not [pid for pid in everyone if _alive(pid)], "processes of the job outlived it"
     return stopped_at
 
