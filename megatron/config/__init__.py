@@ -6,9 +6,10 @@ raises ``ValueError`` naming the values and the fix.
 
 Split by concern: ``model`` (the architecture, its FLOPs), ``data`` (data paths, groups, the
 tokenizer) and ``run`` (everything else, and ``RunConfig`` grouping it all); import them from here.
-Beside them, two pure helpers every layer may read: ``deepspeed`` (the DeepSpeed config dict a
-``RunConfig`` gives, merged with the user's JSON; it never imports deepspeed) and ``launch`` (rank
-and world size as the launcher set them). Imports nothing else of megatron.
+Beside them, three pure helpers every layer may read: ``deepspeed`` (the DeepSpeed config dict a
+``RunConfig`` gives, merged with the user's JSON; it never imports deepspeed), ``launch`` (rank
+and world size as the launcher set them) and ``schedules`` (the registry of pipeline schedules). Imports nothing
+else of megatron.
 """
 
 from megatron.config.data import DATA_IMPLS, TOKENIZER_TYPES, DataConfig, DatasetGroup, DatasetSplit, TokenizerConfig

@@ -12,6 +12,8 @@ import dataclasses
 from typing import Optional
 
 from megatron.config import RunConfig
+from megatron.config.schedules import get as get_schedule
+from megatron.config.schedules import schedule_name, virtual_stages_of
 from megatron.model.layout import EMBEDDING, FINAL_NORM, HEAD, TRANSFORMER, pipeline_items
 from megatron.planner import CLUSTERS, GPUS, Layout, ModelShape, estimate_memory, estimate_step
 from megatron.planner.context_parallel import (
@@ -79,11 +81,9 @@ def stores_attention_scores(rc: RunConfig) -> bool:
 
 def run_schedule(rc: RunConfig) -> tuple[str, int]:
     """(planner schedule, virtual stages) the run's flags choose: interleaved with v > 1 virtual stages per rank
-    (--num-virtual-stages-per-pipeline-rank), ZB-H1 with --enable-zbh1-pipeline, else DeepSpeed's 1F1B."""
-    v = rc.parallel.num_virtual_stages_per_pipeline_rank
-    if v > 1:
-        return "interleaved", v
-    return ("zbh1" if rc.parallel.enable_zbh1_pipeline else "1f1b"), 1
+    (--num-virtual-stages-per-pipeline-rank), ZB-H1 with --enable-zbh1-pipeline, else DeepSpeed's 1F1B: the
+    registry's chooser (``megatron.config.schedules.schedule_name``), the one the engine runs."""
+    return schedule_name(rc), virtual_stages_of(rc)
 
 
 def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
@@ -196,6 +196,7 @@ def schedule_section(rc: RunConfig, stage_layers: list[int], gpu, cluster) -> Op
             "bubble_fraction_1f1b": figures["1f1b"]["bubble_fraction"],
             "in_flight_micro_batches": [round(in_flight(layout.schedule, layout.pp, m, i, layout.virtual_stages), 3)
                                         for i in range(layout.pp)],
-            "deferred_weight_passes": [min(i + 1, m) if layout.schedule == "zbh1" else 0 for i in range(layout.pp)],
+            "deferred_weight_passes": [get_schedule(layout.schedule).deferred_weight_passes(m, i)
+                                       for i in range(layout.pp)],
             "activation_gib": figures["run"]["activation_gib"], "activation_gib_1f1b": figures["1f1b"]["activation_gib"],
             "p2p_gib_per_rank": round(p2p["per_rank"] / GiB, 3), "p2p_gib_pipeline": round(p2p["pipeline"] / GiB, 3)}

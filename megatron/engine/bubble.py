@@ -17,6 +17,7 @@ from typing import Sequence
 
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
+from megatron.config import schedules as registry
 from megatron.engine.zero_bubble import ZeroBubbleH1Schedule
 
 __all__ = ["ONE_F_ONE_B_COSTS", "ZERO_BUBBLE_COSTS", "SCHEDULES", "schedule_streams", "idle_slots",
@@ -25,7 +26,7 @@ __all__ = ["ONE_F_ONE_B_COSTS", "ZERO_BUBBLE_COSTS", "SCHEDULES", "schedule_stre
 ONE_F_ONE_B_COSTS = {"ForwardPass": 1, "BackwardPass": 2}                  # backward = B + W
 ZERO_BUBBLE_COSTS = {"ForwardPass": 1, "BackwardPass": 1, "WeightPass": 1}  # backward = B; W apart
 
-# name -> (DeepSpeed schedule class, unit costs of its instructions)
+# registry name (megatron.config.schedules) -> (DeepSpeed schedule class, unit costs of its instructions)
 SCHEDULES = {"1f1b": (TrainSchedule, ONE_F_ONE_B_COSTS), "zbh1": (ZeroBubbleH1Schedule, ZERO_BUBBLE_COSTS)}
 
 _RECV_FROM = {"RecvActivation": ("SendActivation", -1), "RecvGrad": ("SendGrad", +1)}
@@ -66,14 +67,11 @@ def idle_slots(streams: Sequence[Sequence[str]], costs: dict[str, int]) -> list[
     return [max(clock) - b for b in busy]
 
 
-def analytic_idle_slots(schedule: str, stages: int, micro_batches: int) -> int:
-    """Idle slots per stage and step at unit costs: 1F1B (p - 1)(F + B + W) = 3(p - 1); ZB-H1 (Qi et al. 2023)
+def analytic_idle_slots(schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> int:
+    """Idle slots per stage and step at unit costs (a slot F + B + W = 3), from the registry's bubble
+    (``megatron.config.schedules``): 1F1B (p - 1)(F + B + W) = 3(p - 1); ZB-H1 (Qi et al. 2023)
     (p - 1)(F + B - W) = p - 1, which needs micro_batches >= stages."""
-    if schedule == "1f1b":
-        return 3 * (stages - 1)
-    if schedule == "zbh1":
-        if micro_batches < stages:
-            raise ValueError(f"ZB-H1's bubble (p - 1)(F + B - W) needs micro-batches >= stages, got "
-                             f"{micro_batches} < {stages}")
-        return stages - 1
-    raise ValueError(f"no analytic bubble for schedule {schedule!r}; known: 1f1b, zbh1")
+    entry = registry.get(schedule)
+    if entry.micro_batches_at_least_stages and micro_batches < stages:
+        raise ValueError(f"{entry.label}'s bubble needs micro-batches >= stages, got {micro_batches} < {stages}")
+    return round(3 * entry.bubble_slots(stages, virtual_stages, weight_share=1 / 3))

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
+from megatron.config.schedules import schedule_name
 from megatron.engine.cpu import check_cpu_compiler, on_cpu_accelerator
 from megatron.engine.deepspeed_compat import (
     avoid_cpu_jit_builds,
@@ -45,6 +46,10 @@ from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState
 
 logger = logging.getLogger(__name__)
+
+
+# registry name (megatron.config.schedules) -> the pipeline engine class that runs it; None: DeepSpeed's own
+ENGINE_CLASSES = {"1f1b": None, "zbh1": ZeroBubblePipelineEngine, "interleaved": InterleavedPipelineEngine}
 
 
 def init_deepspeed_comm(backend: str, timeout_s: float = 600.0) -> None:
@@ -85,15 +90,12 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
         _compile_layers(module)
     experts = mark_expert_parameters(module, rc.model, state)  # MoE with EP > 1 (megatron.engine.expert_parallel)
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
-    engine_class = None  # DeepSpeed's PipelineEngine (1F1B), else the schedule's subclass of it
-    if rc.parallel.num_virtual_stages_per_pipeline_rank > 1:
-        engine_class = InterleavedPipelineEngine
-    elif rc.parallel.enable_zbh1_pipeline:
-        engine_class = ZeroBubblePipelineEngine
+    schedule = schedule_name(rc)  # the registry's chooser (megatron.config.schedules)
+    engine_class = ENGINE_CLASSES[schedule]  # None: DeepSpeed's PipelineEngine (1F1B)
     with pipeline_engine_class(engine_class) if engine_class else contextlib.nullcontext():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
     use_safe_loading(engine)  # --load never unpickles code (megatron.engine.deepspeed_compat)
-    if rc.parallel.enable_zbh1_pipeline:
+    if schedule == "zbh1":
         engine = enable_zero_bubble(engine)  # ZB-H1 (megatron.engine.zero_bubble)
     check_expert_parallel_engine(engine, experts, state)
     return engine

@@ -4,15 +4,15 @@ Each of the p pipeline ranks holds v chunks; chunk c of rank r is virtual stage 
 passes every rank v times (rank p-1's chunk c hands its activations to rank 0's chunk c+1). The k-th
 forward of a rank runs chunk (k // p) % v on micro-batch (k // (p*v)) * p + k % p: groups of p micro-batches
 go through chunk 0, then the same group through chunk 1, and so on; backwards walk the chunks the other way.
-A rank first runs ``num_warmup_forwards`` forwards (Megatron's (p - r - 1) * 2 + (v - 1) * p), then
+A rank first runs ``num_warmup_forwards`` forwards (Megatron's (p - r - 1) * 2 + (v - 1) * p, the registry's), then
 alternates one forward and one backward, then drains the remaining backwards.
 
 ``compute_order`` gives that order for one rank (pure Python); ``InterleavedSchedule`` turns it into
 DeepSpeed instructions for ``megatron.engine.interleaved.InterleavedPipelineEngine``; ``simulate`` runs the
 compute instructions of any schedule's stream (ours or DeepSpeed's ``TrainSchedule``) on a timeline of unit
-slots and counts each rank's idle slots, which ``bubble_fraction`` states in closed form:
-(p - 1) / (v * m + p - 1) of every rank's step, with F and B passes of one chunk taking t_f / v and
-t_b / v of a whole stage's time.
+slots and counts each rank's idle slots, which the registry (``megatron.config.schedules``: (p - 1) / v idle slots,
+``megatron.planner.schedules.bubble_fraction``) states in closed form: (p - 1) / (v * m + p - 1) of every rank's
+step, with F and B passes of one chunk taking t_f / v and t_b / v of a whole stage's time.
 """
 
 from __future__ import annotations
@@ -23,13 +23,16 @@ from typing import Iterable, Sequence
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from megatron.config.pipeline_schedule import check_interleaved_micro_batches
+from megatron.config.schedules import REGISTRY
 
+INTERLEAVED = REGISTRY["interleaved"]
 FORWARD, BACKWARD = "F", "B"
 
 
 def num_warmup_forwards(pp: int, num_virtual_stages: int, num_micro_batches: int, rank: int) -> int:
-    """Forwards rank ``rank`` runs before its first backward (Megatron-LM's count, capped at all of them)."""
-    return min((pp - rank - 1) * 2 + (num_virtual_stages - 1) * pp, num_micro_batches * num_virtual_stages)
+    """Forwards rank ``rank`` runs before its first backward (Megatron-LM's count, capped at all of them: the
+    registry's, ``megatron.config.schedules``)."""
+    return INTERLEAVED.warmup_forwards(pp, num_micro_batches, rank, num_virtual_stages)
 
 
 def _chunk_and_micro_batch(k: int, pp: int, v: int, kind: str) -> tuple[int, int]:
@@ -168,7 +171,3 @@ def _needs(kind: str, stage: int, micro_batch: int, num_stages: int):
         return (FORWARD, stage, micro_batch)
     return (BACKWARD, stage + 1, micro_batch)
 
-
-def bubble_fraction(pp: int, num_virtual_stages: int, num_micro_batches: int) -> float:
-    """The idle share of each rank's step: (p - 1) / (v * m + p - 1); v = 1 is 1F1B's (p - 1) / (m + p - 1)."""
-    return (pp - 1) / (num_virtual_stages * num_micro_batches + pp - 1)

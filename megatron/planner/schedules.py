@@ -24,47 +24,30 @@ pass (1F1B runs B + W as one backward).
                Every micro-batch crosses p v - 1 chunk boundaries instead of p - 1: each rank sends v times
                1F1B's p2p bytes. Needs L divisible by p v and m by p.
 
-Pure arithmetic: the engine's schedules (megatron/engine) are checked against these counts in tests/planner.
+The schedules themselves (names, flags, rules, warm-up, in-flight, bubble and p2p formulas) are the registry
+``megatron.config.schedules``; this module states the planner's costs with them. Pure arithmetic: the engine's
+schedules (megatron/engine) are checked against these counts in tests/planner.
 """
 
 from __future__ import annotations
 
-SCHEDULES = ("1f1b", "zbh1", "interleaved")
-LABELS = {"1f1b": "1F1B", "zbh1": "ZB-H1", "interleaved": "interleaved 1F1B"}
+from megatron.config.schedules import LABELS, SCHEDULES, check_layout, get
+
+__all__ = ["SCHEDULES", "LABELS", "check_schedule", "bubble_slots", "bubble_fraction", "warmup_chunk_forwards",
+           "in_flight", "first_chunk_in_flight", "peak_units", "p2p_bytes_per_step"]
 
 
 def check_schedule(schedule: str, pp: int, num_micro_batches: int, num_layers: int, virtual_stages: int = 1,
                    precision: str = "bf16", zero_stage: int = 1) -> None:
-    """ValueError naming the values and the fix when ``schedule`` cannot run this layout (the run's own rules:
-    megatron/config/zero_bubble.py for ZB-H1, Megatron-LM's for interleaving). The name and ``virtual_stages``
-    themselves are checked by ``Layout``."""
-    if schedule == "zbh1":
-        if num_micro_batches < pp:
-            raise ValueError(f"ZB-H1 at PP {pp} needs at least {pp} micro-batches per step, got "
-                             f"{num_micro_batches}: raise the global batch or lower the micro-batch size")
-        if precision == "fp32" and zero_stage > 0:
-            raise ValueError(f"ZB-H1 in fp32 needs ZeRO stage 0 (got {zero_stage}): fp32 ZeRO-1 collects gradients "
-                             f"from autograd hooks that a deferred weight gradient never reaches; use bf16")
-        if zero_stage >= 2:
-            raise ValueError(f"ZB-H1 is a schedule of the pipeline engine, ZeRO stage {zero_stage} runs on the "
-                             f"non-pipeline one: use ZeRO stage 0 or 1")
-    if schedule == "interleaved":
-        if pp < 2:
-            raise ValueError(f"interleaved virtual stages need PP >= 2 (got {pp})")
-        if num_layers % (pp * virtual_stages):
-            raise ValueError(f"{num_layers} layers do not split into PP {pp} x {virtual_stages} virtual stages = "
-                             f"{pp * virtual_stages} equal chunks: use a layer count that is a multiple of "
-                             f"{pp * virtual_stages}, or fewer virtual stages")
-        if num_micro_batches % pp:
-            raise ValueError(f"interleaved 1F1B at PP {pp} needs the micro-batches per step ({num_micro_batches}) to "
-                             f"be a multiple of {pp}: change the global batch or the micro-batch size")
+    """ValueError naming the values and the fix when ``schedule`` cannot run this layout (the registry's rules:
+    ``megatron.config.schedules.check_layout``). The name and ``virtual_stages`` themselves are checked by
+    ``Layout``."""
+    check_layout(schedule, pp, num_micro_batches, num_layers, virtual_stages, precision, zero_stage)
 
 
 def bubble_slots(schedule: str, pp: int, virtual_stages: int = 1, weight_share: float = 1 / 3) -> float:
     """Idle slots per stage and step; ``weight_share``: W / (F + B + W) of a slot (ZB-H1 only)."""
-    if schedule == "zbh1":
-        return (pp - 1) * (1 - 2 * weight_share)  # (p - 1)(F + B - W) with F + B + W = 1
-    return (pp - 1) / virtual_stages
+    return get(schedule).bubble_slots(pp, virtual_stages, weight_share)
 
 
 def bubble_fraction(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int = 1,
@@ -76,16 +59,13 @@ def bubble_fraction(schedule: str, pp: int, num_micro_batches: int, virtual_stag
 
 def warmup_chunk_forwards(pp: int, virtual_stages: int, num_micro_batches: int, stage: int) -> int:
     """Megatron-LM's interleaved warm-up on rank ``stage``: chunk forwards before its first backward."""
-    return min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp, num_micro_batches * virtual_stages)
+    return get("interleaved").warmup_forwards(pp, num_micro_batches, stage, virtual_stages)
 
 
 def in_flight(schedule: str, pp: int, num_micro_batches: int, stage: int, virtual_stages: int = 1) -> float:
     """Micro-batches' activations of the stage's whole set of layers held at its peak (interleaved: chunk
     micro-batches / v)."""
-    if schedule == "interleaved":
-        v = virtual_stages
-        return min(warmup_chunk_forwards(pp, v, num_micro_batches, stage) + 1, num_micro_batches * v) / v
-    return min(pp - stage, num_micro_batches)
+    return get(schedule).in_flight(pp, num_micro_batches, stage, virtual_stages)
 
 
 def first_chunk_in_flight(pp: int, num_micro_batches: int, virtual_stages: int) -> int:
@@ -106,11 +86,13 @@ def peak_units(schedule: str, pp: int, num_micro_batches: int, stage: int, activ
     """The stage's peak of saved activations (``activations``: one micro-batch through all its layers) plus the
     deferred W passes' inputs (``weight_pass``: one micro-batch's, ZB-H1 only)."""
     held = in_flight(schedule, pp, num_micro_batches, stage, virtual_stages) * activations
-    if schedule != "zbh1":
+    entry = get(schedule)
+    if not entry.defers_weight_passes:
         return held
     # after a forward: i W passes waiting; after a backward: one micro-batch fewer, one W more
     waiting = min(stage, num_micro_batches)
-    return max(held + waiting * weight_pass, held - activations + min(stage + 1, num_micro_batches) * weight_pass)
+    return max(held + waiting * weight_pass,
+               held - activations + entry.deferred_weight_passes(num_micro_batches, stage) * weight_pass)
 
 
 def p2p_bytes_per_step(schedule: str, pp: int, num_micro_batches: int, tensor_bytes: float, virtual_stages: int = 1,
@@ -120,6 +102,6 @@ def p2p_bytes_per_step(schedule: str, pp: int, num_micro_batches: int, tensor_by
     owns; DeepSpeed sends 1/t of it from each TP rank) and by the whole pipeline of one DP replica."""
     if pp == 1:
         return {"per_rank": 0.0, "pipeline": 0.0}
-    v = virtual_stages if schedule == "interleaved" else 1
+    v = get(schedule).p2p_factor(virtual_stages)
     return {"per_rank": 2 * num_micro_batches * v * tensor_bytes / tp,
             "pipeline": 2 * num_micro_batches * (pp * v - 1) * tensor_bytes}

@@ -1,0 +1,154 @@
+"""The registry of pipeline schedules: one ``Schedule`` entry per schedule, the one place their formulas live.
+
+p stages (pipeline ranks), m micro-batches per step, v virtual stages (chunks of layers) per rank, r a rank; one
+"slot" is a stage's forward + backward of one micro-batch, F + B + W (B the input-gradient pass, W the
+weight-gradient pass; 1F1B runs B + W as one backward). Each entry gives:
+
+  name, label     "1f1b" / "1F1B", "zbh1" / "ZB-H1", "interleaved" / "interleaved 1F1B"
+  flags           the command-line flags that choose it (``schedule_name`` reads them from a RunConfig)
+  rules           what a layout needs (m >= p, L divisible by p v, m divisible by p, ...), checked by
+                  ``check_layout`` with messages naming the fix (the run's own checks, worded for the flags, are
+                  megatron/config/zero_bubble.py and megatron/config/pipeline_schedule.py)
+  warmup_forwards forwards (interleaved: chunk forwards) rank r runs before its first backward
+  in_flight       micro-batches whose activations rank r holds at its peak (interleaved: chunk micro-batches / v)
+  bubble_slots    idle slots per stage and step
+  p2p_factor      the p2p bytes each rank sends, in multiples of 1F1B's
+  deferred_weight_passes  W passes rank r keeps waiting at most (ZB-H1: r + 1; else 0)
+
+  1f1b         DeepSpeed's TrainSchedule: p - r - 1 warm-up forwards, min(p - r, m) in flight, p - 1 idle slots.
+  zbh1         ZB-H1 (Qi et al. 2023; megatron/engine/zero_bubble.py): 1F1B's order with W deferred into the
+               cool-down: (p - 1)(F + B - W) idle, (p - 1) / 3 slots at F = B = W. Needs m >= p.
+  interleaved  Megatron-LM's interleaved 1F1B (megatron/engine/interleaved_schedule.py): 2 (p - r - 1) + (v - 1) p
+               warm-up chunk forwards, (p - 1) / v idle slots, v times 1F1B's p2p bytes. Needs L divisible by
+               p v and m by p.
+
+Who reads it: the planner (megatron/planner/schedules.py: bubble, memory, p2p costs), the engine
+(megatron/engine/initialize.py picks the engine class by ``schedule_name``; megatron/engine/bubble.py's analytic
+bubble; megatron/engine/interleaved_schedule.py's warm-up) and the dry run (megatron/dry_run/estimate.py).
+
+Adding a fourth schedule: one ``Schedule`` entry here (its flag, rules and formulas; ``chosen_by`` reads its flag
+from ``rc.parallel``), one engine module (its DeepSpeed ``PipeSchedule`` and engine class, registered in
+megatron/engine/initialize.py's ``ENGINE_CLASSES``) and one flag (megatron/arguments, a ``ParallelConfig`` field).
+
+Pure Python: no torch, no deepspeed; imports nothing of megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+__all__ = ["Schedule", "REGISTRY", "SCHEDULES", "LABELS", "DEFAULT", "get", "schedule_name", "virtual_stages_of",
+           "check_layout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One pipeline schedule: its names, flags, layout rules and formulas (see the module docstring)."""
+
+    name: str
+    label: str
+    flags: tuple[str, ...]
+    chosen_by: Callable[[object], bool]          # (rc.parallel) -> whether the run's flags choose it
+    rules: tuple[str, ...]                       # what a layout needs, in words
+    warmup: Callable[[int, int, int], int]       # (p, r, v) -> forwards before the first backward, uncapped
+    bubble: Callable[[int, int, float], float]   # (p, v, W share of a slot) -> idle slots per stage and step
+    uses_virtual_stages: bool = False            # v > 1 chunks per rank (else v = 1)
+    micro_batches_at_least_stages: bool = False  # m >= p
+    micro_batches_multiple_of_stages: bool = False  # m % p == 0
+    fp32_needs_zero_0: bool = False
+    defers_weight_passes: bool = False           # W passes wait beside the activations (ZB-H1)
+    pipeline_engine_only: bool = False           # ZeRO stage <= 1
+
+    def chunks(self, virtual_stages: int) -> int:
+        return virtual_stages if self.uses_virtual_stages else 1
+
+    def warmup_forwards(self, pp: int, num_micro_batches: int, rank: int, virtual_stages: int = 1) -> int:
+        """(Chunk) forwards rank ``rank`` runs before its first backward, capped at all of them."""
+        v = self.chunks(virtual_stages)
+        return min(self.warmup(pp, rank, v), num_micro_batches * v)
+
+    def in_flight(self, pp: int, num_micro_batches: int, rank: int, virtual_stages: int = 1) -> float:
+        """Micro-batches of the rank's whole set of layers held at its peak (the first steady forward)."""
+        v = self.chunks(virtual_stages)
+        held = min(self.warmup_forwards(pp, num_micro_batches, rank, v) + 1, num_micro_batches * v)
+        return held / v if v > 1 else held
+
+    def bubble_slots(self, pp: int, virtual_stages: int = 1, weight_share: float = 1 / 3) -> float:
+        """Idle slots per stage and step; ``weight_share``: W / (F + B + W) of a slot."""
+        return self.bubble(pp, self.chunks(virtual_stages), weight_share)
+
+    def deferred_weight_passes(self, num_micro_batches: int, rank: int) -> int:
+        """The most W passes rank ``rank`` keeps waiting (after a backward, until the next W): r + 1, or 0."""
+        return min(rank + 1, num_micro_batches) if self.defers_weight_passes else 0
+
+    def p2p_factor(self, virtual_stages: int = 1) -> int:
+        """Bytes each rank sends per step in multiples of 1F1B's (a micro-batch crosses p v - 1 boundaries)."""
+        return self.chunks(virtual_stages)
+
+
+REGISTRY: dict[str, Schedule] = {s.name: s for s in (
+    Schedule("1f1b", "1F1B", (), lambda parallel: True, (),
+             warmup=lambda p, r, v: p - r - 1, bubble=lambda p, v, w: float(p - 1)),
+    Schedule("zbh1", "ZB-H1", ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"),
+             lambda parallel: parallel.enable_zbh1_pipeline,
+             ("m >= p", "fp32 needs ZeRO stage 0", "ZeRO stage 0 or 1 (the pipeline engine)"),
+             warmup=lambda p, r, v: p - r - 1,
+             bubble=lambda p, v, w: (p - 1) * (1 - 2 * w),  # (p - 1)(F + B - W) with F + B + W = 1
+             micro_batches_at_least_stages=True, fp32_needs_zero_0=True, pipeline_engine_only=True,
+             defers_weight_passes=True),
+    Schedule("interleaved", "interleaved 1F1B", ("--num-virtual-stages-per-pipeline-rank",),
+             lambda parallel: parallel.num_virtual_stages_per_pipeline_rank > 1,
+             ("p >= 2", "v >= 2", "L divisible by p v", "m divisible by p"),
+             warmup=lambda p, r, v: 2 * (p - r - 1) + (v - 1) * p, bubble=lambda p, v, w: (p - 1) / v,
+             uses_virtual_stages=True, micro_batches_multiple_of_stages=True),
+)}
+DEFAULT = "1f1b"
+SCHEDULES = tuple(REGISTRY)
+LABELS = {name: s.label for name, s in REGISTRY.items()}
+
+
+def get(name: str) -> Schedule:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    return REGISTRY[name]
+
+
+def schedule_name(rc) -> str:
+    """The schedule a RunConfig's flags choose: interleaved with v > 1 virtual stages per rank
+    (--num-virtual-stages-per-pipeline-rank), else ZB-H1 with --enable-zbh1-pipeline, else DeepSpeed's 1F1B. The
+    last registry entry whose flag is set wins (the combinations table refuses two at once)."""
+    for schedule in reversed(REGISTRY.values()):
+        if schedule.name != DEFAULT and schedule.chosen_by(rc.parallel):
+            return schedule.name
+    return DEFAULT
+
+
+def virtual_stages_of(rc) -> int:
+    """Virtual stages per rank the chosen schedule runs (1 unless it uses them)."""
+    return get(schedule_name(rc)).chunks(rc.parallel.num_virtual_stages_per_pipeline_rank)
+
+
+def check_layout(schedule: str, pp: int, num_micro_batches: int, num_layers: int, virtual_stages: int = 1,
+                 precision: str = "bf16", zero_stage: int = 1) -> None:
+    """ValueError naming the values and the fix when ``schedule`` cannot run this layout (its ``rules``)."""
+    s = get(schedule)
+    if s.micro_batches_at_least_stages and num_micro_batches < pp:
+        raise ValueError(f"{s.label} at PP {pp} needs at least {pp} micro-batches per step, got "
+                         f"{num_micro_batches}: raise the global batch or lower the micro-batch size")
+    if s.fp32_needs_zero_0 and precision == "fp32" and zero_stage > 0:
+        raise ValueError(f"{s.label} in fp32 needs ZeRO stage 0 (got {zero_stage}): fp32 ZeRO-1 collects gradients "
+                         f"from autograd hooks that a deferred weight gradient never reaches; use bf16")
+    if s.pipeline_engine_only and zero_stage >= 2:
+        raise ValueError(f"{s.label} is a schedule of the pipeline engine, ZeRO stage {zero_stage} runs on the "
+                         f"non-pipeline one: use ZeRO stage 0 or 1")
+    if s.uses_virtual_stages:
+        if pp < 2:
+            raise ValueError(f"interleaved virtual stages need PP >= 2 (got {pp})")
+        if num_layers % (pp * virtual_stages):
+            raise ValueError(f"{num_layers} layers do not split into PP {pp} x {virtual_stages} virtual stages = "
+                             f"{pp * virtual_stages} equal chunks: use a layer count that is a multiple of "
+                             f"{pp * virtual_stages}, or fewer virtual stages")
+    if s.micro_batches_multiple_of_stages and num_micro_batches % pp:
+        raise ValueError(f"{s.label} at PP {pp} needs the micro-batches per step ({num_micro_batches}) to "
+                         f"be a multiple of {pp}: change the global batch or the micro-batch size")
