@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-# Pinned where it matters (see ../shared/ARCHITECTURE.md: deepspeed 0.17.x / 0.18.0 break bf16 + ZeRO-1).
+# Pinned where it matters: deepspeed 0.17.x / 0.18.0 break bf16 + ZeRO-1.
 TORCH_VERSION     := 2.13.0
 DEEPSPEED_VERSION := 0.19.8
 

@@ -77,8 +77,8 @@ def main() -> None:
                                              "num_workers": "0 (ranks_1_num_workers_2: 2)",
                                              "layouts": {str(k): v for k, v in LAYOUTS.items()},
                                              "launcher": "torchrun --standalone", "OMP_NUM_THREADS": 1},
-          "compared_with": "goal: data wait < 1% of step time; startup figures in /work/shared/ARCHITECTURE.md "
-                           "(8 ranks 22-35 s, 4 ranks 11-14 s)",
+          "compared_with": "goal: data wait < 1% of step time; earlier startup figures: 8 ranks 22-35 s, "
+                           "4 ranks 11-14 s; this benchmark's last results in docs/performance.md",
           "results": results, "machine": before}, args.output)
 
 

@@ -9,6 +9,13 @@ collecting them all (``check.check_argv``); ``parse`` holds the flag steps (envi
 ``build`` the Namespace -> RunConfig step and the vocabulary. The data-naming formats (--data-path,
 weighted split paths) are parsed by megatron.data.dataset_utils, the parser the dataset builders use
 too. Imports megatron.config and (for the tokenizer and those formats) megatron.data; never deepspeed.
+
+One module per feature's argument group and its step:
+
+    moe           the mixture-of-experts flags: Megatron-LM's names, Megatron-DeepSpeed's spellings where they agree
+    mla           the multi-head latent attention flags (``--multi-latent-attention``, ``--q-lora-rank``, ...)
+    interleaved   Megatron-LM's interleaved-pipeline flags: either one names the virtual stages per rank
+    zero_bubble   the zero-bubble pipeline flags, Megatron-DeepSpeed's names (rules: megatron.config.zero_bubble)
 """
 
 from megatron.arguments.build import resolve_vocab_size

@@ -136,7 +136,10 @@ def _parallelism(parser):
                         "ranks, each holding chunks i and 2c-1-i of 2c (even causal work), and attention passes the "
                         "key / value blocks around the ring (ring attention, online softmax). Data-parallel size = "
                         "world size / (TP x PP x CP); gradients are reduced over DP x CP. --seq-length must be a "
-                        "multiple of 2 x CP. Pipeline engine (--zero-stage 0 or 1) only. Default 1: off.")
+                        "multiple of 2 x CP. Runs at every --zero-stage (0 and 1 on the pipeline engine, 2 and 3 on the "
+                        "non-pipeline one); what it does not work with yet (Ulysses, MoE, ZeRO++ hpZ, attention "
+                        "dropout, interleaved or ZB-H1 schedules, ...) is refused by name before launch "
+                        "(megatron/config/combinations.py). Default 1: off.")
     g.add_argument("--cp-comm-type", default="p2p", choices=CP_COMM_TYPES,
                    help="How context parallelism exchanges key / value blocks (Megatron-LM's flag): p2p, a ring of "
                         "point-to-point sends overlapped with the block computation. Default p2p.")

@@ -14,6 +14,12 @@
     universal_router   the MoE routers' expert biases beside a universal checkpoint, restored at a resume
     hf_bloom      full weights and configs <-> transformers' Bloom (names only, no transformers import)
     hf_export     full weights <-> transformers model directories: Bloom, GPT-2, GPT-NeoX; tokenizers
+    hf_llama      full (TP=1) weights and configs <-> transformers' Llama family (Llama, Mistral, Qwen2)
+    hf_moe        full weights (every expert) <-> transformers' MoE Llama relatives: Mixtral, Qwen3-MoE
+    hf_deepseek   full weights (every expert) <-> transformers' ``DeepseekV3ForCausalLM`` (latent attention)
+    tp_shards     tensor-parallel shards of one parameter: merged into the full tensor, and split again
+    zero_files    DeepSpeed's own checkpoint files: the classes they pickle, the weights its non-pipeline engine saved
+    expert_files  an MoE checkpoint's experts over expert-parallel ranks, for the single-process tools
 
 Every converter reads ``megatron.model.layout`` for how parameters are laid out. Imports torch,
 megatron.config, megatron.model and megatron.parallel; ``universal`` alone touches deepspeed (its

@@ -10,6 +10,17 @@ Beside them, three pure helpers every layer may read: ``deepspeed`` (the DeepSpe
 ``RunConfig`` gives, merged with the user's JSON; it never imports deepspeed), ``launch`` (rank
 and world size as the launcher set them) and ``schedules`` (the registry of pipeline schedules). Imports nothing
 else of megatron.
+
+The rules each feature adds across a ``RunConfig``, and their helpers:
+
+    combinations       the one table of refused feature combinations: which two do not work together, why, instead
+    moe                MoEConfig: the mixture-of-experts MLP, and the run rules it adds
+    mla                MLAConfig: multi-head latent attention (DeepSeek-V2 / V3)
+    context_parallel   the rules of context parallelism (``--context-parallel-size``, ring attention)
+    pipeline_schedule  which layouts interleaved virtual stages can run, each refused with the fix
+    zero_bubble        what the ZB-H1 pipeline schedule (``--enable-zbh1-pipeline``) needs of a run
+    hardware           what this machine computes fast: bf16 hardware or not, from the CPU's flags (or CUDA)
+    _checks            small validation helpers shared by the config modules
 """
 
 from megatron.config.data import DATA_IMPLS, TOKENIZER_TYPES, DataConfig, DatasetGroup, DatasetSplit, TokenizerConfig

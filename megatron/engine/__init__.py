@@ -7,7 +7,18 @@
   partition methods, activation checkpointing);
 - ``optimizer``: parameter groups (no weight decay on biases and norms) and the fp32 grad-norm clipper;
 - ``initialize``: ``build_engine(run_config, state)``: ``deepspeed.initialize`` on our topology, with the
-  DeepSpeed config ``megatron.config.deepspeed`` derives from the run.
+  DeepSpeed config ``megatron.config.deepspeed`` derives from the run;
+- ``sharded``: ZeRO-2 / ZeRO-3 data parallelism with our tensor parallelism, on DeepSpeed's non-pipeline engine;
+- ``ulysses``: DeepSpeed-Ulysses sequence parallelism (``--ds-sequence-parallel-size``);
+- ``expert_parallel``: expert parallelism on either DeepSpeed engine: the experts' gradients averaged, and their
+  optimizer state sharded, over the expert-data-parallel group only;
+- ``interleaved``: interleaved virtual pipeline stages on DeepSpeed's own pipeline engine;
+- ``interleaved_schedule``: interleaved 1F1B (Megatron-LM's virtual stages) as a DeepSpeed ``PipeSchedule``;
+- ``zero_bubble``: ZB-H1 (``--enable-zbh1-pipeline``) on DeepSpeed's PipelineEngine: the input gradients (B)
+  first, the weight gradients (W) deferred;
+- ``bubble``: the pipeline bubble counted from instruction streams: each stage's idle slots in one step;
+- ``checks``: after ``--load``, every weight, fp32 master and optimizer state finite, or an error naming it;
+- ``timers``: per-phase wall-clock timers, leveled as Megatron-LM's (``--timing-log-level``).
 
 Imports ``megatron.model`` and ``megatron.parallel``; nothing below it imports this package.
 """

@@ -1,7 +1,7 @@
 """DeepSpeed on the CPU accelerator: which accelerator runs, and a C++ compiler for --torch-compile.
 
 On the CPU accelerator DeepSpeed compiles two extensions the first time they are touched, each
-taking most of a minute on a fresh machine (see ../shared/ARCHITECTURE.md): the shared-memory
+taking most of a minute on a fresh machine: the shared-memory
 all-reduce, marked incompatible before ``deepspeed.init_distributed``
 (``megatron.engine.deepspeed_compat.avoid_cpu_jit_builds``), and CPU FusedAdam, avoided by always
 handing DeepSpeed a client ``torch.optim.AdamW`` (``megatron.engine.optimizer``) and never an

@@ -15,6 +15,22 @@
     layout             the pipeline layers and how every parameter is split across TP ranks (from the
                        modules' own tags): what the pipeline and every checkpoint converter read
 
+The modules they live in, and the rest:
+
+    embedding          EmbeddingLayer, OutputLayer: vocab-parallel words, optional learned positions and norm
+    transformer        TransformerLayer (attention + MLP), its MLP, its norms, and FinalLayerNorm
+    attention          causal self-attention with a fused QKV projection per query group; KVCache, SequenceExchange
+    attention_core     the attention core softmax(Q K^T / sqrt(hn) + position bias, causal) V, by one of several kernels
+    latent_attention   multi-head latent attention (MLA; DeepSeek-V2 / V3), heads split across the TP group
+    ring_attention     causal attention over a sequence whose tokens are spread over a context-parallel group
+    positional         position information inside attention: ALiBi biases and rotary embeddings
+    norm               Norm: the LayerNorm or RMSNorm every block, the final norm and BLOOM's embedding norm use
+    moe                the mixture-of-experts MLP (a subpackage: router, dispatch, experts, layer, stats)
+    gpt                GPTModel: embedding -> transformer layers -> final norm -> output head, and the loss
+    kv_cache           BatchKVCache: one layer's keys and values for a batch of sequences of different lengths
+    initialization     weight initialization that depends only on (seed, which parameter), never on build order
+    compile            --torch-compile: each transformer layer compiled on its own
+
 Each module is built from a ``ModelConfig`` and an explicit tensor-parallel group and takes simple
 tensors, so a pipeline engine can stage them one by one. Initial weights depend only on
 (config.seed, parameter name): a pipeline stage, or a different TP size, starts identical.

@@ -1,9 +1,19 @@
 """Tensor parallelism, written here rather than taken from DeepSpeed.
 
-What lives here: ParallelState (the tp / pp / dp groups, laid out like DeepSpeed's
-PipeModelDataParallelTopology), autograd-aware collectives (mappings), Column/RowParallelLinear and
-VocabParallelEmbedding (layers), vocab-parallel cross-entropy, the RNG states tracker, small
-helpers (utils), and which pipeline items each stage holds (pipeline_partition: DeepSpeed's rule, plain Python).
+What lives here:
+
+    state              ParallelState: the tp / pp / dp / sequence-parallel groups, laid out like DeepSpeed's
+                       PipeModelDataParallelTopology
+    mappings           autograd-aware collectives over the tensor-parallel group
+    layers             ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    cross_entropy      vocab-parallel cross-entropy, without gathering the [s, b, v] logits
+    random             the RNG states tracker: named generator states, so dropout differs across TP ranks where it must
+    replicated         keeping the parameters replicated across TP ranks equal (--sync-tp-duplicated-parameters)
+    utils              small helpers shared by the layers: checked division, splitting, param tags
+    pipeline_partition  which pipeline items each stage holds: DeepSpeed's rule, plain Python
+    all_to_all         the autograd all-to-all with uneven splits that expert parallelism exchanges tokens with
+    context_parallel   context parallelism's sequence layout and its ring exchange (``--context-parallel-size``)
+    weight_grad_store  deferred weight gradients for zero-bubble pipeline schedules (ZB-H1)
 
 Imports only torch: never deepspeed, global arguments or environment variables. Process groups are
 passed explicitly; a group of ``None`` means one rank (collectives are the identity).

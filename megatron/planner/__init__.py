@@ -14,6 +14,8 @@
                     p2p bytes per layer and the part the block computation does not hide
     comm_count.py   the analytic count of collectives / p2p in one step, and a recorder that
                     counts the real ones (wrapping torch.distributed) to compare with
+    comm_zero.py    the data-parallel collectives of one optimizer step under ZeRO-2, ZeRO-3 and hpZ (one pipeline
+                    stage)
 
 Pure arithmetic on plain dataclasses: nothing here imports deepspeed, and torch only inside
 ``comm_count.CollectiveRecorder``. Used by tools/plan_parallelism.py and benchmarks/.
