@@ -50,8 +50,8 @@ def cpu_flags() -> list[str]:
 
 
 def write_checkpoint(out_dir: str, corpus: dict, args) -> tuple:
-    from megatron.checkpoint.merge import save_as_training_checkpoint
     from megatron.checkpoint.run_state import converted_run_state
+    from megatron.checkpoint.single_process import save_as_training_checkpoint
     from megatron.config import ModelConfig
     from megatron.model import GPTModel
 

@@ -2,10 +2,10 @@
 
     run_config = run_config_from_argv(argv)   # megatron.config.RunConfig: frozen, validated, vocabulary padded
 
-Everything impossible is rejected here, before any process group starts. ``parser`` holds the
+Everything impossible is rejected here, before any process group starts. ``flags`` holds the
 flags; ``steps`` declares the pipeline from the parsed flags to the RunConfig, once, in order, and
-``pipeline`` runs it, stopping at the first problem (``run_config_from_argv``) or, for ``--dry-run``,
-collecting them all (``check.check_argv``); ``parse`` holds the flag steps (environment, files),
+``runner`` runs it, stopping at the first problem (``run_config_from_argv``) or, for ``--dry-run``,
+collecting them all (``check.check_argv``); ``flag_steps`` holds the flag steps (environment, files),
 ``build`` the Namespace -> RunConfig step and the vocabulary. The data-naming formats (--data-path,
 weighted split paths) are parsed by megatron.data.dataset_utils, the parser the dataset builders use
 too. Imports megatron.config and (for the tokenizer and those formats) megatron.data; never deepspeed.
@@ -19,8 +19,8 @@ One module per feature's argument group and its step:
 """
 
 from megatron.arguments.build import resolve_vocab_size
-from megatron.arguments.parse import merge_skip_ranges
-from megatron.arguments.parser import build_parser
-from megatron.arguments.pipeline import run_config_from_argv
+from megatron.arguments.flag_steps import merge_skip_ranges
+from megatron.arguments.flags import build_parser
+from megatron.arguments.runner import run_config_from_argv
 
 __all__ = ["run_config_from_argv", "build_parser", "resolve_vocab_size", "merge_skip_ranges"]

@@ -31,7 +31,7 @@ def _pick(cls, args, **extra):
 
 
 def assemble_run_config(args) -> RunConfig:
-    """The ``RunConfig`` of the flag steps' Namespace (``megatron.arguments.pipeline``), NOT yet validated.
+    """The ``RunConfig`` of the flag steps' Namespace (``megatron.arguments.runner``), NOT yet validated.
     ``model.padded_vocab_size`` is None."""
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are both set; pick one")

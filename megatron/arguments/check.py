@@ -2,7 +2,7 @@
 
 ``run_config_from_argv`` stops at the first problem, as a launch should; a dry run wants them all. Both run
 the same declared steps (``megatron.arguments.steps``); here in collect mode
-(``megatron.arguments.pipeline``): each step whose inputs passed runs, each problem is recorded, and a step
+(``megatron.arguments.runner``): each step whose inputs passed runs, each problem is recorded, and a step
 whose inputs failed is said "not checked" with the step it waits on. Before the steps, what only a dry run
 meets in the command line itself:
 
@@ -19,8 +19,8 @@ import argparse
 import dataclasses
 from typing import Mapping, Optional, Sequence
 
-from megatron.arguments.parser import build_parser
-from megatron.arguments.pipeline import FAILED, OK, Outcome, run_steps
+from megatron.arguments.flags import build_parser
+from megatron.arguments.runner import FAILED, OK, Outcome, run_steps
 from megatron.arguments.steps import ACROSS_SETTINGS, FLAG_STEPS, STEPS, VOCABULARY, Run
 from megatron.config import RunConfig
 from megatron.config.launch import planned_world_size

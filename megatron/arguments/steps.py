@@ -2,7 +2,7 @@
 
 Each step has a name (what the dry run's "not checked" lines say), the steps whose output it reads
 (``needs``), the fields it fills in (``produces``: attributes of the Namespace, or of the ``Run`` for the
-config steps) and its function. ``megatron.arguments.pipeline`` runs the list, stopping at the first problem
+config steps) and its function. ``megatron.arguments.runner`` runs the list, stopping at the first problem
 (a real launch) or collecting them all (``--dry-run``).
 """
 
@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
-from megatron.arguments import interleaved, mla, moe, parse
+from megatron.arguments import flag_steps, interleaved, mla, moe
 from megatron.arguments.build import assemble_run_config, resolve_vocab_size
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
@@ -80,21 +80,21 @@ def _world_size(run: Run) -> None:
 
 def _data_files(run: Run) -> None:
     """Each pair is there, and opens: its index whole and describing exactly its .bin (a truncated .bin)."""
-    parse.check_data_files(run.args, run.stand_in_splits)
-    problems = index_problems(parse.data_prefixes(run.args, run.stand_in_splits))
+    flag_steps.check_data_files(run.args, run.stand_in_splits)
+    problems = index_problems(flag_steps.data_prefixes(run.args, run.stand_in_splits))
     if problems:
         raise Problems(problems) if run.collect else ValueError(problems[0])
 
 
 def _token_ids(run: Run) -> None:
     """The data's token ids (a bounded scan: megatron.data.checks) are below the tokenizer's vocabulary."""
-    problems = token_id_problems(parse.data_prefixes(run.args, run.stand_in_splits), run.tokenizer.vocab_size)
+    problems = token_id_problems(flag_steps.data_prefixes(run.args, run.stand_in_splits), run.tokenizer.vocab_size)
     if problems:
         raise Problems(problems) if run.collect else ValueError(problems[0])
 
 
 def _training_documents(run: Run) -> None:
-    parse.check_training_documents(run.args, run.stand_in_splits)
+    flag_steps.check_training_documents(run.args, run.stand_in_splits)
 
 
 def _assemble(run: Run) -> None:
@@ -145,31 +145,31 @@ def _vocabulary_wanted(run: Run) -> bool:
 
 WORLD = "the world size"
 FLAG_STEPS = (
-    Step("the dry-run options", parse.check_dry_run_flags),
+    Step("the dry-run options", flag_steps.check_dry_run_flags),
     Step(WORLD, _world_size, produces=("world_size", "rank"), on="run"),
-    Step("the required flags", parse.check_required),
-    Step("the model flags spelled two ways", parse.resolve_model_spellings,
+    Step("the required flags", flag_steps.check_required),
+    Step("the model flags spelled two ways", flag_steps.resolve_model_spellings,
          produces=("position_embedding_type", "num_key_value_heads")),
     Step("the mixture-of-experts flags", moe.resolve_moe, needs=("the required flags",), produces=("moe",)),
-    Step("the recomputation flags", parse.resolve_recompute_spellings,
+    Step("the recomputation flags", flag_steps.resolve_recompute_spellings,
          produces=("recompute_core_attention", "checkpoint_activations", "checkpoint_num_layers")),
-    Step("the parallel sizes against the world size", parse.derive_parallel, needs=(WORLD,),
+    Step("the parallel sizes against the world size", flag_steps.derive_parallel, needs=(WORLD,),
          produces=("data_parallel_size",)),
     Step("the virtual pipeline stages", interleaved.resolve_virtual_stages, needs=("the required flags",),
          produces=("num_virtual_stages_per_pipeline_rank",)),
     Step("the multi-head latent attention flags", mla.resolve_mla,
          produces=("mla",)),
-    Step("the defaults", parse.fill_defaults, produces=("distributed_backend", "profile_ranks")),
-    Step("the skipped iteration ranges", parse.merge_iteration_ranges, produces=("skip_train_iteration_range",)),
-    Step("the data flags", parse.parse_data_flags,
+    Step("the defaults", flag_steps.fill_defaults, produces=("distributed_backend", "profile_ranks")),
+    Step("the skipped iteration ranges", flag_steps.merge_iteration_ranges, produces=("skip_train_iteration_range",)),
+    Step("the data flags", flag_steps.parse_data_flags,
          produces=("data_path_pairs", "split", "train_weighted_split_groups", "valid_weighted_split_groups",
                    "test_weighted_split_groups")),
     Step("the data files", _data_files, needs=("the data flags",), on="run"),
     Step("the training split's documents", _training_documents, needs=("the data files",), on="run"),
-    Step("the tokenizer files", parse.check_tokenizer_files),
-    Step("the output folders", parse.check_output_folders),
-    Step("the DeepSpeed JSON", parse.load_deepspeed_json, produces=("deepspeed_user_config", "zero_stage")),
-    Step("the startup warnings", parse.collect_startup_warnings,
+    Step("the tokenizer files", flag_steps.check_tokenizer_files),
+    Step("the output folders", flag_steps.check_output_folders),
+    Step("the DeepSpeed JSON", flag_steps.load_deepspeed_json, produces=("deepspeed_user_config", "zero_stage")),
+    Step("the startup warnings", flag_steps.collect_startup_warnings,
          needs=("the model flags spelled two ways", "the recomputation flags", "the defaults", "the DeepSpeed JSON"),
          produces=("startup_warnings",)),
 )

@@ -7,7 +7,7 @@
     safe_load     reading a checkpoint file without running code
     integrity     ``checksums.json``: size and SHA-256 of every file, recorded at save, verified before loading
     lock          ``SAVE/.lock``: one run writes into a --save folder
-    merge         any TP / PP -> full TP=1 GPTModel weights, and back to a training checkpoint
+    single_process any TP / PP -> full TP=1 GPTModel weights, and back to a training checkpoint
     universal     the parameter patterns DeepSpeed's ``ds_to_universal`` needs (imports deepspeed's key names)
     universal_engines  a converted universal checkpoint renamed and rewritten for the other DeepSpeed engine
     universal_moe      MoE experts in universal checkpoints: every EP rank's experts in one folder per parameter

@@ -40,7 +40,7 @@ import torch
 
 from megatron.checkpoint import hf_llama
 from megatron.checkpoint.hf_moe import experts_from_hf, experts_to_hf
-from megatron.checkpoint.merge import router_buffer_names
+from megatron.checkpoint.single_process import router_buffer_names
 from megatron.config import ModelConfig
 from megatron.config.mla import MLAConfig
 from megatron.config.moe import MoEConfig

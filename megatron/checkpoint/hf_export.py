@@ -71,7 +71,7 @@ from megatron.checkpoint.hf_moe import (
     moe_state_dict_to_ours,
     ours_to_moe_state_dict,
 )
-from megatron.checkpoint.merge import router_buffer_names
+from megatron.checkpoint.single_process import router_buffer_names
 from megatron.config import ModelConfig
 from megatron.data.tokenizers import EOD_TOKEN_CANDIDATES
 from megatron.model.layout import parameter_layout

@@ -261,7 +261,7 @@ def converted_client_state(seed: int = 1234) -> dict:
 def converted_run_state(config: ModelConfig, tp: int, pp: int, *, tokenizer: Optional[dict] = None,
                         extra: Optional[dict] = None, ep: int = 1) -> dict:
     """The ``run_state.json`` record of a converted checkpoint (what --load checks the flags against): the
-    pipeline engine's layer files, as ``megatron.checkpoint.merge.save_as_training_checkpoint`` writes them;
+    pipeline engine's layer files, as ``megatron.checkpoint.single_process.save_as_training_checkpoint`` writes them;
     with ``ep`` > 1 (MoE) one expert file per expert-parallel rank beside them, for ``ep`` data-parallel ranks."""
     parallel = _parallel(tp, pp, ep)
     if ep > 1:

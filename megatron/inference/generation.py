@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron.checkpoint.merge import load_full_state_dict
+from megatron.checkpoint.single_process import load_full_state_dict
 from megatron.checkpoint.tp_shards import split_for_tp
 from megatron.config import ModelConfig, TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer

@@ -57,7 +57,7 @@ def test_export_matches_transformers_logits_and_greedy_text(tmp_path, tiny_corpu
         assert r["text"] == ours_tok.detokenize(ids)
 
     # And back from the sharded directory: our weights exactly, the padding rows now zero.
-    from megatron.checkpoint.merge import load_full_state_dict
+    from megatron.checkpoint.single_process import load_full_state_dict
 
     assert from_hf.main(["--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "back"),
                          "--tensor-model-parallel-size", "2", "--seq-length", "32"]) == 0
@@ -102,7 +102,7 @@ def _random_hf_model(kind):
 @pytest.mark.parametrize("kind", ["bloom", "gpt2", "gpt_neox"])
 def test_hf_to_ours_tp2_pp2_to_hf_reproduces_every_tensor(tmp_path, tiny_corpus, kind):
     from megatron.checkpoint.hf_export import export_tokenizer
-    from megatron.checkpoint.merge import load_full_state_dict
+    from megatron.checkpoint.single_process import load_full_state_dict
 
     model = _random_hf_model(kind)
     model.save_pretrained(str(tmp_path / "hf_in"))

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron.checkpoint.hf_export import export_tokenizer, hf_architecture
-from megatron.checkpoint.merge import load_full_state_dict
+from megatron.checkpoint.single_process import load_full_state_dict
 from megatron.config import TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.testing import run_distributed
@@ -145,8 +145,8 @@ def test_tp2_shards_of_an_imported_llama_compute_transformers_logits(tmp_path, t
 def test_a_trained_llama_checkpoint_exports_to_llama_for_causal_lm(tmp_path, tiny_corpus):
     from transformers import AutoModelForCausalLM
 
-    from megatron.checkpoint.merge import save_as_training_checkpoint
     from megatron.checkpoint.run_state import converted_run_state
+    from megatron.checkpoint.single_process import save_as_training_checkpoint
 
     config = tiny_model_config(position_embedding_type="rotary", embed_layernorm=False, normalization="rmsnorm",
                                swiglu=True, num_key_value_heads=2, add_bias_linear=False,

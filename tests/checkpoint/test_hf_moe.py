@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from megatron.checkpoint.hf_export import hf_architecture
 from megatron.checkpoint.hf_moe import model_config_from_moe
-from megatron.checkpoint.merge import load_full_state_dict, save_as_training_checkpoint
 from megatron.checkpoint.safe_load import safe_load
+from megatron.checkpoint.single_process import load_full_state_dict, save_as_training_checkpoint
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.checkpoint import tiny_model_config
 from tests.helpers.hf import (

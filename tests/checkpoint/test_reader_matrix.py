@@ -33,9 +33,9 @@ import pytest
 import torch
 
 from megatron.arguments import run_config_from_argv
-from megatron.checkpoint.merge import load_full_state_dict
 from megatron.checkpoint.run_state import load_run_state, reader_for
 from megatron.checkpoint.safe_load import safe_load
+from megatron.checkpoint.single_process import load_full_state_dict
 from megatron.checkpoint.tp_shards import merge_tp_shards
 from megatron.checkpoint.universal_engines import folder_names
 from megatron.config import ModelConfig, TokenizerConfig

@@ -45,8 +45,8 @@ def random_state_dict(config: ModelConfig, seed: int = 0, scale: float = 0.3) ->
 
 def write_random_checkpoint(out_dir, tiny_corpus, tp: int = 1, pp: int = 1, **config_overrides):
     """A training checkpoint of a random tiny model at (tp, pp); returns (config, full state dict)."""
-    from megatron.checkpoint.merge import save_as_training_checkpoint
     from megatron.checkpoint.run_state import converted_run_state
+    from megatron.checkpoint.single_process import save_as_training_checkpoint
 
     config = tiny_model_config(**config_overrides)
     state = random_state_dict(config)

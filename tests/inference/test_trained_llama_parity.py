@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from megatron.checkpoint.merge import load_full_state_dict
+from megatron.checkpoint.single_process import load_full_state_dict
 from megatron.testing import run_distributed, tiny_argv
 from megatron.testing.tolerance import model_tolerance
 from tests.helpers.inference import PROMPTS, VOCAB, fixed_tokens, train_and_evaluate

@@ -48,7 +48,7 @@ def _hf(path):
 
 @pytest.mark.multiprocess
 def test_exported_bloom_matches_the_training_engine_and_our_model(trained):
-    from megatron.checkpoint.merge import load_full_state_dict
+    from megatron.checkpoint.single_process import load_full_state_dict
     from megatron.model import GPTModel
 
     hf = _hf(trained["root"] / "hf")

@@ -76,7 +76,7 @@ def _flip_a_byte(path, offset=-100):
 
 @pytest.mark.multiprocess
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one_or_is_refused(two_saves, tmp_path):
-    from megatron.checkpoint.merge import load_full_state_dict
+    from megatron.checkpoint.single_process import load_full_state_dict
     from megatron.checkpoint.tags import CheckpointFormatError
 
     corpus, ckpt = two_saves

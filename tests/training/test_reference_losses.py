@@ -39,7 +39,7 @@ def test_a_legacy_checkpoint_is_refused_with_the_conversion_command(tiny_corpus,
 
 
 def test_the_single_process_reader_reads_both_layouts_alike(tmp_path):
-    from megatron.checkpoint.merge import load_full_state_dict
+    from megatron.checkpoint.single_process import load_full_state_dict
 
     old_config, old, _ = load_full_state_dict(str(CHECKPOINT_DIR))
     new_config, new, record = load_full_state_dict(upgraded_checkpoint(str(tmp_path / "upgraded")))

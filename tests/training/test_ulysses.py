@@ -184,8 +184,8 @@ def test_ulysses_zero0_and_zero1_checkpoints_export_and_refuse_the_pipeline_engi
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron.checkpoint.merge import load_full_state_dict
     from megatron.checkpoint.run_state import load_run_state
+    from megatron.checkpoint.single_process import load_full_state_dict
     from megatron.model import GPTModel
     from megatron.testing.tolerance import model_tolerance
     from tools.convert_checkpoint import to_hf

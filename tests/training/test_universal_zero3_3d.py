@@ -7,7 +7,7 @@ ds_to_universal.py --target-engine for the other engine, resumes there at iterat
 moments, step count, schedule and data position: the continued losses equal, within ``run_tolerance`` in fp32, both
 the source's own iterations 6-10 (the run continuing) and the target layout's straight run (the two
 layouts train alike, test_zero_sharding.py / test_equivalence.py). A run that loads and saves at once
-saves exactly the weights the source saved (merged to TP = 1 by megatron.checkpoint.merge). ZeRO-2 at
+saves exactly the weights the source saved (merged to TP = 1 by megatron.checkpoint.single_process). ZeRO-2 at
 TP=2 x DP=2 the same way: to 3D, and from the 3D checkpoint converted for ZeRO-3 (one conversion in
 GPTModel's names serves both stages), which ZeRO-3 at TP=2 x DP=2 loads too; a Llama-style model
 (untied head) both ways between ZeRO-3 and 3D. Wrong-engine and stale conversions are refused by name,
@@ -125,7 +125,7 @@ def test_loading_gives_the_saved_weights_and_optimizer_step(reshaped):
     the source's in every parameter group (a tensor of its own each: ZeRO-3's loader shares one, which Adam
     would count up once per group), and each group keeps its own weight decay (ZeRO-3's loader copies the
     first group's onto all)."""
-    from megatron.checkpoint.merge import load_full_state_dict
+    from megatron.checkpoint.single_process import load_full_state_dict
 
     runs, d = reshaped
     for source, loaded in (("z3", "d3_loaded"), ("d3", "z3_loaded")):

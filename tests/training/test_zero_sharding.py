@@ -134,7 +134,7 @@ def test_zero2_and_zero3_checkpoints_give_the_single_process_weights_and_export(
     Hugging Face export of the ZeRO-3 TP=2 checkpoint equals that of the single-process one."""
     import torch
 
-    from megatron.checkpoint.merge import load_full_state_dict
+    from megatron.checkpoint.single_process import load_full_state_dict
     from tools.convert_checkpoint import to_hf
 
     *_, saves = runs
@@ -167,7 +167,7 @@ def test_a_crafted_zero3_file_is_refused_by_name(runs, tmp_path):
     import torch
 
     from megatron.checkpoint.integrity import record_checksums
-    from megatron.checkpoint.merge import load_full_state_dict
+    from megatron.checkpoint.single_process import load_full_state_dict
     from megatron.checkpoint.tags import CheckpointFormatError
 
     *_, saves = runs

@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     from megatron.checkpoint.hf_export import export_tokenizer, write_hf_model
-    from megatron.checkpoint.merge import load_full_state_dict
+    from megatron.checkpoint.single_process import load_full_state_dict
     from megatron.inference.generation import DTYPES, tokenizer_from_record
 
     args = parse_args(argv)

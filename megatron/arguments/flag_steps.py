@@ -1,4 +1,4 @@
-"""The flag steps of the argument pipeline (``megatron.arguments.pipeline``): each takes the parsed
+"""The flag steps of the argument pipeline (``megatron.arguments.runner``): each takes the parsed
 ``argparse.Namespace``, checks one thing or fills in Megatron's derived values, and raises ValueError
 naming the values and the fix.
 
@@ -16,7 +16,7 @@ import json
 import os
 from typing import Optional, Sequence
 
-from megatron.arguments.parser import DRY_RUN_OPTIONS, POSITION_EMBEDDING_ALIASES
+from megatron.arguments.flags import DRY_RUN_OPTIONS, POSITION_EMBEDDING_ALIASES
 from megatron.config import deepspeed_zero_stage
 from megatron.data.dataset_utils import document_range, parse_data_path, parse_split, parse_weighted_split_paths
 from megatron.data.hf_cache import resolve_tokenizer_path

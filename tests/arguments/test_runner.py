@@ -5,8 +5,8 @@ import pytest
 
 from megatron.arguments import run_config_from_argv
 from megatron.arguments.check import check_argv
-from megatron.arguments.parser import build_parser
-from megatron.arguments.pipeline import FAILED, OK, run_steps
+from megatron.arguments.flags import build_parser
+from megatron.arguments.runner import FAILED, OK, run_steps
 from megatron.arguments.steps import SETTINGS, STEPS, Run
 from tests.helpers.arguments import tiny_config_argv
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron.checkpoint.integrity import record_checksums
-from megatron.checkpoint.merge import load_full_state_dict, save_as_training_checkpoint
 from megatron.checkpoint.safe_load import safe_load
+from megatron.checkpoint.single_process import load_full_state_dict, save_as_training_checkpoint
 from megatron.checkpoint.tags import CheckpointFormatError, resolve_tag
 from megatron.checkpoint.tp_shards import merge_tp_shards, split_for_tp
 from megatron.model import GPTModel
@@ -152,7 +152,7 @@ def test_a_file_that_is_not_plain_tensors_is_refused_by_name(tmp_path, tiny_corp
     path = tmp_path / "global_step0" / "layer_03-model_00-model_states.pt"
     torch.save({"weight": torch.ones(64), "bias": torch.zeros(64), "extra": Opaque()}, path)
     record_checksums(str(path.parent), distributed=False)  # a crafted checkpoint comes with matching checksums
-    with pytest.raises(CheckpointFormatError, match="weights_only=True.*test_merge.Opaque"):
+    with pytest.raises(CheckpointFormatError, match="weights_only=True.*test_single_process.Opaque"):
         load_full_state_dict(str(tmp_path))
     path.write_bytes(b"garbage")
     record_checksums(str(path.parent), distributed=False)

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from typing import Optional, Sequence
 
-from megatron.arguments.parser import build_parser
+from megatron.arguments.flags import build_parser
 from megatron.arguments.steps import STEPS, Problems, Run, Step
 from megatron.config import RunConfig
 from megatron.config.launch import detect_launch
