@@ -64,13 +64,13 @@ def emit(result: dict, output: str | None = None) -> None:
 
 
 def tiny_corpus(path: str | None = None) -> dict:
-    from megatron.testing.corpus import make_tiny_corpus
+    from megatron.testing.tiny_corpus import make_tiny_corpus
 
     return make_tiny_corpus(path or os.path.join(REPO, "data_cache", "bench_tiny_corpus"))
 
 
 def tiny_argv(corpus: dict, **flags) -> list[str]:
     """The tests' tiny BLOOM-style flags (megatron.testing.tiny_argv) with overrides."""
-    from megatron.testing.corpus import tiny_argv as argv
+    from megatron.testing.tiny_corpus import tiny_argv as argv
 
     return argv(corpus, **flags)

@@ -72,7 +72,7 @@ def train_throughput(name: str, sizes: dict, seq: int, mbs: int, steps: int, war
                      peak_override, attention_backend: str = "auto", compiled: bool = False) -> dict:
     from benchmarks.bench_train_vs_transformers import Ours  # same engine construction as pretrain()
     from megatron.planner import GPUS, estimate_memory
-    from megatron.planner.layout import Layout
+    from megatron.planner.candidate import Layout
     from megatron.planner.specs import model_shape_of
     from megatron.training.metrics import current_device_name, peak_tflops_for_device, throughput_metrics
 

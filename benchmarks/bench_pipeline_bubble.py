@@ -8,7 +8,7 @@ in units of one whole stage's pass (F = B = W = 1):
   interleaved_v2/4  our InterleavedSchedule's passes placed on a timeline by
                     ``megatron.engine.interleaved_schedule.simulate`` (a chunk's forward 1, its backward 2, each
                     1/v of a stage's), the idle chunk slots divided by v
-against the planner's analytic idle slots (``megatron.planner.schedules.bubble_slots``: (p - 1) slots of F + B + W
+against the planner's analytic idle slots (``megatron.planner.schedule_costs.bubble_slots``: (p - 1) slots of F + B + W
 for 1F1B, (p - 1)(F + B - W) for ZB-H1, (p - 1) / v slots for interleaved) and the bubble's share of the step.
 A layout a schedule cannot run (interleaved: m not a multiple of p) records the refusal instead.
 
@@ -34,7 +34,7 @@ from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepsp
 from benchmarks._common import emit, machine
 from megatron.engine.bubble import SCHEDULES, idle_slots, schedule_streams
 from megatron.engine.interleaved_schedule import InterleavedSchedule, passes_of, simulate
-from megatron.planner.schedules import bubble_slots, check_schedule
+from megatron.planner.schedule_costs import bubble_slots, check_schedule
 from megatron.testing import make_tiny_corpus, run_distributed, tiny_argv
 
 # (stages, micro-batches); 12: BLOOM-176B (12 at its rampup start, its final 128, and 132 for interleaving)

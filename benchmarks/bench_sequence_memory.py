@@ -85,7 +85,7 @@ def _measure(rank, world_size, layouts):
 
 
 def predicted_bytes(tp: int, u: int, sp: bool) -> float:
-    from megatron.planner.layout import Layout
+    from megatron.planner.candidate import Layout
     from megatron.planner.memory import layer_activation_bytes
     from megatron.planner.specs import model_shape_of
 

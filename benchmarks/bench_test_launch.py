@@ -49,7 +49,7 @@ def _torchrun(argv) -> float:
 
 
 def _forked(runs) -> float:
-    from megatron.testing.distributed import run_distributed
+    from megatron.testing.processes import run_distributed
 
     t0 = time.perf_counter()
     run_distributed(_train, world_size=2, args=(runs,), timeout=900)

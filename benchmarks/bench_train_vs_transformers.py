@@ -84,7 +84,7 @@ class Ours:
         from megatron.arguments import run_config_from_argv
         from megatron.engine.initialize import build_engine, init_deepspeed_comm
         from megatron.parallel.state import ParallelState
-        from megatron.training.data import build_datasets, micro_batch_iterator
+        from megatron.training.data_iterators import build_datasets, micro_batch_iterator
         from megatron.training.distributed import init_process_group
         from megatron.training.pretrain import set_seeds
 

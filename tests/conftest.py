@@ -13,7 +13,7 @@ import pytest
 # test module's, their failures show both numbers and the tolerance report (below) sees them.
 pytest.register_assert_rewrite("tests.helpers")
 
-from megatron.testing.corpus import write_stand_in_dataset  # noqa: E402 (after the rewrite registration)
+from megatron.testing.tiny_corpus import write_stand_in_dataset  # noqa: E402 (after the rewrite registration)
 from megatron.testing.tolerance_report import record as record_tolerance  # noqa: E402
 from tests.helpers.paths import REPO_ROOT, SHARED_DATA, make_read_only, make_writable  # noqa: E402
 
@@ -35,7 +35,7 @@ def shared_data() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> dict:
     """``megatron.testing.make_tiny_corpus`` once per session (train with ``megatron.testing.tiny_argv``)."""
-    from megatron.testing.corpus import make_tiny_corpus
+    from megatron.testing.tiny_corpus import make_tiny_corpus
 
     return make_tiny_corpus(str(tmp_path_factory.mktemp("tiny_corpus")))
 

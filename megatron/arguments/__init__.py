@@ -12,10 +12,10 @@ too. Imports megatron.config and (for the tokenizer and those formats) megatron.
 
 One module per feature's argument group and its step:
 
-    moe           the mixture-of-experts flags: Megatron-LM's names, Megatron-DeepSpeed's spellings where they agree
-    mla           the multi-head latent attention flags (``--multi-latent-attention``, ``--q-lora-rank``, ...)
-    interleaved   Megatron-LM's interleaved-pipeline flags: either one names the virtual stages per rank
-    zero_bubble   the zero-bubble pipeline flags, Megatron-DeepSpeed's names (rules: megatron.config.zero_bubble)
+    moe_flags          the mixture-of-experts flags: Megatron-LM's names, and Megatron-DeepSpeed's where they agree
+    mla_flags          the multi-head latent attention flags (``--multi-latent-attention``, ``--q-lora-rank``, ...)
+    interleaved_flags  Megatron-LM's interleaved-pipeline flags: either one names the virtual stages per rank
+    zero_bubble_flags  the zero-bubble pipeline flags, Megatron-DeepSpeed's names (rules: megatron.config.zero_bubble)
 """
 
 from megatron.arguments.build import resolve_vocab_size

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.arguments.interleaved import add_interleaved_arguments
-from megatron.arguments.mla import add_mla_arguments
-from megatron.arguments.moe import add_moe_arguments
-from megatron.arguments.zero_bubble import add_zero_bubble_arguments
+from megatron.arguments.interleaved_flags import add_interleaved_arguments
+from megatron.arguments.mla_flags import add_mla_arguments
+from megatron.arguments.moe_flags import add_moe_arguments
+from megatron.arguments.zero_bubble_flags import add_zero_bubble_arguments
 from megatron.config import (
     ATTENTION_BACKENDS,
     CP_COMM_TYPES,

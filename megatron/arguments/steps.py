@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
-from megatron.arguments import flag_steps, interleaved, mla, moe
+from megatron.arguments import flag_steps, interleaved_flags, mla_flags, moe_flags
 from megatron.arguments.build import assemble_run_config, resolve_vocab_size
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
@@ -150,14 +150,14 @@ FLAG_STEPS = (
     Step("the required flags", flag_steps.check_required),
     Step("the model flags spelled two ways", flag_steps.resolve_model_spellings,
          produces=("position_embedding_type", "num_key_value_heads")),
-    Step("the mixture-of-experts flags", moe.resolve_moe, needs=("the required flags",), produces=("moe",)),
+    Step("the mixture-of-experts flags", moe_flags.resolve_moe, needs=("the required flags",), produces=("moe",)),
     Step("the recomputation flags", flag_steps.resolve_recompute_spellings,
          produces=("recompute_core_attention", "checkpoint_activations", "checkpoint_num_layers")),
     Step("the parallel sizes against the world size", flag_steps.derive_parallel, needs=(WORLD,),
          produces=("data_parallel_size",)),
-    Step("the virtual pipeline stages", interleaved.resolve_virtual_stages, needs=("the required flags",),
+    Step("the virtual pipeline stages", interleaved_flags.resolve_virtual_stages, needs=("the required flags",),
          produces=("num_virtual_stages_per_pipeline_rank",)),
-    Step("the multi-head latent attention flags", mla.resolve_mla,
+    Step("the multi-head latent attention flags", mla_flags.resolve_mla,
          produces=("mla",)),
     Step("the defaults", flag_steps.fill_defaults, produces=("distributed_backend", "profile_ranks")),
     Step("the skipped iteration ranges", flag_steps.merge_iteration_ranges, produces=("skip_train_iteration_range",)),

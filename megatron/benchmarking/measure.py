@@ -17,6 +17,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from megatron.arguments import run_config_from_argv
 from megatron.engine.sharded import ShardedEngine
 from megatron.parallel.state import group_layout
+from megatron.planner.candidate import Layout
 from megatron.planner.comm_count import (
     CollectiveRecorder,
     StepShape,
@@ -25,7 +26,6 @@ from megatron.planner.comm_count import (
     classify,
 )
 from megatron.planner.comm_zero import ModuleParams, ZeroSettings, analytic_zero_counts
-from megatron.planner.layout import Layout
 from megatron.planner.memory import RESIDENT, stage_param_counts, static_bytes
 from megatron.planner.specs import ModelShape
 from megatron.training.pretrain import pretrain

@@ -1,7 +1,7 @@
 """MLAConfig: multi-head latent attention (DeepSeek-V2 / V3), what replaces the fused-QKV attention of every layer.
 
 Field names follow Megatron-LM's flags (``--q-lora-rank``, ``--kv-lora-rank``, ``--qk-head-dim``,
-``--qk-pos-emb-head-dim``, ``--v-head-dim``); ``megatron.arguments.mla`` maps the flags onto them.
+``--qk-pos-emb-head-dim``, ``--v-head-dim``); ``megatron.arguments.mla_flags`` maps the flags onto them.
 """
 
 from __future__ import annotations

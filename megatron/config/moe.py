@@ -1,7 +1,7 @@
 """MoEConfig: the mixture-of-experts MLP (what replaces the dense MLP in chosen layers), and the run rules it adds.
 
 Field names follow Megatron-LM's flags (``--num-experts``, ``--moe-router-topk``, ...) without the ``moe_``
-prefix; ``megatron.arguments.moe`` maps the flags (and Megatron-DeepSpeed's spellings) onto them.
+prefix; ``megatron.arguments.moe_flags`` maps the flags (and Megatron-DeepSpeed's spellings) onto them.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ weight-gradient pass; 1F1B runs B + W as one backward). Each entry gives:
                warm-up chunk forwards, (p - 1) / v idle slots, v times 1F1B's p2p bytes. Needs L divisible by
                p v and m by p.
 
-Who reads it: the planner (megatron/planner/schedules.py: bubble, memory, p2p costs), the engine
+Who reads it: the planner (megatron/planner/schedule_costs.py: bubble, memory, p2p costs), the engine
 (megatron/engine/initialize.py picks the engine class by ``schedule_name``; megatron/engine/bubble.py's analytic
 bubble; megatron/engine/interleaved_schedule.py's warm-up) and the dry run (megatron/dry_run/estimate.py).
 

@@ -26,7 +26,7 @@ from megatron.planner.context_parallel import (
 from megatron.planner.memory import MEMORY_HEADROOM, activation_terms, stage_expert_param_counts
 from megatron.planner.moe import step_all_to_all_bytes
 from megatron.planner.performance import ATTENTION_EFFICIENCY
-from megatron.planner.schedules import in_flight, p2p_bytes_per_step
+from megatron.planner.schedule_costs import in_flight, p2p_bytes_per_step
 from megatron.planner.specs import DEFAULT_CLUSTER, GiB, model_shape_of
 
 DEFAULT_GPU = "A100-80GB"  # what BLOOM-176B trained on (Jean Zay), the GPU these flags were written for
@@ -176,7 +176,7 @@ def context_parallel_section(rc: RunConfig, stage_layers: list[int], gpu, cluste
 
 def schedule_section(rc: RunConfig, stage_layers: list[int], gpu, cluster) -> Optional[dict]:
     """The pipeline schedule's bubble, activation memory per stage and p2p bytes per step for the run's own flags,
-    beside 1F1B's on the same layout (``megatron.planner.schedules``); None without a pipeline (PP 1)."""
+    beside 1F1B's on the same layout (``megatron.planner.schedule_costs``); None without a pipeline (PP 1)."""
     layout = planner_layout(rc, stage_layers)
     if layout.pp == 1:
         return None

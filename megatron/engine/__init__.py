@@ -17,7 +17,7 @@
 - ``zero_bubble``: ZB-H1 (``--enable-zbh1-pipeline``) on DeepSpeed's PipelineEngine: the input gradients (B)
   first, the weight gradients (W) deferred;
 - ``bubble``: the pipeline bubble counted from instruction streams: each stage's idle slots in one step;
-- ``checks``: after ``--load``, every weight, fp32 master and optimizer state finite, or an error naming it;
+- ``load_checks``: after ``--load``, every weight, fp32 master and optimizer state finite, or an error naming it;
 - ``timers``: per-phase wall-clock timers, leveled as Megatron-LM's (``--timing-log-level``).
 
 Imports ``megatron.model`` and ``megatron.parallel``; nothing below it imports this package.

@@ -11,7 +11,7 @@ alternates one forward and one backward, then drains the remaining backwards.
 DeepSpeed instructions for ``megatron.engine.interleaved.InterleavedPipelineEngine``; ``simulate`` runs the
 compute instructions of any schedule's stream (ours or DeepSpeed's ``TrainSchedule``) on a timeline of unit
 slots and counts each rank's idle slots, which the registry (``megatron.config.schedules``: (p - 1) / v idle slots,
-``megatron.planner.schedules.bubble_fraction``) states in closed form: (p - 1) / (v * m + p - 1) of every rank's
+``megatron.planner.schedule_costs.bubble_fraction``) states in closed form: (p - 1) / (v * m + p - 1) of every rank's
 step, with F and B passes of one chunk taking t_f / v and t_b / v of a whole stage's time.
 """
 

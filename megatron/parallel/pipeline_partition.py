@@ -10,7 +10,7 @@ The pipeline engine (``PipelineModule``) splits its ordered layer list into cont
 
 "Balanced" is DeepSpeed's linear-partition dynamic programme: it minimises the spread (heaviest stage minus
 lightest) of the stage weights, each stage non-empty, preferring the latest cut among equal spreads.
-Read by the engine (``megatron.engine.partition``, the dry run) and the planner (``megatron.planner.layout``);
+Read by the engine (``megatron.engine.partition``, the dry run) and the planner (``megatron.planner.candidate``);
 tests/engine/test_partition.py checks it against DeepSpeed's own partitioning. Imports nothing but ``re``.
 """
 

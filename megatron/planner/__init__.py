@@ -5,8 +5,9 @@
     memory.py       bytes per rank: weights, gradients, optimizer state (per DeepSpeed optimizer),
                     activations (Korthikanti et al. 2022; with SP and Ulysses), 1F1B in-flight micro-batches
     performance.py  step time from a compute + communication model, TFLOPs, MFU
-    schedules.py    pipeline schedules (1F1B, ZB-H1, interleaved): bubble, micro-batches in flight, deferred
-                    weight-gradient passes, p2p bytes, which layouts each runs
+    schedule_costs.py  pipeline schedules (1F1B, ZB-H1, interleaved) in the planner: bubble, micro-batches in
+                    flight, deferred weight-gradient passes, p2p bytes (the rules: megatron.config.schedules)
+    candidate.py    one candidate parallel layout and how it splits the model's layers over pipeline stages
     search.py       enumerate (TP, PP, DP, SP, Ulysses, micro-batch, recompute, ZeRO, schedule) layouts, rank them;
                     the longest sequence each family of layouts fits
     moe.py          mixture of experts: experts per (TP, EP) rank, the token all-to-all bytes, EP layout rules

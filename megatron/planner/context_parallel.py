@@ -34,7 +34,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-from megatron.planner.layout import Layout
+from megatron.planner.candidate import Layout
 from megatron.planner.specs import ClusterSpec, GPUSpec, ModelShape
 
 __all__ = ["kv_block_elements", "ring_bytes", "ring_buffer_bytes", "ring_exposed_s", "ring_saved_bytes",

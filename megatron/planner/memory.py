@@ -36,8 +36,8 @@ Recomputation in Large Transformer Models", eqs. 2 and 4), bf16, t = TP, u = Uly
   the layer's input is the rank's own shard), and one layer's full set is alive while it is
   recomputed and back-propagated. Under 1F1B (non-interleaved) stage i holds min(p - i, m)
   micro-batches in flight, so the first stage holds p of them; ZB-H1 and interleaved 1F1B hold what
-  ``megatron.planner.schedules`` derives (ZB-H1 adds the waiting weight-gradient passes' inputs). The first stage also keeps the
-  embedding dropout mask (s*b*h bytes per micro-batch, split like a layer's input); the last stage the
+  ``megatron.planner.schedule_costs`` derives (ZB-H1 adds the waiting weight-gradient passes' inputs). The
+  first stage also keeps the embedding dropout mask (s*b*h bytes per micro-batch, split like a layer's input); the last stage the
   logits of one micro-batch: bf16 logits + fp32 copy for the loss + fp32 gradient = 10*s*b*V/t bytes
   (/u with Ulysses). fp32 runs: 4-byte activations (``activation_bytes_per_element``).
 Context parallelism (CP = c, ring attention): every term for s/c tokens, no scores, plus what the ring kernel
@@ -52,10 +52,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron.planner.candidate import Layout, stage_layer_counts
 from megatron.planner.context_parallel import ring_buffer_bytes, ring_saved_bytes
-from megatron.planner.layout import Layout, stage_layer_counts
 from megatron.planner.moe import check_expert_layout
-from megatron.planner.schedules import check_schedule, first_chunk_in_flight, in_flight, peak_units
+from megatron.planner.schedule_costs import check_schedule, first_chunk_in_flight, in_flight, peak_units
 from megatron.planner.specs import GiB, ModelShape
 
 RUNTIME_OVERHEAD = 3 * GiB   # assumption, not measured here: CUDA context ~0.5-1 GiB + NCCL buffers + workspaces
@@ -239,7 +239,7 @@ def head_weight_pass_bytes(model: ModelShape, layout: Layout, seq_length: int, b
 def activation_terms(model: ModelShape, layout: Layout, seq_length: int, global_batch_size: int) -> list[dict]:
     """Activation bytes of each stage by term, at the stage's peak under ``layout.schedule``:
       saved      the activations the layers keep for backward, of every micro-batch in flight
-                 (``megatron.planner.schedules.in_flight``), plus ZB-H1's waiting W passes (the head's too)
+                 (``megatron.planner.schedule_costs.in_flight``), plus ZB-H1's waiting W passes (the head's too)
       embedding  the first stage's embedding dropout masks (1 byte per element), one per micro-batch in flight
       logits     the last stage's logits of one micro-batch: the logits, an fp32 copy and its fp32 gradient
       backward   the layer being back-propagated: its activation gradients (~ one layer's set) and, with

@@ -38,7 +38,7 @@ Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
 
 Step = (m + p - 1) * slot + DP + tied embedding + optimizer, where slot is the slowest stage's
 micro-batch time (1F1B: m micro-batches plus p-1 slots of fill and drain; bubble (p-1)/m). Other schedules
-(``megatron.planner.schedules``): ZB-H1 idles (p - 1)(F + B - W), W the weight-gradient GEMMs (one forward's
+(``megatron.planner.schedule_costs``): ZB-H1 idles (p - 1)(F + B - W), W the weight-gradient GEMMs (one forward's
 weight GEMMs); interleaved with v chunks per rank (p - 1) / v slots, and v times the p2p sends per slot.
   DP          over d = DP x Ulysses ranks (all of them hold the same weights).
               BF16_Optimizer all-reduces the fp32 gradient buffer cast to bf16, DeepSpeed's default
@@ -56,11 +56,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron.planner.candidate import Layout, stage_layer_counts
 from megatron.planner.context_parallel import ring_exposed_s
-from megatron.planner.layout import Layout, stage_layer_counts
 from megatron.planner.memory import layer_activation_bytes, stage_expert_param_counts, stage_param_counts
 from megatron.planner.moe import layer_bytes
-from megatron.planner.schedules import bubble_slots
+from megatron.planner.schedule_costs import bubble_slots
 from megatron.planner.specs import ClusterSpec, GPUSpec, ModelShape
 
 GEMM_EFFICIENCY = 0.75       # large bf16 GEMMs reach ~75% of the dense peak (cuBLAS, A100 and H100)

@@ -21,10 +21,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Optional
 
-from megatron.planner.layout import Layout
+from megatron.planner.candidate import Layout
 from megatron.planner.memory import MEMORY_HEADROOM, MemoryEstimate, estimate_memory
 from megatron.planner.performance import StepEstimate, estimate_step
-from megatron.planner.schedules import SCHEDULES, check_schedule
+from megatron.planner.schedule_costs import SCHEDULES, check_schedule
 from megatron.planner.specs import ClusterSpec, GPUSpec, ModelShape
 
 
@@ -177,7 +177,7 @@ def plan_layouts(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus
 
 def schedule_variants(model: ModelShape, layout: Layout, global_batch_size: int, schedules: tuple,
                       virtual_stages: tuple) -> list[Layout]:
-    """``layout`` under each of ``schedules`` that runs it (``megatron.planner.schedules.check_schedule``: ZB-H1 on the
+    """``layout`` under each of ``schedules`` that runs it (``megatron.planner.schedule_costs.check_schedule``: ZB-H1 on the
     pipeline engine with m >= p micro-batches in bf16 or at ZeRO 0, interleaved where the layers split into p x v
     equal chunks and m is a multiple of p); at PP 1 there is no pipeline to schedule: the layout itself."""
     if layout.pp == 1:

@@ -4,7 +4,7 @@ exit signals. Uses ``megatron.engine``, ``megatron.checkpoint`` (saves and resum
 
     pretrain      ``pretrain(run_config)``: everything between the parsed flags and the trained model
     distributed   joining the job's process group, however it was launched
-    data          the run's datasets and data iterators, from its ``DataConfig`` (Megatron's sample counts)
+    data_iterators the run's datasets and data iterators, from its ``DataConfig`` (Megatron's sample counts)
     batches       from dataset samples to what the pipeline engine consumes
     microbatches  how many micro-batches make the current step: constant, or Megatron's batch-size rampup
     lr_schedule   the learning-rate schedule: Megatron's AnnealingLR

@@ -26,16 +26,16 @@ from megatron.checkpoint.resume import intact_resume_point, restore, resume_poin
 from megatron.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 from megatron.config import RunConfig
 from megatron.data.tokenizers import build_tokenizer
-from megatron.engine.checks import check_finite_after_load
 from megatron.engine.deepspeed_compat import checkpoint_loading
 from megatron.engine.initialize import build_engine, init_deepspeed_comm
+from megatron.engine.load_checks import check_finite_after_load
 from megatron.engine.optimizer import sync_tp_duplicated
 from megatron.model.moe import update_expert_biases
 from megatron.model.moe.stats import iteration_stats as moe_iteration_stats
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState
 from megatron.training.batches import gpt_micro_batch
-from megatron.training.data import build_datasets, close_data_iterators, micro_batch_iterator
+from megatron.training.data_iterators import build_datasets, close_data_iterators, micro_batch_iterator
 from megatron.training.distributed import init_process_group
 from megatron.training.exit import ExitMonitor
 from megatron.training.loop import Progress, Trainer

@@ -86,7 +86,7 @@ def test_output_folders_are_checked_writable_before_anything_starts(files, read_
 
 
 def test_training_data_without_documents_is_refused_before_anything_starts(files):
-    from megatron.testing.corpus import write_stand_in_dataset
+    from megatron.testing.tiny_corpus import write_stand_in_dataset
 
     empty = write_stand_in_dataset(files / "empty", num_documents=0)
     with pytest.raises(ValueError, match=r"--data-path .*empty: 0 documents, .* rebuild the dataset"):

@@ -55,7 +55,7 @@ def test_the_reader_merges_it_into_transformers_weights(bloom, tmp_path):
 @pytest.mark.multiprocess
 def test_training_continues_from_it(bloom, tiny_corpus, tmp_path):
     from megatron.arguments import run_config_from_argv
-    from megatron.training.data import build_datasets
+    from megatron.training.data_iterators import build_datasets
 
     _megatron_checkpoint(bloom, tmp_path / "ckpt")
     common = dict(train_iters=2, lr_warmup_iters=1, load=str(tmp_path / "ckpt"), tensor_model_parallel_size=2,

@@ -5,7 +5,7 @@ import pytest
 from megatron.arguments import run_config_from_argv
 from megatron.checkpoint.run_state import WEIGHT_FILE_KINDS, build_run_state, reader_for, weight_files
 from megatron.checkpoint.tags import CheckpointFormatError
-from megatron.testing.corpus import tiny_argv
+from megatron.testing.tiny_corpus import tiny_argv
 
 PROGRESS = {"iteration": 1, "consumed_samples": 8, "consumed_tokens": 256}
 

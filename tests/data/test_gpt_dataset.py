@@ -230,7 +230,7 @@ def _build_on_rank_zero(rank, world_size, prefix, cache_dir):
 
 @pytest.mark.multiprocess
 def test_torch_distributed_default_rank_zero_builds(synthetic, tmp_path):
-    from megatron.testing.distributed import run_distributed
+    from megatron.testing.processes import run_distributed
 
     prefix, _ = synthetic
     results = run_distributed(_build_on_rank_zero, world_size=2, args=(prefix, str(tmp_path)), timeout=120)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron.testing import run_distributed
-from megatron.testing.corpus import tiny_argv
+from megatron.testing.tiny_corpus import tiny_argv
 
 
 def _engine_optimizer(rank, world_size, rc):

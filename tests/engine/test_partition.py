@@ -13,7 +13,7 @@ from megatron.engine.partition import spec_class_name, stage_bounds
 from megatron.engine.pipeline import layer_specs
 from megatron.parallel import pipeline_partition
 from megatron.parallel.state import ParallelState
-from megatron.planner.layout import layers_per_stage, pipeline_item_names, pipeline_item_params
+from megatron.planner.candidate import layers_per_stage, pipeline_item_names, pipeline_item_params
 from megatron.planner.specs import model_shape_of
 from tests.helpers.engine import DeepSpeedPartition
 

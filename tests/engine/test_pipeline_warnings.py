@@ -5,7 +5,7 @@ that fix every backward on both ranks warned "c10d::broadcast_: an autograd kern
 import pytest
 
 from megatron.testing import run_distributed
-from megatron.testing.corpus import tiny_argv
+from megatron.testing.tiny_corpus import tiny_argv
 
 AUTOGRAD_FALLBACK_WARNING = "an autograd kernel was not registered"
 

@@ -8,7 +8,7 @@ import pathlib
 
 from megatron.arguments import run_config_from_argv
 from megatron.config import RunConfig
-from megatron.testing.corpus import write_stand_in_dataset
+from megatron.testing.tiny_corpus import write_stand_in_dataset
 
 
 def tiny_flags(d) -> dict:

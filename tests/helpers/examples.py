@@ -44,7 +44,7 @@ def sbatch_option(script, name) -> str:
 def train_cpu_example(script_name: str, tmp_path, env_extra: dict, flags: list[str]) -> tuple[str, list[float]]:
     """Run examples/``script_name`` on the tiny corpus (RUN_DIR = tmp_path / "run", gloo on the CPU) with
     ``env_extra`` and ``flags`` (each iteration logged); its stdout and the logged training losses."""
-    from megatron.testing.corpus import make_tiny_corpus
+    from megatron.testing.tiny_corpus import make_tiny_corpus
 
     corpus = make_tiny_corpus(str(tmp_path / "corpus"))
     env = dict(os.environ, PY=sys.executable, RUN_DIR=str(tmp_path / "run"), DATA_PREFIX=corpus["data_prefix"],
@@ -62,7 +62,7 @@ def sentencepiece_stand_ins(directory, dataset_name: str) -> dict:
     dataset ``directory / dataset_name`` and a small BPE SentencePiece model (the scripts pad the vocabulary to
     their model's rows either way)."""
     from megatron.data.tokenizers import train_sentencepiece_tokenizer
-    from megatron.testing.corpus import make_text, write_stand_in_dataset
+    from megatron.testing.tiny_corpus import make_text, write_stand_in_dataset
 
     tokenizer = train_sentencepiece_tokenizer(make_text(200, seed=0), 500, directory / "spm", model_type="bpe")
     return {"DATA_PREFIX": write_stand_in_dataset(directory / dataset_name),

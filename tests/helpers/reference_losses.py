@@ -32,7 +32,7 @@ import tempfile
 
 import torch
 
-from megatron.testing.corpus import make_tiny_corpus, tiny_argv
+from megatron.testing.tiny_corpus import make_tiny_corpus, tiny_argv
 from megatron.testing.tolerance import run_tolerance
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.training import TINY_LAYERS, TINY_WIDTH, train

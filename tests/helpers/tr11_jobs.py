@@ -26,7 +26,7 @@ import dataclasses
 import json
 import pathlib
 
-from megatron.testing.corpus import write_stand_in_dataset
+from megatron.testing.tiny_corpus import write_stand_in_dataset
 
 TOKENIZER_NAME_OR_PATH = ("bigscience-catalogue-data-dev/byte-level-bpe-tokenizer-no-norm-250k-whitespace-and-"
                           "eos-regex-alpha-v3-dedup-lines-articles")

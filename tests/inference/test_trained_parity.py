@@ -141,7 +141,7 @@ def test_from_hf_round_trip_is_exact_and_training_continues_from_it(trained, tin
     from safetensors.torch import load_file
 
     from megatron.arguments import run_config_from_argv
-    from megatron.training.data import build_datasets
+    from megatron.training.data_iterators import build_datasets
     from tools.convert_checkpoint import from_hf, to_hf
 
     assert from_hf.main(["--hf-dir", str(trained["root"] / "hf"), "--save", str(tmp_path / "ckpt"),

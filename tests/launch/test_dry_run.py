@@ -18,8 +18,8 @@ from megatron.data.tokenizers import train_bpe_tokenizer
 from megatron.dry_run import build_report, dry_run
 from megatron.dry_run.text import render
 from megatron.planner import ModelShape
-from megatron.planner.layout import layers_per_stage
-from megatron.testing.corpus import make_text
+from megatron.planner.candidate import layers_per_stage
+from megatron.testing.tiny_corpus import make_text
 from megatron.testing.tolerance import tolerance
 from tests.helpers.data import fill_hub_cache
 from tests.helpers.paths import REPO_ROOT

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from megatron.config.deepspeed import build_deepspeed_config
-from megatron.testing.corpus import write_stand_in_dataset
+from megatron.testing.tiny_corpus import write_stand_in_dataset
 from tests.helpers.examples import EXAMPLES, sbatch_option, script_argv, stand_in_run_config
 
 SCRIPTS = sorted([*EXAMPLES.glob("*.sh"), *EXAMPLES.glob("slurm/*.sh"), *EXAMPLES.glob("slurm/*.slurm")])
@@ -127,7 +127,7 @@ def test_tiny_torchrun_then_deepspeed_launcher_resumes_it(tmp_path):
     continues the same run from that checkpoint."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron.testing.corpus import make_tiny_corpus
+    from megatron.testing.tiny_corpus import make_tiny_corpus
 
     corpus = make_tiny_corpus(str(tmp_path / "corpus"))
     run_dir = tmp_path / "run"

@@ -108,7 +108,7 @@ def test_tiny_llama_script_trains_under_zero3_with_tp(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_tiny_llama_script_trains_and_exports_to_llama(tmp_path):
-    from megatron.testing.corpus import make_tiny_corpus
+    from megatron.testing.tiny_corpus import make_tiny_corpus
 
     corpus = make_tiny_corpus(str(tmp_path / "corpus"))
     run_dir = tmp_path / "run"

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from megatron.testing.corpus import make_tiny_corpus
+from megatron.testing.tiny_corpus import make_tiny_corpus
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.slurm_cluster import SlurmCluster, ensure_slurm_installed
 

@@ -141,7 +141,7 @@ def test_flash_and_flex_refuse_what_they_cannot_run():
 
 def test_the_flag_reaches_the_model_config(tiny_corpus):
     from megatron.arguments import run_config_from_argv
-    from megatron.testing.corpus import tiny_argv
+    from megatron.testing.tiny_corpus import tiny_argv
 
     assert run_config_from_argv(tiny_argv(tiny_corpus), world_size=1).model.attention_backend == "auto"
     chosen = run_config_from_argv(tiny_argv(tiny_corpus, attention_backend="flex"), world_size=1)

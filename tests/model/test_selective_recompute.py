@@ -10,7 +10,7 @@ from megatron.model import GPTModel
 from megatron.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
 from megatron.parallel.state import ParallelState
 from megatron.testing import run_distributed
-from megatron.testing.corpus import tiny_argv
+from megatron.testing.tiny_corpus import tiny_argv
 from tests.helpers.model import tiny_config
 from tests.helpers.training import train
 

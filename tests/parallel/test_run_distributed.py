@@ -1,4 +1,4 @@
-"""The multi-process test harness (megatron.testing.run_distributed) reports each rank's own failure."""
+"""The multi-process test harness (megatron.testing.processes) reports each rank's own failure."""
 
 import os
 

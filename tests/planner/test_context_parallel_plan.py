@@ -108,7 +108,7 @@ def measured(tiny_corpus):
 
 @pytest.mark.multiprocess
 def test_activation_bytes_per_rank_match_the_planner_within_5_percent(measured):
-    from megatron.planner.layout import Layout
+    from megatron.planner.candidate import Layout
     from megatron.planner.memory import layer_activation_bytes
     from megatron.planner.specs import model_shape_of
 
@@ -125,8 +125,8 @@ def test_activation_bytes_per_rank_match_the_planner_within_5_percent(measured):
 @pytest.mark.multiprocess
 def test_ring_p2p_bytes_per_step_equal_the_planner_count(measured):
     from megatron.arguments import run_config_from_argv
+    from megatron.planner.candidate import Layout
     from megatron.planner.context_parallel import step_ring_bytes
-    from megatron.planner.layout import Layout
     from megatron.planner.specs import model_shape_of
 
     runs, results = measured
@@ -146,8 +146,8 @@ def test_cp_layer_activations_ring_bytes_and_overlap_by_hand():
     import dataclasses
 
     from megatron.planner import CLUSTERS, GPUS, ModelShape
+    from megatron.planner.candidate import Layout
     from megatron.planner.context_parallel import ring_buffer_bytes, ring_bytes, ring_exposed_s
-    from megatron.planner.layout import Layout
     from megatron.planner.memory import estimate_memory, layer_activation_bytes
 
     tiny, s = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256), 32
@@ -176,7 +176,7 @@ def test_bloom_176b_layout_at_32k_fits_with_cp8_at_micro_batch_2_and_cp4_at_1():
     """docs/parallelism.md's figures: BLOOM-176B's TP=4 PP=12 on 384 A100-80GB (DP x CP = 8, ZeRO-1, recompute,
     global batch 2048) at 32k tokens: stage 0 holds 12 micro-batches' checkpointed inputs of 5 layers."""
     from megatron.planner import BLOOM_SIZES, GPUS
-    from megatron.planner.layout import Layout
+    from megatron.planner.candidate import Layout
     from megatron.planner.memory import MEMORY_HEADROOM, estimate_memory
     from megatron.planner.search import longest_sequence_of_layout
     from megatron.planner.specs import GiB
@@ -203,7 +203,7 @@ def test_on_one_node_cp_fits_less_than_tp_with_sp():
     """docs/parallelism.md: BLOOM-7B1 on 8 GPUs, recomputation, micro-batch 1, fused attention: a CP rank holds the
     whole layer's weights, which TP splits."""
     from megatron.planner import BLOOM_SIZES, GPUS
-    from megatron.planner.layout import Layout
+    from megatron.planner.candidate import Layout
     from megatron.planner.search import longest_sequence_of_layout
 
     longest = [longest_sequence_of_layout(BLOOM_SIZES["7B1"], Layout(tp, 1, 1, 1, zero_stage=1 if cp > 1 else 0,

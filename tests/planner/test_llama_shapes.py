@@ -9,7 +9,7 @@ from megatron.config.model import megatron_flops
 from megatron.model import GPTModel
 from megatron.model.layout import parameter_layout
 from megatron.planner import LLAMA_SIZES, ModelShape, model_shape_of
-from megatron.planner.layout import Layout
+from megatron.planner.candidate import Layout
 from megatron.planner.memory import layer_activation_bytes, stage_param_counts
 from megatron.testing.tolerance import tolerance
 

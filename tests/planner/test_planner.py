@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron.planner import BLOOM_SIZES, CLUSTERS, GPUS, ModelShape, estimate_memory, estimate_step, plan_layouts
-from megatron.planner.layout import Layout, layers_per_stage
+from megatron.planner.candidate import Layout, layers_per_stage
 from megatron.planner.memory import static_bytes
 from megatron.planner.specs import GiB
 from megatron.testing.tolerance import tolerance

@@ -1,4 +1,4 @@
-"""The planner's pipeline schedules (megatron.planner.schedules) against the schedules themselves.
+"""The planner's pipeline schedules (megatron.planner.schedule_costs) against the schedules themselves.
 
 1F1B and ZB-H1: the engine's instruction streams (DeepSpeed's TrainSchedule, our ZeroBubbleH1Schedule) replayed,
 counting the micro-batches in flight and the W passes waiting after every instruction; the planner's peak per
@@ -26,7 +26,7 @@ from megatron.planner import (
     plan_layouts,
 )
 from megatron.planner.memory import activation_terms, head_weight_pass_bytes, weight_pass_bytes
-from megatron.planner.schedules import (
+from megatron.planner.schedule_costs import (
     bubble_fraction,
     bubble_slots,
     check_schedule,

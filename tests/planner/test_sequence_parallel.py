@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron.planner import BLOOM_SIZES, CLUSTERS, GPUS, LLAMA_SIZES, ModelShape, estimate_step, plan_layouts
-from megatron.planner.layout import Layout
+from megatron.planner.candidate import Layout
 from megatron.planner.memory import estimate_memory, layer_activation_bytes, static_bytes
 from megatron.planner.performance import _allgather_s, _allreduce_s, _alltoall_s
 from megatron.planner.search import SEQUENCE_STEP, candidate_layouts, longest_sequence, longest_sequences

@@ -20,7 +20,7 @@ from megatron.arguments import run_config_from_argv
 from megatron.config import ParallelConfig
 from megatron.parallel.context_parallel import load_balanced_positions
 from megatron.testing import run_distributed, tiny_argv
-from megatron.training.data import build_datasets, micro_batch_iterator
+from megatron.training.data_iterators import build_datasets, micro_batch_iterator
 from tests.helpers.training import assert_continues, assert_same_run, layout, train
 
 ITERS = 10

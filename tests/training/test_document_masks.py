@@ -68,7 +68,7 @@ def _engine_loss_and_reference(rank, world_size, argv):
     from megatron.model import GPTModel
     from megatron.model.layout import model_name
     from megatron.parallel.state import ParallelState
-    from megatron.training.data import build_datasets, micro_batch_iterator
+    from megatron.training.data_iterators import build_datasets, micro_batch_iterator
     from megatron.training.pretrain import set_seeds
 
     rc = run_config_from_argv(argv, world_size=1)

@@ -11,7 +11,7 @@ import pytest
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.tokenizers import train_bpe_tokenizer
 from megatron.testing import run_distributed, tiny_argv
-from megatron.testing.corpus import make_text
+from megatron.testing.tiny_corpus import make_text
 from tests.helpers.training import train
 from tools import preprocess_data
 

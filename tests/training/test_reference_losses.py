@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from megatron.testing.corpus import tiny_argv
+from megatron.testing.tiny_corpus import tiny_argv
 from tests.helpers.reference_losses import (
     CHECKPOINT_DIR,
     GOLDEN_FILE,

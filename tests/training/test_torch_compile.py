@@ -4,7 +4,7 @@ checkpointing, in fp32. One launch, eager then compiled on the same ranks."""
 import pytest
 
 from megatron.testing import run_distributed
-from megatron.testing.corpus import tiny_argv
+from megatron.testing.tiny_corpus import tiny_argv
 from tests.helpers.training import assert_same_run, train
 
 

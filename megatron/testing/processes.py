@@ -45,7 +45,7 @@ __all__ = ["run_distributed", "find_free_port", "DistributedTestError"]
 # is skipped by multiprocessing (ImportError is ignored while preloading). "__main__" imports a
 # script run as ``python script.py`` (a benchmark) under its own name, so functions defined in it unpickle.
 FORKSERVER_PRELOAD = ["__main__", "torch", "torch.distributed", "torch._dynamo", "deepspeed", "pytest",
-                      "megatron.testing.distributed", "megatron.arguments", "megatron.training.pretrain",
+                      "megatron.testing.processes", "megatron.arguments", "megatron.training.pretrain",
                       "megatron.inference.generation", "deepspeed.ops.op_builder", "deepspeed.module_inject"]
 # How long a hung rank gets to write its stacks once asked.
 STACK_DUMP_WAIT_S = 3.0

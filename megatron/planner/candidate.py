@@ -7,7 +7,7 @@ from typing import Optional
 
 from megatron.parallel.pipeline_partition import stage_bounds
 from megatron.parallel.state import _check_expert_size as check_expert_size
-from megatron.planner.schedules import LABELS, SCHEDULES
+from megatron.planner.schedule_costs import LABELS, SCHEDULES
 from megatron.planner.specs import ModelShape
 
 
@@ -37,7 +37,7 @@ class Layout:
     # context parallelism (ring attention): every layer on s/cp tokens, key / value blocks passed around the ring
     # (megatron.planner.context_parallel); its ranks hold the same weights, like DP's
     cp: int = 1
-    # the pipeline schedule (megatron.planner.schedules): "1f1b", "zbh1" or "interleaved" with virtual_stages
+    # the pipeline schedule (megatron.planner.schedule_costs): "1f1b", "zbh1" or "interleaved" with virtual_stages
     # chunks of layers per rank (Megatron-LM's --num-virtual-stages-per-pipeline-rank)
     schedule: str = "1f1b"
     virtual_stages: int = 1
