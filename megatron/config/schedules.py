@@ -6,9 +6,10 @@ weight-gradient pass; 1F1B runs B + W as one backward). Each entry gives:
 
   name, label     "1f1b" / "1F1B", "zbh1" / "ZB-H1", "interleaved" / "interleaved 1F1B"
   flags           the command-line flags that choose it (``schedule_name`` reads them from a RunConfig)
-  rules           what a layout needs (m >= p, L divisible by p v, m divisible by p, ...), checked by
-                  ``check_layout`` with messages naming the fix (the run's own checks, worded for the flags, are
-                  megatron/config/zero_bubble.py and megatron/config/pipeline_schedule.py)
+  rules           what a layout needs (m >= p, L divisible by p v, m divisible by p, ...): the entry's booleans
+                  (``micro_batches_at_least_stages``, ...), checked by ``check_layout`` with messages naming the
+                  fix (the run's own checks, worded for the flags, are megatron/config/zero_bubble.py and
+                  megatron/config/pipeline_schedule.py)
   warmup_forwards forwards (interleaved: chunk forwards) rank r runs before its first backward
   in_flight       micro-batches whose activations rank r holds at its peak (interleaved: chunk micro-batches / v)
   bubble_slots    idle slots per stage and step
@@ -28,7 +29,8 @@ bubble; megatron/engine/interleaved_schedule.py's warm-up) and the dry run (mega
 
 Adding a fourth schedule: one ``Schedule`` entry here (its flag, rules and formulas; ``chosen_by`` reads its flag
 from ``rc.parallel``), one engine module (its DeepSpeed ``PipeSchedule`` and engine class, registered in
-megatron/engine/initialize.py's ``ENGINE_CLASSES``) and one flag (megatron/arguments, a ``ParallelConfig`` field).
+megatron/engine/initialize.py's ``ENGINE_CLASSES`` with the set-up it needs after ``deepspeed.initialize``, if
+any) and one flag (megatron/arguments, a ``ParallelConfig`` field).
 
 Pure Python: no torch, no deepspeed; imports nothing of megatron.
 """
@@ -50,7 +52,6 @@ class Schedule:
     label: str
     flags: tuple[str, ...]
     chosen_by: Callable[[object], bool]          # (rc.parallel) -> whether the run's flags choose it
-    rules: tuple[str, ...]                       # what a layout needs, in words
     warmup: Callable[[int, int, int], int]       # (p, r, v) -> forwards before the first backward, uncapped
     bubble: Callable[[int, int, float], float]   # (p, v, W share of a slot) -> idle slots per stage and step
     uses_virtual_stages: bool = False            # v > 1 chunks per rank (else v = 1)
@@ -88,18 +89,16 @@ class Schedule:
 
 
 REGISTRY: dict[str, Schedule] = {s.name: s for s in (
-    Schedule("1f1b", "1F1B", (), lambda parallel: True, (),
+    Schedule("1f1b", "1F1B", (), lambda parallel: True,
              warmup=lambda p, r, v: p - r - 1, bubble=lambda p, v, w: float(p - 1)),
     Schedule("zbh1", "ZB-H1", ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"),
              lambda parallel: parallel.enable_zbh1_pipeline,
-             ("m >= p", "fp32 needs ZeRO stage 0", "ZeRO stage 0 or 1 (the pipeline engine)"),
              warmup=lambda p, r, v: p - r - 1,
              bubble=lambda p, v, w: (p - 1) * (1 - 2 * w),  # (p - 1)(F + B - W) with F + B + W = 1
              micro_batches_at_least_stages=True, fp32_needs_zero_0=True, pipeline_engine_only=True,
              defers_weight_passes=True),
     Schedule("interleaved", "interleaved 1F1B", ("--num-virtual-stages-per-pipeline-rank",),
              lambda parallel: parallel.num_virtual_stages_per_pipeline_rank > 1,
-             ("p >= 2", "v >= 2", "L divisible by p v", "m divisible by p"),
              warmup=lambda p, r, v: 2 * (p - r - 1) + (v - 1) * p, bubble=lambda p, v, w: (p - 1) / v,
              uses_virtual_stages=True, micro_batches_multiple_of_stages=True),
 )}
@@ -131,7 +130,7 @@ def virtual_stages_of(rc) -> int:
 
 def check_layout(schedule: str, pp: int, num_micro_batches: int, num_layers: int, virtual_stages: int = 1,
                  precision: str = "bf16", zero_stage: int = 1) -> None:
-    """ValueError naming the values and the fix when ``schedule`` cannot run this layout (its ``rules``)."""
+    """ValueError naming the values and the fix when ``schedule`` cannot run this layout (its rules)."""
     s = get(schedule)
     if s.micro_batches_at_least_stages and num_micro_batches < pp:
         raise ValueError(f"{s.label} at PP {pp} needs at least {pp} micro-batches per step, got "

@@ -48,8 +48,10 @@ from megatron.parallel.state import ParallelState
 logger = logging.getLogger(__name__)
 
 
-# registry name (megatron.config.schedules) -> the pipeline engine class that runs it; None: DeepSpeed's own
-ENGINE_CLASSES = {"1f1b": None, "zbh1": ZeroBubblePipelineEngine, "interleaved": InterleavedPipelineEngine}
+# registry name (megatron.config.schedules) -> (the pipeline engine class that runs it, None: DeepSpeed's own;
+# what sets up the engine deepspeed.initialize built, None: nothing)
+ENGINE_CLASSES = {"1f1b": (None, None), "zbh1": (ZeroBubblePipelineEngine, enable_zero_bubble),
+                  "interleaved": (InterleavedPipelineEngine, None)}
 
 
 def init_deepspeed_comm(backend: str, timeout_s: float = 600.0) -> None:
@@ -90,13 +92,13 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
         _compile_layers(module)
     experts = mark_expert_parameters(module, rc.model, state)  # MoE with EP > 1 (megatron.engine.expert_parallel)
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
-    schedule = schedule_name(rc)  # the registry's chooser (megatron.config.schedules)
-    engine_class = ENGINE_CLASSES[schedule]  # None: DeepSpeed's PipelineEngine (1F1B)
+    # the registry's chooser (megatron.config.schedules); no class: DeepSpeed's PipelineEngine (1F1B)
+    engine_class, set_up = ENGINE_CLASSES[schedule_name(rc)]
     with pipeline_engine_class(engine_class) if engine_class else contextlib.nullcontext():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
     use_safe_loading(engine)  # --load never unpickles code (megatron.engine.deepspeed_compat)
-    if schedule == "zbh1":
-        engine = enable_zero_bubble(engine)  # ZB-H1 (megatron.engine.zero_bubble)
+    if set_up is not None:
+        engine = set_up(engine)  # ZB-H1: megatron.engine.zero_bubble.enable_zero_bubble
     check_expert_parallel_engine(engine, experts, state)
     return engine
 
