@@ -17,7 +17,7 @@ import os
 from typing import Optional, Sequence
 
 from megatron.arguments.flags import DRY_RUN_OPTIONS, POSITION_EMBEDDING_ALIASES
-from megatron.config import deepspeed_zero_stage
+from megatron.config import deepspeed_zero_stage, parallel_dims
 from megatron.data.dataset_utils import document_range, parse_data_path, parse_split, parse_weighted_split_paths
 from megatron.data.hf_cache import resolve_tokenizer_path
 from megatron.data.indexed_dataset import sequence_count
@@ -105,20 +105,10 @@ def _uniform_beside_checkpoint_activations(args) -> bool:
 
 
 def derive_parallel(args) -> None:
-    """``data_parallel_size`` = world size / (TP x PP x SP x CP)."""
-    tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
-    sp, cp = args.ds_sequence_parallel_size, args.context_parallel_size
-    if tp < 1 or pp < 1 or sp < 1 or cp < 1 or world < 1:
-        raise ValueError(f"world size {world}, --tensor-model-parallel-size {tp}, --pipeline-model-parallel-size "
-                         f"{pp}, --ds-sequence-parallel-size {sp} and --context-parallel-size {cp} must be positive")
-    split = tp * pp * sp * cp
-    if world % split:
-        ulysses = f" x --ds-sequence-parallel-size {sp}" if sp > 1 else ""
-        ulysses += f" x --context-parallel-size {cp}" if cp > 1 else ""
-        raise ValueError(f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
-                         f"--pipeline-model-parallel-size {pp}{ulysses} = {split}; launch a multiple of "
-                         f"{split} processes or change TP/PP" + ("/SP" if sp > 1 else "") + ("/CP" if cp > 1 else ""))
-    args.data_parallel_size = world // split
+    """``data_parallel_size`` = world size / the other factors of the world (TP x PP x SP x CP,
+    ``megatron.config.parallel_dims``)."""
+    sizes = {d.name: getattr(args, d.field) for d in parallel_dims.WORLD if d.flag}
+    args.data_parallel_size = parallel_dims.divide_world(args.world_size, sizes)
 
 
 def fill_defaults(args) -> None:

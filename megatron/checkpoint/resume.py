@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.checkpoint import run_state, tags, training_io
 from megatron.checkpoint.integrity import verify_checksums
 from megatron.checkpoint.universal_router import load_router_state
-from megatron.config import RunConfig
+from megatron.config import RunConfig, parallel_dims
 from megatron.model.layout import LAYOUT
 
 __all__ = ["resume_point", "intact_resume_point", "restore"]
@@ -86,9 +86,6 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, saved: dict) -> None:
     """A regular checkpoint holds per-TP-rank weight files and per-DP-rank optimizer shards: it loads at
     its own TP and PP (and DP, when the optimizer state is loaded), into the engine that saved it."""
     p, ck, recorded = rc.parallel, rc.checkpoint, saved.get("parallel", {})
-    sizes = {"--tensor-model-parallel-size": (recorded.get("tensor_model_parallel_size"), p.tensor_model_parallel_size),
-             "--pipeline-model-parallel-size": (recorded.get("pipeline_model_parallel_size"),
-                                                p.pipeline_model_parallel_size)}
     # MoE: each EP rank's experts are in their own file (absent: EP = 1)
     ep = (recorded.get("expert_model_parallel_size", 1), p.expert_model_parallel_size)
     if ep[0] != ep[1]:
@@ -97,20 +94,9 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, saved: dict) -> None:
                          f"--expert-model-parallel-size {ep[0]}, or convert it once: python "
                          f"tools/convert_checkpoint/ds_to_universal.py --input_folder {tag_dir} --output_folder "
                          f"{tag_dir}_universal, then add --universal-checkpoint")
-    if not (ck.no_load_optim or ck.finetune):
-        sizes["data-parallel size"] = (recorded.get("data_parallel_size"), p.data_parallel_size)
-        cp = (recorded.get("context_parallel_size", 1), p.context_parallel_size)
-        if max(cp) > 1 and recorded.get("data_parallel_size") is not None:
-            # the weights do not depend on CP; the ZeRO-1 state is sharded over the dp x cp ranks: that must agree
-            del sizes["data-parallel size"]
-            sizes["data-parallel x context-parallel size (ZeRO shards)"] = (
-                recorded["data_parallel_size"] * cp[0], p.data_parallel_size * cp[1])
-        # ZeRO shards the optimizer state over dp x sp ranks
-        sizes["--ds-sequence-parallel-size"] = (recorded.get("ds_sequence_parallel_size", 1),
-                                                p.ds_sequence_parallel_size)
-        # interleaving changes which layers a rank's optimizer shard holds (the layer files are the same)
-        sizes["--num-virtual-stages-per-pipeline-rank"] = (recorded.get("num_virtual_stages_per_pipeline_rank", 1),
-                                                           p.num_virtual_stages_per_pipeline_rank)
+    # TP / PP always (the weight files); with the optimizer state, the ZeRO shards (dp x sp x cp) and which
+    # layers a shard holds (virtual stages): megatron.config.parallel_dims' on_resume
+    sizes = parallel_dims.resume_mismatches(recorded, p.sizes(), loads_optimizer=not (ck.no_load_optim or ck.finetune))
     saved_stage = recorded.get("zero_stage")
     if saved_stage is not None and saved_stage != rc.deepspeed_zero_stage and max(saved_stage, rc.deepspeed_zero_stage) >= 2:
         # ZeRO-2 and ZeRO-3 write DeepSpeed's non-pipeline engine's files, each its own way

@@ -21,7 +21,7 @@ import torch
 
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import RUN_STATE, CheckpointFormatError, resolve_tag
-from megatron.config import ModelConfig, RunConfig
+from megatron.config import ModelConfig, RunConfig, parallel_dims
 from megatron.config.mla import MLAConfig
 from megatron.config.model import swiglu_default_ffn_size
 from megatron.config.moe import MoEConfig
@@ -40,24 +40,18 @@ def _record(model: dict, parallel: dict, tokenizer: dict, progress: dict, seq_le
             "params_dtype": model["params_dtype"], "seq_length": seq_length, "checkpoint_layout": LAYOUT}
 
 
-def _parallel(tp: int, pp: int, dp: Optional[int]) -> dict:
-    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "data_parallel_size": dp}
-    return {name: size for name, size in sizes.items() if size is not None}
+def _parallel(tp: int, pp: int, dp: Optional[int], **others: int) -> dict:
+    """The record's sizes (``megatron.config.parallel_dims.recorded_sizes``): tp, pp and a known dp always, the
+    other dimensions (by short name) when > 1."""
+    return parallel_dims.recorded_sizes(dict(others, tp=tp, pp=pp, dp=dp))
 
 
 def build_run_state(rc: RunConfig, progress: dict[str, int]) -> dict:
     """The ``run_state.json`` record of a training run at ``progress`` (the loop's counters)."""
-    p = rc.parallel
-    parallel = _parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
+    # every size that decides which files a rank reads (parallel_dims' on_resume): TP / PP the weight files,
+    # dp x sp x cp the ZeRO shards, EP one expert file per EP rank, virtual stages which layers a shard holds
+    parallel = parallel_dims.recorded_sizes(rc.parallel.sizes())
     parallel["zero_stage"] = rc.deepspeed_zero_stage  # 2 and 3 write DeepSpeed's non-pipeline files
-    if p.ds_sequence_parallel_size > 1:  # ZeRO shards over dp x sp ranks
-        parallel["ds_sequence_parallel_size"] = p.ds_sequence_parallel_size
-    if p.context_parallel_size > 1:  # ZeRO-1 shards over dp x cp ranks; the weights do not depend on CP
-        parallel["context_parallel_size"] = p.context_parallel_size
-    if p.expert_model_parallel_size > 1:  # one expert file per EP rank (megatron.engine.expert_parallel)
-        parallel["expert_model_parallel_size"] = p.expert_model_parallel_size
-    if p.num_virtual_stages_per_pipeline_rank > 1:  # each rank's optimizer shard holds its v chunks' layers
-        parallel["num_virtual_stages_per_pipeline_rank"] = p.num_virtual_stages_per_pipeline_rank
     record = _record(dataclasses.asdict(rc.model), parallel, dataclasses.asdict(rc.data.tokenizer), progress,
                      rc.data.seq_length)
     # How the checkpoint was written, so that no reader re-derives it from the flags (weight_files).
@@ -263,9 +257,7 @@ def converted_run_state(config: ModelConfig, tp: int, pp: int, *, tokenizer: Opt
     """The ``run_state.json`` record of a converted checkpoint (what --load checks the flags against): the
     pipeline engine's layer files, as ``megatron.checkpoint.single_process.save_as_training_checkpoint`` writes them;
     with ``ep`` > 1 (MoE) one expert file per expert-parallel rank beside them, for ``ep`` data-parallel ranks."""
-    parallel = _parallel(tp, pp, ep)
-    if ep > 1:
-        parallel["expert_model_parallel_size"] = ep
+    parallel = _parallel(tp, pp, ep, ep=ep)  # MoE: ep data-parallel ranks, one expert file per EP rank
     state = _record(dataclasses.asdict(config), parallel, tokenizer or {}, _ZERO_PROGRESS, config.seq_length)
     state.update({SAVING_ENGINE: "pipeline", WEIGHT_FILES: "layer_files"})
     state.update(extra or {})

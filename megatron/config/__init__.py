@@ -14,6 +14,7 @@ else of megatron.
 The rules each feature adds across a ``RunConfig``, and their helpers:
 
     combinations       the one table of refused feature combinations: which two do not work together, why, instead
+    parallel_dims      the one list of parallel dimensions: name, flag, world factor, ZeRO sharding, resume rule
     moe                MoEConfig: the mixture-of-experts MLP, and the run rules it adds
     mla                MLAConfig: multi-head latent attention (DeepSeek-V2 / V3)
     context_parallel   the rules of context parallelism (``--context-parallel-size``, ring attention)

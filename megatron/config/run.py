@@ -7,6 +7,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from megatron.config import parallel_dims
 from megatron.config._checks import _positive
 from megatron.config.combinations import check_combinations
 from megatron.config.context_parallel import check_context_parallel_run
@@ -47,29 +48,32 @@ class ParallelConfig:
     cp_comm_type: str = "p2p"              # how the key / value blocks travel: p2p (a ring), one of CP_COMM_TYPES
     num_virtual_stages_per_pipeline_rank: int = 1  # interleaved 1F1B: chunks of layers per pipeline rank; 1: off
 
+    def sizes(self) -> dict[str, int]:
+        """Every parallel dimension's size by its short name (``megatron.config.parallel_dims``: tp, pp, dp, ...)."""
+        return {d.name: getattr(self, d.field) for d in parallel_dims.DIMENSIONS}
+
     @property
     def world_size(self) -> int:
-        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
-                * self.ds_sequence_parallel_size * self.context_parallel_size)
+        return parallel_dims.world_size(self.sizes())
 
     def validate(self) -> "ParallelConfig":
-        _positive("--tensor-model-parallel-size", self.tensor_model_parallel_size)
-        _positive("--context-parallel-size", self.context_parallel_size)
+        for d in parallel_dims.DIMENSIONS:
+            _positive(d.named, getattr(self, d.field))
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"--cp-comm-type {self.cp_comm_type!r} is not implemented; use one of "
                              f"{', '.join(CP_COMM_TYPES)}")
-        _positive("--ds-sequence-parallel-size", self.ds_sequence_parallel_size)
-        _positive("--pipeline-model-parallel-size", self.pipeline_model_parallel_size)
-        _positive("data-parallel size", self.data_parallel_size)
         if self.pp_partition_method not in PARTITION_METHODS:
             raise ValueError(f"--pp-partition-method {self.pp_partition_method!r} is not one of "
                              f"{', '.join(PARTITION_METHODS)}")
         _positive("--zero-hpz-partition-size", self.zero_hpz_partition_size)
-        # ZeRO shards over the data-parallel ranks, and with Ulysses over their sequence-parallel ranks too
-        shards, sp = self.data_parallel_size * self.ds_sequence_parallel_size, self.ds_sequence_parallel_size
+        # ZeRO shards over the ranks that hold the same weights: data-parallel, and Ulysses' or CP's ranks too
+        sizes = self.sizes()
+        shards = parallel_dims.zero_shards(sizes)
         if shards % self.zero_hpz_partition_size:
-            over = f"data-parallel size {shards}" if sp == 1 else \
-                f"data-parallel x sequence-parallel size {self.data_parallel_size} x {sp} = {shards}"
+            over = [d for d in parallel_dims.ZERO_SHARDED if d.name == "dp" or sizes[d.name] > 1]
+            words = " x ".join(d.label.removesuffix(" size") for d in over)
+            values = " x ".join(str(sizes[d.name]) for d in over)
+            over = f"{words} size {shards}" if len(over) == 1 else f"{words} size {values} = {shards}"
             raise ValueError(f"--zero-hpz-partition-size {self.zero_hpz_partition_size} does not divide the {over}; "
                              f"use a divisor of it (e.g. the GPUs per node divided by --tensor-model-parallel-size)")
         if not self.distributed_timeout_minutes > 0:

@@ -136,8 +136,8 @@ def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker
             return LayerSpec(EmbeddingPipe, config, tp_group=state.tp_group, rng_tracker=tracker)
         return TiedLayerSpec("embed", EmbeddingPipe, config, **embed)
     if item.kind == TRANSFORMER:
-        return LayerSpec(TransformerLayer, config, tp_group=state.tp_group, layer_number=item.layer_number,
-                         rng_tracker=tracker, ep_group=state.ep_group, cp_group=state.cp_group)
+        return LayerSpec(TransformerLayer, config, groups=state.layer_groups(), layer_number=item.layer_number,
+                         rng_tracker=tracker)
     if item.kind == FINAL_NORM:
         return LayerSpec(FinalLayerNorm, config, tp_group=state.tp_group)
     if item.kind == HEAD:

@@ -162,8 +162,7 @@ def build_sharded_module(rc: RunConfig, state: ParallelState, config: dict, mpu:
     activations with --checkpoint-activations (every --checkpoint-num-layers)."""
     deepspeed_compat.silence_renamed_collectives()
     with zero_stage3_init(rc, config, mpu):
-        model = GPTModel(rc.model, state, rng_tracker=tracker, sequence_exchange=ulysses_exchange(state),
-                         cp_group=state.cp_group)
+        model = GPTModel(rc.model, state, rng_tracker=tracker, sequence_exchange=ulysses_exchange(state))
     t = rc.training
     if t.checkpoint_activations:
         model.recompute_activations(tracked_checkpoint_func(tracker), t.checkpoint_num_layers)

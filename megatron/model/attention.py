@@ -56,7 +56,7 @@ from megatron.model.ring_attention import ring_attention
 from megatron.parallel.context_parallel import load_balanced_positions
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.random import tracked_checkpoint_func
-from megatron.parallel.state import group_rank, group_size
+from megatron.parallel.state import LayerGroups, group_rank, group_size
 
 __all__ = ["KVCache", "SelfAttention", "SequenceExchange"]
 
@@ -153,23 +153,22 @@ class SelfAttention(nn.Module):
 
     Args:
         config: the model configuration (sizes, position type, dropout, init std, seed).
-        tp_group: the tensor-parallel process group (None: one rank).
+        groups: ``LayerGroups`` (None: one rank on every axis): ``tp`` the tensor-parallel group; ``cp`` the
+            context-parallel group (this rank then holds its load-balanced tokens); ``sequence_exchange``
+            DeepSpeed-Ulysses' ``SequenceExchange`` for this rank (None: the whole sequence here).
         layer_number: this layer's 0-based index in the whole model (names its init streams).
         rng_tracker: a ``RNGStatesTracker``; attention dropout runs inside its
             'model-parallel-rng' fork so that it differs across TP ranks (each holds other heads).
-        sequence_exchange: DeepSpeed-Ulysses' ``SequenceExchange`` for this rank (None: the whole sequence here).
-        cp_group: the context-parallel group (None: one rank); this rank then holds its load-balanced tokens.
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, rng_tracker=None,
-                 sequence_exchange: Optional[SequenceExchange] = None, cp_group=None):
+    def __init__(self, config: ModelConfig, groups: Optional[LayerGroups] = None, layer_number: int = 0,
+                 rng_tracker=None):
         super().__init__()
+        groups = groups if groups is not None else LayerGroups()
+        tp_group, sequence_exchange = groups.tp, groups.sequence_exchange
         self.config = config
         self.tp_group = tp_group
-        self.cp_group = cp_group
-        if cp_group is not None and sequence_exchange is not None:
-            raise ValueError("context parallelism and DeepSpeed-Ulysses both split the sequence; pass one of "
-                             "cp_group and sequence_exchange")
+        self.cp_group = groups.cp
         self.rng_tracker = rng_tracker
         tp_size = group_size(tp_group)
         self.num_heads_per_partition = config.num_attention_heads // tp_size  # np

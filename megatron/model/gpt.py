@@ -69,13 +69,12 @@ class GPTModel(nn.Module):
     Args:
         config: the model configuration.
         parallel_state: this rank's groups (``ParallelState.single()`` for one process). Only the
-            tensor-parallel group is used; pipeline parallelism stages the same modules elsewhere.
+            layer groups are used (``ParallelState.layer_groups``: TP, CP (ring attention; the inputs are then this
+            rank's load-balanced tokens), EP); pipeline parallelism stages the same modules elsewhere.
         rng_tracker: optional ``RNGStatesTracker`` for attention dropout inside the TP region (and, with
             ``config.sequence_parallel``, the dropout of the sequence shards).
         sequence_exchange: with DeepSpeed-Ulysses (``parallel_state.sp_size`` > 1, required then), every
             attention layer's ``SequenceExchange`` (``megatron.engine.ulysses.ulysses_exchange(parallel_state)``).
-        cp_group: with context parallelism, ``parallel_state.cp_group`` (ring attention; the inputs are this
-            rank's load-balanced tokens).
 
     Parameter names: ``embedding.word_embeddings.weight``, ``embedding.position_embeddings.weight``,
     ``embedding.embed_layernorm.*``, ``layers.{i}.input_layernorm.*``,
@@ -86,7 +85,7 @@ class GPTModel(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, rng_tracker=None,
-                 sequence_exchange: Optional[SequenceExchange] = None, cp_group=None):
+                 sequence_exchange: Optional[SequenceExchange] = None):
         super().__init__()
         parallel_state = parallel_state if parallel_state is not None else ParallelState.single()
         config.validate(parallel_state.tp_size)
@@ -94,9 +93,8 @@ class GPTModel(nn.Module):
         self.config = config
         self.tp_group = parallel_state.tp_group
         self.embedding = EmbeddingLayer(config, self.tp_group, rng_tracker)
-        self.layers = nn.ModuleList(TransformerLayer(config, self.tp_group, i, rng_tracker, sequence_exchange,
-                                                     parallel_state.ep_group, cp_group)
-                                    for i in range(config.num_layers))
+        groups = parallel_state.layer_groups(sequence_exchange)
+        self.layers = nn.ModuleList(TransformerLayer(config, groups, i, rng_tracker) for i in range(config.num_layers))
         self.final_layernorm = FinalLayerNorm(config, self.tp_group)
         self.output_layer = None if config.tied_embeddings else OutputLayer(config, self.tp_group)
         self._recompute: Optional[tuple[Callable, int]] = None

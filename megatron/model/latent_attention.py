@@ -44,7 +44,7 @@ from megatron.model.positional import apply_rotary, rotary_cos_sin
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.parallel.random import tracked_checkpoint_func
-from megatron.parallel.state import group_size
+from megatron.parallel.state import LayerGroups, group_size
 
 __all__ = ["MultiLatentAttention", "ReplicatedLinear", "deinterleave"]
 
@@ -71,16 +71,18 @@ class MultiLatentAttention(nn.Module):
 
     Args:
         config: the model configuration (``config.mla`` holds the latent sizes).
-        tp_group: the tensor-parallel process group (None: one rank).
+        groups: ``LayerGroups`` (None: one rank on every axis): ``tp`` the tensor-parallel group; ``cp`` and
+            ``sequence_exchange`` must be None (Ulysses and context parallelism are not implemented for MLA).
         layer_number: this layer's 0-based index in the whole model (names its init streams).
         rng_tracker: a ``RNGStatesTracker``; attention dropout runs in its model-parallel stream.
-        sequence_exchange, cp_group: must be None (Ulysses and context parallelism are not implemented for MLA).
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, rng_tracker=None,
-                 sequence_exchange=None, cp_group=None):
+    def __init__(self, config: ModelConfig, groups: Optional[LayerGroups] = None, layer_number: int = 0,
+                 rng_tracker=None):
         super().__init__()
-        if sequence_exchange is not None or cp_group is not None:
+        groups = groups if groups is not None else LayerGroups()
+        tp_group = groups.tp
+        if groups.sequence_exchange is not None or groups.cp is not None:
             raise ValueError("--multi-latent-attention is not implemented with DeepSpeed-Ulysses "
                              "(--ds-sequence-parallel-size) or --context-parallel-size; use 1 for both")
         mla = config.mla

@@ -29,14 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.model.attention import KVCache, SelfAttention, SequenceExchange
+from megatron.model.attention import KVCache, SelfAttention
 from megatron.model.initialization import normal_init, output_layer_std, params_torch_dtype
 from megatron.model.latent_attention import MultiLatentAttention
 from megatron.model.moe.layer import MoELayer
 from megatron.model.norm import Norm
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.random import sequence_parallel_dropout
-from megatron.parallel.state import group_size
+from megatron.parallel.state import LayerGroups, group_size
 
 __all__ = ["ParallelMLP", "TransformerLayer", "FinalLayerNorm", "zero_biases", "sequence_parallel_dropout"]
 
@@ -93,31 +93,31 @@ class ParallelMLP(nn.Module):
         return output
 
 
-def _mlp(config: ModelConfig, tp_group, ep_group, layer_number: int) -> nn.Module:
-    moe = config.moe
+def _mlp(config: ModelConfig, groups: LayerGroups, layer_number: int) -> nn.Module:
+    moe, tp_group = config.moe, groups.tp
     if moe is None or not moe.is_moe_layer(layer_number):
         return ParallelMLP(config, tp_group, layer_number)
     shared = None
     if moe.shared_expert_intermediate_size is not None:
         shared_config = dataclasses.replace(config, ffn_hidden_size=moe.shared_expert_intermediate_size)
         shared = ParallelMLP(shared_config, tp_group, layer_number, init_prefix=f"layers.{layer_number}.mlp.shared_expert")
-    return MoELayer(config, tp_group, ep_group, layer_number, shared_expert=shared)
+    return MoELayer(config, groups, layer_number, shared_expert=shared)
 
 
 class TransformerLayer(nn.Module):
-    """One pre-norm decoder layer, tensor-parallel over ``tp_group``.
+    """One pre-norm decoder layer, tensor-parallel over ``groups.tp``.
 
     Args:
         config: the model configuration.
-        tp_group: the tensor-parallel process group (None: one rank).
+        groups: the groups the layer works over (``megatron.parallel.state.LayerGroups``; None: one rank on
+            every axis): ``tp`` the tensor-parallel group, ``cp`` the context-parallel group (ring attention over
+            this rank's load-balanced tokens), ``ep`` the expert-model-parallel group of an MoE layer's experts,
+            ``sequence_exchange`` DeepSpeed-Ulysses' ``SequenceExchange`` for the attention.
         layer_number: 0-based index of this layer in the WHOLE model. The initial weights depend
             only on (config.seed, layer_number), so a pipeline stage holding layers 3..5 starts
             exactly as layers 3..5 of the full model do.
         rng_tracker: optional ``RNGStatesTracker`` for attention dropout (see SelfAttention) and, with
             sequence parallelism, the hidden dropout (required then if the dropout is not 0).
-        sequence_exchange: DeepSpeed-Ulysses' ``SequenceExchange`` for the attention (None: no Ulysses).
-        cp_group: the context-parallel group: ring attention over this rank's load-balanced tokens (None: one rank).
-        ep_group: the expert-model-parallel group of an MoE layer's experts (None: all of them here).
 
     The MLP is ``ParallelMLP``, or ``MoELayer`` in the layers ``config.moe`` marks (its shared expert, if any, a
     ParallelMLP of width ``moe.shared_expert_intermediate_size`` named ``mlp.shared_expert``). The attention is
@@ -126,9 +126,11 @@ class TransformerLayer(nn.Module):
     Parameters are created in fp32, initialized, then cast to ``config.params_dtype``.
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None, layer_number: int = 0, rng_tracker=None,
-                 sequence_exchange: Optional[SequenceExchange] = None, ep_group=None, cp_group=None):
+    def __init__(self, config: ModelConfig, groups: Optional[LayerGroups] = None, layer_number: int = 0,
+                 rng_tracker=None):
         super().__init__()
+        groups = groups if groups is not None else LayerGroups()
+        tp_group = groups.tp
         config.validate(group_size(tp_group))
         if not isinstance(layer_number, int) or not 0 <= layer_number < config.num_layers:
             raise ValueError(f"layer_number {layer_number!r} is not a 0-based layer index of a model "
@@ -140,9 +142,9 @@ class TransformerLayer(nn.Module):
         self.rng_tracker = rng_tracker
         self.input_layernorm = Norm(config, tp_group)
         attention = SelfAttention if config.mla is None else MultiLatentAttention  # --multi-latent-attention
-        self.self_attention = attention(config, tp_group, layer_number, rng_tracker, sequence_exchange, cp_group)
+        self.self_attention = attention(config, groups, layer_number, rng_tracker)
         self.post_attention_layernorm = Norm(config, tp_group)
-        self.mlp = _mlp(config, tp_group, ep_group, layer_number)
+        self.mlp = _mlp(config, groups, layer_number)
         zero_biases(self)
         self.to(params_torch_dtype(config))
 

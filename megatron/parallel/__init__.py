@@ -2,8 +2,9 @@
 
 What lives here:
 
-    state              ParallelState: the tp / pp / dp / sequence-parallel groups, laid out like DeepSpeed's
-                       PipeModelDataParallelTopology
+    state              ParallelState: the tp / pp / dp / sp / cp / ep groups, laid out like DeepSpeed's
+                       PipeModelDataParallelTopology (sizes: megatron.config.parallel_dims); LayerGroups, the
+                       groups one transformer layer works over, handed to it as one object
     mappings           autograd-aware collectives over the tensor-parallel group
     layers             ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     cross_entropy      vocab-parallel cross-entropy, without gathering the [s, b, v] logits
@@ -36,7 +37,7 @@ from megatron.parallel.mappings import (
                                       scatter_to_tensor_model_parallel_region,
 )
 from megatron.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_rng_seed
-from megatron.parallel.state import ParallelState, group_layout, group_rank, group_size
+from megatron.parallel.state import LayerGroups, ParallelState, group_layout, group_rank, group_size
 from megatron.parallel.utils import (
                                       divide,
                                       param_is_tensor_parallel,
@@ -45,7 +46,7 @@ from megatron.parallel.utils import (
 )
 
 __all__ = [
-    "ParallelState", "group_layout", "group_rank", "group_size",
+    "ParallelState", "LayerGroups", "group_layout", "group_rank", "group_size",
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",

@@ -41,7 +41,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["ParallelState", "GroupLayout", "group_layout", "group_size", "group_rank"]
+from megatron.config import parallel_dims
+
+__all__ = ["ParallelState", "LayerGroups", "GroupLayout", "group_layout", "group_size", "group_rank"]
 
 
 def group_size(group) -> int:
@@ -81,7 +83,7 @@ class GroupLayout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.seq
+        return parallel_dims.world_size(dict(tp=self.tp, pp=self.pp, dp=self.dp, sp=self.sp, cp=self.cp))
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp_rank, dp_rank, tp_rank) of a global rank (its sp_rank: :meth:`sp_rank_of`)."""
@@ -103,20 +105,10 @@ class GroupLayout:
 
 
 def _check_sizes(tp: int, pp: int, dp: int, world_size: Optional[int], sp: int = 1, cp: int = 1) -> None:
-    for name, value in (("tensor-model-parallel size", tp), ("pipeline-model-parallel size", pp),
-                        ("data-parallel size", dp), ("sequence-parallel size", sp), ("context-parallel size", cp)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    parallel_dims.check_world(dict(tp=tp, pp=pp, dp=dp, sp=sp, cp=cp), world_size)
     if sp > 1 and cp > 1:
         raise ValueError(f"DeepSpeed-Ulysses (sequence-parallel size {sp}) and context parallelism (size {cp}) "
                          f"both split the sequence; use one of the two")
-    if world_size is not None and tp * pp * dp * sp * cp != world_size:
-        ulysses = f" x sequence-parallel size {sp}" if sp > 1 else ""
-        ulysses += f" x context-parallel size {cp}" if cp > 1 else ""
-        raise ValueError(
-            f"world size {world_size} != tensor-model-parallel size {tp} x pipeline-model-parallel "
-            f"size {pp} x data-parallel size {dp}{ulysses} = {tp * pp * dp * sp * cp}; choose sizes whose product "
-            f"is the number of processes")
 
 
 def _check_expert_size(dp: int, sp: int, ep: int) -> None:
@@ -150,6 +142,29 @@ def group_layout(tp: int, pp: int, dp: int, sp: int = 1, ep: int = 1, cp: int = 
     expert_data = [[rank(p, j * ep + i, s, t) for j in J] for p in P for s in S for t in T for i in E]
     return GroupLayout(tp, pp, dp, tensor, pipeline, data, model, embedding, sp, sequence, sequence_data, ep,
                        expert, expert_data, cp)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroups:
+    """What one transformer layer works over, handed to it as one object (``ParallelState.layer_groups``); None
+    on an axis: one rank there.
+
+    tp: the tensor-parallel group (each layer's matrices split, whole heads per rank); cp: the context-parallel
+    group (ring attention over this rank's load-balanced tokens); ep: the expert-model-parallel group (an MoE
+    layer's experts shared out, tokens exchanged all-to-all); sequence_exchange: DeepSpeed-Ulysses' all-to-all
+    around the core attention (``megatron.model.attention.SequenceExchange``, built from the sp group by
+    ``megatron.engine.ulysses.ulysses_exchange``).
+    """
+
+    tp: Optional[object] = None
+    cp: Optional[object] = None
+    ep: Optional[object] = None
+    sequence_exchange: Optional[object] = None
+
+    def __post_init__(self):
+        if self.cp is not None and self.sequence_exchange is not None:
+            raise ValueError("context parallelism and DeepSpeed-Ulysses both split the sequence; give a layer "
+                             "a cp group or a sequence exchange, not both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +265,10 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
     # ---- construction ----------------------------------------------------------------------
+    def layer_groups(self, sequence_exchange: Optional[object] = None) -> LayerGroups:
+        """The groups this rank's transformer layers work over (with Ulysses' ``sequence_exchange`` if given)."""
+        return LayerGroups(tp=self.tp_group, cp=self.cp_group, ep=self.ep_group, sequence_exchange=sequence_exchange)
+
     @classmethod
     def single(cls) -> "ParallelState":
         """One process, no parallelism: every group is None (size 1)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron.config import parallel_dims
 from megatron.parallel.pipeline_partition import stage_bounds
 from megatron.parallel.state import _check_expert_size as check_expert_size
 from megatron.planner.schedule_costs import LABELS, SCHEDULES
@@ -67,15 +68,20 @@ class Layout:
     def zero_label(self) -> str:
         return f"{self.zero_stage}+hpZ{self.hpz}" if self.hpz > 1 else str(self.zero_stage)
 
+    def sizes(self) -> dict[str, int]:
+        """The run's parallel dimensions (``megatron.config.parallel_dims``) by short name."""
+        return dict(tp=self.tp, pp=self.pp, dp=self.dp, sp=self.ulysses, cp=self.cp, ep=self.ep,
+                    vp=self.virtual_stages)
+
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.ulysses * self.cp
+        return parallel_dims.world_size(self.sizes())
 
     @property
     def weight_replicas(self) -> int:
         """Ranks holding the same weights: DP x Ulysses x CP (a sequence group's ranks see the same parameters
         and different tokens). ZeRO shards over them and gradients are averaged over them."""
-        return self.dp * self.ulysses * self.cp
+        return parallel_dims.zero_shards(self.sizes())
 
     @property
     def sequence_split(self) -> int:

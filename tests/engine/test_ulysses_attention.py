@@ -63,7 +63,7 @@ def _attention_worker(rank, world_size, config, tp):
     init_deepspeed_comm("gloo")
     state = ParallelState.create(tp=tp, pp=1, sp=world_size // tp)
     try:
-        attention = SelfAttention(config, state.tp_group, 0, sequence_exchange=ulysses_exchange(state))
+        attention = SelfAttention(config, state.layer_groups(ulysses_exchange(state)), 0)
         assert isinstance(attention._sequence_exchange, DistributedAttention), f"rank {rank}"
         part = S // state.sp_size
         cut = slice(state.sp_rank * part, (state.sp_rank + 1) * part)
@@ -236,6 +236,7 @@ def test_attention_is_built_for_its_sequence_rank():
     from megatron.model import GPTModel, SequenceExchange
     from megatron.model.attention import SelfAttention
     from megatron.model.positional import alibi_slopes
+    from megatron.parallel.state import LayerGroups
 
     config = tiny_config(**CASES["alibi"])
     wrapped = []
@@ -246,5 +247,5 @@ def test_attention_is_built_for_its_sequence_rank():
     # exact: a slice of the same fp32 cast
     assert model.layers[1].self_attention.alibi_slopes.tolist() == torch.tensor(alibi_slopes(8), dtype=torch.float32)[4:].tolist()
     with pytest.raises(ValueError, match="4 query heads and 1 key / value heads .* TP x SP = 4"):
-        SelfAttention(tiny_config(num_attention_heads=4, num_key_value_heads=1), None, 0,
-                      sequence_exchange=SequenceExchange(0, 4, _no_exchange))
+        SelfAttention(tiny_config(num_attention_heads=4, num_key_value_heads=1),
+                      LayerGroups(sequence_exchange=SequenceExchange(0, 4, _no_exchange)), 0)

@@ -88,7 +88,7 @@ def test_unfused_equals_sdpa(position, params_dtype):
 def _tp2_diffs(rank, world_size):
     attention_core.FLEX_CPU_BACKWARD_BLOCK = 16
     state = ParallelState.create(tp=2, pp=1)
-    layer = SelfAttention(tiny_config(position_embedding_type="alibi"), state.tp_group)
+    layer = SelfAttention(tiny_config(position_embedding_type="alibi"), state.layer_groups())
     return _max_diffs("alibi", "fp32", state), layer.alibi_slopes.tolist()
 
 

@@ -53,12 +53,12 @@ def _hf_forward(attention, rotary, x):
 
 def _our_attention(q_lora_rank, tp_group, hf_attention):
     from megatron.model.latent_attention import MultiLatentAttention
-    from megatron.parallel.state import group_rank, group_size
+    from megatron.parallel.state import LayerGroups, group_rank, group_size
 
     config = tiny_config(position_embedding_type="rotary", normalization="rmsnorm", swiglu=True,
                          add_bias_linear=False, qk_layernorm=True, layernorm_epsilon=1e-6,
                          mla=dataclasses.replace(MLA, q_lora_rank=q_lora_rank))
-    ours = MultiLatentAttention(config, tp_group)
+    ours = MultiLatentAttention(config, LayerGroups(tp=tp_group))
     rank, tp = group_rank(tp_group), group_size(tp_group)
     theirs = dict(hf_attention.named_parameters())
     pairs = [(mine, theirs[hf]) for mine, hf in MLA_NAMES + (("dense.weight", "o_proj.weight"),) if hf in theirs]

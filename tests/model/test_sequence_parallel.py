@@ -21,7 +21,7 @@ from megatron.config import ModelConfig
 from megatron.model import GPTModel, TransformerLayer
 from megatron.model.transformer import sequence_parallel_dropout
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
-from megatron.parallel.state import ParallelState, group_layout, group_rank
+from megatron.parallel.state import LayerGroups, ParallelState, group_layout, group_rank
 from megatron.testing.tolerance import tolerance
 from tests.helpers.parallel import randn, rel_err, run_on_tp
 
@@ -48,12 +48,12 @@ def _layer_worker(tp_group):
     """One layer with and without sequence parallelism: output shard, input and parameter gradients."""
     x = randn(S, B, H, seed=1)  # [s, b, h], the same on both ranks
     upstream = randn(S, B, H, seed=2)
-    full = TransformerLayer(BASE, tp_group)
+    full = TransformerLayer(BASE, LayerGroups(tp=tp_group))
     x_full = x.clone().requires_grad_(True)
     out_full = full(x_full)
     (out_full * upstream).sum().backward()
 
-    sp = TransformerLayer(dataclasses.replace(BASE, sequence_parallel=True), tp_group)
+    sp = TransformerLayer(dataclasses.replace(BASE, sequence_parallel=True), LayerGroups(tp=tp_group))
     x_shard = _shard(x, tp_group).clone().requires_grad_(True)
     out_shard = sp(x_shard)  # [s/tp, b, h]
     # the objective is the sum over ranks of each rank's tokens: the same total as the full layer's
@@ -146,7 +146,7 @@ def _refusals_worker(tp_group):
     errors = {}
     config = dataclasses.replace(BASE, sequence_parallel=True, hidden_dropout=0.1)
     try:
-        TransformerLayer(config, tp_group)
+        TransformerLayer(config, LayerGroups(tp=tp_group))
     except ValueError as error:
         errors["no tracker"] = str(error)
     model = GPTModel(dataclasses.replace(BASE, sequence_parallel=True), _state(tp_group))

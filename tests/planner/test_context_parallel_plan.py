@@ -44,7 +44,7 @@ def _layer_saved_bytes(state) -> int:
     tracker = RNGStatesTracker("cpu")
     tracker.add(MODEL_PARALLEL_RNG, 1000)
     torch.manual_seed(0)
-    model = GPTModel(_config(), state, rng_tracker=tracker, cp_group=state.cp_group).train()
+    model = GPTModel(_config(), state, rng_tracker=tracker).train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen, active = {}, [False]
 

@@ -26,7 +26,7 @@ from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.moe.dispatch import combine, dispatch, ep_rank_experts, plan_dispatch
 from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.router import TopKRouter, aux_loss, new_expert_bias, z_loss
-from megatron.parallel.state import group_size
+from megatron.parallel.state import LayerGroups, group_size
 
 __all__ = ["MoELayer", "AuxLossScaler", "set_aux_loss_scale", "update_expert_biases", "moe_layers", "STATS_FIELDS"]
 
@@ -53,15 +53,18 @@ class MoELayer(nn.Module):
 
     Args:
         config: the model configuration (``config.moe`` set).
-        tp_group: the tensor-parallel group (None: one rank).
-        ep_group: the expert-model-parallel group the tokens are exchanged over (None: every expert here).
+        groups: ``LayerGroups`` (None: one rank on every axis): ``tp`` the tensor-parallel group (each expert's
+            matrices split), ``ep`` the expert-model-parallel group the tokens are exchanged over (None: every
+            expert here).
         layer_number: 0-based layer index (the weights' names, hence their initial values, depend on it).
         shared_expert: an always-on MLP added to the experts' output (None: none).
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None, ep_group=None, layer_number: int = 0,
+    def __init__(self, config: ModelConfig, groups: Optional[LayerGroups] = None, layer_number: int = 0,
                  shared_expert: Optional[nn.Module] = None):
         super().__init__()
+        groups = groups if groups is not None else LayerGroups()
+        tp_group, ep_group = groups.tp, groups.ep
         moe = config.moe
         if moe.num_experts % group_size(ep_group):
             raise ValueError(f"--num-experts {moe.num_experts} is not divisible by --expert-model-parallel-size "
