@@ -1,4 +1,4 @@
-"""What this machine computes fast: bf16 hardware or not, read from the CPU's flags (or CUDA).
+"""What this machine computes fast: bf16 hardware or not, read from the CPU's flags (or CUDA); GPUs' bf16 peaks.
 
 On a CPU with AVX-512 BF16 or AMX a bf16 matmul is several times faster than fp32; on one with AVX2
 only (many AMD EPYC machines) bf16 is emulated and a training step several times slower than in fp32
@@ -17,7 +17,11 @@ import os
 import re
 from typing import Mapping, Optional
 
-__all__ = ["cpu_bf16_flags", "fast_bf16", "default_precision"]
+__all__ = ["cpu_bf16_flags", "fast_bf16", "default_precision", "PEAK_BF16_TFLOPS"]
+
+# Dense bf16 tensor-core peak per GPU, TFLOP/s (datasheet values, SXM parts; sparsity not counted): what MFU
+# divides by (megatron.training.metrics) and what the planner's GPUs compute at (megatron.planner.specs).
+PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
 
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # ONEDNN_MAX_CPU_ISA values at or above the first ISA with bf16 instructions.

@@ -40,6 +40,16 @@ def megatron_flops(num_layers: int, hidden_size: int, vocab_size: int, seq_lengt
     return c * global_batch_size * s * (L * (2 * layer_weights + 4 * s * h) + 1.5 * V * h)
 
 
+def mlp_flops_width(num_layers: int, ffn: int, swiglu: bool, num_moe_layers: int = 0, topk: int = 0,
+                    expert_ffn: int = 0, shared_expert_ffn: int = 0, num_experts: int = 0) -> float:
+    """The dense MLP width with the same matmul cost per token, averaged over the layers: ``ffn`` for a dense layer;
+    for an MoE layer ``topk`` x the expert width + the shared expert's + the router's E / m (m = 3 matrices with
+    SwiGLU, else 2), what Megatron-LM counts (dropped tokens are not subtracted). ``ModelConfig`` and the planner's
+    ``ModelShape`` both ask this."""
+    moe_width = topk * expert_ffn + shared_expert_ffn + num_experts / (3 if swiglu else 2)
+    return ((num_layers - num_moe_layers) * ffn + num_moe_layers * moe_width) / num_layers
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A GPT / BLOOM / Llama-style decoder. Sequence-first activations [s, b, h].
@@ -136,10 +146,8 @@ class ModelConfig:
         moe = self.moe
         if moe is None:
             return self.ffn_size
-        moe_width = (moe.router_topk * self.expert_ffn_size + (moe.shared_expert_intermediate_size or 0)
-                     + moe.num_experts / (3 if self.swiglu else 2))
-        num_moe = sum(moe.layer_pattern)
-        return ((self.num_layers - num_moe) * self.ffn_size + num_moe * moe_width) / self.num_layers
+        return mlp_flops_width(self.num_layers, self.ffn_size, self.swiglu, sum(moe.layer_pattern), moe.router_topk,
+                               self.expert_ffn_size, moe.shared_expert_intermediate_size or 0, moe.num_experts)
 
     def flops_per_iteration(self, global_batch_size: int, recompute: bool) -> float:
         """``megatron_flops`` of this model (``padded_vocab_size`` rows) for one global batch (an MoE model's

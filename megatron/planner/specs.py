@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron.config.model import ModelConfig, megatron_flops, swiglu_default_ffn_size
+from megatron.config.hardware import PEAK_BF16_TFLOPS
+from megatron.config.model import ModelConfig, megatron_flops, mlp_flops_width, swiglu_default_ffn_size
 from megatron.planner.moe import MoEShape, mlp_params, moe_layer_params
 
 GiB = 1024 ** 3
@@ -28,12 +29,12 @@ class GPUSpec:
 
 GPUS = {
     # A100 SXM: 312 TFLOPs bf16; NVLink3 600 GB/s bidirectional; nccl-tests all-reduce busbw ~230 GB/s on DGX A100.
-    "A100-40GB": GPUSpec("A100-40GB", 312.0, 40 * GiB, 1555.0, 230.0),
-    "A100-80GB": GPUSpec("A100-80GB", 312.0, 80 * GiB, 2039.0, 230.0),
+    "A100-40GB": GPUSpec("A100-40GB", PEAK_BF16_TFLOPS["A100"], 40 * GiB, 1555.0, 230.0),
+    "A100-80GB": GPUSpec("A100-80GB", PEAK_BF16_TFLOPS["A100"], 80 * GiB, 2039.0, 230.0),
     # H100 SXM: 989 TFLOPs bf16 dense; NVLink4 900 GB/s bidirectional; all-reduce busbw ~370 GB/s (NVLS off).
-    "H100-80GB": GPUSpec("H100-80GB", 989.0, 80 * GiB, 3350.0, 370.0),
+    "H100-80GB": GPUSpec("H100-80GB", PEAK_BF16_TFLOPS["H100"], 80 * GiB, 3350.0, 370.0),
     # H200 SXM: H100's compute and NVLink with 141 GB (torch reports ~139.8 GiB) of HBM3e at 4.8 TB/s.
-    "H200-141GB": GPUSpec("H200-141GB", 989.0, int(139.8 * GiB), 4800.0, 370.0),
+    "H200-141GB": GPUSpec("H200-141GB", PEAK_BF16_TFLOPS["H200"], int(139.8 * GiB), 4800.0, 370.0),
 }
 
 
@@ -135,11 +136,11 @@ class ModelShape:
     def mlp_flops_width(self) -> float:
         """The dense MLP width with the same matmul FLOPs per token, averaged over the layers: an MoE layer
         counts k x the expert width + the shared expert's + the router's E / m (``ModelConfig.mlp_flops_width``)."""
-        if self.moe is None:
-            return self.ffn
         moe = self.moe
-        width = moe.topk * moe.expert_ffn + moe.shared_expert_ffn + moe.num_experts / (3 if self.swiglu else 2)
-        return ((self.num_layers - moe.num_moe_layers) * self.ffn + moe.num_moe_layers * width) / self.num_layers
+        if moe is None:
+            return self.ffn
+        return mlp_flops_width(self.num_layers, self.ffn, self.swiglu, moe.num_moe_layers, moe.topk, moe.expert_ffn,
+                               moe.shared_expert_ffn, moe.num_experts)
 
     def flops_per_iteration(self, seq_length: int, global_batch_size: int, recompute: bool) -> float:
         """``megatron_flops`` of this shape."""

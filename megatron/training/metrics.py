@@ -12,10 +12,10 @@ from typing import Optional
 import torch
 
 from megatron.config import ModelConfig
+from megatron.config.hardware import PEAK_BF16_TFLOPS
 
-# Dense bf16 tensor-core peak per device, TFLOP/s (datasheet values; sparsity not counted). MFU is
-# model FLOPs (no recomputation) / (time * peak); HFU counts the recomputed forward too.
-PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
+# MFU is model FLOPs (no recomputation) / (time * peak); HFU counts the recomputed forward too. The peaks:
+# megatron.config.hardware.PEAK_BF16_TFLOPS.
 
 
 def peak_tflops_for_device(device_name: Optional[str], override: Optional[float] = None) -> Optional[float]:
