@@ -14,7 +14,7 @@ import collections
 import math
 from typing import Optional, Sequence
 
-from megatron.config import RunConfig
+from megatron.config import RunConfig, parallel_dims
 from megatron.engine.partition import stage_bounds
 from megatron.model.layout import EMBEDDING, FINAL_NORM, HEAD, TRANSFORMER, pipeline_items
 from megatron.parallel.state import group_layout
@@ -47,9 +47,8 @@ def layout_section(rc: RunConfig, item_param_counts: Optional[Sequence[int]] = N
             "transformer_layers": [layers[0], layers[-1]] if layers else None,
             "holds": [item.kind for item in held if item.kind in (EMBEDDING, FINAL_NORM, HEAD)],
         })
-    return {"world_size": rc.world_size, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-            "data_parallel_size": dp, "ds_sequence_parallel_size": sp, "context_parallel_size": cp,
-            "sequence_parallel": rc.model.sequence_parallel,
+    sizes = {d.field: getattr(p, d.field) for d in parallel_dims.WORLD}  # the world's factors
+    return {"world_size": rc.world_size, **sizes, "sequence_parallel": rc.model.sequence_parallel,
             "pp_partition_method": p.pp_partition_method, "num_pipeline_items": len(items), "stages": stages}
 
 

@@ -286,14 +286,7 @@ class ParallelState:
                                "(or use ParallelState.single() for one process)")
         world_size = dist.get_world_size()
         if dp is None:
-            if tp < 1 or pp < 1 or sp < 1 or cp < 1 or world_size % (tp * pp * sp * cp) != 0:
-                ulysses = f" x sequence-parallel size {sp}" if sp != 1 else ""
-                ulysses += f" x context-parallel size {cp}" if cp != 1 else ""
-                raise ValueError(
-                    f"world size {world_size} is not divisible by tensor-model-parallel size {tp} x "
-                    f"pipeline-model-parallel size {pp}{ulysses} = {tp * pp * sp * cp}; the data-parallel size "
-                    f"would not be a whole number")
-            dp = world_size // (tp * pp * sp * cp)
+            dp = parallel_dims.divide_world(world_size, dict(tp=tp, pp=pp, sp=sp, cp=cp))
         _check_sizes(tp, pp, dp, world_size, sp, cp)
         layout = group_layout(tp, pp, dp, sp, ep, cp)
         rank = dist.get_rank()

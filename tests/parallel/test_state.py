@@ -96,7 +96,7 @@ def test_world_not_divisible_raises_on_every_rank():
 
     with pytest.raises(DistributedTestError) as err:
         run_distributed(_bad_world, world_size=4)
-    assert "world size 4 is not divisible by tensor-model-parallel size 3" in str(err.value)
+    assert "world size 4 is not a multiple of --tensor-model-parallel-size 3" in str(err.value)
     assert "rank 0" in str(err.value) and "rank 3" in str(err.value)
 
 
