@@ -15,14 +15,11 @@ import pathlib
 import sys
 
 from megatron.arguments import build_parser
+from megatron.config.combinations import markdown_cell as _cell
 from megatron.config.combinations import render_markdown as render_combinations
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "flags.md"
-
-
-def _cell(text: str) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
 
 
 def _default(action: argparse.Action) -> str:

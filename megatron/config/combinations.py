@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-__all__ = ["FEATURES", "GROUPED", "REFUSED", "Feature", "Refused", "check_combinations", "feature",
+__all__ = ["markdown_cell", "FEATURES", "GROUPED", "REFUSED", "Feature", "Refused", "check_combinations", "feature",
            "refused_present", "render_markdown"]
 
 
@@ -241,7 +241,8 @@ def check_combinations(rc, owner: Optional[str] = None) -> None:
             raise ValueError(_message(rc, present))
 
 
-def _cell(text: str) -> str:
+def markdown_cell(text: str) -> str:
+    """``text`` as one markdown table cell: whitespace folded, pipes escaped (docs/flags.md's tables)."""
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
@@ -252,8 +253,8 @@ def render_markdown() -> list[str]:
              f"From `megatron/config/combinations.py` (`REFUSED`), checked by `check_combinations` before any process "
              f"starts: {len(REFUSED)} of the {n * (n - 1) // 2} pairs of its {n} features are refused.", "",
              "| feature | flag |", "| --- | --- |"]
-    lines += [f"| {_cell(f.name)} | {_cell(f.flag)} |" for f in FEATURES]
+    lines += [f"| {markdown_cell(f.name)} | {markdown_cell(f.flag)} |" for f in FEATURES]
     lines += ["", "| feature | refused with | reason | fix |", "| --- | --- | --- | --- |"]
-    lines += [f"| {_cell(r.a)} | {_cell(r.b)} | {_cell(r.reason)} | {_cell(r.fix)} |" for r in REFUSED]
+    lines += ["| " + " | ".join(markdown_cell(x) for x in (r.a, r.b, r.reason, r.fix)) + " |" for r in REFUSED]
     lines.append("")
     return lines
