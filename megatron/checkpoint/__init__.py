@@ -10,11 +10,8 @@
     single_process any TP / PP -> full TP=1 GPTModel weights, and back to a training checkpoint
     universal     DeepSpeed universal checkpoints (subpackage): the converter's parameter patterns, renaming
                   for the other engine, MoE expert folders, the routers' expert biases
-    hf_bloom      full weights and configs <-> transformers' Bloom (names only, no transformers import)
-    hf_export     full weights <-> transformers model directories: Bloom, GPT-2, GPT-NeoX; tokenizers
-    hf_llama      full (TP=1) weights and configs <-> transformers' Llama family (Llama, Mistral, Qwen2)
-    hf_moe        full weights (every expert) <-> transformers' MoE Llama relatives: Mixtral, Qwen3-MoE
-    hf_deepseek   full weights (every expert) <-> transformers' ``DeepseekV3ForCausalLM`` (latent attention)
+    hf            transformers model directories (subpackage): Bloom, GPT-2, GPT-NeoX, the Llama family, its MoE
+                  relatives, DeepSeek-V3; tokenizers
     tp_shards     tensor-parallel shards of one parameter: merged into the full tensor, and split again
     zero_files    DeepSpeed's own checkpoint files: the classes they pickle, the weights its non-pipeline engine saved
     expert_files  an MoE checkpoint's experts over expert-parallel ranks, for the single-process tools

@@ -1,7 +1,7 @@
 """Map full (TP=1, every expert) weights and configs between GPTModel and transformers' MoE Llama relatives:
 ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``.
 
-Both are the Llama block (``megatron.checkpoint.hf_llama`` maps its attention, norms, embedding and head) with
+Both are the Llama block (``megatron.checkpoint.hf.llama`` maps its attention, norms, embedding and head) with
 the MLP of chosen layers replaced by routed SwiGLU experts, routed as transformers computes it:
 
     Mixtral:    scores = softmax(x W_g^T) (fp32), top-k, the k weights divided by their sum
@@ -21,7 +21,7 @@ matrix per expert, where we stack them:
     self_attention.q_layernorm.weight    <-> self_attn.q_norm.weight [hn] (k likewise)
 
 ``DeepseekV3ForCausalLM`` (multi-head latent attention, sigmoid group-limited routing) is mapped by
-``megatron.checkpoint.hf_deepseek`` with this module's expert helpers. Nothing here imports transformers.
+``megatron.checkpoint.hf.deepseek`` with this module's expert helpers. Nothing here imports transformers.
 Shape letters: E experts, h hidden, f expert width, hn head dim.
 """
 
@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.checkpoint.hf_llama import (
+from megatron.checkpoint.hf.llama import (
     check_llama_block,
     fuse_fc1,
     kv_heads_of,

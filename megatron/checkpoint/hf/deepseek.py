@@ -1,6 +1,6 @@
 """Map full (TP=1, every expert) weights and configs between GPTModel and transformers' ``DeepseekV3ForCausalLM``.
 
-DeepSeek-V3 is the Llama block (``megatron.checkpoint.hf_llama`` maps the embedding, the norms, the dense MLPs of
+DeepSeek-V3 is the Llama block (``megatron.checkpoint.hf.llama`` maps the embedding, the norms, the dense MLPs of
 the first ``first_k_dense_replace`` layers, the output projection and the head) with multi-head latent attention
 (``megatron.model.latent_attention``: the same matrices, renamed; the rotary part stays interleaved as DeepSeek's
 checkpoints hold it, and our MLA de-interleaves it as transformers' ``rope_interleave`` does) and MoE layers
@@ -38,8 +38,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.checkpoint import hf_llama
-from megatron.checkpoint.hf_moe import experts_from_hf, experts_to_hf
+from megatron.checkpoint.hf import llama as hf_llama
+from megatron.checkpoint.hf.mixtral_qwen3 import experts_from_hf, experts_to_hf
 from megatron.checkpoint.single_process import router_buffer_names
 from megatron.config import ModelConfig
 from megatron.config.mla import MLAConfig

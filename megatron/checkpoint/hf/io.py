@@ -6,7 +6,7 @@ GPT-NeoX (rotary), the Llama family (Llama, Mistral, Qwen2) and its MoE relative
 
 Which transformers architecture a configuration maps to:
 
-- ALiBi + embedding LayerNorm  -> ``BloomForCausalLM``: the same tensors, renamed (``megatron.checkpoint.hf_bloom``).
+- ALiBi + embedding LayerNorm  -> ``BloomForCausalLM``: the same tensors, renamed (``megatron.checkpoint.hf.bloom``).
 - learned absolute positions, no embedding LayerNorm -> ``GPT2LMHeadModel``. GPT-2 stores its
   linear layers as ``Conv1D`` ([in, out], so every matrix is transposed) and its fused ``c_attn``
   columns as [q of all heads | k of all heads | v of all heads], where our rows are per head
@@ -15,12 +15,12 @@ Which transformers architecture a configuration maps to:
   (use_parallel_residual False), full rotary (partial_rotary_factor 1, rope_theta = rotary_base),
   biases, a tied head: again the same per-head fused QKV, renamed.
 - RMSNorm + SwiGLU + rotary (GQA, biases and head tying as configured) -> ``LlamaForCausalLM``, or
-  ``Qwen2ForCausalLM`` with q / k / v biases only (``megatron.checkpoint.hf_llama``); a Mistral
+  ``Qwen2ForCausalLM`` with q / k / v biases only (``megatron.checkpoint.hf.llama``); a Mistral
   directory without sliding window reads as the same model.
 - the same with MoE layers (``--num-experts``, softmax top-k routing) -> ``MixtralForCausalLM``, or
-  ``Qwen3MoeForCausalLM`` with ``--qk-layernorm`` (``megatron.checkpoint.hf_moe``).
+  ``Qwen3MoeForCausalLM`` with ``--qk-layernorm`` (``megatron.checkpoint.hf.mixtral_qwen3``).
 - MoE with ``--multi-latent-attention`` (sigmoid, group-limited routing, expert bias, a shared expert) ->
-  ``DeepseekV3ForCausalLM`` (``megatron.checkpoint.hf_deepseek``).
+  ``DeepseekV3ForCausalLM`` (``megatron.checkpoint.hf.deepseek``).
 The first three need the GPT block: LayerNorm, GeLU, biases, one key / value head per query head and
 a tied head; anything else is refused rather than exported wrongly.
 
@@ -41,13 +41,13 @@ from typing import Optional
 
 import torch
 
-from megatron.checkpoint.hf_bloom import (
+from megatron.checkpoint.hf.bloom import (
     bloom_config_kwargs,
     bloom_state_dict_to_ours,
     model_config_from_bloom,
     ours_to_bloom_state_dict,
 )
-from megatron.checkpoint.hf_deepseek import (
+from megatron.checkpoint.hf.deepseek import (
     DEEPSEEK_V3,
     check_deepseek,
     deepseek_config_kwargs,
@@ -55,7 +55,7 @@ from megatron.checkpoint.hf_deepseek import (
     model_config_from_deepseek,
     ours_to_deepseek_state_dict,
 )
-from megatron.checkpoint.hf_llama import (
+from megatron.checkpoint.hf.llama import (
     LLAMA_FAMILY,
     llama_config_kwargs,
     llama_family_of,
@@ -63,7 +63,7 @@ from megatron.checkpoint.hf_llama import (
     model_config_from_llama,
     ours_to_llama_state_dict,
 )
-from megatron.checkpoint.hf_moe import (
+from megatron.checkpoint.hf.mixtral_qwen3 import (
     MOE_FAMILY,
     model_config_from_moe,
     moe_config_kwargs,
