@@ -100,7 +100,7 @@ class Ours:
                                                              dp_size=1, num_workers=0)
 
     def gpt_state_dict(self) -> dict:
-        """The pipeline module's weights under GPTModel's names (what hf_bloom maps)."""
+        """The pipeline module's weights under GPTModel's names (what megatron.checkpoint.hf.bloom maps)."""
         from megatron.model.layout import model_name
 
         return {model_name(name, self.rc.model): tensor for name, tensor in self.engine.module.state_dict().items()}

@@ -10,14 +10,14 @@
     single_process any TP / PP -> full TP=1 GPTModel weights, and back to a training checkpoint
     universal     DeepSpeed universal checkpoints (subpackage): the converter's parameter patterns, renaming
                   for the other engine, MoE expert folders, the routers' expert biases
-    hf            transformers model directories (subpackage): Bloom, GPT-2, GPT-NeoX, the Llama family, its MoE
-                  relatives, DeepSeek-V3; tokenizers
+    hf            transformers model directories (subpackage): one module per family, one registry of them,
+                  the shared safetensors and tokenizer I/O
     tp_shards     tensor-parallel shards of one parameter: merged into the full tensor, and split again
     zero_files    DeepSpeed's own checkpoint files: the classes they pickle, the weights its non-pipeline engine saved
     expert_files  an MoE checkpoint's experts over expert-parallel ranks, for the single-process tools
 
 Every converter reads ``megatron.model.layout`` for how parameters are laid out. Imports torch,
 megatron.config, megatron.model and megatron.parallel; ``universal.patterns`` alone touches deepspeed (its
-constants), so importing this package does not import deepspeed. Nothing here imports training/
-or inference/.
+constants), so importing this package does not import deepspeed; ``hf.io`` imports transformers only inside
+the functions that write or read a directory. Nothing here imports training/ or inference/.
 """

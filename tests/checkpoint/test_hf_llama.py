@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpoint.hf.io import export_tokenizer, hf_architecture
+from megatron.checkpoint.hf.families import hf_architecture
+from megatron.checkpoint.hf.io import export_tokenizer
 from megatron.checkpoint.single_process import load_full_state_dict
 from megatron.config import TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer

@@ -15,7 +15,7 @@ split over --expert-model-parallel-size ranks as a training run at that size sav
 size; the expert files follow the default --pp-partition-method). DeepSeek-V3 becomes a model with
 --multi-latent-attention and sigmoid, group-limited routing with an expert bias (its multi-token-prediction
 layers are dropped with a warning, as transformers' model ignores them). The work is in
-``megatron.checkpoint.hf.io`` and ``megatron.checkpoint.single_process``.
+``megatron.checkpoint.hf`` (``io``; the families in ``hf.families``) and ``megatron.checkpoint.single_process``.
 """
 
 import argparse

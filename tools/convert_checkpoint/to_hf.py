@@ -12,7 +12,7 @@ ALiBi + embedding LayerNorm (BLOOM) writes a ``BloomForCausalLM``, learned posit
 the tokenizer's (original_vocab_size); Bloom's ``pretraining_tp`` records the training TP. When the
 checkpoint's tokenizer record names existing files they are exported too, so
 ``AutoTokenizer.from_pretrained(DIR)`` works offline (GPT2BPETokenizer, PretrainedFromHF). The work is
-in ``megatron.checkpoint.hf.io``.
+in ``megatron.checkpoint.hf`` (``io``; the families in ``hf.families``).
 """
 
 import argparse

@@ -46,10 +46,11 @@ from megatron.checkpoint.hf.llama import (
 from megatron.config import ModelConfig
 from megatron.config.moe import MoEConfig
 
-__all__ = ["MOE_FAMILY", "moe_family_of", "experts_to_hf", "experts_from_hf", "ours_to_moe_state_dict",
+__all__ = ["MODEL_TYPES", "moe_family_of", "experts_to_hf", "experts_from_hf", "ours_to_moe_state_dict",
            "moe_state_dict_to_ours", "moe_config_kwargs", "model_config_from_moe"]
 
-MOE_FAMILY = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # model_type -> class
+MODEL_TYPES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"),  # model_type -> (config class, model class)
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 # Per family: the router's name and each expert's (gate, up, down) names inside ``model.layers.{i}.``.
 _NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
                       "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
@@ -197,8 +198,8 @@ def model_config_from_moe(hf_config: Any, seq_length: int, **overrides) -> Model
     seq_length: the training / inference length. overrides: any other ModelConfig field (padded_vocab_size...).
     """
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in MOE_FAMILY:
-        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MOE_FAMILY)}")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
     check_llama_block(hf_config, model_type)
     if getattr(hf_config, "attention_bias", False):
         raise ValueError("attention_bias True: this converter maps Mixtral / Qwen3-MoE without biases")
