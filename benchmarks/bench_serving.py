@@ -166,7 +166,7 @@ def measure_interleaved(ckpt: str, config, state, args) -> tuple[list, list, lis
     servers' torch threads."""
     from transformers import BloomForCausalLM
 
-    from megatron.checkpoint.hf_export import write_hf_model
+    from megatron.checkpoint.hf.io import write_hf_model
     from megatron.inference.generation import Generator
 
     hf_dir = os.path.join(os.path.dirname(ckpt), "hf")

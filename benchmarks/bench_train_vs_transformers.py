@@ -2,7 +2,7 @@
 
 Same architecture (BLOOM-style: ALiBi, embedding LayerNorm; 4 layers, hidden 256, 8 heads, seq 256,
 micro-batch = global batch = 8, the tiny corpus's 400-token BPE padded to 512 rows on both sides),
-same initial weights (ours exported with megatron.checkpoint.hf_bloom), same batches (our data iterator,
+same initial weights (ours exported with megatron.checkpoint.hf.bloom), same batches (our data iterator,
 fed to both), AdamW (lr 1e-4 constant, betas 0.9/0.999, eps 1e-8, weight decay 0.01 on 2-D weights
 only, clip 1.0), no dropout. Variants, all in the same process:
 
@@ -100,7 +100,7 @@ class Ours:
                                                              dp_size=1, num_workers=0)
 
     def gpt_state_dict(self) -> dict:
-        """The pipeline module's weights under GPTModel's names (what hf_bloom maps)."""
+        """The pipeline module's weights under GPTModel's names (what megatron.checkpoint.hf.bloom maps)."""
         from megatron.model.layout import model_name
 
         return {model_name(name, self.rc.model): tensor for name, tensor in self.engine.module.state_dict().items()}
@@ -128,7 +128,7 @@ class HF:
         compiled: torch.compile the whole model (``nn.Module.compile``; the loss and optimizer stay eager)."""
         from transformers import BloomConfig, BloomForCausalLM
 
-        from megatron.checkpoint.hf_bloom import bloom_config_kwargs, ours_to_bloom_state_dict
+        from megatron.checkpoint.hf.bloom import bloom_config_kwargs, ours_to_bloom_state_dict
 
         kwargs = bloom_config_kwargs(cfg, vocab_size=cfg.padded_vocab_size)
         self.model = BloomForCausalLM(BloomConfig(**kwargs))

@@ -31,7 +31,7 @@ ALLOWED = {
     "benchmarking": {"config", "arguments", "parallel", "model", "data", "engine", "checkpoint", "training",
                      "testing", "planner"},
 }
-DEEPSPEED_IMPORTERS = ("engine/", "checkpoint/universal.py", "checkpoint/zero_files.py", "benchmarking/")
+DEEPSPEED_IMPORTERS = ("engine/", "checkpoint/universal/patterns.py", "checkpoint/zero_files.py", "benchmarking/")
 VERSION_NAMER = "engine/deepspeed_compat.py"
 # a DeepSpeed-like version: 0.1x or 0.1x.y ("0.19", "0.19.8", "0.18.0"); not a float such as 0.125
 DEEPSPEED_VERSION_STRING = re.compile(r"(?<![\d.])0\.1\d(?:\.(?:\d+|x))?\b(?!\.\d)")

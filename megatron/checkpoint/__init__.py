@@ -1,4 +1,4 @@
-"""Checkpoints: saving and resuming a run, merging any TP / PP, universal info, transformers conversion.
+"""Checkpoints: saving and resuming a run, merging any TP / PP, universal checkpoints, transformers conversion.
 
     tags          folder names and markers: ``latest``, ``complete``, which tag is read, pruning (plain files)
     training_io   save / load through DeepSpeed's engine, crash-safe; RNG states
@@ -8,21 +8,16 @@
     integrity     ``checksums.json``: size and SHA-256 of every file, recorded at save, verified before loading
     lock          ``SAVE/.lock``: one run writes into a --save folder
     single_process any TP / PP -> full TP=1 GPTModel weights, and back to a training checkpoint
-    universal     the parameter patterns DeepSpeed's ``ds_to_universal`` needs (imports deepspeed's key names)
-    universal_engines  a converted universal checkpoint renamed and rewritten for the other DeepSpeed engine
-    universal_moe      MoE experts in universal checkpoints: every EP rank's experts in one folder per parameter
-    universal_router   the MoE routers' expert biases beside a universal checkpoint, restored at a resume
-    hf_bloom      full weights and configs <-> transformers' Bloom (names only, no transformers import)
-    hf_export     full weights <-> transformers model directories: Bloom, GPT-2, GPT-NeoX; tokenizers
-    hf_llama      full (TP=1) weights and configs <-> transformers' Llama family (Llama, Mistral, Qwen2)
-    hf_moe        full weights (every expert) <-> transformers' MoE Llama relatives: Mixtral, Qwen3-MoE
-    hf_deepseek   full weights (every expert) <-> transformers' ``DeepseekV3ForCausalLM`` (latent attention)
+    universal     DeepSpeed universal checkpoints (subpackage): the converter's parameter patterns, renaming
+                  for the other engine, MoE expert folders, the routers' expert biases
+    hf            transformers model directories (subpackage): one module per family, one registry of them,
+                  the shared safetensors and tokenizer I/O
     tp_shards     tensor-parallel shards of one parameter: merged into the full tensor, and split again
     zero_files    DeepSpeed's own checkpoint files: the classes they pickle, the weights its non-pipeline engine saved
     expert_files  an MoE checkpoint's experts over expert-parallel ranks, for the single-process tools
 
 Every converter reads ``megatron.model.layout`` for how parameters are laid out. Imports torch,
-megatron.config, megatron.model and megatron.parallel; ``universal`` alone touches deepspeed (its
-constants), so importing this package does not import deepspeed. Nothing here imports training/
-or inference/.
+megatron.config, megatron.model and megatron.parallel; ``universal.patterns`` alone touches deepspeed (its
+constants), so importing this package does not import deepspeed; ``hf.io`` imports transformers only inside
+the functions that write or read a directory. Nothing here imports training/ or inference/.
 """

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron.checkpoint import run_state, tags, training_io
 from megatron.checkpoint.integrity import verify_checksums
-from megatron.checkpoint.universal_router import load_router_state
+from megatron.checkpoint.universal.router_state import load_router_state
 from megatron.config import RunConfig, parallel_dims
 from megatron.model.layout import LAYOUT
 

@@ -43,7 +43,7 @@ from megatron.checkpoint.run_state import (
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import COMPLETE_MARKER, LATEST, RUN_STATE, CheckpointFormatError, resolve_tag
 from megatron.checkpoint.tp_shards import merge_tp_shards, split_for_tp
-from megatron.checkpoint.universal_router import ROUTER_BUFFER
+from megatron.checkpoint.universal.router_state import ROUTER_BUFFER
 from megatron.config import ModelConfig
 from megatron.model.layout import local_name_of_file_key, parameter_layout, pipeline_items
 

@@ -216,7 +216,7 @@ def checkpoint_loading(engine, universal: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def universal_expert_slicing(engine) -> Iterator[None]:
     """Within: DeepSpeed's ZeRO-1/2 universal loader cuts this EP rank's experts (dim 0) out of an expert
-    folder's ``[E, ...]`` tensors (``megatron.checkpoint.universal_moe``), asking its expert-group registry for
+    folder's ``[E, ...]`` tensors (``megatron.checkpoint.universal.expert_folders``), asking its expert-group registry for
     the EP rank and size: it parses the size from a group named ``ep_size_N`` (ours is named
     ``megatron_ep_size_N``, and fails to parse), and with no group it slices nothing (EP = 1). So the registry
     holds, for the load only, this run's expert-parallel group under DeepSpeed's name, or nothing."""

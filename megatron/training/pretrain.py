@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.checkpoint import lock as save_lock
 from megatron.checkpoint import run_state, training_io
 from megatron.checkpoint.resume import intact_resume_point, restore, resume_point
-from megatron.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
+from megatron.checkpoint.universal.patterns import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 from megatron.config import RunConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.engine.deepspeed_compat import checkpoint_loading

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.checkpoint.hf_bloom import (
+from megatron.checkpoint.hf.bloom import (
     bloom_config_kwargs,
     bloom_state_dict_to_ours,
     model_config_from_bloom,

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpoint.hf_deepseek import deepseek_state_dict_to_ours, model_config_from_deepseek
-from megatron.checkpoint.hf_export import hf_architecture
+from megatron.checkpoint.hf.deepseek import deepseek_state_dict_to_ours, model_config_from_deepseek
+from megatron.checkpoint.hf.families import hf_architecture
 from megatron.checkpoint.single_process import load_full_state_dict
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.hf import (

@@ -101,7 +101,7 @@ def _random_hf_model(kind):
 
 @pytest.mark.parametrize("kind", ["bloom", "gpt2", "gpt_neox"])
 def test_hf_to_ours_tp2_pp2_to_hf_reproduces_every_tensor(tmp_path, tiny_corpus, kind):
-    from megatron.checkpoint.hf_export import export_tokenizer
+    from megatron.checkpoint.hf.io import export_tokenizer
     from megatron.checkpoint.single_process import load_full_state_dict
 
     model = _random_hf_model(kind)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpoint.hf_export import export_tokenizer, hf_architecture
+from megatron.checkpoint.hf.families import hf_architecture
+from megatron.checkpoint.hf.io import export_tokenizer
 from megatron.checkpoint.single_process import load_full_state_dict
 from megatron.config import TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer
@@ -181,7 +182,7 @@ def test_llama_3_1_rope_scaling_matches_transformers_both_ways():
 
     import transformers
 
-    from megatron.checkpoint.hf_llama import llama_config_kwargs, llama_state_dict_to_ours, model_config_from_llama
+    from megatron.checkpoint.hf.llama import llama_config_kwargs, llama_state_dict_to_ours, model_config_from_llama
     from megatron.model import GPTModel
 
     # original context 16 < seq 32, head dim 16: long waves scaled, one band interpolated, short waves kept
@@ -207,7 +208,7 @@ def test_llama_3_1_rope_scaling_matches_transformers_both_ways():
 def test_sliding_window_and_other_rope_types_are_refused():
     import transformers
 
-    from megatron.checkpoint.hf_llama import model_config_from_llama
+    from megatron.checkpoint.hf.llama import model_config_from_llama
 
     with pytest.raises(ValueError, match="sliding-window attention is not implemented"):
         model_config_from_llama(transformers.MistralConfig(**SIZES, sliding_window=16), seq_length=32)

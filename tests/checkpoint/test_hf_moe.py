@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpoint.hf_export import hf_architecture
-from megatron.checkpoint.hf_moe import model_config_from_moe
+from megatron.checkpoint.hf.families import hf_architecture
+from megatron.checkpoint.hf.mixtral_qwen3 import model_config_from_moe
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.single_process import load_full_state_dict, save_as_training_checkpoint
 from megatron.testing import run_distributed, tiny_argv

@@ -38,7 +38,7 @@ def _megatron_checkpoint(bloom, out_dir):
 
 
 def test_the_reader_merges_it_into_transformers_weights(bloom, tmp_path):
-    from megatron.checkpoint.hf_bloom import ours_to_bloom_state_dict
+    from megatron.checkpoint.hf.bloom import ours_to_bloom_state_dict
     from megatron.checkpoint.single_process import load_full_state_dict
 
     original = _megatron_checkpoint(bloom, tmp_path)

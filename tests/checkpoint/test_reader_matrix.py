@@ -37,7 +37,7 @@ from megatron.checkpoint.run_state import load_run_state, reader_for
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.single_process import load_full_state_dict
 from megatron.checkpoint.tp_shards import merge_tp_shards
-from megatron.checkpoint.universal_engines import folder_names
+from megatron.checkpoint.universal.engines import folder_names
 from megatron.config import ModelConfig, TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.inference.generation import SamplingParams, generate_token_ids

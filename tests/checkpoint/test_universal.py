@@ -11,7 +11,7 @@ from tests.helpers.model import POSITION_TYPES, tiny_config
 pytest.importorskip("deepspeed")
 from deepspeed.checkpoint import constants as C  # noqa: E402
 
-from megatron.checkpoint.universal import universal_checkpoint_info  # noqa: E402
+from megatron.checkpoint.universal.patterns import universal_checkpoint_info  # noqa: E402
 
 
 def _matches(name, patterns):

@@ -84,7 +84,7 @@ def generate_tool(ckpt, out_json, prompts, max_new_tokens=32):
 
 def save_with_tiny_tokenizer(hf_model, path, tiny_corpus):
     """``hf_model.save_pretrained(path)`` with the tiny corpus' GPT-2 tokenizer beside it (a tokenizer.json)."""
-    from megatron.checkpoint.hf_export import export_tokenizer
+    from megatron.checkpoint.hf.io import export_tokenizer
 
     hf_model.save_pretrained(str(path))
     export_tokenizer({"tokenizer_type": "GPT2BPETokenizer", "vocab_file": tiny_corpus["vocab_file"],

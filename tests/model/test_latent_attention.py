@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.checkpoint.hf_deepseek import MLA_NAMES
+from megatron.checkpoint.hf.deepseek import MLA_NAMES
 from megatron.config.mla import MLAConfig
 from megatron.parallel.state import ParallelState
 from megatron.testing import run_distributed

@@ -3,7 +3,7 @@ independent references: a plain-torch block written here, and transformers' Llam
 
 The reference reads our fused tensors by their documented layouts (QKV rows [kv, heads/kv + 2, hn],
 SwiGLU rows [f, 2] = (gate, up)); the renaming to transformers' names here is test-local, so a wrong
-layout in the model or in megatron.checkpoint.hf_llama cannot hide behind the other.
+layout in the model or in megatron.checkpoint.hf.llama cannot hide behind the other.
 """
 
 import math

@@ -183,7 +183,7 @@ def test_retargeted_files_carry_checksums_and_load_safely(reshaped, tmp_path):
     from megatron.checkpoint.integrity import CHECKSUMS, verify_checksums
     from megatron.checkpoint.run_state import load_run_state, model_config_from_dict
     from megatron.checkpoint.tags import CheckpointFormatError
-    from megatron.checkpoint.universal_engines import folder_names, retarget
+    from megatron.checkpoint.universal.engines import folder_names, retarget
 
     _, d = reshaped
     for out_root, engine in ((d["z3_for_3d"], "pipeline"), (d["d3_for_z3"], "model")):

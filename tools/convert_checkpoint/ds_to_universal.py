@@ -9,7 +9,7 @@
 ``--zero-stage`` 0 / 1 (any TP, PP, DP), ``model`` for ``--zero-stage 2`` and ``3`` (PP = 1, any TP and
 DP); by default the engine of the run that saved it. Except from the pipeline engine to itself, the
 parameter folders are renamed and their files rewritten for the target's loaders
-(``megatron.checkpoint.universal_engines``), and ``run_state.json`` records the target
+(``megatron.checkpoint.universal.engines``), and ``run_state.json`` records the target
 (``universal_engine``), which ``--load`` checks.
 
 Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), which writes
@@ -25,7 +25,7 @@ Wraps DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), whic
     and a damaged one is named when loaded.
   - for an MoE model, gives every expert parameter one folder holding all the experts (at EP > 1 DeepSpeed's
     converter reads a copy of the tag with per-EP-rank expert names) and keeps the routers' expert biases
-    (``megatron.checkpoint.universal_moe``), so the run moves between EP sizes too;
+    (``megatron.checkpoint.universal.expert_folders``), so the run moves between EP sizes too;
 ZeRO-2 and ZeRO-3 checkpoints convert too, for ZeRO-2 / ZeRO-3 runs or (``--target-engine pipeline``) a
 3D one; a 3D checkpoint converts for them with ``--target-engine model``.
 Options other than the two folders and ``--target-engine`` are passed through to DeepSpeed's converter.
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     from megatron.checkpoint.integrity import record_checksums, verify_checksums
     from megatron.checkpoint.run_state import UNIVERSAL_ENGINE, load_run_state, model_config_from_dict, reader_for
     from megatron.checkpoint.tags import COMPLETE_MARKER, RUN_STATE, write_atomically, write_complete_marker
-    from megatron.checkpoint.universal_engines import ENGINES, retarget
+    from megatron.checkpoint.universal.engines import ENGINES, retarget
     from megatron.engine.deepspeed_compat import safe_loading
 
     ours = argparse.ArgumentParser(add_help=False)
@@ -91,8 +91,8 @@ def main(argv=None) -> int:
 
 def _stage_experts(tag_dir: str, output_folder: str, config, source: str, record: dict):
     """MoE at EP > 1: the copy of ``tag_dir`` with per-EP-rank expert names that DeepSpeed's converter reads
-    (``megatron.checkpoint.universal_moe``), beside the output; None for other checkpoints."""
-    from megatron.checkpoint.universal_moe import stage_expert_names
+    (``megatron.checkpoint.universal.expert_folders``), beside the output; None for other checkpoints."""
+    from megatron.checkpoint.universal.expert_folders import stage_expert_names
 
     ep = record.get("parallel", {}).get("expert_model_parallel_size", 1)
     if config.moe is None or ep == 1:
@@ -105,8 +105,8 @@ def _stage_experts(tag_dir: str, output_folder: str, config, source: str, record
 
 def _merge_experts(tag_dir: str, output_folder: str, config, source: str, record: dict) -> None:
     """MoE: every expert parameter's folder holds all the experts, and the routers' expert biases are kept."""
-    from megatron.checkpoint.universal import C, universal_checkpoint_info
-    from megatron.checkpoint.universal_moe import merge_expert_folders, save_router_state
+    from megatron.checkpoint.universal.expert_folders import merge_expert_folders, save_router_state
+    from megatron.checkpoint.universal.patterns import C, universal_checkpoint_info
 
     if config.moe is None:
         return

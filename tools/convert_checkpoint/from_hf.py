@@ -15,7 +15,7 @@ split over --expert-model-parallel-size ranks as a training run at that size sav
 size; the expert files follow the default --pp-partition-method). DeepSeek-V3 becomes a model with
 --multi-latent-attention and sigmoid, group-limited routing with an expert bias (its multi-token-prediction
 layers are dropped with a warning, as transformers' model ignores them). The work is in
-``megatron.checkpoint.hf_export`` and ``megatron.checkpoint.single_process``.
+``megatron.checkpoint.hf`` (``io``; the families in ``hf.families``) and ``megatron.checkpoint.single_process``.
 """
 
 import argparse
@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from megatron.checkpoint.hf_export import read_hf_model
+    from megatron.checkpoint.hf.io import read_hf_model
     from megatron.checkpoint.run_state import converted_client_state, converted_run_state
     from megatron.checkpoint.single_process import save_as_training_checkpoint
     from megatron.data.tokenizers import pad_vocab_size

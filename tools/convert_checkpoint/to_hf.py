@@ -12,7 +12,7 @@ ALiBi + embedding LayerNorm (BLOOM) writes a ``BloomForCausalLM``, learned posit
 the tokenizer's (original_vocab_size); Bloom's ``pretraining_tp`` records the training TP. When the
 checkpoint's tokenizer record names existing files they are exported too, so
 ``AutoTokenizer.from_pretrained(DIR)`` works offline (GPT2BPETokenizer, PretrainedFromHF). The work is
-in ``megatron.checkpoint.hf_export``.
+in ``megatron.checkpoint.hf`` (``io``; the families in ``hf.families``).
 """
 
 import argparse
@@ -34,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from megatron.checkpoint.hf_export import export_tokenizer, write_hf_model
+    from megatron.checkpoint.hf.io import export_tokenizer, write_hf_model
     from megatron.checkpoint.single_process import load_full_state_dict
     from megatron.inference.generation import DTYPES, tokenizer_from_record
 

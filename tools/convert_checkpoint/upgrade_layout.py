@@ -66,7 +66,7 @@ def _upgrade_layer_file(src: str, dst_dir: str, index: int, rank: int, indices: 
 
 
 def _upgrade_model_states(src: str, dst: str, config, record: dict, indices: dict[int, int]) -> None:
-    from megatron.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
+    from megatron.checkpoint.universal.patterns import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 
     state = safe_load(src)
     if state.get("param_shapes"):

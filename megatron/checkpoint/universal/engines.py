@@ -49,7 +49,7 @@ import torch
 
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.tags import CheckpointFormatError
-from megatron.checkpoint.universal import C
+from megatron.checkpoint.universal.patterns import C
 from megatron.checkpoint.zero_files import DEEPSPEED_GLOBALS
 from megatron.config import ModelConfig
 from megatron.model.layout import ParameterLayout, parameter_layout, pipeline_name

@@ -10,7 +10,7 @@ around it (tools/convert_checkpoint/ds_to_universal.py):
         a copy of the tag for the converter (unchanged files linked) in which every expert parameter is named
         per EP rank, ``ep01.3.mlp.experts.w1``: in each optimizer file (its EP rank's) and, for every EP rank,
         in the model-states files' parameter shapes; DeepSpeed then merges each EP rank's shards and TP slices
-        on their own (the universal patterns match the prefixed names, ``megatron.checkpoint.universal``)
+        on their own (the universal patterns match the prefixed names, ``megatron.checkpoint.universal.patterns``)
     merge_expert_folders(zero_dir, config, engine, ep, tp)
         the EP ranks' folders joined along dim 0 into the parameter's own folder: ``[E, ...]``, each state
         file marked as an expert parameter of E experts (DeepSpeed's universal loader then cuts this run's
@@ -18,7 +18,7 @@ around it (tools/convert_checkpoint/ds_to_universal.py):
 
     save_router_state(tag_dir, out_dir, config)
         the routers' expert biases (buffers, outside the optimizer's folders) from the source's layer files (or
-        model states) to ``universal_router.ROUTER_STATE_FILE``, read back at a universal resume
+        model states) to ``router_state.ROUTER_STATE_FILE``, read back at a universal resume
 
 An EP = 1 checkpoint needs no staging; its expert folders are marked the same way.
 """
@@ -34,9 +34,9 @@ import shutil
 import torch
 
 from megatron.checkpoint.safe_load import safe_load
-from megatron.checkpoint.universal import C
-from megatron.checkpoint.universal_engines import folder_names
-from megatron.checkpoint.universal_router import ROUTER_BUFFER, ROUTER_STATE_FILE
+from megatron.checkpoint.universal.engines import folder_names
+from megatron.checkpoint.universal.patterns import C
+from megatron.checkpoint.universal.router_state import ROUTER_BUFFER, ROUTER_STATE_FILE
 from megatron.checkpoint.zero_files import DEEPSPEED_GLOBALS
 from megatron.config import ModelConfig
 from megatron.model.layout import ParameterLayout, pipeline_items

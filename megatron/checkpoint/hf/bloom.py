@@ -22,8 +22,10 @@ import torch
 from megatron.config import ModelConfig
 from megatron.model.layout import parameter_layout
 
-__all__ = ["bloom_state_dict_to_ours", "ours_to_bloom_state_dict", "model_config_from_bloom",
+__all__ = ["MODEL_TYPES", "bloom_state_dict_to_ours", "ours_to_bloom_state_dict", "model_config_from_bloom",
            "bloom_config_kwargs", "bloom_name"]
+
+MODEL_TYPES = {"bloom": ("BloomConfig", "BloomForCausalLM")}  # model_type -> (config class, model class)
 
 # Our GPTModel name prefix -> transformers' Bloom name prefix (inside ``transformer.``); the names
 # themselves come from megatron.model.layout, so a parameter the layout gains must be mapped here.

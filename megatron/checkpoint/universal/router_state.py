@@ -1,7 +1,7 @@
 """MoE routers' expert biases in universal checkpoints: buffers moved outside the gradient (aux-loss-free
 balancing), so not among the optimizer's parameter folders that DeepSpeed's universal loader reads.
 
-    ROUTER_STATE_FILE                             written at conversion (``universal_moe.save_router_state``):
+    ROUTER_STATE_FILE                             written at conversion (``expert_folders.save_router_state``):
                                                   {GPTModel buffer name: expert bias}
     load_router_state(module, tag_dir, config)    at a universal resume: back into the routers of this rank's
                                                   module (a pipeline stage or a GPTModel)

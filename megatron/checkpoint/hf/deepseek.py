@@ -1,6 +1,6 @@
 """Map full (TP=1, every expert) weights and configs between GPTModel and transformers' ``DeepseekV3ForCausalLM``.
 
-DeepSeek-V3 is the Llama block (``megatron.checkpoint.hf_llama`` maps the embedding, the norms, the dense MLPs of
+DeepSeek-V3 is the Llama block (``megatron.checkpoint.hf.llama`` maps the embedding, the norms, the dense MLPs of
 the first ``first_k_dense_replace`` layers, the output projection and the head) with multi-head latent attention
 (``megatron.model.latent_attention``: the same matrices, renamed; the rotary part stays interleaved as DeepSeek's
 checkpoints hold it, and our MLA de-interleaves it as transformers' ``rope_interleave`` does) and MoE layers
@@ -38,18 +38,18 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.checkpoint import hf_llama
-from megatron.checkpoint.hf_moe import experts_from_hf, experts_to_hf
+from megatron.checkpoint.hf import llama
+from megatron.checkpoint.hf.mixtral_qwen3 import experts_from_hf, experts_to_hf
 from megatron.checkpoint.single_process import router_buffer_names
 from megatron.config import ModelConfig
 from megatron.config.mla import MLAConfig
 from megatron.config.moe import MoEConfig
 from megatron.model.layout import parameter_layout
 
-__all__ = ["DEEPSEEK_V3", "MLA_NAMES", "check_deepseek", "ours_to_deepseek_state_dict", "deepseek_state_dict_to_ours",
-           "deepseek_config_kwargs", "model_config_from_deepseek"]
+__all__ = ["MODEL_TYPES", "MLA_NAMES", "check_deepseek", "deepseek_model_type", "ours_to_deepseek_state_dict",
+           "deepseek_state_dict_to_ours", "deepseek_config_kwargs", "model_config_from_deepseek"]
 
-DEEPSEEK_V3 = {"deepseek_v3": "DeepseekV3ForCausalLM"}  # model_type -> class
+MODEL_TYPES = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}  # model_type -> (config, model class)
 # Our name under ``self_attention.`` -> theirs under ``self_attn.`` (the matrices are the same).
 MLA_NAMES = (("linear_q_proj.weight", "q_proj.weight"), ("linear_q_down_proj.weight", "q_a_proj.weight"),
              ("q_layernorm.weight", "q_a_layernorm.weight"), ("linear_q_up_proj.weight", "q_b_proj.weight"),
@@ -69,7 +69,7 @@ def _num_dense_first(config: ModelConfig) -> int:
 
 def check_deepseek(config: ModelConfig) -> None:
     """ValueError naming what transformers' DeepseekV3ForCausalLM cannot hold of ``config`` (an MLA model)."""
-    hf_llama.llama_family_of(config)
+    llama.llama_family_of(config)
     moe, mla = config.moe, config.mla
     if moe is None:
         raise ValueError("a dense model with --multi-latent-attention: DeepseekV3ForCausalLM needs MoE layers "
@@ -99,13 +99,19 @@ def check_deepseek(config: ModelConfig) -> None:
         raise ValueError(f"transformers' DeepseekV3ForCausalLM cannot hold this model: {', '.join(wrong)}")
 
 
+def deepseek_model_type(config: ModelConfig) -> str:
+    """'deepseek_v3' for a model ``check_deepseek`` accepts."""
+    check_deepseek(config)
+    return "deepseek_v3"
+
+
 def ours_to_deepseek_state_dict(state: dict[str, torch.Tensor], config: ModelConfig,
                                 vocab_size: Optional[int] = None) -> dict[str, torch.Tensor]:
     """A TP=1 GPTModel state dict (every expert; the routers' expert biases if enabled) -> a DeepseekV3ForCausalLM
     state dict as ``save_pretrained`` writes it. vocab_size: keep only the first rows of the embedding and head."""
     check_deepseek(config)
     biases = set(router_buffer_names(config))
-    out = hf_llama.ours_to_llama_state_dict({n: t for n, t in state.items() if n not in biases}, config, vocab_size)
+    out = llama.ours_to_llama_state_dict({n: t for n, t in state.items() if n not in biases}, config, vocab_size)
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         for mine, hf in MLA_NAMES:
@@ -116,7 +122,7 @@ def ours_to_deepseek_state_dict(state: dict[str, torch.Tensor], config: ModelCon
         out.update(experts_to_hf(state, ours, theirs, _EXPERTS, config.moe.num_experts))
         bias = state.get(ours + _BIAS[0])
         out[theirs + _BIAS[1]] = bias if bias is not None else torch.zeros(config.moe.num_experts)
-        gate, up = hf_llama.split_fc1(state[ours + _SHARED_FC1])  # 2 x [fs, h]
+        gate, up = llama.split_fc1(state[ours + _SHARED_FC1])  # 2 x [fs, h]
         out.update({theirs + "mlp.shared_experts.gate_proj.weight": gate,
                     theirs + "mlp.shared_experts.up_proj.weight": up,
                     theirs + "mlp.shared_experts.down_proj.weight": state[ours + _SHARED_FC2]})
@@ -147,7 +153,7 @@ def deepseek_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: Model
         if config.moe.is_moe_layer(i):
             ours.update(experts_from_hf(state, mine, theirs, _EXPERTS, config.moe.num_experts, "DeepSeek-V3"))
             ours.update(_router_bias_and_shared_expert(state, mine, theirs))
-    ours.update(hf_llama.llama_state_dict_to_ours(state, config))  # the rest; it refuses any tensor left over
+    ours.update(llama.llama_state_dict_to_ours(state, config))  # the rest; it refuses any tensor left over
     missing = sorted(set(parameter_layout(config)) - set(ours))
     if missing:
         raise ValueError(f"the DeepSeek-V3 checkpoint lacks what this configuration has: {missing} (a query latent? "
@@ -163,14 +169,14 @@ def _router_bias_and_shared_expert(state: dict[str, torch.Tensor], mine: str, th
     if missing:
         raise ValueError(f"{theirs.rstrip('.')} lacks {', '.join(missing)}: not a DeepSeek-V3 MoE layer")
     bias, gate, up, down = (state.pop(name) for name in names)
-    return {mine + _BIAS[0]: bias.float(), mine + _SHARED_FC1: hf_llama.fuse_fc1(gate, up), mine + _SHARED_FC2: down}
+    return {mine + _BIAS[0]: bias.float(), mine + _SHARED_FC1: llama.fuse_fc1(gate, up), mine + _SHARED_FC2: down}
 
 
 def deepseek_config_kwargs(config: ModelConfig, vocab_size: Optional[int] = None) -> dict[str, Any]:
     """Keyword arguments for ``transformers.DeepseekV3Config`` describing ``config``."""
     check_deepseek(config)
     moe, mla = config.moe, config.mla
-    kwargs = hf_llama.llama_config_kwargs(config, vocab_size)
+    kwargs = llama.llama_config_kwargs(config, vocab_size)
     for name in ("attention_bias", "mlp_bias", "head_dim"):
         kwargs.pop(name, None)
     kwargs.update(moe_intermediate_size=config.expert_ffn_size, n_routed_experts=moe.num_experts,
@@ -213,7 +219,7 @@ def model_config_from_deepseek(hf_config: Any, seq_length: int, **overrides) -> 
     seq_length: the training / inference length. overrides: any other ModelConfig field (padded_vocab_size...).
     """
     _check_hf_deepseek(hf_config)
-    rope = hf_llama.rope_fields(hf_config)
+    rope = llama.rope_fields(hf_config)
     if len(rope) > 1:
         raise ValueError("rope_type llama3 with DeepSeek-V3 is not mapped; plain rotary (rope_type default) is")
     n, first = hf_config.num_hidden_layers, hf_config.first_k_dense_replace
@@ -227,7 +233,7 @@ def model_config_from_deepseek(hf_config: Any, seq_length: int, **overrides) -> 
     mla = MLAConfig(q_lora_rank=hf_config.q_lora_rank, kv_lora_rank=hf_config.kv_lora_rank,
                     qk_head_dim=hf_config.qk_nope_head_dim, qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
                     v_head_dim=hf_config.v_head_dim)
-    fields = dict(hf_llama.llama_block_fields(hf_config, seq_length), ffn_hidden_size=hf_config.intermediate_size,
+    fields = dict(llama.llama_block_fields(hf_config, seq_length), ffn_hidden_size=hf_config.intermediate_size,
                   **rope, add_bias_linear=False, qk_layernorm=True, moe=moe, mla=mla)
     fields.update(overrides)
     return ModelConfig(**fields).validate()

@@ -1,7 +1,7 @@
 """Map full (TP=1, every expert) weights and configs between GPTModel and transformers' MoE Llama relatives:
 ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``.
 
-Both are the Llama block (``megatron.checkpoint.hf_llama`` maps its attention, norms, embedding and head) with
+Both are the Llama block (``megatron.checkpoint.hf.llama`` maps its attention, norms, embedding and head) with
 the MLP of chosen layers replaced by routed SwiGLU experts, routed as transformers computes it:
 
     Mixtral:    scores = softmax(x W_g^T) (fp32), top-k, the k weights divided by their sum
@@ -21,7 +21,7 @@ matrix per expert, where we stack them:
     self_attention.q_layernorm.weight    <-> self_attn.q_norm.weight [hn] (k likewise)
 
 ``DeepseekV3ForCausalLM`` (multi-head latent attention, sigmoid group-limited routing) is mapped by
-``megatron.checkpoint.hf_deepseek`` with this module's expert helpers. Nothing here imports transformers.
+``megatron.checkpoint.hf.deepseek`` with this module's expert helpers. Nothing here imports transformers.
 Shape letters: E experts, h hidden, f expert width, hn head dim.
 """
 
@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.checkpoint.hf_llama import (
+from megatron.checkpoint.hf.llama import (
     check_llama_block,
     fuse_fc1,
     kv_heads_of,
@@ -46,10 +46,11 @@ from megatron.checkpoint.hf_llama import (
 from megatron.config import ModelConfig
 from megatron.config.moe import MoEConfig
 
-__all__ = ["MOE_FAMILY", "moe_family_of", "experts_to_hf", "experts_from_hf", "ours_to_moe_state_dict",
+__all__ = ["MODEL_TYPES", "moe_family_of", "experts_to_hf", "experts_from_hf", "ours_to_moe_state_dict",
            "moe_state_dict_to_ours", "moe_config_kwargs", "model_config_from_moe"]
 
-MOE_FAMILY = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # model_type -> class
+MODEL_TYPES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"),  # model_type -> (config class, model class)
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 # Per family: the router's name and each expert's (gate, up, down) names inside ``model.layers.{i}.``.
 _NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
                       "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
@@ -197,8 +198,8 @@ def model_config_from_moe(hf_config: Any, seq_length: int, **overrides) -> Model
     seq_length: the training / inference length. overrides: any other ModelConfig field (padded_vocab_size...).
     """
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in MOE_FAMILY:
-        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MOE_FAMILY)}")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
     check_llama_block(hf_config, model_type)
     if getattr(hf_config, "attention_bias", False):
         raise ValueError("attention_bias True: this converter maps Mixtral / Qwen3-MoE without biases")

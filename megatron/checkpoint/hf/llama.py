@@ -30,10 +30,12 @@ import torch
 from megatron.config import ModelConfig
 from megatron.model.layout import parameter_layout
 
-__all__ = ["LLAMA_FAMILY", "llama_family_of", "ours_to_llama_state_dict", "llama_state_dict_to_ours",
-           "llama_config_kwargs", "model_config_from_llama", "check_llama_block", "split_fc1", "fuse_fc1", "rope_fields"]
+__all__ = ["MODEL_TYPES", "llama_family_of", "dense_llama_family_of", "ours_to_llama_state_dict",
+           "llama_state_dict_to_ours", "llama_config_kwargs", "model_config_from_llama", "check_llama_block", "split_fc1",
+           "fuse_fc1", "rope_fields", "llama_block_fields", "kv_heads_of"]
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # transformers' model_type values mapped here
+MODEL_TYPES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),  # model_type -> (config class, model class)
+               "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 
 # Per block: our name -> theirs, for the tensors that are only renamed.
 _BLOCK_RENAMES = {"input_layernorm.weight": "input_layernorm.weight",
@@ -60,6 +62,14 @@ def llama_family_of(config: ModelConfig) -> str:
     if wrong:
         raise ValueError(f"transformers' Llama family cannot hold this model: {', '.join(wrong)}")
     return "qwen2" if config.add_qkv_bias and not config.add_bias_linear else "llama"
+
+
+def dense_llama_family_of(config: ModelConfig) -> str:
+    """:func:`llama_family_of` for a dense model, which has no ``--qk-layernorm`` in any family mapped here."""
+    if config.qk_layernorm:
+        raise ValueError("--qk-layernorm on a dense model: no transformers architecture is mapped for it here "
+                         "(Qwen3-MoE is, with --num-experts)")
+    return llama_family_of(config)
 
 
 def _split_qkv(tensor: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -232,8 +242,8 @@ def model_config_from_llama(hf_config: Any, seq_length: int, **overrides) -> Mod
     seq_length: the training / inference length. overrides: any other ModelConfig field (padded_vocab_size...).
     """
     model_type = getattr(hf_config, "model_type", "llama")
-    if model_type not in LLAMA_FAMILY:
-        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(LLAMA_FAMILY)}")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
     check_llama_block(hf_config, model_type)
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
