@@ -4,9 +4,9 @@ instruction streams against the analytic fractions, and (``--measure``) the step
 Counted: for each (stages p, micro-batches m), every stage's instruction stream of one step replayed at unit costs,
 in units of one whole stage's pass (F = B = W = 1):
   1f1b, zbh1        DeepSpeed's TrainSchedule and our ZeroBubbleH1Schedule, replayed by
-                    ``megatron.engine.bubble.idle_slots`` (a receive waits for its send; 1F1B's backward B + W = 2)
+                    ``megatron.engine.schedules.streams.idle_slots`` (a receive waits for its send; 1F1B's backward B + W = 2)
   interleaved_v2/4  our InterleavedSchedule's passes placed on a timeline by
-                    ``megatron.engine.interleaved_schedule.simulate`` (a chunk's forward 1, its backward 2, each
+                    ``megatron.engine.schedules.interleaved_order.simulate`` (a chunk's forward 1, its backward 2, each
                     1/v of a stage's), the idle chunk slots divided by v
 against the planner's analytic idle slots (``megatron.planner.schedule_costs.bubble_slots``: (p - 1) slots of F + B + W
 for 1F1B, (p - 1)(F + B - W) for ZB-H1, (p - 1) / v slots for interleaved) and the bubble's share of the step.
@@ -32,8 +32,8 @@ import time
 
 from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
 from benchmarks._common import emit, machine
-from megatron.engine.bubble import SCHEDULES, idle_slots, schedule_streams
-from megatron.engine.interleaved_schedule import InterleavedSchedule, passes_of, simulate
+from megatron.engine.schedules.interleaved_order import InterleavedSchedule, passes_of, simulate
+from megatron.engine.schedules.streams import SCHEDULES, idle_slots, schedule_streams
 from megatron.planner.schedule_costs import bubble_slots, check_schedule
 from megatron.testing import make_tiny_corpus, run_distributed, tiny_argv
 

@@ -17,19 +17,20 @@ weight-gradient pass; 1F1B runs B + W as one backward). Each entry gives:
   deferred_weight_passes  W passes rank r keeps waiting at most (ZB-H1: r + 1; else 0)
 
   1f1b         DeepSpeed's TrainSchedule: p - r - 1 warm-up forwards, min(p - r, m) in flight, p - 1 idle slots.
-  zbh1         ZB-H1 (Qi et al. 2023; megatron/engine/zero_bubble.py): 1F1B's order with W deferred into the
+  zbh1         ZB-H1 (Qi et al. 2023; megatron/engine/schedules/zero_bubble.py): 1F1B's order with W deferred into the
                cool-down: (p - 1)(F + B - W) idle, (p - 1) / 3 slots at F = B = W. Needs m >= p.
-  interleaved  Megatron-LM's interleaved 1F1B (megatron/engine/interleaved_schedule.py): 2 (p - r - 1) + (v - 1) p
+  interleaved  Megatron-LM's interleaved 1F1B (megatron/engine/schedules/interleaved_order.py): 2 (p - r - 1) + (v - 1) p
                warm-up chunk forwards, (p - 1) / v idle slots, v times 1F1B's p2p bytes. Needs L divisible by
                p v and m by p.
 
 Who reads it: the planner (megatron/planner/schedule_costs.py: bubble, memory, p2p costs), the engine
-(megatron/engine/initialize.py picks the engine class by ``schedule_name``; megatron/engine/bubble.py's analytic
-bubble; megatron/engine/interleaved_schedule.py's warm-up) and the dry run (megatron/dry_run/estimate.py).
+(megatron/engine/initialize.py picks the engine class by ``schedule_name`` from megatron/engine/schedules'
+``ENGINE_CLASSES``; megatron/engine/schedules/streams.py's analytic bubble;
+megatron/engine/schedules/interleaved_order.py's warm-up) and the dry run (megatron/dry_run/estimate.py).
 
 Adding a fourth schedule: one ``Schedule`` entry here (its flag, rules and formulas; ``chosen_by`` reads its flag
-from ``rc.parallel``), one engine module (its DeepSpeed ``PipeSchedule`` and engine class, registered in
-megatron/engine/initialize.py's ``ENGINE_CLASSES`` with the set-up it needs after ``deepspeed.initialize``, if
+from ``rc.parallel``), one engine module in megatron/engine/schedules/ (its DeepSpeed ``PipeSchedule`` and engine
+class, registered in that package's ``ENGINE_CLASSES`` with the set-up it needs after ``deepspeed.initialize``, if
 any) and one flag (megatron/arguments, a ``ParallelConfig`` field).
 
 Pure Python: no torch, no deepspeed; imports nothing of megatron.

@@ -125,7 +125,7 @@ WORKAROUNDS = {
                       "deepspeed.moe.layer.MoE's experts) (tests/training/test_moe.py resumes EP runs)",
     "pipeline_engine_class": "how deepspeed.initialize picks the pipeline engine class (the module global "
                              "PipelineEngine), and the PipelineEngine / PipelineModule internals "
-                             "megatron.engine.interleaved overrides (tests/training/test_interleaved.py)",
+                             "megatron.engine.schedules.interleaved overrides (tests/training/test_interleaved.py)",
     "zero3_ulysses_average": "the divisor of ZeRO-3's reduce-scatter with sequence parallelism "
                              "(tests/training/test_ulysses.py compares grad norms with a single process)",
     "pipeline_schedule": "PipelineEngine's _train_schedule, _exec_schedule, _INSTRUCTION_MAP and _exec_backward_pass, "

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from megatron.engine.interleaved_schedule import (
+from megatron.engine.schedules.interleaved_order import (
     BACKWARD,
     FORWARD,
     InterleavedSchedule,

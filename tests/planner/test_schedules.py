@@ -3,7 +3,7 @@
 1F1B and ZB-H1: the engine's instruction streams (DeepSpeed's TrainSchedule, our ZeroBubbleH1Schedule) replayed,
 counting the micro-batches in flight and the W passes waiting after every instruction; the planner's peak per
 stage must be the streams' at any ratio of a W pass's bytes to a micro-batch's activations, and its bubble the
-idle slots ``megatron.engine.bubble`` counts. Interleaved: Megatron-LM's order (warm-up, then one forward and one
+idle slots ``megatron.engine.schedules.streams`` counts. Interleaved: Megatron-LM's order (warm-up, then one forward and one
 backward) replayed for the in-flight peak. Then the refusals, the step estimate and the search.
 """
 
@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.engine.bubble import SCHEDULES as STREAMS
-from megatron.engine.bubble import idle_slots, schedule_streams
+from megatron.engine.schedules.streams import SCHEDULES as STREAMS
+from megatron.engine.schedules.streams import idle_slots, schedule_streams
 from megatron.planner import (
     BLOOM_SIZES,
     CLUSTERS,

@@ -29,7 +29,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from megatron.engine.interleaved_schedule import InterleavedSchedule, WaitSends
+from megatron.engine.schedules.interleaved_order import InterleavedSchedule, WaitSends
 
 _ACTIVATION, _GRADIENT, _META = 0, 1, 2
 _META_SIZE = 32  # int64s: [num_tensors, (dtype id, ndim, *shape) per tensor]

@@ -8,7 +8,7 @@ A rank first runs ``num_warmup_forwards`` forwards (Megatron's (p - r - 1) * 2 +
 alternates one forward and one backward, then drains the remaining backwards.
 
 ``compute_order`` gives that order for one rank (pure Python); ``InterleavedSchedule`` turns it into
-DeepSpeed instructions for ``megatron.engine.interleaved.InterleavedPipelineEngine``; ``simulate`` runs the
+DeepSpeed instructions for ``megatron.engine.schedules.interleaved.InterleavedPipelineEngine``; ``simulate`` runs the
 compute instructions of any schedule's stream (ours or DeepSpeed's ``TrainSchedule``) on a timeline of unit
 slots and counts each rank's idle slots, which the registry (``megatron.config.schedules``: (p - 1) / v idle slots,
 ``megatron.planner.schedule_costs.bubble_fraction``) states in closed form: (p - 1) / (v * m + p - 1) of every rank's

@@ -18,7 +18,7 @@ from typing import Sequence
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from megatron.config import schedules as registry
-from megatron.engine.zero_bubble import ZeroBubbleH1Schedule
+from megatron.engine.schedules.zero_bubble import ZeroBubbleH1Schedule
 
 __all__ = ["ONE_F_ONE_B_COSTS", "ZERO_BUBBLE_COSTS", "SCHEDULES", "schedule_streams", "idle_slots",
            "analytic_idle_slots"]
