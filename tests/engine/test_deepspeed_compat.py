@@ -9,7 +9,8 @@ import pytest
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-from megatron.engine import deepspeed_compat, zero_bubble
+from megatron.engine import deepspeed_compat
+from megatron.engine.schedules import zero_bubble
 from tests.helpers.paths import REPO_ROOT
 
 
