@@ -87,7 +87,7 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
     # the registry's chooser (megatron.config.schedules), the engine per schedule (megatron.engine.schedules);
     # no class: DeepSpeed's PipelineEngine (1F1B)
-    engine_class, set_up = ENGINE_CLASSES[schedule_name(rc)]
+    engine_class, set_up, _ = ENGINE_CLASSES[schedule_name(rc)]
     with pipeline_engine_class(engine_class) if engine_class else contextlib.nullcontext():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
     use_safe_loading(engine)  # --load never unpickles code (megatron.engine.deepspeed_compat)

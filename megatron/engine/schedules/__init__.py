@@ -9,6 +9,7 @@ PipelineEngine, and which engine runs which schedule (``ENGINE_CLASSES``).
                        ``WeightPass``), ``ZeroBubblePipelineEngine`` and its set-up ``enable_zero_bubble``
     streams            ``schedule_streams``: a DeepSpeed ``PipeSchedule`` class -> each stage's instruction names,
                        what the registry's timeline simulator (``megatron.config.schedules.idle_slots``) replays
+                       at the entry's ``unit_costs``
 
 How a schedule is chosen and run: ``megatron.config.schedules.schedule_name(rc)`` picks the registry entry from the
 run's flags; ``megatron.engine.initialize.build_engine`` looks it up in ``ENGINE_CLASSES`` and has
@@ -21,12 +22,28 @@ Adding a schedule (ZB-V, DualPipeV): one ``Schedule`` entry in megatron/config/s
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple, Optional
+
+from deepspeed.runtime.pipe.schedule import TrainSchedule
+
 from megatron.engine.schedules.interleaved import InterleavedPipelineEngine
-from megatron.engine.schedules.zero_bubble import ZeroBubblePipelineEngine, enable_zero_bubble
+from megatron.engine.schedules.interleaved_order import InterleavedSchedule
+from megatron.engine.schedules.zero_bubble import ZeroBubbleH1Schedule, ZeroBubblePipelineEngine, enable_zero_bubble
 
-__all__ = ["ENGINE_CLASSES"]
+__all__ = ["ScheduleEngine", "ENGINE_CLASSES"]
 
-# registry name (megatron.config.schedules) -> (the pipeline engine class that runs it, None: DeepSpeed's own;
-# what sets up the engine deepspeed.initialize built, None: nothing)
-ENGINE_CLASSES = {"1f1b": (None, None), "zbh1": (ZeroBubblePipelineEngine, enable_zero_bubble),
-                  "interleaved": (InterleavedPipelineEngine, None)}
+
+class ScheduleEngine(NamedTuple):
+    """How the engine runs one schedule of the registry."""
+
+    engine_class: Optional[type]          # the PipelineEngine subclass; None: DeepSpeed's own PipelineEngine
+    set_up: Optional[Callable]            # (the engine deepspeed.initialize built) -> the engine; None: nothing
+    schedule_class: type                  # the DeepSpeed PipeSchedule its _train_schedule() runs
+
+
+# registry name (megatron.config.schedules) -> its engine
+ENGINE_CLASSES = {
+    "1f1b": ScheduleEngine(None, None, TrainSchedule),
+    "zbh1": ScheduleEngine(ZeroBubblePipelineEngine, enable_zero_bubble, ZeroBubbleH1Schedule),
+    "interleaved": ScheduleEngine(InterleavedPipelineEngine, None, InterleavedSchedule),
+}

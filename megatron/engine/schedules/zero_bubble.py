@@ -16,9 +16,9 @@ and a new instruction, ``WeightPass``, runs one micro-batch's deferred weight pr
                            clipping and the step see complete gradients (``ZeroBubblePipelineEngine`` asserts it).
 
 With unit costs F = B = W, each stage of p idles (p - 1)(F + B - W) = p - 1 slots per step against 1F1B's
-(p - 1)(F + B + W) = 3(p - 1), once there are at least p micro-batches (``megatron.engine.schedules.streams`` counts them
-from the instruction streams). Activations in flight are 1F1B's; stage s also holds up to s W passes' inputs
-and output gradients.
+(p - 1)(F + B + W) = 3(p - 1), once there are at least p micro-batches (the registry's
+``megatron.config.schedules.idle_slots`` counts them from the instruction streams). Activations in flight are
+1F1B's; stage s also holds up to s W passes' inputs and output gradients.
 """
 
 from __future__ import annotations
