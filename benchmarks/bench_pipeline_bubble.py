@@ -3,11 +3,10 @@ instruction streams against the analytic fractions, and (``--measure``) the step
 
 Counted: for each (stages p, micro-batches m), every stage's instruction stream of one step replayed at unit costs,
 in units of one whole stage's pass (F = B = W = 1):
-  1f1b, zbh1        DeepSpeed's TrainSchedule and our ZeroBubbleH1Schedule, replayed by
-                    ``megatron.engine.bubble.idle_slots`` (a receive waits for its send; 1F1B's backward B + W = 2)
-  interleaved_v2/4  our InterleavedSchedule's passes placed on a timeline by
-                    ``megatron.engine.interleaved_schedule.simulate`` (a chunk's forward 1, its backward 2, each
-                    1/v of a stage's), the idle chunk slots divided by v
+  1f1b, zbh1        DeepSpeed's TrainSchedule and our ZeroBubbleH1Schedule, replayed by the registry's
+                    ``megatron.config.schedules.idle_slots`` (a receive waits for its send; 1F1B's backward B + W = 2)
+  interleaved_v2/4  our InterleavedSchedule, replayed by the same ``idle_slots`` at the entry's unit costs (a
+                    chunk's forward 1, its backward 2, each 1/v of a stage's), the idle chunk slots divided by v
 against the planner's analytic idle slots (``megatron.planner.schedule_costs.bubble_slots``: (p - 1) slots of F + B + W
 for 1F1B, (p - 1)(F + B - W) for ZB-H1, (p - 1) / v slots for interleaved) and the bubble's share of the step.
 A layout a schedule cannot run (interleaved: m not a multiple of p) records the refusal instead.
@@ -32,8 +31,9 @@ import time
 
 from benchmarks import _common  # noqa: F401  (sets DS_ACCELERATOR before deepspeed is imported)
 from benchmarks._common import emit, machine
-from megatron.engine.bubble import SCHEDULES, idle_slots, schedule_streams
-from megatron.engine.interleaved_schedule import InterleavedSchedule, passes_of, simulate
+from megatron.config.schedules import REGISTRY, idle_slots
+from megatron.engine.schedules import ENGINE_CLASSES
+from megatron.engine.schedules.streams import schedule_streams
 from megatron.planner.schedule_costs import bubble_slots, check_schedule
 from megatron.testing import make_tiny_corpus, run_distributed, tiny_argv
 
@@ -55,15 +55,17 @@ def _row(idle: list[float], analytic_slots: float, micro_batches: int) -> dict:
 
 def _interleaved_idle(stages: int, micro_batches: int, v: int) -> list[float]:
     """Each rank's idle time in whole-stage units: the replayed timeline's idle chunk slots over v."""
-    streams = [passes_of(InterleavedSchedule(micro_batches, stages, rank, v).steps()) for rank in range(stages)]
-    return [round(idle / v, 6) for idle in simulate(streams, v).idle]
+    streams = schedule_streams(ENGINE_CLASSES["interleaved"].schedule_class, stages, micro_batches,
+                               num_virtual_stages=v)
+    return [round(idle / v, 6) for idle in idle_slots(streams, REGISTRY["interleaved"].unit_costs)]
 
 
 def counted(stages: int, micro_batches: int) -> dict:
     """Per schedule: idle units per stage from the replayed streams, the planner's, and the bubble fractions."""
     row = {}
-    for name, (schedule, costs) in SCHEDULES.items():
-        idle = idle_slots(schedule_streams(schedule, stages, micro_batches), costs)
+    for name in ("1f1b", "zbh1"):
+        streams = schedule_streams(ENGINE_CLASSES[name].schedule_class, stages, micro_batches)
+        idle = idle_slots(streams, REGISTRY[name].unit_costs)
         row[name] = _row(idle, bubble_slots(name, stages), micro_batches)
     for v in VIRTUAL:
         try:

@@ -8,8 +8,8 @@ Split by concern: ``model`` (the architecture, its FLOPs), ``data`` (data paths,
 tokenizer) and ``run`` (everything else, and ``RunConfig`` grouping it all); import them from here.
 Beside them, three pure helpers every layer may read: ``deepspeed`` (the DeepSpeed config dict a
 ``RunConfig`` gives, merged with the user's JSON; it never imports deepspeed), ``launch`` (rank
-and world size as the launcher set them) and ``schedules`` (the registry of pipeline schedules). Imports nothing
-else of megatron.
+and world size as the launcher set them) and ``schedules`` (the registry of pipeline schedules: their rules,
+formulas and the timeline simulator that counts their bubble). Imports nothing else of megatron.
 
 The rules each feature adds across a ``RunConfig``, and their helpers:
 

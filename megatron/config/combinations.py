@@ -165,7 +165,7 @@ REFUSED: tuple[Refused, ...] = (
     Refused("MoE", "Ulysses", "not implemented for MoE models", "drop --ds-sequence-parallel-size"),
     Refused("MoE", "torch.compile", "not implemented for MoE models", "drop --torch-compile"),
     Refused("MoE", "fp16", "not implemented for MoE models", "use --bf16"),
-    # ZB-H1 (megatron/engine/zero_bubble.py)
+    # ZB-H1 (megatron/engine/schedules/zero_bubble.py)
     Refused("ZB-H1", "non-pipeline engine", "ZB-H1 is a schedule of the pipeline engine",
             "Use --zero-stage 0 or 1 without Ulysses, or drop --enable-zbh1-pipeline",
             say="{a} is a schedule of the pipeline engine; this run (" + _NON_PIPELINE_RUN.format(stage="--zero-stage")
@@ -193,7 +193,7 @@ REFUSED: tuple[Refused, ...] = (
             "evaluate saved checkpoints instead (tools/evaluate.py)"),
     Refused("context parallelism", "universal checkpoint", "not implemented with ring attention yet",
             "drop --universal-checkpoint"),
-    # interleaved virtual stages (megatron/engine/interleaved_schedule.py)
+    # interleaved virtual stages (megatron/engine/schedules/interleaved_order.py)
     Refused("interleaved", "MoE", "MoE layers are not supported by the interleaved schedule yet", "drop --num-experts"),
     Refused("interleaved", "batch-size rampup", "the micro-batch count changes during the ramp",
             "drop --rampup-batch-size"),

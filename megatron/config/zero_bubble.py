@@ -1,4 +1,4 @@
-"""What the ZB-H1 pipeline schedule (``--enable-zbh1-pipeline``, megatron/engine/zero_bubble.py) needs of a run:
+"""What the ZB-H1 pipeline schedule (``--enable-zbh1-pipeline``, megatron/engine/schedules/zero_bubble.py) needs of a run:
 refused before any process starts, each message naming the values and the fix."""
 
 from __future__ import annotations

@@ -12,11 +12,8 @@
 - ``ulysses``: DeepSpeed-Ulysses sequence parallelism (``--ds-sequence-parallel-size``);
 - ``expert_parallel``: expert parallelism on either DeepSpeed engine: the experts' gradients averaged, and their
   optimizer state sharded, over the expert-data-parallel group only;
-- ``interleaved``: interleaved virtual pipeline stages on DeepSpeed's own pipeline engine;
-- ``interleaved_schedule``: interleaved 1F1B (Megatron-LM's virtual stages) as a DeepSpeed ``PipeSchedule``;
-- ``zero_bubble``: ZB-H1 (``--enable-zbh1-pipeline``) on DeepSpeed's PipelineEngine: the input gradients (B)
-  first, the weight gradients (W) deferred;
-- ``bubble``: the pipeline bubble counted from instruction streams: each stage's idle slots in one step;
+- ``schedules``: the pipeline schedules' engines (interleaved 1F1B, ZB-H1) and ``ENGINE_CLASSES``, which engine class
+  runs which schedule of the registry ``megatron.config.schedules``;
 - ``load_checks``: after ``--load``, every weight, fp32 master and optimizer state finite, or an error naming it;
 - ``timers``: per-phase wall-clock timers, leveled as Megatron-LM's (``--timing-log-level``).
 

@@ -55,9 +55,14 @@ they differ (an upgrade then fails at the first workaround it reaches, not silen
                               module type), which our marker holds none of  files of their own (``megatron.engine.
                                                                             expert_parallel``)
     pipeline_schedule         PipelineEngine runs only its TrainSchedule    ``pipeline_engine_class`` builds our
-                              (1F1B); no hook for another schedule or for  subclass that overrides its private
-                              new instructions                             schedule methods (megatron.engine.
-                                                                            zero_bubble: ZB-H1)
+                              (1F1B); no hook for another schedule, for     subclass that overrides its private
+                              new instructions or for virtual stages;       schedule methods (megatron.engine.
+                              PipelineModule builds one stage per rank      schedules: ZB-H1, interleaved; the
+                                                                            interleaved module overrides its private
+                                                                            partition and build methods); each
+                                                                            class requires this workaround when it
+                                                                            is constructed; the overridden methods:
+                                                                            ``PIPELINE_SCHEDULE_OVERRIDES``
 
 Models of DeepSpeed's behaviour outside this package, which cannot import it, re-measured against the real
 thing by their tests rather than checked here: the planner's ZeRO communication counts and defaults
@@ -89,9 +94,18 @@ __all__ = ["PINNED_VERSION", "WORKAROUNDS", "require", "installed_version", "che
            "SafeTorchCheckpointEngine", "use_safe_loading", "avoid_cpu_jit_builds",
            "ExpertParallelMarker", "moe_marker", "register_expert_groups", "mark_moe_parameter", "is_moe_parameter",
            "check_moe_engine", "count_expert_grads_once", "plain_checkpoint_files", "universal_expert_slicing",
-           "pipeline_engine_class"]
+           "pipeline_engine_class", "PIPELINE_SCHEDULE_OVERRIDES"]
 
 PINNED_VERSION = "0.19.8"
+
+# DeepSpeed class -> its private methods (and class attributes) the schedule engines of megatron.engine.schedules
+# override (tests/engine/test_deepspeed_compat.py checks the list is whole)
+PIPELINE_SCHEDULE_OVERRIDES = {
+    "PipelineEngine": ("_train_schedule", "_inference_schedule", "_exec_schedule", "_INSTRUCTION_MAP",
+                       "_exec_load_micro_batch", "_exec_forward_pass", "_exec_backward_pass", "_exec_send_activations",
+                       "_exec_recv_activations", "_exec_send_grads", "_exec_recv_grads", "_exec_reduce_tied_grads"),
+    "PipelineModule": ("_partition_layers", "_build", "_precompute_checkpointable_values"),
+}
 
 # name -> what to re-check on another DeepSpeed version
 WORKAROUNDS = {
@@ -124,13 +138,16 @@ WORKAROUNDS = {
     "moe_checkpoint": "how save_checkpoint / _load_checkpoint branch on has_moe_layers (the MoE path wants "
                       "deepspeed.moe.layer.MoE's experts) (tests/training/test_moe.py resumes EP runs)",
     "pipeline_engine_class": "how deepspeed.initialize picks the pipeline engine class (the module global "
-                             "PipelineEngine), and the PipelineEngine / PipelineModule internals "
-                             "megatron.engine.interleaved overrides (tests/training/test_interleaved.py)",
+                             "PipelineEngine) (tests/training/test_interleaved.py, tests/training/test_zero_bubble.py)",
     "zero3_ulysses_average": "the divisor of ZeRO-3's reduce-scatter with sequence parallelism "
                              "(tests/training/test_ulysses.py compares grad norms with a single process)",
-    "pipeline_schedule": "PipelineEngine's _train_schedule, _exec_schedule, _INSTRUCTION_MAP and _exec_backward_pass, "
-                         "TrainSchedule's step order, BF16_Optimizer.clear_lp_grads / update_hp_grads "
-                         "(tests/training/test_zero_bubble.py trains ZB-H1 against 1F1B)",
+    "pipeline_schedule": "the private methods megatron.engine.schedules overrides: "
+                         + "; ".join(f"{cls} {', '.join(names)}" for cls, names in PIPELINE_SCHEDULE_OVERRIDES.items())
+                         + "; the state they read (PipelineEngine's pipe_buffers, grad_layer, _reserve_pipe_buffers, "
+                         "is_pipe_partitioned / is_grad_partitioned, DTYPE_TO_ID; PipelineModule's parts, "
+                         "forward_funcs, _set_bounds, _local_start / _local_stop), TrainSchedule's step order, "
+                         "BF16_Optimizer.clear_lp_grads / update_hp_grads (tests/training/test_zero_bubble.py trains "
+                         "ZB-H1 against 1F1B, tests/training/test_interleaved.py interleaved)",
 }
 
 

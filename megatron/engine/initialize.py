@@ -36,22 +36,15 @@ from megatron.engine.deepspeed_compat import (
     use_safe_loading,
 )
 from megatron.engine.expert_parallel import check_expert_parallel_engine, mark_expert_parameters
-from megatron.engine.interleaved import InterleavedPipelineEngine
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
+from megatron.engine.schedules import ENGINE_CLASSES
 from megatron.engine.sharded import DeepSpeedMPU, ShardedEngine, build_sharded_module, set_hpz_group
-from megatron.engine.zero_bubble import ZeroBubblePipelineEngine, enable_zero_bubble
 from megatron.model.compile import compile_transformer_layers
 from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState
 
 logger = logging.getLogger(__name__)
-
-
-# registry name (megatron.config.schedules) -> (the pipeline engine class that runs it, None: DeepSpeed's own;
-# what sets up the engine deepspeed.initialize built, None: nothing)
-ENGINE_CLASSES = {"1f1b": (None, None), "zbh1": (ZeroBubblePipelineEngine, enable_zero_bubble),
-                  "interleaved": (InterleavedPipelineEngine, None)}
 
 
 def init_deepspeed_comm(backend: str, timeout_s: float = 600.0) -> None:
@@ -92,13 +85,14 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
         _compile_layers(module)
     experts = mark_expert_parameters(module, rc.model, state)  # MoE with EP > 1 (megatron.engine.expert_parallel)
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
-    # the registry's chooser (megatron.config.schedules); no class: DeepSpeed's PipelineEngine (1F1B)
-    engine_class, set_up = ENGINE_CLASSES[schedule_name(rc)]
+    # the registry's chooser (megatron.config.schedules), the engine per schedule (megatron.engine.schedules);
+    # no class: DeepSpeed's PipelineEngine (1F1B)
+    engine_class, set_up, _ = ENGINE_CLASSES[schedule_name(rc)]
     with pipeline_engine_class(engine_class) if engine_class else contextlib.nullcontext():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
     use_safe_loading(engine)  # --load never unpickles code (megatron.engine.deepspeed_compat)
     if set_up is not None:
-        engine = set_up(engine)  # ZB-H1: megatron.engine.zero_bubble.enable_zero_bubble
+        engine = set_up(engine)  # ZB-H1: megatron.engine.schedules.zero_bubble.enable_zero_bubble
     check_expert_parallel_engine(engine, experts, state)
     return engine
 

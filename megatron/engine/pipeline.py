@@ -26,7 +26,7 @@ all-reduces their gradients). Every module initializes from (seed, its own ident
 stage holding layers 4..7 starts exactly as the same layers of a single-stage model.
 
 With ``--num-virtual-stages-per-pipeline-rank`` v > 1 the same specs are cut into PP x v chunks and each rank
-builds v of them (``megatron.engine.interleaved``); layer files keep the same numbers.
+builds v of them (``megatron.engine.schedules.interleaved``); layer files keep the same numbers.
 
 ``--pp-partition-method``: DeepSpeed's own methods. ``type:transformer`` balances the transformer
 layers (regex on class names, case-insensitive); ``type:transformer|embedding`` counts the two
@@ -44,7 +44,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSp
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.config import PARTITION_METHODS, ModelConfig
-from megatron.engine.interleaved import InterleavedPipelineModule
+from megatron.engine.schedules.interleaved import InterleavedPipelineModule
 from megatron.engine.ulysses import sequence_parallel_loss
 from megatron.model import EmbeddingLayer, FinalLayerNorm, OutputLayer, TransformerLayer, gpt_loss, per_token_loss
 from megatron.model.layout import (
@@ -159,7 +159,7 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
                           num_virtual_stages: int = 1) -> PipelineModule:
     """The model's stage for this rank, on a topology identical to ``state``'s layout.
 
-    num_virtual_stages: above 1, the rank's v chunks for the interleaved schedule (``megatron.engine.interleaved``).
+    num_virtual_stages: above 1, the rank's v chunks for the interleaved schedule (``megatron.engine.schedules.interleaved``).
 
     activation_checkpoint_interval: recompute the activations of every run of this many layers in
     backward (``--checkpoint-num-layers`` with ``--checkpoint-activations``); 0 keeps them all.

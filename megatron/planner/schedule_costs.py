@@ -6,7 +6,7 @@ pass (1F1B runs B + W as one backward).
 
   1f1b         DeepSpeed's TrainSchedule. Bubble (p - 1) slots per step: (p - 1) / m of the ideal time. Stage i
                holds the activations of min(p - i, m) micro-batches at its peak (after the last warm-up forward).
-  zbh1         ZB-H1 (Qi et al. 2023; megatron/engine/zero_bubble.py): 1F1B's order with W deferred into the
+  zbh1         ZB-H1 (Qi et al. 2023; megatron/engine/schedules/zero_bubble.py): 1F1B's order with W deferred into the
                cool-down. The schedule realises (p - 1)(F + B - W) idle per stage (tests/engine/
                test_zero_bubble_schedule.py counts it from the instruction streams): (p - 1) / 3 slots at F = B = W.
                Activations in flight are 1F1B's, and stage i also keeps the inputs and output gradients of the

@@ -9,7 +9,8 @@ import pytest
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-from megatron.engine import deepspeed_compat, zero_bubble
+from megatron.engine import deepspeed_compat
+from megatron.engine.schedules import zero_bubble
 from tests.helpers.paths import REPO_ROOT
 
 
@@ -36,7 +37,7 @@ WORKAROUNDS = {
     "moe_checkpoint": lambda: deepspeed_compat.plain_checkpoint_files(None).__enter__(),
     "universal_expert_slicing": lambda: deepspeed_compat.universal_expert_slicing(None).__enter__(),
     "expert_tp_grad_norm": lambda: deepspeed_compat.count_expert_grads_once(object.__new__(BF16_Optimizer), 1),
-    "pipeline_schedule": lambda: zero_bubble.enable_zero_bubble(None),
+    "pipeline_schedule": lambda: zero_bubble.ZeroBubblePipelineEngine(),
     "pipeline_engine_class": lambda: deepspeed_compat.pipeline_engine_class(object).__enter__(),
 }
 
@@ -53,6 +54,31 @@ def test_a_workaround_on_another_deepspeed_fails_naming_both_versions(monkeypatc
 
 def test_every_workaround_is_exercised_here_or_named_for_its_test():
     assert set(WORKAROUNDS) | {"zero3_init_dtype", "shm_comm_build"} == set(deepspeed_compat.WORKAROUNDS)
+
+
+def _overridden(cls, base):
+    """The private methods and class attributes of DeepSpeed's ``base`` that ``cls`` defines anew."""
+    return {name for name in vars(cls) if name.startswith("_") and not name.startswith("__") and hasattr(base, name)}
+
+
+def test_the_schedule_engines_override_only_listed_private_methods_and_require_the_version(monkeypatch):
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    from megatron.engine.schedules import ENGINE_CLASSES
+    from megatron.engine.schedules.interleaved import InterleavedPipelineModule
+
+    listed = deepspeed_compat.PIPELINE_SCHEDULE_OVERRIDES
+    engines = [entry.engine_class for entry in ENGINE_CLASSES.values() if entry.engine_class is not None]
+    overridden = set().union(*(_overridden(engine, PipelineEngine) for engine in engines))
+    assert overridden == set(listed["PipelineEngine"])
+    assert _overridden(InterleavedPipelineModule, PipelineModule) == set(listed["PipelineModule"])
+    for name in listed["PipelineEngine"] + listed["PipelineModule"]:
+        assert name in deepspeed_compat.WORKAROUNDS["pipeline_schedule"], name
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    for cls in engines + [InterleavedPipelineModule]:
+        with pytest.raises(RuntimeError, match="'pipeline_schedule'"):
+            cls(num_virtual_stages=2) if cls is InterleavedPipelineModule else cls()
 
 
 def test_a_local_build_suffix_is_the_same_release(monkeypatch):

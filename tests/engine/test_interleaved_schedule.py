@@ -1,9 +1,10 @@
 """The interleaved schedule's instruction stream, without processes: its bubble against the closed form, side
 by side with DeepSpeed's 1F1B, and that its sends and receives pair up.
 
-The bubble is counted from the executed stream: each rank's ForwardPass / BackwardPass instructions, in order,
-are placed on a timeline (one slot per chunk forward, two per chunk backward) as soon as their input exists;
-a rank's idle slots are the step's length minus its busy slots.
+The bubble is counted from the executed stream by the registry's timeline simulator
+(``megatron.config.schedules.timeline``): each rank's instructions, in order, on one timeline (one slot per chunk
+forward, two per chunk backward), a receive waiting for the send of the neighbouring virtual stage; a rank's idle
+slots are the step's length minus its busy slots.
 """
 
 from collections import Counter
@@ -11,23 +12,29 @@ from collections import Counter
 import pytest
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from megatron.engine.interleaved_schedule import (
+from megatron.config.schedules import REGISTRY, timeline
+from megatron.engine.schedules.interleaved_order import (
     BACKWARD,
     FORWARD,
     InterleavedSchedule,
     compute_order,
     num_warmup_forwards,
     passes_of,
-    simulate,
 )
+from megatron.engine.schedules.streams import schedule_streams
 
 LAYOUTS = [(2, 2, 2), (2, 2, 4), (2, 2, 8), (4, 2, 4), (4, 2, 8), (3, 2, 6), (4, 3, 8), (4, 4, 8), (1, 2, 3)]
 
 
 def _streams(pp, v, m):
     if v == 1:
-        return [passes_of(ds_schedule.TrainSchedule(m, pp, r).steps()) for r in range(pp)]
-    return [passes_of(InterleavedSchedule(m, pp, r, v).steps()) for r in range(pp)]
+        return schedule_streams(ds_schedule.TrainSchedule, pp, m)
+    return schedule_streams(InterleavedSchedule, pp, m, num_virtual_stages=v)
+
+
+def simulate(streams, v):
+    """The registry's timeline at the schedule's unit costs (F 1, B 2 per chunk)."""
+    return timeline(streams, REGISTRY["interleaved" if v > 1 else "1f1b"].unit_costs)
 
 
 @pytest.mark.parametrize("pp,v,m", LAYOUTS)
@@ -82,5 +89,5 @@ def test_order_follows_megatron():
 def test_refuses_micro_batches_not_a_multiple_of_stages_but_evaluates_any():
     with pytest.raises(ValueError, match="make it a multiple of 2"):
         list(InterleavedSchedule(3, 2, 0, 2).steps())
-    streams = [passes_of(InterleavedSchedule(3, 2, r, 2, forward_only=True).steps()) for r in range(2)]
+    streams = schedule_streams(InterleavedSchedule, 2, 3, num_virtual_stages=2, forward_only=True)
     assert simulate(streams, 2).busy == [6, 6]  # every forward, no deadlock

@@ -1,6 +1,6 @@
 """The ZB-H1 schedule generator, replayed without processes: its bubble against 1F1B's and the analytic ones.
 
-``megatron.engine.bubble.idle_slots`` replays each stage's instruction stream at unit costs (F = B = W = 1, 1F1B's
+``megatron.config.schedules.idle_slots`` replays each stage's instruction stream at unit costs (F = B = W = 1, 1F1B's
 backward B + W = 2), receives waiting for their sends; the idle slots per stage are compared with
 (p - 1)(F + B + W) for 1F1B and (p - 1)(F + B - W) for ZB-H1 (Qi et al. 2023).
 """
@@ -8,14 +8,9 @@ backward B + W = 2), receives waiting for their sends; the idle slots per stage 
 import pytest
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-from megatron.engine.bubble import (
-    ONE_F_ONE_B_COSTS,
-    ZERO_BUBBLE_COSTS,
-    analytic_idle_slots,
-    idle_slots,
-    schedule_streams,
-)
-from megatron.engine.zero_bubble import ZeroBubbleH1Schedule
+from megatron.config.schedules import ONE_F_ONE_B_COSTS, ZERO_BUBBLE_COSTS, analytic_idle_slots, idle_slots
+from megatron.engine.schedules.streams import schedule_streams
+from megatron.engine.schedules.zero_bubble import ZeroBubbleH1Schedule
 
 LAYOUTS = [(2, 2), (2, 8), (3, 3), (3, 7), (4, 4), (4, 16), (8, 8), (8, 24), (12, 48)]  # (stages, micro-batches)
 

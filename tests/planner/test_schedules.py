@@ -3,8 +3,9 @@
 1F1B and ZB-H1: the engine's instruction streams (DeepSpeed's TrainSchedule, our ZeroBubbleH1Schedule) replayed,
 counting the micro-batches in flight and the W passes waiting after every instruction; the planner's peak per
 stage must be the streams' at any ratio of a W pass's bytes to a micro-batch's activations, and its bubble the
-idle slots ``megatron.engine.bubble`` counts. Interleaved: Megatron-LM's order (warm-up, then one forward and one
-backward) replayed for the in-flight peak. Then the refusals, the step estimate and the search.
+idle slots the registry's timeline (``megatron.config.schedules.idle_slots``) counts. Interleaved: Megatron-LM's
+order (warm-up, then one forward and one backward) replayed for the in-flight peak. Then the refusals, the step
+estimate and the search.
 """
 
 import dataclasses
@@ -12,8 +13,9 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.engine.bubble import SCHEDULES as STREAMS
-from megatron.engine.bubble import idle_slots, schedule_streams
+from megatron.config.schedules import REGISTRY, idle_slots
+from megatron.engine.schedules import ENGINE_CLASSES
+from megatron.engine.schedules.streams import schedule_streams
 from megatron.planner import (
     BLOOM_SIZES,
     CLUSTERS,
@@ -58,7 +60,7 @@ def _stream_peak(stream, activations: float, weight_pass: float) -> float:
 @pytest.mark.parametrize("stages, micro_batches", LAYOUTS)
 @pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
 def test_peak_and_bubble_are_the_engine_schedules(schedule, stages, micro_batches):
-    schedule_class, costs = STREAMS[schedule]
+    schedule_class, costs = ENGINE_CLASSES[schedule].schedule_class, REGISTRY[schedule].unit_costs
     streams = schedule_streams(schedule_class, stages, micro_batches)
     for ratio in (0.3, 1.0, 2.5):  # W bytes / activation bytes: recomputation makes it large
         for stage, stream in enumerate(streams):

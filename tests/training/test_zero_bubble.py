@@ -11,8 +11,9 @@ launch trains every run in turn.
 import pytest
 import torch
 
-from megatron.engine.bubble import ZERO_BUBBLE_COSTS, analytic_idle_slots, idle_slots, schedule_streams
-from megatron.engine.zero_bubble import ZeroBubbleH1Schedule
+from megatron.config.schedules import ZERO_BUBBLE_COSTS, analytic_idle_slots, idle_slots
+from megatron.engine.schedules.streams import schedule_streams
+from megatron.engine.schedules.zero_bubble import ZeroBubbleH1Schedule
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.training import assert_continues, assert_same_run, layout, train
 

@@ -16,9 +16,9 @@ and a new instruction, ``WeightPass``, runs one micro-batch's deferred weight pr
                            clipping and the step see complete gradients (``ZeroBubblePipelineEngine`` asserts it).
 
 With unit costs F = B = W, each stage of p idles (p - 1)(F + B - W) = p - 1 slots per step against 1F1B's
-(p - 1)(F + B + W) = 3(p - 1), once there are at least p micro-batches (``megatron.engine.bubble`` counts them
-from the instruction streams). Activations in flight are 1F1B's; stage s also holds up to s W passes' inputs
-and output gradients.
+(p - 1)(F + B + W) = 3(p - 1), once there are at least p micro-batches (the registry's
+``megatron.config.schedules.idle_slots`` counts them from the instruction streams). Activations in flight are
+1F1B's; stage s also holds up to s W passes' inputs and output gradients.
 """
 
 from __future__ import annotations
@@ -85,6 +85,10 @@ class ZeroBubblePipelineEngine(PipelineEngine):
     weight_grad_store: WeightGradStore
     executed_steps: list
 
+    def __init__(self, *args, **kwargs):
+        require("pipeline_schedule")  # the private PipelineEngine methods below (deepspeed_compat's list)
+        super().__init__(*args, **kwargs)
+
     def _train_schedule(self):
         return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
 
@@ -139,7 +143,6 @@ class ZeroBubblePipelineEngine(PipelineEngine):
 def enable_zero_bubble(engine) -> ZeroBubblePipelineEngine:
     """Set up the ZB-H1 engine that ``deepspeed.initialize`` built (``megatron.engine.initialize`` passes it the
     class): its module's linears defer their weight gradients to the engine's store, its schedule runs them."""
-    require("pipeline_schedule")  # the engine class overrides PipelineEngine's private schedule methods
     if engine.optimizer is not None and getattr(engine.optimizer, "immediate_grad_update", False):
         raise ValueError("ZB-H1 (--enable-zbh1-pipeline) does not combine with bf16.immediate_grad_update in the "
                          "DeepSpeed config: it adds gradients to the fp32 copy from autograd hooks, which a deferred "

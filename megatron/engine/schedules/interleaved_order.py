@@ -1,4 +1,4 @@
-"""Interleaved 1F1B (Megatron-LM's virtual pipeline stages) as a DeepSpeed ``PipeSchedule``, and its bubble.
+"""Interleaved 1F1B (Megatron-LM's virtual pipeline stages) as a DeepSpeed ``PipeSchedule``.
 
 Each of the p pipeline ranks holds v chunks; chunk c of rank r is virtual stage c*p + r, so a micro-batch
 passes every rank v times (rank p-1's chunk c hands its activations to rank 0's chunk c+1). The k-th
@@ -7,17 +7,17 @@ go through chunk 0, then the same group through chunk 1, and so on; backwards wa
 A rank first runs ``num_warmup_forwards`` forwards (Megatron's (p - r - 1) * 2 + (v - 1) * p, the registry's), then
 alternates one forward and one backward, then drains the remaining backwards.
 
-``compute_order`` gives that order for one rank (pure Python); ``InterleavedSchedule`` turns it into
-DeepSpeed instructions for ``megatron.engine.interleaved.InterleavedPipelineEngine``; ``simulate`` runs the
-compute instructions of any schedule's stream (ours or DeepSpeed's ``TrainSchedule``) on a timeline of unit
-slots and counts each rank's idle slots, which the registry (``megatron.config.schedules``: (p - 1) / v idle slots,
-``megatron.planner.schedule_costs.bubble_fraction``) states in closed form: (p - 1) / (v * m + p - 1) of every rank's
-step, with F and B passes of one chunk taking t_f / v and t_b / v of a whole stage's time.
+``compute_order`` gives that order for one rank (pure Python); ``InterleavedSchedule`` turns it into DeepSpeed
+instructions for ``megatron.engine.schedules.interleaved.InterleavedPipelineEngine``; ``passes_of`` reads the
+(kind, chunk) passes back from a rank's stream. The registry's timeline simulator
+(``megatron.config.schedules.timeline``, over ``megatron.engine.schedules.streams.schedule_streams``) counts each
+rank's idle slots, which the registry states in closed form ((p - 1) / v idle slots,
+``megatron.planner.schedule_costs.bubble_fraction``): (p - 1) / (v * m + p - 1) of every rank's step, with F and B
+passes of one chunk taking t_f / v and t_b / v of a whole stage's time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
@@ -112,62 +112,8 @@ class InterleavedSchedule(ds_schedule.PipeSchedule):
         yield cmds
 
 
-@dataclass
-class Timeline:
-    """``simulate``'s result: the step's length and each rank's busy and idle time, in slots."""
-
-    makespan: int
-    busy: list[int]
-    idle: list[int]
-
-    def idle_fraction(self, rank: int) -> float:
-        return self.idle[rank] / self.makespan
-
-
 def passes_of(stream: Iterable[Sequence]) -> list[tuple[str, int]]:
     """The (FORWARD or BACKWARD, chunk) passes of one rank's instruction stream, in order (chunk 0 for a
     schedule without chunks, such as DeepSpeed's ``TrainSchedule``)."""
     kinds = {ds_schedule.ForwardPass: FORWARD, ds_schedule.BackwardPass: BACKWARD}
     return [(kinds[type(cmd)], getattr(cmd, "chunk", 0)) for step in stream for cmd in step if type(cmd) in kinds]
-
-
-def simulate(streams: Sequence[Sequence[tuple[str, int]]], num_virtual_stages: int, forward_slots: int = 1,
-             backward_slots: int = 2) -> Timeline:
-    """Run every rank's passes (``passes_of`` each rank's stream) on one timeline, each pass as soon as its
-    rank is free and its input exists (the previous virtual stage's forward, the next one's backward, or
-    the loss stage's own forward); communication is free. Micro-batches are numbered per (kind, chunk) in
-    the order a rank runs them. Raises RuntimeError if the streams deadlock."""
-    pp, v = len(streams), num_virtual_stages
-    done: dict[tuple[str, int, int], int] = {}
-    clock, position, busy = [0] * pp, [0] * pp, [0] * pp
-    seen: list[dict[tuple[str, int], int]] = [dict() for _ in range(pp)]
-    while any(position[r] < len(streams[r]) for r in range(pp)):
-        progressed = False
-        for r in range(pp):
-            while position[r] < len(streams[r]):
-                kind, chunk = streams[r][position[r]]
-                micro_batch = seen[r].get((kind, chunk), 0)
-                stage = chunk * pp + r
-                needs = _needs(kind, stage, micro_batch, pp * v)
-                if needs not in done and needs is not None:
-                    break
-                start = max(clock[r], done.get(needs, 0))
-                cost = forward_slots if kind == FORWARD else backward_slots
-                clock[r] = done[(kind, stage, micro_batch)] = start + cost
-                busy[r] += cost
-                seen[r][(kind, chunk)] = micro_batch + 1
-                position[r] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"the streams deadlock: ranks wait at passes {position}")
-    makespan = max(clock)
-    return Timeline(makespan, busy, [makespan - b for b in busy])
-
-
-def _needs(kind: str, stage: int, micro_batch: int, num_stages: int):
-    if kind == FORWARD:
-        return None if stage == 0 else (FORWARD, stage - 1, micro_batch)
-    if stage == num_stages - 1:
-        return (FORWARD, stage, micro_batch)
-    return (BACKWARD, stage + 1, micro_batch)
-

@@ -29,7 +29,8 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from megatron.engine.interleaved_schedule import InterleavedSchedule, WaitSends
+from megatron.engine.deepspeed_compat import require
+from megatron.engine.schedules.interleaved_order import InterleavedSchedule, WaitSends
 
 _ACTIVATION, _GRADIENT, _META = 0, 1, 2
 _META_SIZE = 32  # int64s: [num_tensors, (dtype id, ndim, *shape) per tensor]
@@ -43,6 +44,7 @@ class InterleavedPipelineModule(PipelineModule):
     """A ``PipelineModule`` cut into p * v stages; this rank builds stages r, r + p, ... as its v chunks."""
 
     def __init__(self, *args, num_virtual_stages: int, **kwargs):
+        require("pipeline_schedule")  # the private PipelineModule methods below (deepspeed_compat's list)
         self.num_virtual_stages = num_virtual_stages
         self.active_chunk = 0
         super().__init__(*args, **kwargs)
@@ -110,6 +112,7 @@ class InterleavedPipelineEngine(PipelineEngine):
     """
 
     def __init__(self, *args, **kwargs):
+        require("pipeline_schedule")  # the private PipelineEngine methods below (deepspeed_compat's list)
         self._active_chunk: Optional[int] = None
         super().__init__(*args, **kwargs)
         if not isinstance(self.module, InterleavedPipelineModule):
