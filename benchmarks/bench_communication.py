@@ -9,7 +9,7 @@ embedding / model / self by its group's ranks, and the totals are compared with
 analytic_step_counts (formulas in docs/performance.md). Goal: measured / analytic = 1.00 for calls
 and bytes on every axis.
 
-A second launch of 4 processes runs the sharded layouts on DeepSpeed's non-pipeline engine (PP = 1) and
+A second launch of 4 processes runs the sharded layouts on DeepSpeed's model engine (PP = 1) and
 compares them with megatron.planner.comm_zero (DP, TP and hpZ axes; the THIRD train_batch is recorded, after
 ZeRO-3's trace checks): ZeRO-2 DP=4 bf16; ZeRO-3 DP=4 bf16 with DeepSpeed's defaults (all these tiny
 parameters persist), with nothing persistent and prefetching on (bytes predicted, calls not), and with

@@ -3,7 +3,7 @@
 A tiny BLOOM-style model (4 layers, hidden 128, 4 heads, seq 64, vocab 512) trains 2 iterations
 in bf16 (BF16_Optimizer: bf16 weights, fp32 gradient buffer, fp32 masters and Adam states sharded
 over DP) and in fp32, on (TP, PP, DP) = (1, 1, 1), (2, 2, 2), (1, 1, 4) and (2, 1, 2), and where
-PP = 1 with ZeRO-2 and ZeRO-3 too (DeepSpeed's non-pipeline engine; ZeRO-3 with
+PP = 1 with ZeRO-2 and ZeRO-3 too (DeepSpeed's model engine; ZeRO-3 with
 stage3_param_persistence_threshold 0, so that every parameter lives in partitions), one launch per
 layout, gloo on CPU. After the step each rank reads its resident bytes from the engine
 (megatron.benchmarking.measure.engine_static_bytes: the flat bf16 buffers, the fp32 gradient buffer,
@@ -61,7 +61,7 @@ def main() -> None:
         base = tiny_argv(corpus, train_iters=2, lr_warmup_iters=1, **MODEL) + [
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
         runs = {"bf16": base + ["--bf16"], "fp32": base}
-        if pp == 1 and dp > 1:  # ZeRO-2 / ZeRO-3 on DeepSpeed's non-pipeline engine (megatron.engine.sharded)
+        if pp == 1 and dp > 1:  # ZeRO-2 / ZeRO-3 on DeepSpeed's model engine (megatron.engine.model_engine)
             for stage in (2, 3):
                 extra = ["--zero-stage", str(stage)] + (["--deepspeed_config", NO_PERSISTENCE] if stage == 3 else [])
                 runs[f"bf16 zero{stage}"] = base + ["--bf16"] + extra

@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zero-stages", type=int, nargs="+", default=[1, 2, 3], choices=[0, 1, 2, 3],
                    help="planner ZeRO stages to consider. 1: masters and Adam sharded over DP (BF16_Optimizer, "
                         "with the pipeline; our --bf16 requires at least it). 2: gradients sharded too, 3: "
-                        "parameters too (both without the pipeline, DeepSpeed's non-pipeline engine). 0: a "
+                        "parameters too (both without the pipeline, DeepSpeed's model engine). 0: a "
                         "replicated optimizer, which our bf16 path does not offer")
     p.add_argument("--recompute", choices=["auto", "yes", "no"], default="auto",
                    help="activation checkpointing: try both (auto) or fix it")

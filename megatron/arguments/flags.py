@@ -130,14 +130,14 @@ def _parallelism(parser):
                         "all-to-all around the core attention (deepspeed.sequence.layer.DistributedAttention). "
                         "Data-parallel size = world size / (TP x PP x SP); --seq-length, the attention heads and "
                         "the key / value heads must be divisible by it (heads by TP x SP). Pipeline size 1 only; "
-                        "runs on DeepSpeed's non-pipeline engine at any --zero-stage. Default 1: off.")
+                        "runs on DeepSpeed's model engine at any --zero-stage. Default 1: off.")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="Context parallelism (Megatron-LM's flag): each sample's sequence is split over this many "
                         "ranks, each holding chunks i and 2c-1-i of 2c (even causal work), and attention passes the "
                         "key / value blocks around the ring (ring attention, online softmax). Data-parallel size = "
                         "world size / (TP x PP x CP); gradients are reduced over DP x CP. --seq-length must be a "
                         "multiple of 2 x CP. Runs at every --zero-stage (0 and 1 on the pipeline engine, 2 and 3 on the "
-                        "non-pipeline one); what it does not work with yet (Ulysses, MoE, ZeRO++ hpZ, attention "
+                        "model engine); what it does not work with yet (Ulysses, MoE, ZeRO++ hpZ, attention "
                         "dropout, interleaved or ZB-H1 schedules, ...) is refused by name before launch "
                         "(megatron/config/combinations.py). Default 1: off.")
     g.add_argument("--cp-comm-type", default="p2p", choices=CP_COMM_TYPES,
@@ -428,7 +428,7 @@ def _deepspeed(parser):
                    help="DeepSpeed ZeRO stage, 0-3. 0 and 1 run on the pipeline engine (3D parallelism); with "
                         "--bf16, 0 (BLOOM's setting) runs DeepSpeed's BF16_Optimizer as stage 1, as 1 does (a "
                         "startup warning says so). 2 (gradients sharded too) and 3 (parameters too) need "
-                        "--pipeline-model-parallel-size 1 and run on DeepSpeed's non-pipeline engine, with "
+                        "--pipeline-model-parallel-size 1 and run on DeepSpeed's model engine, with "
                         "tensor parallelism. Default: the DeepSpeed JSON's stage, else 1 with --bf16 and 0 "
                         "otherwise.")
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",

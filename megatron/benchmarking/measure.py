@@ -15,7 +15,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from megatron.arguments import run_config_from_argv
-from megatron.engine.sharded import ShardedEngine
+from megatron.engine.model_engine import ModelEngine
 from megatron.parallel.state import group_layout
 from megatron.planner.candidate import Layout
 from megatron.planner.comm_count import (
@@ -110,7 +110,7 @@ def run_recorded(argv: list[str], world_size: int, record_call: int = 2, rank: O
     p = rc.parallel
     layout = group_layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
                           p.ds_sequence_parallel_size)
-    engine_class = ShardedEngine if rc.sharded_data_parallel else PipelineEngine
+    engine_class = ModelEngine if rc.on_model_engine else PipelineEngine
     original = engine_class.train_batch
     calls = {"n": 0}
     hpz_axis = {"axis": None}  # where ZeRO++'s secondary gathers are counted

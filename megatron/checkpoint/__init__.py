@@ -13,7 +13,7 @@
     hf            transformers model directories (subpackage): one module per family, one registry of them,
                   the shared safetensors and tokenizer I/O
     tp_shards     tensor-parallel shards of one parameter: merged into the full tensor, and split again
-    zero_files    DeepSpeed's own checkpoint files: the classes they pickle, the weights its non-pipeline engine saved
+    zero_files    DeepSpeed's own checkpoint files: the classes they pickle, the weights its model engine saved
     expert_files  an MoE checkpoint's experts over expert-parallel ranks, for the single-process tools
 
 Every converter reads ``megatron.model.layout`` for how parameters are laid out. Imports torch,

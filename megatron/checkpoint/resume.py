@@ -99,7 +99,7 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, saved: dict) -> None:
     sizes = parallel_dims.resume_mismatches(recorded, p.sizes(), loads_optimizer=not (ck.no_load_optim or ck.finetune))
     saved_stage = recorded.get("zero_stage")
     if saved_stage is not None and saved_stage != rc.deepspeed_zero_stage and max(saved_stage, rc.deepspeed_zero_stage) >= 2:
-        # ZeRO-2 and ZeRO-3 write DeepSpeed's non-pipeline engine's files, each its own way
+        # ZeRO-2 and ZeRO-3 write DeepSpeed's model engine's files, each its own way
         sizes["ZeRO stage"] = (saved_stage, rc.deepspeed_zero_stage)
     # Each engine writes its own files (run_state.WEIGHT_FILE_KINDS), whatever the sizes: only the one
     # that saved a regular checkpoint reads it.

@@ -51,7 +51,7 @@ def build_run_state(rc: RunConfig, progress: dict[str, int]) -> dict:
     # every size that decides which files a rank reads (parallel_dims' on_resume): TP / PP the weight files,
     # dp x sp x cp the ZeRO shards, EP one expert file per EP rank, virtual stages which layers a shard holds
     parallel = parallel_dims.recorded_sizes(rc.parallel.sizes())
-    parallel["zero_stage"] = rc.deepspeed_zero_stage  # 2 and 3 write DeepSpeed's non-pipeline files
+    parallel["zero_stage"] = rc.deepspeed_zero_stage  # 2 and 3 write DeepSpeed's model-engine files
     record = _record(dataclasses.asdict(rc.model), parallel, dataclasses.asdict(rc.data.tokenizer), progress,
                      rc.data.seq_length)
     # How the checkpoint was written, so that no reader re-derives it from the flags (weight_files).
@@ -97,13 +97,13 @@ SAVING_ENGINE = "saving_engine"  # RunConfig.deepspeed_engine of the run that sa
 WEIGHT_FILES = "weight_files"  # where its weights are: one of WEIGHT_FILE_KINDS
 WEIGHT_FILE_KINDS = {
     "layer_files": "the pipeline engine's layer_XX-model_YY-model_states.pt, one per pipeline layer and TP rank",
-    "module_states": "the non-pipeline engine's mp_rank_YY_model_states.pt at ZeRO-0/1: each TP rank's module",
-    "zero_partitions": "the non-pipeline engine's ZeRO-2/3 optimizer states: the fp32 masters, partitioned",
+    "module_states": "the model engine's mp_rank_YY_model_states.pt at ZeRO-0/1: each TP rank's module",
+    "zero_partitions": "the model engine's ZeRO-2/3 optimizer states: the fp32 masters, partitioned",
 }
 
 
 def reader_for(record: dict, universal: bool = False) -> str:
-    """The DeepSpeed engine that reads a checkpoint: "model" (the non-pipeline engine, GPTModel's names: ZeRO-2/3
+    """The DeepSpeed engine that reads a checkpoint: "model" (the model engine, GPTModel's names: ZeRO-2/3
     and every DeepSpeed-Ulysses run) or "pipeline". The one answer every resume check, converter and reader asks.
 
     A regular checkpoint is read by the engine that saved it (recorded at save time; records before that: the

@@ -93,9 +93,9 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
     numbering = checkpoint_layout(record)
     tag_dir = os.path.join(ckpt_dir, tag)
     kind = weight_files(record)
-    if kind != "layer_files":  # DeepSpeed's non-pipeline engine's files (megatron.engine.sharded)
+    if kind != "layer_files":  # DeepSpeed's model engine's files (megatron.engine.model_engine)
         # Imported here: zero_files imports DeepSpeed's classes, which the pipeline engine's files never need.
-        from megatron.checkpoint.zero_files import module_states_state_dict, sharded_state_dict  # noqa: PLC0415 (deepspeed, seconds to import: only for the non-pipeline engine's files)
+        from megatron.checkpoint.zero_files import module_states_state_dict, sharded_state_dict  # noqa: PLC0415 (deepspeed, seconds to import: only for the model engine's files)
 
         problems = verify_checksums(tag_dir, distributed=False)
         if problems:

@@ -1,6 +1,6 @@
-"""DeepSpeed's own checkpoint files: the classes they pickle, and the weights its non-pipeline engine saved.
+"""DeepSpeed's own checkpoint files: the classes they pickle, and the weights its model engine saved.
 
-A run with ``--zero-stage`` 2 or 3 (``megatron.engine.sharded``) saves what DeepSpeed's non-pipeline
+A run with ``--zero-stage`` 2 or 3 (``megatron.engine.model_engine``) saves what DeepSpeed's model
 engine writes: per TP rank ``t`` and DP rank ``d``, ``zero_pp_rank_{d}_mp_rank_{t}_optim_states.pt``
 holding that rank's partition of the fp32 master weights (and Adam's moments), and the module's
 bookkeeping (``mp_rank_{t}_model_states.pt`` under ZeRO-2, ``zero_pp_rank_{d}_mp_rank_{t}_model_states.pt``
@@ -77,7 +77,7 @@ def sharded_state_dict(tag_dir: str, config: ModelConfig, tp: int) -> dict[str, 
 
 
 def module_states_state_dict(tag_dir: str, config: ModelConfig, tp: int) -> dict[str, torch.Tensor]:
-    """The TP=1 GPTModel state dict of a checkpoint DeepSpeed's non-pipeline engine saved at ZeRO-0/1 (a
+    """The TP=1 GPTModel state dict of a checkpoint DeepSpeed's model engine saved at ZeRO-0/1 (a
     DeepSpeed-Ulysses run): each TP rank's whole module, in ``mp_rank_{t}_model_states.pt``, in its saved dtype."""
     shards = []
     for rank in range(tp):

@@ -37,8 +37,8 @@ class Feature:
     given: Callable[[Any], str]
 
 
-def _non_pipeline_flag(rc) -> str:
-    """What puts the run on DeepSpeed's non-pipeline engine: ZeRO-2/3 (checked first, as before), else Ulysses."""
+def _model_engine_flag(rc) -> str:
+    """What puts the run on DeepSpeed's model engine: ZeRO-2/3 (checked first, as before), else Ulysses."""
     stage = rc.precision.zero_stage
     sp = rc.parallel.ds_sequence_parallel_size
     return f"--zero-stage {stage}" if stage >= 2 else f"--ds-sequence-parallel-size {sp}"
@@ -68,8 +68,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("ZeRO-2/3", "--zero-stage 2 or 3", lambda rc: rc.precision.zero_stage >= 2,
             lambda rc: f"--zero-stage {rc.precision.zero_stage}"),
     Feature("ZeRO-3", "--zero-stage 3", lambda rc: rc.precision.zero_stage == 3, lambda rc: "--zero-stage 3"),
-    Feature("non-pipeline engine", "--zero-stage 2 or 3, or --ds-sequence-parallel-size N > 1 (DeepSpeed's "
-            "non-pipeline engine)", lambda rc: rc.sharded_data_parallel, _non_pipeline_flag),
+    Feature("model engine", "--zero-stage 2 or 3, or --ds-sequence-parallel-size N > 1 (DeepSpeed's "
+            "model engine)", lambda rc: rc.on_model_engine, _model_engine_flag),
     Feature("ZeRO++ hpZ", "--zero-hpz-partition-size N (N > 1)", lambda rc: rc.parallel.zero_hpz_partition_size > 1,
             lambda rc: f"--zero-hpz-partition-size {rc.parallel.zero_hpz_partition_size}"),
     Feature("attention dropout", "--attention-dropout P (P > 0)", lambda rc: rc.model.attention_dropout > 0,
@@ -126,9 +126,9 @@ GROUPED: dict[str, tuple[str, str]] = {
     "interleaved": ("{a} (interleaved pipeline) does not support", " yet: {fixes}, or drop the virtual stages (1F1B)"),
 }
 
-# "... this run (ZeRO stage 2, --ds-sequence-parallel-size 1) trains on DeepSpeed's non-pipeline engine"
+# "... this run (ZeRO stage 2, --ds-sequence-parallel-size 1) trains on DeepSpeed's model engine"
 _NON_PIPELINE_RUN = ("{stage} {{rc.precision.zero_stage}}, --ds-sequence-parallel-size "
-                     "{{rc.parallel.ds_sequence_parallel_size}}) trains on DeepSpeed's non-pipeline engine")
+                     "{{rc.parallel.ds_sequence_parallel_size}}) trains on DeepSpeed's model engine")
 
 REFUSED: tuple[Refused, ...] = (
     # MLA (megatron/model/latent_attention.py): the parallelisms it is not implemented with
@@ -149,11 +149,11 @@ REFUSED: tuple[Refused, ...] = (
             "group only, not over the sequence-parallel ranks",
             "Use --pipeline-model-parallel-size 1 (any --zero-stage, with tensor and data parallelism), or drop "
             "--ds-sequence-parallel-size and keep the pipeline", say="{a} does not combine with {b}: {reason}. {fix}"),
-    # what DeepSpeed's non-pipeline engine (ZeRO-2/3, Ulysses: megatron/engine/sharded.py) does not run here
-    Refused("non-pipeline engine", "DeepSpeed activation checkpointing", "it is the pipeline engine's checkpointing",
+    # what DeepSpeed's model engine (ZeRO-2/3, Ulysses: megatron/engine/model_engine.py) does not run here
+    Refused("model engine", "DeepSpeed activation checkpointing", "it is the pipeline engine's checkpointing",
             "--checkpoint-activations alone recomputes the layers",
             say="{b} is for the pipeline engine; with {a}, {fix}"),
-    Refused("non-pipeline engine", "fp16", "not testable on CPU", "use --bf16 or fp32",
+    Refused("model engine", "fp16", "not testable on CPU", "use --bf16 or fp32",
             say="{b} with {a} is not supported here ({reason}); {fix}"),
     # MoE. ZeRO-3: DeepSpeed's engine (the pinned version) asserts that ZeRO-3 meets MoE layers only as its AutoEP
     # layers (Hugging Face models), and its stage-3 optimizer has no expert-data-parallel partitioning for ours
@@ -166,7 +166,7 @@ REFUSED: tuple[Refused, ...] = (
     Refused("MoE", "torch.compile", "not implemented for MoE models", "drop --torch-compile"),
     Refused("MoE", "fp16", "not implemented for MoE models", "use --bf16"),
     # ZB-H1 (megatron/engine/schedules/zero_bubble.py)
-    Refused("ZB-H1", "non-pipeline engine", "ZB-H1 is a schedule of the pipeline engine",
+    Refused("ZB-H1", "model engine", "ZB-H1 is a schedule of the pipeline engine",
             "Use --zero-stage 0 or 1 without Ulysses, or drop --enable-zbh1-pipeline",
             say="{a} is a schedule of the pipeline engine; this run (" + _NON_PIPELINE_RUN.format(stage="--zero-stage")
             + ". {fix}"),
@@ -203,7 +203,7 @@ REFUSED: tuple[Refused, ...] = (
     Refused("interleaved", "partition method other than type:transformer", "chunks must hold equal layer counts",
             "use --pp-partition-method type:transformer"),
     # the live evaluation harness (megatron/evaluation/live.py)
-    Refused("live evaluation harness", "non-pipeline engine", "it runs on the pipeline engine's model",
+    Refused("live evaluation harness", "model engine", "it runs on the pipeline engine's model",
             "Evaluate its saved checkpoints with tools/evaluate.py instead",
             say="{a} runs on the pipeline engine's model; this run (" + _NON_PIPELINE_RUN.format(stage="ZeRO stage")
             + ". {fix}"),

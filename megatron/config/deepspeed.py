@@ -150,7 +150,7 @@ def _defaults(rc) -> dict:
 
 def deepspeed_batch_factor(run_config) -> int:
     """DeepSpeed's train_batch_size / --global-batch-size: cp on the pipeline engine with context parallelism
-    (its data axis holds dp x cp ranks), else 1 (the non-pipeline engine's mpu reports dp alone)."""
+    (its data axis holds dp x cp ranks), else 1 (the model engine's mpu reports dp alone)."""
     p = run_config.parallel
     return p.context_parallel_size if run_config.deepspeed_engine == "pipeline" else 1
 

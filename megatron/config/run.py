@@ -222,7 +222,7 @@ class PrecisionConfig:
     loss_scale_window: Optional[int] = None     # steps without overflow before the scale doubles (default 1000)
     hysteresis: Optional[int] = None            # overflows tolerated before the scale halves (default 2)
     zero_stage: int = 1                    # the ZeRO stage asked for, 0-3 (2 and 3: one pipeline stage only, on
-                                           # DeepSpeed's non-pipeline engine, megatron.engine.sharded);
+                                           # DeepSpeed's model engine, megatron.engine.model_engine);
                                            # the command line's default: the JSON's, else 1 with bf16, 0 otherwise.
                                            # What DeepSpeed runs: RunConfig.deepspeed_zero_stage
 
@@ -252,7 +252,7 @@ def deepspeed_zero_stage(zero_stage: int, bf16: bool) -> int:
 
 
 def deepspeed_engine_for(zero_stage: int, ds_sequence_parallel_size: int) -> str:
-    """The DeepSpeed engine a run of these sizes trains on: "model" (DeepSpeed's non-pipeline engine) for ZeRO
+    """The DeepSpeed engine a run of these sizes trains on: "model" (DeepSpeed's model engine) for ZeRO
     stage 2 or 3 (the pipeline engine refuses them) and for every DeepSpeed-Ulysses run (only that engine
     reduces gradients over the sequence-parallel ranks too), else "pipeline". ``RunConfig.deepspeed_engine``
     and, for records that predate it, ``megatron.checkpoint.run_state.reader_for`` ask this."""
@@ -516,16 +516,16 @@ class RunConfig:
                              f"every stage needs at least one; use fewer stages or more layers")
 
     @property
-    def sharded_data_parallel(self) -> bool:
-        """On DeepSpeed's non-pipeline engine (``megatron.engine.sharded``), else the pipeline engine: ZeRO
+    def on_model_engine(self) -> bool:
+        """On DeepSpeed's model engine (``megatron.engine.model_engine``), else the pipeline engine: ZeRO
         stage 2 or 3 (gradients, and with 3 the parameters, sharded over the data-parallel ranks), and every
         DeepSpeed-Ulysses run (only that engine reduces gradients over the sequence-parallel ranks too)."""
         return self.deepspeed_engine == "model"
 
     @property
     def deepspeed_engine(self) -> str:
-        """The engine this run trains (and saves) with: "model" (DeepSpeed's non-pipeline engine, GPTModel's
-        parameter names; ``sharded_data_parallel``) or "pipeline". Recorded in every checkpoint it saves."""
+        """The engine this run trains (and saves) with: "model" (DeepSpeed's model engine, GPTModel's
+        parameter names; ``on_model_engine``) or "pipeline". Recorded in every checkpoint it saves."""
         return deepspeed_engine_for(self.precision.zero_stage, self.parallel.ds_sequence_parallel_size)
 
     def _validate_ulysses(self) -> None:
@@ -549,7 +549,7 @@ class RunConfig:
                 raise ValueError(f"{name} {count} is not divisible by --tensor-model-parallel-size {tp} x {flag} = "
                                  f"{tp * sp}: after the all-to-all each rank attends with whole heads; choose sizes "
                                  f"whose product divides it")
-        check_combinations(self, "non-pipeline engine")
+        check_combinations(self, "model engine")
 
     def _validate_sharding(self) -> None:
         stage = self.precision.zero_stage
@@ -560,9 +560,9 @@ class RunConfig:
         if stage < 2:
             return
         check_combinations(self, "ZeRO-2/3")  # with pipeline parallelism
-        # what DeepSpeed's non-pipeline engine (megatron.engine.sharded) does not run here: its activation
+        # what DeepSpeed's model engine (megatron.engine.model_engine) does not run here: its activation
         # checkpointing, fp16
-        check_combinations(self, "non-pipeline engine")
+        check_combinations(self, "model engine")
         check_combinations(self, "sync TP-duplicated parameters")  # with ZeRO-3
 
     def _validate_schedule(self) -> None:

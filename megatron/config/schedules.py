@@ -164,7 +164,7 @@ def check_layout(schedule: str, pp: int, num_micro_batches: int, num_layers: int
                          f"from autograd hooks that a deferred weight gradient never reaches; use bf16")
     if s.pipeline_engine_only and zero_stage >= 2:
         raise ValueError(f"{s.label} is a schedule of the pipeline engine, ZeRO stage {zero_stage} runs on the "
-                         f"non-pipeline one: use ZeRO stage 0 or 1")
+                         f"model engine: use ZeRO stage 0 or 1")
     if s.uses_virtual_stages:
         if pp < 2:
             raise ValueError(f"interleaved virtual stages need PP >= 2 (got {pp})")

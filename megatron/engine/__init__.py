@@ -8,7 +8,9 @@
 - ``optimizer``: parameter groups (no weight decay on biases and norms) and the fp32 grad-norm clipper;
 - ``initialize``: ``build_engine(run_config, state)``: ``deepspeed.initialize`` on our topology, with the
   DeepSpeed config ``megatron.config.deepspeed`` derives from the run;
-- ``sharded``: ZeRO-2 / ZeRO-3 data parallelism with our tensor parallelism, on DeepSpeed's non-pipeline engine;
+- ``model_engine``: the model engine: ZeRO-2 / ZeRO-3 data parallelism and Ulysses with our tensor parallelism, a
+  whole ``GPTModel`` on DeepSpeed's ``DeepSpeedEngine`` (``ModelEngine``; "model" in run_state.json and
+  ``ds_to_universal.py --target-engine``); the other engine is the pipeline engine (``pipeline``, ``schedules``);
 - ``ulysses``: DeepSpeed-Ulysses sequence parallelism (``--ds-sequence-parallel-size``);
 - ``expert_parallel``: expert parallelism on either DeepSpeed engine: the experts' gradients averaged, and their
   optimizer state sharded, over the expert-data-parallel group only;

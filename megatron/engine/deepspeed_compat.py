@@ -30,7 +30,7 @@ they differ (an upgrade then fails at the first workaround it reaches, not silen
                               deprecated (a warning per rank per call)
     zero3_ulysses_average     ZeRO-3's reduce-scatter (``reduce_scatter:     ``megatron.engine.ulysses.backward_loss_scale``
                               true``) averages over dp x sp ranks, the       multiplies the loss by sp (checked by
-                              other stages over dp                           ``ShardedEngine``)
+                              other stages over dp                           ``ModelEngine``)
     expert_parallel           turns on its MoE paths (expert gradients       ``register_expert_groups`` fills its private
                               over the expert-data-parallel group, ZeRO-1    group registries; ``mark_moe_parameter`` marks
                               shards per group, the grad norm summed over    a parameter as its MoE's are;
@@ -220,7 +220,7 @@ def mend_universal_optimizer(optimizer, own_groups: list[dict]) -> None:
 def checkpoint_loading(engine, universal: bool) -> Iterator[None]:
     """The context DeepSpeed's ``load_checkpoint`` runs in (``megatron.checkpoint.resume.restore``'s
     ``loading``): safe unpickling, and for a universal checkpoint the ZeRO-3 TP restore (``engine``'s
-    ``universal_tp_restore``, megatron.engine.sharded) and the optimizer mended after the load."""
+    ``universal_tp_restore``, megatron.engine.model_engine) and the optimizer mended after the load."""
     own_groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
     tp_restore = getattr(engine, "universal_tp_restore", None) if universal else None
     with safe_loading(), (tp_restore() if tp_restore else contextlib.nullcontext()), \

@@ -1,5 +1,5 @@
-"""Expert parallelism on DeepSpeed's pipeline engine (ZeRO-0/1, BF16_Optimizer) and on its non-pipeline engine
-(ZeRO-2, ``megatron.engine.sharded``): the experts' gradients averaged, and their optimizer state sharded, over
+"""Expert parallelism on DeepSpeed's pipeline engine (ZeRO-0/1, BF16_Optimizer) and on its model engine
+(ZeRO-2, ``megatron.engine.model_engine``): the experts' gradients averaged, and their optimizer state sharded, over
 the expert-data-parallel group only.
 
 Every data-parallel rank holds the dense parameters, but an expert-parallel rank holds only its share of each
@@ -136,7 +136,7 @@ def attach_expert_checkpoints(engine, state: ParallelState) -> None:
     """Make ``engine.save_checkpoint`` / ``load_checkpoint`` write and read DeepSpeed's regular files plus our
     expert files (see the module docstring); called for EP > 1 only."""
     save, load = engine.save_checkpoint, engine.load_checkpoint
-    deepspeed_engine = getattr(engine, "engine", engine)  # ZeRO-2: the DeepSpeedEngine inside a ShardedEngine
+    deepspeed_engine = getattr(engine, "engine", engine)  # ZeRO-2: the DeepSpeedEngine inside a ModelEngine
 
     def save_checkpoint(save_dir, tag=None, **kwargs):
         with plain_checkpoint_files(deepspeed_engine):

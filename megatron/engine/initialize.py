@@ -4,8 +4,8 @@
     loss = engine.train_batch(data_iterator)
 
 The returned object is DeepSpeed's ``PipelineEngine`` (also for a single stage, so there is one code
-path), except with ``--zero-stage`` 2 or 3 or ``--ds-sequence-parallel-size`` > 1: DeepSpeed's non-pipeline engine behind the same
-``train_batch`` / ``eval_batch`` (``megatron.engine.sharded``; MoE expert parallelism on either engine, marked
+path), except with ``--zero-stage`` 2 or 3 or ``--ds-sequence-parallel-size`` > 1: DeepSpeed's model engine behind the same
+``train_batch`` / ``eval_batch`` (``megatron.engine.model_engine``; MoE expert parallelism on either engine, marked
 by ``megatron.engine.expert_parallel``). Its optimizer: in bf16 with
 ``zero_optimization.stage`` 1 and fp32 gradient accumulation (what
 ``--bf16`` with ``--zero-stage`` 0 or 1 gives), ``BF16_Optimizer`` (BLOOM's path); in fp32 with
@@ -36,10 +36,10 @@ from megatron.engine.deepspeed_compat import (
     use_safe_loading,
 )
 from megatron.engine.expert_parallel import check_expert_parallel_engine, mark_expert_parameters
+from megatron.engine.model_engine import DeepSpeedMPU, ModelEngine, build_model_module, set_hpz_group
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
 from megatron.engine.schedules import ENGINE_CLASSES
-from megatron.engine.sharded import DeepSpeedMPU, ShardedEngine, build_sharded_module, set_hpz_group
 from megatron.model.compile import compile_transformer_layers
 from megatron.parallel.random import RNGStatesTracker
 from megatron.parallel.state import ParallelState
@@ -74,7 +74,7 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
         raise ValueError("--fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 support; use --bf16 (or fp32) "
                          "on CPU")
     check_bf16_stage_0(rc.precision.zero_stage, rc.bf16)
-    if rc.sharded_data_parallel:
+    if rc.on_model_engine:
         return _build_sharded_engine(rc, state, config, tracker)
     t = rc.training
     module = build_pipeline_module(rc.model, state, partition_method=rc.parallel.pp_partition_method,
@@ -103,7 +103,7 @@ def _fp32_clipping(client, config: dict, rc: RunConfig, state: ParallelState):
     if mixed or config.get("zero_optimization", {}).get("stage", 0):
         return client
     # DeepSpeed's own clipping miscounts replicated parameters on later pipeline stages (see
-    # megatron.engine.optimizer), and on its non-pipeline engine (Ulysses at ZeRO-0) reports no norm; clip
+    # megatron.engine.optimizer), and on its model engine (Ulysses at ZeRO-0) reports no norm; clip
     # with our norm instead. 0 must be explicit: DeepSpeed's default for a missing gradient_clipping is 1.0.
     config["gradient_clipping"] = 0.0
     return GradNormClippingOptimizer(client, clip_grad=rc.optimizer.clip_grad, tp_rank=state.tp_rank,
@@ -118,10 +118,10 @@ def _compile_layers(module) -> None:
 
 
 def _build_sharded_engine(rc: RunConfig, state: ParallelState, config: dict, tracker: Optional[RNGStatesTracker]):
-    """ZeRO-2/3 or Ulysses (one stage): the model on DeepSpeed's non-pipeline engine, our groups as its mpu."""
+    """ZeRO-2/3 or Ulysses (one stage): the model on DeepSpeed's model engine, our groups as its mpu."""
     mpu = DeepSpeedMPU(state)
     hpz_ranks = set_hpz_group(state, rc.parallel.zero_hpz_partition_size)
-    module = build_sharded_module(rc, state, config, mpu, tracker)
+    module = build_model_module(rc, state, config, mpu, tracker)
     if rc.training.torch_compile:
         _compile_layers(module)
     # ZeRO-2 (megatron.config.moe refuses ZeRO-3 with MoE): DeepSpeedZeroOptimizer reduce-scatters a marked
@@ -130,6 +130,6 @@ def _build_sharded_engine(rc: RunConfig, state: ParallelState, config: dict, tra
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config, mpu=mpu)
     use_safe_loading(engine)
-    sharded = ShardedEngine(engine, state, mpu, hpz_ranks)
+    sharded = ModelEngine(engine, state, mpu, hpz_ranks)
     check_expert_parallel_engine(sharded, experts, state)
     return sharded

@@ -23,7 +23,7 @@ def nonfinite_tensors(engine, config) -> list[str]:
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     state = getattr(inner, "state", {})
     bad = []
-    pipeline = not isinstance(engine.module, GPTModel)  # GPTModel itself under ZeRO-2/3 (megatron.engine.sharded)
+    pipeline = not isinstance(engine.module, GPTModel)  # GPTModel itself under ZeRO-2/3 (megatron.engine.model_engine)
     for name, param in engine.module.named_parameters():
         label = model_name(name, config) if pipeline else name
         if not _finite(param):

@@ -168,7 +168,7 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
         raise ValueError(f"--pp-partition-method {partition_method!r} is not one of {', '.join(PARTITION_METHODS)}")
     if state.sp_size > 1:
         raise ValueError(f"the pipeline engine has no DeepSpeed-Ulysses (this layout has sequence-parallel size "
-                         f"{state.sp_size}); build the model with megatron.engine.sharded.build_sharded_module")
+                         f"{state.sp_size}); build the model with megatron.engine.model_engine.build_model_module")
     if partition_method == "type:transformer" and config.num_layers < state.pp_size:
         raise ValueError(f"--num-layers {config.num_layers} is smaller than --pipeline-model-parallel-size "
                          f"{state.pp_size}: every stage needs at least one transformer layer")

@@ -5,7 +5,7 @@
         ...
     timers.elapsed_ms()        # {'forward-backward': 12.5}, and the sums start again
 
-Here and not in megatron.training so that the engines can time their own phases (ShardedEngine's
+Here and not in megatron.training so that the engines can time their own phases (ModelEngine's
 forward-backward / optimizer); the training loop reads and reports them. A timer above the chosen
 level costs one comparison: level 0 (the default) measures nothing.
 """

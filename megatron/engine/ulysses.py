@@ -19,12 +19,12 @@ without it the grad norm of a ZeRO-3 SP=2 run is exactly half the (1, 1, 1) one.
 How it is wired, all of it at construction (this file and ``megatron/model/attention.py``):
 
 - :func:`ulysses_exchange` turns this rank's ``ParallelState`` (its sp group, rank and size) into the model's
-  ``SequenceExchange``; ``build_sharded_module`` passes it to ``GPTModel`` with the groups, and every
+  ``SequenceExchange``; ``build_model_module`` passes it to ``GPTModel`` with the groups, and every
   ``SelfAttention`` is built complete from it: the rank's token offset (positions), the ALiBi slopes of the
   heads it attends with after the all-to-all, and :func:`distributed_attention` around its core attention.
   A model of an SP rank built without it is refused (``GPTModel``), so none is ever half configured;
 - the batch: ``megatron.training.batches.sequence_slice`` gives each rank its s / sp tokens;
-- the loss: ``ShardedEngine`` (``megatron.engine.sharded``) calls :func:`sequence_parallel_loss` and
+- the loss: ``ModelEngine`` (``megatron.engine.model_engine``) calls :func:`sequence_parallel_loss` and
   scales it by :func:`backward_loss_scale`; its ``DeepSpeedMPU`` hands DeepSpeed the dp x sp group.
 """
 

@@ -1,6 +1,6 @@
 """The data-parallel collectives of one optimizer step under DeepSpeed ZeRO-2, ZeRO-3 and hpZ (one pipeline stage).
 
-What one rank issues in one ``ShardedEngine.train_batch`` of m micro-batches over d data-parallel ranks (with
+What one rank issues in one ``ModelEngine.train_batch`` of m micro-batches over d data-parallel ranks (with
 DeepSpeed-Ulysses, d = dp x sp: ZeRO shards over the sequence-parallel ranks too; "dp" below is that group)
 (derived from deepspeed/runtime/zero/stage_1_and_2.py, stage3.py, partitioned_param_coordinator.py and
 partition_parameters.py of the pinned DeepSpeed (``megatron.engine.deepspeed_compat.PINNED_VERSION``), and

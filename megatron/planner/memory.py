@@ -124,7 +124,7 @@ def static_bytes(num_params: int, layout: Layout, expert_params: int = 0) -> dic
 
 
 def _sharded_static_bytes(n: int, layout: Layout) -> dict[str, float]:
-    """ZeRO-2 / ZeRO-3 on DeepSpeed's non-pipeline engine (megatron.engine.sharded), d = DP:
+    """ZeRO-2 / ZeRO-3 on DeepSpeed's model engine (megatron.engine.model_engine), d = DP:
 
     ZeRO-2: the full flat weights (2 or 4 bytes) N, fp32 master partition 4N/d, Adam 8N/d; gradients
         are reduced bucket by bucket into the partition's fp32 gradients (4N/d, during the step).

@@ -2,7 +2,7 @@
 
 Candidates: TP a divisor of the GPUs per node that divides the heads and the vocabulary, a Ulysses
 degree u from ``ulysses_sizes`` with the query and key / value heads divisible by TP x u and TP x u
-within a node (Ulysses runs on DeepSpeed's non-pipeline engine: PP 1), PP a divisor of
+within a node (Ulysses runs on DeepSpeed's model engine: PP 1), PP a divisor of
 num_gpus / (TP x u) no larger than the layer count, DP the rest, sequence parallelism off and (at
 TP > 1) on, every micro-batch size in ``micro_batch_sizes`` that divides global_batch / DP,
 recomputation on and off, ZeRO stages 0 and 1 (any PP) and 2 and 3 (PP 1; ZeRO-3 also with hpZ
@@ -120,7 +120,7 @@ def _batch_variants(tp, pp, dp, global_batch_size, micro_batch_sizes, recompute,
                         continue  # nothing to shard
                     zero = 0  # ZeRO-1 over one rank: BF16_Optimizer with nothing sharded, the planner's stage 0
                 if zero >= 2 and pp > 1:
-                    continue  # ZeRO-2/3 run on DeepSpeed's non-pipeline engine: one stage
+                    continue  # ZeRO-2/3 run on DeepSpeed's model engine: one stage
                 out.append(Layout(tp, pp, dp, mbs, rc, zero, precision, partition_method, **common))
                 # hpZ: one group per node, of the dp x u ranks ZeRO-3 shards over (consecutive ranks of one TP rank)
                 node_group = gpus_per_node // tp

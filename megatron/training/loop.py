@@ -90,7 +90,7 @@ class Trainer:
         self.device = getattr(self.engine, "device", None)
         on_cuda = isinstance(self.device, torch.device) and self.device.type == "cuda"
         self.timers = PhaseTimers(log.timing_log_level, torch.cuda.synchronize if on_cuda else None)
-        if hasattr(self.engine, "phase_timers"):  # ShardedEngine times its forward-backward and optimizer
+        if hasattr(self.engine, "phase_timers"):  # ModelEngine times its forward-backward and optimizer
             self.engine.phase_timers = self.timers
         time_optimizer_inner_step(getattr(self.engine, "optimizer", None), self.timers)
         if log.timing_log_level >= 2:

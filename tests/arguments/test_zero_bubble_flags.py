@@ -20,7 +20,7 @@ def test_zbh1_flags_reach_the_parallel_config(files):
     (2, dict(pipeline_model_parallel_size=2, enable_zbh1_exact_semantics=True), "has no effect without"),
     (8, dict(pipeline_model_parallel_size=8, num_layers=8, **ZBH1), "at least 8 micro-batches per step, got 4"),
     (4, dict(pipeline_model_parallel_size=2, global_batch_size=4, **ZBH1), "--global-batch-size"),
-    (2, dict(zero_stage=2, **ZBH1), "non-pipeline engine"),
+    (2, dict(zero_stage=2, **ZBH1), "model engine"),
     (2, dict(pipeline_model_parallel_size=2, zero_stage=1, **ZBH1), "--zero-stage 0"),
     (2, dict(pipeline_model_parallel_size=2, torch_compile=True, **ZBH1), "--torch-compile"),
     (4, dict(pipeline_model_parallel_size=2, context_parallel_size=2, attention_dropout=0.0, **ZBH1),

@@ -52,7 +52,7 @@ ENABLE = {
     "fp16": lambda rc: _model(rc, params_dtype="fp16"),
     "ZeRO-2/3": _zero(2),
     "ZeRO-3": _zero(3),
-    "non-pipeline engine": _zero(2),
+    "model engine": _zero(2),
     "ZeRO++ hpZ": lambda rc: _parallel(rc, zero_hpz_partition_size=2),
     "attention dropout": lambda rc: _model(rc, attention_dropout=0.1),
     "attention backend other than auto / sdpa": lambda rc: _model(rc, attention_backend="flex"),
@@ -128,7 +128,7 @@ def test_the_grouped_message_names_every_partner_present():
 
 def test_exactly_the_pairs_of_the_table_are_refused():
     """Over all n choose 2 pairs of features: a pair is refused exactly when the table names two of the features
-    the pair brings along (ZeRO-3 brings ZeRO-2/3 and the non-pipeline engine, Ulysses the latter, ZB-H1 and
+    the pair brings along (ZeRO-3 brings ZeRO-2/3 and the model engine, Ulysses the latter, ZB-H1 and
     interleaved the pipeline)."""
     refused, expected = set(), set()
     table = {frozenset((r.a, r.b)) for r in REFUSED}

@@ -2,7 +2,7 @@
 
 One 2-process launch trains a tiny BLOOM-style model as (TP, PP, DP) = (1, 1, 2) in bf16
 (BF16_Optimizer: masters and Adam states sharded over the 2 DP ranks) and in fp32, and with ZeRO-2
-and ZeRO-3 (DeepSpeed's non-pipeline engine) in both; the measured weights, gradient buffers, fp32
+and ZeRO-3 (DeepSpeed's model engine) in both; the measured weights, gradient buffers, fp32
 masters and Adam states of each rank must match the formula within 10% each and 2% in all (they match
 to the DP padding of the flat buffers).
 """

@@ -145,7 +145,7 @@ def test_zero2_and_zero3_bytes_and_communication_by_hand():
     assert {(lay.pp, lay.zero_stage) for lay in layouts if lay.zero_stage >= 2} == {(1, 2), (1, 3)}
     assert all(lay.dp > 1 for lay in layouts if lay.zero_stage >= 1)
     assert {(lay.tp, lay.dp, lay.hpz) for lay in layouts if lay.hpz > 1} == {(1, 16, 8), (2, 8, 4), (4, 4, 2)}
-    # with Ulysses the groups are cut from dp x u ranks (megatron.engine.sharded.hpz_group_ranks)
+    # with Ulysses the groups are cut from dp x u ranks (megatron.engine.model_engine.hpz_group_ranks)
     ulysses = candidate_layouts(model, 16, 8, 64, ulysses_sizes=(2,))
     zero3 = {(lay.tp, lay.dp, lay.ulysses) for lay in ulysses if lay.zero_stage == 3 and lay.hpz == 1}
     assert {(lay.tp, lay.dp, lay.ulysses, lay.hpz) for lay in ulysses if lay.hpz > 1} == \

@@ -5,7 +5,7 @@ fp32, no dropout, 10 iterations of pretrain_gpt's path: losses and grad norms wi
 (ALiBi), a Llama-style model (rotary, GQA) and, at CP=2, a GPT-2-style one (learned absolute positions) with
 --reset-position-ids and --eod-mask-loss. On the pipeline engine with ZeRO-1 (DeepSpeed's data axis then holds
 the dp x cp ranks): CP=2, CP=4, CP=2 x PP=2, CP=2 x TP=2 (also with --sequence-parallel), CP=2 x DP=2 and
-CP=2 x PP=2 x DP=2 (8 processes); on DeepSpeed's non-pipeline engine: CP=2 under ZeRO-2 and ZeRO-3. A checkpoint
+CP=2 x PP=2 x DP=2 (8 processes); on DeepSpeed's model engine: CP=2 under ZeRO-2 and ZeRO-3. A checkpoint
 saved at CP=2 continues at CP=1 x DP=2 as a straight CP=1 x DP=2 run does (and CP=1 x DP=2 -> CP=2,
 CP=2 x DP=2 -> CP=4), within the same tolerance; bf16 (BF16_Optimizer) tracks fp32. One launch per world size
 trains every layout of that size in turn. Layouts that cannot work yet are refused before launch, naming the fix.
@@ -57,7 +57,7 @@ def runs(tiny_corpus, tmp_path_factory):
            "bloom dp2": (layout(bloom), "bloom"),
            "first half dp2": (layout(bloom, "--save", save_dp2, *half), "bloom"),
            "resumed cp2": (layout(bloom, *CP2, "--load", save_dp2), "bloom"),
-           # DeepSpeed's non-pipeline engine: ZeRO-2 and ZeRO-3 shard over dp x cp
+           # DeepSpeed's model engine: ZeRO-2 and ZeRO-3 shard over dp x cp
            "bloom cp2 zero2": (layout(bloom, *CP2, "--zero-stage", 2), "bloom"),
            "llama cp2 zero3": (layout(llama, *CP2, "--zero-stage", 3), "llama")}
     four = {"bloom cp2 pp2": (layout(bloom, *CP2, pp=2), "bloom"), "llama cp2 pp2": (layout(llama, *CP2, pp=2), "llama"),
@@ -137,7 +137,7 @@ def test_context_parallel_engine_and_optimizers(runs):
     for label, optimizer in {"bloom cp2 zero2": "DeepSpeedZeroOptimizer",
                              "llama cp2 zero3": "DeepSpeedZeroOptimizer_Stage3"}.items():
         for rank, (_, result) in out[label].items():
-            assert (result["engine"], result["optimizer"]) == ("ShardedEngine", optimizer), (label, rank, result)
+            assert (result["engine"], result["optimizer"]) == ("ModelEngine", optimizer), (label, rank, result)
 
 
 @pytest.mark.multiprocess

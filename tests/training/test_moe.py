@@ -1,7 +1,7 @@
 """Mixture-of-experts training end to end: one process learns with the aux loss on and the expert bias moving;
 expert parallelism (EP = 2, carved from DP) trains as one process does (fp32, within ``run_tolerance`` over 10
 iterations), alone, with TP = 2, with PP = 2, with ZeRO-1, with all of EP x TP x PP x DP at once (8 processes), with
-ZeRO-2 on the non-pipeline engine, and in bf16 (BF16_Optimizer) close to it; bad layouts and what MoE does not
+ZeRO-2 on the model engine, and in bf16 (BF16_Optimizer) close to it; bad layouts and what MoE does not
 support yet are refused before any process starts."""
 
 import os
@@ -214,7 +214,7 @@ def test_expert_parallel_checkpoints_resume_loss_for_loss(moe_argv, tmp_path):
 def test_expert_parallel_composes_with_every_axis_and_zero2(moe_argv, reference_run):
     """One 8-process launch: EP = 2 x TP = 2 x PP = 2 x DP = 2 in fp32 (dropless, aux loss on, expert bias moving)
     trains as one process; the BLOOM path (bf16, BF16_Optimizer) on the same layout tracks it; and ZeRO-2 on the
-    non-pipeline engine at EP = 2 x TP = 2 over DP = 4 (DeepSpeedZeroOptimizer reduce-scattering each expert's
+    model engine at EP = 2 x TP = 2 over DP = 4 (DeepSpeedZeroOptimizer reduce-scattering each expert's
     gradient over its 2-rank expert-data-parallel group) trains as one process too."""
     ep = ["--expert-model-parallel-size", 2]
     runs = [layout(moe_argv, *ep, tp=2, pp=2), layout(moe_argv, *ep, "--bf16", tp=2, pp=2),
@@ -227,7 +227,7 @@ def test_expert_parallel_composes_with_every_axis_and_zero2(moe_argv, reference_
         assert bf16["optimizer"] == "BF16_Optimizer", f"rank {rank}"
         assert_same_run(reference_run, bf16, f"rank {rank}: bf16 EP=2 x TP=2 x PP=2 vs fp32", dtype=torch.bfloat16)
         assert (zero2["engine"], zero2["engine_stage"], zero2["optimizer"]) == (
-            "ShardedEngine", 2, "DeepSpeedZeroOptimizer"), f"rank {rank}"
+            "ModelEngine", 2, "DeepSpeedZeroOptimizer"), f"rank {rank}"
         assert [name for name, _ in zero2["groups"]] == ["decay", "no_decay"] + ["megatron_ep_size_2"] * 2
         assert_same_moe_run(reference_run, zero2, f"rank {rank} of ZeRO-2, EP=2 x TP=2 x DP=4")
         assert sorted(zero2["expert_bias"]) == ["3.mlp", "4.mlp"], f"rank {rank}"

@@ -3,7 +3,7 @@
 fp32, no dropout, 10 iterations of pretrain(): losses and grad norms within ``run_tolerance`` (megatron/testing/tolerance.py)
 of the same layout without --sequence-parallel, for TP=2, TP=2 with --checkpoint-activations,
 TP=4, TP=2 x PP=2 (DeepSpeed's pipeline engine, activations sent unpartitioned) and TP=2 x DP=2 under
-ZeRO-3 (the non-pipeline engine, every parameter partitioned); a run saved at iteration 5 and resumed
+ZeRO-3 (the model engine, every parameter partitioned); a run saved at iteration 5 and resumed
 continues as the straight run, and its checkpoint serves (decoding builds the model without it). One launch per
 world size (launches are the expensive part).
 """
@@ -94,7 +94,7 @@ def test_four_ranks_tp4_pipeline_and_zero3(tiny_corpus, tmp_path):
         by = dict(zip(runs, per_rank))
         for plain in ("tp4", "tp2 pp2", "zero3 tp2 dp2"):
             _assert_same_as_without_sp(by[plain], by[f"{plain} sp"], f"rank {rank}: {plain} {SP}")
-        assert by["zero3 tp2 dp2 sp"]["engine"] == "ShardedEngine", by["zero3 tp2 dp2 sp"]["engine"]
+        assert by["zero3 tp2 dp2 sp"]["engine"] == "ModelEngine", by["zero3 tp2 dp2 sp"]["engine"]
         assert by["tp2 pp2 sp"]["pipe_partitioned"] is False
 
 

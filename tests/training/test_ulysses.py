@@ -146,7 +146,7 @@ def test_ulysses_resume_is_exact(runs):
 @pytest.mark.multiprocess
 def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus, tmp_path):
     """The SP ranks hold the same weights: an SP=2 ZeRO-1 checkpoint, converted at iteration 5 by
-    ds_to_universal.py (for the non-pipeline engine, which Ulysses runs on, and with --target-engine pipeline),
+    ds_to_universal.py (for the model engine, which Ulysses runs on, and with --target-engine pipeline),
     continues at SP=4, at SP=2 x DP=2, at SP=1 x DP=4 under ZeRO-2 and in 3D (TP=2 x PP=2), each within ``run_tolerance``
     of the straight SP=2 run."""
     import os
@@ -177,7 +177,7 @@ def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus,
 
 @pytest.mark.multiprocess
 def test_ulysses_zero0_and_zero1_checkpoints_export_and_refuse_the_pipeline_engine(tiny_corpus, tmp_path):
-    """DeepSpeed's non-pipeline engine saves a Ulysses run's weights in its module states at ZeRO-0/1 (no
+    """DeepSpeed's model engine saves a Ulysses run's weights in its module states at ZeRO-0/1 (no
     pipeline layer files): the readers take the record's word for it. The weights read back equal a single
     process's at the same iteration, the transformers export computes our model's logits, and resuming on the
     pipeline engine is refused before any work, naming the conversion."""

@@ -1,4 +1,4 @@
-"""Universal checkpoints between ZeRO-3 / ZeRO-2 (DeepSpeed's non-pipeline engine, GPTModel's names) and
+"""Universal checkpoints between ZeRO-3 / ZeRO-2 (DeepSpeed's model engine, GPTModel's names) and
 3D (the pipeline engine, its layer-indexed names), both ways.
 
 ZeRO-3 at TP=1 x DP=4 and 3D at TP=2 x PP=2 x DP=2 each train 10 iterations straight, saving at 5 (the
@@ -93,7 +93,7 @@ def test_3d_checkpoint_continues_on_zero3(reshaped):
     assert runs["z3_resumed"]["iterations"] == list(range(6, 11))
     assert_continues(runs["d3"]["losses"], runs["z3_resumed"]["losses"], "3D -> ZeRO-3 vs 3D continuing", dtype=torch.float32)
     assert_continues(runs["z3"]["losses"], runs["z3_resumed"]["losses"], "3D -> ZeRO-3 vs ZeRO-3 straight", dtype=torch.float32)
-    # at TP = 2 x DP = 2 too: the loader cuts the TP slices (megatron.engine.sharded.universal_tp_restore)
+    # at TP = 2 x DP = 2 too: the loader cuts the TP slices (megatron.engine.model_engine.universal_tp_restore)
     assert runs["z3_tp2_from_d3"]["iterations"] == list(range(6, 11))
     assert_continues(runs["d3"]["losses"], runs["z3_tp2_from_d3"]["losses"], "3D -> ZeRO-3 TP=2 vs 3D continuing",
                      dtype=torch.float32)

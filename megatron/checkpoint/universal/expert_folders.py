@@ -137,7 +137,7 @@ def merge_expert_folders(zero_dir: str, config: ModelConfig, engine: str, ep: in
 
 def save_router_state(tag_dir: str, out_dir: str, config: ModelConfig) -> int:
     """Copy the routers' expert biases from the regular checkpoint ``tag_dir`` (the pipeline engine's layer files,
-    or the non-pipeline engine's model states) to ``out_dir/ROUTER_STATE_FILE``, by GPTModel module name; how
+    or the model engine's model states) to ``out_dir/ROUTER_STATE_FILE``, by GPTModel module name; how
     many (0 without expert bias: no file)."""
     biases = {}
     for item in pipeline_items(config):

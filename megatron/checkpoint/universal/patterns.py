@@ -38,7 +38,7 @@ def _pattern(param: ParameterLayout, naming: str) -> str:
 
 def universal_checkpoint_info(config: ModelConfig, naming: str = "pipeline") -> dict:
     """``naming``: "pipeline" for the pipeline engine's parameter names, "model" for GPTModel's (ZeRO-2/3 on
-    DeepSpeed's non-pipeline engine, megatron.engine.sharded). DeepSpeed's converter refuses a pattern
+    DeepSpeed's model engine, megatron.engine.model_engine). DeepSpeed's converter refuses a pattern
     that matches nothing, so the lists follow the names the checkpoint holds."""
     if naming not in ("pipeline", "model"):
         raise ValueError(f"naming must be 'pipeline' or 'model', got {naming!r}")

@@ -1,4 +1,5 @@
-"""ZeRO-2 / ZeRO-3 data parallelism with our tensor parallelism, on DeepSpeed's non-pipeline engine.
+"""The model engine: ZeRO-2 / ZeRO-3 data parallelism with our tensor parallelism, a whole GPTModel on DeepSpeed's
+``DeepSpeedEngine`` ("model" in run_state.json and ``--target-engine``; the other engine is the pipeline engine).
 
 DeepSpeed's pipeline engine refuses ZeRO stages 2 and 3, so a run with ``--zero-stage 2`` or ``3``
 (and ``--pipeline-model-parallel-size 1``) trains the same ``megatron.model.GPTModel`` on
@@ -11,7 +12,7 @@ DeepSpeed's pipeline engine refuses ZeRO stages 2 and 3, so a run with ``--zero-
   partitioned over the data-parallel ranks as soon as the module is built (after its own
   initialization, which draws from (seed, parameter name) only), so no rank ever holds the whole
   model, and the weights equal those of a (1, 1, 1) run;
-- ``ShardedEngine`` puts the engine behind the few methods of DeepSpeed's ``PipelineEngine`` that
+- ``ModelEngine`` puts the engine behind the few methods of DeepSpeed's ``PipelineEngine`` that
   the training loop calls (``train_batch`` / ``eval_batch`` over the same micro-batch iterator,
   the loss averaged over micro-batches and data-parallel ranks as the pipeline engine does).
 """
@@ -32,7 +33,7 @@ from megatron.model import GPTModel
 from megatron.parallel.random import RNGStatesTracker, tracked_checkpoint_func
 from megatron.parallel.state import ParallelState
 
-__all__ = ["DeepSpeedMPU", "ShardedEngine", "build_sharded_module", "hpz_group_ranks", "set_hpz_group",
+__all__ = ["DeepSpeedMPU", "ModelEngine", "build_model_module", "hpz_group_ranks", "set_hpz_group",
            "zero_stage3_init"]
 
 
@@ -54,7 +55,7 @@ class DeepSpeedMPU:
 
     def __init__(self, state: ParallelState):
         if state.pp_size != 1:
-            raise ValueError(f"DeepSpeed's non-pipeline engine runs one pipeline stage; this layout has {state.pp_size}")
+            raise ValueError(f"DeepSpeed's model engine runs one pipeline stage; this layout has {state.pp_size}")
         self.state = state
         layout = state.layout
         self._tp_group = state.tp_group if state.tp_size > 1 else _groups_of(layout.tensor, state.rank)
@@ -156,7 +157,7 @@ def zero_stage3_init(rc: RunConfig, config: dict, mpu: DeepSpeedMPU):
     return deepspeed_compat.zero3_init(mpu.get_sequence_data_parallel_group(), config, mpu)
 
 
-def build_sharded_module(rc: RunConfig, state: ParallelState, config: dict, mpu: DeepSpeedMPU,
+def build_model_module(rc: RunConfig, state: ParallelState, config: dict, mpu: DeepSpeedMPU,
                          tracker: Optional[RNGStatesTracker] = None) -> GPTModel:
     """This rank's TP slice of the model (partitioned over DP under ZeRO-3), recomputing its layers'
     activations with --checkpoint-activations (every --checkpoint-num-layers)."""
@@ -169,7 +170,7 @@ def build_sharded_module(rc: RunConfig, state: ParallelState, config: dict, mpu:
     return model
 
 
-class ShardedEngine:
+class ModelEngine:
     """A ``deepspeed.DeepSpeedEngine`` with ``train_batch`` / ``eval_batch`` as the pipeline engine has them.
 
     Anything else (``optimizer``, ``module``, ``save_checkpoint``, ``was_step_applied``, ...) is the
