@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron.config._checks import _positive
+from megatron.config._checks import _one_of, _positive
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "PretrainedFromHF")
 DATA_IMPLS = ("mmap", "infer")   # Megatron's "lazy" and "cached" formats are not read by this project
@@ -54,8 +54,7 @@ class TokenizerConfig:
         return cls(**fields)
 
     def validate(self) -> "TokenizerConfig":
-        if self.tokenizer_type not in TOKENIZER_TYPES:
-            raise ValueError(f"--tokenizer-type {self.tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+        _one_of("--tokenizer-type", self.tokenizer_type, TOKENIZER_TYPES)
         for name in _TOKENIZER_FILES[self.tokenizer_type]:
             if getattr(self, name) is None:
                 raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs --{name.replace('_', '-')}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron.config._checks import _one_of
 from megatron.config.mla import MLAConfig
 from megatron.config.moe import MoEConfig
 
@@ -186,9 +187,7 @@ class ModelConfig:
         if self.padded_vocab_size % tp:
             raise ValueError(f"padded vocabulary size {self.padded_vocab_size} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; pad it (--make-vocab-size-divisible-by)")
-        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            raise ValueError(f"--position-embedding-type {self.position_embedding_type!r} is not one of "
-                             f"{', '.join(POSITION_EMBEDDING_TYPES)}")
+        _one_of("--position-embedding-type", self.position_embedding_type, POSITION_EMBEDDING_TYPES)
         if self.position_embedding_type == "absolute" and self.seq_length > self.max_positions:
             raise ValueError(f"--seq-length {self.seq_length} is longer than --max-position-embeddings "
                              f"{self.max_positions}: learned positions exist only up to that length")
@@ -203,15 +202,12 @@ class ModelConfig:
                 raise ValueError(f"rope scaling needs factor >= 1 and high_freq_factor > low_freq_factor, got "
                                  f"{self.rope_scaling_factor}, {self.rope_scaling_high_freq_factor}, "
                                  f"{self.rope_scaling_low_freq_factor}")
-        if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"--normalization {self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"--attention-backend {self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+        _one_of("--normalization", self.normalization, NORMALIZATIONS)
+        _one_of("--attention-backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.attention_backend == "flex" and self.attention_dropout > 0:
             raise ValueError(f"--attention-backend flex has no attention dropout; set --attention-dropout 0 (got "
                              f"{self.attention_dropout}) or use sdpa")
-        if self.params_dtype not in PARAMS_DTYPES:
-            raise ValueError(f"params_dtype {self.params_dtype!r} is not one of {', '.join(PARAMS_DTYPES)}")
+        _one_of("params_dtype", self.params_dtype, PARAMS_DTYPES)
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")

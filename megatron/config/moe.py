@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron.config._checks import _positive
+from megatron.config._checks import _one_of, _positive
 from megatron.config.combinations import check_combinations
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -86,12 +86,8 @@ class MoEConfig:
         if self.router_topk > self.num_experts:
             raise ValueError(f"--moe-router-topk {self.router_topk} is larger than --num-experts {self.num_experts}; "
                              f"route each token to at most {self.num_experts} experts")
-        if self.router_score_function not in SCORE_FUNCTIONS:
-            raise ValueError(f"--moe-router-score-function {self.router_score_function!r} is not one of "
-                             f"{', '.join(SCORE_FUNCTIONS)}")
-        if self.token_drop_policy not in TOKEN_DROP_POLICIES:
-            raise ValueError(f"--moe-token-drop-policy {self.token_drop_policy!r} is not one of "
-                             f"{', '.join(TOKEN_DROP_POLICIES)}")
+        _one_of("--moe-router-score-function", self.router_score_function, SCORE_FUNCTIONS)
+        _one_of("--moe-token-drop-policy", self.token_drop_policy, TOKEN_DROP_POLICIES)
         if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
             raise ValueError(f"--moe-expert-capacity-factor must be positive (or unset for dropless routing), "
                              f"got {self.expert_capacity_factor}")

@@ -8,7 +8,7 @@ import math
 from typing import Optional
 
 from megatron.config import parallel_dims
-from megatron.config._checks import _positive
+from megatron.config._checks import _one_of, _positive
 from megatron.config.combinations import check_combinations
 from megatron.config.context_parallel import check_context_parallel_run
 from megatron.config.data import DataConfig, DatasetGroup, DatasetSplit  # noqa: F401 (RunConfig fields)
@@ -62,9 +62,7 @@ class ParallelConfig:
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"--cp-comm-type {self.cp_comm_type!r} is not implemented; use one of "
                              f"{', '.join(CP_COMM_TYPES)}")
-        if self.pp_partition_method not in PARTITION_METHODS:
-            raise ValueError(f"--pp-partition-method {self.pp_partition_method!r} is not one of "
-                             f"{', '.join(PARTITION_METHODS)}")
+        _one_of("--pp-partition-method", self.pp_partition_method, PARTITION_METHODS)
         _positive("--zero-hpz-partition-size", self.zero_hpz_partition_size)
         # ZeRO shards over the ranks that hold the same weights: data-parallel, and Ulysses' or CP's ranks too
         sizes = self.sizes()
@@ -78,9 +76,7 @@ class ParallelConfig:
                              f"use a divisor of it (e.g. the GPUs per node divided by --tensor-model-parallel-size)")
         if not self.distributed_timeout_minutes > 0:
             raise ValueError(f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
-        if self.distributed_backend not in DISTRIBUTED_BACKENDS:
-            raise ValueError(f"--distributed-backend {self.distributed_backend!r} is not one of "
-                             f"{', '.join(DISTRIBUTED_BACKENDS)}")
+        _one_of("--distributed-backend", self.distributed_backend, DISTRIBUTED_BACKENDS)
         return self
 
 
@@ -103,8 +99,7 @@ class OptimizerConfig:
         return (self.adam_beta1, self.adam_beta2)
 
     def validate(self) -> "OptimizerConfig":
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        _one_of("--optimizer", self.optimizer, OPTIMIZERS)
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
@@ -138,8 +133,7 @@ class LRScheduleConfig:
     use_checkpoint_lr_scheduler: bool = False  # on resume, take the checkpoint's values over these
 
     def validate(self) -> "LRScheduleConfig":
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"--lr-decay-style {self.lr_decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}")
+        _one_of("--lr-decay-style", self.lr_decay_style, LR_DECAY_STYLES)
         _positive("--lr-decay-iters", self.lr_decay_iters, allow_none=True)
         _positive("--lr-decay-samples", self.lr_decay_samples, allow_none=True)
         if self.lr_warmup_iters < 0 or self.lr_warmup_samples < 0:
