@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.config import parallel_dims
+from megatron.config.schedules import get as get_schedule
 from megatron.parallel.pipeline_partition import stage_bounds
 from megatron.parallel.state import _check_expert_size as check_expert_size
 from megatron.planner.schedule_costs import LABELS, SCHEDULES
@@ -53,7 +54,7 @@ class Layout:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {self.schedule!r} is not one the planner models; pick one of "
                              f"{SCHEDULES}")
-        if (self.virtual_stages != 1) != (self.schedule == "interleaved") or self.virtual_stages < 1:
+        if (self.virtual_stages != 1) != get_schedule(self.schedule).uses_virtual_stages or self.virtual_stages < 1:
             raise ValueError(f"virtual_stages {self.virtual_stages} with schedule {self.schedule!r}: interleaved "
                              f"runs v >= 2 chunks per rank, the other schedules 1")
         check_expert_size(self.dp, self.ulysses, self.ep)  # the run's own rule (EP divides DP, no Ulysses)

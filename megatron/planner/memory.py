@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron.config.schedules import get as get_schedule
 from megatron.planner.candidate import Layout, stage_layer_counts
 from megatron.planner.context_parallel import ring_buffer_bytes, ring_saved_bytes
 from megatron.planner.moe import check_expert_layout
@@ -259,7 +260,8 @@ def activation_terms(model: ModelShape, layout: Layout, seq_length: int, global_
     full_layer = layer_activation_bytes(model, layout, seq_length, w)
     moe_layer = layer_activation_bytes(model, layout, seq_length, w, moe_layer=True) if model.moe else 0.0
     local_tokens = s * b / layout.sequence_split  # a layer's input and the embedding output: this rank's shard
-    w_layer = weight_pass_bytes(model, layout, seq_length, w) if layout.schedule == "zbh1" else 0.0
+    schedule = get_schedule(layout.schedule)  # the registry entry (megatron.config.schedules)
+    w_layer = weight_pass_bytes(model, layout, seq_length, w) if schedule.defers_weight_passes else 0.0
     out = []
     for i in range(p):
         biggest = max(full_layer, moe_layer) if moe_layers[i] else full_layer
@@ -276,7 +278,7 @@ def activation_terms(model: ModelShape, layout: Layout, seq_length: int, global_
         # CP: the ring's key / value (and dK / dV) blocks while a layer runs backward
         terms["backward"] += ring_buffer_bytes(model, layout, s, w)
         if i == 0:
-            first = (first_chunk_in_flight(p, m, layout.virtual_stages) if layout.schedule == "interleaved"
+            first = (first_chunk_in_flight(p, m, layout.virtual_stages) if schedule.uses_virtual_stages
                      else in_flight(layout.schedule, p, m, 0))
             terms["embedding"] = first * local_tokens * h  # embedding dropout mask (1 byte per element)
         if i == p - 1:

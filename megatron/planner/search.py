@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Optional
 
+from megatron.config.schedules import get as get_schedule
 from megatron.planner.candidate import Layout
 from megatron.planner.memory import MEMORY_HEADROOM, MemoryEstimate, estimate_memory
 from megatron.planner.performance import StepEstimate, estimate_step
@@ -184,12 +185,13 @@ def schedule_variants(model: ModelShape, layout: Layout, global_batch_size: int,
         return [layout]
     out, m = [], layout.num_micro_batches(global_batch_size)
     for name in schedules:
-        for v in (virtual_stages if name == "interleaved" else (1,)):
+        chunked = get_schedule(name).uses_virtual_stages
+        for v in (virtual_stages if chunked else (1,)):
             try:
                 check_schedule(name, layout.pp, m, model.num_layers, v, layout.precision, layout.zero_stage)
             except ValueError:
                 continue
-            if name == "interleaved" and layout.stage_layers is not None:
+            if chunked and layout.stage_layers is not None:
                 continue  # an uneven partition: interleaving needs equal chunks
             out.append(dataclasses.replace(layout, schedule=name, virtual_stages=v))
     return out
