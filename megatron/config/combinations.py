@@ -193,7 +193,7 @@ REFUSED: tuple[Refused, ...] = (
             "evaluate saved checkpoints instead (tools/evaluate.py)"),
     Refused("context parallelism", "universal checkpoint", "not implemented with ring attention yet",
             "drop --universal-checkpoint"),
-    # interleaved virtual stages (megatron/engine/schedules/interleaved_order.py)
+    # interleaved virtual stages (megatron/engine/schedules/interleaved.py)
     Refused("interleaved", "MoE", "MoE layers are not supported by the interleaved schedule yet", "drop --num-experts"),
     Refused("interleaved", "batch-size rampup", "the micro-batch count changes during the ramp",
             "drop --rampup-batch-size"),

@@ -1,7 +1,7 @@
 """The pipeline schedule's run rules: which layouts interleaved virtual stages (Megatron-LM's
 ``--num-virtual-stages-per-pipeline-rank``) can run, each refused with the fix before any process starts.
 
-The schedule itself is ``megatron.engine.schedules.interleaved_order``; it reads ``check_interleaved_layout`` from here.
+The schedule itself is ``megatron.engine.schedules.interleaved``; it reads ``check_interleaved_layout`` from here.
 """
 
 from __future__ import annotations

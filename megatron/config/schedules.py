@@ -21,7 +21,7 @@ weight-gradient pass; 1F1B runs B + W as one backward). Each entry gives:
   1f1b         DeepSpeed's TrainSchedule: p - r - 1 warm-up forwards, min(p - r, m) in flight, p - 1 idle slots.
   zbh1         ZB-H1 (Qi et al. 2023; megatron/engine/schedules/zero_bubble.py): 1F1B's order with W deferred
                into the cool-down: (p - 1)(F + B - W) idle, (p - 1) / 3 slots at F = B = W. Needs m >= p.
-  interleaved  Megatron-LM's interleaved 1F1B (megatron/engine/schedules/interleaved_order.py):
+  interleaved  Megatron-LM's interleaved 1F1B (megatron/engine/schedules/interleaved.py):
                2 (p - r - 1) + (v - 1) p warm-up chunk forwards, (p - 1) / v idle slots, v times 1F1B's p2p bytes.
                Needs L divisible by p v and m by p.
 
@@ -40,7 +40,7 @@ is noisy, this is how the bubble is measured.
 
 Who reads it: the planner (megatron/planner/schedule_costs.py: bubble, memory, p2p costs), the engine
 (megatron/engine/initialize.py picks the engine class by ``schedule_name`` from megatron/engine/schedules'
-``ENGINE_CLASSES``; megatron/engine/schedules/interleaved_order.py's warm-up), the dry run
+``ENGINE_CLASSES``; megatron/engine/schedules/interleaved.py's warm-up), the dry run
 (megatron/dry_run/estimate.py), and the tests of the engine's schedules (``idle_slots``).
 
 Adding a fourth schedule: one ``Schedule`` entry here (its flag, rules and formulas; ``chosen_by`` reads its flag

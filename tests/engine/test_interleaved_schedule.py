@@ -13,7 +13,7 @@ import pytest
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from megatron.config.schedules import REGISTRY, timeline
-from megatron.engine.schedules.interleaved_order import (
+from megatron.engine.schedules.interleaved import (
     BACKWARD,
     FORWARD,
     InterleavedSchedule,

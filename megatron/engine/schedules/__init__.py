@@ -1,10 +1,9 @@
 """The pipeline schedules' engines: each schedule of the registry (``megatron.config.schedules``) run on DeepSpeed's
 PipelineEngine, and which engine runs which schedule (``ENGINE_CLASSES``).
 
-    interleaved        interleaved virtual pipeline stages: ``InterleavedPipelineModule`` (the rank's v chunks of
-                       layers) and ``InterleavedPipelineEngine`` (asynchronous p2p between virtual stages)
-    interleaved_order  interleaved 1F1B (Megatron-LM's virtual stages) as a DeepSpeed ``PipeSchedule``:
-                       ``compute_order``, ``InterleavedSchedule``
+    interleaved        interleaved 1F1B (Megatron-LM's virtual stages): its order as a DeepSpeed ``PipeSchedule``
+                       (``compute_order``, ``InterleavedSchedule``), ``InterleavedPipelineModule`` (the rank's v
+                       chunks of layers) and ``InterleavedPipelineEngine`` (asynchronous p2p between virtual stages)
     zero_bubble        ZB-H1 (``--enable-zbh1-pipeline``): ``ZeroBubbleH1Schedule`` (a ``TrainSchedule`` with
                        ``WeightPass``), ``ZeroBubblePipelineEngine`` and its set-up ``enable_zero_bubble``
     streams            ``schedule_streams``: a DeepSpeed ``PipeSchedule`` class -> each stage's instruction names,
@@ -26,8 +25,7 @@ from typing import Callable, NamedTuple, Optional
 
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-from megatron.engine.schedules.interleaved import InterleavedPipelineEngine
-from megatron.engine.schedules.interleaved_order import InterleavedSchedule
+from megatron.engine.schedules.interleaved import InterleavedPipelineEngine, InterleavedSchedule
 from megatron.engine.schedules.zero_bubble import ZeroBubbleH1Schedule, ZeroBubblePipelineEngine, enable_zero_bubble
 
 __all__ = ["ScheduleEngine", "ENGINE_CLASSES"]
