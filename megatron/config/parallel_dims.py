@@ -26,7 +26,7 @@ import dataclasses
 import math
 from typing import Mapping, Optional
 
-__all__ = ["Dimension", "DIMENSIONS", "BY_NAME", "WORLD", "ZERO_SHARDED", "field_of", "world_size",
+__all__ = ["Dimension", "DIMENSIONS", "BY_NAME", "WORLD", "ZERO_SHARDED", "joint_label", "world_size",
            "zero_shards", "divide_world", "check_world", "recorded_sizes", "resume_mismatches"]
 
 
@@ -69,8 +69,9 @@ WORLD = tuple(d for d in DIMENSIONS if d.multiplies_world)
 ZERO_SHARDED = tuple(d for d in DIMENSIONS if d.shards_zero)
 
 
-def field_of(name: str) -> str:
-    return BY_NAME[name].field
+def joint_label(dims) -> str:
+    """Words for the product of ``dims``: "data-parallel x context-parallel size"."""
+    return " x ".join(d.label.removesuffix(" size") for d in dims) + " size"
 
 
 def world_size(sizes: Mapping[str, int]) -> int:
@@ -131,15 +132,13 @@ def resume_mismatches(recorded: Mapping[str, int], now: Mapping[str, int], loads
     either side, their product with the data-parallel size is compared instead of the data-parallel size."""
     then = {d.name: recorded.get(d.field, None if d.recorded_always else 1) for d in DIMENSIONS}
     pairs: dict[str, tuple[Optional[int], int]] = {}
-    folded = [d for d in ZERO_SHARDED if d.on_resume == "zero_shards"]
+    fold = [f for f in ZERO_SHARDED if f.on_resume == "zero_shards" and max(then[f.name], now.get(f.name, 1)) > 1]
     for d in DIMENSIONS:
         if d.on_resume == "zero_shards" or (d.on_resume == "optimizer" and not loads_optimizer):
             continue
         pair = (then[d.name], now.get(d.name, 1))
-        fold = [f for f in folded if max(then[f.name], now.get(f.name, 1)) > 1]
         if d.name == "dp" and fold and pair[0] is not None:
-            names = " x ".join(x.label.removesuffix(" size") for x in [d] + fold)
-            pairs[f"{names} size (ZeRO shards)"] = (
+            pairs[f"{joint_label([d] + fold)} (ZeRO shards)"] = (
                 pair[0] * math.prod(then[f.name] for f in fold), pair[1] * math.prod(now.get(f.name, 1) for f in fold))
         else:
             pairs[d.named] = pair

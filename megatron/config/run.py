@@ -68,10 +68,9 @@ class ParallelConfig:
         sizes = self.sizes()
         shards = parallel_dims.zero_shards(sizes)
         if shards % self.zero_hpz_partition_size:
-            over = [d for d in parallel_dims.ZERO_SHARDED if d.name == "dp" or sizes[d.name] > 1]
-            words = " x ".join(d.label.removesuffix(" size") for d in over)
-            values = " x ".join(str(sizes[d.name]) for d in over)
-            over = f"{words} size {shards}" if len(over) == 1 else f"{words} size {values} = {shards}"
+            dims = [d for d in parallel_dims.ZERO_SHARDED if d.name == "dp" or sizes[d.name] > 1]
+            values = " x ".join(str(sizes[d.name]) for d in dims)
+            over = f"{parallel_dims.joint_label(dims)} {shards if len(dims) == 1 else f'{values} = {shards}'}"
             raise ValueError(f"--zero-hpz-partition-size {self.zero_hpz_partition_size} does not divide the {over}; "
                              f"use a divisor of it (e.g. the GPUs per node divided by --tensor-model-parallel-size)")
         if not self.distributed_timeout_minutes > 0:
