@@ -18,8 +18,8 @@ right divisor: each expert saw the tokens of all dp ranks' micro-batches, throug
 Checkpoints: DeepSpeed's regular files (layer files, ZeRO shards) are written as without MoE, the layer files by
 data-parallel rank 0 only, so they hold EP rank 0's experts. Each EP rank's experts (and, without ZeRO, their
 optimizer state, which DeepSpeed also keeps from data-parallel rank 0 only) go to ``EXPERT_FILE`` beside them,
-one per (EP, TP, PP) coordinate, and are loaded back after DeepSpeed's load (``attach_expert_checkpoints``).
-Under ZeRO-1 / BF16_Optimizer the optimizer shards are per data-parallel rank, experts included.
+one per (EP, TP, PP) coordinate (the same on every sequence rank), and are loaded back after DeepSpeed's load
+(``attach_expert_checkpoints``). Under ZeRO-1 / BF16_Optimizer the optimizer shards are per data-parallel rank, experts included.
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ def _optimizer_state(engine):
 
 def save_expert_states(engine, tag_dir: str, state: ParallelState) -> None:
     """Write this rank's experts (and without ZeRO their optimizer state) to its ``EXPERT_FILE``: one writer per
-    expert-data-parallel group (its rank 0)."""
-    if state.dp_rank // state.ep_size:
+    expert-data-parallel group (its rank 0: the first data-parallel replica of this EP rank, sequence rank 0; the
+    other CP / Ulysses ranks hold the same experts)."""
+    if state.dp_rank // state.ep_size or state.seq_rank:
         return
     experts = _experts(engine)
     record = {"params": {name: p.detach().clone() for name, p in experts}}

@@ -8,6 +8,7 @@ Each public function is a ``torch.autograd.Function`` whose backward is the adjo
     gather_from_tensor_model_parallel_region       forward: all-gather last backward: split last
     scatter_to_sequence_parallel_region            forward: split first    backward: all-gather first
     gather_from_sequence_parallel_region           forward: all-gather first backward: reduce-scatter first
+    gather_replicated_sequence_region              forward: all-gather first backward: split first
     reduce_scatter_to_sequence_parallel_region     forward: reduce-scatter first backward: all-gather first
 
 The group is always passed explicitly. A group of ``None`` (or of one rank) makes every function the
@@ -29,7 +30,7 @@ __all__ = [
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "gather_replicated_sequence_region",
 ]
 
 
@@ -198,6 +199,24 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         return _reduce_scatter_first_dim(grad_output, ctx.group), None
 
 
+class _GatherReplicatedSequenceRegion(torch.autograd.Function):
+    """forward: all-gather the first dim, backward: split the first dim (keep this rank's chunk).
+
+    For a gathered activation that every rank then processes whole and identically (replicated weights, or a
+    tensor-parallel block whose input gradient is already all-reduced): each rank's gradient of the full sequence
+    is already the whole one, so summing them (a reduce-scatter) would count it tp times.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _split_first_dim(grad_output, ctx.group), None
+
+
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """forward: reduce-scatter the first dim, backward: all-gather the first dim."""
 
@@ -259,3 +278,11 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.
     if group_size(group) == 1:
         return x
     return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+def gather_replicated_sequence_region(x: torch.Tensor, group) -> torch.Tensor:
+    """forward: all-gather [s/tp, b, h] -> [s, b, h], backward: keep this rank's slice of the first dim (every rank
+    computes the same full gradient after it: the MoE layer under sequence parallelism)."""
+    if group_size(group) == 1:
+        return x
+    return _GatherReplicatedSequenceRegion.apply(x, group)

@@ -27,8 +27,9 @@ data-parallel-with-CP group), the ``sequence_data`` lists.
 Expert parallelism (``--expert-model-parallel-size``, ep) is carved from the data-parallel ranks, as in
 Megatron-LM and DeepSpeed: of the dp ranks of one (pipe, seq, model) coordinate, ranks d = e * ep + i
 (i < ep) form an expert-model-parallel group (consecutive data ranks; each holds 1/ep of every MoE layer's
-experts and they exchange tokens all-to-all), and ranks d = j * ep + i (j < dp / ep) of one i form the
-expert-data-parallel group (the same experts on other data: where their gradients are averaged).
+experts and they exchange tokens all-to-all), and ranks d = j * ep + i (j < dp / ep) of one i, over every
+sequence rank s (Ulysses' or CP's: other tokens of the same samples), form the expert-data-parallel group (the
+same experts on other data: where their gradients are averaged).
 
 A group of ``None`` everywhere in ``megatron.parallel`` means "no parallelism on this axis"
 (size 1, collectives are the identity), never the default WORLD group.
@@ -73,7 +74,7 @@ class GroupLayout:
     sequence_data: list[list[int]] = dataclasses.field(default_factory=list)  # one per (pipe, model): dp x sp
     ep: int = 1                  # expert-model-parallel size (divides dp)
     expert: list[list[int]] = dataclasses.field(default_factory=list)         # ep consecutive data ranks
-    expert_data: list[list[int]] = dataclasses.field(default_factory=list)    # dp / ep ranks, stride ep
+    expert_data: list[list[int]] = dataclasses.field(default_factory=list)    # dp / ep x seq ranks, stride ep
     cp: int = 1                  # context-parallel size (ring attention); the sequence axis when > 1
 
     @property
@@ -126,7 +127,7 @@ def group_layout(tp: int, pp: int, dp: int, sp: int = 1, ep: int = 1, cp: int = 
     """Every group's ranks for the layout, in PipeModelDataParallelTopology's order (SP or CP between data and
     model; EP within data)."""
     _check_sizes(tp, pp, dp, None, sp, cp)
-    _check_expert_size(dp, sp * cp, ep)
+    _check_expert_size(dp, sp, ep)
     seq = sp * cp  # the sequence axis: Ulysses' or context parallelism's
     rank = lambda p, d, s, t: ((p * dp + d) * seq + s) * tp + t  # noqa: E731  (GroupLayout.rank_of's formula)
     P, D, S, T = range(pp), range(dp), range(seq), range(tp)
@@ -139,7 +140,7 @@ def group_layout(tp: int, pp: int, dp: int, sp: int = 1, ep: int = 1, cp: int = 
     sequence_data = [[rank(p, d, s, t) for d in D for s in S] for p in P for t in T]
     E, J = range(ep), range(dp // ep)
     expert = [[rank(p, j * ep + i, s, t) for i in E] for p in P for s in S for t in T for j in J]
-    expert_data = [[rank(p, j * ep + i, s, t) for j in J] for p in P for s in S for t in T for i in E]
+    expert_data = [[rank(p, j * ep + i, s, t) for j in J for s in S] for p in P for t in T for i in E]
     return GroupLayout(tp, pp, dp, tensor, pipeline, data, model, embedding, sp, sequence, sequence_data, ep,
                        expert, expert_data, cp)
 
@@ -153,13 +154,16 @@ class LayerGroups:
     group (ring attention over this rank's load-balanced tokens); ep: the expert-model-parallel group (an MoE
     layer's experts shared out, tokens exchanged all-to-all); sequence_exchange: DeepSpeed-Ulysses' all-to-all
     around the core attention (``megatron.model.attention.SequenceExchange``, built from the sp group by
-    ``megatron.engine.ulysses.ulysses_exchange``).
+    ``megatron.engine.ulysses.ulysses_exchange``); tokens: the ranks holding other tokens of the same samples
+    with the same weights after an MoE layer has gathered any sequence-parallel TP shards (CP's or Ulysses' sequence
+    group: the group an MoE layer's aux and z losses are summed over).
     """
 
     tp: Optional[object] = None
     cp: Optional[object] = None
     ep: Optional[object] = None
     sequence_exchange: Optional[object] = None
+    tokens: Optional[object] = None
 
     def __post_init__(self):
         if self.cp is not None and self.sequence_exchange is not None:
@@ -267,7 +271,8 @@ class ParallelState:
     # ---- construction ----------------------------------------------------------------------
     def layer_groups(self, sequence_exchange: Optional[object] = None) -> LayerGroups:
         """The groups this rank's transformer layers work over (with Ulysses' ``sequence_exchange`` if given)."""
-        return LayerGroups(tp=self.tp_group, cp=self.cp_group, ep=self.ep_group, sequence_exchange=sequence_exchange)
+        return LayerGroups(tp=self.tp_group, cp=self.cp_group, ep=self.ep_group, sequence_exchange=sequence_exchange,
+                           tokens=self.seq_group)
 
     @classmethod
     def single(cls) -> "ParallelState":

@@ -23,12 +23,23 @@ import torch.distributed as dist
 from megatron.config import RunConfig
 from megatron.config.deepspeed import deepspeed_batch_factor
 from megatron.engine.timers import PhaseTimers, time_optimizer_inner_step
+from megatron.engine.ulysses import backward_loss_scale
 from megatron.model.moe import set_aux_loss_scale
 from megatron.training.exit import ExitMonitor
 from megatron.training.guards import LossGuard
 from megatron.training.metrics import TrainingLogger, current_device_name, peak_tflops_for_device, throughput_metrics
 from megatron.training.profiling import ProfilerWindow
 from megatron.training.timing import format_timers, gather_timers, memory_scalars, timer_scalars
+
+
+def loss_part_factor(rc: RunConfig) -> float:
+    """What a rank's part of the micro-batch loss is multiplied by before the backward when the sequence is split
+    (1 otherwise): cp on the pipeline engine (``GPTLossFn``: DeepSpeed averages over its dp x cp data axis), the
+    model engine's ``backward_loss_scale`` (Ulysses, CP on ZeRO-2/3). The MoE layers' aux and z parts get it too."""
+    if rc.deepspeed_engine == "pipeline":
+        return float(deepspeed_batch_factor(rc))
+    p = rc.parallel
+    return backward_loss_scale(rc.deepspeed_zero_stage, p.ds_sequence_parallel_size * p.context_parallel_size)
 
 
 @dataclasses.dataclass
@@ -134,8 +145,9 @@ class Trainer:
             self.lr_scheduler.step(gbs)  # the schedule follows consumed samples, trained on or not
             record = IterationRecord(iteration, float("nan"), None, self.lr_scheduler.get_lr(), gbs, True)
         else:
-            # MoE balancing losses get the gradient the language-model loss gets: 1 / micro-batches per step
-            set_aux_loss_scale(self.engine.module, 1.0 / self.engine.gradient_accumulation_steps())
+            # MoE balancing losses get the gradient the language-model loss gets: 1 / micro-batches per step, times
+            # the factor a rank's part of it gets under context parallelism or Ulysses
+            set_aux_loss_scale(self.engine.module, loss_part_factor(self.rc) / self.engine.gradient_accumulation_steps())
             with self.timers("train-batch", 1):
                 loss = self.engine.train_batch(self.train_iterator)
                 loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)

@@ -158,8 +158,8 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
     def after_step() -> None:
         if t.sync_tp_duplicated_parameters:
             sync_tp_duplicated(engine.module, state.tp_group)
-        if rc.model.moe is not None:  # MoE routers' biases: counts summed over all DP ranks
-            update_expert_biases(engine.module, state.dp_group)
+        if rc.model.moe is not None:  # MoE routers' biases: counts summed over every DP and sequence (CP, SP) rank
+            update_expert_biases(engine.module, state.sp_data_group)
 
     monitor = ExitMonitor(exit_interval=rc.exit.exit_interval, exit_duration_in_mins=rc.exit.exit_duration_in_mins,
                           kill_switch_path=rc.exit.kill_switch_path, start_time=start)
@@ -169,7 +169,7 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
                       progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=after_step,
                       world_size=dist.get_world_size(), harness_fn=_live_harness(rc, engine, state),
                       moe_stats_fn=None if rc.model.moe is None else (
-                          lambda: moe_iteration_stats(engine.module, rc.model.moe, rc.model.num_layers, state.dp_group,
+                          lambda: moe_iteration_stats(engine.module, rc.model.moe, rc.model.num_layers, state.sp_data_group,
                                                       state.pp_group)))
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
                  f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "

@@ -122,6 +122,32 @@ def test_router_matches_the_formulas(case):
         assert route(logits, cfg).expert_index.tolist() != choices
 
 
+@pytest.mark.parametrize("case", ["softmax", "sigmoid-groups-bias"])
+def test_two_token_shards_add_up_to_the_whole_micro_batchs_losses(case):
+    """Context parallelism / Ulysses: each of 2 ranks holds half the tokens; its aux part (f_e from the choices
+    counted over both, P_e over its own tokens) and z part (coefficient halved) sum to the whole micro-batch's
+    losses, and each part's gradient on its own logits is the whole losses' gradient on those rows."""
+    overrides = {"softmax": {}, "sigmoid-groups-bias": dict(ROUTER_CASES["sigmoid-groups"],
+                                                            router_enable_expert_bias=True)}[case]
+    cfg = moe_config(aux_loss_coeff=0.01, z_loss_coeff=1e-3, **overrides)
+    logits = (torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(1)) * 2).requires_grad_()
+    bias = torch.linspace(-0.3, 0.3, EXPERTS) if cfg.router_enable_expert_bias else None
+    whole = route(logits, cfg, bias)
+    (aux_loss(whole, cfg) + z_loss(whole, cfg)).backward()
+    expected_grad, logits.grad = logits.grad, None
+    shards = [route(part, cfg, bias) for part in logits.chunk(2)]
+    counts = sum(torch.bincount(r.expert_index.flatten(), minlength=EXPERTS) for r in shards)
+    auxes = [aux_loss(r, cfg, counts, shards=2) for r in shards]
+    zs = [z_loss(r, cfg, shards=2) for r in shards]
+    _assert_losses_match(float(sum(auxes)), float(sum(zs)), aux_loss(whole, cfg).item(), z_loss(whole, cfg).item(),
+                         TOKENS)
+    (sum(auxes) + sum(zs)).backward()
+    # one gradient entry: the aux loss's depth, plus the z loss's (the two add)
+    diff = (logits.grad - expected_grad).abs().max().item()
+    assert diff <= tolerance(torch.float32, AUX_DEPTH + Z_DEPTH, TOKENS, expected_grad.abs().max().item()), diff
+    assert auxes[0].item() != auxes[1].item()  # the parts differ: each holds its own tokens' share
+
+
 def test_group_limited_routing_stays_in_the_chosen_groups():
     cfg = moe_config(router_topk=4, router_num_groups=4, router_group_topk=2)
     routing = route(torch.randn(64, EXPERTS, generator=torch.Generator().manual_seed(1)), cfg)

@@ -4,6 +4,14 @@
     y = combine(experts(dispatch(x)))                    all-to-all over the EP group and back (dispatch.py)
       + shared_expert(x)                                 an always-on dense MLP (--moe-shared-expert-...)
 
+Sequence parallelism (TP with --sequence-parallel): each TP rank holds s/tp of the tokens; the layer gathers them
+over TP on entry (its backward keeps this rank's slice: every TP rank then runs the routed path on the same full
+tokens and computes the same full gradient) and hands back this rank's slice; the shared expert, a ParallelMLP
+built for sequence parallelism, works on the local slice. Context parallelism and Ulysses (``groups.tokens``, the
+token-sharding group): each rank routes its own tokens; the aux and z losses are this rank's parts of the whole
+micro-batch's (``router.aux_loss``; the choices per expert summed over the group) and the statistics count 1 / n of
+a forward per rank.
+
 The balancing losses (aux, z) are not returned: like Megatron-LM's MoEAuxLossAutoScaler, the layer hands them
 to autograd through its output (``AuxLossScaler``), so they train the router on every pipeline stage without
 travelling with the activations. Their gradient is ``aux_loss_scale`` (set it to 1 / the micro-batches per step
@@ -25,7 +33,8 @@ from megatron.config import ModelConfig
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.moe.dispatch import combine, dispatch, ep_rank_experts, plan_dispatch
 from megatron.model.moe.experts import GroupedExperts
-from megatron.model.moe.router import TopKRouter, aux_loss, new_expert_bias, z_loss
+from megatron.model.moe.router import TopKRouter, aux_loss, new_expert_bias, tokens_per_expert, z_loss
+from megatron.parallel.mappings import gather_replicated_sequence_region, scatter_to_sequence_parallel_region
 from megatron.parallel.state import LayerGroups, group_size
 
 __all__ = ["MoELayer", "AuxLossScaler", "set_aux_loss_scale", "update_expert_biases", "moe_layers", "STATS_FIELDS"]
@@ -54,8 +63,9 @@ class MoELayer(nn.Module):
     Args:
         config: the model configuration (``config.moe`` set).
         groups: ``LayerGroups`` (None: one rank on every axis): ``tp`` the tensor-parallel group (each expert's
-            matrices split), ``ep`` the expert-model-parallel group the tokens are exchanged over (None: every
-            expert here).
+            matrices split; with ``config.sequence_parallel`` the tokens too, gathered here), ``ep`` the
+            expert-model-parallel group the tokens are exchanged over (None: every expert here), ``tokens`` the
+            ranks holding other tokens of the same samples (context parallelism, Ulysses; the losses' parts).
         layer_number: 0-based layer index (the weights' names, hence their initial values, depend on it).
         shared_expert: an always-on MLP added to the experts' output (None: none).
     """
@@ -69,7 +79,8 @@ class MoELayer(nn.Module):
         if moe.num_experts % group_size(ep_group):
             raise ValueError(f"--num-experts {moe.num_experts} is not divisible by --expert-model-parallel-size "
                              f"{group_size(ep_group)}; use a divisor of the expert count")
-        self.config, self.ep_group = moe, ep_group
+        self.config, self.ep_group, self.tp_group, self.tokens_group = moe, ep_group, tp_group, groups.tokens
+        self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
         prefix = f"layers.{layer_number}.mlp"
         std, seed, out_std = config.init_method_std, config.seed, output_layer_std(config)
         self.router = TopKRouter(moe, config.hidden_size, normal_init(std, seed, f"{prefix}.router.weight"))
@@ -86,19 +97,29 @@ class MoELayer(nn.Module):
         self.stats = torch.zeros(STATS_FIELDS + moe.num_experts, dtype=torch.float64)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [s, b, h] -> [s, b, h]."""
+        """hidden [s, b, h] -> [s, b, h] (sequence parallel: [s/tp, b, h] -> [s/tp, b, h])."""
+        local = hidden
+        if self.sequence_parallel:
+            hidden = gather_replicated_sequence_region(hidden, self.tp_group)  # [s, b, h]
         s, b, h = hidden.shape
         tokens = hidden.reshape(s * b, h)  # [T, h]
         routing = self.router(tokens)
         plan = plan_dispatch(routing, self.config, self.ep_group)
         rows = dispatch(tokens, plan, self.ep_group)  # [M, h]
         output = combine(self.experts(rows, plan.local_counts), plan, s * b, self.ep_group).view(s, b, h)
+        if self.sequence_parallel:
+            output = scatter_to_sequence_parallel_region(output, self.tp_group)  # [s/tp, b, h]
         if self.shared_expert is not None:
-            output = output + self.shared_expert(hidden)
+            output = output + self.shared_expert(local)
         if not self.training:
             return output
-        aux, z = aux_loss(routing, self.config), z_loss(routing, self.config)
-        self._count(routing, plan, aux, z)
+        shards = group_size(self.tokens_group)
+        counts = None
+        if shards > 1:  # the choices of the whole micro-batch (every shard's), for f_e
+            counts = tokens_per_expert(routing.expert_index.detach(), self.config.num_experts)
+            torch.distributed.all_reduce(counts, group=self.tokens_group)
+        aux, z = aux_loss(routing, self.config, counts, shards), z_loss(routing, self.config, shards)
+        self._count(routing, plan, aux, z, 1.0 / shards)
         if self.config.aux_loss_coeff > 0 or self.config.z_loss_coeff > 0:
             loss = aux + z
             self.last_aux_loss = loss.detach()
@@ -106,10 +127,11 @@ class MoELayer(nn.Module):
         return output
 
     @torch.no_grad()
-    def _count(self, routing, plan, aux: torch.Tensor, z: torch.Tensor) -> None:
+    def _count(self, routing, plan, aux: torch.Tensor, z: torch.Tensor, forward: float) -> None:
+        """``forward``: this rank's share of the micro-batch (1 / the token-sharding group's size)."""
         choices = routing.expert_index.numel()  # T * k
         load = torch.bincount(routing.expert_index.flatten(), minlength=self.config.num_experts)  # [E]
-        self.stats[:STATS_FIELDS] += torch.tensor([1.0, float(aux), float(z), choices - plan.order.numel(), choices],
+        self.stats[:STATS_FIELDS] += torch.tensor([forward, float(aux), float(z), choices - plan.order.numel(), choices],
                                                   dtype=torch.float64)
         self.stats[STATS_FIELDS:] += load.to(self.stats)
 
@@ -132,9 +154,9 @@ def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
 @torch.no_grad()
 def update_expert_biases(module: nn.Module, data_group=None) -> int:
     """After an optimizer step: every router's expert bias moved by its rate towards balance, from the choices
-    counted since the last update, summed over ``data_group`` (the ranks that saw other tokens: data-parallel,
-    expert-parallel ranks included). Collective over the group when any router has a bias. Returns the number of
-    routers updated."""
+    counted since the last update, summed over ``data_group`` (every rank that saw other tokens with this stage's
+    routers: data-parallel, expert-parallel and sequence (CP, Ulysses) ranks; TP ranks route the same tokens).
+    Collective over the group when any router has a bias. Returns the number of routers updated."""
     routers = [m.router for m in moe_layers(module) if m.router.expert_bias is not None]
     if not routers:
         return 0

@@ -13,6 +13,10 @@ the one over the vocabulary):
               T * k choices that went to expert e, P_e the mean of its (sum-normalised) score)
     z       = coeff * mean_t logsumexp(logits_t)^2        (ST-MoE eq. 5)
 
+With the micro-batch's tokens split over n ranks (context parallelism, Ulysses), each rank computes its part of
+both: f_e from the choices counted over the n ranks, P_e and the z mean over its own tokens divided by n, so the
+parts sum to the losses of the whole micro-batch, and so do their gradients.
+
 The bias (aux-loss-free balancing, DeepSeek-V3) only steers the choice, never the weights; it is not a
 parameter: after each optimizer step it moves by ``rate * sign(mean load - load)`` (``update_expert_bias``).
 
@@ -74,20 +78,30 @@ def tokens_per_expert(expert_index: torch.Tensor, num_experts: int) -> torch.Ten
     return torch.bincount(expert_index.flatten(), minlength=num_experts)
 
 
-def aux_loss(routing: Routing, config: MoEConfig) -> torch.Tensor:
-    """The load-balancing loss (a scalar, 0 when its coefficient is)."""
+def aux_loss(routing: Routing, config: MoEConfig, counts: torch.Tensor | None = None, shards: int = 1) -> torch.Tensor:
+    """The load-balancing loss (a scalar, 0 when its coefficient is).
+
+    With the micro-batch's tokens split over ``shards`` ranks of equal shares (context parallelism, Ulysses: the
+    token-sharding group), ``counts`` [E] are the choices per expert summed over those ranks (default: this rank's)
+    and the result is this rank's part (Megatron-LM's form): f_e from the whole micro-batch's choices, P_e's sum over
+    this rank's tokens only, so that the ranks' parts add up to the whole micro-batch's loss, value and gradient."""
     num_tokens, num_experts = routing.scores.shape
     scores = routing.scores
     if config.router_score_function == "sigmoid":  # sigmoid scores do not sum to 1: normalise them for P_e
         scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
-    fraction = tokens_per_expert(routing.expert_index, num_experts).float() / (num_tokens * config.router_topk)
+    if counts is None:
+        counts = tokens_per_expert(routing.expert_index, num_experts)
+    fraction = counts.float() / (num_tokens * shards * config.router_topk)
     mean_score = scores.mean(0)  # [E]
+    if shards > 1:  # this rank's share of the whole micro-batch's mean
+        mean_score = mean_score / shards
     return config.aux_loss_coeff * num_experts * (fraction * mean_score).sum()
 
 
-def z_loss(routing: Routing, config: MoEConfig) -> torch.Tensor:
-    """The router z-loss (a scalar): keeps the logits small."""
-    return config.z_loss_coeff * torch.logsumexp(routing.logits, -1).square().mean()
+def z_loss(routing: Routing, config: MoEConfig, shards: int = 1) -> torch.Tensor:
+    """The router z-loss (a scalar): keeps the logits small. Split over ``shards`` ranks of equal token shares:
+    this rank's part (the coefficient divided by ``shards``, as Megatron-LM does)."""
+    return config.z_loss_coeff / shards * torch.logsumexp(routing.logits, -1).square().mean()
 
 
 def new_expert_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Each MoELayer sums, over its training forwards (micro-batches; twice each under activation recomputation, which
 leaves every ratio below unchanged), its aux and z losses (coefficients applied: what the objective adds), the
 choices it dropped for capacity and the choices each expert got. ``iteration_stats`` sums those over the
-data-parallel ranks (other tokens) and the pipeline stages (other layers) and returns, under stable tags:
+data-parallel and sequence (CP, Ulysses) ranks (other tokens; a sequence rank counts 1 / n of a forward and its
+parts of the losses) and the pipeline stages (other layers) and returns, under stable tags:
 
     moe/layer{i}/load-max-over-mean    the busiest expert's choices over the mean (1 = balanced), layer i (0-based)
     moe/aux-loss, moe/z-loss           per micro-batch, summed over the MoE layers
