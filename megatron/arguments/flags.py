@@ -137,7 +137,7 @@ def _parallelism(parser):
                         "key / value blocks around the ring (ring attention, online softmax). Data-parallel size = "
                         "world size / (TP x PP x CP); gradients are reduced over DP x CP. --seq-length must be a "
                         "multiple of 2 x CP. Runs at every --zero-stage (0 and 1 on the pipeline engine, 2 and 3 on the "
-                        "model engine); what it does not work with yet (Ulysses, MoE, ZeRO++ hpZ, attention "
+                        "model engine); what it does not work with yet (Ulysses, ZeRO++ hpZ, attention "
                         "dropout, interleaved or ZB-H1 schedules, ...) is refused by name before launch "
                         "(megatron/config/combinations.py). Default 1: off.")
     g.add_argument("--cp-comm-type", default="p2p", choices=CP_COMM_TYPES,

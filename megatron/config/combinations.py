@@ -161,8 +161,6 @@ REFUSED: tuple[Refused, ...] = (
             "models), and cannot shard our experts over their expert-data-parallel group",
             "use --zero-stage 2 (the experts' gradients and optimizer state sharded there) or 1",
             say="MoE (--num-experts {rc.model.moe.num_experts}) does not work with {b}: {reason}; {fix}"),
-    Refused("MoE", "sequence parallelism", "not implemented for MoE models", "drop --sequence-parallel"),
-    Refused("MoE", "Ulysses", "not implemented for MoE models", "drop --ds-sequence-parallel-size"),
     Refused("MoE", "torch.compile", "not implemented for MoE models", "drop --torch-compile"),
     Refused("MoE", "fp16", "not implemented for MoE models", "use --bf16"),
     # ZB-H1 (megatron/engine/schedules/zero_bubble.py)
@@ -181,7 +179,6 @@ REFUSED: tuple[Refused, ...] = (
     Refused("context parallelism", "Ulysses", "both split the sequence", "drop --ds-sequence-parallel-size"),
     Refused("context parallelism", "ZeRO++ hpZ", "not implemented with ring attention yet",
             "drop --zero-hpz-partition-size"),
-    Refused("context parallelism", "MoE", "not implemented with ring attention yet", "drop --num-experts"),
     Refused("context parallelism", "attention dropout", "the ring kernel has no dropout",
             "use --attention-dropout 0"),
     Refused("context parallelism", "attention backend other than auto / sdpa", "ring attention is its own kernel",

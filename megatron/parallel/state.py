@@ -112,22 +112,19 @@ def _check_sizes(tp: int, pp: int, dp: int, world_size: Optional[int], sp: int =
                          f"both split the sequence; use one of the two")
 
 
-def _check_expert_size(dp: int, sp: int, ep: int) -> None:
+def _check_expert_size(dp: int, ep: int) -> None:
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"expert-model-parallel size must be a positive integer, got {ep!r}")
     if dp % ep:
         raise ValueError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp}: expert "
                          f"parallelism is carved from the data-parallel ranks; use a divisor of {dp}")
-    if ep > 1 and sp > 1:
-        raise ValueError(f"--expert-model-parallel-size {ep} with DeepSpeed-Ulysses (--ds-sequence-parallel-size "
-                         f"{sp}) is not supported; use one of the two")
 
 
 def group_layout(tp: int, pp: int, dp: int, sp: int = 1, ep: int = 1, cp: int = 1) -> GroupLayout:
     """Every group's ranks for the layout, in PipeModelDataParallelTopology's order (SP or CP between data and
     model; EP within data)."""
     _check_sizes(tp, pp, dp, None, sp, cp)
-    _check_expert_size(dp, sp, ep)
+    _check_expert_size(dp, ep)
     seq = sp * cp  # the sequence axis: Ulysses' or context parallelism's
     rank = lambda p, d, s, t: ((p * dp + d) * seq + s) * tp + t  # noqa: E731  (GroupLayout.rank_of's formula)
     P, D, S, T = range(pp), range(dp), range(seq), range(tp)

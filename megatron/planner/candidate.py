@@ -57,7 +57,7 @@ class Layout:
         if (self.virtual_stages != 1) != get_schedule(self.schedule).uses_virtual_stages or self.virtual_stages < 1:
             raise ValueError(f"virtual_stages {self.virtual_stages} with schedule {self.schedule!r}: interleaved "
                              f"runs v >= 2 chunks per rank, the other schedules 1")
-        check_expert_size(self.dp, self.ulysses, self.ep)  # the run's own rule (EP divides DP, no Ulysses)
+        check_expert_size(self.dp, self.ep)  # the run's own rule (EP divides DP)
 
     @property
     def expert_replicas(self) -> int:

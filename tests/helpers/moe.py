@@ -5,11 +5,14 @@
                                   dropping, a dense first layer
     train_moe(rank, world_size, runs)  a run_distributed target: ``train``'s record of each run, plus every
                                   router's expert bias and how many expert parameters this rank holds
+    assert_same_moe_run(reference, run, label)  ``assert_same_run``, and every expert bias within 1e-6
 """
 
 import re
 
-from tests.helpers.training import record_run
+import pytest
+
+from tests.helpers.training import assert_same_run, record_run
 
 MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
              "--moe-z-loss-coeff", "0.001", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
@@ -46,3 +49,12 @@ def train_moe(rank, world_size, runs):
         record["expert_numel"] = sum(p.numel() for p in module.parameters() if is_expert_parallel(p))
         out.append(record)
     return out
+
+
+def assert_same_moe_run(reference, run, label):
+    """``run`` trained as ``reference`` did (``assert_same_run``: losses and grad norms), and each of its routers'
+    expert biases is the reference's within 1e-6 (a bias moves by whole updates of its rate: the same signs)."""
+    assert_same_run(reference, run, label)
+    assert run["expert_bias"] and set(run["expert_bias"]) <= set(reference["expert_bias"]), label
+    for name, bias in run["expert_bias"].items():
+        assert bias == pytest.approx(reference["expert_bias"][name], abs=1e-6), f"{label}: {name} bias"

@@ -63,7 +63,6 @@ def test_expert_optimizer_state_is_sharded_over_the_expert_data_parallel_group()
 @pytest.mark.parametrize("layout,match", [
     (dict(dp=4, ep=3), "--expert-model-parallel-size 3 does not divide the data-parallel size 4"),
     (dict(dp=6, ep=3), "4 experts are not divisible by expert-parallel size 3"),
-    (dict(dp=2, ep=2, ulysses=2), "--expert-model-parallel-size 2 with DeepSpeed-Ulysses"),
 ])
 def test_bad_expert_layouts_are_refused(layout, match):
     shape = model_shape_of(moe_model_config())

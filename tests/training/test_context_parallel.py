@@ -184,7 +184,6 @@ def test_resume_across_cp_sizes_continues_the_straight_run(runs, saved, resumed,
      r"--seq-length 36 is not divisible by 2 x --context-parallel-size 4 = 8"),
     (("--ds-sequence-parallel-size", 2), 8, "both split the sequence"),
     (("--zero-stage", 3, "--zero-hpz-partition-size", 2), 8, r"does not work yet with --zero-hpz-partition-size 2"),
-    (("--num-experts", 2), 4, r"MoE \(--num-experts\)"),
     (("--attention-dropout", 0.1), 4, r"--attention-dropout 0.1 \(the ring kernel has no dropout"),
 ])
 def test_impossible_context_parallel_layouts_are_refused_before_launch(tiny_corpus, flags, world, message):

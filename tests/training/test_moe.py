@@ -14,7 +14,7 @@ from megatron.arguments import run_config_from_argv
 from megatron.checkpoint.resume import resume_point
 from megatron.testing import run_distributed, tiny_argv
 from megatron.testing.tolerance import run_tolerance
-from tests.helpers.moe import MOE_FLAGS, VARIANT_FLAGS, train_moe
+from tests.helpers.moe import MOE_FLAGS, VARIANT_FLAGS, assert_same_moe_run, train_moe
 from tests.helpers.training import TINY_WIDTH, assert_same_run, layout, tensorboard_scalars, to_universal
 
 ITERS = 10
@@ -96,13 +96,6 @@ def test_megatron_deepspeed_spellings_map_onto_megatron_lm_flags(tiny_corpus):
     moe = rc.model.moe
     assert (moe.num_experts, moe.router_topk, moe.aux_loss_coeff, moe.expert_capacity_factor) == (4, 1, 0.1, 1.5)
     assert moe.layer_pattern == (False, True) and rc.parallel.expert_model_parallel_size == 2
-
-
-def assert_same_moe_run(reference, run, label):
-    assert_same_run(reference, run, label)
-    assert run["expert_bias"] and set(run["expert_bias"]) <= set(reference["expert_bias"]), label
-    for name, bias in run["expert_bias"].items():
-        assert bias == pytest.approx(reference["expert_bias"][name], abs=1e-6), f"{label}: {name} bias"
 
 
 @pytest.mark.multiprocess

@@ -10,7 +10,7 @@ tokens and computes the same full gradient) and hands back this rank's slice; th
 built for sequence parallelism, works on the local slice. Context parallelism and Ulysses (``groups.tokens``, the
 token-sharding group): each rank routes its own tokens; the aux and z losses are this rank's parts of the whole
 micro-batch's (``router.aux_loss``; the choices per expert summed over the group) and the statistics count 1 / n of
-a forward per rank.
+a forward per rank. The expert capacity is per rank, on its own tokens (as in Megatron-LM).
 
 The balancing losses (aux, z) are not returned: like Megatron-LM's MoEAuxLossAutoScaler, the layer hands them
 to autograd through its output (``AuxLossScaler``), so they train the router on every pipeline stage without
