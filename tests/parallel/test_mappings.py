@@ -79,6 +79,10 @@ def _mappings_worker(tp_group) -> dict:
     record("gather-first forward (all-gather)", y, x)
     record("gather-first backward (reduce-scatter)", dx, first(g_full)[rank] * total)
 
+    y, dx = _apply(m.gather_replicated_sequence_region, first(x)[rank], g_full * scale, tp_group)
+    record("gather-replicated forward (all-gather)", y, x)
+    record("gather-replicated backward (slice)", dx, first(g_full)[rank] * scale)
+
     y, dx = _apply(m.reduce_scatter_to_sequence_parallel_region, x * scale, g_local, tp_group)
     record("reduce-scatter-first forward", y, first(x)[rank] * total)
     record("reduce-scatter-first backward (all-gather)",
@@ -101,7 +105,7 @@ def _check_groups_of_one(rank: int, tp: int) -> None:
     for fn in (m.copy_to_tensor_model_parallel_region, m.reduce_from_tensor_model_parallel_region,
                m.scatter_to_tensor_model_parallel_region, m.gather_from_tensor_model_parallel_region,
                m.scatter_to_sequence_parallel_region, m.gather_from_sequence_parallel_region,
-               m.reduce_scatter_to_sequence_parallel_region):
+               m.reduce_scatter_to_sequence_parallel_region, m.gather_replicated_sequence_region):
         assert fn(x, singles[rank]) is x, f"rank {rank}: {fn.__name__} on a group of one"
     dist.destroy_process_group(singles[rank])  # the others are not this rank's to destroy
 
@@ -113,7 +117,7 @@ TP_SIZES = [1, pytest.param(2, marks=pytest.mark.multiprocess),
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_mappings_forward_and_backward(tp):
     results = run_on_tp(_mappings_worker, tp)
-    assert len(results[0]) == 14, sorted(results[0])
+    assert len(results[0]) == 16, sorted(results[0])
     for rank, errors in enumerate(results):
         for name, err in errors.items():
             if name in SUMMED:  # each rank's product, the sum over the tp ranks: depth 2, width tp
