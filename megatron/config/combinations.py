@@ -170,9 +170,6 @@ REFUSED: tuple[Refused, ...] = (
             "Use --zero-stage 0 or 1 without Ulysses, or drop --enable-zbh1-pipeline",
             say="{a} is a schedule of the pipeline engine; this run (" + _NON_PIPELINE_RUN.format(stage="--zero-stage")
             + ". {fix}"),
-    Refused("ZB-H1", "MoE", "their expert matmuls do not defer weight gradients",
-            "drop --enable-zbh1-pipeline or --num-experts",
-            say="{a} is not tested with mixture-of-experts layers ({reason}); {fix}"),
     Refused("ZB-H1", "context parallelism", "ring attention and the deferred weight passes have not been run together",
             "drop one of them", say="{a} is not tested with {b} ({reason}); {fix}"),
     Refused("ZB-H1", "torch.compile", "a compiled layer cannot hand its weight gradient to the schedule",
@@ -194,7 +191,6 @@ REFUSED: tuple[Refused, ...] = (
     Refused("context parallelism", "universal checkpoint", "not implemented with ring attention yet",
             "drop --universal-checkpoint"),
     # interleaved virtual stages (megatron/engine/schedules/interleaved.py)
-    Refused("interleaved", "MoE", "MoE layers are not supported by the interleaved schedule yet", "drop --num-experts"),
     Refused("interleaved", "batch-size rampup", "the micro-batch count changes during the ramp",
             "drop --rampup-batch-size"),
     Refused("interleaved", "torch.compile", "not supported by the interleaved schedule yet", "drop --torch-compile"),
