@@ -1,5 +1,5 @@
-"""Mixture-of-experts layers under the other pipeline schedules: interleaved virtual stages (v = 2) and ZB-H1, each at
-PP = 2 x EP = 2 (world 4), train as one process does.
+"""Mixture-of-experts layers under the other pipeline schedules, interleaved virtual stages (v = 2) and ZB-H1, each at
+PP = 2 x EP = 2 (world 4), and under ZeRO-3 and hpZ (EP = 1), train as one process does.
 
 A 4-layer MoE model (every layer MoE: dropless, aux and z losses, the expert bias moving; fp32, 10 iterations, 4
 micro-batches of 2): one process is the reference. One 4-process launch trains PP = 2 v = 2 x EP = 2 (ZeRO-1),
@@ -9,9 +9,12 @@ saving at iteration 5: their losses, grad norms and expert biases are the refere
 each fp32 layout from its own iteration-5 checkpoint (losses, grad norms and biases the straight run's bit for bit),
 and moves the interleaved run (fp32 ZeRO-1) and the bf16 ZB-H1 run through a universal checkpoint to EP = 1 (the
 same schedule, DP = 2), continuing the reference within tolerance. (A ZeRO-0 checkpoint has no optimizer partitions
-for ds_to_universal.py: ZB-H1's universal move is the bf16 run's.)
+for ds_to_universal.py: ZB-H1's universal move is the bf16 run's.) The first launch also trains ZeRO-3 at EP = 1 x
+TP = 2 x DP = 2 and ZeRO-3 + hpZ 2 at DP = 4, every parameter partitioned (no persistence threshold): the
+one-process run within tolerance, expert biases included.
 """
 
+import json
 import os
 
 import pytest
@@ -48,6 +51,13 @@ def runs(moe_argv, tmp_path_factory):
     saved = {name: str(root / name.replace(" ", "_")) for name in layouts}
     straight = {name: layout(moe_argv, *EP, *flags, "--save", saved[name], "--save-interval", HALF, pp=2)
                 for name, flags in layouts.items()}
+    # DeepSpeed keeps parameters under 1e5 elements gathered (stage3_param_persistence_threshold), all of this tiny
+    # model's: 0 makes every parameter live in partitions only, as a large model's do
+    no_persistence = root / "zero3.json"
+    no_persistence.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    zero3 = ("--zero-stage", 3, "--deepspeed_config", no_persistence)
+    straight |= {"zero3 tp2": layout(moe_argv, *zero3, tp=2),
+                 "zero3 hpz2": layout(moe_argv, *zero3, "--zero-hpz-partition-size", 2)}
     first = run_distributed(train_moe, world_size=4, args=(list(straight.values()),), timeout=900)
     for name, folder in saved.items():
         if name != "zbh1":  # ZeRO-0: no optimizer partitions to convert
@@ -122,3 +132,18 @@ def test_a_universal_checkpoint_moves_each_schedule_to_ep1(reference, runs):
         assert_same_moe_run(_tail(reference), interleaved, f"rank {rank}: PP=2 v=2 x EP=2 -> universal -> EP=1")
         assert_same_run(_tail(reference), bf16, f"rank {rank}: bf16 ZB-H1 EP=2 -> universal -> EP=1",
                         dtype=torch.bfloat16, num_layers=LAYERS)
+
+
+@pytest.mark.multiprocess
+def test_zero3_and_hpz_train_moe_at_ep1_as_one_process(reference, runs):
+    """EP = 1: the experts are plain parameters, partitioned by ZeRO-3 like any other (over DP = 2 at TP = 2, and
+    over DP = 4 with hpZ's secondary copy within pairs of ranks); each MoE layer is one ZeRO-3 leaf module."""
+    for rank, results in runs.items():
+        zero3, hpz = results["zero3 tp2"], results["zero3 hpz2"]
+        for run in (zero3, hpz):
+            assert (run["engine"], run["engine_stage"]) == ("ModelEngine", 3), (rank, run["engine"])
+            assert run["held_numel"] == 0 and run["partition_numel"] < run["full_numel"], rank  # partitioned
+        assert hpz["hpz_ranks"] == [rank - rank % 2, rank - rank % 2 + 1] and zero3["hpz_ranks"] is None, rank
+        assert sorted(zero3["expert_bias"]) == sorted(reference["expert_bias"]), rank  # the whole model
+        assert_same_moe_run(reference, zero3, f"rank {rank}: ZeRO-3, EP=1 x TP=2 x DP=2")
+        assert_same_moe_run(reference, hpz, f"rank {rank}: ZeRO-3 + hpZ 2, EP=1 x DP=4")
