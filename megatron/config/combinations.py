@@ -171,7 +171,6 @@ REFUSED: tuple[Refused, ...] = (
             say="MoE (--num-experts {rc.model.moe.num_experts}) with {a} does not work with {b}: {reason}; {fix}"),
     Refused("MoE", "sequence parallelism", "not implemented for MoE models", "drop --sequence-parallel"),
     Refused("MoE", "Ulysses", "not implemented for MoE models", "drop --ds-sequence-parallel-size"),
-    Refused("MoE", "torch.compile", "not implemented for MoE models", "drop --torch-compile"),
     Refused("MoE", "fp16", "not implemented for MoE models", "use --bf16"),
     # ZB-H1 (megatron/engine/schedules/zero_bubble.py)
     Refused("ZB-H1", "model engine", "ZB-H1 is a schedule of the pipeline engine",
