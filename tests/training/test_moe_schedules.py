@@ -10,8 +10,8 @@ each fp32 layout from its own iteration-5 checkpoint (losses, grad norms and bia
 and moves the interleaved run (fp32 ZeRO-1) and the bf16 ZB-H1 run through a universal checkpoint to EP = 1 (the
 same schedule, DP = 2), continuing the reference within tolerance. (A ZeRO-0 checkpoint has no optimizer partitions
 for ds_to_universal.py: ZB-H1's universal move is the bf16 run's.) The first launch also trains ZeRO-3 at EP = 1 x
-TP = 2 x DP = 2 and ZeRO-3 + hpZ 2 at DP = 4, every parameter partitioned (no persistence threshold): the
-one-process run within tolerance, expert biases included.
+TP = 2 x DP = 2 and ZeRO-3 + hpZ 2 at DP = 4 recomputing activations, every parameter partitioned (no persistence
+threshold): the one-process run within tolerance, expert biases included.
 """
 
 import json
@@ -57,7 +57,7 @@ def runs(moe_argv, tmp_path_factory):
     no_persistence.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
     zero3 = ("--zero-stage", 3, "--deepspeed_config", no_persistence)
     straight |= {"zero3 tp2": layout(moe_argv, *zero3, tp=2),
-                 "zero3 hpz2": layout(moe_argv, *zero3, "--zero-hpz-partition-size", 2)}
+                 "zero3 hpz2": layout(moe_argv, *zero3, "--zero-hpz-partition-size", 2, "--checkpoint-activations")}
     first = run_distributed(train_moe, world_size=4, args=(list(straight.values()),), timeout=900)
     for name, folder in saved.items():
         if name != "zbh1":  # ZeRO-0: no optimizer partitions to convert
@@ -137,7 +137,8 @@ def test_a_universal_checkpoint_moves_each_schedule_to_ep1(reference, runs):
 @pytest.mark.multiprocess
 def test_zero3_and_hpz_train_moe_at_ep1_as_one_process(reference, runs):
     """EP = 1: the experts are plain parameters, partitioned by ZeRO-3 like any other (over DP = 2 at TP = 2, and
-    over DP = 4 with hpZ's secondary copy within pairs of ranks); each MoE layer is one ZeRO-3 leaf module."""
+    over DP = 4 with hpZ's secondary copy within pairs of ranks, the layers recomputed in the backward); each MoE layer
+is one ZeRO-3 leaf module."""
     for rank, results in runs.items():
         zero3, hpz = results["zero3 tp2"], results["zero3 hpz2"]
         for run in (zero3, hpz):
