@@ -465,6 +465,8 @@ def _speed(parser):
     g.add_argument("--torch-compile", action="store_true",
                    help="Compile each transformer layer with torch.compile (in place: same modules, parameter names "
                         "and checkpoints), with pipeline stages, tensor parallelism and activation checkpointing. "
+                        "A mixture-of-experts layer is compiled by region: its norms, attention and shared expert; "
+                        "the router, token dispatch and experts (data-dependent shapes) run eager. "
                         "The first iteration includes the compilation (its time is logged once). On CPU inductor "
                         "needs a C++ compiler (g++); the run refuses to start without one.")
 

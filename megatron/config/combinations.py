@@ -61,6 +61,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature("sequence parallelism", "--sequence-parallel (with --tensor-model-parallel-size > 1)",
             lambda rc: rc.model.sequence_parallel, lambda rc: "--sequence-parallel"),
     Feature("MoE", "--num-experts N", lambda rc: rc.model.moe is not None, lambda rc: "MoE (--num-experts)"),
+    Feature("expert parallelism", "--expert-model-parallel-size N (N > 1)",
+            lambda rc: rc.parallel.expert_model_parallel_size > 1,
+            lambda rc: f"--expert-model-parallel-size {rc.parallel.expert_model_parallel_size}"),
     Feature("MLA", "--multi-latent-attention", lambda rc: rc.model.mla is not None,
             lambda rc: "--multi-latent-attention"),
     Feature("torch.compile", "--torch-compile", lambda rc: rc.training.torch_compile, lambda rc: "--torch-compile"),
@@ -155,22 +158,23 @@ REFUSED: tuple[Refused, ...] = (
             say="{b} is for the pipeline engine; with {a}, {fix}"),
     Refused("model engine", "fp16", "not testable on CPU", "use --bf16 or fp32",
             say="{b} with {a} is not supported here ({reason}); {fix}"),
-    # MoE. ZeRO-3: DeepSpeed's engine (the pinned version) asserts that ZeRO-3 meets MoE layers only as its AutoEP
-    # layers (Hugging Face models), and its stage-3 optimizer has no expert-data-parallel partitioning for ours
-    Refused("MoE", "ZeRO-3", "DeepSpeed's ZeRO-3 takes expert-parallel layers only from its AutoEP (Hugging Face "
-            "models), and cannot shard our experts over their expert-data-parallel group",
-            "use --zero-stage 2 (the experts' gradients and optimizer state sharded there) or 1",
-            say="MoE (--num-experts {rc.model.moe.num_experts}) does not work with {b}: {reason}; {fix}"),
-    Refused("MoE", "torch.compile", "not implemented for MoE models", "drop --torch-compile"),
+    # Expert parallelism x ZeRO-3: DeepSpeed's engine (the pinned version: runtime/engine.py,
+    # _validate_zero3_moe_compatibility) asserts "Native DeepSpeed MoE is not supported with ZeRO Stage 3" when it
+    # finds the MoE marker our EP > 1 runs add (megatron/engine/expert_parallel.py); it takes expert-parallel layers
+    # under ZeRO-3 only from its AutoEP, and its stage-3 optimizer has no expert-data-parallel partitioning. At
+    # EP = 1 the experts are plain parameters and ZeRO-3 shards them as any other (tests/training/test_moe_schedules.py).
+    Refused("expert parallelism", "ZeRO-3", "DeepSpeed's ZeRO-3 takes expert-parallel layers only from its AutoEP "
+            "(Hugging Face models: its engine asserts 'Native DeepSpeed MoE is not supported with ZeRO Stage 3'), "
+            "and cannot shard our experts over their expert-data-parallel group",
+            "use --zero-stage 2 (the experts' gradients and optimizer state sharded there) or 1, or "
+            "--expert-model-parallel-size 1 (ZeRO-3 then shards the experts as any parameter)",
+            say="MoE (--num-experts {rc.model.moe.num_experts}) with {a} does not work with {b}: {reason}; {fix}"),
     Refused("MoE", "fp16", "not implemented for MoE models", "use --bf16"),
     # ZB-H1 (megatron/engine/schedules/zero_bubble.py)
     Refused("ZB-H1", "model engine", "ZB-H1 is a schedule of the pipeline engine",
             "Use --zero-stage 0 or 1 without Ulysses, or drop --enable-zbh1-pipeline",
             say="{a} is a schedule of the pipeline engine; this run (" + _NON_PIPELINE_RUN.format(stage="--zero-stage")
             + ". {fix}"),
-    Refused("ZB-H1", "MoE", "their expert matmuls do not defer weight gradients",
-            "drop --enable-zbh1-pipeline or --num-experts",
-            say="{a} is not tested with mixture-of-experts layers ({reason}); {fix}"),
     Refused("ZB-H1", "context parallelism", "ring attention and the deferred weight passes have not been run together",
             "drop one of them", say="{a} is not tested with {b} ({reason}); {fix}"),
     Refused("ZB-H1", "torch.compile", "a compiled layer cannot hand its weight gradient to the schedule",
@@ -191,7 +195,6 @@ REFUSED: tuple[Refused, ...] = (
     Refused("context parallelism", "universal checkpoint", "not implemented with ring attention yet",
             "drop --universal-checkpoint"),
     # interleaved virtual stages (megatron/engine/schedules/interleaved.py)
-    Refused("interleaved", "MoE", "MoE layers are not supported by the interleaved schedule yet", "drop --num-experts"),
     Refused("interleaved", "batch-size rampup", "the micro-batch count changes during the ramp",
             "drop --rampup-batch-size"),
     Refused("interleaved", "torch.compile", "not supported by the interleaved schedule yet", "drop --torch-compile"),

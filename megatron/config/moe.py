@@ -133,3 +133,4 @@ def check_moe_run(rc) -> None:
                          f"(TP x PP)): expert parallelism is carved from the data-parallel ranks; use a divisor of "
                          f"{dp} or more processes")
     check_combinations(rc, "MoE")
+    check_combinations(rc, "expert parallelism")  # with ZeRO-3

@@ -21,7 +21,7 @@ def check_zero_bubble_run(rc) -> None:
         raise ValueError(f"{_FLAG} runs here only with exact semantics: the gradient clipping and the optimizer step "
                          f"come after every deferred weight-gradient pass, so the step is 1F1B's step. Add "
                          f"--enable-zbh1-exact-semantics")
-    check_combinations(rc, "ZB-H1")  # the model engine, MoE, CP, torch.compile: megatron.config.combinations
+    check_combinations(rc, "ZB-H1")  # the model engine, CP, torch.compile: megatron.config.combinations
     if not rc.bf16 and rc.deepspeed_zero_stage > 0:
         raise ValueError(f"{_FLAG} in fp32 needs --zero-stage 0: fp32 ZeRO-1 (DeepSpeedZeroOptimizer) collects "
                          f"gradients from autograd hooks, which a deferred weight gradient never reaches. Use "

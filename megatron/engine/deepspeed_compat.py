@@ -54,6 +54,11 @@ they differ (an upgrade then fails at the first workaround it reaches, not silen
                               its own MoE's per-expert files (found by      while it saves and loads; our experts go to
                               module type), which our marker holds none of  files of their own (``megatron.engine.
                                                                             expert_parallel``)
+    zero3_module_outputs      ZeRO-3 gathers a module's parameters for    ``zero3_leaf_modules``: each MoE layer is one
+                              its backward from a hook on the tensors of   ZeRO-3 leaf module (DeepSpeed's mechanism for
+                              its output (tuples, lists, dicts); the MoE   MoE blocks), gathered whole at its own hooks,
+                              router returns a ``Routing``, so its         on the layer's output tensor
+                              weight stayed partitioned in the backward
     pipeline_schedule         PipelineEngine runs only its TrainSchedule    ``pipeline_engine_class`` builds our
                               (1F1B); no hook for another schedule, for     subclass that overrides its private
                               new instructions or for virtual stages;       schedule methods (megatron.engine.
@@ -89,7 +94,7 @@ from megatron.checkpoint.safe_load import only_safe_loading, safe_load
 from megatron.checkpoint.zero_files import DEEPSPEED_GLOBALS
 
 __all__ = ["PINNED_VERSION", "WORKAROUNDS", "require", "installed_version", "checkpoint_loading", "safe_loading",
-           "mend_universal_optimizer", "universal_tp_restore", "set_zero_param_intra_group", "zero3_init",
+           "mend_universal_optimizer", "universal_tp_restore", "set_zero_param_intra_group", "zero3_init", "zero3_leaf_modules",
            "silence_renamed_collectives", "check_bf16_stage_0", "check_zero3_ulysses", "DEEPSPEED_GLOBALS",
            "SafeTorchCheckpointEngine", "use_safe_loading", "avoid_cpu_jit_builds",
            "ExpertParallelMarker", "moe_marker", "register_expert_groups", "mark_moe_parameter", "is_moe_parameter",
@@ -141,6 +146,9 @@ WORKAROUNDS = {
                              "PipelineEngine) (tests/training/test_interleaved.py, tests/training/test_zero_bubble.py)",
     "zero3_ulysses_average": "the divisor of ZeRO-3's reduce-scatter with sequence parallelism "
                              "(tests/training/test_ulysses.py compares grad norms with a single process)",
+    "zero3_module_outputs": "how ZeRO-3's parameter offload hooks find a module's output tensors "
+                            "(apply_to_tensors_only) and treat a z3 leaf module (set_z3_leaf_modules) "
+                            "(tests/training/test_moe_schedules.py trains MoE under ZeRO-3 and hpZ)",
     "pipeline_schedule": "the private methods megatron.engine.schedules overrides: "
                          + "; ".join(f"{cls} {', '.join(names)}" for cls, names in PIPELINE_SCHEDULE_OVERRIDES.items())
                          + "; the state they read (PipelineEngine's pipe_buffers, grad_layer, _reserve_pipe_buffers, "
@@ -299,6 +307,14 @@ def zero3_init(data_parallel_group, config: dict, mpu):
 
     return deepspeed.zero.Init(data_parallel_group=data_parallel_group, config_dict_or_path=config, mpu=mpu,
                                zero_param_parallel_group=groups._get_zero_param_intra_parallel_group())
+
+
+def zero3_leaf_modules(model: torch.nn.Module, classes: list) -> None:
+    """Make every module of ``classes`` below ``model`` a ZeRO-3 leaf: its parameters (its sub-modules' too) are
+    gathered before its forward and again before its backward from hooks on its own output tensors. Before
+    ``deepspeed.initialize``, which installs the hooks."""
+    require("zero3_module_outputs")
+    deepspeed.utils.set_z3_leaf_modules(model, classes)
 
 
 def silence_renamed_collectives() -> None:

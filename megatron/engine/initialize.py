@@ -124,7 +124,7 @@ def _build_sharded_engine(rc: RunConfig, state: ParallelState, config: dict, tra
     module = build_model_module(rc, state, config, mpu, tracker)
     if rc.training.torch_compile:
         _compile_layers(module)
-    # ZeRO-2 (megatron.config.moe refuses ZeRO-3 with MoE): DeepSpeedZeroOptimizer reduce-scatters a marked
+    # ZeRO-2 (ZeRO-3 is refused with EP > 1: megatron.config.combinations): DeepSpeedZeroOptimizer reduce-scatters a marked
     # expert's gradient over its expert-data-parallel group and shards its state there, as ZeRO-1 does
     experts = mark_expert_parameters(module, rc.model, state)
     client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)

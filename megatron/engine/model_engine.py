@@ -11,7 +11,9 @@ DeepSpeed's pipeline engine refuses ZeRO stages 2 and 3, so a run with ``--zero-
 - with ZeRO-3 the model is built inside ``deepspeed.zero.Init``: each module's parameters are
   partitioned over the data-parallel ranks as soon as the module is built (after its own
   initialization, which draws from (seed, parameter name) only), so no rank ever holds the whole
-  model, and the weights equal those of a (1, 1, 1) run;
+  model, and the weights equal those of a (1, 1, 1) run; each MoE layer is one ZeRO-3 leaf module (its
+  parameters, router and experts included, gathered before its forward and again before its backward: the
+  router returns a ``Routing``, not a tensor ZeRO-3's backward hooks could see);
 - ``ModelEngine`` puts the engine behind the few methods of DeepSpeed's ``PipelineEngine`` that
   the training loop calls (``train_batch`` / ``eval_batch`` over the same micro-batch iterator,
   the loss averaged over micro-batches and data-parallel ranks as the pipeline engine does).
@@ -30,6 +32,7 @@ from megatron.engine import deepspeed_compat
 from megatron.engine.timers import NO_TIMERS
 from megatron.engine.ulysses import backward_loss_scale, sequence_parallel_loss, ulysses_exchange
 from megatron.model import GPTModel
+from megatron.model.moe import MoELayer, moe_layers
 from megatron.parallel.random import RNGStatesTracker, tracked_checkpoint_func
 from megatron.parallel.state import ParallelState
 
@@ -164,6 +167,8 @@ def build_model_module(rc: RunConfig, state: ParallelState, config: dict, mpu: D
     deepspeed_compat.silence_renamed_collectives()
     with zero_stage3_init(rc, config, mpu):
         model = GPTModel(rc.model, state, rng_tracker=tracker, sequence_exchange=ulysses_exchange(state))
+    if rc.deepspeed_zero_stage == 3 and moe_layers(model):
+        deepspeed_compat.zero3_leaf_modules(model, [MoELayer])  # the router's output is no tensor
     t = rc.training
     if t.checkpoint_activations:
         model.recompute_activations(tracked_checkpoint_func(tracker), t.checkpoint_num_layers)

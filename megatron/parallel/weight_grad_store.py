@@ -12,10 +12,12 @@ where the stage would otherwise wait.
     store.close_micro_batch()              the queued products form one W pass
     store.run_oldest()                     W: dA accumulated into weight.grad, oldest micro-batch first
 
-A layer that can defer carries ``weight_grad_store`` (None: the plain ``F.linear``, autograd computes both
-products, bit for bit as before). Column/RowParallelLinear and the vocab-parallel heads do.
+A layer that can defer carries ``weight_grad_store`` (None: the plain ``F.linear`` / ``torch.bmm``, autograd
+computes both products, bit for bit as before). Column/RowParallelLinear, the vocab-parallel heads, the MoE
+router (``linear`` on a weight of another dtype: it computes in the input's, fp32) and the grouped experts
+(``grouped_linear``: one batched product per matrix, G groups) do.
 
-Shape letters: t tokens (every leading dim flattened), h input features, o output features.
+Shape letters: t tokens (every leading dim flattened), h input features, o output features, G groups (experts).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["WeightGradStore", "linear", "defer_weight_grads"]
+__all__ = ["WeightGradStore", "linear", "grouped_linear", "defer_weight_grads"]
 
 
 class WeightGradStore:
@@ -63,18 +65,28 @@ class WeightGradStore:
                                  f"pass) still deferred: the optimizer would step on incomplete gradients")
 
 
-@torch.no_grad()
-def _accumulate_weight_grad(weight: torch.nn.Parameter, x: torch.Tensor, grad_output: torch.Tensor) -> None:
-    # dA [o, h] = dY^T [o, t] @ X [t, h]
-    grad_weight = grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+def _accumulate(weight: torch.nn.Parameter, grad_weight: torch.Tensor) -> None:
+    grad_weight = grad_weight.to(weight.dtype)  # a weight cast to the input's dtype: autograd's cast back
     if weight.grad is None:
         weight.grad = grad_weight
     else:
         weight.grad.add_(grad_weight)
 
 
+@torch.no_grad()
+def _accumulate_weight_grad(weight: torch.nn.Parameter, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+    # dA [o, h] = dY^T [o, t] @ X [t, h]
+    _accumulate(weight, grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])))
+
+
+@torch.no_grad()
+def _accumulate_grouped_weight_grad(weight: torch.nn.Parameter, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+    # dW [G, o, h] = dY^T [G, o, t] @ X [G, t, h]
+    _accumulate(weight, torch.bmm(grad_output.transpose(1, 2), x))
+
+
 class _LinearDeferredWeightGrad(torch.autograd.Function):
-    """Y = X A^T + b whose backward returns dX and db and defers dA to the store."""
+    """Y = X A^T + b (A in X's dtype) whose backward returns dX and db and defers dA to the store."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, store):
@@ -82,12 +94,12 @@ class _LinearDeferredWeightGrad(torch.autograd.Function):
         # The parameter itself, not a saved tensor: under activation recomputation a saved tensor comes back as
         # a recomputed alias, and a .grad set on that alias would never reach the parameter.
         ctx.weight, ctx.store, ctx.has_bias = weight, store, bias is not None
-        return F.linear(x, weight, bias)  # [.., o]
+        return F.linear(x, weight.to(x.dtype), bias)  # [.., o]
 
     @staticmethod
     def backward(ctx, grad_output):
         (x,), weight = ctx.saved_tensors, ctx.weight
-        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None  # [.., h]
+        grad_input = grad_output.matmul(weight.to(grad_output.dtype)) if ctx.needs_input_grad[0] else None  # [.., h]
         grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if ctx.has_bias else None  # [o]
         if ctx.needs_input_grad[1]:
             ctx.store.defer(partial(_accumulate_weight_grad, weight, x, grad_output))
@@ -96,11 +108,38 @@ class _LinearDeferredWeightGrad(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            store: Optional[WeightGradStore]) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; with a store, the weight gradient is deferred to it (outside grad mode,
-    e.g. evaluation, nothing is deferred)."""
+    """``F.linear(x, weight.to(x.dtype), bias)`` (the cast a no-op where the dtypes agree); with a store, the
+    weight gradient is deferred to it, cast back to the weight's dtype (outside grad mode, e.g. evaluation,
+    nothing is deferred)."""
     if store is None or not torch.is_grad_enabled():
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight.to(x.dtype), bias)
     return _LinearDeferredWeightGrad.apply(x, weight, bias, store)
+
+
+class _GroupedDeferredWeightGrad(torch.autograd.Function):
+    """Y_g = X_g W_g^T for every group g (one ``torch.bmm``) whose backward returns dX and defers dW."""
+
+    @staticmethod
+    def forward(ctx, x, weight, store):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.store = weight, store  # the parameter itself (see _LinearDeferredWeightGrad)
+        return torch.bmm(x, weight.transpose(1, 2))  # [G, t, o]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,), weight = ctx.saved_tensors, ctx.weight
+        grad_input = torch.bmm(grad_output, weight) if ctx.needs_input_grad[0] else None  # [G, t, h]
+        if ctx.needs_input_grad[1]:
+            ctx.store.defer(partial(_accumulate_grouped_weight_grad, weight, x, grad_output))
+        return grad_input, None, None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, store: Optional[WeightGradStore]) -> torch.Tensor:
+    """x [G, t, h], weight [G, o, h] -> [G, t, o]: ``torch.bmm(x, weight^T)``; with a store, the weight gradient
+    is deferred to it (outside grad mode nothing is)."""
+    if store is None or not torch.is_grad_enabled():
+        return torch.bmm(x, weight.transpose(1, 2))
+    return _GroupedDeferredWeightGrad.apply(x, weight, store)
 
 
 def defer_weight_grads(module: torch.nn.Module, store: Optional[WeightGradStore]) -> int:

@@ -74,7 +74,7 @@ def candidate_layouts(model: ModelShape, num_gpus: int, gpus_per_node: int, glob
 
 def _runs_experts(model: ModelShape, layout: Layout, ep: int) -> bool:
     """EP > 1 on a layout: carved from its DP ranks, an equal share of experts each, no Ulysses, and ZeRO-1 / 2
-    (our MoE does not run under ZeRO-3)."""
+    (expert parallelism does not run under ZeRO-3: megatron.config.combinations)."""
     return (layout.dp % ep == 0 and model.moe.num_experts % ep == 0 and layout.ulysses == 1
             and layout.zero_stage <= 2 and model.moe.expert_ffn % layout.tp == 0)
 

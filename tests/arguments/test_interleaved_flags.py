@@ -12,6 +12,7 @@ def test_both_spellings_give_the_virtual_stages(files):
     assert parse(files, **PP2).parallel.num_virtual_stages_per_pipeline_rank == 1
     assert parse(files, **PP2, num_virtual_stages_per_pipeline_rank=2).parallel.num_virtual_stages_per_pipeline_rank == 2
     assert parse(files, **PP2, num_layers_per_virtual_pipeline_stage=1).parallel.num_virtual_stages_per_pipeline_rank == 2
+    assert parse(files, **PP2, num_virtual_stages_per_pipeline_rank=2, num_experts=4).model.moe.num_experts == 4
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -20,7 +21,6 @@ def test_both_spellings_give_the_virtual_stages(files):
     (dict(num_virtual_stages_per_pipeline_rank=4, num_layers_per_virtual_pipeline_stage=1), "disagree"),
     (dict(num_virtual_stages_per_pipeline_rank=2, global_batch_size=6), "make it a multiple of 2"),
     (dict(num_virtual_stages_per_pipeline_rank=2, pp_partition_method="uniform"), "type:transformer"),
-    (dict(num_virtual_stages_per_pipeline_rank=2, num_experts=4), "MoE layers"),
     (dict(num_virtual_stages_per_pipeline_rank=2, pipeline_model_parallel_size=1), "no bubble to fill"),
     (dict(num_virtual_stages_per_pipeline_rank=2, zero_stage=2), "--zero-stage 2 does not combine with --pipeline"),
     (dict(num_virtual_stages_per_pipeline_rank=2, enable_zbh1_pipeline=True, enable_zbh1_exact_semantics=True),

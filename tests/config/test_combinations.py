@@ -47,6 +47,7 @@ ENABLE = {
     "Ulysses": lambda rc: _parallel(rc, ds_sequence_parallel_size=2),
     "sequence parallelism": lambda rc: _model(_parallel(rc, tensor_model_parallel_size=2), sequence_parallel=True),
     "MoE": lambda rc: _model(rc, moe=MoEConfig(num_experts=4, layer_pattern=(True, True))),
+    "expert parallelism": lambda rc: _parallel(ENABLE["MoE"](rc), expert_model_parallel_size=2),
     "MLA": lambda rc: _model(rc, mla=MLAConfig()),
     "torch.compile": lambda rc: _training(rc, torch_compile=True),
     "fp16": lambda rc: _model(rc, params_dtype="fp16"),
@@ -144,8 +145,8 @@ def test_exactly_the_pairs_of_the_table_are_refused():
     assert refused == expected
     assert table <= refused
     n = len(NAMES)
-    assert (n, n * (n - 1) // 2, len(REFUSED)) == (23, 253, 32)
-    assert len(refused) == 50  # the table's 32, and 18 more through the features a pair brings along
+    assert (n, n * (n - 1) // 2, len(REFUSED)) == (24, 276, 29)
+    assert len(refused) == 48  # the table's 29, and 19 more through the features a pair brings along
 
 
 def test_docs_flags_md_has_the_section_rendered_from_the_table():
@@ -178,3 +179,11 @@ def test_the_module_needs_no_torch():
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                  and node.module}
     assert imported <= {"__future__", "dataclasses", "typing"}, imported
+
+
+def test_zero3_is_refused_with_expert_parallelism_only():
+    """MoE at EP = 1 is plain parameters to ZeRO-3; DeepSpeed's engine refuses our expert-parallel layers (EP > 1)."""
+    check_combinations(_with("MoE", "ZeRO-3"))
+    with pytest.raises(ValueError, match=r"MoE \(--num-experts 4\) with --expert-model-parallel-size 2 does not work "
+                                         r"with --zero-stage 3: DeepSpeed's ZeRO-3 takes expert-parallel layers only"):
+        check_combinations(_with("expert parallelism", "ZeRO-3"))

@@ -122,3 +122,55 @@ def test_store_refuses_a_w_pass_without_a_backward_and_a_step_with_waiting_ones(
     store.defer(lambda: None)
     with pytest.raises(AssertionError, match="incomplete gradients"):
         store.assert_empty()
+
+
+@pytest.mark.parametrize("experts", [4, 1])  # 4: the padded [El, C, h] grid; 1: every row to one expert
+def test_moe_layer_defers_its_experts_and_router_weights(experts):
+    """The grouped experts' W1 and W2 (one batched product each) and the router's weight (computed in fp32) leave
+    their ``.grad`` to the W pass, one pass per backward; the biases' come in the backward pass. After the W pass
+    every gradient is plain autograd's within the tolerance of the layer's products."""
+    from megatron.config.moe import MoEConfig
+    from megatron.model.moe import MoELayer
+
+    moe = MoEConfig(num_experts=experts, layer_pattern=(True, True), router_topk=1, aux_loss_coeff=0.01,
+                    z_loss_coeff=0.001).validate(2)
+    config = tiny_config(moe=moe, swiglu=True)
+    plain, split = MoELayer(config, layer_number=0), MoELayer(config, layer_number=0)
+    store = WeightGradStore()
+    assert defer_weight_grads(split, store) == 2  # the router and the grouped experts
+    x = randn(8, 3, config.hidden_size, seed=8)
+    plain(x).square().sum().backward()
+    split(x).square().sum().backward()
+    store.close_micro_batch()
+    deferred = ["router.weight", "experts.w1", "experts.w2"]
+    grads = dict(split.named_parameters())
+    assert [name for name in deferred if grads[name].grad is not None] == []
+    assert grads["experts.fc1_bias"].grad is not None and grads["experts.fc2_bias"].grad is not None
+    assert store.num_pending == 1
+    store.run_oldest()
+    store.assert_empty()
+    # the deepest: the router weight's gradient, back through the experts' two products, their activation, the
+    # routing weights' softmax and renormalization, then its own product: a depth of 13 over the 24 tokens' sums
+    bound = tolerance(torch.float32, 13, x.shape[0] * x.shape[1])
+    for (name, p), q in zip(plain.named_parameters(), split.parameters()):
+        assert q.grad is not None and rel_err(q.grad, p.grad) <= bound, (name, rel_err(q.grad, p.grad))
+
+
+def test_a_weight_of_another_dtype_is_deferred_in_the_input_dtype_and_cast_back():
+    """The MoE router's bf16 weight computes in fp32 (cast): the deferred gradient lands in bf16, as autograd's."""
+    from megatron.parallel.weight_grad_store import linear
+
+    def weight_grad(store):
+        weight = torch.nn.Parameter(randn(4, 16, seed=9).bfloat16())
+        x = randn(6, 16, seed=10).requires_grad_()
+        linear(x, weight, None, store).square().sum().backward()
+        if store is not None:
+            assert weight.grad is None
+            store.close_micro_batch()
+            store.run_oldest()
+        return weight.grad, x.grad
+
+    (plain, plain_dx), (deferred, dx) = weight_grad(None), weight_grad(WeightGradStore())
+    assert deferred.dtype == torch.bfloat16
+    assert rel_err(deferred, plain) <= tolerance(torch.bfloat16, 1, 6)
+    assert rel_err(dx, plain_dx) <= tolerance(torch.float32, 1, 4)

@@ -78,10 +78,10 @@ def test_recomputed_activations_train_the_same(reference_runs):
                                                           "with --moe-layer-freq"),
     (["--num-experts", "4", "--disable-moe-token-dropping", "--moe-train-capacity-factor", "1"], 1,
      "--disable-moe-token-dropping contradicts --moe-expert-capacity-factor 1.0"),
-    (["--num-experts", "4", "--torch-compile"], 1, "does not work yet with --torch-compile"),
     (["--num-experts", "4", "--moe-layer-freq", "[0]*3+[1]*1"], 1, "gives 4 layers but --num-layers is 2"),
     (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-stage", "3"], 2,
-     "does not work with --zero-stage 3: DeepSpeed's ZeRO-3 takes expert-parallel layers only from its AutoEP"),
+     "with --expert-model-parallel-size 2 does not work with --zero-stage 3: DeepSpeed's ZeRO-3 takes expert-parallel "
+     "layers only from its AutoEP"),
 ])
 def test_bad_layouts_are_refused_before_launch(tiny_corpus, tmp_path, flags, world_size, match):
     flags = [flag.replace("{tmp}", str(tmp_path / "checkpoints")) for flag in flags]

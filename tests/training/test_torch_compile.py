@@ -1,11 +1,16 @@
 """--torch-compile (each transformer layer compiled) trains to the eager losses at TP=2 x PP=2 with activation
-checkpointing, in fp32. One launch, eager then compiled on the same ranks."""
+checkpointing, in fp32. One launch, eager then compiled on the same ranks. Mixture-of-experts layers are compiled by
+region (norms, attention, shared expert; router, dispatch and experts eager): at EP=2 they train to the eager losses,
+grad norms and expert biases, and nothing compiles after the first iteration."""
 
 import pytest
 
 from megatron.testing import run_distributed
 from megatron.testing.tiny_corpus import tiny_argv
-from tests.helpers.training import assert_same_run, train
+from tests.helpers.moe import MOE_FLAGS, VARIANT_FLAGS
+from tests.helpers.training import assert_same_run, layout, train
+
+MOE_ITERS = 6
 
 
 @pytest.mark.multiprocess
@@ -18,6 +23,54 @@ def test_compiled_layers_train_to_the_eager_losses_with_tp_pp_and_recompute(tiny
     eager_run, compiled_run = results[0]
     assert len(compiled_run["losses"]) == 3
     assert_same_run(eager_run, compiled_run, "compiled vs eager")  # inductor's fused kernels sum in other orders
+
+
+def train_counting_compilations(rank, world_size, runs):
+    """``train_moe``'s records, each with ``compiled_per_step``: after each training iteration, how many graphs
+    dynamo has made and how many frames it has compiled (process totals)."""
+    import torch._dynamo.utils
+
+    from megatron.training import loop
+    from tests.helpers.moe import train_moe
+
+    counts = []
+    step = loop.Trainer.train_step
+
+    def counted_step(self):
+        record = step(self)
+        counters = torch._dynamo.utils.counters
+        counts.append((counters["stats"]["unique_graphs"], counters["frames"]["ok"]))
+        return record
+
+    loop.Trainer.train_step = counted_step
+    out = []
+    for argv in runs:
+        counts.clear()
+        (record,) = train_moe(rank, world_size, [argv])
+        out.append(dict(record, compiled_per_step=list(counts)))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_moe_layers_compile_by_region_and_train_to_the_eager_run(tiny_corpus):
+    """EP=2 over DP=2: the plain MoE model (both layers MoE), and the variant (a dense first layer, compiled whole;
+    SwiGLU experts and a shared expert, compiled as a region of its own; capacity dropping), eager then compiled."""
+    argv = tiny_argv(tiny_corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", train_iters=MOE_ITERS,
+                     hidden_size=32, seq_length=16, lr=3e-3)
+    runs = [argv, layout(argv, "--torch-compile"), argv + VARIANT_FLAGS, layout(argv + VARIANT_FLAGS, "--torch-compile")]
+    results = run_distributed(train_counting_compilations, world_size=2, args=(runs,), timeout=600)
+    for rank, (eager, compiled, eager_variant, compiled_variant) in enumerate(results):
+        # 2 MoE layers x (2 norms, attention); the dense layer, and the MoE layer's 4 regions with its shared expert
+        assert (eager["compiled_layers"], compiled["compiled_layers"], compiled_variant["compiled_layers"]) == (0, 6, 5)
+        for label, reference, run in (("MoE", eager, compiled), ("variant", eager_variant, compiled_variant)):
+            assert_same_run(reference, run, f"rank {rank}: compiled {label} vs eager")
+            assert run["expert_bias"] and run["expert_bias"].keys() == reference["expert_bias"].keys()
+            for name, bias in run["expert_bias"].items():
+                assert bias == pytest.approx(reference["expert_bias"][name], abs=1e-6), (rank, label, name)
+            per_step = run["compiled_per_step"]
+            assert len(per_step) == MOE_ITERS and per_step[0][0] > 0, (rank, label, per_step)
+            assert all(counts == per_step[0] for counts in per_step), f"rank {rank}, {label}: compiled again {per_step}"
+        assert all(counts == (0, 0) for counts in eager["compiled_per_step"]), (rank, eager["compiled_per_step"])
 
 
 def test_every_transformer_layer_is_compiled_in_place_and_a_missing_compiler_is_named(monkeypatch):
@@ -36,3 +89,20 @@ def test_every_transformer_layer_is_compiled_in_place_and_a_missing_compiler_is_
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ValueError, match="needs a C\\+\\+ compiler.*g\\+\\+, c\\+\\+, clang\\+\\+"):
         check_cpu_compiler()
+
+
+def test_an_moe_layer_is_compiled_by_region():
+    """The dense parts of an MoE layer are compiled, the layer itself, its router and its experts are not; a dense
+    layer is compiled whole."""
+    from megatron.config.moe import MoEConfig
+    from megatron.model import GPTModel
+    from megatron.model.compile import compile_transformer_layers
+    from megatron.parallel.state import ParallelState
+    from tests.helpers.model import tiny_config
+
+    moe = MoEConfig(num_experts=4, layer_pattern=(False, True), shared_expert_intermediate_size=32).validate(2)
+    model = GPTModel(tiny_config(moe=moe), ParallelState.single())
+    assert compile_transformer_layers(model) == 2
+    compiled = {name for name, m in model.named_modules() if m._compiled_call_impl is not None}
+    assert compiled == {"layers.0"} | {f"layers.1.{region}" for region in (
+        "input_layernorm", "self_attention", "post_attention_layernorm", "mlp.shared_expert")}, sorted(compiled)

@@ -6,7 +6,9 @@
 
 The rows of all local experts are padded to the largest expert's count and run through ``torch.bmm`` once per
 matrix (``--moe-grouped-gemm``'s intent without a grouped-GEMM kernel; with one local expert there is no
-padding). Tensor parallelism splits every expert along f exactly as the dense MLP is split: the input enters
+padding). Under ZB-H1 (``weight_grad_store`` set by ``defer_weight_grads``) both products defer their weight
+gradients to the store (``weight_grad_store.grouped_linear``); the biases' stay in the backward pass. Tensor
+parallelism splits every expert along f exactly as the dense MLP is split: the input enters
 through copy-to-TP (backward: all-reduce), the partial outputs are all-reduced before the bias.
 
 Each expert's weights are drawn as the dense MLP's would be, under its own global name
@@ -29,6 +31,7 @@ from torch import nn
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from megatron.parallel.state import group_rank, group_size
 from megatron.parallel.utils import fp32_empty, set_tensor_model_parallel_attributes
+from megatron.parallel.weight_grad_store import grouped_linear
 
 __all__ = ["GroupedExperts", "mark_expert_parallel", "is_expert_parallel"]
 
@@ -94,10 +97,11 @@ class GroupedExperts(nn.Module):
         self.w2 = _stacked((hidden_size, ffn_size), 1, tp_group, [w2_init(e) for e in expert_ids])  # [El, h, fp]
         self.fc1_bias = _bias(len(expert_ids), width // group_size(tp_group), True) if bias else None
         self.fc2_bias = _bias(len(expert_ids), hidden_size, False) if bias else None
+        self.weight_grad_store = None  # ZB-H1: where W1's and W2's gradients are deferred (weight_grad_store.py)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """x [El, C, h] -> partial output [El, C, h] (this TP rank's share of f)."""
-        hidden = torch.bmm(x, self.w1.transpose(1, 2))  # [El, C, fp] (swiglu: [El, C, 2 fp])
+        hidden = grouped_linear(x, self.w1, self.weight_grad_store)  # [El, C, fp] (swiglu: [El, C, 2 fp])
         if self.fc1_bias is not None:
             hidden = hidden + self.fc1_bias[:, None, :]
         if self.swiglu:
@@ -105,7 +109,7 @@ class GroupedExperts(nn.Module):
             hidden = F.silu(gate) * up
         else:
             hidden = F.gelu(hidden, approximate="tanh")
-        return torch.bmm(hidden, self.w2.transpose(1, 2))  # [El, C, h]
+        return grouped_linear(hidden, self.w2, self.weight_grad_store)  # [El, C, h]
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [M, h] grouped by local expert, ``counts`` [El] rows each -> [M, h]."""

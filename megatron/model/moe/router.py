@@ -28,10 +28,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.moe import MoEConfig
+from megatron.parallel.weight_grad_store import linear
 
 __all__ = ["Routing", "TopKRouter", "route", "aux_loss", "z_loss", "new_expert_bias"]
 
@@ -128,6 +128,7 @@ class TopKRouter(nn.Module):
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size, dtype=torch.float32))
         init_method(self.weight)
+        self.weight_grad_store = None  # ZB-H1: where the weight gradient is deferred
         enabled = config.router_enable_expert_bias
         self.register_buffer("expert_bias", torch.zeros(config.num_experts) if enabled else None)
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.int64) if enabled
@@ -142,7 +143,8 @@ class TopKRouter(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> Routing:
         """tokens [T, h] -> Routing."""
-        logits = F.linear(tokens.float(), self.weight.float())  # [T, E]
+        # in fp32 (the weight cast); under ZB-H1 its gradient is deferred (weight_grad_store.py)
+        logits = linear(tokens.float(), self.weight, None, self.weight_grad_store)  # [T, E]
         routing = route(logits, self.config, self.expert_bias)
         if self.expert_bias is not None and self.training:
             self.tokens_per_expert += tokens_per_expert(routing.expert_index.detach(), self.config.num_experts)
