@@ -135,8 +135,6 @@ REFUSED: tuple[Refused, ...] = (
     Refused("MLA", "context parallelism", "not implemented for MLA", "drop --context-parallel-size"),
     Refused("MLA", "Ulysses", "not implemented for MLA", "drop --ds-sequence-parallel-size"),
     Refused("MLA", "sequence parallelism", "not implemented for MLA", "drop --sequence-parallel"),
-    Refused("MLA", "ZB-H1", "not tested with MLA", "drop --enable-zbh1-pipeline"),
-    Refused("MLA", "interleaved", "not tested with MLA", "drop --num-virtual-stages-per-pipeline-rank"),
     # the ZeRO stages DeepSpeed's pipeline engine runs
     Refused("ZeRO-2/3", "pipeline parallelism", "DeepSpeed's pipeline engine shards the optimizer state only (ZeRO-1)",
             "Either keep the pipeline with --zero-stage 1 (3D parallelism, BLOOM's layout), or drop it "

@@ -45,6 +45,7 @@ from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.parallel.random import tracked_checkpoint_func
 from megatron.parallel.state import LayerGroups, group_size
+from megatron.parallel.weight_grad_store import linear
 
 __all__ = ["MultiLatentAttention", "ReplicatedLinear", "deinterleave"]
 
@@ -55,15 +56,17 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class ReplicatedLinear(nn.Module):
-    """Y = X A^T, the full A [o, i] on every TP rank (no tensor-parallel tag: layouts read it as replicated)."""
+    """Y = X A^T, the full A [o, i] on every TP rank (no tensor-parallel tag: layouts read it as replicated).
+    Under ZB-H1 its weight gradient is deferred like the parallel linears' (``weight_grad_store``)."""
 
     def __init__(self, input_size: int, output_size: int, init_method):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.float32))
         init_method(self.weight)
+        self.weight_grad_store = None  # ZB-H1: where the weight gradient is deferred (weight_grad_store.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, None, self.weight_grad_store)
 
 
 class MultiLatentAttention(nn.Module):

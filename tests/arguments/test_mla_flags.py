@@ -29,11 +29,16 @@ def test_megatron_lm_mla_flags_give_the_latent_sizes(files):
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, "with --sequence-parallel"),
     (["--position-embedding-type", "alibi"], 1, "with --position-embedding-type alibi \\(needs rope\\)"),
     (["--kv-lora-rank", "0"], 1, "--kv-lora-rank must be a positive integer, got 0"),
-    (["--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"], 2,
-     "with --enable-zbh1-pipeline \\(not tested with MLA\\)"),
-    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"], 2,
-     "with --num-virtual-stages-per-pipeline-rank 2 \\(not tested with MLA\\)"),
 ])
 def test_what_mla_does_not_implement_is_refused_before_launch(files, extra, world_size, message):
     with pytest.raises(ValueError, match=message):
         _model(files, DEEPSEEK + extra, world_size=world_size)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"],
+    ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2", "--num-layers", "4"],
+])
+def test_what_mla_trains_with_is_accepted(files, extra):
+    """ZB-H1 and interleaved virtual stages (trained in tests/training/test_mla.py)."""
+    assert _model(files, DEEPSEEK + extra, world_size=2).mla is not None

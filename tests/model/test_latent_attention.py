@@ -143,3 +143,29 @@ def test_mla_refuses_what_it_does_not_implement():
 
     with pytest.raises(ValueError, match="--multi-latent-attention has no batched KV cache: the inference server"):
         BatchRunner(GPTModel(tiny_config(**mla, normalization="rmsnorm", swiglu=True)), 256)
+
+
+def test_zbh1_defers_the_replicated_down_projections_weight_gradients():
+    """Under ZB-H1 (a WeightGradStore) the replicated W_qA and W_kvA defer their weight products like the parallel
+    linears: after the backward pass they hold no gradient, after the W pass every weight gradient is autograd's."""
+    from megatron.model.latent_attention import MultiLatentAttention, ReplicatedLinear
+    from megatron.parallel.weight_grad_store import WeightGradStore, defer_weight_grads
+
+    config = tiny_config(position_embedding_type="rotary", normalization="rmsnorm", swiglu=True,
+                         add_bias_linear=False, qk_layernorm=True, mla=MLA)
+    plain, split = MultiLatentAttention(config), MultiLatentAttention(config)
+    split.load_state_dict(plain.state_dict())
+    store = WeightGradStore()
+    assert defer_weight_grads(split, store) == 5  # W_qA, W_kvA, W_qB, W_kvB, W_o
+    x = torch.randn(S, B, 64, generator=torch.Generator().manual_seed(3))
+    weight = torch.randn(S, B, 64, generator=torch.Generator().manual_seed(4))
+    (plain(x) * weight).sum().backward()
+    (split(x) * weight).sum().backward()
+    store.close_micro_batch()
+    replicated = [m for m in split.modules() if isinstance(m, ReplicatedLinear)]
+    assert len(replicated) == 2 and all(m.weight.grad is None for m in replicated)
+    store.run_oldest()
+    store.assert_empty()
+    for (name, p), q in zip(plain.named_parameters(), split.parameters(), strict=True):
+        scale = p.grad.abs().max().item()
+        assert (q.grad - p.grad).abs().max().item() <= tolerance(torch.float32, 2 * DEPTH + 1, WIDTH, scale), name

@@ -1,0 +1,58 @@
+"""Multi-head latent attention (--multi-latent-attention, DeepSeek-V3's attention) trains as one process does.
+
+fp32, no dropout, 10 iterations of pretrain_gpt's path on a 4-layer DeepSeek-shaped model (RMSNorm, SwiGLU, rotary,
+query and key-value latents with their norms): losses and grad norms within ``run_tolerance``
+(megatron/testing/tolerance.py) of a single process at TP=2 x PP=2, PP=2 x DP=2 with interleaved virtual stages
+(v = 2: whole layers per chunk) and PP=2 x DP=2 under ZB-H1 (the replicated down-projections defer their weight
+gradients like the parallel linears). One 4-process launch trains every layout in turn.
+"""
+
+import pytest
+
+from megatron.testing import run_distributed, tiny_argv
+from tests.helpers.training import assert_same_run, layout, train
+
+ITERS = 10
+LAYERS = 4  # two chunks of one layer on each of 2 pipeline ranks under v = 2
+MLA = ("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+       "--qk-layernorm", "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim",
+       "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12")
+ZBH1 = ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics")
+VIRTUAL = ("--num-virtual-stages-per-pipeline-rank", 2)
+
+
+@pytest.fixture(scope="module")
+def mla_argv(tiny_corpus):
+    return tiny_argv(tiny_corpus, *MLA, train_iters=ITERS, num_layers=LAYERS, position_embedding_type="rope",
+                     embed_layernorm=False)
+
+
+@pytest.fixture(scope="module")
+def reference(mla_argv):
+    return run_distributed(train, world_size=1, args=([mla_argv],), timeout=300)[0][0]
+
+
+@pytest.fixture(scope="module")
+def runs(mla_argv):
+    """label -> the records of every rank, from one 4-process launch."""
+    layouts = {
+        "tp2 pp2": layout(mla_argv, tp=2, pp=2),
+        "pp2 interleaved": layout(mla_argv, *VIRTUAL, pp=2),
+        "pp2 zbh1": layout(mla_argv, *ZBH1, pp=2),
+    }
+    results = run_distributed(train, world_size=4, args=(list(layouts.values()),), timeout=900)
+    return {label: [per_rank[i] for per_rank in results] for i, label in enumerate(layouts)}
+
+
+def test_one_process_learns(reference):
+    losses = reference["losses"]
+    assert len(losses) == ITERS and losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("label,engine", [("tp2 pp2", "PipelineEngine"), ("pp2 interleaved", None),
+                                          ("pp2 zbh1", "ZeroBubblePipelineEngine")])
+def test_mla_trains_as_one_process(reference, runs, label, engine):
+    for rank, result in enumerate(runs[label]):
+        assert engine is None or result["engine"] == engine, (label, rank, result["engine"])
+        assert_same_run(reference, result, f"rank {rank}: {label}", num_layers=LAYERS)
