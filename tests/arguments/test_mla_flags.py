@@ -24,9 +24,10 @@ def test_megatron_lm_mla_flags_give_the_latent_sizes(files):
 
 
 @pytest.mark.parametrize("extra,world_size,message", [
-    (["--context-parallel-size", "2"], 2, "--multi-latent-attention is not implemented with --context-parallel-size 2"),
-    (["--ds-sequence-parallel-size", "2"], 2, "with --ds-sequence-parallel-size 2 \\(DeepSpeed-Ulysses\\)"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, "with --sequence-parallel"),
+    (["--ds-sequence-parallel-size", "2"], 2,
+     "--multi-latent-attention is not implemented with --ds-sequence-parallel-size 2 \\(DeepSpeed-Ulysses\\)"),
+    (["--attention-backend", "flash"], 1, "with --attention-backend flash \\(FlashAttention-2's flash_attn_func needs "
+                                          "one head size"),
     (["--position-embedding-type", "alibi"], 1, "with --position-embedding-type alibi \\(needs rope\\)"),
     (["--kv-lora-rank", "0"], 1, "--kv-lora-rank must be a positive integer, got 0"),
 ])
@@ -38,7 +39,12 @@ def test_what_mla_does_not_implement_is_refused_before_launch(files, extra, worl
 @pytest.mark.parametrize("extra", [
     ["--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"],
     ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2", "--num-layers", "4"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--context-parallel-size", "2", "--attention-dropout", "0"],
+    ["--attention-backend", "flex", "--attention-dropout", "0"],
+    ["--attention-backend", "unfused"],
 ])
 def test_what_mla_trains_with_is_accepted(files, extra):
-    """ZB-H1 and interleaved virtual stages (trained in tests/training/test_mla.py)."""
+    """ZB-H1, interleaved virtual stages, sequence and context parallelism (trained in tests/training/test_mla.py),
+    the flex and unfused attention backends (tests/model/test_attention_backends.py)."""
     assert _model(files, DEEPSEEK + extra, world_size=2).mla is not None

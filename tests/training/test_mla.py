@@ -3,8 +3,12 @@
 fp32, no dropout, 10 iterations of pretrain_gpt's path on a 4-layer DeepSeek-shaped model (RMSNorm, SwiGLU, rotary,
 query and key-value latents with their norms): losses and grad norms within ``run_tolerance``
 (megatron/testing/tolerance.py) of a single process at TP=2 x PP=2, PP=2 x DP=2 with interleaved virtual stages
-(v = 2: whole layers per chunk) and PP=2 x DP=2 under ZB-H1 (the replicated down-projections defer their weight
-gradients like the parallel linears). One 4-process launch trains every layout in turn.
+(v = 2: whole layers per chunk), PP=2 x DP=2 under ZB-H1 (the replicated down-projections defer their weight
+gradients like the parallel linears), Megatron's sequence parallelism (TP=2 + SP over DP=2, x PP=2, and x PP=2
+under ZB-H1: the down-projections on each rank's s/tp tokens, the latents gathered before the up-projections)
+and context parallelism (CP=2 x DP=2, CP=2 x TP=2 + SP, CP=2 x PP=2: ring attention with value heads narrower
+than the query / key heads). A TP=2 + SP x PP=2 checkpoint resumes loss for loss. One 4-process launch trains
+every layout in turn.
 """
 
 import pytest
@@ -19,6 +23,7 @@ MLA = ("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--unt
        "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12")
 ZBH1 = ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics")
 VIRTUAL = ("--num-virtual-stages-per-pipeline-rank", 2)
+SP, CP2 = "--sequence-parallel", ("--context-parallel-size", 2)
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +38,24 @@ def reference(mla_argv):
 
 
 @pytest.fixture(scope="module")
-def runs(mla_argv):
+def runs(mla_argv, tmp_path_factory):
     """label -> the records of every rank, from one 4-process launch."""
     layouts = {
         "tp2 pp2": layout(mla_argv, tp=2, pp=2),
         "pp2 interleaved": layout(mla_argv, *VIRTUAL, pp=2),
         "pp2 zbh1": layout(mla_argv, *ZBH1, pp=2),
+        "tp2 sp": layout(mla_argv, SP, tp=2),
+        "tp2 sp pp2": layout(mla_argv, SP, tp=2, pp=2),
+        "tp2 sp pp2 zbh1": layout(mla_argv, SP, *ZBH1, tp=2, pp=2),
+        "cp2 dp2": layout(mla_argv, *CP2),
+        "cp2 tp2 sp": layout(mla_argv, *CP2, SP, tp=2),
+        "cp2 pp2": layout(mla_argv, *CP2, pp=2),
     }
+    # the 3-run resume pattern at TP=2 + SP x PP=2: 6 iterations straight, 3 + save, 3 resumed
+    resume = layout(mla_argv, SP, "--train-iters", 6, tp=2, pp=2)
+    save = ["--save", str(tmp_path_factory.mktemp("mla_sp")), "--save-interval", "100"]
+    layouts |= {"sp straight": resume, "sp first half": resume + save + ["--exit-interval", "3"],
+                "sp resumed": resume + save + ["--load", save[1]]}
     results = run_distributed(train, world_size=4, args=(list(layouts.values()),), timeout=900)
     return {label: [per_rank[i] for per_rank in results] for i, label in enumerate(layouts)}
 
@@ -50,9 +66,24 @@ def test_one_process_learns(reference):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("label,engine", [("tp2 pp2", "PipelineEngine"), ("pp2 interleaved", None),
-                                          ("pp2 zbh1", "ZeroBubblePipelineEngine")])
+@pytest.mark.parametrize("label,engine", [
+    ("tp2 pp2", "PipelineEngine"), ("pp2 interleaved", None), ("pp2 zbh1", "ZeroBubblePipelineEngine"),
+    ("tp2 sp", "PipelineEngine"), ("tp2 sp pp2", "PipelineEngine"), ("tp2 sp pp2 zbh1", "ZeroBubblePipelineEngine"),
+    ("cp2 dp2", "PipelineEngine"), ("cp2 tp2 sp", "PipelineEngine"), ("cp2 pp2", "PipelineEngine")])
 def test_mla_trains_as_one_process(reference, runs, label, engine):
     for rank, result in enumerate(runs[label]):
         assert engine is None or result["engine"] == engine, (label, rank, result["engine"])
         assert_same_run(reference, result, f"rank {rank}: {label}", num_layers=LAYERS)
+    if " sp" in label:
+        assert all(result["model_sp"] for result in runs[label]), label
+
+
+@pytest.mark.multiprocess
+def test_mla_with_sequence_parallelism_resumes_loss_for_loss(runs):
+    """TP=2 + SP x PP=2: saved after 3 of 6 iterations and resumed, the losses and grad norms are the straight
+    run's bit for bit (the same layout: the same operations)."""
+    for rank in range(4):
+        straight, first, resumed = (runs[label][rank] for label in ("sp straight", "sp first half", "sp resumed"))
+        assert first["iterations"] == [1, 2, 3] and resumed["iterations"] == [4, 5, 6], rank
+        assert first["losses"] + resumed["losses"] == straight["losses"], rank
+        assert resumed["grad_norms"] == straight["grad_norms"][3:], rank
