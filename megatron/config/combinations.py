@@ -134,7 +134,6 @@ _NON_PIPELINE_RUN = ("{stage} {{rc.precision.zero_stage}}, --ds-sequence-paralle
 
 REFUSED: tuple[Refused, ...] = (
     # MLA (megatron/model/latent_attention.py): the parallelisms it is not implemented with
-    Refused("MLA", "Ulysses", "not implemented for MLA", "drop --ds-sequence-parallel-size"),
     Refused("MLA", "flash attention backend", "FlashAttention-2's flash_attn_func needs one head size for queries, "
             "keys and values (MLA's value heads are v-head-dim, its query / key heads qk-head-dim + "
             "qk-pos-emb-head-dim); and it runs on CUDA only, untestable here",

@@ -26,8 +26,13 @@ attention (``megatron.model.ring_attention``, value heads of their own size). Th
 dv = dn + dr). Under ZB-H1 the replicated down-projections defer their weight gradients as the parallel linears do
 (not with sequence parallelism: their gradients' all-reduce belongs to the backward pass).
 
-Not implemented (refused: ``megatron.config.combinations``): DeepSpeed-Ulysses, the inference server's batched KV
-cache; a plain ``KVCache`` (tools/generate.py) holds the expanded keys and values.
+DeepSpeed-Ulysses (a ``SequenceExchange``, as ``SelfAttention``): the projections and rotary (at the global
+positions) run on this rank's s/sp tokens; an all-to-all hands the core attention the whole sequence for np/sp
+heads (the key's shared rotary part already expanded to every head; the values keep their own head size) and
+hands the context back.
+
+Not implemented: the inference server's batched KV cache; a plain ``KVCache`` (tools/generate.py) holds the
+expanded keys and values.
 
 Shape letters: s sequence (sq queries, sk keys incl. cached ones), b micro-batch, h hidden, np heads per partition,
 dn / dr / dv the query-key position-free / rotary / value head dims (qk_head_dim, qk_pos_emb_head_dim, v_head_dim),
@@ -98,7 +103,7 @@ class MultiLatentAttention(nn.Module):
             the input and output are this TP rank's [s/tp, b, h]).
         groups: ``LayerGroups`` (None: one rank on every axis): ``tp`` the tensor-parallel group; ``cp`` the
             context-parallel group (this rank then holds its load-balanced tokens; the core is ring attention);
-            ``sequence_exchange`` must be None (DeepSpeed-Ulysses is not implemented for MLA).
+            ``sequence_exchange`` DeepSpeed-Ulysses' ``SequenceExchange`` (None: the whole sequence here).
         layer_number: this layer's 0-based index in the whole model (names its init streams).
         rng_tracker: a ``RNGStatesTracker``; attention dropout runs in its model-parallel stream.
     """
@@ -107,14 +112,21 @@ class MultiLatentAttention(nn.Module):
                  rng_tracker=None):
         super().__init__()
         groups = groups if groups is not None else LayerGroups()
-        tp_group = groups.tp
-        if groups.sequence_exchange is not None:
-            raise ValueError("--multi-latent-attention is not implemented with DeepSpeed-Ulysses "
-                             "(--ds-sequence-parallel-size); use 1")
+        tp_group, sequence_exchange = groups.tp, groups.sequence_exchange
         mla = config.mla
         self.config, self.mla, self.rng_tracker, self.tp_group = config, mla, rng_tracker, tp_group
         self.cp_group = groups.cp
         self.num_heads_per_partition = config.num_attention_heads // group_size(tp_group)  # np
+        sp_rank, sp_size = (0, 1) if sequence_exchange is None else (sequence_exchange.sp_rank,
+                                                                      sequence_exchange.sp_size)
+        if self.num_heads_per_partition % sp_size:
+            raise ValueError(f"{self.num_heads_per_partition} heads per tensor-parallel rank do not split over "
+                             f"{sp_size} sequence-parallel ranks; --num-attention-heads must be divisible by TP x SP "
+                             f"= {group_size(tp_group) * sp_size}")
+        self._sp_rank = sp_rank  # Ulysses: this rank's tokens start at sp_rank * s/sp of the whole sequence
+        # Ulysses' all-to-all attention around the core one (not a submodule: it holds no state; SelfAttention's)
+        object.__setattr__(self, "_sequence_exchange", None if sequence_exchange is None
+                           else sequence_exchange.wrap(self._ulysses_local_attention))
         heads, h, std, seed = config.num_attention_heads, config.hidden_size, config.init_method_std, config.seed
         prefix = f"layers.{layer_number}.self_attention"
         # --sequence-parallel: the down-projections and latent norms run on this rank's s/tp tokens (partial
@@ -166,8 +178,9 @@ class MultiLatentAttention(nn.Module):
         if isinstance(kv_cache, BatchKVCache):
             raise ValueError("--multi-latent-attention has no batched KV cache (the inference server's); decode "
                              "with tools/generate.py")
-        if self.cp_group is not None and kv_cache is not None:
-            raise ValueError("decoding with a KV cache runs without context parallelism (CP = 1 when serving)")
+        if (self.cp_group is not None or self._sequence_exchange is not None) and kv_cache is not None:
+            raise ValueError("decoding with a KV cache runs without sequence or context parallelism (SP = CP = 1 "
+                             "when serving)")
         mla, np_ = self.mla, self.num_heads_per_partition
         dn, dr, dv = mla.qk_head_dim, mla.qk_pos_emb_head_dim, mla.v_head_dim
         query = self._query(hidden)  # [sq, b, np * (dn + dr)]
@@ -180,7 +193,7 @@ class MultiLatentAttention(nn.Module):
         kv, _ = self.linear_kv_up_proj(latent)  # [sq, b, np * (dn + dv)]
         k_nope, value = kv.view(sq, b, np_, dn + dv).split([dn, dv], dim=-1)  # [sq, b, np, dn], [sq, b, np, dv]
 
-        offset = 0 if kv_cache is None else kv_cache.length
+        offset = self._sp_rank * sq if kv_cache is None else kv_cache.length  # Ulysses: this rank's first token
         if self.cp_group is not None:  # this rank's chunks i and 2cp-1-i of the sequence
             cp = group_size(self.cp_group)
             positions = load_balanced_positions(sq * cp, cp, group_rank(self.cp_group), hidden.device)  # [sq]
@@ -199,6 +212,10 @@ class MultiLatentAttention(nn.Module):
         if kv_cache is not None:
             key, value = kv_cache.append(key, value)  # [sk, b, np, dn + dr], [sk, b, np, dv]
 
+        if self._sequence_exchange is not None:  # all-to-all: the whole sequence for np/sp heads, and back
+            context = self._sequence_exchange(query, key, value, 1)  # [sq, b, np, dv]; batch is dim 1
+            output, _ = self.dense(context.reshape(sq, b, np_ * dv))  # [sq, b, h]
+            return output
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, d]
         if self.cp_group is not None:
             context = ring_attention(query, key, value, self.cp_group, self._scale)  # [b, np, sq, dv]
@@ -208,6 +225,16 @@ class MultiLatentAttention(nn.Module):
             context = self._core_attention(query, key, value, offset, kv_cache is not None)  # [b, np, sq, dv]
         output, _ = self.dense(context.permute(2, 0, 1, 3).reshape(sq, b, np_ * dv))  # [sq, b, h] (SP: [sq/tp, ..])
         return output
+
+    def _ulysses_local_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The core attention on the whole sequence after Ulysses' all-to-all: query / key [s, b, np/sp, dn + dr],
+        value [s, b, np/sp, dv] -> context [s, b, np/sp, dv]; causal over all s positions."""
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np/sp, s, d]
+        if self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
+            context = tracked_checkpoint_func(self.rng_tracker)(self._core_attention, query, key, value, 0, False)
+        else:
+            context = self._core_attention(query, key, value, 0, False)  # [b, np/sp, s, dv]
+        return context.permute(2, 0, 1, 3).contiguous()  # [s, b, np/sp, dv]
 
     @property
     def _scale(self) -> float:

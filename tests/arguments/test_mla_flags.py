@@ -1,5 +1,5 @@
-"""The multi-head latent attention flags (Megatron-LM's names) reach ModelConfig.mla, and the parallelisms MLA does
-not implement are refused by name before launch."""
+"""The multi-head latent attention flags (Megatron-LM's names) reach ModelConfig.mla; what MLA does not run with is
+refused by name before launch, the parallelisms and backends it trains with are accepted."""
 
 import pytest
 
@@ -24,10 +24,8 @@ def test_megatron_lm_mla_flags_give_the_latent_sizes(files):
 
 
 @pytest.mark.parametrize("extra,world_size,message", [
-    (["--ds-sequence-parallel-size", "2"], 2,
-     "--multi-latent-attention is not implemented with --ds-sequence-parallel-size 2 \\(DeepSpeed-Ulysses\\)"),
-    (["--attention-backend", "flash"], 1, "with --attention-backend flash \\(FlashAttention-2's flash_attn_func needs "
-                                          "one head size"),
+    (["--attention-backend", "flash"], 1, "--multi-latent-attention is not implemented with --attention-backend flash "
+                                          "\\(FlashAttention-2's flash_attn_func needs one head size"),
     (["--position-embedding-type", "alibi"], 1, "with --position-embedding-type alibi \\(needs rope\\)"),
     (["--kv-lora-rank", "0"], 1, "--kv-lora-rank must be a positive integer, got 0"),
 ])
@@ -41,10 +39,12 @@ def test_what_mla_does_not_implement_is_refused_before_launch(files, extra, worl
     ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2", "--num-layers", "4"],
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     ["--context-parallel-size", "2", "--attention-dropout", "0"],
+    ["--ds-sequence-parallel-size", "2"],
     ["--attention-backend", "flex", "--attention-dropout", "0"],
     ["--attention-backend", "unfused"],
 ])
 def test_what_mla_trains_with_is_accepted(files, extra):
-    """ZB-H1, interleaved virtual stages, sequence and context parallelism (trained in tests/training/test_mla.py),
+    """ZB-H1, interleaved virtual stages, sequence and context parallelism, DeepSpeed-Ulysses (trained in
+    tests/training/test_mla.py),
     the flex and unfused attention backends (tests/model/test_attention_backends.py)."""
     assert _model(files, DEEPSEEK + extra, world_size=2).mla is not None

@@ -7,8 +7,9 @@ query and key-value latents with their norms): losses and grad norms within ``ru
 gradients like the parallel linears), Megatron's sequence parallelism (TP=2 + SP over DP=2, x PP=2, and x PP=2
 under ZB-H1: the down-projections on each rank's s/tp tokens, the latents gathered before the up-projections)
 and context parallelism (CP=2 x DP=2, CP=2 x TP=2 + SP, CP=2 x PP=2: ring attention with value heads narrower
-than the query / key heads). A TP=2 + SP x PP=2 checkpoint resumes loss for loss. One 4-process launch trains
-every layout in turn.
+than the query / key heads) and DeepSpeed-Ulysses on the model engine (SP=4, SP=2 x TP=2 + Megatron SP, SP=2 x
+DP=2 under ZeRO-2: heads exchanged by all-to-all, values with their own head size). A TP=2 + SP x PP=2
+checkpoint resumes loss for loss. One 4-process launch trains every layout in turn.
 """
 
 import pytest
@@ -24,6 +25,7 @@ MLA = ("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--unt
 ZBH1 = ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics")
 VIRTUAL = ("--num-virtual-stages-per-pipeline-rank", 2)
 SP, CP2 = "--sequence-parallel", ("--context-parallel-size", 2)
+ULYSSES2, ULYSSES4 = ("--ds-sequence-parallel-size", 2), ("--ds-sequence-parallel-size", 4)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,9 @@ def runs(mla_argv, tmp_path_factory):
         "cp2 dp2": layout(mla_argv, *CP2),
         "cp2 tp2 sp": layout(mla_argv, *CP2, SP, tp=2),
         "cp2 pp2": layout(mla_argv, *CP2, pp=2),
+        "ulysses sp4": layout(mla_argv, *ULYSSES4),
+        "ulysses sp2 tp2 sp": layout(mla_argv, *ULYSSES2, SP, tp=2),
+        "ulysses sp2 dp2 zero2": layout(mla_argv, *ULYSSES2, "--zero-stage", 2),
     }
     # the 3-run resume pattern at TP=2 + SP x PP=2: 6 iterations straight, 3 + save, 3 resumed
     resume = layout(mla_argv, SP, "--train-iters", 6, tp=2, pp=2)
@@ -69,12 +74,13 @@ def test_one_process_learns(reference):
 @pytest.mark.parametrize("label,engine", [
     ("tp2 pp2", "PipelineEngine"), ("pp2 interleaved", None), ("pp2 zbh1", "ZeroBubblePipelineEngine"),
     ("tp2 sp", "PipelineEngine"), ("tp2 sp pp2", "PipelineEngine"), ("tp2 sp pp2 zbh1", "ZeroBubblePipelineEngine"),
-    ("cp2 dp2", "PipelineEngine"), ("cp2 tp2 sp", "PipelineEngine"), ("cp2 pp2", "PipelineEngine")])
+    ("cp2 dp2", "PipelineEngine"), ("cp2 tp2 sp", "PipelineEngine"), ("cp2 pp2", "PipelineEngine"),
+    ("ulysses sp4", "ModelEngine"), ("ulysses sp2 tp2 sp", "ModelEngine"), ("ulysses sp2 dp2 zero2", "ModelEngine")])
 def test_mla_trains_as_one_process(reference, runs, label, engine):
     for rank, result in enumerate(runs[label]):
         assert engine is None or result["engine"] == engine, (label, rank, result["engine"])
         assert_same_run(reference, result, f"rank {rank}: {label}", num_layers=LAYERS)
-    if " sp" in label:
+    if label.endswith(" sp") or " sp " in label:
         assert all(result["model_sp"] for result in runs[label]), label
 
 
