@@ -9,13 +9,16 @@ under ZB-H1: the down-projections on each rank's s/tp tokens, the latents gather
 and context parallelism (CP=2 x DP=2, CP=2 x TP=2 + SP, CP=2 x PP=2: ring attention with value heads narrower
 than the query / key heads) and DeepSpeed-Ulysses on the model engine (SP=4, SP=2 x TP=2 + Megatron SP, SP=2 x
 DP=2 under ZeRO-2: heads exchanged by all-to-all, values with their own head size). A TP=2 + SP x PP=2
-checkpoint resumes loss for loss. One 4-process launch trains every layout in turn.
+checkpoint resumes loss for loss at its layout, and its ZeRO-1 checkpoint, converted to a universal one, in one
+process. One 4-process launch trains every layout in turn.
 """
+
+import os
 
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.training import assert_same_run, layout, train
+from tests.helpers.training import assert_same_run, layout, to_universal, train
 
 ITERS = 10
 LAYERS = 4  # two chunks of one layer on each of 2 pipeline ranks under v = 2
@@ -61,8 +64,16 @@ def runs(mla_argv, tmp_path_factory):
     save = ["--save", str(tmp_path_factory.mktemp("mla_sp")), "--save-interval", "100"]
     layouts |= {"sp straight": resume, "sp first half": resume + save + ["--exit-interval", "3"],
                 "sp resumed": resume + save + ["--load", save[1]]}
+    # ZeRO-1 at TP=2 + SP x PP=2, saved after 3 of the 10 iterations: converted to a universal checkpoint below
+    universal = str(tmp_path_factory.mktemp("mla_universal"))
+    layouts["universal first half"] = layout(mla_argv, SP, "--zero-stage", 1, "--save", universal, "--save-interval",
+                                             100, "--exit-interval", 3, tp=2, pp=2)
     results = run_distributed(train, world_size=4, args=(list(layouts.values()),), timeout=900)
-    return {label: [per_rank[i] for per_rank in results] for i, label in enumerate(layouts)}
+    out = {label: [per_rank[i] for per_rank in results] for i, label in enumerate(layouts)}
+    to_universal(os.path.join(universal, "global_step3"))
+    out["universal tp1"] = run_distributed(train, world_size=1, timeout=300, args=([layout(
+        mla_argv, "--zero-stage", 1, "--load", universal, "--universal-checkpoint")],))
+    return out
 
 
 def test_one_process_learns(reference):
@@ -93,3 +104,14 @@ def test_mla_with_sequence_parallelism_resumes_loss_for_loss(runs):
         assert first["iterations"] == [1, 2, 3] and resumed["iterations"] == [4, 5, 6], rank
         assert first["losses"] + resumed["losses"] == straight["losses"], rank
         assert resumed["grad_norms"] == straight["grad_norms"][3:], rank
+
+
+@pytest.mark.multiprocess
+def test_a_universal_checkpoint_moves_an_mla_run_from_tp2_sp_pp2_to_one_process(reference, runs):
+    """Saved after 3 iterations at TP=2 + SP x PP=2 (ZeRO-1), converted by ds_to_universal.py (the column-parallel
+    up-projections' TP slices joined, the replicated down-projections and latent norms kept once) and resumed by
+    one process: iterations 4-10 continue the one-process run within ``run_tolerance``."""
+    (resumed,) = runs["universal tp1"][0]
+    assert resumed["iterations"] == list(range(4, ITERS + 1)), resumed["iterations"]
+    tail = {key: reference[key][3:] for key in ("losses", "grad_norms")}
+    assert_same_run(tail, resumed, "TP=2 + SP x PP=2 -> universal -> one process", num_layers=LAYERS)
