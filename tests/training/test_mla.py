@@ -8,14 +8,16 @@ gradients like the parallel linears), Megatron's sequence parallelism (TP=2 + SP
 under ZB-H1: the down-projections on each rank's s/tp tokens, the latents gathered before the up-projections)
 and context parallelism (CP=2 x DP=2, CP=2 x TP=2 + SP, CP=2 x PP=2: ring attention with value heads narrower
 than the query / key heads) and DeepSpeed-Ulysses on the model engine (SP=4, SP=2 x TP=2 + Megatron SP, SP=2 x
-DP=2 under ZeRO-2: heads exchanged by all-to-all, values with their own head size). A TP=2 + SP x PP=2
-checkpoint resumes loss for loss at its layout, and its ZeRO-1 checkpoint, converted to a universal one, in one
-process. One 4-process launch trains every layout in turn.
+DP=2 under ZeRO-2: heads exchanged by all-to-all, values with their own head size); bf16 (BF16_Optimizer) under
+ZB-H1 and at TP=2 + SP x PP=2 tracks fp32. A TP=2 + SP x PP=2 checkpoint resumes loss for loss at its layout,
+and its ZeRO-1 checkpoint, converted to a universal one, in one process. One 4-process launch trains every layout
+in turn.
 """
 
 import os
 
 import pytest
+import torch
 
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.training import assert_same_run, layout, to_universal, train
@@ -58,6 +60,9 @@ def runs(mla_argv, tmp_path_factory):
         "ulysses sp4": layout(mla_argv, *ULYSSES4),
         "ulysses sp2 tp2 sp": layout(mla_argv, *ULYSSES2, SP, tp=2),
         "ulysses sp2 dp2 zero2": layout(mla_argv, *ULYSSES2, "--zero-stage", 2),
+        # BLOOM's path (bf16, BF16_Optimizer): ZB-H1's deferred products into the bf16 gradients, and SP
+        "pp2 zbh1 bf16": layout(mla_argv, *ZBH1, "--bf16", pp=2),
+        "tp2 sp pp2 bf16": layout(mla_argv, SP, "--bf16", tp=2, pp=2),
     }
     # the 3-run resume pattern at TP=2 + SP x PP=2: 6 iterations straight, 3 + save, 3 resumed
     resume = layout(mla_argv, SP, "--train-iters", 6, tp=2, pp=2)
@@ -93,6 +98,14 @@ def test_mla_trains_as_one_process(reference, runs, label, engine):
         assert_same_run(reference, result, f"rank {rank}: {label}", num_layers=LAYERS)
     if label.endswith(" sp") or " sp " in label:
         assert all(result["model_sp"] for result in runs[label]), label
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("label", ["pp2 zbh1 bf16", "tp2 sp pp2 bf16"])
+def test_mla_in_bf16_tracks_fp32(reference, runs, label):
+    for rank, result in enumerate(runs[label]):
+        assert result["optimizer"] == "BF16_Optimizer", (label, rank, result["optimizer"])
+        assert_same_run(reference, result, f"rank {rank}: {label}", dtype=torch.bfloat16, num_layers=LAYERS)
 
 
 @pytest.mark.multiprocess
