@@ -187,10 +187,11 @@ class MultiLatentAttention(nn.Module):
         sq, b, _ = query.shape  # the whole sequence even where hidden is a sequence-parallel shard
         query = query.view(sq, b, np_, dn + dr)  # [sq, b, np, dn + dr]
         q_nope, q_rope = query.split([dn, dr], dim=-1)
-        latent, k_rope = self.linear_kv_down_proj(hidden).split([mla.kv_lora_rank, dr], dim=-1)  # [sq, b, dc], [sq, b, dr]
+        # [sq, b, dc], [sq, b, dr] (SP: this rank's sq/tp tokens)
+        latent, k_rope = self.linear_kv_down_proj(hidden).split([mla.kv_lora_rank, dr], dim=-1)
         if self.kv_layernorm is not None:
             latent = self.kv_layernorm(latent)
-        kv, _ = self.linear_kv_up_proj(latent)  # [sq, b, np * (dn + dv)]
+        kv, _ = self.linear_kv_up_proj(latent)  # [sq, b, np * (dn + dv)] (SP: the latent gathered along s first)
         k_nope, value = kv.view(sq, b, np_, dn + dv).split([dn, dv], dim=-1)  # [sq, b, np, dn], [sq, b, np, dv]
 
         offset = self._sp_rank * sq if kv_cache is None else kv_cache.length  # Ulysses: this rank's first token
