@@ -80,6 +80,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("attention backend other than auto / sdpa", "--attention-backend flex | flash | unfused",
             lambda rc: rc.model.attention_backend not in ("auto", "sdpa"),
             lambda rc: f"--attention-backend {rc.model.attention_backend}"),
+    Feature("flash attention backend", "--attention-backend flash", lambda rc: rc.model.attention_backend == "flash",
+            lambda rc: "--attention-backend flash"),
     Feature("selective recomputation", "--recompute-granularity selective",
             lambda rc: rc.model.recompute_core_attention,
             lambda rc: "selective recomputation of the core attention"),
@@ -135,11 +137,10 @@ _NON_PIPELINE_RUN = ("{stage} {{rc.precision.zero_stage}}, --ds-sequence-paralle
 
 REFUSED: tuple[Refused, ...] = (
     # MLA (megatron/model/latent_attention.py): the parallelisms it is not implemented with
-    Refused("MLA", "context parallelism", "not implemented for MLA", "drop --context-parallel-size"),
-    Refused("MLA", "Ulysses", "not implemented for MLA", "drop --ds-sequence-parallel-size"),
-    Refused("MLA", "sequence parallelism", "not implemented for MLA", "drop --sequence-parallel"),
-    Refused("MLA", "ZB-H1", "not tested with MLA", "drop --enable-zbh1-pipeline"),
-    Refused("MLA", "interleaved", "not tested with MLA", "drop --num-virtual-stages-per-pipeline-rank"),
+    Refused("MLA", "flash attention backend", "FlashAttention-2's flash_attn_func needs one head size for queries, "
+            "keys and values (MLA's value heads are v-head-dim, its query / key heads qk-head-dim + "
+            "qk-pos-emb-head-dim); and it runs on CUDA only, untestable here",
+            "use --attention-backend sdpa, flex or unfused"),
     # the ZeRO stages DeepSpeed's pipeline engine runs
     Refused("ZeRO-2/3", "pipeline parallelism", "DeepSpeed's pipeline engine shards the optimizer state only (ZeRO-1)",
             "Either keep the pipeline with --zero-stage 1 (3D parallelism, BLOOM's layout), or drop it "

@@ -251,9 +251,6 @@ class ModelConfig:
              self.position_embedding_type != "rotary"),
             ("--num-key-value-heads / --group-query-attention (every head has its own expanded key and value)",
              self.num_key_value_heads not in (None, self.num_attention_heads)),
-            (f"--attention-backend {self.attention_backend} (auto or sdpa: torch's fused attention)",
-             self.attention_backend not in ("auto", "sdpa")),
-            ("--sequence-parallel", self.sequence_parallel),
             ("biases (--disable-bias-linear; DeepSeek-V3 has none)", self.qkv_bias)) if present]
         if wrong:
             raise ValueError(f"--multi-latent-attention is not implemented with {', '.join(wrong)}")

@@ -27,7 +27,8 @@ docs/performance.md); on CUDA flash where the package is importable and the dtyp
 decoding with a KV cache is decode for one fp32 token per row on CPU, else sdpa.
 
 Shape letters: s sequence (sq queries, sk keys), b micro-batch, np heads per partition, ng key / value heads
-per partition, hn head dim.
+per partition, hn head dim (queries and keys), dv the value head dim (hn; multi-head latent attention's
+v-head-dim differs: sdpa, flex and unfused take it).
 """
 
 from __future__ import annotations
@@ -187,8 +188,9 @@ def unfused_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
                            dropout_p: float, scale: float) -> torch.Tensor:
     """softmax(Q K^T * scale + bias) V as plain matmuls; the probabilities in fp32, then the input dtype.
 
-    query [b, np, sq, hn], key / value [b, ng, sk, hn]; mask: an additive bias [1 or b, np, sq, sk], a boolean
-    mask [sq, sk] or [b, 1, sq, sk] (True = attend), or None for causal with sq = sk -> context [b, np, sq, hn].
+    query [b, np, sq, hn], key [b, ng, sk, hn], value [b, ng, sk, dv]; mask: an additive bias [1 or b, np, sq, sk],
+    a boolean mask [sq, sk] or [b, 1, sq, sk] (True = attend), or None for causal with sq = sk -> context
+    [b, np, sq, dv].
     Dropout (on the probabilities, as SDPA's) draws from the caller's RNG state.
 
     As Megatron's: the scale is applied inside the QK^T product (baddbmm's alpha: one rounding, no pass over
@@ -197,7 +199,7 @@ def unfused_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     backward, than a cast, a scale and an add.
     """
     b, np_, sq, hn = query.shape
-    ng, sk = key.shape[1], key.shape[2]
+    ng, sk, dv = key.shape[1], key.shape[2], value.shape[-1]
     # Query head i uses key / value head i // (np / ng): a group's query heads side by side in one product, with
     # no copies of the keys and values (views of a KV cache merge b and ng without a copy).
     grouped = query.reshape(b * ng, np_ // ng * sq, hn)  # [b ng, np/ng * sq, hn]
@@ -213,5 +215,5 @@ def unfused_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # [b, np, sq, sk]
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    context = torch.bmm(probs.view(b * ng, np_ // ng * sq, sk), value.reshape(b * ng, sk, hn))
-    return context.view(b, np_, sq, hn)  # [b, np, sq, hn]
+    context = torch.bmm(probs.view(b * ng, np_ // ng * sq, sk), value.reshape(b * ng, sk, dv))
+    return context.view(b, np_, sq, dv)  # [b, np, sq, dv]

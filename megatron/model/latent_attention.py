@@ -16,9 +16,23 @@ hold it, in interleaved pairs (x0, x1), (x2, x3), ...: it is de-interleaved to [
 the half-split rotary of ``megatron.model.positional`` (what Megatron-LM's MLA and transformers' rope_interleave
 do), the same on queries and keys, so the scores are those of the interleaved rotation.
 
-Not implemented (refused: ``megatron.config.combinations``): context parallelism, DeepSpeed-Ulysses, sequence
-parallelism (also ``ModelConfig``), the inference server's batched KV cache; a plain ``KVCache``
-(tools/generate.py) holds the expanded keys and values.
+Megatron's sequence parallelism (Megatron-LM's order): the down-projections and latent norms run on this rank's
+s/tp tokens, so their weight gradients are partial sums (their weights pass through ``copy_to`` over TP and are
+tagged ``sequence_parallel``, ``Norm``'s pattern); the column-parallel up-projections gather the latents along s
+(backward: reduce-scatter), k_r is gathered the same way, and W_o reduce-scatters its output back to s/tp tokens.
+Context parallelism: this rank's load-balanced tokens, rotary at their global positions, the core is ring
+attention (``megatron.model.ring_attention``, value heads of their own size). The core otherwise runs on
+--attention-backend's kernel (sdpa, flex, unfused; ``attention_core``); flash is refused (FlashAttention-2 needs
+dv = dn + dr). Under ZB-H1 the replicated down-projections defer their weight gradients as the parallel linears do
+(not with sequence parallelism: their gradients' all-reduce belongs to the backward pass).
+
+DeepSpeed-Ulysses (a ``SequenceExchange``, as ``SelfAttention``): the projections and rotary (at the global
+positions) run on this rank's s/sp tokens; an all-to-all hands the core attention the whole sequence for np/sp
+heads (the key's shared rotary part already expanded to every head; the values keep their own head size) and
+hands the context back.
+
+Not implemented: the inference server's batched KV cache; a plain ``KVCache`` (tools/generate.py) holds the
+expanded keys and values.
 
 Shape letters: s sequence (sq queries, sk keys incl. cached ones), b micro-batch, h hidden, np heads per partition,
 dn / dr / dv the query-key position-free / rotary / value head dims (qk_head_dim, qk_pos_emb_head_dim, v_head_dim),
@@ -37,14 +51,18 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.attention import KVCache
+from megatron.model.attention_core import flex_core_attention, resolve_attention_backend, unfused_core_attention
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.kv_cache import BatchKVCache
 from megatron.model.norm import Norm
 from megatron.model.positional import apply_rotary, rotary_cos_sin
+from megatron.model.ring_attention import ring_attention
+from megatron.parallel.context_parallel import load_balanced_positions
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 from megatron.parallel.random import tracked_checkpoint_func
-from megatron.parallel.state import LayerGroups, group_size
+from megatron.parallel.state import LayerGroups, group_rank, group_size
+from megatron.parallel.weight_grad_store import linear
 
 __all__ = ["MultiLatentAttention", "ReplicatedLinear", "deinterleave"]
 
@@ -55,24 +73,37 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class ReplicatedLinear(nn.Module):
-    """Y = X A^T, the full A [o, i] on every TP rank (no tensor-parallel tag: layouts read it as replicated)."""
+    """Y = X A^T, the full A [o, i] on every TP rank (no tensor-parallel tag: layouts read it as replicated).
+    Under ZB-H1 its weight gradient is deferred like the parallel linears' (``weight_grad_store``).
 
-    def __init__(self, input_size: int, output_size: int, init_method):
+    ``tp_group`` (sequence parallelism: each TP rank holds other tokens): the weight's gradient is then a partial
+    sum over the group; the weight passes through ``copy_to`` (forward identity, backward all-reduce over
+    ``tp_group``) and is tagged ``sequence_parallel`` (``Norm``'s pattern). Its weight gradient is then not
+    deferred (the all-reduce belongs to the backward pass that computes it)."""
+
+    def __init__(self, input_size: int, output_size: int, init_method, tp_group=None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.float32))
         init_method(self.weight)
+        self.tp_group = tp_group if group_size(tp_group) > 1 else None
+        self.weight.sequence_parallel = self.tp_group is not None
+        self.weight_grad_store = None  # ZB-H1: where the weight gradient is deferred (weight_grad_store.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        if self.tp_group is not None:
+            return F.linear(x, copy_to_tensor_model_parallel_region(self.weight, self.tp_group))
+        return linear(x, self.weight, None, self.weight_grad_store)
 
 
 class MultiLatentAttention(nn.Module):
     """Causal multi-head latent attention; the same constructor and forward as ``SelfAttention``.
 
     Args:
-        config: the model configuration (``config.mla`` holds the latent sizes).
-        groups: ``LayerGroups`` (None: one rank on every axis): ``tp`` the tensor-parallel group; ``cp`` and
-            ``sequence_exchange`` must be None (Ulysses and context parallelism are not implemented for MLA).
+        config: the model configuration (``config.mla`` holds the latent sizes; ``config.sequence_parallel``:
+            the input and output are this TP rank's [s/tp, b, h]).
+        groups: ``LayerGroups`` (None: one rank on every axis): ``tp`` the tensor-parallel group; ``cp`` the
+            context-parallel group (this rank then holds its load-balanced tokens; the core is ring attention);
+            ``sequence_exchange`` DeepSpeed-Ulysses' ``SequenceExchange`` (None: the whole sequence here).
         layer_number: this layer's 0-based index in the whole model (names its init streams).
         rng_tracker: a ``RNGStatesTracker``; attention dropout runs in its model-parallel stream.
     """
@@ -81,34 +112,50 @@ class MultiLatentAttention(nn.Module):
                  rng_tracker=None):
         super().__init__()
         groups = groups if groups is not None else LayerGroups()
-        tp_group = groups.tp
-        if groups.sequence_exchange is not None or groups.cp is not None:
-            raise ValueError("--multi-latent-attention is not implemented with DeepSpeed-Ulysses "
-                             "(--ds-sequence-parallel-size) or --context-parallel-size; use 1 for both")
+        tp_group, sequence_exchange = groups.tp, groups.sequence_exchange
         mla = config.mla
         self.config, self.mla, self.rng_tracker, self.tp_group = config, mla, rng_tracker, tp_group
+        self.cp_group = groups.cp
         self.num_heads_per_partition = config.num_attention_heads // group_size(tp_group)  # np
+        sp_rank, sp_size = (0, 1) if sequence_exchange is None else (sequence_exchange.sp_rank,
+                                                                      sequence_exchange.sp_size)
+        if self.num_heads_per_partition % sp_size:
+            raise ValueError(f"{self.num_heads_per_partition} heads per tensor-parallel rank do not split over "
+                             f"{sp_size} sequence-parallel ranks; --num-attention-heads must be divisible by TP x SP "
+                             f"= {group_size(tp_group) * sp_size}")
+        self._sp_rank = sp_rank  # Ulysses: this rank's tokens start at sp_rank * s/sp of the whole sequence
+        # Ulysses' all-to-all attention around the core one (not a submodule: it holds no state; SelfAttention's)
+        object.__setattr__(self, "_sequence_exchange", None if sequence_exchange is None
+                           else sequence_exchange.wrap(self._ulysses_local_attention))
         heads, h, std, seed = config.num_attention_heads, config.hidden_size, config.init_method_std, config.seed
         prefix = f"layers.{layer_number}.self_attention"
+        # --sequence-parallel: the down-projections and latent norms run on this rank's s/tp tokens (partial
+        # weight gradients, summed over TP); the column-parallel up-projections gather the latents along s
+        sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
+        self.sequence_parallel = sequence_parallel
+        token_group = tp_group if sequence_parallel else None  # where the replicated weights' gradients are partial
 
         def column(inputs: int, per_head: int, name: str) -> ColumnParallelLinear:
             return ColumnParallelLinear(inputs, heads * per_head, tp_group=tp_group, bias=False, gather_output=False,
+                                        sequence_parallel=sequence_parallel,
                                         init_method=normal_init(std, seed, f"{prefix}.{name}.weight"))
 
         def replicated(inputs: int, outputs: int, name: str) -> ReplicatedLinear:
-            return ReplicatedLinear(inputs, outputs, normal_init(std, seed, f"{prefix}.{name}.weight"))
+            return ReplicatedLinear(inputs, outputs, normal_init(std, seed, f"{prefix}.{name}.weight"), token_group)
 
         if mla.q_lora_rank is None:
             self.linear_q_proj = column(h, mla.q_head_dim, "linear_q_proj")
         else:
             self.linear_q_down_proj = replicated(h, mla.q_lora_rank, "linear_q_down_proj")
-            self.q_layernorm = Norm(config, per_head_size=mla.q_lora_rank) if config.qk_layernorm else None
+            self.q_layernorm = (Norm(config, token_group, per_head_size=mla.q_lora_rank) if config.qk_layernorm
+                                else None)
             self.linear_q_up_proj = column(mla.q_lora_rank, mla.q_head_dim, "linear_q_up_proj")
         self.linear_kv_down_proj = replicated(h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim, "linear_kv_down_proj")
-        self.kv_layernorm = Norm(config, per_head_size=mla.kv_lora_rank) if config.qk_layernorm else None
+        self.kv_layernorm = Norm(config, token_group, per_head_size=mla.kv_lora_rank) if config.qk_layernorm else None
         self.linear_kv_up_proj = column(mla.kv_lora_rank, mla.qk_head_dim + mla.v_head_dim, "linear_kv_up_proj")
         self.dense = RowParallelLinear(
             heads * mla.v_head_dim, h, tp_group=tp_group, bias=False, input_is_parallel=True,
+            sequence_parallel=sequence_parallel,
             init_method=normal_init(output_layer_std(config), seed, f"{prefix}.dense.weight"))
         self._rope_scaling = None
         if config.rope_scaling_factor is not None:
@@ -116,62 +163,106 @@ class MultiLatentAttention(nn.Module):
                                   config.rope_scaling_high_freq_factor, config.rope_scaling_original_max_positions)
 
     def _query(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [sq, b, h] -> q [sq, b, np * (dn + dr)]."""
+        """hidden [sq, b, h] (SP: [sq/tp, b, h]) -> q [sq, b, np * (dn + dr)]."""
         if self.mla.q_lora_rank is None:
             return self.linear_q_proj(hidden)[0]
-        latent = self.linear_q_down_proj(hidden)  # [sq, b, dq]
+        latent = self.linear_q_down_proj(hidden)  # [sq, b, dq] (SP: [sq/tp, b, dq])
         if self.q_layernorm is not None:
             latent = self.q_layernorm(latent)
-        return self.linear_q_up_proj(latent)[0]
+        return self.linear_q_up_proj(latent)[0]  # SP: the latent gathered along s first
 
     def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        """hidden [sq, b, h] (already normed) -> attention output [sq, b, h]. ``kv_cache``: a ``KVCache`` holding
-        this layer's expanded keys [sk, b, np, dn + dr] and values [sk, b, np, dv]."""
+        """hidden [sq, b, h] (already normed) -> attention output [sq, b, h]; with sequence parallelism
+        [sq/tp, b, h] -> [sq/tp, b, h]. ``kv_cache``: a ``KVCache`` holding this layer's expanded keys
+        [sk, b, np, dn + dr] and values [sk, b, np, dv]."""
         if isinstance(kv_cache, BatchKVCache):
             raise ValueError("--multi-latent-attention has no batched KV cache (the inference server's); decode "
                              "with tools/generate.py")
+        if (self.cp_group is not None or self._sequence_exchange is not None) and kv_cache is not None:
+            raise ValueError("decoding with a KV cache runs without sequence or context parallelism (SP = CP = 1 "
+                             "when serving)")
         mla, np_ = self.mla, self.num_heads_per_partition
         dn, dr, dv = mla.qk_head_dim, mla.qk_pos_emb_head_dim, mla.v_head_dim
-        sq, b, _ = hidden.shape
-        query = self._query(hidden).view(sq, b, np_, dn + dr)  # [sq, b, np, dn + dr]
+        query = self._query(hidden)  # [sq, b, np * (dn + dr)]
+        sq, b, _ = query.shape  # the whole sequence even where hidden is a sequence-parallel shard
+        query = query.view(sq, b, np_, dn + dr)  # [sq, b, np, dn + dr]
         q_nope, q_rope = query.split([dn, dr], dim=-1)
-        latent, k_rope = self.linear_kv_down_proj(hidden).split([mla.kv_lora_rank, dr], dim=-1)  # [sq, b, dc], [sq, b, dr]
+        # [sq, b, dc], [sq, b, dr] (SP: this rank's sq/tp tokens)
+        latent, k_rope = self.linear_kv_down_proj(hidden).split([mla.kv_lora_rank, dr], dim=-1)
         if self.kv_layernorm is not None:
             latent = self.kv_layernorm(latent)
-        kv, _ = self.linear_kv_up_proj(latent)  # [sq, b, np * (dn + dv)]
+        kv, _ = self.linear_kv_up_proj(latent)  # [sq, b, np * (dn + dv)] (SP: the latent gathered along s first)
         k_nope, value = kv.view(sq, b, np_, dn + dv).split([dn, dv], dim=-1)  # [sq, b, np, dn], [sq, b, np, dv]
 
-        offset = 0 if kv_cache is None else kv_cache.length
-        positions = torch.arange(offset, offset + sq, device=hidden.device)  # [sq]
+        offset = self._sp_rank * sq if kv_cache is None else kv_cache.length  # Ulysses: this rank's first token
+        if self.cp_group is not None:  # this rank's chunks i and 2cp-1-i of the sequence
+            cp = group_size(self.cp_group)
+            positions = load_balanced_positions(sq * cp, cp, group_rank(self.cp_group), hidden.device)  # [sq]
+        else:
+            positions = torch.arange(offset, offset + sq, device=hidden.device)  # [sq]
         cos, sin = rotary_cos_sin(positions, dr, self.config.rotary_base, self._rope_scaling)  # 2 x [sq, dr]
         q_rope = apply_rotary(deinterleave(q_rope), cos, sin)  # [sq, b, np, dr]
-        k_rope = copy_to_tensor_model_parallel_region(k_rope, self.tp_group)  # every head's gradient summed
+        # every head's gradient summed over TP (SP: and the gathered tokens' gradients scattered back)
+        if self.sequence_parallel:
+            k_rope = gather_from_sequence_parallel_region(k_rope, self.tp_group)  # [sq, b, dr]
+        else:
+            k_rope = copy_to_tensor_model_parallel_region(k_rope, self.tp_group)
         k_rope = apply_rotary(deinterleave(k_rope)[:, :, None, :], cos, sin)  # [sq, b, 1, dr]
         query = torch.cat((q_nope, q_rope), dim=-1)  # [sq, b, np, dn + dr]
         key = torch.cat((k_nope, k_rope.expand(sq, b, np_, dr)), dim=-1)  # [sq, b, np, dn + dr]
         if kv_cache is not None:
             key, value = kv_cache.append(key, value)  # [sk, b, np, dn + dr], [sk, b, np, dv]
 
+        if self._sequence_exchange is not None:  # all-to-all: the whole sequence for np/sp heads, and back
+            context = self._sequence_exchange(query, key, value, 1)  # [sq, b, np, dv]; batch is dim 1
+            output, _ = self.dense(context.reshape(sq, b, np_ * dv))  # [sq, b, h]
+            return output
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, d]
-        if self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
-            context = tracked_checkpoint_func(self.rng_tracker)(self._core_attention, query, key, value, offset)
+        if self.cp_group is not None:
+            context = ring_attention(query, key, value, self.cp_group, self._scale)  # [b, np, sq, dv]
+        elif self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
+            context = tracked_checkpoint_func(self.rng_tracker)(self._core_attention, query, key, value, offset, False)
         else:
-            context = self._core_attention(query, key, value, offset)  # [b, np, sq, dv]
-        output, _ = self.dense(context.permute(2, 0, 1, 3).reshape(sq, b, np_ * dv))  # [sq, b, h]
+            context = self._core_attention(query, key, value, offset, kv_cache is not None)  # [b, np, sq, dv]
+        output, _ = self.dense(context.permute(2, 0, 1, 3).reshape(sq, b, np_ * dv))  # [sq, b, h] (SP: [sq/tp, ..])
         return output
 
-    def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        offset: int) -> torch.Tensor:
-        """softmax(Q K^T / sqrt(dn + dr), causal) V by torch's SDPA: query [b, np, sq, dn + dr], key
-        [b, np, sk, dn + dr], value [b, np, sk, dv] -> [b, np, sq, dv]; queries at offset .. offset + sq - 1."""
+    def _ulysses_local_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The core attention on the whole sequence after Ulysses' all-to-all: query / key [s, b, np/sp, dn + dr],
+        value [s, b, np/sp, dv] -> context [s, b, np/sp, dv]; causal over all s positions."""
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np/sp, s, d]
+        if self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
+            context = tracked_checkpoint_func(self.rng_tracker)(self._core_attention, query, key, value, 0, False)
+        else:
+            context = self._core_attention(query, key, value, 0, False)  # [b, np/sp, s, dv]
+        return context.permute(2, 0, 1, 3).contiguous()  # [s, b, np/sp, dv]
+
+    @property
+    def _scale(self) -> float:
+        return 1.0 / math.sqrt(self.mla.q_head_dim)
+
+    def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: int,
+                        decoding: bool) -> torch.Tensor:
+        """softmax(Q K^T / sqrt(dn + dr), causal) V by --attention-backend's kernel (attention_core.py): query
+        [b, np, sq, dn + dr], key [b, np, sk, dn + dr], value [b, np, sk, dv] -> [b, np, sq, dv]; queries at
+        offset .. offset + sq - 1 (``decoding``: after the keys a KV cache holds)."""
         sq, sk = query.shape[2], key.shape[2]
         dropout_p = self.config.attention_dropout if self.training else 0.0
+        backend = resolve_attention_backend(self.config.attention_backend, query, alibi=False, dropout_p=dropout_p,
+                                            decoding=decoding)
+        if backend == "flex":
+            return flex_core_attention(query, key, value, None, self._scale)
         mask = None  # is_causal (sq == sk), or one new token seeing every cached key
         if sq != sk and sq > 1:
             positions = torch.arange(offset, offset + sq, device=query.device)  # [sq]
             mask = torch.arange(sk, device=query.device)[None, :] <= positions[:, None]  # [sq, sk], True = attend
+        if backend == "decode":  # no dropout while decoding
+            return unfused_core_attention(query, key, value, mask, 0.0, self._scale)
         fork = self.rng_tracker.fork() if dropout_p > 0 and self.rng_tracker is not None else contextlib.nullcontext()
         with fork:
+            if backend == "unfused":
+                return unfused_core_attention(query, key, value, mask, dropout_p, self._scale)
+            if backend == "flash":  # refused before launch (megatron.config.combinations): FA2 needs dv = dn + dr
+                raise ValueError("--multi-latent-attention does not run on --attention-backend flash")
             return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
-                                                  is_causal=mask is None and sq > 1,
-                                                  scale=1.0 / math.sqrt(self.mla.q_head_dim))
+                                                  is_causal=mask is None and sq > 1, scale=self._scale)

@@ -15,7 +15,8 @@ their gradients travelling with them and arriving back at their owner after c ho
 
 Bytes sent per rank and layer: forward (c-1) x (K + V blocks); backward (c-1) x (K + V) + c x (dK + dV in fp32).
 
-Shape letters: b micro-batch, np query heads, ng key / value heads, sl = s / c tokens per rank, hn head dim.
+Shape letters: b micro-batch, np query heads, ng key / value heads, sl = s / c tokens per rank, hn head dim (of
+queries and keys), dv the value head dim (hn, or MLA's v-head-dim).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class RingAttention(torch.autograd.Function):
             docs = [torch.empty_like(doc_ids) for _ in range(c)]
             dist.all_gather(docs, doc_ids.contiguous(), group=group)
         block = _Block(scale, slopes, query.shape[1] // key.shape[1])
-        out = query.new_zeros(query.shape, dtype=torch.float32)  # [b, np, sl, hn]
+        out = query.new_zeros(query.shape[:3] + value.shape[-1:], dtype=torch.float32)  # [b, np, sl, dv]
         lse = query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32)  # [b, np, sl]
         kv = (key, value)
         for step in range(c):
@@ -177,8 +178,8 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    slopes: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced slice against the whole sequence of the CP group.
 
-    query [b, np, sl, hn], key / value [b, ng, sl, hn] (this rank's tokens, in load-balanced order);
-    slopes: ALiBi's fp32 [np] for these query heads, or None; doc_ids: [b, sl] document index of each token
-    (attention stays inside a document), or None -> context [b, np, sl, hn].
+    query [b, np, sl, hn], key [b, ng, sl, hn], value [b, ng, sl, dv] (this rank's tokens, in load-balanced
+    order); slopes: ALiBi's fp32 [np] for these query heads, or None; doc_ids: [b, sl] document index of each token
+    (attention stays inside a document), or None -> context [b, np, sl, dv].
     """
     return RingAttention.apply(query, key, value, cp_group, scale, slopes, doc_ids)

@@ -1,5 +1,5 @@
-"""The multi-head latent attention flags (Megatron-LM's names) reach ModelConfig.mla, and the parallelisms MLA does
-not implement are refused by name before launch."""
+"""The multi-head latent attention flags (Megatron-LM's names) reach ModelConfig.mla; what MLA does not run with is
+refused by name before launch, the parallelisms and backends it trains with are accepted."""
 
 import pytest
 
@@ -24,16 +24,27 @@ def test_megatron_lm_mla_flags_give_the_latent_sizes(files):
 
 
 @pytest.mark.parametrize("extra,world_size,message", [
-    (["--context-parallel-size", "2"], 2, "--multi-latent-attention is not implemented with --context-parallel-size 2"),
-    (["--ds-sequence-parallel-size", "2"], 2, "with --ds-sequence-parallel-size 2 \\(DeepSpeed-Ulysses\\)"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, "with --sequence-parallel"),
+    (["--attention-backend", "flash"], 1, "--multi-latent-attention is not implemented with --attention-backend flash "
+                                          "\\(FlashAttention-2's flash_attn_func needs one head size"),
     (["--position-embedding-type", "alibi"], 1, "with --position-embedding-type alibi \\(needs rope\\)"),
     (["--kv-lora-rank", "0"], 1, "--kv-lora-rank must be a positive integer, got 0"),
-    (["--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"], 2,
-     "with --enable-zbh1-pipeline \\(not tested with MLA\\)"),
-    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"], 2,
-     "with --num-virtual-stages-per-pipeline-rank 2 \\(not tested with MLA\\)"),
 ])
 def test_what_mla_does_not_implement_is_refused_before_launch(files, extra, world_size, message):
     with pytest.raises(ValueError, match=message):
         _model(files, DEEPSEEK + extra, world_size=world_size)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"],
+    ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2", "--num-layers", "4"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--context-parallel-size", "2", "--attention-dropout", "0"],
+    ["--ds-sequence-parallel-size", "2"],
+    ["--attention-backend", "flex", "--attention-dropout", "0"],
+    ["--attention-backend", "unfused"],
+])
+def test_what_mla_trains_with_is_accepted(files, extra):
+    """ZB-H1, interleaved virtual stages, sequence and context parallelism, DeepSpeed-Ulysses (trained in
+    tests/training/test_mla.py),
+    the flex and unfused attention backends (tests/model/test_attention_backends.py)."""
+    assert _model(files, DEEPSEEK + extra, world_size=2).mla is not None

@@ -57,6 +57,7 @@ ENABLE = {
     "ZeRO++ hpZ": lambda rc: _parallel(rc, zero_hpz_partition_size=2),
     "attention dropout": lambda rc: _model(rc, attention_dropout=0.1),
     "attention backend other than auto / sdpa": lambda rc: _model(rc, attention_backend="flex"),
+    "flash attention backend": lambda rc: _model(rc, attention_backend="flash"),
     "selective recomputation": lambda rc: _model(rc, recompute_core_attention=True),
     "live evaluation harness": lambda rc: _training(rc, eval_harness_tasks=("tiny_choice",), eval_harness_interval=2),
     "universal checkpoint": lambda rc: dataclasses.replace(rc, checkpoint=dataclasses.replace(
@@ -145,8 +146,8 @@ def test_exactly_the_pairs_of_the_table_are_refused():
     assert refused == expected
     assert table <= refused
     n = len(NAMES)
-    assert (n, n * (n - 1) // 2, len(REFUSED)) == (24, 276, 29)
-    assert len(refused) == 48  # the table's 29, and 19 more through the features a pair brings along
+    assert (n, n * (n - 1) // 2, len(REFUSED)) == (25, 300, 25)
+    assert len(refused) == 45  # the table's 25, and 20 more through the features a pair brings along
 
 
 def test_docs_flags_md_has_the_section_rendered_from_the_table():
@@ -163,9 +164,9 @@ def test_docs_flags_md_has_the_section_rendered_from_the_table():
 
 
 def test_the_message_names_the_partner_as_given():
-    rc = _with("MLA", "Ulysses")
-    with pytest.raises(ValueError, match=r"--multi-latent-attention is not implemented with --ds-sequence-parallel-"
-                                         r"size 2 \(DeepSpeed-Ulysses\) \(not implemented for MLA\)"):
+    rc = _with("context parallelism", "Ulysses")
+    with pytest.raises(ValueError, match=r"--context-parallel-size 2 does not work yet with --ds-sequence-parallel-"
+                                         r"size 2 \(DeepSpeed-Ulysses\) \(both split the sequence\)"):
         check_combinations(rc)
     assert feature("Ulysses").given(rc) == "--ds-sequence-parallel-size 2 (DeepSpeed-Ulysses)"
 

@@ -1,13 +1,17 @@
-"""--attention-backend flex equals the SDPA path: outputs and gradients of a whole GPTModel (ALiBi, learned
-positions, a Llama-style rotary + GQA block), within the tolerance of the model's depth in its dtype (fp32 and
-bf16; megatron.testing.tolerance), at TP=1 and TP=2 (each rank its own ALiBi slopes); incremental decoding with
-a KV cache still equals the full forward; auto keeps SDPA on CPU; flash and flex refuse what they cannot run.
-torch.compile makes each new shape cost seconds: the configurations are few and tiny."""
+"""--attention-backend flex (and unfused) equals the SDPA path: outputs and gradients of a whole GPTModel (ALiBi,
+learned positions, a Llama-style rotary + GQA block, multi-head latent attention with value heads narrower than
+its query / key heads), within the tolerance of the model's depth in its dtype (fp32 and bf16;
+megatron.testing.tolerance), at TP=1 and TP=2 (each rank its own ALiBi slopes); incremental decoding with a KV
+cache still equals the full forward (MLA's too); auto keeps SDPA on CPU; flash and flex refuse what they cannot
+run. torch.compile makes each new shape cost seconds: the configurations are few and tiny."""
+
+import math
 
 import pytest
 import torch
 
 import megatron.model.attention_core as attention_core
+from megatron.config.mla import MLAConfig
 from megatron.model import GPTModel
 from megatron.model.attention import KVCache, SelfAttention
 from megatron.model.attention_core import resolve_attention_backend
@@ -19,8 +23,11 @@ from tests.helpers.model import tiny_config
 SEQ = 48  # three blocks of the CPU backward below: the blockwise gradients are stitched, not one block
 LLAMA = dict(position_embedding_type="rotary", normalization="rmsnorm", swiglu=True, num_key_value_heads=2,
              add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=96)
+# multi-head latent attention (DeepSeek-V3's): value heads (12) narrower than the query / key heads (16 + 8)
+MLA = dict(LLAMA, num_key_value_heads=None, qk_layernorm=True,
+           mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12))
 CONFIGS = {"alibi": dict(position_embedding_type="alibi", embed_layernorm=True),
-           "absolute": dict(position_embedding_type="absolute"), "llama": LLAMA}
+           "absolute": dict(position_embedding_type="absolute"), "llama": LLAMA, "mla": MLA}
 
 
 def _loss_and_grads(config, state):
@@ -67,7 +74,7 @@ def small_backward_blocks(monkeypatch):
 
 @needs_vector_cpu
 @pytest.mark.parametrize("position, params_dtype", [("alibi", "fp32"), ("absolute", "fp32"), ("llama", "fp32"),
-                                                    ("alibi", "bf16")])
+                                                    ("alibi", "bf16"), ("mla", "fp32")])
 def test_flex_equals_sdpa_at_tp1(small_backward_blocks, position, params_dtype):
     logits_diff, grad_diff, logits_bound, grad_bound = _max_diffs(position, params_dtype, ParallelState.single())
     assert logits_diff <= logits_bound, (logits_diff, grad_diff)
@@ -75,7 +82,8 @@ def test_flex_equals_sdpa_at_tp1(small_backward_blocks, position, params_dtype):
 
 
 @pytest.mark.parametrize("position, params_dtype", [("alibi", "fp32"), ("absolute", "fp32"), ("llama", "fp32"),
-                                                    ("alibi", "bf16"), ("llama", "bf16")])
+                                                    ("alibi", "bf16"), ("llama", "bf16"), ("mla", "fp32"),
+                                                    ("mla", "bf16")])
 def test_unfused_equals_sdpa(position, params_dtype):
     """The plain-matmul path (GQA by repeating key / value heads, the causal mask built when SDPA would use
     is_causal) gives SDPA's logits and gradients."""
@@ -177,3 +185,37 @@ def test_one_fp32_token_per_row_on_cpu_decodes_with_the_decode_core():
         query = torch.zeros(2, 4, sq, 16, dtype=dtype)
         assert resolve_attention_backend("auto", query, alibi=True, dropout_p=0.0, decoding=True) == backend
         assert resolve_attention_backend("sdpa", query, alibi=False, dropout_p=0.0, decoding=True) == backend
+
+
+@pytest.mark.parametrize("backend", ["flex", "unfused"])
+def test_mla_routes_its_core_attention_through_the_backend(monkeypatch, backend):
+    """MultiLatentAttention's core runs the kernel --attention-backend names (its numerics: the model tests above),
+    with its own scale 1 / sqrt(dn + dr) and value heads of v-head-dim."""
+    import megatron.model.latent_attention as latent_attention
+
+    calls = []
+
+    def spy(query, key, value, *args):
+        calls.append((query.shape, value.shape, args[-1]))
+        return query.new_zeros(query.shape[:3] + value.shape[-1:])  # [b, np, sq, dv]
+
+    monkeypatch.setattr(latent_attention, f"{backend}_core_attention", spy)
+    layer = latent_attention.MultiLatentAttention(tiny_config(**MLA, attention_backend=backend))
+    layer(torch.randn(8, 2, 64))
+    assert calls == [(torch.Size([2, 4, 8, 24]), torch.Size([2, 4, 8, 12]), 1.0 / math.sqrt(24))], calls
+
+
+def test_mla_decoding_with_a_kv_cache_equals_its_full_forward():
+    """One fp32 token at a time on CPU: the decode core (unfused) with value heads (12) narrower than the query /
+    key heads (24)."""
+    from megatron.model.latent_attention import MultiLatentAttention
+
+    layer = MultiLatentAttention(tiny_config(**MLA, seq_length=SEQ)).eval()
+    hidden = torch.randn(SEQ, 2, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = layer(hidden)
+        cache = KVCache()
+        steps = [layer(hidden[:32], cache)] + [layer(hidden[i:i + 1], cache) for i in range(32, SEQ)]
+    # One MLA layer: its depth (tests/model/test_latent_attention.py), summing over the hidden size (64) at most.
+    diff = (torch.cat(steps) - full).abs().max().item()
+    assert diff <= tolerance(torch.float32, 11, 64, full.abs().max().item()), diff

@@ -1,6 +1,7 @@
 """Ring attention (megatron.model.ring_attention) over CP = 2 and CP = 4 gloo processes equals plain attention on
 the whole sequence: outputs and the gradients of queries, keys and values within the tolerance of the online
-softmax's depth (fp32, megatron.testing.tolerance), for causal, ALiBi, document masks and grouped-query heads;
+softmax's depth (fp32, megatron.testing.tolerance), for causal, ALiBi, document masks, grouped-query heads and
+value heads of another size than the query / key heads (multi-head latent attention's);
 the bytes each rank sends equal the analytic count.
 
 One launch per CP size runs every case; each rank holds the load-balanced slice (chunks i and 2c-1-i of 2c)
@@ -20,19 +21,21 @@ from megatron.testing import run_distributed
 from megatron.testing.tolerance import tolerance
 
 B, NP, HN, S = 2, 4, 8, 32
-CASES = {  # name -> (key / value heads, alibi, documents)
-    "causal": (NP, False, False),
-    "alibi": (NP, True, False),
-    "documents": (NP, False, True),
-    "alibi gqa documents": (2, True, True),
+DV = 12  # multi-head latent attention's value heads: wider (or narrower) than the query / key heads
+CASES = {  # name -> (key / value heads, alibi, documents, value head dim)
+    "causal": (NP, False, False, HN),
+    "alibi": (NP, True, False, HN),
+    "documents": (NP, False, True, HN),
+    "alibi gqa documents": (2, True, True, HN),
+    "value heads of their own size": (NP, False, True, DV),
 }
 
 
-def _inputs(ng: int, documents: bool):
+def _inputs(ng: int, documents: bool, dv: int):
     gen = torch.Generator().manual_seed(11)
     query = torch.randn(B, NP, S, HN, generator=gen)
-    key, value = (torch.randn(B, ng, S, HN, generator=gen) for _ in range(2))
-    weight = torch.randn(B, NP, S, HN, generator=gen)  # the loss: sum(out * weight)
+    key, value = torch.randn(B, ng, S, HN, generator=gen), torch.randn(B, ng, S, dv, generator=gen)
+    weight = torch.randn(B, NP, S, dv, generator=gen)  # the loss: sum(out * weight)
     position_ids = torch.arange(S).repeat(B, 1)  # [b, s]
     if documents:  # documents of uneven lengths, crossing the chunk borders; row 1 differs from row 0
         position_ids = torch.cat((torch.arange(5), torch.arange(13), torch.arange(14))).repeat(B, 1)
@@ -48,8 +51,8 @@ def _depth(cp: int) -> int:
 
 
 def _reference(name):
-    ng, alibi, documents = CASES[name]
-    query, key, value, weight, docs = _inputs(ng, documents)
+    ng, alibi, documents, dv = CASES[name]
+    query, key, value, weight, docs = _inputs(ng, documents, dv)
     query, key, value = (t.requires_grad_() for t in (query, key, value))
     positions = torch.arange(S)
     slopes = torch.tensor(alibi_slopes(NP)) if alibi else torch.zeros(NP)
@@ -79,9 +82,9 @@ def _worker(rank, world_size):
     group = dist.new_group(list(range(world_size)))
     mine = load_balanced_positions(S, world_size, rank)
     results = {}
-    for name, (ng, alibi, documents) in CASES.items():
+    for name, (ng, alibi, documents, dv) in CASES.items():
         query, key, value, weight, docs = (None if t is None else t[:, :, mine] if t.dim() == 4 else t[:, mine]
-                                           for t in _inputs(ng, documents))
+                                           for t in _inputs(ng, documents, dv))
         query, key, value = (t.contiguous().requires_grad_() for t in (query, key, value))
         slopes = torch.tensor(alibi_slopes(NP)) if alibi else None
         sent.clear()
@@ -121,10 +124,10 @@ def test_ring_attention_equals_whole_sequence_attention(ring_results, name):
 def test_ring_p2p_bytes_match_the_analytic_count(ring_results):
     """Forward: (c-1) hops of the K and V blocks; backward: (c-1) hops of K and V, c hops of dK and dV (fp32)."""
     cp, results = ring_results
-    for name, (ng, _, _) in CASES.items():
-        block = B * ng * (S // cp) * HN * 4  # one K (or V) block of a rank, fp32 bytes
+    for name, (ng, _, _, dv) in CASES.items():
+        block = B * ng * (S // cp) * (HN + dv) * 4  # one K and one V block of a rank, fp32 bytes
         for rank, result in enumerate(results):
-            assert result["cases"][name]["bytes"] == [2 * (cp - 1) * block, 2 * (cp - 1) * block + 2 * cp * block], \
+            assert result["cases"][name]["bytes"] == [(cp - 1) * block, (cp - 1) * block + cp * block], \
                 f"CP={cp} rank {rank} {name}"
 
 

@@ -1,0 +1,130 @@
+"""Multi-head latent attention (--multi-latent-attention, DeepSeek-V3's attention) trains as one process does.
+
+fp32, no dropout, 10 iterations of pretrain_gpt's path on a 4-layer DeepSeek-shaped model (RMSNorm, SwiGLU, rotary,
+query and key-value latents with their norms): losses and grad norms within ``run_tolerance``
+(megatron/testing/tolerance.py) of a single process at TP=2 x PP=2, PP=2 x DP=2 with interleaved virtual stages
+(v = 2: whole layers per chunk), PP=2 x DP=2 under ZB-H1 (the replicated down-projections defer their weight
+gradients like the parallel linears), Megatron's sequence parallelism (TP=2 + SP over DP=2, x PP=2, and x PP=2
+under ZB-H1: the down-projections on each rank's s/tp tokens, the latents gathered before the up-projections)
+and context parallelism (CP=2 x DP=2, CP=2 x TP=2 + SP, CP=2 x PP=2: ring attention with value heads narrower
+than the query / key heads) and DeepSpeed-Ulysses on the model engine (SP=4, SP=2 x TP=2 + Megatron SP, SP=2 x
+DP=2 under ZeRO-2: heads exchanged by all-to-all, values with their own head size); bf16 (BF16_Optimizer) under
+ZB-H1 and at TP=2 + SP x PP=2 tracks fp32. A TP=2 + SP x PP=2 checkpoint resumes loss for loss at its layout,
+and its ZeRO-1 checkpoint, converted to a universal one, in one process. One 4-process launch trains every layout
+in turn.
+"""
+
+import os
+
+import pytest
+import torch
+
+from megatron.testing import run_distributed, tiny_argv
+from tests.helpers.training import assert_same_run, layout, to_universal, train
+
+ITERS = 10
+LAYERS = 4  # two chunks of one layer on each of 2 pipeline ranks under v = 2
+MLA = ("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+       "--qk-layernorm", "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim",
+       "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12")
+ZBH1 = ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics")
+VIRTUAL = ("--num-virtual-stages-per-pipeline-rank", 2)
+SP, CP2 = "--sequence-parallel", ("--context-parallel-size", 2)
+ULYSSES2, ULYSSES4 = ("--ds-sequence-parallel-size", 2), ("--ds-sequence-parallel-size", 4)
+
+
+@pytest.fixture(scope="module")
+def mla_argv(tiny_corpus):
+    return tiny_argv(tiny_corpus, *MLA, train_iters=ITERS, num_layers=LAYERS, position_embedding_type="rope",
+                     embed_layernorm=False)
+
+
+@pytest.fixture(scope="module")
+def reference(mla_argv):
+    return run_distributed(train, world_size=1, args=([mla_argv],), timeout=300)[0][0]
+
+
+@pytest.fixture(scope="module")
+def runs(mla_argv, tmp_path_factory):
+    """label -> the records of every rank, from one 4-process launch."""
+    layouts = {
+        "tp2 pp2": layout(mla_argv, tp=2, pp=2),
+        "pp2 interleaved": layout(mla_argv, *VIRTUAL, pp=2),
+        "pp2 zbh1": layout(mla_argv, *ZBH1, pp=2),
+        "tp2 sp": layout(mla_argv, SP, tp=2),
+        "tp2 sp pp2": layout(mla_argv, SP, tp=2, pp=2),
+        "tp2 sp pp2 zbh1": layout(mla_argv, SP, *ZBH1, tp=2, pp=2),
+        "cp2 dp2": layout(mla_argv, *CP2),
+        "cp2 tp2 sp": layout(mla_argv, *CP2, SP, tp=2),
+        "cp2 pp2": layout(mla_argv, *CP2, pp=2),
+        "ulysses sp4": layout(mla_argv, *ULYSSES4),
+        "ulysses sp2 tp2 sp": layout(mla_argv, *ULYSSES2, SP, tp=2),
+        "ulysses sp2 dp2 zero2": layout(mla_argv, *ULYSSES2, "--zero-stage", 2),
+        # BLOOM's path (bf16, BF16_Optimizer): ZB-H1's deferred products into the bf16 gradients, and SP
+        "pp2 zbh1 bf16": layout(mla_argv, *ZBH1, "--bf16", pp=2),
+        "tp2 sp pp2 bf16": layout(mla_argv, SP, "--bf16", tp=2, pp=2),
+    }
+    # the 3-run resume pattern at TP=2 + SP x PP=2: 6 iterations straight, 3 + save, 3 resumed
+    resume = layout(mla_argv, SP, "--train-iters", 6, tp=2, pp=2)
+    save = ["--save", str(tmp_path_factory.mktemp("mla_sp")), "--save-interval", "100"]
+    layouts |= {"sp straight": resume, "sp first half": resume + save + ["--exit-interval", "3"],
+                "sp resumed": resume + save + ["--load", save[1]]}
+    # ZeRO-1 at TP=2 + SP x PP=2, saved after 3 of the 10 iterations: converted to a universal checkpoint below
+    universal = str(tmp_path_factory.mktemp("mla_universal"))
+    layouts["universal first half"] = layout(mla_argv, SP, "--zero-stage", 1, "--save", universal, "--save-interval",
+                                             100, "--exit-interval", 3, tp=2, pp=2)
+    results = run_distributed(train, world_size=4, args=(list(layouts.values()),), timeout=900)
+    out = {label: [per_rank[i] for per_rank in results] for i, label in enumerate(layouts)}
+    to_universal(os.path.join(universal, "global_step3"))
+    out["universal tp1"] = run_distributed(train, world_size=1, timeout=300, args=([layout(
+        mla_argv, "--zero-stage", 1, "--load", universal, "--universal-checkpoint")],))
+    return out
+
+
+def test_one_process_learns(reference):
+    losses = reference["losses"]
+    assert len(losses) == ITERS and losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("label,engine", [
+    ("tp2 pp2", "PipelineEngine"), ("pp2 interleaved", None), ("pp2 zbh1", "ZeroBubblePipelineEngine"),
+    ("tp2 sp", "PipelineEngine"), ("tp2 sp pp2", "PipelineEngine"), ("tp2 sp pp2 zbh1", "ZeroBubblePipelineEngine"),
+    ("cp2 dp2", "PipelineEngine"), ("cp2 tp2 sp", "PipelineEngine"), ("cp2 pp2", "PipelineEngine"),
+    ("ulysses sp4", "ModelEngine"), ("ulysses sp2 tp2 sp", "ModelEngine"), ("ulysses sp2 dp2 zero2", "ModelEngine")])
+def test_mla_trains_as_one_process(reference, runs, label, engine):
+    for rank, result in enumerate(runs[label]):
+        assert engine is None or result["engine"] == engine, (label, rank, result["engine"])
+        assert_same_run(reference, result, f"rank {rank}: {label}", num_layers=LAYERS)
+    if label.endswith(" sp") or " sp " in label:
+        assert all(result["model_sp"] for result in runs[label]), label
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("label", ["pp2 zbh1 bf16", "tp2 sp pp2 bf16"])
+def test_mla_in_bf16_tracks_fp32(reference, runs, label):
+    for rank, result in enumerate(runs[label]):
+        assert result["optimizer"] == "BF16_Optimizer", (label, rank, result["optimizer"])
+        assert_same_run(reference, result, f"rank {rank}: {label}", dtype=torch.bfloat16, num_layers=LAYERS)
+
+
+@pytest.mark.multiprocess
+def test_mla_with_sequence_parallelism_resumes_loss_for_loss(runs):
+    """TP=2 + SP x PP=2: saved after 3 of 6 iterations and resumed, the losses and grad norms are the straight
+    run's bit for bit (the same layout: the same operations)."""
+    for rank in range(4):
+        straight, first, resumed = (runs[label][rank] for label in ("sp straight", "sp first half", "sp resumed"))
+        assert first["iterations"] == [1, 2, 3] and resumed["iterations"] == [4, 5, 6], rank
+        assert first["losses"] + resumed["losses"] == straight["losses"], rank
+        assert resumed["grad_norms"] == straight["grad_norms"][3:], rank
+
+
+@pytest.mark.multiprocess
+def test_a_universal_checkpoint_moves_an_mla_run_from_tp2_sp_pp2_to_one_process(reference, runs):
+    """Saved after 3 iterations at TP=2 + SP x PP=2 (ZeRO-1), converted by ds_to_universal.py (the column-parallel
+    up-projections' TP slices joined, the replicated down-projections and latent norms kept once) and resumed by
+    one process: iterations 4-10 continue the one-process run within ``run_tolerance``."""
+    (resumed,) = runs["universal tp1"][0]
+    assert resumed["iterations"] == list(range(4, ITERS + 1)), resumed["iterations"]
+    tail = {key: reference[key][3:] for key in ("losses", "grad_norms")}
+    assert_same_run(tail, resumed, "TP=2 + SP x PP=2 -> universal -> one process", num_layers=LAYERS)
