@@ -5,14 +5,14 @@
                                   dropping, a dense first layer
     train_moe(rank, world_size, runs)  a run_distributed target: ``train``'s record of each run, plus every
                                   router's expert bias and how many expert parameters this rank holds
-    assert_same_moe_run(reference, run, label)  ``assert_same_run``, and every expert bias within 1e-6
+    assert_same_moe_run(reference, run, label, num_layers)  ``assert_same_run``, and every expert bias within 1e-6
 """
 
 import re
 
 import pytest
 
-from tests.helpers.training import assert_same_run, record_run
+from tests.helpers.training import TINY_LAYERS, assert_same_run, record_run
 
 MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
              "--moe-z-loss-coeff", "0.001", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
@@ -51,10 +51,11 @@ def train_moe(rank, world_size, runs):
     return out
 
 
-def assert_same_moe_run(reference, run, label):
-    """``run`` trained as ``reference`` did (``assert_same_run``: losses and grad norms), and each of its routers'
-    expert biases is the reference's within 1e-6 (a bias moves by whole updates of its rate: the same signs)."""
-    assert_same_run(reference, run, label)
+def assert_same_moe_run(reference, run, label, num_layers=TINY_LAYERS):
+    """``run`` trained as ``reference`` did (``assert_same_run`` for a ``num_layers`` model: losses and grad norms),
+    and each of its routers' expert biases is the reference's within 1e-6 (a bias moves by whole updates of its
+    rate: the same signs)."""
+    assert_same_run(reference, run, label, num_layers=num_layers)
     assert run["expert_bias"] and set(run["expert_bias"]) <= set(reference["expert_bias"]), label
     for name, bias in run["expert_bias"].items():
         assert bias == pytest.approx(reference["expert_bias"][name], abs=1e-6), f"{label}: {name} bias"
