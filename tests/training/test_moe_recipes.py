@@ -2,7 +2,8 @@
 against one process (fp32, dropless, the aux loss on, the expert bias moving, 10 iterations, ``run_tolerance``):
 
 - DeepSeek-V3's shape: multi-head latent attention, a dense first layer then MoE layers with a shared expert,
-  sigmoid group-limited routing with the expert bias; at TP = 2 + sequence parallelism x PP = 2 interleaved (two
+  sigmoid group-limited routing with the expert bias (8 experts in 4 groups: the top 2 experts of the best 2
+  groups); at TP = 2 + sequence parallelism x PP = 2 interleaved (two
   virtual stages per rank) x EP = 2 (8 processes).
 - Qwen3-MoE's shape: grouped-query attention with QK-norm, SwiGLU experts in every layer, softmax top-k routing
   with the k weights renormalised (its ``norm_topk_prob``: Megatron's default, not ``--moe-router-pre-softmax``);
@@ -25,8 +26,8 @@ DEEPSEEK_V3 = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"
                "--untie-embeddings-and-output-weights", "--qk-layernorm", "--multi-latent-attention",
                "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
                "--v-head-dim", "12", "--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "32",
-               "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2", "--moe-router-group-topk",
-               "1", "--moe-router-topk-scaling-factor", "2.0"]
+               "--num-experts", "8", "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "4",
+               "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.0"]  # top-2 of the 2 best groups' 4
 QWEN3_MOE = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
              "--untie-embeddings-and-output-weights", "--qk-layernorm", "--num-key-value-heads", "2",
              "--ffn-hidden-size", "96"]  # softmax top-k renormalised over the k (norm_topk_prob; no pre-softmax)
