@@ -27,6 +27,15 @@ NOT RUN YET: written and dry-run on CPU only (the build machine has no GPU). On 
      causal SDPA is_causal=True without ALiBi: the fused kernel's speed of light, for scale
    The outputs of plain and flex are compared (max abs difference) before timing. If flex wins,
    the model needs it as a separate option in attention.py (the attention owner's change).
+3. MoE experts, forward + backward of the local experts alone (megatron/model/moe/experts.py, SwiGLU, bf16, a
+   Mixtral-8x7B-shaped layer: h 4096, f 14336, 8 experts, top-2 of 8192 tokens), balanced and skewed loads:
+     segments     torch._grouped_mm on the rows sorted by expert, unpadded (the layer's path)
+     padded       every expert padded to the busiest and one torch.bmm per matrix (the layer's fallback)
+     loop         one mm per expert on its slice of rows, outputs concatenated
+   Reported: median seconds, achieved TFLOP/s (18 M h f: three h x f matrices, forward and two backward
+   products) and the largest output difference from segments. --dry-run: tiny shapes on CPU.
+--sections picks which of the three run (default all). Without CUDA and without --dry-run the script exits at
+once naming the missing device (nothing is measured on CPU).
 Prints ONE JSON line.
 """
 
@@ -198,6 +207,67 @@ def attention_kernels(b: int, heads: int, seq: int, head_dim: int, reps: int, de
     return out
 
 
+def moe_experts(tokens: int, hidden: int, ffn: int, num_experts: int, topk: int, reps: int, device: str,
+                dtype: torch.dtype = torch.bfloat16, skews=(0.0, 2.0)) -> dict:
+    """The local experts' forward + backward per path (module docstring, section 3), per load skew."""
+    import torch.nn.functional as F
+
+    from megatron.model.moe.experts import GroupedExperts
+
+    def init(e):
+        return lambda t: t.normal_(0, 0.02, generator=torch.Generator().manual_seed(e))
+
+    experts = GroupedExperts(hidden, ffn, range(num_experts), swiglu=True, bias=False, w1_init=init,
+                             w2_init=lambda e: init(num_experts + e)).to(device=device, dtype=dtype)
+    rows_n = tokens * topk
+    flops = 18 * rows_n * hidden * ffn
+
+    def loop(rows, counts):
+        outs = []
+        for e, part in enumerate(rows.split(counts.tolist())):
+            gate, up = (part @ experts.w1[e].t()).unflatten(-1, (-1, 2)).unbind(-1)
+            outs.append((F.silu(gate) * up) @ experts.w2[e].t())
+        return torch.cat(outs)
+
+    def with_path(path):
+        def run(rows, counts):
+            experts.path = path
+            return experts(rows, counts)
+        return run
+
+    out = {"shape": dict(tokens=tokens, hidden=hidden, ffn=ffn, num_experts=num_experts, topk=topk),
+           "dtype": str(dtype), "flops": flops}
+    for skew in skews:
+        weights = torch.ones(num_experts)
+        weights[0] += skew * num_experts / 2  # skew 2: expert 0 takes about half the rows
+        counts = torch.distributions.Multinomial(rows_n, weights / weights.sum()).sample().long()
+        rows = torch.randn(rows_n, hidden, device=device, dtype=dtype)
+        grad = torch.randn_like(rows)
+        entry = {"counts": counts.tolist()}
+        counts = counts.to(device)
+        reference = None
+        for name, fn in (("segments", with_path("segments")), ("padded", with_path("padded")), ("loop", loop)):
+            try:
+                def step():
+                    x = rows.detach().requires_grad_()
+                    y = fn(x, counts)
+                    y.backward(grad)
+                    return y
+
+                y = step().detach()
+                reference = y if reference is None else reference
+                step()  # warm-up
+                median = bench_attention.median_time(step, reps, device)
+                entry[name] = {"median_fwd_bwd_s": median, "tflops": flops / median / 1e12,
+                               "max_abs_diff_vs_segments": (y.float() - reference.float()).abs().max().item()}
+            except Exception as exc:  # noqa: BLE001 - a path that does not run here is reported, not fatal
+                entry[name] = {"error": repr(exc)[:500]}
+            experts.zero_grad(set_to_none=True)
+        out[f"skew_{skew:g}"] = entry
+    experts.path = "auto"
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--output")
@@ -209,24 +279,36 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-tflops", type=float)
+    p.add_argument("--sections", nargs="+", default=["training", "attention", "moe"],
+                   choices=["training", "attention", "moe"])
     args = p.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run on CPU")
     os.environ["DS_ACCELERATOR"] = "cpu" if device == "cpu" else "cuda"
     before = machine()
+    attn = backends = moe = None
     if args.dry_run:
         sizes, variants, seq, mbs, steps, warmup = DRY, DRY_VARIANTS, 64, 2, 2, 1
-        attn = attention_kernels(1, 4, 64, 16, 2, device)
-        backends = bench_attention.run([64], 1, 4, 16, "fp32", device, 1)
+        if "attention" in args.sections:
+            attn = attention_kernels(1, 4, 64, 16, 2, device)
+            backends = bench_attention.run([64], 1, 4, 16, "fp32", device, 1)
+        if "moe" in args.sections:
+            moe = moe_experts(64, 64, 96, 4, 2, 2, device)
     else:
         sizes, seq, mbs = SIZES, args.seq_length, args.micro_batch_size
         variants = [v for v in VARIANTS if v[0] in args.models]
         steps, warmup = args.steps, args.warmup
-        attn = {"s2048": attention_kernels(mbs, 16, seq, 128, 10, device),
-                "s2048_hn64": attention_kernels(mbs, 16, seq, 64, 10, device)}
-        # The model's own paths (--attention-backend sdpa / flex / flash where installed), bf16.
-        backends = bench_attention.run([2048, 8192], 1, 16, 128, "bf16", device, 5)
+        if "attention" in args.sections:
+            attn = {"s2048": attention_kernels(mbs, 16, seq, 128, 10, device),
+                    "s2048_hn64": attention_kernels(mbs, 16, seq, 64, 10, device)}
+            # The model's own paths (--attention-backend sdpa / flex / flash where installed), bf16.
+            backends = bench_attention.run([2048, 8192], 1, 16, 128, "bf16", device, 5)
+        if "moe" in args.sections:  # Mixtral-8x7B's experts, top-2 of 8192 tokens
+            moe = moe_experts(8192, 4096, 14336, 8, 2, 10, device)
+            torch.cuda.empty_cache()
+    if "training" not in args.sections:
+        variants = ()
     training = {}
     for name, backend, compiled in variants:
         key = f"{name}/{backend}{'/compiled' if compiled else ''}"
@@ -245,7 +327,8 @@ def main() -> None:
                      "precision": "bf16 + BF16_Optimizer", "layout": "TP=PP=DP=1", "recompute": False},
           "compared_with": "the device's dense bf16 peak (MFU) and the planner's memory prediction; "
                            "attention: plain SDPA+bias vs FlexAttention ALiBi vs causal SDPA",
-          "training": training, "attention": attn, "attention_backends": backends, "machine": before}, args.output)
+          "training": training, "attention": attn, "attention_backends": backends, "moe_experts": moe,
+          "machine": before}, args.output)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,30 @@
-"""The MoE layer's forward + backward tokens/s: our grouped experts against a per-expert Python loop and against
-transformers' MixtralSparseMoeBlock, on the same shapes and the same weights, side by side in one run.
+"""The MoE layer's forward + backward tokens/s: our experts (unpadded segments, the padded bmm, a per-expert loop)
+against transformers' MixtralSparseMoeBlock, on the same shapes and the same weights, side by side in one run, in
+fp32 and bf16, with the achieved GFLOP/s against one large GEMM of the same FLOPs on this CPU (the roofline).
 
-    python -m benchmarks.bench_moe --output benchmarks/results/moe_<date>.json
-    python -m benchmarks.bench_moe --tokens 4096 --hidden-size 1024 --ffn-hidden-size 3584 --num-experts 8 --topk 2
+    python -m benchmarks.bench_moe --threads 2 --output benchmarks/results/moe_layer_<date>.json
+    python -m benchmarks.bench_moe --tokens 4096 --hidden-size 1024 --ffn-hidden-size 3584 --load-skew 2
 
 Paths (one process, no expert parallelism; softmax top-k routing renormalised, SwiGLU experts, no biases):
-    grouped      megatron.model.moe.MoELayer: router, dispatch sorted by expert, the local experts as one padded
-                 torch.bmm per matrix (megatron/model/moe/experts.py), combine
-    loop         the same layer with its experts run one by one (a Python loop of two matmuls per expert)
+    ours         megatron.model.moe.MoELayer: router, dispatch sorted by expert, the local experts unpadded as one
+                 torch._grouped_mm per matrix on the sorted segments (megatron/model/moe/experts.py), combine
+    ours_padded  the same layer with its experts padded to the busiest one and run as one torch.bmm per matrix
+                 (the layer's fallback where _grouped_mm cannot run; before issue 36 its only path)
+    ours_loop    the same layer with its experts run one by one (a Python loop of two matmuls per expert)
     transformers transformers' MixtralSparseMoeBlock holding the same router and expert weights, with each experts
                  implementation in --hf-implementations that runs here ("eager" is its per-expert loop, "grouped_mm"
                  torch's grouped GEMM; one that does not run is reported with its error). Not by default:
                  "batched_mm", which gathers a copy of the expert's weights for every routed token (T k x 3 f h
                  values: 15 GB at 1024 tokens, h 512, f 1792, top-2), more than a small machine holds
-Per path: median forward + backward seconds over --reps after --warmup, tokens/s, and the largest difference of
-its output from the grouped path's (the paths compute the same function). Prints ONE JSON line.
+    gemm_roofline one [T k, h] x [h, 3 f] product with its two backward products (dX, dW): the FLOPs of the routed
+                 experts' forward + backward in one large GEMM, what the kernels reach here without any grouping
+
+--load-skew s adds s to expert 0's router logit on average (a shared direction added to the hidden states and to
+expert 0's router row): 0 is near-balanced routing; the expert loads our router picks are reported.
+Per dtype and path: median forward + backward seconds over --reps after --warmup, tokens/s, the experts' achieved
+GFLOP/s (18 T k h f FLOPs: three h x f matrices, forward and two backward products; the router's are left out),
+its fraction of the roofline's, the speed against ours and against transformers' best path, and the largest
+difference of its output from ours (the paths compute the same function). Prints ONE JSON line.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from megatron.config import ModelConfig
 from megatron.config.moe import MoEConfig
 from megatron.model.moe import MoELayer
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 class LoopExperts(nn.Module):
     """The weights of a ``GroupedExperts``, run one expert at a time (rows grouped by expert, ``counts`` each)."""
@@ -51,7 +63,7 @@ class LoopExperts(nn.Module):
         return torch.cat(outputs)
 
 
-def build_layers(args) -> dict:
+def build_layers(args, skew_direction: torch.Tensor) -> dict:
     """name -> module mapping [s, b, h] to [s, b, h] (transformers' block: [b, s, h], transposed around it)."""
     moe = MoEConfig(num_experts=args.num_experts, layer_pattern=(True,), ffn_hidden_size=args.ffn_hidden_size,
                     router_topk=args.topk).validate(1)
@@ -59,12 +71,16 @@ def build_layers(args) -> dict:
                          seq_length=args.tokens, ffn_hidden_size=args.ffn_hidden_size, swiglu=True,
                          add_bias_linear=False, hidden_dropout=0.0,
                          attention_dropout=0.0, seed=1, moe=moe).validate()
-    grouped = MoELayer(config)
-    loop = copy.deepcopy(grouped)
+    ours = MoELayer(config)
+    with torch.no_grad():
+        ours.router.weight[0] += args.load_skew * skew_direction
+    padded = copy.deepcopy(ours)
+    padded.experts.path = "padded"
+    loop = copy.deepcopy(ours)
     loop.experts = LoopExperts(loop.experts)
-    layers = {"grouped": grouped, "loop": loop}
+    layers = {"ours": ours, "ours_padded": padded, "ours_loop": loop}
     for implementation in args.hf_implementations:
-        layers[f"transformers_{implementation}"] = _mixtral_block(grouped, args, implementation)
+        layers[f"transformers_{implementation}"] = _mixtral_block(ours, args, implementation)
     return layers
 
 
@@ -95,6 +111,18 @@ def _mixtral_block(ours: MoELayer, args, implementation: str) -> nn.Module:
     return _SequenceFirst(block)
 
 
+class GemmRoofline(nn.Module):
+    """One [M, h] x [h, 3 f] product (M = T k) whose backward is dX and dW: the experts' FLOPs as one GEMM."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.topk = args.topk
+        self.weight = nn.Parameter(torch.randn(3 * args.ffn_hidden_size, args.hidden_size) * 0.02)
+
+    def forward(self, hidden):  # [s, b, h]: every token k times stands in for the routed rows
+        return F.linear(hidden.reshape(-1, hidden.shape[-1]).repeat(self.topk, 1), self.weight)  # [T k, 3 f]
+
+
 def time_layer(layer: nn.Module, hidden: torch.Tensor, warmup: int, reps: int) -> tuple[float, torch.Tensor]:
     """Median forward + backward seconds, and the output of the first call."""
     times, first = [], None
@@ -110,12 +138,27 @@ def time_layer(layer: nn.Module, hidden: torch.Tensor, warmup: int, reps: int) -
     return statistics.median(times), first
 
 
-def run(args) -> dict:
+def expert_loads(layer: MoELayer, hidden: torch.Tensor) -> list[int]:
+    with torch.no_grad():
+        routing = layer.router(hidden.reshape(-1, hidden.shape[-1]))
+    return torch.bincount(routing.expert_index.flatten(), minlength=layer.config.num_experts).tolist()
+
+
+def run_dtype(args, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
-    layers = build_layers(args)
-    hidden = torch.randn(args.tokens, 1, args.hidden_size)  # [s, b, h]
+    direction = F.normalize(torch.randn(args.hidden_size), dim=0)
+    layers = build_layers(args, direction)
+    hidden = torch.randn(args.tokens, 1, args.hidden_size) + direction  # [s, b, h]
+    loads = expert_loads(layers["ours"], hidden)
+    hidden = hidden.to(dtype)
+    flops = 18 * args.tokens * args.topk * args.hidden_size * args.ffn_hidden_size
     rows, reference = {}, None
+    roofline = GemmRoofline(args).to(dtype)
+    seconds, _ = time_layer(roofline, hidden, args.warmup, args.reps)
+    roof_gflops = flops / seconds / 1e9
+    rows["gemm_roofline"] = {"fwd_bwd_s": round(seconds, 5), "gflops": round(roof_gflops, 1)}
     for name, layer in layers.items():
+        layer.to(dtype)
         try:
             seconds, out = time_layer(layer, hidden, args.warmup, args.reps)
         except Exception as error:  # noqa: BLE001 - an implementation that does not run here is reported
@@ -123,12 +166,22 @@ def run(args) -> dict:
             continue
         reference = out if reference is None else reference
         rows[name] = {"fwd_bwd_s": round(seconds, 5), "tokens_per_s": round(args.tokens / seconds, 1),
-                      "max_abs_diff_vs_grouped": float((out - reference).abs().max())}
-    grouped = rows["grouped"]["tokens_per_s"]
-    for row in rows.values():
-        if "tokens_per_s" in row:
-            row["speed_vs_grouped"] = round(row["tokens_per_s"] / grouped, 3)
-    return rows
+                      "expert_gflops": round(flops / seconds / 1e9, 1),
+                      "fraction_of_roofline": round(flops / seconds / 1e9 / roof_gflops, 3),
+                      "max_abs_diff_vs_ours": float((out.float() - reference.float()).abs().max())}
+        if name == "ours":
+            rows[name]["experts_path"] = "segments" if layer.experts.uses_segments(
+                hidden.reshape(-1, args.hidden_size)) else "padded"
+    timed = {name: row for name, row in rows.items() if "tokens_per_s" in row}
+    hf = [row["tokens_per_s"] for name, row in timed.items() if name.startswith("transformers_")]
+    best_hf = max(hf) if hf else None
+    for name, row in timed.items():
+        row["speed_vs_ours"] = round(row["tokens_per_s"] / timed["ours"]["tokens_per_s"], 3)
+        if best_hf:
+            row["speed_vs_best_transformers"] = round(row["tokens_per_s"] / best_hf, 3)
+    mean = sum(loads) / len(loads)
+    return {"expert_loads": loads, "busiest_over_mean": round(max(loads) / mean, 3), "routed_flops": flops,
+            "paths": rows}
 
 
 def main(argv=None) -> None:
@@ -138,6 +191,9 @@ def main(argv=None) -> None:
     p.add_argument("--ffn-hidden-size", type=int, default=3584)
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
+    p.add_argument("--load-skew", type=float, default=0.0,
+                   help="added to expert 0's router logit on average (0: near-balanced routing)")
     p.add_argument("--hf-implementations", nargs="*", default=["eager", "grouped_mm"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
@@ -147,10 +203,11 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = machine()
-    results = run(args)
-    config = {k: v for k, v in vars(args).items() if k != "output"}
-    emit({"benchmark": "moe_layer", "config": config, "dtype": "fp32", "device": "cpu", "cpu_flags": cpu_flags(),
-          "threads": torch.get_num_threads(), "machine_at_start": start, "results": results}, args.output)
+    results = {name: run_dtype(args, DTYPES[name]) for name in args.dtype}
+    config = {k: v for k, v in vars(args).items() if k not in ("output", "dtype")}
+    emit({"benchmark": "moe_layer", "config": config, "dtypes": args.dtype, "device": "cpu",
+          "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "machine_at_start": start,
+          "results": results}, args.output)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ where the stage would otherwise wait.
 A layer that can defer carries ``weight_grad_store`` (None: the plain ``F.linear`` / ``torch.bmm``, autograd
 computes both products, bit for bit as before). Column/RowParallelLinear, the vocab-parallel heads, the MoE
 router (``linear`` on a weight of another dtype: it computes in the input's, fp32) and the grouped experts
-(``grouped_linear``: one batched product per matrix, G groups) do.
+(``grouped_linear``: one batched product per matrix over G padded groups; ``segment_linear``: one
+``torch._grouped_mm`` per matrix over G sorted, unpadded row segments) do.
 
 Shape letters: t tokens (every leading dim flattened), h input features, o output features, G groups (experts).
 """
@@ -29,7 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["WeightGradStore", "linear", "grouped_linear", "defer_weight_grads"]
+__all__ = ["WeightGradStore", "linear", "grouped_linear", "segment_linear", "defer_weight_grads"]
 
 
 class WeightGradStore:
@@ -140,6 +141,71 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, store: Optional[Weight
     if store is None or not torch.is_grad_enabled():
         return torch.bmm(x, weight.transpose(1, 2))
     return _GroupedDeferredWeightGrad.apply(x, weight, store)
+
+
+def _paired_to_halves(weight: torch.Tensor) -> torch.Tensor:
+    """[G, 2n, h] with rows a_0, b_0, a_1, b_1, ... -> a copy with rows a_0 .. a_n-1, b_0 .. b_n-1."""
+    return weight.unflatten(1, (-1, 2)).transpose(1, 2).reshape(weight.shape)
+
+
+def _halves_to_paired(weight: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_paired_to_halves``."""
+    return weight.unflatten(1, (2, -1)).transpose(1, 2).reshape(weight.shape)
+
+
+def _segment_weight_grad(x: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tensor,
+                         paired_rows: bool) -> torch.Tensor:
+    # dW [G, o, h]: dY_g^T [o, t_g] @ X_g [t_g, h] for every segment g (zeros for an empty one)
+    grad = torch._grouped_mm(grad_output.t(), x, offs=offs)
+    return _halves_to_paired(grad) if paired_rows else grad
+
+
+@torch.no_grad()
+def _accumulate_segment_weight_grad(weight: torch.nn.Parameter, x: torch.Tensor, grad_output: torch.Tensor,
+                                    offs: torch.Tensor, paired_rows: bool) -> None:
+    _accumulate(weight, _segment_weight_grad(x, grad_output, offs, paired_rows))
+
+
+class _SegmentLinear(torch.autograd.Function):
+    """Y_g = X_g W_g^T for every sorted row segment g (one ``torch._grouped_mm``); the backward returns dX and
+    computes dW at once (no store) or defers it to the store."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offs, store, paired_rows):
+        ctx.save_for_backward(x, offs)
+        ctx.weight, ctx.store, ctx.paired_rows = weight, store, paired_rows  # the parameter (_LinearDeferred...)
+        w = _paired_to_halves(weight) if paired_rows else weight
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # [t, o]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x, offs), weight = ctx.saved_tensors, ctx.weight
+        grad_output = grad_output.contiguous()  # the kernel wants 16-byte aligned strides
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            w = _paired_to_halves(weight) if ctx.paired_rows else weight
+            grad_input = torch._grouped_mm(grad_output, w.to(grad_output.dtype), offs=offs)  # [t, h]
+        if ctx.needs_input_grad[1]:
+            if ctx.store is None:
+                grad_weight = _segment_weight_grad(x, grad_output, offs, ctx.paired_rows)
+            else:
+                ctx.store.defer(partial(_accumulate_segment_weight_grad, weight, x, grad_output, offs,
+                                        ctx.paired_rows))
+        return grad_input, grad_weight, None, None, None
+
+
+def segment_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, store: Optional[WeightGradStore],
+                   paired_rows: bool = False) -> torch.Tensor:
+    """x [t, h] sorted into G segments ending at ``offs`` (int32 [G], cumulative row counts), weight [G, o, h]
+    -> [t, o]: ``X_g W_g^T`` per segment, no padding. ``paired_rows``: the weight's rows are interleaved pairs
+    (a_0, b_0, a_1, ...; SwiGLU's gate / up) and the output's columns come out as halves [a | b] (the product
+    runs on a de-interleaved copy; gradients reach the weight in its own layout). With a store, the weight
+    gradient is deferred to it (outside grad mode nothing is). Needs ``torch._grouped_mm`` for x's device and
+    dtype and 16-byte aligned rows (h and o)."""
+    if not torch.is_grad_enabled():
+        w = _paired_to_halves(weight) if paired_rows else weight
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    return _SegmentLinear.apply(x, weight, offs, store, paired_rows)
 
 
 def defer_weight_grads(module: torch.nn.Module, store: Optional[WeightGradStore]) -> int:

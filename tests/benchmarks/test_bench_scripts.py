@@ -97,29 +97,52 @@ def test_bench_pipeline_bubble_counts_the_three_schedules_against_the_formulas()
     assert round(row["interleaved_v2"]["bubble_fraction"], 6) == round(3 / 19, 6)  # (p - 1) / (v m + p - 1)
 
 
-def test_bench_moe_times_grouped_loop_and_transformers_experts_on_the_same_weights(monkeypatch):
+def test_bench_moe_times_our_experts_and_transformers_experts_on_the_same_weights(monkeypatch):
     import argparse
 
     from benchmarks import bench_moe
 
-    outputs = []  # each layer's output, the grouped one first: its size scales the tolerance below
+    outputs = {}  # each layer's output by the order it ran: the roofline GEMM first, then ours
     time_layer = bench_moe.time_layer
 
     def recording(*args):
         seconds, out = time_layer(*args)
-        outputs.append(out)
+        outputs[len(outputs)] = out
         return seconds, out
 
     monkeypatch.setattr(bench_moe, "time_layer", recording)
     args = argparse.Namespace(tokens=32, hidden_size=16, ffn_hidden_size=24, num_experts=4, topk=2,
-                              hf_implementations=["eager"], warmup=0, reps=1)
-    rows = bench_moe.run(args)
-    assert set(rows) == {"grouped", "loop", "transformers_eager"}, rows
-    # the three compute the same function (transformers' Mixtral block holds our router and experts) in fp32:
+                              hf_implementations=["eager"], warmup=0, reps=1, load_skew=0.0)
+    result = bench_moe.run_dtype(args, torch.float32)
+    rows = result["paths"]
+    assert set(rows) == {"gemm_roofline", "ours", "ours_padded", "ours_loop", "transformers_eager"}, rows
+    assert rows["ours"]["experts_path"] == "segments"
+    assert sum(result["expert_loads"]) == 32 * 2
+    # the four compute the same function (transformers' Mixtral block holds our router and experts) in fp32:
     # the router's product, the scores and their renormalization (5), the expert's two products, SiLU and the gate
     # product (4), the weighting and the sum over the chosen experts (2): depth 12, the longest sum over 24.
-    bound = tolerance(torch.float32, 12, 24, outputs[0].abs().max().item())
+    bound = tolerance(torch.float32, 12, 24, outputs[1].abs().max().item())
     for name, row in rows.items():
-        assert row["tokens_per_s"] > 0 and row["fwd_bwd_s"] > 0, name
-        assert row["max_abs_diff_vs_grouped"] <= bound, (name, row)
-    assert rows["grouped"]["speed_vs_grouped"] == 1.0
+        assert row["fwd_bwd_s"] > 0, name
+        if name != "gemm_roofline":
+            assert row["tokens_per_s"] > 0 and row["expert_gflops"] > 0, name
+            assert row["max_abs_diff_vs_ours"] <= bound, (name, row)
+    assert rows["ours"]["speed_vs_ours"] == 1.0
+    assert rows["transformers_eager"]["speed_vs_best_transformers"] == 1.0
+    # a skewed router: expert 0 takes more than its even share
+    skewed = bench_moe.run_dtype(argparse.Namespace(**{**vars(args), "load_skew": 4.0}), torch.float32)
+    assert skewed["expert_loads"][0] == max(skewed["expert_loads"]) > 32 * 2 / 4
+
+
+def test_bench_gpu_moe_row_runs_its_three_expert_paths_on_cpu():
+    from benchmarks import bench_gpu
+
+    out = bench_gpu.moe_experts(tokens=16, hidden=16, ffn=24, num_experts=4, topk=2, reps=1, device="cpu")
+    for skew in ("skew_0", "skew_2"):
+        entry = out[skew]
+        assert sum(entry["counts"]) == 32
+        # the same bf16 experts three ways: two products, SiLU and the gate product (4), sums over 24
+        for path in ("segments", "padded", "loop"):
+            assert "error" not in entry[path], (skew, path, entry[path])
+            assert entry[path]["median_fwd_bwd_s"] > 0
+            assert entry[path]["max_abs_diff_vs_segments"] <= tolerance(torch.bfloat16, 4, 24, 1.0), (skew, path)

@@ -311,3 +311,112 @@ def test_flops_count_the_routed_experts_and_the_router():
     assert moe.flops_per_iteration(8, False) == tiny_config(ffn_hidden_size=100).flops_per_iteration(8, False)
     half = tiny_config(moe=moe_config(ffn_hidden_size=48, layer_pattern=(False, True)), ffn_hidden_size=256)
     assert half.mlp_flops_width == (256 + 100) / 2
+
+
+# ---- the local experts alone: unpadded segments (torch._grouped_mm) and the padded bmm against plain torch ----
+
+# An expert: its first product (and bias), the activation (SwiGLU: silu and the product with up), the second
+# product and bias. Gradients: one product back through each and the weight gradient's own.
+EXPERT_DEPTH = 5
+EXPERT_GRAD_DEPTH = 2 * EXPERT_DEPTH + 1
+
+
+def _experts(num: int, hidden: int, ffn: int, swiglu: bool, bias: bool, dtype: torch.dtype):
+    from megatron.model.moe.experts import GroupedExperts
+
+    def init(e, std):
+        return lambda t: t.normal_(0, std, generator=torch.Generator().manual_seed(10 + e))
+
+    experts = GroupedExperts(hidden, ffn, range(num), swiglu=swiglu, bias=bias, w1_init=lambda e: init(e, 0.2),
+                             w2_init=lambda e: init(e + num, 0.2))
+    with torch.no_grad():
+        for p in (experts.fc1_bias, experts.fc2_bias):
+            if p is not None:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(7))
+    return experts.to(dtype)
+
+
+def _reference_experts(weights: dict, rows: torch.Tensor, counts: list, swiglu: bool) -> torch.Tensor:
+    """Plain float64 torch on ``weights`` (name -> tensor), one expert's slice of rows at a time."""
+    outs, start = [], 0
+    w1, w2, b1, b2 = (weights.get(name) for name in ("w1", "w2", "fc1_bias", "fc2_bias"))
+    for e, n in enumerate(counts):
+        x = rows[start:start + n]
+        hidden = x @ w1[e].double().T
+        if b1 is not None:
+            hidden = hidden + b1[e].double()
+        if swiglu:
+            hidden = torch.nn.functional.silu(hidden[:, 0::2]) * hidden[:, 1::2]  # rows interleaved gate, up
+        else:
+            hidden = torch.nn.functional.gelu(hidden, approximate="tanh")
+        y = hidden @ w2[e].double().T
+        outs.append(y + b2[e].double() if b2 is not None else y)
+        start += n
+    return torch.cat(outs)
+
+
+def _expert_grads(experts, rows, counts, g, path: str, store=None):
+    experts.path = path
+    experts.zero_grad(set_to_none=True)
+    x = rows.detach().clone().requires_grad_()
+    out = experts(x, torch.tensor(counts))
+    (out * g).sum().backward()
+    if store is not None:
+        assert all(p.grad is None for p in (experts.w1, experts.w2))  # deferred to the W pass
+        store.close_micro_batch()
+        store.run_oldest()
+    return out.detach(), x.grad, {name: p.grad.clone() for name, p in experts.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("swiglu,bias", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("counts", [[5, 0, 9, 2], [0, 0, 16, 0], [1, 6, 3, 7]])
+def test_unpadded_and_padded_experts_match_plain_torch_per_expert(dtype, swiglu, bias, counts):
+    from megatron.parallel.weight_grad_store import WeightGradStore, defer_weight_grads
+
+    hidden, ffn = 32, 48
+    experts = _experts(len(counts), hidden, ffn, swiglu, bias, dtype)
+    rows = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(8)).to(dtype)
+    g = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(9)).to(dtype)
+    assert experts.uses_segments(rows)  # aligned: h 32, W1 rows 96 / 48, fp 48
+    x = rows.double().requires_grad_()
+    params = {name: p.detach().double().requires_grad_() for name, p in experts.named_parameters()}
+    ref = _reference_experts(params, x, counts, swiglu)
+    (ref * g.double()).sum().backward()
+
+    def close(got, expected, depth, what):
+        bound = tolerance(dtype, depth, ffn, expected.abs().max().item())
+        diff = (got.double() - expected).abs().max().item()
+        assert diff <= bound, (what, diff, bound)
+
+    runs = {"segments": _expert_grads(experts, rows, counts, g, "segments"),
+            "padded": _expert_grads(experts, rows, counts, g, "padded")}
+    store = WeightGradStore()
+    defer_weight_grads(experts, store)
+    runs["segments_deferred"] = _expert_grads(experts, rows, counts, g, "segments", store)
+    store.assert_empty()
+    for path, (out, x_grad, grads) in runs.items():
+        close(out, ref, EXPERT_DEPTH, f"{path} output")
+        close(x_grad, x.grad, EXPERT_GRAD_DEPTH, f"{path} input gradient")
+        for name, grad in grads.items():
+            close(grad, params[name].grad, EXPERT_GRAD_DEPTH, f"{path} {name}")
+            if name in ("w1", "w2"):  # an empty expert's weight gradient is exactly zero, not left-over memory
+                for e, n in enumerate(counts):
+                    assert n or not grads[name][e].any(), (path, name, e)
+    # the deferred W pass runs the same products as the immediate backward
+    for name, grad in runs["segments"][2].items():
+        assert torch.equal(grad, runs["segments_deferred"][2][name]), name
+
+
+def test_misaligned_experts_fall_back_to_the_padded_bmm():
+    counts = [3, 0, 4]
+    experts = _experts(3, 6, 10, True, False, torch.float32)  # h 6: rows of 24 bytes, not a multiple of 16
+    rows = torch.randn(7, 6, generator=torch.Generator().manual_seed(8))
+    assert not experts.uses_segments(rows)
+    with pytest.raises(ValueError, match="_grouped_mm does not run here"):
+        experts.path = "segments"
+        experts.uses_segments(rows)
+    experts.path = "auto"
+    out = experts(rows, torch.tensor(counts))
+    ref = _reference_experts(dict(experts.named_parameters()), rows.double(), counts, True)
+    assert (out.double() - ref).abs().max().item() <= tolerance(torch.float32, EXPERT_DEPTH, 10, ref.abs().max().item())

@@ -4,10 +4,16 @@
     W2 [El, h, fp]
     y = act(x_e W1_e^T + b1_e) W2_e^T + b2_e     for the rows x_e of each local expert e
 
-The rows of all local experts are padded to the largest expert's count and run through ``torch.bmm`` once per
-matrix (``--moe-grouped-gemm``'s intent without a grouped-GEMM kernel; with one local expert there is no
-padding). Under ZB-H1 (``weight_grad_store`` set by ``defer_weight_grads``) both products defer their weight
-gradients to the store (``weight_grad_store.grouped_linear``); the biases' stay in the backward pass. Tensor
+The rows arrive sorted by local expert (``counts`` each), i.e. as sorted segments, and run unpadded through
+``torch._grouped_mm`` once per matrix (``weight_grad_store.segment_linear``; CPU fp32 / bf16, CUDA bf16). For
+SwiGLU the interleaved gate / up rows of W1 are de-interleaved into a copy for the product (checkpoints keep the
+interleaved layout); its output is [gate | up]. Where the kernel cannot run (another dtype or device, rows of
+h or fp not a multiple of 16 bytes) the rows of all local experts are padded to the busiest expert's count C
+and run through ``torch.bmm`` once per matrix (``weight_grad_store.grouped_linear``); one local expert needs
+no padding and runs as one bmm. Measured (benchmarks/bench_moe.py, docs/performance.md): on CPU the segments
+beat the padded bmm (whose waste grows with the imbalance) and a per-expert ``mm`` loop. Under ZB-H1
+(``weight_grad_store`` set by ``defer_weight_grads``) both products defer their weight gradients to the store;
+the biases' stay in the backward pass. Tensor
 parallelism splits every expert along f exactly as the dense MLP is split: the input enters
 through copy-to-TP (backward: all-reduce), the partial outputs are all-reduced before the bias.
 
@@ -31,7 +37,7 @@ from torch import nn
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from megatron.parallel.state import group_rank, group_size
 from megatron.parallel.utils import fp32_empty, set_tensor_model_parallel_attributes
-from megatron.parallel.weight_grad_store import grouped_linear
+from megatron.parallel.weight_grad_store import grouped_linear, segment_linear
 
 __all__ = ["GroupedExperts", "mark_expert_parallel", "is_expert_parallel"]
 
@@ -76,6 +82,23 @@ def _padded_rows(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]
     return expert, slot, int(counts.max()) if counts.numel() else 0
 
 
+_GROUPED_MM: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs on ``device`` in ``dtype`` (probed once on a toy, then cached)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM:
+        try:
+            x = torch.zeros(4, 16, device=device, dtype=dtype)
+            w = torch.zeros(2, 16, 16, device=device, dtype=dtype)
+            torch._grouped_mm(x, w, offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
+            _GROUPED_MM[key] = True
+        except (RuntimeError, AttributeError, NotImplementedError):
+            _GROUPED_MM[key] = False
+    return _GROUPED_MM[key]
+
+
 class GroupedExperts(nn.Module):
     """The experts ``expert_ids`` (global indices) of one layer, tensor-parallel over ``tp_group``.
 
@@ -98,6 +121,36 @@ class GroupedExperts(nn.Module):
         self.fc1_bias = _bias(len(expert_ids), width // group_size(tp_group), True) if bias else None
         self.fc2_bias = _bias(len(expert_ids), hidden_size, False) if bias else None
         self.weight_grad_store = None  # ZB-H1: where W1's and W2's gradients are deferred (weight_grad_store.py)
+        self.path = "auto"  # "segments" (torch._grouped_mm), "padded" (bmm) or "auto": segments where they run
+
+    def uses_segments(self, rows: torch.Tensor) -> bool:
+        """Whether ``rows`` go through the unpadded segments (``path``, the kernel, 16-byte aligned strides)."""
+        if self.path == "padded":
+            return False
+        width = rows.element_size()
+        aligned = all(n * width % 16 == 0 for n in (rows.shape[-1], self.w1.shape[1], self.w2.shape[-1]))
+        runs = aligned and self.w1.dtype == rows.dtype and grouped_mm_runs(rows.device, rows.dtype)
+        if self.path == "segments" and not runs:
+            raise ValueError(f"torch._grouped_mm does not run here ({rows.device.type}, {rows.dtype}, h "
+                             f"{rows.shape[-1]}, W1 rows {self.w1.shape[1]}, fp {self.w2.shape[-1]})")
+        return runs
+
+    def _segments(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [M, h] sorted by expert -> partial output [M, h], unpadded (this TP rank's share of f)."""
+        offs = torch.cumsum(counts, 0).to(device=rows.device, dtype=torch.int32)  # [El] each segment's end
+        hidden = segment_linear(rows.contiguous(), self.w1, offs, self.weight_grad_store, paired_rows=self.swiglu)
+        if self.fc1_bias is not None:  # [M, fp] (swiglu: [M, 2 fp], [gate | up])
+            bias = self.fc1_bias
+            if self.swiglu:
+                bias = bias.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # [El, 2 fp] as [gate | up]
+            expert = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts.to(rows.device))
+            hidden = hidden + bias[expert]  # [M, 2 fp]
+        if self.swiglu:
+            gate, up = hidden.chunk(2, -1)  # 2 x [M, fp]
+            hidden = F.silu(gate) * up
+        else:
+            hidden = F.gelu(hidden, approximate="tanh")
+        return segment_linear(hidden, self.w2, offs, self.weight_grad_store)  # [M, h]
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """x [El, C, h] -> partial output [El, C, h] (this TP rank's share of f)."""
@@ -116,6 +169,8 @@ class GroupedExperts(nn.Module):
         rows = copy_to_tensor_model_parallel_region(rows, self.tp_group)
         if self.w1.shape[0] == 1:
             out = self._mlp(rows[None])[0]  # [M, h]
+        elif self.uses_segments(rows):
+            out = self._segments(rows, counts)
         else:
             expert, slot, capacity = _padded_rows(counts)
             grid = rows.new_zeros(self.w1.shape[0], capacity, rows.shape[-1])  # [El, C, h]
