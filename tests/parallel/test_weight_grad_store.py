@@ -124,7 +124,7 @@ def test_store_refuses_a_w_pass_without_a_backward_and_a_step_with_waiting_ones(
         store.assert_empty()
 
 
-@pytest.mark.parametrize("experts", [4, 1])  # 4: the padded [El, C, h] grid; 1: every row to one expert
+@pytest.mark.parametrize("experts", [4, 1])  # 4: the unpadded row segments; 1: every row to one expert
 def test_moe_layer_defers_its_experts_and_router_weights(experts):
     """The grouped experts' W1 and W2 (one batched product each) and the router's weight (computed in fp32) leave
     their ``.grad`` to the W pass, one pass per backward; the biases' come in the backward pass. After the W pass
