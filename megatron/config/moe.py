@@ -14,6 +14,9 @@ from megatron.config.combinations import check_combinations
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 TOKEN_DROP_POLICIES = ("probs", "position")
+# Megatron-LM's --moe-router-load-balancing-type values that run here: the Switch loss over the micro-batch, DeepSeek-V2's
+# sequence-wise one, or no balancing loss.
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 
 
 def parse_layer_freq(value: str, num_layers: int) -> tuple[bool, ...]:
@@ -63,7 +66,8 @@ class MoEConfig:
     router_topk_scaling_factor: Optional[float] = None
     router_num_groups: Optional[int] = None  # group-limited routing: experts split in this many groups ...
     router_group_topk: Optional[int] = None  # ... of which each token may use this many (DeepSeek-V3: 8, 4)
-    aux_loss_coeff: float = 0.0              # Switch / GShard load-balancing loss
+    aux_loss_coeff: float = 0.0              # Switch / GShard load-balancing loss (over the micro-batch)
+    seq_aux_loss_coeff: float = 0.0          # DeepSeek-V2's sequence-wise balance loss (per sequence, averaged)
     z_loss_coeff: float = 0.0                # ST-MoE router z-loss
     router_enable_expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3): a per-expert routing bias
     router_bias_update_rate: float = 1e-3    # ... moved by this much, by sign, after each optimizer step
@@ -94,6 +98,9 @@ class MoEConfig:
         for name in ("aux_loss_coeff", "z_loss_coeff", "router_bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--moe-{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.seq_aux_loss_coeff < 0:
+            raise ValueError(f"--moe-aux-loss-coeff of seq_aux_loss (--moe-router-load-balancing-type) must be >= 0, "
+                             f"got {self.seq_aux_loss_coeff}")
         self._validate_groups()
         return self
 

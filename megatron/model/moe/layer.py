@@ -8,11 +8,12 @@ Sequence parallelism (TP with --sequence-parallel): each TP rank holds s/tp of t
 over TP on entry (its backward keeps this rank's slice: every TP rank then runs the routed path on the same full
 tokens and computes the same full gradient) and hands back this rank's slice; the shared expert, a ParallelMLP
 built for sequence parallelism, works on the local slice. Context parallelism and Ulysses (``groups.tokens``, the
-token-sharding group): each rank routes its own tokens; the aux and z losses are this rank's parts of the whole
-micro-batch's (``router.aux_loss``; the choices per expert summed over the group) and the statistics count 1 / n of
+token-sharding group): each rank routes its own tokens; the aux (or sequence-wise aux) and z losses are this
+rank's parts of the whole micro-batch's (``router.aux_loss``, ``router.seq_aux_loss``; the choices per expert, and
+per sequence and expert, summed over the group) and the statistics count 1 / n of
 a forward per rank. The expert capacity is per rank, on its own tokens (as in Megatron-LM).
 
-The balancing losses (aux, z) are not returned: like Megatron-LM's MoEAuxLossAutoScaler, the layer hands them
+The balancing losses (aux, sequence-wise aux, z) are not returned: like Megatron-LM's MoEAuxLossAutoScaler, the layer hands them
 to autograd through its output (``AuxLossScaler``), so they train the router on every pipeline stage without
 travelling with the activations. Their gradient is ``aux_loss_scale`` (set it to 1 / the micro-batches per step
 with ``set_aux_loss_scale``, which is how the language-model loss is scaled), so the optimized objective is
@@ -33,7 +34,15 @@ from megatron.config import ModelConfig
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.moe.dispatch import combine, dispatch, ep_rank_experts, plan_dispatch
 from megatron.model.moe.experts import GroupedExperts
-from megatron.model.moe.router import TopKRouter, aux_loss, new_expert_bias, tokens_per_expert, z_loss
+from megatron.model.moe.router import (
+    TopKRouter,
+    aux_loss,
+    new_expert_bias,
+    seq_aux_loss,
+    sequence_counts,
+    tokens_per_expert,
+    z_loss,
+)
 from megatron.parallel.mappings import gather_replicated_sequence_region, scatter_to_sequence_parallel_region
 from megatron.parallel.state import LayerGroups, group_size
 
@@ -113,14 +122,20 @@ class MoELayer(nn.Module):
             output = output + self.shared_expert(local)
         if not self.training:
             return output
-        shards = group_size(self.tokens_group)
-        counts = None
-        if shards > 1:  # the choices of the whole micro-batch (every shard's), for f_e
-            counts = tokens_per_expert(routing.expert_index.detach(), self.config.num_experts)
+        shards, num_experts = group_size(self.tokens_group), self.config.num_experts
+        per_sequence = self.config.seq_aux_loss_coeff > 0
+        counts = seq_counts = None
+        if shards > 1:  # the choices of the whole micro-batch (every shard's), for f_e (and per sequence, f_je)
+            counts = tokens_per_expert(routing.expert_index.detach(), num_experts)
+            if per_sequence:
+                counts = torch.cat([counts, sequence_counts(routing.expert_index.detach(), num_experts, b).flatten()])
             torch.distributed.all_reduce(counts, group=self.tokens_group)
+            counts, seq_counts = counts[:num_experts], counts[num_experts:].view(-1, num_experts)
         aux, z = aux_loss(routing, self.config, counts, shards), z_loss(routing, self.config, shards)
+        if per_sequence:
+            aux = aux + seq_aux_loss(routing, self.config, b, seq_counts, shards)
         self._count(routing, plan, aux, z, 1.0 / shards)
-        if self.config.aux_loss_coeff > 0 or self.config.z_loss_coeff > 0:
+        if self.config.aux_loss_coeff > 0 or self.config.seq_aux_loss_coeff > 0 or self.config.z_loss_coeff > 0:
             loss = aux + z
             self.last_aux_loss = loss.detach()
             output = AuxLossScaler.apply(output, loss, self.aux_loss_scale)

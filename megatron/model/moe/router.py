@@ -11,10 +11,12 @@ the one over the vocabulary):
               times the scaling factor
     aux     = coeff * E * sum_e f_e * P_e                (Switch Transformer eq. 4-6; f_e the fraction of the
               T * k choices that went to expert e, P_e the mean of its (sum-normalised) score)
+    seq aux = coeff * E * mean_j sum_e f_je * P_je       (DeepSeek-V2 eq. 12-14, --moe-router-load-balancing-type
+              seq_aux_loss: f and P as above, over the tokens of sequence j only, averaged over the b sequences)
     z       = coeff * mean_t logsumexp(logits_t)^2        (ST-MoE eq. 5)
 
 With the micro-batch's tokens split over n ranks (context parallelism, Ulysses), each rank computes its part of
-both: f_e from the choices counted over the n ranks, P_e and the z mean over its own tokens divided by n, so the
+all three: f_e (f_je) from the choices counted over the n ranks, P_e and the z mean over its own tokens divided by n, so the
 parts sum to the losses of the whole micro-batch, and so do their gradients.
 
 The bias (aux-loss-free balancing, DeepSeek-V3) only steers the choice, never the weights; it is not a
@@ -33,7 +35,8 @@ from torch import nn
 
 from megatron.config.moe import MoEConfig
 
-__all__ = ["Routing", "TopKRouter", "route", "aux_loss", "z_loss", "new_expert_bias"]
+__all__ = ["Routing", "TopKRouter", "route", "aux_loss", "seq_aux_loss", "sequence_counts", "z_loss",
+           "new_expert_bias"]
 
 
 @dataclasses.dataclass
@@ -78,6 +81,13 @@ def tokens_per_expert(expert_index: torch.Tensor, num_experts: int) -> torch.Ten
     return torch.bincount(expert_index.flatten(), minlength=num_experts)
 
 
+def _balance_scores(routing: Routing, config: MoEConfig) -> torch.Tensor:
+    """[T, E]: the scores P_e averages (sigmoid scores, which do not sum to 1, normalised per token)."""
+    if config.router_score_function == "sigmoid":
+        return routing.scores / (routing.scores.sum(-1, keepdim=True) + 1e-20)
+    return routing.scores
+
+
 def aux_loss(routing: Routing, config: MoEConfig, counts: torch.Tensor | None = None, shards: int = 1) -> torch.Tensor:
     """The load-balancing loss (a scalar, 0 when its coefficient is).
 
@@ -86,9 +96,7 @@ def aux_loss(routing: Routing, config: MoEConfig, counts: torch.Tensor | None = 
     and the result is this rank's part (Megatron-LM's form): f_e from the whole micro-batch's choices, P_e's sum over
     this rank's tokens only, so that the ranks' parts add up to the whole micro-batch's loss, value and gradient."""
     num_tokens, num_experts = routing.scores.shape
-    scores = routing.scores
-    if config.router_score_function == "sigmoid":  # sigmoid scores do not sum to 1: normalise them for P_e
-        scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    scores = _balance_scores(routing, config)
     if counts is None:
         counts = tokens_per_expert(routing.expert_index, num_experts)
     fraction = counts.float() / (num_tokens * shards * config.router_topk)
@@ -96,6 +104,32 @@ def aux_loss(routing: Routing, config: MoEConfig, counts: torch.Tensor | None = 
     if shards > 1:  # this rank's share of the whole micro-batch's mean
         mean_score = mean_score / shards
     return config.aux_loss_coeff * num_experts * (fraction * mean_score).sum()
+
+
+def sequence_counts(expert_index: torch.Tensor, num_experts: int, batch: int) -> torch.Tensor:
+    """How many of each sequence's choices went to each expert: [T, k] -> [b, E] int64, for T = s * b tokens laid
+    out sequence-position-major (token t = i * b + j is position i of sequence j, the [s, b, h] activations'
+    order)."""
+    sequence = torch.arange(expert_index.shape[0], device=expert_index.device) % batch  # [T]
+    flat = (sequence[:, None] * num_experts + expert_index).flatten()  # [T * k]: (sequence, expert) pairs
+    return torch.bincount(flat, minlength=batch * num_experts).view(batch, num_experts)
+
+
+def seq_aux_loss(routing: Routing, config: MoEConfig, batch: int, counts: torch.Tensor | None = None,
+                 shards: int = 1) -> torch.Tensor:
+    """DeepSeek-V2's sequence-wise balance loss (a scalar, 0 when ``seq_aux_loss_coeff`` is): the aux loss of each
+    of the ``batch`` sequences of the T = s * b tokens (``sequence_counts``' layout), averaged over them.
+
+    Split over ``shards`` ranks each holding s / shards positions of every sequence (context parallelism,
+    Ulysses), ``counts`` [b, E] are the choices per sequence and expert summed over those ranks and the result is
+    this rank's part, as in ``aux_loss``: the parts add up to the whole micro-batch's loss, value and gradient."""
+    num_tokens, num_experts = routing.scores.shape
+    positions = num_tokens // batch  # this rank's s / shards
+    if counts is None:
+        counts = sequence_counts(routing.expert_index, num_experts, batch)
+    fraction = counts.float() / (positions * shards * config.router_topk)  # [b, E]
+    mean_score = _balance_scores(routing, config).view(positions, batch, num_experts).mean(0) / shards  # [b, E]
+    return config.seq_aux_loss_coeff * num_experts * (fraction * mean_score).sum() / batch
 
 
 def z_loss(routing: Routing, config: MoEConfig, shards: int = 1) -> torch.Tensor:
