@@ -3,7 +3,7 @@ Megatron-DeepSpeed's spellings accepted where they mean the same thing (``--moe-
 ``--topk``, ``--moe-loss-coeff``, ``--moe-train-capacity-factor``) and refused by name where they do not
 (``--mlp-type residual``, several expert counts for ``--num-experts``). Megatron-LM's flags for what does not
 run here are refused with their cause (``REFUSED_VALUES``: the sinkhorn and global balancing losses, the
-all-gather and DeepEP dispatchers, fp64 routing, random routing); its kernel choices (``--moe-grouped-gemm``,
+DeepEP dispatcher, fp64 routing, random routing); its kernel choices (``--moe-grouped-gemm``,
 ``--moe-permute-fusion``) are accepted with a startup warning (``moe_warnings``).
 """
 
@@ -32,9 +32,6 @@ REFUSED_VALUES = {
         "at every micro-batch and a running mean reset each step); use aux_loss (per micro-batch) or seq_aux_loss",
     ("--moe-router-load-balancing-type", "quantile_balancing"):
         "quantile balancing is not implemented; use --moe-router-enable-expert-bias (aux-loss-free balancing)",
-    ("--moe-token-dispatcher-type", "allgather"):
-        "the all-gather dispatcher is not implemented; alltoall (the default here) sends each token to the "
-        "expert-parallel ranks holding its chosen experts and computes the same outputs",
     ("--moe-token-dispatcher-type", "flex"):
         "the flex dispatcher runs DeepEP / HybridEP, NVIDIA GPU kernels this build does not include; use alltoall",
     ("--moe-router-dtype", "fp64"):
@@ -107,8 +104,10 @@ def add_moe_arguments(parser) -> None:
                    help="Accepted for Megatron-LM compatibility (a startup warning says so): no fused permute "
                         "kernel; tokens are permuted by index_select.")
     g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=("alltoall", "allgather", "flex"),
-                   help="How tokens reach the experts' ranks: alltoall (the default here; Megatron-LM's default is "
-                        "allgather). allgather and flex (DeepEP, NVIDIA GPU kernels) are refused.")
+                   help="How tokens reach the experts' ranks (the same outputs): alltoall sends each token to the "
+                        "ranks of its experts (the default here; Megatron-LM's default is allgather); allgather "
+                        "gathers every token on every expert-parallel rank and reduce-scatters the outputs. flex "
+                        "(DeepEP, NVIDIA GPU kernels) is refused.")
     g.add_argument("--moe-router-dtype", default=None, choices=("fp32", "fp64"),
                    help="The router's dtype: fp32, what it always uses here (fp64 is refused).")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
@@ -166,7 +165,8 @@ def resolve_moe(args) -> None:
         router_enable_expert_bias=args.moe_router_enable_expert_bias,
         router_bias_update_rate=args.moe_router_bias_update_rate,
         shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        expert_capacity_factor=args.moe_expert_capacity_factor, token_drop_policy=args.moe_token_drop_policy)
+        expert_capacity_factor=args.moe_expert_capacity_factor, token_drop_policy=args.moe_token_drop_policy,
+        token_dispatcher_type=args.moe_token_dispatcher_type)
 
 
 def _given(args, flag: str) -> list:

@@ -17,6 +17,8 @@ TOKEN_DROP_POLICIES = ("probs", "position")
 # Megatron-LM's --moe-router-load-balancing-type values that run here: the Switch loss over the micro-batch, DeepSeek-V2's
 # sequence-wise one, or no balancing loss.
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+# How tokens reach the experts' ranks (Megatron-LM's --moe-token-dispatcher-type): the same outputs either way.
+TOKEN_DISPATCHERS = ("alltoall", "allgather")
 
 
 def parse_layer_freq(value: str, num_layers: int) -> tuple[bool, ...]:
@@ -75,6 +77,7 @@ class MoEConfig:
     expert_capacity_factor: Optional[float] = None  # None: dropless; else each expert takes at most
                                              # ceil(tokens * k / experts * factor) tokens per micro-batch
     token_drop_policy: str = "probs"         # probs: keep each expert's highest-weight tokens | position: first ones
+    token_dispatcher_type: str = "alltoall"  # alltoall: tokens sent to their experts' ranks | allgather: gathered
 
     def is_moe_layer(self, layer_number: int) -> bool:
         return self.layer_pattern[layer_number]
@@ -92,6 +95,7 @@ class MoEConfig:
                              f"route each token to at most {self.num_experts} experts")
         _one_of("--moe-router-score-function", self.router_score_function, SCORE_FUNCTIONS)
         _one_of("--moe-token-drop-policy", self.token_drop_policy, TOKEN_DROP_POLICIES)
+        _one_of("--moe-token-dispatcher-type", self.token_dispatcher_type, TOKEN_DISPATCHERS)
         if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
             raise ValueError(f"--moe-expert-capacity-factor must be positive (or unset for dropless routing), "
                              f"got {self.expert_capacity_factor}")

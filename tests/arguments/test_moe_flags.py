@@ -1,6 +1,6 @@
 """Megatron-LM's MoE flags as its Mixtral and DeepSeek-V3 launch scripts pass them: the load-balancing types (one
 coefficient each) reach MoEConfig, the kernel choices are accepted with one startup warning each, and what does not
-run here (Sinkhorn, the global aux loss, the all-gather and DeepEP dispatchers, fp64 and random routing) is refused
+run here (Sinkhorn, the global aux loss, the DeepEP dispatcher, fp64 and random routing) is refused
 by name before launch."""
 
 import pytest
@@ -30,6 +30,12 @@ def test_load_balancing_types_give_their_coefficients(files, extra, aux, seq):
     assert (moe.aux_loss_coeff, moe.seq_aux_loss_coeff) == (aux, seq)
 
 
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_token_dispatcher_types_reach_the_config(files, dispatcher):
+    assert _run(files, ["--moe-token-dispatcher-type", dispatcher]).model.moe.token_dispatcher_type == dispatcher
+    assert _run(files, []).model.moe.token_dispatcher_type == "alltoall"
+
+
 def test_a_coefficient_given_to_none_is_reported_unused(files):
     rc = _run(files, ["--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01"])
     assert rc.model.moe.aux_loss_coeff == 0.0
@@ -55,7 +61,6 @@ def test_kernel_choices_are_accepted_with_one_warning_each(files):
      "--moe-aux-loss-coeff gives 1 coefficient\\(s\\) for 2 --moe-router-load-balancing-type"),
     (["--moe-router-load-balancing-type", "aux_loss", "aux_loss", "--moe-aux-loss-coeff", "0.01", "0.01"],
      "names a type twice"),
-    (["--moe-token-dispatcher-type", "allgather"], "allgather: the all-gather dispatcher is not implemented"),
     (["--moe-token-dispatcher-type", "flex"], "DeepEP / HybridEP, NVIDIA GPU kernels"),
     (["--moe-router-dtype", "fp64"], "--moe-router-dtype fp64: the router computes in fp32 always"),
     (["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing .* is not implemented"),

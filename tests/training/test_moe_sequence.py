@@ -10,6 +10,9 @@ losses on, expert bias moving; 10 iterations within ``run_tolerance``, expert bi
     DeepSpeed-Ulysses       SP = 2 on DeepSpeed's model engine, at EP = 1 and at EP = 2 x DP = 2 (ZeRO-0 and ZeRO-2:
                             the experts' gradients summed over the SP ranks of their group, averaged over dp)
 
+The all-gather dispatcher (--moe-token-dispatcher-type allgather) at TP = 2 + SP x EP = 2 against the all-to-all one
+and one process, and at EP = 2 (DP = 4) with the variant's capacity dropping.
+
 DeepSeek-V2's sequence-wise balance loss (--moe-router-load-balancing-type seq_aux_loss) at CP = 2 x EP = 2: each rank's
 part from the per-sequence choices summed over the CP ranks, against one process.
 
@@ -36,6 +39,7 @@ ITERS = 10
 EP2, CP2, SP2 = ("--expert-model-parallel-size", 2), ("--context-parallel-size", 2), ("--ds-sequence-parallel-size", 2)
 SAVE_AT_3 = ("--save-interval", 100, "--exit-interval", 3)
 SEQ_AUX = ["--moe-router-load-balancing-type", "seq_aux_loss"]  # with MOE_FLAGS' --moe-aux-loss-coeff 0.01
+ALLGATHER = ("--moe-token-dispatcher-type", "allgather")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,9 @@ def runs(moe_argv, tmp_path_factory):
         "tp2 sp ep2 variant": layout(moe_argv + VARIANT_FLAGS, *sp, *EP2, tp=2),
         "tp2 sp ep2 first": layout(moe_argv, *sp, *EP2, "--save", save["sp"], *SAVE_AT_3, tp=2),
         "tp2 sp ep2 resumed": layout(moe_argv, *sp, *EP2, "--load", save["sp"], tp=2),
+        # the all-gather dispatcher: beside the all-to-all one at the same layout, and with capacity dropping
+        "tp2 sp ep2 allgather": layout(moe_argv, *sp, *EP2, *ALLGATHER, tp=2),
+        "ep2 allgather variant": layout(moe_argv + VARIANT_FLAGS, *EP2, *ALLGATHER),
     }
     out = {"plain": [plain], "variant": [variant], "seq_aux": [seq_aux],
            "tensorboard": {name: flags[1] for name, flags in board.items()}}
@@ -89,13 +96,21 @@ def runs(moe_argv, tmp_path_factory):
 @pytest.mark.parametrize("label,reference", [("cp2 ep2", "plain"), ("tp2 sp ep2", "plain"),
                                              ("tp2 sp ep2 variant", "variant"), ("sp2", "plain"),
                                              ("sp2 ep2", "plain"), ("sp2 ep2 zero2", "plain"),
-                                             ("cp2 ep2 seq_aux", "seq_aux")])
+                                             ("cp2 ep2 seq_aux", "seq_aux"), ("tp2 sp ep2 allgather", "plain"),
+                                             ("ep2 allgather variant", "variant")])
 def test_moe_with_a_split_sequence_trains_as_one_process(runs, label, reference):
     ref = runs[reference][0]
     assert ref["losses"][-1] < ref["losses"][0] - 0.05, ref["losses"]
     for rank, run in enumerate(runs[label]):
         assert_same_moe_run(ref, run, f"rank {rank} of {label}")
         assert sorted(run["expert_bias"]) == sorted(ref["expert_bias"]), f"rank {rank} of {label}"
+
+
+@pytest.mark.multiprocess
+def test_the_allgather_dispatcher_trains_as_the_alltoall_one(runs):
+    """The same layout (TP = 2 + SP x EP = 2) with either dispatcher: the same outputs summed in another order."""
+    for rank, (alltoall, allgather) in enumerate(zip(runs["tp2 sp ep2"], runs["tp2 sp ep2 allgather"])):
+        assert_same_moe_run(alltoall, allgather, f"rank {rank}: allgather vs alltoall at TP=2 + SP x EP=2")
 
 
 @pytest.mark.multiprocess

@@ -1,7 +1,8 @@
 """MoELayer: the mixture-of-experts MLP, a drop-in for the dense ParallelMLP ([s, b, h] -> [s, b, h]).
 
     routing = router(x)                                  top-k experts and weights per token (router.py)
-    y = combine(experts(dispatch(x)))                    all-to-all over the EP group and back (dispatch.py)
+    y = combine(experts(dispatch(x)))                    all-to-all over the EP group and back (dispatch.py;
+                                                         or all-gather and reduce-scatter: allgather_experts)
       + shared_expert(x)                                 an always-on dense MLP (--moe-shared-expert-...)
 
 Sequence parallelism (TP with --sequence-parallel): each TP rank holds s/tp of the tokens; the layer gathers them
@@ -32,7 +33,14 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.initialization import normal_init, output_layer_std
-from megatron.model.moe.dispatch import combine, dispatch, ep_rank_experts, plan_dispatch
+from megatron.model.moe.dispatch import (
+    allgather_experts,
+    combine,
+    dispatch,
+    ep_rank_experts,
+    kept_choices,
+    plan_dispatch,
+)
 from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.router import (
     TopKRouter,
@@ -113,9 +121,14 @@ class MoELayer(nn.Module):
         s, b, h = hidden.shape
         tokens = hidden.reshape(s * b, h)  # [T, h]
         routing = self.router(tokens)
-        plan = plan_dispatch(routing, self.config, self.ep_group)
-        rows = dispatch(tokens, plan, self.ep_group)  # [M, h]
-        output = combine(self.experts(rows, plan.local_counts), plan, s * b, self.ep_group).view(s, b, h)
+        if self.config.token_dispatcher_type == "allgather" and group_size(self.ep_group) > 1:
+            output = allgather_experts(tokens, routing, self.config, self.experts, self.ep_group).view(s, b, h)
+            kept = None
+        else:
+            plan = plan_dispatch(routing, self.config, self.ep_group)
+            rows = dispatch(tokens, plan, self.ep_group)  # [M, h]
+            output = combine(self.experts(rows, plan.local_counts), plan, s * b, self.ep_group).view(s, b, h)
+            kept = plan.order.numel()
         if self.sequence_parallel:
             output = scatter_to_sequence_parallel_region(output, self.tp_group)  # [s/tp, b, h]
         if self.shared_expert is not None:
@@ -134,7 +147,9 @@ class MoELayer(nn.Module):
         aux, z = aux_loss(routing, self.config, counts, shards), z_loss(routing, self.config, shards)
         if per_sequence:
             aux = aux + seq_aux_loss(routing, self.config, b, seq_counts, shards)
-        self._count(routing, plan, aux, z, 1.0 / shards)
+        if kept is None:
+            kept = int(kept_choices(routing, self.config).sum())
+        self._count(routing, kept, aux, z, 1.0 / shards)
         if self.config.aux_loss_coeff > 0 or self.config.seq_aux_loss_coeff > 0 or self.config.z_loss_coeff > 0:
             loss = aux + z
             self.last_aux_loss = loss.detach()
@@ -142,11 +157,12 @@ class MoELayer(nn.Module):
         return output
 
     @torch.no_grad()
-    def _count(self, routing, plan, aux: torch.Tensor, z: torch.Tensor, forward: float) -> None:
-        """``forward``: this rank's share of the micro-batch (1 / the token-sharding group's size)."""
+    def _count(self, routing, kept: int, aux: torch.Tensor, z: torch.Tensor, forward: float) -> None:
+        """``kept``: the choices the capacity kept; ``forward``: this rank's share of the micro-batch (1 / the
+        token-sharding group's size)."""
         choices = routing.expert_index.numel()  # T * k
         load = torch.bincount(routing.expert_index.flatten(), minlength=self.config.num_experts)  # [E]
-        self.stats[:STATS_FIELDS] += torch.tensor([forward, float(aux), float(z), choices - plan.order.numel(), choices],
+        self.stats[:STATS_FIELDS] += torch.tensor([forward, float(aux), float(z), choices - kept, choices],
                                                   dtype=torch.float64)
         self.stats[STATS_FIELDS:] += load.to(self.stats)
 
