@@ -3,7 +3,7 @@ Megatron-DeepSpeed's spellings accepted where they mean the same thing (``--moe-
 ``--topk``, ``--moe-loss-coeff``, ``--moe-train-capacity-factor``) and refused by name where they do not
 (``--mlp-type residual``, several expert counts for ``--num-experts``). Megatron-LM's flags for what does not
 run here are refused with their cause (``REFUSED_VALUES``: the sinkhorn and global balancing losses, the
-DeepEP dispatcher, fp64 routing, random routing); its kernel choices (``--moe-grouped-gemm``,
+DeepEP dispatcher, random routing); its kernel choices (``--moe-grouped-gemm``,
 ``--moe-permute-fusion``) are accepted with a startup warning (``moe_warnings``).
 """
 
@@ -34,8 +34,6 @@ REFUSED_VALUES = {
         "quantile balancing is not implemented; use --moe-router-enable-expert-bias (aux-loss-free balancing)",
     ("--moe-token-dispatcher-type", "flex"):
         "the flex dispatcher runs DeepEP / HybridEP, NVIDIA GPU kernels this build does not include; use alltoall",
-    ("--moe-router-dtype", "fp64"):
-        "the router computes in fp32 always (--moe-router-dtype fp32); fp64 routing is not implemented",
 }
 LOAD_BALANCING_FLAG_VALUES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # Pure kernel choices of Megatron-LM: accepted, with a startup warning that they change nothing here.
@@ -109,7 +107,9 @@ def add_moe_arguments(parser) -> None:
                         "gathers every token on every expert-parallel rank and reduce-scatters the outputs. flex "
                         "(DeepEP, NVIDIA GPU kernels) is refused.")
     g.add_argument("--moe-router-dtype", default=None, choices=("fp32", "fp64"),
-                   help="The router's dtype: fp32, what it always uses here (fp64 is refused).")
+                   help="The dtype of the routing (logits, scores, weights) and of the combine's weighted sum of the "
+                        "experts' outputs, as in Megatron-LM. Unset: the router in fp32 all the same, the weighted "
+                        "sum in the activations' dtype.")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
                    help="Megatron-LM's benchmark knob (random routing logits); refused here.")
     g.add_argument("--mlp-type", default="standard", choices=("standard", "residual"),
@@ -166,7 +166,7 @@ def resolve_moe(args) -> None:
         router_bias_update_rate=args.moe_router_bias_update_rate,
         shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         expert_capacity_factor=args.moe_expert_capacity_factor, token_drop_policy=args.moe_token_drop_policy,
-        token_dispatcher_type=args.moe_token_dispatcher_type)
+        token_dispatcher_type=args.moe_token_dispatcher_type, router_dtype=args.moe_router_dtype)
 
 
 def _given(args, flag: str) -> list:

@@ -19,6 +19,9 @@ TOKEN_DROP_POLICIES = ("probs", "position")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 # How tokens reach the experts' ranks (Megatron-LM's --moe-token-dispatcher-type): the same outputs either way.
 TOKEN_DISPATCHERS = ("alltoall", "allgather")
+# Megatron-LM's --moe-router-dtype: the router's logits, scores and weights, and the combine's weighted sum, in this
+# dtype (None: the router in fp32 all the same, the weighted sum in the activations' dtype).
+ROUTER_DTYPES = ("fp32", "fp64")
 
 
 def parse_layer_freq(value: str, num_layers: int) -> tuple[bool, ...]:
@@ -53,7 +56,8 @@ def parse_layer_freq(value: str, num_layers: int) -> tuple[bool, ...]:
 class MoEConfig:
     """Top-k routed experts replacing the dense MLP of the layers ``layer_pattern`` marks.
 
-    Routing (per token): scores = softmax(logits) or sigmoid(logits) over the experts (fp32); the top-k experts by
+    Routing (per token): scores = softmax(logits) or sigmoid(logits) over the experts (fp32; fp64 with
+    ``router_dtype`` fp64); the top-k experts by
     scores (+ ``expert_bias`` when enabled; within the ``router_group_topk`` best of ``router_num_groups`` groups
     when set) are chosen; their weights are the chosen scores, normalised to sum 1 (softmax unless
     ``router_pre_softmax``; sigmoid when k > 1), times ``router_topk_scaling_factor``.
@@ -78,6 +82,7 @@ class MoEConfig:
                                              # ceil(tokens * k / experts * factor) tokens per micro-batch
     token_drop_policy: str = "probs"         # probs: keep each expert's highest-weight tokens | position: first ones
     token_dispatcher_type: str = "alltoall"  # alltoall: tokens sent to their experts' ranks | allgather: gathered
+    router_dtype: Optional[str] = None       # fp32 | fp64: routing and the combine's weighted sum in it
 
     def is_moe_layer(self, layer_number: int) -> bool:
         return self.layer_pattern[layer_number]
@@ -96,6 +101,8 @@ class MoEConfig:
         _one_of("--moe-router-score-function", self.router_score_function, SCORE_FUNCTIONS)
         _one_of("--moe-token-drop-policy", self.token_drop_policy, TOKEN_DROP_POLICIES)
         _one_of("--moe-token-dispatcher-type", self.token_dispatcher_type, TOKEN_DISPATCHERS)
+        if self.router_dtype is not None:
+            _one_of("--moe-router-dtype", self.router_dtype, ROUTER_DTYPES)
         if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
             raise ValueError(f"--moe-expert-capacity-factor must be positive (or unset for dropless routing), "
                              f"got {self.expert_capacity_factor}")
@@ -144,3 +151,4 @@ def check_moe_run(rc) -> None:
                          f"(TP x PP)): expert parallelism is carved from the data-parallel ranks; use a divisor of "
                          f"{dp} or more processes")
     check_combinations(rc, "MoE")
+

@@ -1,6 +1,6 @@
 """Megatron-LM's MoE flags as its Mixtral and DeepSeek-V3 launch scripts pass them: the load-balancing types (one
 coefficient each) reach MoEConfig, the kernel choices are accepted with one startup warning each, and what does not
-run here (Sinkhorn, the global aux loss, the DeepEP dispatcher, fp64 and random routing) is refused
+run here (Sinkhorn, the global aux loss, the DeepEP dispatcher, random routing) is refused
 by name before launch."""
 
 import pytest
@@ -30,6 +30,11 @@ def test_load_balancing_types_give_their_coefficients(files, extra, aux, seq):
     assert (moe.aux_loss_coeff, moe.seq_aux_loss_coeff) == (aux, seq)
 
 
+@pytest.mark.parametrize("dtype", [None, "fp32", "fp64"])
+def test_router_dtype_reaches_the_config(files, dtype):
+    assert _run(files, [] if dtype is None else ["--moe-router-dtype", dtype]).model.moe.router_dtype == dtype
+
+
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_token_dispatcher_types_reach_the_config(files, dispatcher):
     assert _run(files, ["--moe-token-dispatcher-type", dispatcher]).model.moe.token_dispatcher_type == dispatcher
@@ -44,8 +49,7 @@ def test_a_coefficient_given_to_none_is_reported_unused(files):
 
 
 def test_kernel_choices_are_accepted_with_one_warning_each(files):
-    rc = _run(files, ["--moe-grouped-gemm", "--moe-permute-fusion", "--moe-token-dispatcher-type", "alltoall",
-                      "--moe-router-dtype", "fp32"])
+    rc = _run(files, ["--moe-grouped-gemm", "--moe-permute-fusion", "--moe-token-dispatcher-type", "alltoall"])
     assert len(rc.startup_warnings) == 2
     assert rc.startup_warnings[0].startswith("--moe-grouped-gemm has no effect: each rank's experts always run")
     assert rc.startup_warnings[1].startswith("--moe-permute-fusion has no effect: tokens are permuted")
@@ -62,7 +66,6 @@ def test_kernel_choices_are_accepted_with_one_warning_each(files):
     (["--moe-router-load-balancing-type", "aux_loss", "aux_loss", "--moe-aux-loss-coeff", "0.01", "0.01"],
      "names a type twice"),
     (["--moe-token-dispatcher-type", "flex"], "DeepEP / HybridEP, NVIDIA GPU kernels"),
-    (["--moe-router-dtype", "fp64"], "--moe-router-dtype fp64: the router computes in fp32 always"),
     (["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing .* is not implemented"),
 ])
 def test_what_does_not_run_here_is_refused_before_launch(files, extra, message):

@@ -11,7 +11,7 @@ import torch
 
 from megatron.config.moe import MoEConfig, parse_layer_freq
 from megatron.model.moe import MoELayer, route, set_aux_loss_scale, update_expert_biases
-from megatron.model.moe.dispatch import expert_capacity, kept_choices
+from megatron.model.moe.dispatch import combine, expert_capacity, kept_choices, plan_dispatch
 from megatron.model.moe.router import aux_loss, seq_aux_loss, sequence_counts, z_loss
 from megatron.testing.tolerance import tolerance
 from tests.helpers.model import tiny_config
@@ -211,6 +211,42 @@ def test_two_sequence_shards_add_up_to_the_whole_sequence_wise_aux_loss():
     # each shard's own counts alone would give another loss: the sum over the group is needed
     alone = sum(seq_aux_loss(r, cfg, SEQUENCES, shards=2) for r in shards).item()
     assert abs(alone - expected) > tolerance(torch.float32, AUX_DEPTH, TOKENS, expected)
+
+
+def test_fp64_router_dtype_routes_in_float64():
+    """--moe-router-dtype fp64: the weights within float64's tolerance of the float64 formulas (fp32 routing is
+    not), and the router's own logits in float64."""
+    cfg = moe_config(router_dtype="fp64")
+    logits = torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(8), dtype=torch.float64) * 2
+    choices, weights = reference_route(logits, cfg)
+    expected = torch.tensor(weights, dtype=torch.float64)
+    bound = tolerance(torch.float64, WEIGHT_DEPTH, EXPERTS, expected.abs().max().item())
+    routing = route(logits, cfg)
+    assert routing.weight.dtype == torch.float64 and routing.expert_index.tolist() == choices
+    assert (routing.weight - expected).abs().max().item() <= bound
+    assert (route(logits, moe_config()).weight.double() - expected).abs().max().item() > bound
+    layer = MoELayer(tiny_config(moe=cfg), layer_number=0)
+    assert layer.router(torch.randn(4, 64)).logits.dtype == torch.float64
+
+
+def test_router_dtype_sums_the_weighted_expert_outputs_in_it():
+    """--moe-router-dtype fp32 with bf16 activations: the combine's weighted sum in fp32, rounded to bf16 once (as
+    Megatron-LM's unpermute with probs in the router dtype); without it the sum runs in bf16 and lands further."""
+    cfg = moe_config(router_topk=4)
+    gen = torch.Generator().manual_seed(9)
+    routing = route(torch.randn(TOKENS, EXPERTS, generator=gen), cfg)
+    plan = plan_dispatch(routing, cfg)
+    rows = torch.randn(plan.order.numel(), HIDDEN, generator=gen).bfloat16()  # the experts' outputs
+    weights, token = plan.weight.double(), plan.token
+    received = rows.double()[torch.argsort(plan.local_order)]  # back in the sorted-by-expert order
+    exact = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64).index_add(0, token, received * weights[:, None])
+    fp32 = combine(rows, plan, TOKENS, dtype=torch.float32)
+    bf16 = combine(rows, plan, TOKENS)
+    assert fp32.dtype == bf16.dtype == torch.bfloat16
+    # one rounding to bf16 of an fp32 sum of 4 products
+    fp32_err = (fp32.double() - exact).abs().max().item()
+    assert fp32_err <= tolerance(torch.bfloat16, 1, cfg.router_topk, exact.abs().max().item()), fp32_err
+    assert (bf16.double() - exact).abs().max().item() > fp32_err
 
 
 def test_group_limited_routing_stays_in_the_chosen_groups():

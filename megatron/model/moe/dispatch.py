@@ -110,12 +110,21 @@ def dispatch(tokens: torch.Tensor, plan: DispatchPlan, ep_group=None) -> torch.T
     return received.index_select(0, plan.local_order)  # [M, h] by local expert
 
 
-def combine(expert_output: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group=None) -> torch.Tensor:
-    """The experts' outputs [M, h] (``dispatch``'s order) -> [T, h]: each token's weighted sum of its choices."""
+def combine(expert_output: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group=None,
+            dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The experts' outputs [M, h] (``dispatch``'s order) -> [T, h]: each token's weighted sum of its choices,
+    computed in ``dtype`` (``--moe-router-dtype``; None: the outputs' own) and returned in the outputs' dtype."""
     received = torch.empty_like(expert_output).index_copy(0, plan.local_order, expert_output)  # by source
     back = all_to_all(received, ep_group, plan.send_splits, plan.recv_splits)  # [N, h], sorted by expert
-    weighted = back * plan.weight.to(back.dtype)[:, None]  # [N, h]
-    return back.new_zeros(num_tokens, back.shape[-1]).index_add(0, plan.token, weighted)  # [T, h]
+    weighted = _weighted(back, plan.weight, dtype)  # [N, h]
+    summed = weighted.new_zeros(num_tokens, back.shape[-1]).index_add(0, plan.token, weighted)  # [T, h]
+    return summed.to(back.dtype)
+
+
+def _weighted(rows: torch.Tensor, weight: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """rows [N, h] times their weights [N], in ``dtype`` (None: the rows')."""
+    dtype = rows.dtype if dtype is None else dtype
+    return rows.to(dtype) * weight.to(dtype)[:, None]
 
 
 def ep_rank_experts(config: MoEConfig, ep_group=None) -> range:
@@ -125,10 +134,12 @@ def ep_rank_experts(config: MoEConfig, ep_group=None) -> range:
     return range(start, start + local)
 
 
-def allgather_experts(tokens: torch.Tensor, routing: Routing, config: MoEConfig, experts, ep_group) -> torch.Tensor:
+def allgather_experts(tokens: torch.Tensor, routing: Routing, config: MoEConfig, experts, ep_group,
+                      dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The all-gather dispatcher (module docstring): tokens [T, h] -> [T, h], each token's weighted sum of its kept
     choices' expert outputs. ``experts(rows [M, h] grouped by local expert, counts [El])`` runs this rank's experts;
-    every rank of ``ep_group`` holds the same number of tokens T."""
+    every rank of ``ep_group`` holds the same number of tokens T. ``dtype``: that of the weighted sum of this
+    rank's experts' outputs (``combine``'s)."""
     num_tokens, k = routing.expert_index.shape
     local = ep_rank_experts(config, ep_group)
     keep = kept_choices(routing, config).view(num_tokens, k)
@@ -142,6 +153,6 @@ def allgather_experts(tokens: torch.Tensor, routing: Routing, config: MoEConfig,
     token = order // k
     counts = torch.bincount(all_expert[order] - local.start, minlength=len(local))  # [El]
     out = experts(all_tokens.index_select(0, token), counts)  # [M, h]
-    weighted = out * all_weight[order].to(out.dtype)[:, None]
-    partial = out.new_zeros(all_tokens.shape).index_add(0, token, weighted)  # [ep T, h]: this rank's experts' part
+    weighted = _weighted(out, all_weight[order], dtype)
+    partial = weighted.new_zeros(all_tokens.shape).index_add(0, token, weighted).to(out.dtype)  # [ep T, h]: ours
     return reduce_scatter_to_sequence_parallel_region(partial, ep_group)  # [T, h]: summed over the group

@@ -45,6 +45,7 @@ from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.router import (
     TopKRouter,
     aux_loss,
+    combine_dtype,
     new_expert_bias,
     seq_aux_loss,
     sequence_counts,
@@ -122,12 +123,14 @@ class MoELayer(nn.Module):
         tokens = hidden.reshape(s * b, h)  # [T, h]
         routing = self.router(tokens)
         if self.config.token_dispatcher_type == "allgather" and group_size(self.ep_group) > 1:
-            output = allgather_experts(tokens, routing, self.config, self.experts, self.ep_group).view(s, b, h)
+            output = allgather_experts(tokens, routing, self.config, self.experts, self.ep_group,
+                                       combine_dtype(self.config)).view(s, b, h)
             kept = None
         else:
             plan = plan_dispatch(routing, self.config, self.ep_group)
             rows = dispatch(tokens, plan, self.ep_group)  # [M, h]
-            output = combine(self.experts(rows, plan.local_counts), plan, s * b, self.ep_group).view(s, b, h)
+            output = combine(self.experts(rows, plan.local_counts), plan, s * b, self.ep_group,
+                             combine_dtype(self.config)).view(s, b, h)
             kept = plan.order.numel()
         if self.sequence_parallel:
             output = scatter_to_sequence_parallel_region(output, self.tp_group)  # [s/tp, b, h]

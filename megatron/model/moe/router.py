@@ -1,7 +1,7 @@
 """The top-k router: which experts each token goes to, with what weight, and the losses that balance them.
 
 For T tokens and E experts, in fp32 whatever the parameters' dtype (a softmax over experts is as sensitive as
-the one over the vocabulary):
+the one over the vocabulary; fp64 with ``--moe-router-dtype fp64``):
 
     logits = x @ W_r^T                                   [T, E]
     scores = softmax(logits) | sigmoid(logits)           [T, E]
@@ -36,7 +36,17 @@ from torch import nn
 from megatron.config.moe import MoEConfig
 
 __all__ = ["Routing", "TopKRouter", "route", "aux_loss", "seq_aux_loss", "sequence_counts", "z_loss",
-           "new_expert_bias"]
+           "new_expert_bias", "router_dtype", "combine_dtype"]
+
+
+def router_dtype(config: MoEConfig) -> torch.dtype:
+    """The dtype the router computes in: fp64 with ``--moe-router-dtype fp64``, else fp32."""
+    return torch.float64 if config.router_dtype == "fp64" else torch.float32
+
+
+def combine_dtype(config: MoEConfig) -> torch.dtype | None:
+    """The dtype of the combine's weighted sum: ``--moe-router-dtype``'s (None: the activations')."""
+    return None if config.router_dtype is None else router_dtype(config)
 
 
 @dataclasses.dataclass
@@ -60,8 +70,8 @@ def _group_limited(routing_scores: torch.Tensor, config: MoEConfig) -> torch.Ten
 
 
 def route(logits: torch.Tensor, config: MoEConfig, expert_bias: torch.Tensor | None = None) -> Routing:
-    """The routing of logits [T, E] (any dtype; computed in fp32)."""
-    logits = logits.float()
+    """The routing of logits [T, E] (any dtype; computed in fp32, or fp64 with ``--moe-router-dtype fp64``)."""
+    logits = logits.to(router_dtype(config))
     scores = torch.softmax(logits, -1) if config.router_score_function == "softmax" else torch.sigmoid(logits)
     routing_scores = scores if expert_bias is None else scores + expert_bias
     if config.router_num_groups is not None:
@@ -176,7 +186,8 @@ class TopKRouter(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> Routing:
         """tokens [T, h] -> Routing."""
-        logits = F.linear(tokens.float(), self.weight.float())  # [T, E]
+        dtype = router_dtype(self.config)
+        logits = F.linear(tokens.to(dtype), self.weight.to(dtype))  # [T, E]
         routing = route(logits, self.config, self.expert_bias)
         if self.expert_bias is not None and self.training:
             self.tokens_per_expert += tokens_per_expert(routing.expert_index.detach(), self.config.num_experts)
