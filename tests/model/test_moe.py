@@ -4,6 +4,7 @@ balance loss (and its parts over 2 sequence shards), capacity dropping (which ch
 the whole layer's output and gradients (GeLU / SwiGLU, shared expert), the expert-bias update, and the
 configuration errors."""
 
+import dataclasses
 import math
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from megatron.config.moe import MoEConfig, parse_layer_freq
 from megatron.model.moe import MoELayer, route, set_aux_loss_scale, update_expert_biases
 from megatron.model.moe.dispatch import combine, expert_capacity, kept_choices, plan_dispatch
-from megatron.model.moe.router import aux_loss, seq_aux_loss, sequence_counts, z_loss
+from megatron.model.moe.router import aux_loss, balance_choices, seq_aux_loss, sequence_counts, z_loss
 from megatron.testing.tolerance import tolerance
 from tests.helpers.model import tiny_config
 
@@ -84,7 +85,16 @@ def reference_route(logits, cfg, bias=None):
     return choices, weights
 
 
+def reference_balance_choices(logits, cfg):
+    """The choices the balancing losses count: each token's top-k experts by score alone, without the expert bias
+    and the group limit (DeepSeek-V3 eq. 19: 1(s_it in Topk({s_jt}, K)))."""
+    return reference_route(logits, dataclasses.replace(cfg, router_num_groups=None, router_group_topk=None))[0]
+
+
 def reference_aux_and_z(logits, cfg, choices):
+    """``choices``: the routed ones; f counts ``reference_balance_choices`` (the same without a bias or groups)."""
+    if cfg.router_enable_expert_bias or cfg.router_num_groups:
+        choices = reference_balance_choices(logits, cfg)
     num_tokens, num_experts = logits.shape
     scores = torch.softmax(logits.double(), -1) if cfg.router_score_function == "softmax" else \
         torch.sigmoid(logits.double())
@@ -137,7 +147,7 @@ def test_two_token_shards_add_up_to_the_whole_micro_batchs_losses(case):
     (aux_loss(whole, cfg) + z_loss(whole, cfg)).backward()
     expected_grad, logits.grad = logits.grad, None
     shards = [route(part, cfg, bias) for part in logits.chunk(2)]
-    counts = sum(torch.bincount(r.expert_index.flatten(), minlength=EXPERTS) for r in shards)
+    counts = sum(torch.bincount(balance_choices(r, cfg).flatten(), minlength=EXPERTS) for r in shards)
     auxes = [aux_loss(r, cfg, counts, shards=2) for r in shards]
     zs = [z_loss(r, cfg, shards=2) for r in shards]
     _assert_losses_match(float(sum(auxes)), float(sum(zs)), aux_loss(whole, cfg).item(), z_loss(whole, cfg).item(),
@@ -155,7 +165,10 @@ SEQUENCES = 3  # the micro-batch: SEQUENCES sequences of TOKENS / SEQUENCES posi
 def reference_seq_aux(logits, cfg, choices, batch):
     """DeepSeek-V2 (arXiv:2405.04434) eq. 12-14 per sequence, averaged over the sequences (Megatron-LM's
     seq_aux_loss): L = alpha * sum_i f_i P_i, f_i = E / (K T) * #(tokens of the sequence choosing i),
-    P_i = 1 / T * sum_t s'_it, s' the scores normalised per token (DeepSeek-V3 eq. 18 for sigmoid)."""
+    P_i = 1 / T * sum_t s'_it, s' the scores normalised per token (DeepSeek-V3 eq. 18 for sigmoid); with an
+    expert bias or group-limited routing, "choosing" is the top-k by score alone (DeepSeek-V3 eq. 19)."""
+    if cfg.router_enable_expert_bias or cfg.router_num_groups:
+        choices = reference_balance_choices(logits, cfg)
     num_tokens, num_experts = logits.shape
     scores = torch.softmax(logits.double(), -1) if cfg.router_score_function == "softmax" else \
         torch.sigmoid(logits.double())

@@ -45,6 +45,7 @@ from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.router import (
     TopKRouter,
     aux_loss,
+    balance_choices,
     combine_dtype,
     new_expert_bias,
     seq_aux_loss,
@@ -142,9 +143,10 @@ class MoELayer(nn.Module):
         per_sequence = self.config.seq_aux_loss_coeff > 0
         counts = seq_counts = None
         if shards > 1:  # the choices of the whole micro-batch (every shard's), for f_e (and per sequence, f_je)
-            counts = tokens_per_expert(routing.expert_index.detach(), num_experts)
+            counted = balance_choices(routing, self.config).detach()
+            counts = tokens_per_expert(counted, num_experts)
             if per_sequence:
-                counts = torch.cat([counts, sequence_counts(routing.expert_index.detach(), num_experts, b).flatten()])
+                counts = torch.cat([counts, sequence_counts(counted, num_experts, b).flatten()])
             torch.distributed.all_reduce(counts, group=self.tokens_group)
             counts, seq_counts = counts[:num_experts], counts[num_experts:].view(-1, num_experts)
         aux, z = aux_loss(routing, self.config, counts, shards), z_loss(routing, self.config, shards)

@@ -10,7 +10,8 @@ the one over the vocabulary; fp64 with ``--moe-router-dtype fp64``):
     weights = scores[chosen], divided by their sum (softmax unless pre_softmax; sigmoid when k > 1),
               times the scaling factor
     aux     = coeff * E * sum_e f_e * P_e                (Switch Transformer eq. 4-6; f_e the fraction of the
-              T * k choices that went to expert e, P_e the mean of its (sum-normalised) score)
+              T * k top-k-by-score choices that went to expert e (without the bias and group limit, which
+              only steer: DeepSeek-V3 eq. 19, Megatron-LM), P_e the mean of its (sum-normalised) score)
     seq aux = coeff * E * mean_j sum_e f_je * P_je       (DeepSeek-V2 eq. 12-14, --moe-router-load-balancing-type
               seq_aux_loss: f and P as above, over the tokens of sequence j only, averaged over the b sequences)
     z       = coeff * mean_t logsumexp(logits_t)^2        (ST-MoE eq. 5)
@@ -35,7 +36,7 @@ from torch import nn
 
 from megatron.config.moe import MoEConfig
 
-__all__ = ["Routing", "TopKRouter", "route", "aux_loss", "seq_aux_loss", "sequence_counts", "z_loss",
+__all__ = ["Routing", "TopKRouter", "route", "balance_choices", "aux_loss", "seq_aux_loss", "sequence_counts", "z_loss",
            "new_expert_bias", "router_dtype", "combine_dtype"]
 
 
@@ -86,6 +87,15 @@ def route(logits: torch.Tensor, config: MoEConfig, expert_bias: torch.Tensor | N
     return Routing(expert_index, weight, scores, logits)
 
 
+def balance_choices(routing: Routing, config: MoEConfig) -> torch.Tensor:
+    """[T, k]: the choices the balancing losses count (f_e), the top-k of the scores alone, as DeepSeek-V3 (eq. 19)
+    and Megatron-LM count them: the expert bias and the group limit steer the routing, not the balance measured.
+    Without either they are the routed choices themselves."""
+    if not config.router_enable_expert_bias and config.router_num_groups is None:
+        return routing.expert_index
+    return routing.scores.topk(config.router_topk, dim=-1).indices
+
+
 def tokens_per_expert(expert_index: torch.Tensor, num_experts: int) -> torch.Tensor:
     """How many of the T * k choices went to each expert: [T, k] -> [E] int64."""
     return torch.bincount(expert_index.flatten(), minlength=num_experts)
@@ -108,7 +118,7 @@ def aux_loss(routing: Routing, config: MoEConfig, counts: torch.Tensor | None = 
     num_tokens, num_experts = routing.scores.shape
     scores = _balance_scores(routing, config)
     if counts is None:
-        counts = tokens_per_expert(routing.expert_index, num_experts)
+        counts = tokens_per_expert(balance_choices(routing, config), num_experts)
     fraction = counts.float() / (num_tokens * shards * config.router_topk)
     mean_score = scores.mean(0)  # [E]
     if shards > 1:  # this rank's share of the whole micro-batch's mean
@@ -136,7 +146,7 @@ def seq_aux_loss(routing: Routing, config: MoEConfig, batch: int, counts: torch.
     num_tokens, num_experts = routing.scores.shape
     positions = num_tokens // batch  # this rank's s / shards
     if counts is None:
-        counts = sequence_counts(routing.expert_index, num_experts, batch)
+        counts = sequence_counts(balance_choices(routing, config), num_experts, batch)
     fraction = counts.float() / (positions * shards * config.router_topk)  # [b, E]
     mean_score = _balance_scores(routing, config).view(positions, batch, num_experts).mean(0) / shards  # [b, E]
     return config.seq_aux_loss_coeff * num_experts * (fraction * mean_score).sum() / batch
