@@ -1,14 +1,17 @@
 """The mixture-of-experts flags (one argument group) and their step: Megatron-LM's names, with
 Megatron-DeepSpeed's spellings accepted where they mean the same thing (``--moe-expert-parallel-size``,
 ``--topk``, ``--moe-loss-coeff``, ``--moe-train-capacity-factor``) and refused by name where they do not
-(``--mlp-type residual``, several expert counts for ``--num-experts``).
+(``--mlp-type residual``, several expert counts for ``--num-experts``). Megatron-LM's flags for what does not
+run here are refused with their cause (``REFUSED_VALUES``: the sinkhorn and global balancing losses, the
+DeepEP dispatcher, random routing); its kernel choices (``--moe-grouped-gemm``,
+``--moe-permute-fusion``) are accepted with a startup warning (``moe_warnings``).
 """
 
 from __future__ import annotations
 
-from megatron.config.moe import SCORE_FUNCTIONS, TOKEN_DROP_POLICIES, MoEConfig, parse_layer_freq
+from megatron.config.moe import LOAD_BALANCING_TYPES, SCORE_FUNCTIONS, TOKEN_DROP_POLICIES, MoEConfig, parse_layer_freq
 
-__all__ = ["add_moe_arguments", "resolve_moe"]
+__all__ = ["add_moe_arguments", "resolve_moe", "moe_warnings"]
 
 # Megatron-DeepSpeed's MoE flags with no equivalent here -> what to use instead.
 REFUSED = {
@@ -17,6 +20,28 @@ REFUSED = {
     "--expert-interval": "choose the MoE layers with --moe-layer-freq (an interval or a 0/1 pattern)",
     "--use-tutel": "Tutel's kernels are not used; the experts run as batched matmuls",
     "--moe-top2-2nd-expert-sampling": "the second expert is the second-best by score, never sampled",
+}
+
+# Megatron-LM's flag values that do not run here -> why, and what to use.
+REFUSED_VALUES = {
+    ("--moe-router-load-balancing-type", "sinkhorn"):
+        "S-BASE's Sinkhorn routing is not implemented (the router chooses by top-k of its scores); balance with "
+        "aux_loss, seq_aux_loss or --moe-router-enable-expert-bias",
+    ("--moe-router-load-balancing-type", "global_aux_loss"):
+        "the global-batch aux loss is not implemented (it needs the choices counted over the data-parallel ranks "
+        "at every micro-batch and a running mean reset each step); use aux_loss (per micro-batch) or seq_aux_loss",
+    ("--moe-router-load-balancing-type", "quantile_balancing"):
+        "quantile balancing is not implemented; use --moe-router-enable-expert-bias (aux-loss-free balancing)",
+    ("--moe-token-dispatcher-type", "flex"):
+        "the flex dispatcher runs DeepEP / HybridEP, NVIDIA GPU kernels this build does not include; use alltoall",
+}
+LOAD_BALANCING_FLAG_VALUES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
+# Pure kernel choices of Megatron-LM: accepted, with a startup warning that they change nothing here.
+KERNEL_FLAGS = {
+    "moe_grouped_gemm": "--moe-grouped-gemm has no effect: each rank's experts always run as one batched matmul "
+                        "per weight (no grouped-GEMM kernel to choose)",
+    "moe_permute_fusion": "--moe-permute-fusion has no effect: tokens are permuted by index_select / index_add "
+                          "(no fused Transformer Engine permute kernel here); the result is the same",
 }
 
 
@@ -47,8 +72,15 @@ def add_moe_arguments(parser) -> None:
                    help="Group-limited routing: the experts form this many groups ...")
     g.add_argument("--moe-router-group-topk", type=int, default=None,
                    help="... and each token chooses only within its this-many best groups.")
-    g.add_argument("--moe-aux-loss-coeff", "--moe-loss-coeff", dest="moe_aux_loss_coeff", type=float, default=0.0,
-                   help="Load-balancing (Switch) loss coefficient (--moe-loss-coeff: Megatron-DeepSpeed's). Default 0.")
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
+                   choices=LOAD_BALANCING_FLAG_VALUES,
+                   help="The balancing loss(es), one --moe-aux-loss-coeff each (Megatron-LM's list form): aux_loss "
+                        "(Switch/GShard, over the micro-batch; default), seq_aux_loss (DeepSeek-V2/V3: per sequence, "
+                        "averaged), none. sinkhorn, global_aux_loss and quantile_balancing are refused.")
+    g.add_argument("--moe-aux-loss-coeff", "--moe-loss-coeff", dest="moe_aux_loss_coeff", type=float, nargs="+",
+                   default=0.0,
+                   help="The balancing loss's coefficient, one per --moe-router-load-balancing-type "
+                        "(--moe-loss-coeff: Megatron-DeepSpeed's). Default 0.")
     g.add_argument("--moe-z-loss-coeff", type=float, default=0.0, help="Router z-loss coefficient. Default 0.")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the choice "
@@ -64,8 +96,22 @@ def add_moe_arguments(parser) -> None:
     g.add_argument("--moe-token-drop-policy", default="probs", choices=TOKEN_DROP_POLICIES,
                    help="Which choices an expert over capacity keeps: its highest-weight ones, or the first ones.")
     g.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="Accepted for Megatron-LM compatibility: each rank's experts always run as one batched "
-                        "matmul per weight.")
+                   help="Accepted for Megatron-LM compatibility (a startup warning says so): each rank's experts "
+                        "always run as one batched matmul per weight.")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="Accepted for Megatron-LM compatibility (a startup warning says so): no fused permute "
+                        "kernel; tokens are permuted by index_select.")
+    g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=("alltoall", "allgather", "flex"),
+                   help="How tokens reach the experts' ranks (the same outputs): alltoall sends each token to the "
+                        "ranks of its experts (the default here; Megatron-LM's default is allgather); allgather "
+                        "gathers every token on every expert-parallel rank and reduce-scatters the outputs. flex "
+                        "(DeepEP, NVIDIA GPU kernels) is refused.")
+    g.add_argument("--moe-router-dtype", default=None, choices=("fp32", "fp64"),
+                   help="The dtype of the routing (logits, scores, weights) and of the combine's weighted sum of the "
+                        "experts' outputs, as in Megatron-LM. Unset: the router in fp32 all the same, the weighted "
+                        "sum in the activations' dtype.")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="Megatron-LM's benchmark knob (random routing logits); refused here.")
     g.add_argument("--mlp-type", default="standard", choices=("standard", "residual"),
                    help="Megatron-DeepSpeed's PR-MoE 'residual' is not supported (use "
                         "--moe-shared-expert-intermediate-size for an always-on dense MLP beside the experts).")
@@ -88,6 +134,15 @@ def resolve_moe(args) -> None:
     given = [flag for flag in REFUSED if getattr(args, flag[2:].replace("-", "_")) is not None]
     if given:
         raise ValueError("; ".join(f"{flag} is not supported: {REFUSED[flag]}" for flag in given))
+    refused = [f"{flag} {value}: {why}" for (flag, value), why in REFUSED_VALUES.items() if value in _given(args, flag)]
+    if args.moe_router_force_load_balancing:
+        refused.append("--moe-router-force-load-balancing (Megatron-LM's benchmark knob: random routing logits) is "
+                       "not implemented: random routing needs one random stream shared by the tensor-parallel ranks "
+                       "that route the same tokens; drop the flag (routing follows the router's logits)")
+    if refused:
+        raise ValueError("; ".join(refused))
+    coeffs = _balancing_coefficients(_given(args, "--moe-router-load-balancing-type"),
+                                     _given(args, "--moe-aux-loss-coeff"))
     if args.disable_moe_token_dropping and args.moe_expert_capacity_factor is not None:
         raise ValueError(f"--disable-moe-token-dropping contradicts --moe-expert-capacity-factor "
                          f"{args.moe_expert_capacity_factor} (--moe-train-capacity-factor); drop one")
@@ -105,8 +160,38 @@ def resolve_moe(args) -> None:
         router_score_function=args.moe_router_score_function, router_pre_softmax=args.moe_router_pre_softmax,
         router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
         router_num_groups=args.moe_router_num_groups, router_group_topk=args.moe_router_group_topk,
-        aux_loss_coeff=args.moe_aux_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
+        aux_loss_coeff=coeffs.get("aux_loss", 0.0), seq_aux_loss_coeff=coeffs.get("seq_aux_loss", 0.0),
+        z_loss_coeff=args.moe_z_loss_coeff,
         router_enable_expert_bias=args.moe_router_enable_expert_bias,
         router_bias_update_rate=args.moe_router_bias_update_rate,
         shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        expert_capacity_factor=args.moe_expert_capacity_factor, token_drop_policy=args.moe_token_drop_policy)
+        expert_capacity_factor=args.moe_expert_capacity_factor, token_drop_policy=args.moe_token_drop_policy,
+        token_dispatcher_type=args.moe_token_dispatcher_type, router_dtype=args.moe_router_dtype)
+
+
+def _given(args, flag: str) -> list:
+    """The values given for ``flag`` (a list flag's, or a one-value flag's as a list)."""
+    value = getattr(args, flag[2:].replace("-", "_"))
+    return value if isinstance(value, list) else [value]
+
+
+def _balancing_coefficients(types: list[str], coeffs: list[float]) -> dict[str, float]:
+    """{load-balancing type: its coefficient} from Megatron-LM's two lists (one type: one coefficient)."""
+    if len(set(types)) != len(types):
+        raise ValueError(f"--moe-router-load-balancing-type {' '.join(types)} names a type twice; name each once")
+    if len(coeffs) != len(types):
+        raise ValueError(f"--moe-aux-loss-coeff gives {len(coeffs)} coefficient(s) for {len(types)} "
+                         f"--moe-router-load-balancing-type(s) ({' '.join(types)}); give one per type, in order")
+    assert all(t in LOAD_BALANCING_TYPES for t in types), types  # the others are refused above
+    return dict(zip(types, coeffs))
+
+
+def moe_warnings(args) -> list[str]:
+    """The startup warnings of MoE flags accepted with no effect here."""
+    out = [why for dest, why in KERNEL_FLAGS.items() if getattr(args, dest)]
+    ignored = [c for t, c in zip(_given(args, "--moe-router-load-balancing-type"), _given(args, "--moe-aux-loss-coeff"))
+               if t == "none" and c]
+    if ignored:
+        out.append(f"--moe-aux-loss-coeff {ignored[0]} has no effect with --moe-router-load-balancing-type none "
+                   f"(no balancing loss)")
+    return out

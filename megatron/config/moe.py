@@ -14,6 +14,14 @@ from megatron.config.combinations import check_combinations
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 TOKEN_DROP_POLICIES = ("probs", "position")
+# Megatron-LM's --moe-router-load-balancing-type values that run here: the Switch loss over the micro-batch, DeepSeek-V2's
+# sequence-wise one, or no balancing loss.
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+# How tokens reach the experts' ranks (Megatron-LM's --moe-token-dispatcher-type): the same outputs either way.
+TOKEN_DISPATCHERS = ("alltoall", "allgather")
+# Megatron-LM's --moe-router-dtype: the router's logits, scores and weights, and the combine's weighted sum, in this
+# dtype (None: the router in fp32 all the same, the weighted sum in the activations' dtype).
+ROUTER_DTYPES = ("fp32", "fp64")
 
 
 def parse_layer_freq(value: str, num_layers: int) -> tuple[bool, ...]:
@@ -48,7 +56,8 @@ def parse_layer_freq(value: str, num_layers: int) -> tuple[bool, ...]:
 class MoEConfig:
     """Top-k routed experts replacing the dense MLP of the layers ``layer_pattern`` marks.
 
-    Routing (per token): scores = softmax(logits) or sigmoid(logits) over the experts (fp32); the top-k experts by
+    Routing (per token): scores = softmax(logits) or sigmoid(logits) over the experts (fp32; fp64 with
+    ``router_dtype`` fp64); the top-k experts by
     scores (+ ``expert_bias`` when enabled; within the ``router_group_topk`` best of ``router_num_groups`` groups
     when set) are chosen; their weights are the chosen scores, normalised to sum 1 (softmax unless
     ``router_pre_softmax``; sigmoid when k > 1), times ``router_topk_scaling_factor``.
@@ -63,7 +72,8 @@ class MoEConfig:
     router_topk_scaling_factor: Optional[float] = None
     router_num_groups: Optional[int] = None  # group-limited routing: experts split in this many groups ...
     router_group_topk: Optional[int] = None  # ... of which each token may use this many (DeepSeek-V3: 8, 4)
-    aux_loss_coeff: float = 0.0              # Switch / GShard load-balancing loss
+    aux_loss_coeff: float = 0.0              # Switch / GShard load-balancing loss (over the micro-batch)
+    seq_aux_loss_coeff: float = 0.0          # DeepSeek-V2's sequence-wise balance loss (per sequence, averaged)
     z_loss_coeff: float = 0.0                # ST-MoE router z-loss
     router_enable_expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3): a per-expert routing bias
     router_bias_update_rate: float = 1e-3    # ... moved by this much, by sign, after each optimizer step
@@ -71,6 +81,8 @@ class MoEConfig:
     expert_capacity_factor: Optional[float] = None  # None: dropless; else each expert takes at most
                                              # ceil(tokens * k / experts * factor) tokens per micro-batch
     token_drop_policy: str = "probs"         # probs: keep each expert's highest-weight tokens | position: first ones
+    token_dispatcher_type: str = "alltoall"  # alltoall: tokens sent to their experts' ranks | allgather: gathered
+    router_dtype: Optional[str] = None       # fp32 | fp64: routing and the combine's weighted sum in it
 
     def is_moe_layer(self, layer_number: int) -> bool:
         return self.layer_pattern[layer_number]
@@ -88,12 +100,18 @@ class MoEConfig:
                              f"route each token to at most {self.num_experts} experts")
         _one_of("--moe-router-score-function", self.router_score_function, SCORE_FUNCTIONS)
         _one_of("--moe-token-drop-policy", self.token_drop_policy, TOKEN_DROP_POLICIES)
+        _one_of("--moe-token-dispatcher-type", self.token_dispatcher_type, TOKEN_DISPATCHERS)
+        if self.router_dtype is not None:
+            _one_of("--moe-router-dtype", self.router_dtype, ROUTER_DTYPES)
         if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
             raise ValueError(f"--moe-expert-capacity-factor must be positive (or unset for dropless routing), "
                              f"got {self.expert_capacity_factor}")
         for name in ("aux_loss_coeff", "z_loss_coeff", "router_bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--moe-{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.seq_aux_loss_coeff < 0:
+            raise ValueError(f"--moe-aux-loss-coeff of seq_aux_loss (--moe-router-load-balancing-type) must be >= 0, "
+                             f"got {self.seq_aux_loss_coeff}")
         self._validate_groups()
         return self
 

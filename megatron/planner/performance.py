@@ -29,7 +29,8 @@ Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
   PP          one activation forward and one gradient backward of s*b*h bf16 per micro-batch; with
               TP > 1 DeepSpeed sends 1/t of it and all-gathers it over the TP group (3 per slot).
   MoE         (``ModelShape.moe``) an MoE layer's MLP FLOPs are k experts' + the shared expert's + the router's;
-              its token all-to-alls (``megatron.planner.moe.layer_bytes``, the cross-rank part) go over NVLink
+              its token all-to-alls (``megatron.planner.moe.layer_bytes`` for the s / (u x cp) tokens a rank
+              routes, the cross-rank part) go over NVLink
               while TP x EP fits a node, else over the GPU's NIC; the experts' gradients are all-reduced (and
               under ZeRO-1 their weights all-gathered) over the DP / EP ranks that hold them. The experts'
               GEMMs are counted at the dense GEMMs' rate (T k / E rows each: optimistic for small batches).
@@ -165,8 +166,9 @@ def _moe_comm_s(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cluste
     if layout.ep == 1 or not n_moe_layers:
         return 0.0
     bw = gpu.nvlink_busbw_gbps if layout.tp * layout.ep <= cluster.gpus_per_node else cluster.inter_node_gbps
-    one = layer_bytes(model.moe, seq_length * layout.micro_batch_size, model.hidden_size, 2, layout.ep,
-                      layout.recompute)
+    # each rank routes its own s / (u x cp) tokens of each sample (TP ranks, sequence parallel or not, the same)
+    one = layer_bytes(model.moe, seq_length // layout.token_split * layout.micro_batch_size, model.hidden_size, 2,
+                      layout.ep, layout.recompute)
     return n_moe_layers * (one["cross_rank"] / (bw * 1e9) + one["calls"] * cluster.collective_latency_us * 1e-6)
 
 

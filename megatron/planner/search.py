@@ -73,9 +73,11 @@ def candidate_layouts(model: ModelShape, num_gpus: int, gpus_per_node: int, glob
 
 
 def _runs_experts(model: ModelShape, layout: Layout, ep: int) -> bool:
-    """EP > 1 on a layout: carved from its DP ranks, an equal share of experts each, no Ulysses, and ZeRO-1 / 2
-    (expert parallelism does not run under ZeRO-3: megatron.config.combinations)."""
-    return (layout.dp % ep == 0 and model.moe.num_experts % ep == 0 and layout.ulysses == 1
+    """EP > 1 on a layout: carved from its DP ranks, an equal share of experts each, and ZeRO-0 / 1 / 2 (expert
+    parallelism does not run under ZeRO-3: megatron.config.combinations). With Ulysses too: each rank routes its
+    s / u tokens (the all-to-all bytes and activations count s / u), the experts' optimizer state is sharded over
+    DP x u / EP ranks (``expert_replicas``)."""
+    return (layout.dp % ep == 0 and model.moe.num_experts % ep == 0
             and layout.zero_stage <= 2 and model.moe.expert_ffn % layout.tp == 0)
 
 

@@ -1,8 +1,10 @@
 """The MoE MLP on one process against a plain re-implementation written here from the formulas: the router's
-choices, weights, aux and z losses (softmax / sigmoid, group-limited, expert bias), capacity dropping (which
-choices each policy keeps, counted), the whole layer's output and gradients (GeLU / SwiGLU, shared expert), the
-expert-bias update, and the configuration errors."""
+choices, weights, aux and z losses (softmax / sigmoid, group-limited, expert bias), DeepSeek-V2's sequence-wise
+balance loss (and its parts over 2 sequence shards), capacity dropping (which choices each policy keeps, counted),
+the whole layer's output and gradients (GeLU / SwiGLU, shared expert), the expert-bias update, and the
+configuration errors."""
 
+import dataclasses
 import math
 
 import pytest
@@ -10,8 +12,8 @@ import torch
 
 from megatron.config.moe import MoEConfig, parse_layer_freq
 from megatron.model.moe import MoELayer, route, set_aux_loss_scale, update_expert_biases
-from megatron.model.moe.dispatch import expert_capacity, kept_choices
-from megatron.model.moe.router import aux_loss, z_loss
+from megatron.model.moe.dispatch import combine, expert_capacity, kept_choices, plan_dispatch
+from megatron.model.moe.router import aux_loss, balance_choices, seq_aux_loss, sequence_counts, z_loss
 from megatron.testing.tolerance import tolerance
 from tests.helpers.model import tiny_config
 
@@ -83,7 +85,16 @@ def reference_route(logits, cfg, bias=None):
     return choices, weights
 
 
+def reference_balance_choices(logits, cfg):
+    """The choices the balancing losses count: each token's top-k experts by score alone, without the expert bias
+    and the group limit (DeepSeek-V3 eq. 19: 1(s_it in Topk({s_jt}, K)))."""
+    return reference_route(logits, dataclasses.replace(cfg, router_num_groups=None, router_group_topk=None))[0]
+
+
 def reference_aux_and_z(logits, cfg, choices):
+    """``choices``: the routed ones; f counts ``reference_balance_choices`` (the same without a bias or groups)."""
+    if cfg.router_enable_expert_bias or cfg.router_num_groups:
+        choices = reference_balance_choices(logits, cfg)
     num_tokens, num_experts = logits.shape
     scores = torch.softmax(logits.double(), -1) if cfg.router_score_function == "softmax" else \
         torch.sigmoid(logits.double())
@@ -136,7 +147,7 @@ def test_two_token_shards_add_up_to_the_whole_micro_batchs_losses(case):
     (aux_loss(whole, cfg) + z_loss(whole, cfg)).backward()
     expected_grad, logits.grad = logits.grad, None
     shards = [route(part, cfg, bias) for part in logits.chunk(2)]
-    counts = sum(torch.bincount(r.expert_index.flatten(), minlength=EXPERTS) for r in shards)
+    counts = sum(torch.bincount(balance_choices(r, cfg).flatten(), minlength=EXPERTS) for r in shards)
     auxes = [aux_loss(r, cfg, counts, shards=2) for r in shards]
     zs = [z_loss(r, cfg, shards=2) for r in shards]
     _assert_losses_match(float(sum(auxes)), float(sum(zs)), aux_loss(whole, cfg).item(), z_loss(whole, cfg).item(),
@@ -146,6 +157,109 @@ def test_two_token_shards_add_up_to_the_whole_micro_batchs_losses(case):
     diff = (logits.grad - expected_grad).abs().max().item()
     assert diff <= tolerance(torch.float32, AUX_DEPTH + Z_DEPTH, TOKENS, expected_grad.abs().max().item()), diff
     assert auxes[0].item() != auxes[1].item()  # the parts differ: each holds its own tokens' share
+
+
+SEQUENCES = 3  # the micro-batch: SEQUENCES sequences of TOKENS / SEQUENCES positions, laid out [s, b]
+
+
+def reference_seq_aux(logits, cfg, choices, batch):
+    """DeepSeek-V2 (arXiv:2405.04434) eq. 12-14 per sequence, averaged over the sequences (Megatron-LM's
+    seq_aux_loss): L = alpha * sum_i f_i P_i, f_i = E / (K T) * #(tokens of the sequence choosing i),
+    P_i = 1 / T * sum_t s'_it, s' the scores normalised per token (DeepSeek-V3 eq. 18 for sigmoid); with an
+    expert bias or group-limited routing, "choosing" is the top-k by score alone (DeepSeek-V3 eq. 19)."""
+    if cfg.router_enable_expert_bias or cfg.router_num_groups:
+        choices = reference_balance_choices(logits, cfg)
+    num_tokens, num_experts = logits.shape
+    scores = torch.softmax(logits.double(), -1) if cfg.router_score_function == "softmax" else \
+        torch.sigmoid(logits.double())
+    scores = scores / scores.sum(-1, keepdim=True)
+    losses = []
+    for j in range(batch):
+        tokens = list(range(j, num_tokens, batch))  # position i of sequence j is token i * batch + j
+        t = len(tokens)
+        f = [num_experts / (cfg.router_topk * t) * sum(choices[u].count(e) for u in tokens)
+             for e in range(num_experts)]
+        p = [sum(scores[u, e].item() for u in tokens) / t for e in range(num_experts)]
+        losses.append(cfg.seq_aux_loss_coeff * sum(fe * pe for fe, pe in zip(f, p)))
+    return sum(losses) / batch
+
+
+@pytest.mark.parametrize("case", ["softmax", "sigmoid-groups", "sigmoid-bias"])
+def test_sequence_wise_aux_loss_matches_deepseek_v2(case):
+    cfg = moe_config(seq_aux_loss_coeff=1e-2, **ROUTER_CASES[case])
+    logits = torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(2)) * 2
+    bias = torch.linspace(-0.3, 0.3, EXPERTS) if cfg.router_enable_expert_bias else None
+    routing = route(logits, cfg, bias)
+    choices, _ = reference_route(logits, cfg, bias)
+    expected = reference_seq_aux(logits, cfg, choices, SEQUENCES)
+    got = seq_aux_loss(routing, cfg, SEQUENCES).item()
+    assert abs(got - expected) <= tolerance(torch.float32, AUX_DEPTH, TOKENS, abs(expected)), (got, expected)
+    # per sequence, not over the micro-batch: the Switch loss of the same choices differs
+    whole = reference_aux_and_z(logits, moe_config(aux_loss_coeff=1e-2, **ROUTER_CASES[case]), choices)[0]
+    assert abs(whole - expected) > tolerance(torch.float32, AUX_DEPTH, TOKENS, abs(expected))
+    assert seq_aux_loss(routing, moe_config(**ROUTER_CASES[case]), SEQUENCES).item() == 0.0
+
+
+def test_two_sequence_shards_add_up_to_the_whole_sequence_wise_aux_loss():
+    """Context parallelism / Ulysses: 2 ranks hold the first and second halves of every sequence; with the
+    per-sequence counts summed over both, their parts add up to the whole loss, and their gradients on their own
+    logits are the whole loss's on those rows."""
+    cfg = moe_config(seq_aux_loss_coeff=1e-2)
+    positions = TOKENS // SEQUENCES
+    logits = (torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(3)) * 2).requires_grad_()
+    whole = route(logits, cfg)
+    seq_aux_loss(whole, cfg, SEQUENCES).backward()
+    expected_grad, logits.grad = logits.grad, None
+    halves = logits.view(positions, SEQUENCES, EXPERTS).chunk(2)  # [s/2, b, E] each
+    shards = [route(half.reshape(-1, EXPERTS), cfg) for half in halves]
+    counts = sum(sequence_counts(r.expert_index, EXPERTS, SEQUENCES) for r in shards)
+    assert counts.tolist() == sequence_counts(whole.expert_index, EXPERTS, SEQUENCES).tolist()
+    parts = [seq_aux_loss(r, cfg, SEQUENCES, counts, shards=2) for r in shards]
+    expected = seq_aux_loss(whole, cfg, SEQUENCES).item()
+    assert abs(sum(parts).item() - expected) <= tolerance(torch.float32, AUX_DEPTH, TOKENS, expected)
+    sum(parts).backward()
+    diff = (logits.grad - expected_grad).abs().max().item()
+    assert diff <= tolerance(torch.float32, AUX_DEPTH, TOKENS, expected_grad.abs().max().item()), diff
+    assert parts[0].item() != parts[1].item()
+    # each shard's own counts alone would give another loss: the sum over the group is needed
+    alone = sum(seq_aux_loss(r, cfg, SEQUENCES, shards=2) for r in shards).item()
+    assert abs(alone - expected) > tolerance(torch.float32, AUX_DEPTH, TOKENS, expected)
+
+
+def test_fp64_router_dtype_routes_in_float64():
+    """--moe-router-dtype fp64: the weights within float64's tolerance of the float64 formulas (fp32 routing is
+    not), and the router's own logits in float64."""
+    cfg = moe_config(router_dtype="fp64")
+    logits = torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(8), dtype=torch.float64) * 2
+    choices, weights = reference_route(logits, cfg)
+    expected = torch.tensor(weights, dtype=torch.float64)
+    bound = tolerance(torch.float64, WEIGHT_DEPTH, EXPERTS, expected.abs().max().item())
+    routing = route(logits, cfg)
+    assert routing.weight.dtype == torch.float64 and routing.expert_index.tolist() == choices
+    assert (routing.weight - expected).abs().max().item() <= bound
+    assert (route(logits, moe_config()).weight.double() - expected).abs().max().item() > bound
+    layer = MoELayer(tiny_config(moe=cfg), layer_number=0)
+    assert layer.router(torch.randn(4, 64)).logits.dtype == torch.float64
+
+
+def test_router_dtype_sums_the_weighted_expert_outputs_in_it():
+    """--moe-router-dtype fp32 with bf16 activations: the combine's weighted sum in fp32, rounded to bf16 once (as
+    Megatron-LM's unpermute with probs in the router dtype); without it the sum runs in bf16 and lands further."""
+    cfg = moe_config(router_topk=4)
+    gen = torch.Generator().manual_seed(9)
+    routing = route(torch.randn(TOKENS, EXPERTS, generator=gen), cfg)
+    plan = plan_dispatch(routing, cfg)
+    rows = torch.randn(plan.order.numel(), HIDDEN, generator=gen).bfloat16()  # the experts' outputs
+    weights, token = plan.weight.double(), plan.token
+    received = rows.double()[torch.argsort(plan.local_order)]  # back in the sorted-by-expert order
+    exact = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64).index_add(0, token, received * weights[:, None])
+    fp32 = combine(rows, plan, TOKENS, dtype=torch.float32)
+    bf16 = combine(rows, plan, TOKENS)
+    assert fp32.dtype == bf16.dtype == torch.bfloat16
+    # one rounding to bf16 of an fp32 sum of 4 products
+    fp32_err = (fp32.double() - exact).abs().max().item()
+    assert fp32_err <= tolerance(torch.bfloat16, 1, cfg.router_topk, exact.abs().max().item()), fp32_err
+    assert (bf16.double() - exact).abs().max().item() > fp32_err
 
 
 def test_group_limited_routing_stays_in_the_chosen_groups():

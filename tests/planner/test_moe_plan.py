@@ -193,3 +193,28 @@ def test_expert_parameters_per_rank_equal_the_models_at_ep2_tp2(ep_runs):
         assert run["expert_numel"] == stage_expert_param_counts(shape, layout)[0], f"rank {rank}"
         assert run["numel"] == stage_param_counts(shape, layout)[0], f"rank {rank}"
     assert {(run["ep_rank"], run["tp_rank"]) for run, _ in ep_runs} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
+def test_expert_parallelism_is_proposed_with_ulysses_on_its_own_tokens():
+    """Ulysses x EP runs (tests/training/test_moe_sequence.py), so the planner proposes it; each rank routes its
+    s / u tokens of each sample: the all-to-all time is layer_bytes' for s / u x b tokens, and the experts'
+    optimizer state is sharded over the DP x u / EP ranks that hold the same experts."""
+    from megatron.planner import estimate_step
+    from megatron.planner.search import candidate_layouts
+
+    shape = model_shape_of(moe_model_config())
+    gpu, cluster, seq = GPUS["H100-80GB"], CLUSTERS["dgx-h100"], 64
+    layouts = candidate_layouts(shape, 8, 8, 16, micro_batch_sizes=(2,), recompute=(False,), zero_stages=(1,),
+                                ulysses_sizes=(1, 2), ep_sizes=(1, 2))
+    both = [lay for lay in layouts if lay.ulysses == 2 and lay.ep == 2 and lay.tp == 1]
+    assert both, sorted({(lay.ulysses, lay.ep) for lay in layouts})
+    lay = both[0]
+    assert (lay.dp, lay.expert_replicas, lay.pp) == (4, 4, 1)
+    got = estimate_step(shape, lay, gpu, cluster, seq, 16).components_s["moe_all_to_all"]
+    one = layer_bytes(shape.moe, seq // 2 * 2, shape.hidden_size, 2, 2)
+    per_micro_batch = shape.moe.num_moe_layers * (one["cross_rank"] / (gpu.nvlink_busbw_gbps * 1e9)
+                                                  + one["calls"] * cluster.collective_latency_us * 1e-6)
+    expected = lay.num_micro_batches(16) * per_micro_batch  # PP 1: no bubble
+    assert got == pytest.approx(expected, rel=F64, abs=0)
+    whole = layer_bytes(shape.moe, seq * 2, shape.hidden_size, 2, 2)["cross_rank"]
+    assert one["cross_rank"] == whole / 2  # half the tokens, half the bytes

@@ -10,6 +10,12 @@ losses on, expert bias moving; 10 iterations within ``run_tolerance``, expert bi
     DeepSpeed-Ulysses       SP = 2 on DeepSpeed's model engine, at EP = 1 and at EP = 2 x DP = 2 (ZeRO-0 and ZeRO-2:
                             the experts' gradients summed over the SP ranks of their group, averaged over dp)
 
+The all-gather dispatcher (--moe-token-dispatcher-type allgather) at TP = 2 + SP x EP = 2 against the all-to-all one
+and one process, and at EP = 2 (DP = 4) with the variant's capacity dropping.
+
+DeepSeek-V2's sequence-wise balance loss (--moe-router-load-balancing-type seq_aux_loss) at CP = 2 x EP = 2: each rank's
+part from the per-sequence choices summed over the CP ranks, against one process.
+
 At CP = 2 and SP = 2 x EP = 2 the MoE statistics (load, aux and z losses per micro-batch, dropped fraction) are the
 one process's too.
 
@@ -32,6 +38,8 @@ from tests.helpers.training import TINY_WIDTH, assert_same_run, layout, tensorbo
 ITERS = 10
 EP2, CP2, SP2 = ("--expert-model-parallel-size", 2), ("--context-parallel-size", 2), ("--ds-sequence-parallel-size", 2)
 SAVE_AT_3 = ("--save-interval", 100, "--exit-interval", 3)
+SEQ_AUX = ["--moe-router-load-balancing-type", "seq_aux_loss"]  # with MOE_FLAGS' --moe-aux-loss-coeff 0.01
+ALLGATHER = ("--moe-token-dispatcher-type", "allgather")
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +53,9 @@ def runs(moe_argv, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_sequence")
     save = {name: str(root / name) for name in ("cp", "sp")}
     board = {name: ["--tensorboard-dir", str(root / "tensorboard" / name)] for name in ("plain", "cp", "sp")}
-    plain, variant = run_distributed(train_moe, world_size=1, timeout=300,
-                                     args=([moe_argv + board["plain"], moe_argv + VARIANT_FLAGS],))[0]
+    plain, variant, seq_aux = run_distributed(
+        train_moe, world_size=1, timeout=300,
+        args=([moe_argv + board["plain"], moe_argv + VARIANT_FLAGS, moe_argv + SEQ_AUX],))[0]
     sp = ("--sequence-parallel", "--zero-stage", 1)  # ZeRO-1: its optimizer shards make the universal checkpoint
     four = {
         # ZeRO-1: the experts' optimizer state sharded over their expert-data-parallel group (the 2 CP ranks)
@@ -55,6 +64,7 @@ def runs(moe_argv, tmp_path_factory):
         "cp2 ep2 resumed": layout(moe_argv, *CP2, *EP2, "--zero-stage", 1, "--load", save["cp"]),
         # BF16_Optimizer: the experts' fp32 masters sharded over the same 2-rank group
         "cp2 ep2 bf16": layout(moe_argv, *CP2, *EP2, "--bf16"),
+        "cp2 ep2 seq_aux": layout(moe_argv + SEQ_AUX, *CP2, *EP2),
         "sp2 ep2": layout(moe_argv, *SP2, *EP2, *board["sp"]),
         # ZeRO-2: DeepSpeedZeroOptimizer reduce-scatters the experts' gradients over the SP ranks of their group
         "sp2 ep2 zero2": layout(moe_argv, *SP2, *EP2, "--zero-stage", 2),
@@ -62,8 +72,12 @@ def runs(moe_argv, tmp_path_factory):
         "tp2 sp ep2 variant": layout(moe_argv + VARIANT_FLAGS, *sp, *EP2, tp=2),
         "tp2 sp ep2 first": layout(moe_argv, *sp, *EP2, "--save", save["sp"], *SAVE_AT_3, tp=2),
         "tp2 sp ep2 resumed": layout(moe_argv, *sp, *EP2, "--load", save["sp"], tp=2),
+        # the all-gather dispatcher: beside the all-to-all one at the same layout, and with capacity dropping
+        "tp2 sp ep2 allgather": layout(moe_argv, *sp, *EP2, *ALLGATHER, tp=2),
+        "ep2 allgather variant": layout(moe_argv + VARIANT_FLAGS, *EP2, *ALLGATHER),
     }
-    out = {"plain": [plain], "variant": [variant], "tensorboard": {name: flags[1] for name, flags in board.items()}}
+    out = {"plain": [plain], "variant": [variant], "seq_aux": [seq_aux],
+           "tensorboard": {name: flags[1] for name, flags in board.items()}}
     results = run_distributed(train_moe, world_size=4, args=(list(four.values()),), timeout=600)
     for i, label in enumerate(four):
         out[label] = [per_rank[i] for per_rank in results]
@@ -81,13 +95,29 @@ def runs(moe_argv, tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("label,reference", [("cp2 ep2", "plain"), ("tp2 sp ep2", "plain"),
                                              ("tp2 sp ep2 variant", "variant"), ("sp2", "plain"),
-                                             ("sp2 ep2", "plain"), ("sp2 ep2 zero2", "plain")])
+                                             ("sp2 ep2", "plain"), ("sp2 ep2 zero2", "plain"),
+                                             ("cp2 ep2 seq_aux", "seq_aux"), ("tp2 sp ep2 allgather", "plain"),
+                                             ("ep2 allgather variant", "variant")])
 def test_moe_with_a_split_sequence_trains_as_one_process(runs, label, reference):
     ref = runs[reference][0]
     assert ref["losses"][-1] < ref["losses"][0] - 0.05, ref["losses"]
     for rank, run in enumerate(runs[label]):
         assert_same_moe_run(ref, run, f"rank {rank} of {label}")
         assert sorted(run["expert_bias"]) == sorted(ref["expert_bias"]), f"rank {rank} of {label}"
+
+
+@pytest.mark.multiprocess
+def test_the_allgather_dispatcher_trains_as_the_alltoall_one(runs):
+    """The same layout (TP = 2 + SP x EP = 2) with either dispatcher: the same outputs summed in another order."""
+    for rank, (alltoall, allgather) in enumerate(zip(runs["tp2 sp ep2"], runs["tp2 sp ep2 allgather"])):
+        assert_same_moe_run(alltoall, allgather, f"rank {rank}: allgather vs alltoall at TP=2 + SP x EP=2")
+
+
+@pytest.mark.multiprocess
+def test_the_sequence_wise_aux_loss_is_its_own_objective(runs):
+    """The seq_aux_loss reference trains otherwise than the aux_loss one (the test above compares against it)."""
+    assert runs["seq_aux"][0]["losses"][1:] != runs["plain"][0]["losses"][1:]
+    assert runs["seq_aux"][0]["losses"][0] == runs["plain"][0]["losses"][0]  # the same start
 
 
 @pytest.mark.multiprocess

@@ -10,6 +10,13 @@ With a capacity factor, each expert keeps at most C = ceil(T * k / E * factor) o
 (policy ``probs``: its C highest-weight ones; ``position``: the first C in token order, token-major then
 choice); dropped choices add nothing (their weight is not redistributed), as in Megatron-LM.
 
+The all-gather dispatcher (``--moe-token-dispatcher-type allgather``, Megatron-LM's MoEAllGatherTokenDispatcher,
+``allgather_experts``) computes the same outputs another way: every rank of the EP group all-gathers the group's
+tokens, weights and choices, runs its local experts on the gathered choices routed to them, sums each token's
+weighted outputs from its local experts, and a reduce-scatter over the group adds the ranks' partial sums and hands
+each rank its own tokens' rows (backward: the adjoints, reduce-scatter of the gathered gradients and all-gather).
+The capacity is applied on each rank's own tokens before the gather, as in the all-to-all path.
+
 Shape letters: T tokens, k choices per token, E experts (El = E / ep on this rank), h hidden, N choices this
 rank sends (kept ones), M choices this rank's experts receive.
 """
@@ -25,9 +32,11 @@ import torch
 from megatron.config.moe import MoEConfig
 from megatron.model.moe.router import Routing
 from megatron.parallel.all_to_all import all_to_all, all_to_all_counts
+from megatron.parallel.mappings import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
 from megatron.parallel.state import group_rank, group_size
 
-__all__ = ["DispatchPlan", "expert_capacity", "kept_choices", "plan_dispatch", "dispatch", "combine", "ep_rank_experts"]
+__all__ = ["DispatchPlan", "expert_capacity", "kept_choices", "plan_dispatch", "dispatch", "combine", "ep_rank_experts",
+           "allgather_experts"]
 
 
 def expert_capacity(num_tokens: int, config: MoEConfig) -> Optional[int]:
@@ -101,12 +110,21 @@ def dispatch(tokens: torch.Tensor, plan: DispatchPlan, ep_group=None) -> torch.T
     return received.index_select(0, plan.local_order)  # [M, h] by local expert
 
 
-def combine(expert_output: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group=None) -> torch.Tensor:
-    """The experts' outputs [M, h] (``dispatch``'s order) -> [T, h]: each token's weighted sum of its choices."""
+def combine(expert_output: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group=None,
+            dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The experts' outputs [M, h] (``dispatch``'s order) -> [T, h]: each token's weighted sum of its choices,
+    computed in ``dtype`` (``--moe-router-dtype``; None: the outputs' own) and returned in the outputs' dtype."""
     received = torch.empty_like(expert_output).index_copy(0, plan.local_order, expert_output)  # by source
     back = all_to_all(received, ep_group, plan.send_splits, plan.recv_splits)  # [N, h], sorted by expert
-    weighted = back * plan.weight.to(back.dtype)[:, None]  # [N, h]
-    return back.new_zeros(num_tokens, back.shape[-1]).index_add(0, plan.token, weighted)  # [T, h]
+    weighted = _weighted(back, plan.weight, dtype)  # [N, h]
+    summed = weighted.new_zeros(num_tokens, back.shape[-1]).index_add(0, plan.token, weighted)  # [T, h]
+    return summed.to(back.dtype)
+
+
+def _weighted(rows: torch.Tensor, weight: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """rows [N, h] times their weights [N], in ``dtype`` (None: the rows')."""
+    dtype = rows.dtype if dtype is None else dtype
+    return rows.to(dtype) * weight.to(dtype)[:, None]
 
 
 def ep_rank_experts(config: MoEConfig, ep_group=None) -> range:
@@ -114,3 +132,27 @@ def ep_rank_experts(config: MoEConfig, ep_group=None) -> range:
     local = config.num_experts // group_size(ep_group)
     start = group_rank(ep_group) * local
     return range(start, start + local)
+
+
+def allgather_experts(tokens: torch.Tensor, routing: Routing, config: MoEConfig, experts, ep_group,
+                      dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The all-gather dispatcher (module docstring): tokens [T, h] -> [T, h], each token's weighted sum of its kept
+    choices' expert outputs. ``experts(rows [M, h] grouped by local expert, counts [El])`` runs this rank's experts;
+    every rank of ``ep_group`` holds the same number of tokens T. ``dtype``: that of the weighted sum of this
+    rank's experts' outputs (``combine``'s)."""
+    num_tokens, k = routing.expert_index.shape
+    local = ep_rank_experts(config, ep_group)
+    keep = kept_choices(routing, config).view(num_tokens, k)
+    chosen = torch.where(keep, routing.expert_index, torch.full_like(routing.expert_index, -1))  # dropped: -1
+    all_tokens = gather_from_sequence_parallel_region(tokens, ep_group)  # [ep T, h]; backward: reduce-scatter
+    all_weight = gather_from_sequence_parallel_region(routing.weight, ep_group).flatten()  # [ep T k]
+    all_expert = gather_from_sequence_parallel_region(chosen, ep_group).flatten()  # [ep T k]
+    mine = (all_expert >= local.start) & (all_expert < local.stop)
+    sort_key = torch.where(mine, all_expert, torch.full_like(all_expert, config.num_experts))  # others last
+    order = torch.argsort(sort_key, stable=True)[:int(mine.sum())]  # [M]: this rank's choices by expert
+    token = order // k
+    counts = torch.bincount(all_expert[order] - local.start, minlength=len(local))  # [El]
+    out = experts(all_tokens.index_select(0, token), counts)  # [M, h]
+    weighted = _weighted(out, all_weight[order], dtype)
+    partial = weighted.new_zeros(all_tokens.shape).index_add(0, token, weighted).to(out.dtype)  # [ep T, h]: ours
+    return reduce_scatter_to_sequence_parallel_region(partial, ep_group)  # [T, h]: summed over the group

@@ -1,18 +1,20 @@
 """MoELayer: the mixture-of-experts MLP, a drop-in for the dense ParallelMLP ([s, b, h] -> [s, b, h]).
 
     routing = router(x)                                  top-k experts and weights per token (router.py)
-    y = combine(experts(dispatch(x)))                    all-to-all over the EP group and back (dispatch.py)
+    y = combine(experts(dispatch(x)))                    all-to-all over the EP group and back (dispatch.py;
+                                                         or all-gather and reduce-scatter: allgather_experts)
       + shared_expert(x)                                 an always-on dense MLP (--moe-shared-expert-...)
 
 Sequence parallelism (TP with --sequence-parallel): each TP rank holds s/tp of the tokens; the layer gathers them
 over TP on entry (its backward keeps this rank's slice: every TP rank then runs the routed path on the same full
 tokens and computes the same full gradient) and hands back this rank's slice; the shared expert, a ParallelMLP
 built for sequence parallelism, works on the local slice. Context parallelism and Ulysses (``groups.tokens``, the
-token-sharding group): each rank routes its own tokens; the aux and z losses are this rank's parts of the whole
-micro-batch's (``router.aux_loss``; the choices per expert summed over the group) and the statistics count 1 / n of
+token-sharding group): each rank routes its own tokens; the aux (or sequence-wise aux) and z losses are this
+rank's parts of the whole micro-batch's (``router.aux_loss``, ``router.seq_aux_loss``; the choices per expert, and
+per sequence and expert, summed over the group) and the statistics count 1 / n of
 a forward per rank. The expert capacity is per rank, on its own tokens (as in Megatron-LM).
 
-The balancing losses (aux, z) are not returned: like Megatron-LM's MoEAuxLossAutoScaler, the layer hands them
+The balancing losses (aux, sequence-wise aux, z) are not returned: like Megatron-LM's MoEAuxLossAutoScaler, the layer hands them
 to autograd through its output (``AuxLossScaler``), so they train the router on every pipeline stage without
 travelling with the activations. Their gradient is ``aux_loss_scale`` (set it to 1 / the micro-batches per step
 with ``set_aux_loss_scale``, which is how the language-model loss is scaled), so the optimized objective is
@@ -31,9 +33,26 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.initialization import normal_init, output_layer_std
-from megatron.model.moe.dispatch import combine, dispatch, ep_rank_experts, plan_dispatch
+from megatron.model.moe.dispatch import (
+    allgather_experts,
+    combine,
+    dispatch,
+    ep_rank_experts,
+    kept_choices,
+    plan_dispatch,
+)
 from megatron.model.moe.experts import GroupedExperts
-from megatron.model.moe.router import TopKRouter, aux_loss, new_expert_bias, tokens_per_expert, z_loss
+from megatron.model.moe.router import (
+    TopKRouter,
+    aux_loss,
+    balance_choices,
+    combine_dtype,
+    new_expert_bias,
+    seq_aux_loss,
+    sequence_counts,
+    tokens_per_expert,
+    z_loss,
+)
 from megatron.parallel.mappings import gather_replicated_sequence_region, scatter_to_sequence_parallel_region
 from megatron.parallel.state import LayerGroups, group_size
 
@@ -104,34 +123,51 @@ class MoELayer(nn.Module):
         s, b, h = hidden.shape
         tokens = hidden.reshape(s * b, h)  # [T, h]
         routing = self.router(tokens)
-        plan = plan_dispatch(routing, self.config, self.ep_group)
-        rows = dispatch(tokens, plan, self.ep_group)  # [M, h]
-        output = combine(self.experts(rows, plan.local_counts), plan, s * b, self.ep_group).view(s, b, h)
+        if self.config.token_dispatcher_type == "allgather" and group_size(self.ep_group) > 1:
+            output = allgather_experts(tokens, routing, self.config, self.experts, self.ep_group,
+                                       combine_dtype(self.config)).view(s, b, h)
+            kept = None
+        else:
+            plan = plan_dispatch(routing, self.config, self.ep_group)
+            rows = dispatch(tokens, plan, self.ep_group)  # [M, h]
+            output = combine(self.experts(rows, plan.local_counts), plan, s * b, self.ep_group,
+                             combine_dtype(self.config)).view(s, b, h)
+            kept = plan.order.numel()
         if self.sequence_parallel:
             output = scatter_to_sequence_parallel_region(output, self.tp_group)  # [s/tp, b, h]
         if self.shared_expert is not None:
             output = output + self.shared_expert(local)
         if not self.training:
             return output
-        shards = group_size(self.tokens_group)
-        counts = None
-        if shards > 1:  # the choices of the whole micro-batch (every shard's), for f_e
-            counts = tokens_per_expert(routing.expert_index.detach(), self.config.num_experts)
+        shards, num_experts = group_size(self.tokens_group), self.config.num_experts
+        per_sequence = self.config.seq_aux_loss_coeff > 0
+        counts = seq_counts = None
+        if shards > 1:  # the choices of the whole micro-batch (every shard's), for f_e (and per sequence, f_je)
+            counted = balance_choices(routing, self.config).detach()
+            counts = tokens_per_expert(counted, num_experts)
+            if per_sequence:
+                counts = torch.cat([counts, sequence_counts(counted, num_experts, b).flatten()])
             torch.distributed.all_reduce(counts, group=self.tokens_group)
+            counts, seq_counts = counts[:num_experts], counts[num_experts:].view(-1, num_experts)
         aux, z = aux_loss(routing, self.config, counts, shards), z_loss(routing, self.config, shards)
-        self._count(routing, plan, aux, z, 1.0 / shards)
-        if self.config.aux_loss_coeff > 0 or self.config.z_loss_coeff > 0:
+        if per_sequence:
+            aux = aux + seq_aux_loss(routing, self.config, b, seq_counts, shards)
+        if kept is None:
+            kept = int(kept_choices(routing, self.config).sum())
+        self._count(routing, kept, aux, z, 1.0 / shards)
+        if self.config.aux_loss_coeff > 0 or self.config.seq_aux_loss_coeff > 0 or self.config.z_loss_coeff > 0:
             loss = aux + z
             self.last_aux_loss = loss.detach()
             output = AuxLossScaler.apply(output, loss, self.aux_loss_scale)
         return output
 
     @torch.no_grad()
-    def _count(self, routing, plan, aux: torch.Tensor, z: torch.Tensor, forward: float) -> None:
-        """``forward``: this rank's share of the micro-batch (1 / the token-sharding group's size)."""
+    def _count(self, routing, kept: int, aux: torch.Tensor, z: torch.Tensor, forward: float) -> None:
+        """``kept``: the choices the capacity kept; ``forward``: this rank's share of the micro-batch (1 / the
+        token-sharding group's size)."""
         choices = routing.expert_index.numel()  # T * k
         load = torch.bincount(routing.expert_index.flatten(), minlength=self.config.num_experts)  # [E]
-        self.stats[:STATS_FIELDS] += torch.tensor([forward, float(aux), float(z), choices - plan.order.numel(), choices],
+        self.stats[:STATS_FIELDS] += torch.tensor([forward, float(aux), float(z), choices - kept, choices],
                                                   dtype=torch.float64)
         self.stats[STATS_FIELDS:] += load.to(self.stats)
 

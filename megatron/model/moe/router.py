@@ -1,7 +1,7 @@
 """The top-k router: which experts each token goes to, with what weight, and the losses that balance them.
 
 For T tokens and E experts, in fp32 whatever the parameters' dtype (a softmax over experts is as sensitive as
-the one over the vocabulary):
+the one over the vocabulary; fp64 with ``--moe-router-dtype fp64``):
 
     logits = x @ W_r^T                                   [T, E]
     scores = softmax(logits) | sigmoid(logits)           [T, E]
@@ -10,11 +10,14 @@ the one over the vocabulary):
     weights = scores[chosen], divided by their sum (softmax unless pre_softmax; sigmoid when k > 1),
               times the scaling factor
     aux     = coeff * E * sum_e f_e * P_e                (Switch Transformer eq. 4-6; f_e the fraction of the
-              T * k choices that went to expert e, P_e the mean of its (sum-normalised) score)
+              T * k top-k-by-score choices that went to expert e (without the bias and group limit, which
+              only steer: DeepSeek-V3 eq. 19, Megatron-LM), P_e the mean of its (sum-normalised) score)
+    seq aux = coeff * E * mean_j sum_e f_je * P_je       (DeepSeek-V2 eq. 12-14, --moe-router-load-balancing-type
+              seq_aux_loss: f and P as above, over the tokens of sequence j only, averaged over the b sequences)
     z       = coeff * mean_t logsumexp(logits_t)^2        (ST-MoE eq. 5)
 
 With the micro-batch's tokens split over n ranks (context parallelism, Ulysses), each rank computes its part of
-both: f_e from the choices counted over the n ranks, P_e and the z mean over its own tokens divided by n, so the
+all three: f_e (f_je) from the choices counted over the n ranks, P_e and the z mean over its own tokens divided by n, so the
 parts sum to the losses of the whole micro-batch, and so do their gradients.
 
 The bias (aux-loss-free balancing, DeepSeek-V3) only steers the choice, never the weights; it is not a
@@ -33,7 +36,18 @@ from torch import nn
 from megatron.config.moe import MoEConfig
 from megatron.parallel.weight_grad_store import linear
 
-__all__ = ["Routing", "TopKRouter", "route", "aux_loss", "z_loss", "new_expert_bias"]
+__all__ = ["Routing", "TopKRouter", "route", "balance_choices", "aux_loss", "seq_aux_loss", "sequence_counts", "z_loss",
+           "new_expert_bias", "router_dtype", "combine_dtype"]
+
+
+def router_dtype(config: MoEConfig) -> torch.dtype:
+    """The dtype the router computes in: fp64 with ``--moe-router-dtype fp64``, else fp32."""
+    return torch.float64 if config.router_dtype == "fp64" else torch.float32
+
+
+def combine_dtype(config: MoEConfig) -> torch.dtype | None:
+    """The dtype of the combine's weighted sum: ``--moe-router-dtype``'s (None: the activations')."""
+    return None if config.router_dtype is None else router_dtype(config)
 
 
 @dataclasses.dataclass
@@ -57,8 +71,8 @@ def _group_limited(routing_scores: torch.Tensor, config: MoEConfig) -> torch.Ten
 
 
 def route(logits: torch.Tensor, config: MoEConfig, expert_bias: torch.Tensor | None = None) -> Routing:
-    """The routing of logits [T, E] (any dtype; computed in fp32)."""
-    logits = logits.float()
+    """The routing of logits [T, E] (any dtype; computed in fp32, or fp64 with ``--moe-router-dtype fp64``)."""
+    logits = logits.to(router_dtype(config))
     scores = torch.softmax(logits, -1) if config.router_score_function == "softmax" else torch.sigmoid(logits)
     routing_scores = scores if expert_bias is None else scores + expert_bias
     if config.router_num_groups is not None:
@@ -73,9 +87,25 @@ def route(logits: torch.Tensor, config: MoEConfig, expert_bias: torch.Tensor | N
     return Routing(expert_index, weight, scores, logits)
 
 
+def balance_choices(routing: Routing, config: MoEConfig) -> torch.Tensor:
+    """[T, k]: the choices the balancing losses count (f_e), the top-k of the scores alone, as DeepSeek-V3 (eq. 19)
+    and Megatron-LM count them: the expert bias and the group limit steer the routing, not the balance measured.
+    Without either they are the routed choices themselves."""
+    if not config.router_enable_expert_bias and config.router_num_groups is None:
+        return routing.expert_index
+    return routing.scores.topk(config.router_topk, dim=-1).indices
+
+
 def tokens_per_expert(expert_index: torch.Tensor, num_experts: int) -> torch.Tensor:
     """How many of the T * k choices went to each expert: [T, k] -> [E] int64."""
     return torch.bincount(expert_index.flatten(), minlength=num_experts)
+
+
+def _balance_scores(routing: Routing, config: MoEConfig) -> torch.Tensor:
+    """[T, E]: the scores P_e averages (sigmoid scores, which do not sum to 1, normalised per token)."""
+    if config.router_score_function == "sigmoid":
+        return routing.scores / (routing.scores.sum(-1, keepdim=True) + 1e-20)
+    return routing.scores
 
 
 def aux_loss(routing: Routing, config: MoEConfig, counts: torch.Tensor | None = None, shards: int = 1) -> torch.Tensor:
@@ -86,16 +116,40 @@ def aux_loss(routing: Routing, config: MoEConfig, counts: torch.Tensor | None = 
     and the result is this rank's part (Megatron-LM's form): f_e from the whole micro-batch's choices, P_e's sum over
     this rank's tokens only, so that the ranks' parts add up to the whole micro-batch's loss, value and gradient."""
     num_tokens, num_experts = routing.scores.shape
-    scores = routing.scores
-    if config.router_score_function == "sigmoid":  # sigmoid scores do not sum to 1: normalise them for P_e
-        scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    scores = _balance_scores(routing, config)
     if counts is None:
-        counts = tokens_per_expert(routing.expert_index, num_experts)
+        counts = tokens_per_expert(balance_choices(routing, config), num_experts)
     fraction = counts.float() / (num_tokens * shards * config.router_topk)
     mean_score = scores.mean(0)  # [E]
     if shards > 1:  # this rank's share of the whole micro-batch's mean
         mean_score = mean_score / shards
     return config.aux_loss_coeff * num_experts * (fraction * mean_score).sum()
+
+
+def sequence_counts(expert_index: torch.Tensor, num_experts: int, batch: int) -> torch.Tensor:
+    """How many of each sequence's choices went to each expert: [T, k] -> [b, E] int64, for T = s * b tokens laid
+    out sequence-position-major (token t = i * b + j is position i of sequence j, the [s, b, h] activations'
+    order)."""
+    sequence = torch.arange(expert_index.shape[0], device=expert_index.device) % batch  # [T]
+    flat = (sequence[:, None] * num_experts + expert_index).flatten()  # [T * k]: (sequence, expert) pairs
+    return torch.bincount(flat, minlength=batch * num_experts).view(batch, num_experts)
+
+
+def seq_aux_loss(routing: Routing, config: MoEConfig, batch: int, counts: torch.Tensor | None = None,
+                 shards: int = 1) -> torch.Tensor:
+    """DeepSeek-V2's sequence-wise balance loss (a scalar, 0 when ``seq_aux_loss_coeff`` is): the aux loss of each
+    of the ``batch`` sequences of the T = s * b tokens (``sequence_counts``' layout), averaged over them.
+
+    Split over ``shards`` ranks each holding s / shards positions of every sequence (context parallelism,
+    Ulysses), ``counts`` [b, E] are the choices per sequence and expert summed over those ranks and the result is
+    this rank's part, as in ``aux_loss``: the parts add up to the whole micro-batch's loss, value and gradient."""
+    num_tokens, num_experts = routing.scores.shape
+    positions = num_tokens // batch  # this rank's s / shards
+    if counts is None:
+        counts = sequence_counts(balance_choices(routing, config), num_experts, batch)
+    fraction = counts.float() / (positions * shards * config.router_topk)  # [b, E]
+    mean_score = _balance_scores(routing, config).view(positions, batch, num_experts).mean(0) / shards  # [b, E]
+    return config.seq_aux_loss_coeff * num_experts * (fraction * mean_score).sum() / batch
 
 
 def z_loss(routing: Routing, config: MoEConfig, shards: int = 1) -> torch.Tensor:
@@ -143,8 +197,9 @@ class TopKRouter(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> Routing:
         """tokens [T, h] -> Routing."""
-        # in fp32 (the weight cast); under ZB-H1 its gradient is deferred (weight_grad_store.py)
-        logits = linear(tokens.float(), self.weight, None, self.weight_grad_store)  # [T, E]
+        # in --moe-router-dtype (fp32 unless fp64: linear casts the weight); under ZB-H1 its gradient is deferred
+        # (weight_grad_store.py)
+        logits = linear(tokens.to(router_dtype(self.config)), self.weight, None, self.weight_grad_store)  # [T, E]
         routing = route(logits, self.config, self.expert_bias)
         if self.expert_bias is not None and self.training:
             self.tokens_per_expert += tokens_per_expert(routing.expert_index.detach(), self.config.num_experts)

@@ -1,0 +1,73 @@
+"""Megatron-LM's MoE flags as its Mixtral and DeepSeek-V3 launch scripts pass them: the load-balancing types (one
+coefficient each) reach MoEConfig, the kernel choices are accepted with one startup warning each, and what does not
+run here (Sinkhorn, the global aux loss, the DeepEP dispatcher, random routing) is refused
+by name before launch."""
+
+import pytest
+
+from megatron.arguments import run_config_from_argv
+from tests.helpers.arguments import tiny_config_argv
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+
+
+def _run(files, extra, world_size=1):
+    return run_config_from_argv(tiny_config_argv(files) + MOE + extra, world_size=world_size, with_vocab=False)
+
+
+@pytest.mark.parametrize("extra,aux,seq", [
+    ([], 0.0, 0.0),
+    (["--moe-aux-loss-coeff", "0.01"], 0.01, 0.0),
+    (["--moe-loss-coeff", "0.01"], 0.01, 0.0),  # Megatron-DeepSpeed's spelling
+    (["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"], 0.01, 0.0),
+    (["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4"], 0.0, 1e-4),
+    (["--moe-router-load-balancing-type", "seq_aux_loss", "aux_loss", "--moe-aux-loss-coeff", "1e-4", "0.01"],
+     0.01, 1e-4),
+    (["--moe-router-load-balancing-type", "none"], 0.0, 0.0),
+])
+def test_load_balancing_types_give_their_coefficients(files, extra, aux, seq):
+    moe = _run(files, extra).model.moe
+    assert (moe.aux_loss_coeff, moe.seq_aux_loss_coeff) == (aux, seq)
+
+
+@pytest.mark.parametrize("dtype", [None, "fp32", "fp64"])
+def test_router_dtype_reaches_the_config(files, dtype):
+    assert _run(files, [] if dtype is None else ["--moe-router-dtype", dtype]).model.moe.router_dtype == dtype
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_token_dispatcher_types_reach_the_config(files, dispatcher):
+    assert _run(files, ["--moe-token-dispatcher-type", dispatcher]).model.moe.token_dispatcher_type == dispatcher
+    assert _run(files, []).model.moe.token_dispatcher_type == "alltoall"
+
+
+def test_a_coefficient_given_to_none_is_reported_unused(files):
+    rc = _run(files, ["--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01"])
+    assert rc.model.moe.aux_loss_coeff == 0.0
+    assert rc.startup_warnings == ("--moe-aux-loss-coeff 0.01 has no effect with --moe-router-load-balancing-type "
+                                   "none (no balancing loss)",)
+
+
+def test_kernel_choices_are_accepted_with_one_warning_each(files):
+    rc = _run(files, ["--moe-grouped-gemm", "--moe-permute-fusion", "--moe-token-dispatcher-type", "alltoall"])
+    assert len(rc.startup_warnings) == 2
+    assert rc.startup_warnings[0].startswith("--moe-grouped-gemm has no effect: each rank's experts always run")
+    assert rc.startup_warnings[1].startswith("--moe-permute-fusion has no effect: tokens are permuted")
+    assert rc.model.moe == _run(files, []).model.moe
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--moe-router-load-balancing-type", "sinkhorn"], "sinkhorn: S-BASE's Sinkhorn routing is not implemented"),
+    (["--moe-router-load-balancing-type", "aux_loss", "global_aux_loss", "--moe-aux-loss-coeff", "0.01", "0.01"],
+     "global_aux_loss: the global-batch aux loss is not implemented"),
+    (["--moe-router-load-balancing-type", "quantile_balancing"], "quantile balancing is not implemented"),
+    (["--moe-router-load-balancing-type", "seq_aux_loss", "aux_loss", "--moe-aux-loss-coeff", "0.01"],
+     "--moe-aux-loss-coeff gives 1 coefficient\\(s\\) for 2 --moe-router-load-balancing-type"),
+    (["--moe-router-load-balancing-type", "aux_loss", "aux_loss", "--moe-aux-loss-coeff", "0.01", "0.01"],
+     "names a type twice"),
+    (["--moe-token-dispatcher-type", "flex"], "DeepEP / HybridEP, NVIDIA GPU kernels"),
+    (["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing .* is not implemented"),
+])
+def test_what_does_not_run_here_is_refused_before_launch(files, extra, message):
+    with pytest.raises(ValueError, match=message):
+        _run(files, extra)
