@@ -144,6 +144,11 @@ def expert_loads(layer: MoELayer, hidden: torch.Tensor) -> list[int]:
     return torch.bincount(routing.expert_index.flatten(), minlength=layer.config.num_experts).tolist()
 
 
+
+def _figures(value: float) -> float:
+    """``value`` to 4 significant figures (a fixed number of decimals rounds a tiny shape's GFLOP/s to 0)."""
+    return float(f"{value:.4g}")
+
 def run_dtype(args, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
     direction = F.normalize(torch.randn(args.hidden_size), dim=0)
@@ -156,7 +161,7 @@ def run_dtype(args, dtype: torch.dtype) -> dict:
     roofline = GemmRoofline(args).to(dtype)
     seconds, _ = time_layer(roofline, hidden, args.warmup, args.reps)
     roof_gflops = flops / seconds / 1e9
-    rows["gemm_roofline"] = {"fwd_bwd_s": round(seconds, 5), "gflops": round(roof_gflops, 1)}
+    rows["gemm_roofline"] = {"fwd_bwd_s": _figures(seconds), "gflops": _figures(roof_gflops)}
     for name, layer in layers.items():
         layer.to(dtype)
         try:
@@ -165,9 +170,9 @@ def run_dtype(args, dtype: torch.dtype) -> dict:
             rows[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
             continue
         reference = out if reference is None else reference
-        rows[name] = {"fwd_bwd_s": round(seconds, 5), "tokens_per_s": round(args.tokens / seconds, 1),
-                      "expert_gflops": round(flops / seconds / 1e9, 1),
-                      "fraction_of_roofline": round(flops / seconds / 1e9 / roof_gflops, 3),
+        rows[name] = {"fwd_bwd_s": _figures(seconds), "tokens_per_s": _figures(args.tokens / seconds),
+                      "expert_gflops": _figures(flops / seconds / 1e9),
+                      "fraction_of_roofline": _figures(flops / seconds / 1e9 / roof_gflops),
                       "max_abs_diff_vs_ours": float((out.float() - reference.float()).abs().max())}
         if name == "ours":
             rows[name]["experts_path"] = "segments" if layer.experts.uses_segments(
