@@ -18,7 +18,7 @@ REFUSED = {
     "--moe-eval-capacity-factor": "evaluation routes with the training capacity (--moe-expert-capacity-factor)",
     "--moe-min-capacity": "the capacity is ceil(tokens x topk / experts x --moe-expert-capacity-factor), no minimum",
     "--expert-interval": "choose the MoE layers with --moe-layer-freq (an interval or a 0/1 pattern)",
-    "--use-tutel": "Tutel's kernels are not used; the experts run as batched matmuls",
+    "--use-tutel": "Tutel's kernels are not used; the experts run as grouped GEMMs (torch._grouped_mm)",
     "--moe-top2-2nd-expert-sampling": "the second expert is the second-best by score, never sampled",
 }
 
@@ -38,8 +38,9 @@ REFUSED_VALUES = {
 LOAD_BALANCING_FLAG_VALUES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # Pure kernel choices of Megatron-LM: accepted, with a startup warning that they change nothing here.
 KERNEL_FLAGS = {
-    "moe_grouped_gemm": "--moe-grouped-gemm has no effect: each rank's experts always run as one batched matmul "
-                        "per weight (no grouped-GEMM kernel to choose)",
+    "moe_grouped_gemm": "--moe-grouped-gemm has no effect: each rank's experts always run as one grouped GEMM per "
+                        "weight over their tokens (torch._grouped_mm; a padded batched matmul where shapes do not "
+                        "allow it)",
     "moe_permute_fusion": "--moe-permute-fusion has no effect: tokens are permuted by index_select / index_add "
                           "(no fused Transformer Engine permute kernel here); the result is the same",
 }
@@ -97,7 +98,7 @@ def add_moe_arguments(parser) -> None:
                    help="Which choices an expert over capacity keeps: its highest-weight ones, or the first ones.")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="Accepted for Megatron-LM compatibility (a startup warning says so): each rank's experts "
-                        "always run as one batched matmul per weight.")
+                        "always run as one grouped GEMM per weight.")
     g.add_argument("--moe-permute-fusion", action="store_true",
                    help="Accepted for Megatron-LM compatibility (a startup warning says so): no fused permute "
                         "kernel; tokens are permuted by index_select.")
