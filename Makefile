@@ -6,10 +6,7 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# --no-compile: pip would byte-compile every installed module (about 19,000 files, ~50 s on one core); Python
-# compiles the ones a process imports on first import instead, once.
 PIP    := $(PY) -m pip
-PIP_INSTALL := $(PIP) install --quiet --no-compile
 STAMP  := $(VENV)/.installed
 
 # Pinned where it matters: deepspeed 0.17.x / 0.18.0 break bf16 + ZeRO-1.
@@ -24,11 +21,11 @@ venv: $(STAMP)
 # (its setup.py imports torch) and with no ops prebuilt, then the project with its test extras.
 $(STAMP): setup.py requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) --upgrade pip setuptools wheel
-	$(PIP_INSTALL) torch==$(TORCH_VERSION)
-	$(PIP_INSTALL) "pybind11>=2.12" numpy
-	DS_BUILD_OPS=0 $(PIP_INSTALL) --no-build-isolation deepspeed==$(DEEPSPEED_VERSION)
-	$(PIP_INSTALL) --no-build-isolation -e ".[test]"
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet torch==$(TORCH_VERSION)
+	$(PIP) install --quiet "pybind11>=2.12" numpy
+	DS_BUILD_OPS=0 $(PIP) install --quiet --no-build-isolation deepspeed==$(DEEPSPEED_VERSION)
+	$(PIP) install --quiet --no-build-isolation -e ".[test]"
 	touch $(STAMP)
 
 # The C++ data helpers are rebuilt in place whenever their source changes.
