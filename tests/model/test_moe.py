@@ -91,14 +91,20 @@ def reference_balance_choices(logits, cfg):
     return reference_route(logits, dataclasses.replace(cfg, router_num_groups=None, router_group_topk=None))[0]
 
 
-def reference_aux_and_z(logits, cfg, choices):
-    """``choices``: the routed ones; f counts ``reference_balance_choices`` (the same without a bias or groups)."""
+def _reference_balance_inputs(logits, cfg, choices):
+    """What the balancing losses count and weigh: the choices (by score alone where a bias or groups steer the
+    routed ones) and the scores normalised per token, in float64."""
     if cfg.router_enable_expert_bias or cfg.router_num_groups:
         choices = reference_balance_choices(logits, cfg)
-    num_tokens, num_experts = logits.shape
     scores = torch.softmax(logits.double(), -1) if cfg.router_score_function == "softmax" else \
         torch.sigmoid(logits.double())
-    scores = scores / scores.sum(-1, keepdim=True)
+    return choices, scores / scores.sum(-1, keepdim=True)
+
+
+def reference_aux_and_z(logits, cfg, choices):
+    """``choices``: the routed ones; f counts ``reference_balance_choices`` (the same without a bias or groups)."""
+    choices, scores = _reference_balance_inputs(logits, cfg, choices)
+    num_tokens, num_experts = logits.shape
     load = [sum(row.count(e) for row in choices) / (num_tokens * cfg.router_topk) for e in range(num_experts)]
     aux = cfg.aux_loss_coeff * num_experts * sum(load[e] * scores[:, e].mean().item() for e in range(num_experts))
     z = cfg.z_loss_coeff * sum(torch.logsumexp(row, 0).item() ** 2 for row in logits.double()) / num_tokens
@@ -167,12 +173,8 @@ def reference_seq_aux(logits, cfg, choices, batch):
     seq_aux_loss): L = alpha * sum_i f_i P_i, f_i = E / (K T) * #(tokens of the sequence choosing i),
     P_i = 1 / T * sum_t s'_it, s' the scores normalised per token (DeepSeek-V3 eq. 18 for sigmoid); with an
     expert bias or group-limited routing, "choosing" is the top-k by score alone (DeepSeek-V3 eq. 19)."""
-    if cfg.router_enable_expert_bias or cfg.router_num_groups:
-        choices = reference_balance_choices(logits, cfg)
+    choices, scores = _reference_balance_inputs(logits, cfg, choices)
     num_tokens, num_experts = logits.shape
-    scores = torch.softmax(logits.double(), -1) if cfg.router_score_function == "softmax" else \
-        torch.sigmoid(logits.double())
-    scores = scores / scores.sum(-1, keepdim=True)
     losses = []
     for j in range(batch):
         tokens = list(range(j, num_tokens, batch))  # position i of sequence j is token i * batch + j
