@@ -55,6 +55,11 @@ def add_moe_arguments(parser) -> None:
                    type=int, default=1,
                    help="Ranks each MoE layer's experts are split over (carved from the data-parallel ranks: must "
                         "divide the data-parallel size and --num-experts); tokens travel by all-to-all. Default 1.")
+    g.add_argument("--expert-tensor-parallel-size", dest="expert_tensor_parallel_size", type=int, default=None,
+                   help="Ranks each expert's matrices are split over (Megatron-LM's flag). Default: "
+                        "--tensor-model-parallel-size. 1 under TP (with --sequence-parallel): whole experts, and "
+                        "expert parallelism spans the TP ranks too (etp x ep divides each stage's ranks; Megatron-LM's "
+                        "expert order tp-ep-dp). Only 1 or the TP size.")
     g.add_argument("--moe-layer-freq", default="1",
                    help="Which layers are MoE: an int N (every N-th layer, from layer 0) or one 0/1 per layer, "
                         "e.g. '([0]*1+[1]*3)' for DeepSeek-V3-style dense first layers. Default 1: all.")

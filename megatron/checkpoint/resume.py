@@ -94,6 +94,13 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, saved: dict) -> None:
                          f"--expert-model-parallel-size {ep[0]}, or convert it once: python "
                          f"tools/convert_checkpoint/ds_to_universal.py --input_folder {tag_dir} --output_folder "
                          f"{tag_dir}_universal, then add --universal-checkpoint")
+    # the experts' split: which experts (and shards) each (EP, expert-TP) rank's expert file holds (absent: TP)
+    saved_tp = recorded.get("tensor_model_parallel_size")
+    etp = (recorded.get("expert_tensor_parallel_size", saved_tp), p.expert_tp)
+    if rc.model.moe is not None and saved_tp == p.tensor_model_parallel_size and etp[0] != etp[1]:
+        raise ValueError(f"{tag_dir} was saved with --expert-tensor-parallel-size {etp[0]} (this run: {etp[1]}); a "
+                         f"regular MoE checkpoint loads only at its own expert split: run with "
+                         f"--expert-tensor-parallel-size {etp[0]}")
     # TP / PP always (the weight files); with the optimizer state, the ZeRO shards (dp x sp x cp) and which
     # layers a shard holds (virtual stages): megatron.config.parallel_dims' on_resume
     sizes = parallel_dims.resume_mismatches(recorded, p.sizes(), loads_optimizer=not (ck.no_load_optim or ck.finetune))

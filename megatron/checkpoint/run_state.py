@@ -52,6 +52,8 @@ def build_run_state(rc: RunConfig, progress: dict[str, int]) -> dict:
     # dp x sp x cp the ZeRO shards, EP one expert file per EP rank, virtual stages which layers a shard holds
     parallel = parallel_dims.recorded_sizes(rc.parallel.sizes())
     parallel["zero_stage"] = rc.deepspeed_zero_stage  # 2 and 3 write DeepSpeed's model-engine files
+    if rc.parallel.expert_tp != rc.parallel.tensor_model_parallel_size:  # the expert files' "tp" (absent: TP)
+        parallel["expert_tensor_parallel_size"] = rc.parallel.expert_tp
     record = _record(dataclasses.asdict(rc.model), parallel, dataclasses.asdict(rc.data.tokenizer), progress,
                      rc.data.seq_length)
     # How the checkpoint was written, so that no reader re-derives it from the flags (weight_files).

@@ -115,6 +115,8 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
     if recorded != tp:
         raise CheckpointFormatError(f"{tag_dir!r} holds layer files of {tp} tensor-parallel ranks but its run "
                                     f"record says --tensor-model-parallel-size {recorded}")
+    # --expert-tensor-parallel-size below TP: whole experts, one expert file per (EP rank, expert-TP rank)
+    etp = record.get("parallel", {}).get("expert_tensor_parallel_size", tp)
     state: dict[str, torch.Tensor] = {}
     head: Optional[list[dict]] = None
     for index in sorted(files):
@@ -136,9 +138,11 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
             if name not in layout:
                 raise CheckpointFormatError(f"pipeline layer {index} of {tag_dir!r} holds {key!r}, which the "
                                             f"recorded model configuration does not have")
+            if etp != tp and layout[name].expert_parallel:  # other whole experts on each TP rank: expert files
+                continue
             state[name] = merge_tp_shards(layout[name], [shard[key] for shard in shards])
     if ep > 1:  # the layer files hold EP rank 0's experts: every rank's are in the expert files
-        state.update(read_expert_files(tag_dir, config, layout, tp, ep))
+        state.update(read_expert_files(tag_dir, config, layout, etp, ep))
     if head is not None:
         for param in (p for p in layout.values() if p.tied_to_head):
             tied = merge_tp_shards(param, [shard[param.file_key] for shard in head])

@@ -132,6 +132,37 @@ class MoEConfig:
                              f"fit in the {group_topk} groups of {e // groups} experts a token may use")
 
 
+def _check_expert_tensor_parallel(rc) -> bool:
+    """The rules of --expert-tensor-parallel-size (etp); True where it is below TP (expert parallelism then folds
+    over the stage's TP x DP ranks, ``megatron.parallel.state``), False where it is TP (the default)."""
+    p = rc.parallel
+    tp, etp, ep = p.tensor_model_parallel_size, p.expert_tp, p.expert_model_parallel_size
+    _positive("--expert-tensor-parallel-size", etp)
+    if etp == tp:
+        return False
+    if etp != 1:
+        raise ValueError(f"--expert-tensor-parallel-size {etp}: only 1 (whole experts, expert parallelism over the TP "
+                         f"ranks too) or the TP size {tp} (the default) are built; use one of them")
+    if not rc.model.sequence_parallel:
+        raise ValueError(f"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size {tp} needs "
+                         f"--sequence-parallel: each TP rank must hold other tokens to route (as in Megatron-LM)")
+    seq = p.ds_sequence_parallel_size * p.context_parallel_size
+    if seq > 1:
+        raise ValueError("--expert-tensor-parallel-size 1 below the TP size is not built with context parallelism or "
+                         "DeepSpeed-Ulysses yet: drop --context-parallel-size / --ds-sequence-parallel-size, or "
+                         "--expert-tensor-parallel-size")
+    if rc.checkpoint.universal_checkpoint:
+        raise ValueError("--universal-checkpoint with --expert-tensor-parallel-size 1 below the TP size is not built "
+                         "yet (the universal loader would cut each whole expert along TP): load it at the default "
+                         "--expert-tensor-parallel-size (the TP size)")
+    stage = tp * p.data_parallel_size
+    if ep == 1 or stage % (etp * ep):
+        raise ValueError(f"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size {tp}: "
+                         f"--expert-model-parallel-size {ep} must be above 1 and divide the {stage} ranks of a pipeline "
+                         f"stage (TP {tp} x DP {p.data_parallel_size}): expert parallelism then spans the TP ranks")
+    return True
+
+
 def check_moe_run(rc) -> None:
     """The rules MoE adds across a ``RunConfig``'s settings: the expert-parallel layout, and what does not work
     with MoE yet (refused by name rather than run wrongly: the table in ``megatron.config.combinations``)."""
@@ -139,6 +170,9 @@ def check_moe_run(rc) -> None:
     dp = rc.parallel.data_parallel_size
     _positive("--expert-model-parallel-size", ep)
     if moe is None:
+        etp = rc.parallel.expert_tensor_parallel_size
+        if etp is not None and etp != rc.parallel.tensor_model_parallel_size:
+            raise ValueError(f"--expert-tensor-parallel-size {etp} needs experts: set --num-experts or drop it")
         if ep > 1:
             raise ValueError(f"--expert-model-parallel-size {ep} needs experts: set --num-experts (a multiple of "
                              f"{ep}) or drop it")
@@ -146,7 +180,7 @@ def check_moe_run(rc) -> None:
     if moe.num_experts % ep:
         raise ValueError(f"--num-experts {moe.num_experts} is not divisible by --expert-model-parallel-size {ep}; "
                          f"each expert-parallel rank holds an equal share: use a divisor of {moe.num_experts}")
-    if dp % ep:
+    if not _check_expert_tensor_parallel(rc) and dp % ep:
         raise ValueError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} (world / "
                          f"(TP x PP)): expert parallelism is carved from the data-parallel ranks; use a divisor of "
                          f"{dp} or more processes")

@@ -41,6 +41,8 @@ class ParallelConfig:
     sequence_parallel: bool = False        # --sequence-parallel as asked; the model runs it only with TP > 1
                                            # (ModelConfig.sequence_parallel is what the modules read)
     expert_model_parallel_size: int = 1    # MoE: ranks sharing out each layer's experts, carved from DP
+    expert_tensor_parallel_size: Optional[int] = None  # MoE: ranks splitting each expert (None: TP); 1 < TP: EP
+                                           # folds over the stage's TP x DP ranks (megatron.parallel.state)
     enable_zbh1_pipeline: bool = False     # ZB-H1 pipeline schedule: weight gradients deferred into the bubble
     enable_zbh1_exact_semantics: bool = False  # ZB-H1: optimizer step only after every deferred weight gradient
     context_parallel_size: int = 1         # ring attention: ranks holding 1/cp of each sample's tokens (chunks i
@@ -55,6 +57,13 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return parallel_dims.world_size(self.sizes())
+
+    @property
+    def expert_tp(self) -> int:
+        """The ranks each expert's matrices are split over: --expert-tensor-parallel-size, TP by default."""
+        if self.expert_tensor_parallel_size is None:
+            return self.tensor_model_parallel_size
+        return self.expert_tensor_parallel_size
 
     def validate(self) -> "ParallelConfig":
         for d in parallel_dims.DIMENSIONS:

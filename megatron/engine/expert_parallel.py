@@ -18,7 +18,9 @@ right divisor: each expert saw the tokens of all dp ranks' micro-batches, throug
 Checkpoints: DeepSpeed's regular files (layer files, ZeRO shards) are written as without MoE, the layer files by
 data-parallel rank 0 only, so they hold EP rank 0's experts. Each EP rank's experts (and, without ZeRO, their
 optimizer state, which DeepSpeed also keeps from data-parallel rank 0 only) go to ``EXPERT_FILE`` beside them,
-one per (EP, TP, PP) coordinate (the same on every sequence rank), and are loaded back after DeepSpeed's load
+one per (EP, expert-TP, PP) coordinate (the same on every sequence rank; its "tp" is the expert-tensor-parallel
+rank, the TP rank unless --expert-tensor-parallel-size is below TP), written by expert-data-parallel rank 0, and
+are loaded back after DeepSpeed's load
 (``attach_expert_checkpoints``). Under ZeRO-1 / BF16_Optimizer the optimizer shards are per data-parallel rank, experts included.
 """
 
@@ -75,7 +77,7 @@ def mark_expert_parameters(module: nn.Module, config: ModelConfig, state: Parall
     name = expert_group_name(state)
     if name is None:
         return None
-    register_expert_groups(name, state.ep_group, _expert_data_group(state), state.tp_size)
+    register_expert_groups(name, state.ep_group, _expert_data_group(state), state.etp_size)
     for param in module.parameters():
         if is_expert_parallel(param):
             mark_moe_parameter(param, name)
@@ -88,12 +90,12 @@ def check_expert_parallel_engine(engine, name: Optional[str], state: ParallelSta
     grad norm counts each TP-duplicated expert parameter once; its checkpoints hold every EP rank's experts."""
     if name is not None:
         check_moe_engine(engine, name)
-        count_expert_grads_once(engine.optimizer, state.tp_rank)
+        count_expert_grads_once(engine.optimizer, state.etp_rank)
         attach_expert_checkpoints(engine, state)
 
 
 def _expert_file(tag_dir: str, state: ParallelState) -> str:
-    return os.path.join(tag_dir, EXPERT_FILE.format(ep=state.ep_rank, tp=state.tp_rank, pp=state.pp_rank))
+    return os.path.join(tag_dir, EXPERT_FILE.format(ep=state.ep_rank, tp=state.etp_rank, pp=state.pp_rank))
 
 
 def _experts(engine) -> list[tuple[str, nn.Parameter]]:
@@ -111,7 +113,7 @@ def save_expert_states(engine, tag_dir: str, state: ParallelState) -> None:
     """Write this rank's experts (and without ZeRO their optimizer state) to its ``EXPERT_FILE``: one writer per
     expert-data-parallel group (its rank 0: the first data-parallel replica of this EP rank, sequence rank 0; the
     other CP / Ulysses ranks hold the same experts)."""
-    if state.dp_rank // state.ep_size or state.seq_rank:
+    if state.edp_rank or state.seq_rank:
         return
     experts = _experts(engine)
     record = {"params": {name: p.detach().clone() for name, p in experts}}

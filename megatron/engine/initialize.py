@@ -107,7 +107,8 @@ def _fp32_clipping(client, config: dict, rc: RunConfig, state: ParallelState):
     # with our norm instead. 0 must be explicit: DeepSpeed's default for a missing gradient_clipping is 1.0.
     config["gradient_clipping"] = 0.0
     return GradNormClippingOptimizer(client, clip_grad=rc.optimizer.clip_grad, tp_rank=state.tp_rank,
-                                     model_group=state.model_group, expert_group=state.ep_group)
+                                     model_group=state.model_group, expert_group=state.ep_group,
+                                     experts_span_tp=state.experts_span_tp)
 
 
 def _compile_layers(module) -> None:

@@ -75,14 +75,22 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]).square().sum()
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], *, tp_rank: int, model_group, expert_group=None) -> float:
+def global_grad_norm(params: Iterable[torch.Tensor], *, tp_rank: int, model_group, expert_group=None,
+                     experts_span_tp: bool = False) -> float:
     """L2 norm of all gradients of the model replica (summed over its TP x PP ranks, and for the MoE experts,
-    which each expert-parallel rank holds a share of, over ``expert_group`` too)."""
-    counted = [p for p in params if p.grad is not None and _counted_once(p, tp_rank)]
+    which each expert-parallel rank holds a share of, over ``expert_group`` too). ``experts_span_tp``: the experts
+    are whole on every TP rank and ``expert_group`` spans TP ranks (--expert-tensor-parallel-size 1): each rank's
+    experts count in full there, and the group's sum enters on TP rank 0 only."""
+    def once(p):
+        return experts_span_tp and is_expert_parallel(p) or _counted_once(p, tp_rank)
+
+    counted = [p for p in params if p.grad is not None and once(p)]
     squares = _sum_of_squares([p.grad for p in counted if not is_expert_parallel(p)])
     expert_squares = _sum_of_squares([p.grad for p in counted if is_expert_parallel(p)])
     if expert_group is not None:
         dist.all_reduce(expert_squares, group=expert_group)
+    if experts_span_tp and tp_rank != 0:  # TP rank 0's expert group has every expert of the stage already
+        expert_squares = torch.zeros_like(expert_squares)
     squares = squares + expert_squares
     if model_group is not None:
         dist.all_reduce(squares, group=model_group)
@@ -95,7 +103,7 @@ class GradNormClippingOptimizer(torch.optim.Optimizer):
     ``overflow`` after each step, so its skipped-step count and grad-norm report use ours."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, clip_grad: float, tp_rank: int, model_group,
-                 expert_group=None):
+                 expert_group=None, experts_span_tp: bool = False):
         # DeepSpeed accepts a client optimizer only if it is a torch.optim.Optimizer, so this is one,
         # initialized properly; then it shares the wrapped optimizer's groups, state and defaults (the
         # same objects), so DeepSpeed and the learning-rate schedule act on the real ones.
@@ -108,6 +116,7 @@ class GradNormClippingOptimizer(torch.optim.Optimizer):
         self.tp_rank = tp_rank
         self.model_group = model_group
         self.expert_group = expert_group
+        self.experts_span_tp = experts_span_tp
         self._global_grad_norm: Optional[float] = None
         self.overflow = False
 
@@ -132,7 +141,7 @@ class GradNormClippingOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         params = self._params()
         norm = global_grad_norm(params, tp_rank=self.tp_rank, model_group=self.model_group,
-                                expert_group=self.expert_group)
+                                expert_group=self.expert_group, experts_span_tp=self.experts_span_tp)
         self._global_grad_norm = norm
         self.overflow = not math.isfinite(norm)
         if self.overflow:

@@ -18,9 +18,10 @@ __all__ = ["tp_duplicated_parameters", "sync_tp_duplicated_parameters"]
 
 def tp_duplicated_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of every parameter replicated across TP ranks, i.e. not tagged
-    ``tensor_model_parallel`` by the parallel layers. In ``named_parameters`` order."""
+    ``tensor_model_parallel`` by the parallel layers nor ``distinct_per_tp_rank`` (an MoE layer's experts with
+    --expert-tensor-parallel-size 1: other experts on every TP rank). In ``named_parameters`` order."""
     return [(name, param) for name, param in module.named_parameters()
-            if not getattr(param, "tensor_model_parallel", False)]
+            if not getattr(param, "tensor_model_parallel", False) and not getattr(param, "distinct_per_tp_rank", False)]
 
 
 def sync_tp_duplicated_parameters(module: nn.Module, tp_group) -> int:

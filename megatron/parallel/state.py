@@ -31,6 +31,13 @@ experts and they exchange tokens all-to-all), and ranks d = j * ep + i (j < dp /
 sequence rank s (Ulysses' or CP's: other tokens of the same samples), form the expert-data-parallel group (the
 same experts on other data: where their gradients are averaged).
 
+Expert tensor parallelism (``--expert-tensor-parallel-size``, etp; Megatron-LM's flag, default TP): with etp = 1 <
+tp (which needs --sequence-parallel: every rank of a stage holds other tokens) the experts are not split over TP and
+the stage's tp x seq x dp ranks are folded again in Megatron-LM's expert order (tp-ep-dp): with the stage-local
+index l = rank - pp_rank * stage, etp_rank = l % etp, ep_rank = (l // etp) % ep, edp_rank = l // (etp * ep); the
+expert-model-parallel group is the ep ranks of one (pp, edp, etp) coordinate, the expert-data-parallel group the
+ranks of one (pp, ep, etp) coordinate. With etp = tp the groups are the ones above.
+
 A group of ``None`` everywhere in ``megatron.parallel`` means "no parallelism on this axis"
 (size 1, collectives are the identity), never the default WORLD group.
 """
@@ -76,6 +83,22 @@ class GroupLayout:
     expert: list[list[int]] = dataclasses.field(default_factory=list)         # ep consecutive data ranks
     expert_data: list[list[int]] = dataclasses.field(default_factory=list)    # dp / ep x seq ranks, stride ep
     cp: int = 1                  # context-parallel size (ring attention); the sequence axis when > 1
+    etp: int = 0                 # expert-tensor-parallel size (0: tp, the experts split as the dense layers)
+    stage: list[list[int]] = dataclasses.field(default_factory=list)  # one per pipe stage: its tp x seq x dp ranks
+
+    @property
+    def expert_tp(self) -> int:
+        """The ranks each expert's matrices are split over (``etp``; tp where it is 0)."""
+        return self.etp or self.tp
+
+    def expert_coords(self, rank: int) -> tuple[int, int, int]:
+        """(etp_rank, ep_rank, edp_rank) of a global rank."""
+        pp_rank, dp_rank, tp_rank = self.coords(rank)
+        if self.expert_tp == self.tp:
+            return tp_rank, dp_rank % self.ep, dp_rank // self.ep
+        local = rank - pp_rank * self.tp * self.seq * self.dp
+        etp = self.expert_tp
+        return local % etp, (local // etp) % self.ep, local // (etp * self.ep)
 
     @property
     def seq(self) -> int:
@@ -112,19 +135,27 @@ def _check_sizes(tp: int, pp: int, dp: int, world_size: Optional[int], sp: int =
                          f"both split the sequence; use one of the two")
 
 
-def _check_expert_size(dp: int, ep: int) -> None:
+def _check_expert_size(dp: int, ep: int, tp: int = 1, etp: Optional[int] = None, seq: int = 1) -> None:
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"expert-model-parallel size must be a positive integer, got {ep!r}")
+    if etp is not None and etp != tp:
+        if etp != 1:
+            raise ValueError(f"--expert-tensor-parallel-size {etp}: only 1 or the TP size {tp} are built")
+        if (tp * seq * dp) % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does not divide "
+                             f"the {tp * seq * dp} ranks of a pipeline stage")
+        return
     if dp % ep:
         raise ValueError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp}: expert "
                          f"parallelism is carved from the data-parallel ranks; use a divisor of {dp}")
 
 
-def group_layout(tp: int, pp: int, dp: int, sp: int = 1, ep: int = 1, cp: int = 1) -> GroupLayout:
+def group_layout(tp: int, pp: int, dp: int, sp: int = 1, ep: int = 1, cp: int = 1,
+                 etp: Optional[int] = None) -> GroupLayout:
     """Every group's ranks for the layout, in PipeModelDataParallelTopology's order (SP or CP between data and
-    model; EP within data)."""
+    model; EP within data, or with ``etp`` (default tp) below tp, over the whole stage: the module docstring)."""
     _check_sizes(tp, pp, dp, None, sp, cp)
-    _check_expert_size(dp, ep)
+    _check_expert_size(dp, ep, tp, etp, sp * cp)
     seq = sp * cp  # the sequence axis: Ulysses' or context parallelism's
     rank = lambda p, d, s, t: ((p * dp + d) * seq + s) * tp + t  # noqa: E731  (GroupLayout.rank_of's formula)
     P, D, S, T = range(pp), range(dp), range(seq), range(tp)
@@ -138,8 +169,15 @@ def group_layout(tp: int, pp: int, dp: int, sp: int = 1, ep: int = 1, cp: int = 
     E, J = range(ep), range(dp // ep)
     expert = [[rank(p, j * ep + i, s, t) for i in E] for p in P for s in S for t in T for j in J]
     expert_data = [[rank(p, j * ep + i, s, t) for j in J for s in S] for p in P for t in T for i in E]
+    size = tp * seq * dp  # ranks per stage
+    stage = [list(range(p * size, (p + 1) * size)) for p in P]
+    if etp is not None and etp != tp:  # Megatron-LM's expert order tp-ep-dp over each stage's ranks
+        X, EDP = range(etp), range(size // (etp * ep))
+        at = lambda p, x, e, j: p * size + (j * ep + e) * etp + x  # noqa: E731  (the stage-local index inverted)
+        expert = [[at(p, x, e, j) for e in E] for p in P for j in EDP for x in X]
+        expert_data = [[at(p, x, e, j) for j in EDP] for p in P for e in E for x in X]
     return GroupLayout(tp, pp, dp, tensor, pipeline, data, model, embedding, sp, sequence, sequence_data, ep,
-                       expert, expert_data, cp)
+                       expert, expert_data, cp, 0 if etp is None or etp == tp else etp, stage)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +191,7 @@ class LayerGroups:
     around the core attention (``megatron.model.attention.SequenceExchange``, built from the sp group by
     ``megatron.engine.ulysses.ulysses_exchange``); tokens: the ranks holding other tokens of the same samples
     with the same weights after an MoE layer has gathered any sequence-parallel TP shards (CP's or Ulysses' sequence
-    group: the group an MoE layer's aux and z losses are summed over).
+    group: the group an MoE layer's aux and z losses are summed over; the TP group itself when ``experts_span_tp``).
     """
 
     tp: Optional[object] = None
@@ -161,6 +199,8 @@ class LayerGroups:
     ep: Optional[object] = None
     sequence_exchange: Optional[object] = None
     tokens: Optional[object] = None
+    experts_span_tp: bool = False  # etp = 1 < tp: an MoE layer routes this TP rank's own sequence-parallel tokens
+                                   # over ``ep`` (which then spans TP ranks) to whole experts
 
     def __post_init__(self):
         if self.cp is not None and self.sequence_exchange is not None:
@@ -189,6 +229,8 @@ class ParallelState:
     ep_group: Optional[object] = None         # expert-model-parallel group (token all-to-all)
     expert_dp_group: Optional[object] = None  # expert-data-parallel group (the experts' gradients)
     cp_group: Optional[object] = None         # context-parallel group (ring attention over slices of one sample)
+    stage_group: Optional[object] = None      # every rank of this pipeline stage; built only with etp < tp (each
+                                              # TP rank then routes other tokens: the routers' counts)
 
     # ---- sizes and coordinates -------------------------------------------------------------
     @property
@@ -235,7 +277,32 @@ class ParallelState:
 
     @property
     def ep_rank(self) -> int:
-        return self.dp_rank % self.ep_size
+        return self.layout.expert_coords(self.rank)[1]
+
+    @property
+    def etp_size(self) -> int:
+        """The ranks each expert is split over (--expert-tensor-parallel-size; the TP size by default)."""
+        return self.layout.expert_tp
+
+    @property
+    def etp_rank(self) -> int:
+        return self.layout.expert_coords(self.rank)[0]
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's index in its expert-data-parallel group (0: the one that writes the expert files)."""
+        return self.layout.expert_coords(self.rank)[2]
+
+    @property
+    def experts_span_tp(self) -> bool:
+        """Whether the experts are split over fewer ranks than the dense layers (etp < tp: each TP rank routes and
+        exchanges its own sequence-parallel tokens, its experts are whole)."""
+        return self.etp_size != self.tp_size
+
+    @property
+    def routing_data_group(self):
+        """The ranks routing other tokens with this stage's routers: dp x seq (the whole stage with etp < tp)."""
+        return self.stage_group if self.experts_span_tp else self.sp_data_group
 
     @property
     def world_size(self) -> int:
@@ -268,8 +335,9 @@ class ParallelState:
     # ---- construction ----------------------------------------------------------------------
     def layer_groups(self, sequence_exchange: Optional[object] = None) -> LayerGroups:
         """The groups this rank's transformer layers work over (with Ulysses' ``sequence_exchange`` if given)."""
+        span = self.experts_span_tp  # etp < tp (seq 1): the TP ranks hold the micro-batch's token shards
         return LayerGroups(tp=self.tp_group, cp=self.cp_group, ep=self.ep_group, sequence_exchange=sequence_exchange,
-                           tokens=self.seq_group)
+                           tokens=self.tp_group if span else self.seq_group, experts_span_tp=span)
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -278,7 +346,7 @@ class ParallelState:
 
     @classmethod
     def create(cls, tp: int, pp: int, dp: Optional[int] = None, backend: Optional[str] = None, sp: int = 1,
-               ep: int = 1, cp: int = 1) -> "ParallelState":
+               ep: int = 1, cp: int = 1, etp: Optional[int] = None) -> "ParallelState":
         """Create the groups over the initialized world. ``dp`` defaults to world / (tp * pp * sp * cp).
 
         Collective: every rank of the world must call it with the same sizes.
@@ -290,7 +358,7 @@ class ParallelState:
         if dp is None:
             dp = parallel_dims.divide_world(world_size, dict(tp=tp, pp=pp, sp=sp, cp=cp))
         _check_sizes(tp, pp, dp, world_size, sp, cp)
-        layout = group_layout(tp, pp, dp, sp, ep, cp)
+        layout = group_layout(tp, pp, dp, sp, ep, cp, etp)
         rank = dist.get_rank()
 
         def mine(all_ranks: list[list[int]]):
@@ -310,14 +378,15 @@ class ParallelState:
                    sp_group=seq_group if sp > 1 else None, sp_data_group=mine(layout.sequence_data),
                    ep_group=mine(layout.expert) if ep > 1 else None,
                    expert_dp_group=mine(layout.expert_data) if ep > 1 else None,
-                   cp_group=seq_group if cp > 1 else None)
+                   cp_group=seq_group if cp > 1 else None,
+                   stage_group=mine(layout.stage) if layout.etp else None)
 
     def destroy(self) -> None:
         """Destroy the groups this rank holds (the default group is left to the caller)."""
         seen = set()
         for group in (self.tp_group, self.pp_group, self.dp_group, self.model_group,
                       self.embedding_group, self.sp_group, self.sp_data_group, self.ep_group, self.expert_dp_group,
-                      self.cp_group):
+                      self.cp_group, self.stage_group):
             if group is not None and id(group) not in seen:
                 seen.add(id(group))
                 dist.destroy_process_group(group)

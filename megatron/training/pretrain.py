@@ -129,7 +129,7 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
         raise on_every_rank(error)
     state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                  sp=p.ds_sequence_parallel_size, ep=p.expert_model_parallel_size,
-                                 cp=p.context_parallel_size)
+                                 cp=p.context_parallel_size, etp=p.expert_tp)
     tracker = set_seeds(rc.training.seed, state)
 
     datasets = build_datasets(rc)
@@ -159,7 +159,7 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
         if t.sync_tp_duplicated_parameters:
             sync_tp_duplicated(engine.module, state.tp_group)
         if rc.model.moe is not None:  # MoE routers' biases: counts summed over every DP and sequence (CP, SP) rank
-            update_expert_biases(engine.module, state.sp_data_group)
+            update_expert_biases(engine.module, state.routing_data_group)  # (and TP rank, with etp < tp)
 
     monitor = ExitMonitor(exit_interval=rc.exit.exit_interval, exit_duration_in_mins=rc.exit.exit_duration_in_mins,
                           kill_switch_path=rc.exit.kill_switch_path, start_time=start)
@@ -169,8 +169,8 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
                       progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=after_step,
                       world_size=dist.get_world_size(), harness_fn=_live_harness(rc, engine, state),
                       moe_stats_fn=None if rc.model.moe is None else (
-                          lambda: moe_iteration_stats(engine.module, rc.model.moe, rc.model.num_layers, state.sp_data_group,
-                                                      state.pp_group)))
+                          lambda: moe_iteration_stats(engine.module, rc.model.moe, rc.model.num_layers,
+                                                      state.routing_data_group, state.pp_group)))
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
                  f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "
                  f"PP={state.pp_size} DP={state.dp_size}"

@@ -94,27 +94,35 @@ def _stage_experts(tag_dir: str, output_folder: str, config, source: str, record
     (``megatron.checkpoint.universal.expert_folders``), beside the output; None for other checkpoints."""
     from megatron.checkpoint.universal.expert_folders import stage_expert_names
 
-    ep = record.get("parallel", {}).get("expert_model_parallel_size", 1)
+    parallel = record.get("parallel", {})
+    ep = parallel.get("expert_model_parallel_size", 1)
     if config.moe is None or ep == 1:
         return None
     staging = os.path.normpath(output_folder) + ".ep_staging"
     shutil.rmtree(staging, ignore_errors=True)  # left by a conversion that died half-way
-    stage_expert_names(tag_dir, staging, config, source, ep)
+    tp = parallel.get("tensor_model_parallel_size", 1)
+    stage_expert_names(tag_dir, staging, config, source, ep, tp, parallel.get("expert_tensor_parallel_size", tp))
     return staging
 
 
 def _merge_experts(tag_dir: str, output_folder: str, config, source: str, record: dict) -> None:
     """MoE: every expert parameter's folder holds all the experts, and the routers' expert biases are kept."""
-    from megatron.checkpoint.universal.expert_folders import merge_expert_folders, save_router_state
+    from megatron.checkpoint.universal.expert_folders import (
+        extract_whole_experts,
+        merge_expert_folders,
+        save_router_state,
+    )
     from megatron.checkpoint.universal.patterns import C, universal_checkpoint_info
 
     if config.moe is None:
         return
     parallel = record.get("parallel", {})
     rows = universal_checkpoint_info(config, source)[C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS]
-    merged = merge_expert_folders(os.path.join(output_folder, "zero"), config, source,
-                                  parallel.get("expert_model_parallel_size", 1),
-                                  parallel.get("tensor_model_parallel_size", 1), rows)
+    ep, tp = parallel.get("expert_model_parallel_size", 1), parallel.get("tensor_model_parallel_size", 1)
+    etp = parallel.get("expert_tensor_parallel_size", tp)  # below TP: whole experts, hidden from DeepSpeed's converter
+    if etp < tp:
+        extract_whole_experts(tag_dir, os.path.join(output_folder, "zero"), config, source, ep, tp, etp)
+    merged = merge_expert_folders(os.path.join(output_folder, "zero"), config, source, ep, etp, rows)
     biases = save_router_state(tag_dir, output_folder, config)
     print(f"MoE: {merged} expert parameters merged over the expert-parallel ranks, {biases} routers' expert biases")
 

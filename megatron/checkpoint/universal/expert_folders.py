@@ -21,6 +21,13 @@ around it (tools/convert_checkpoint/ds_to_universal.py):
         model states) to ``router_state.ROUTER_STATE_FILE``, read back at a universal resume
 
 An EP = 1 checkpoint needs no staging; its expert folders are marked the same way.
+
+With --expert-tensor-parallel-size 1 below TP (``etp < tp``) the TP ranks hold other, whole experts, which
+DeepSpeed's converter would merge as TP slices of one tensor: the staged copy hides the experts from it (their
+names dropped from the optimizer files' slice mappings, the model states' shapes and the patterns only they match),
+``extract_whole_experts`` cuts each EP rank's fragments out of the optimizer files itself (data-parallel ranks in
+order: its expert-data-parallel group's ZeRO shards) into the per-EP-rank folders, and ``merge_expert_folders``
+joins them as at TP = 1.
 """
 
 from __future__ import annotations
@@ -41,11 +48,12 @@ from megatron.checkpoint.zero_files import DEEPSPEED_GLOBALS
 from megatron.config import ModelConfig
 from megatron.model.layout import ParameterLayout, pipeline_items
 
-__all__ = ["EP_PREFIX", "expert_folders", "stage_expert_names", "merge_expert_folders", "save_router_state"]
+__all__ = ["EP_PREFIX", "expert_folders", "stage_expert_names", "extract_whole_experts", "merge_expert_folders",
+           "save_router_state"]
 
 EP_PREFIX = "ep{:02d}."
 _STATES = ("fp32", "exp_avg", "exp_avg_sq")
-_OPTIM_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+_OPTIM_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_STATES = "mp_rank_*_model_states.pt"
 
 
@@ -67,9 +75,40 @@ def _renamed(mapping: dict, experts, ranks) -> dict:
     return out
 
 
-def stage_expert_names(tag_dir: str, staging: str, config: ModelConfig, engine: str, ep: int) -> None:
-    """Write into ``staging`` the copy of ``tag_dir`` DeepSpeed's converter reads (see the module docstring)."""
+def _whole_ep_rank(dp_rank: int, mp_rank: int, tp: int, ep: int, etp: int) -> int:
+    """The EP rank of optimizer file (dp_rank, mp_rank) with experts whole over TP (``megatron.parallel.state``'s
+    expert order over the stage-local index l = dp_rank * tp + tp_rank; no sequence axis)."""
+    return ((dp_rank * tp + mp_rank % tp) // etp) % ep
+
+
+def _without(mapping: dict, experts) -> dict:
+    out = type(mapping)()
+    for name, value in mapping.items():
+        if name not in experts:
+            out[name] = value
+    return out
+
+
+def _hide_experts(state: dict, experts) -> None:
+    """A model-states record without the expert parameters' shapes and the universal patterns only they match."""
+    shapes = state[C.PARAM_SHAPES]
+    names = [name for group in shapes for name in group]
+    state[C.PARAM_SHAPES] = [_without(group, experts) for group in shapes]
+    info = state.get(C.UNIVERSAL_CHECKPOINT_INFO)
+    if not info:
+        return
+    for key, patterns in list(info.items()):
+        if isinstance(patterns, list) and all(isinstance(p, str) for p in patterns):
+            info[key] = [p for p in patterns if any(re.match(p, name) for name in names if name not in experts)
+                         or not any(re.match(p, name) for name in experts)]
+
+
+def stage_expert_names(tag_dir: str, staging: str, config: ModelConfig, engine: str, ep: int, tp: int = 1,
+                       etp: int = 0) -> None:
+    """Write into ``staging`` the copy of ``tag_dir`` DeepSpeed's converter reads (see the module docstring).
+    ``etp`` below ``tp``: the experts are whole on every TP rank and hidden from the converter."""
     experts = expert_folders(config, engine)
+    whole = 0 < etp < tp
     os.makedirs(staging)
     for name in sorted(os.listdir(tag_dir)):
         source, target = os.path.join(tag_dir, name), os.path.join(staging, name)
@@ -78,14 +117,58 @@ def stage_expert_names(tag_dir: str, staging: str, config: ModelConfig, engine: 
             state = _load(source)
             ep_rank = int(optim.group(1)) % ep  # data-parallel rank r holds EP rank r % EP's experts
             sd = state[C.OPTIMIZER_STATE_DICT]
-            sd[C.PARAM_SLICE_MAPPINGS] = [_renamed(group, experts, [ep_rank]) for group in sd[C.PARAM_SLICE_MAPPINGS]]
+            sd[C.PARAM_SLICE_MAPPINGS] = [_without(group, experts) if whole else _renamed(group, experts, [ep_rank])
+                                          for group in sd[C.PARAM_SLICE_MAPPINGS]]
             torch.save(state, target)
         elif fnmatch.fnmatch(name, _MODEL_STATES):
             state = _load(source)
-            state[C.PARAM_SHAPES] = [_renamed(group, experts, range(ep)) for group in state[C.PARAM_SHAPES]]
+            if whole:
+                _hide_experts(state, experts)
+            else:
+                state[C.PARAM_SHAPES] = [_renamed(group, experts, range(ep)) for group in state[C.PARAM_SHAPES]]
             torch.save(state, target)
         else:
             os.symlink(os.path.abspath(source), target)
+
+
+def extract_whole_experts(tag_dir: str, zero_dir: str, config: ModelConfig, engine: str, ep: int, tp: int,
+                          etp: int) -> int:
+    """With experts whole over TP (``etp`` < ``tp``): every EP rank's expert parameters, cut from the optimizer
+    files' flat partitions (its data-parallel ranks' fragments in order), into ``zero_dir/epNN.name/{state}.pt``
+    (and step.pt) as DeepSpeed's converter writes a merged parameter; the number of folders written."""
+    experts = expert_folders(config, engine)
+    shapes: dict[tuple[int, str], torch.Size] = {}  # (mp rank, name) -> the expert tensor's shape there
+    for path in sorted(glob.glob(os.path.join(tag_dir, _MODEL_STATES))):
+        mp_rank = int(re.search(r"mp_rank_(\d+)_model_states", path).group(1))
+        for group in _load(path)[C.PARAM_SHAPES]:
+            shapes.update({(mp_rank, name): torch.Size(shape) for name, shape in group.items() if name in experts})
+    pieces: dict[tuple[int, str], list] = {}  # (ep rank, name) -> [(dp rank, {state: flat fragment}, step)]
+    for entry in sorted(os.listdir(tag_dir)):
+        optim = _OPTIM_FILE.search(entry)
+        if optim is None:
+            continue
+        dp_rank, mp_rank = int(optim.group(1)), int(optim.group(2))
+        ep_rank = _whole_ep_rank(dp_rank, mp_rank, tp, ep, etp)
+        sd = _load(os.path.join(tag_dir, entry))[C.OPTIMIZER_STATE_DICT]
+        for group_id, mapping in enumerate(sd[C.PARAM_SLICE_MAPPINGS]):
+            state = sd[C.BASE_OPTIMIZER_STATE]["state"][group_id]
+            flat = {"fp32": sd[C.SINGLE_PARTITION_OF_FP32_GROUPS][group_id], "exp_avg": state["exp_avg"],
+                    "exp_avg_sq": state["exp_avg_sq"]}
+            for name, fragment in mapping.items():
+                if name in experts:
+                    cut = {key: t.narrow(0, fragment.start, fragment.numel).clone() for key, t in flat.items()}
+                    pieces.setdefault((ep_rank, name), []).append((dp_rank, mp_rank, cut, state.get("step")))
+    for (ep_rank, name), parts in sorted(pieces.items()):
+        parts.sort(key=lambda part: part[0] * tp + part[1] % tp)  # stage-local rank order: the group's
+        shape = shapes[(parts[0][1], name)]
+        folder = os.path.join(zero_dir, EP_PREFIX.format(ep_rank) + name)
+        os.makedirs(folder, exist_ok=True)
+        for key in _STATES:
+            tensor = torch.cat([part[2][key] for part in parts]).view(shape)
+            torch.save({C.PARAM: tensor}, os.path.join(folder, f"{key}.pt"))
+        if parts[0][3] is not None:
+            torch.save(parts[0][3], os.path.join(folder, "step.pt"))
+    return len(pieces)
 
 
 def _state_file(path: str, param: ParameterLayout, ds_cat_dim: int, tp: int) -> dict:

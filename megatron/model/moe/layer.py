@@ -14,6 +14,13 @@ rank's parts of the whole micro-batch's (``router.aux_loss``, ``router.seq_aux_l
 per sequence and expert, summed over the group) and the statistics count 1 / n of
 a forward per rank. The expert capacity is per rank, on its own tokens (as in Megatron-LM).
 
+Expert tensor parallelism 1 under TP with sequence parallelism (``--expert-tensor-parallel-size 1``,
+``groups.experts_span_tp``; Megatron-LM's all-to-all order): nothing is gathered; each TP rank routes its own s/tp
+tokens and exchanges them over the EP group (which then spans TP ranks) with whole (unsplit) experts. The router
+weight is replicated over TP while its ranks see other tokens: it enters through copy-to-TP (backward: its gradient
+summed over TP, ``Norm``'s sequence-parallel pattern, tagged ``sequence_parallel``), and the TP group is the
+token-sharding group of the losses and statistics.
+
 The balancing losses (aux, sequence-wise aux, z) are not returned: like Megatron-LM's MoEAuxLossAutoScaler, the layer hands them
 to autograd through its output (``AuxLossScaler``), so they train the router on every pipeline stage without
 travelling with the activations. Their gradient is ``aux_loss_scale`` (set it to 1 / the micro-batches per step
@@ -99,15 +106,24 @@ class MoELayer(nn.Module):
             raise ValueError(f"--num-experts {moe.num_experts} is not divisible by --expert-model-parallel-size "
                              f"{group_size(ep_group)}; use a divisor of the expert count")
         self.config, self.ep_group, self.tp_group, self.tokens_group = moe, ep_group, tp_group, groups.tokens
-        self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
+        self.experts_span_tp = groups.experts_span_tp and group_size(tp_group) > 1
+        if self.experts_span_tp and not config.sequence_parallel:
+            raise ValueError("experts split over fewer ranks than TP (--expert-tensor-parallel-size 1) need "
+                             "--sequence-parallel: every TP rank must hold other tokens")
+        # gather the TP ranks' sequence-parallel tokens on entry (experts split over TP as the dense layers)
+        self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1 and not self.experts_span_tp
         prefix = f"layers.{layer_number}.mlp"
         std, seed, out_std = config.init_method_std, config.seed, output_layer_std(config)
-        self.router = TopKRouter(moe, config.hidden_size, normal_init(std, seed, f"{prefix}.router.weight"))
+        self.router = TopKRouter(moe, config.hidden_size, normal_init(std, seed, f"{prefix}.router.weight"),
+                                 tp_group=tp_group if self.experts_span_tp else None)
         self.experts = GroupedExperts(
             config.hidden_size, config.expert_ffn_size, ep_rank_experts(moe, ep_group), swiglu=config.swiglu,
-            bias=config.add_bias_linear, tp_group=tp_group,
+            bias=config.add_bias_linear, tp_group=None if self.experts_span_tp else tp_group,
             w1_init=lambda e: normal_init(std, seed, f"{prefix}.experts.{e}.dense_h_to_4h.weight"),
             w2_init=lambda e: normal_init(out_std, seed, f"{prefix}.experts.{e}.dense_4h_to_h.weight"))
+        if self.experts_span_tp:  # each TP rank holds other (whole) experts: not TP-duplicated (replicated.py), and
+            for param in self.experts.parameters():  # DeepSpeed's grad norms count them on every model-parallel rank
+                param.distinct_per_tp_rank = param.model_parallel = True
         self.shared_expert = shared_expert
         self.layer_number = layer_number
         self.aux_loss_scale = 1.0
@@ -116,7 +132,8 @@ class MoELayer(nn.Module):
         self.stats = torch.zeros(STATS_FIELDS + moe.num_experts, dtype=torch.float64)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [s, b, h] -> [s, b, h] (sequence parallel: [s/tp, b, h] -> [s/tp, b, h])."""
+        """hidden [s, b, h] -> [s, b, h] (sequence parallel: [s/tp, b, h] -> [s/tp, b, h], with
+        ``experts_span_tp`` routed as they are)."""
         local = hidden
         if self.sequence_parallel:
             hidden = gather_replicated_sequence_region(hidden, self.tp_group)  # [s, b, h]

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from megatron.config.moe import MoEConfig
+from megatron.parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.parallel.weight_grad_store import linear
 
 __all__ = ["Routing", "TopKRouter", "route", "balance_choices", "aux_loss", "seq_aux_loss", "sequence_counts", "z_loss",
@@ -171,17 +172,21 @@ class TopKRouter(nn.Module):
         config: the MoE configuration.
         hidden_size: h.
         init_method: fills the fp32 [E, h] weight.
+        tp_group: set where the TP ranks route other tokens (expert tensor parallelism 1 with sequence
+            parallelism): the weight enters through copy-to-TP (its gradient summed over the group) and is tagged
+            ``sequence_parallel`` (``Norm``'s pattern). None: every TP rank routes the same tokens.
 
     Buffers: ``expert_bias`` [E] fp32 (with ``router_enable_expert_bias``; kept fp32 whatever the module's dtype,
     since updates of 1e-3 vanish in bf16) and ``tokens_per_expert`` [E] (the choices counted since the last bias
     update, training only; not saved).
     """
 
-    def __init__(self, config: MoEConfig, hidden_size: int, init_method):
+    def __init__(self, config: MoEConfig, hidden_size: int, init_method, tp_group=None):
         super().__init__()
-        self.config = config
+        self.config, self.tp_group = config, tp_group
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size, dtype=torch.float32))
         init_method(self.weight)
+        self.weight.sequence_parallel = tp_group is not None
         self.weight_grad_store = None  # ZB-H1: where the weight gradient is deferred
         enabled = config.router_enable_expert_bias
         self.register_buffer("expert_bias", torch.zeros(config.num_experts) if enabled else None)
@@ -199,7 +204,12 @@ class TopKRouter(nn.Module):
         """tokens [T, h] -> Routing."""
         # in --moe-router-dtype (fp32 unless fp64: linear casts the weight); under ZB-H1 its gradient is deferred
         # (weight_grad_store.py)
-        logits = linear(tokens.to(router_dtype(self.config)), self.weight, None, self.weight_grad_store)  # [T, E]
+        # with a tp_group the gradient is summed over TP in the backward pass (copy-to-TP), hence not deferred
+        if self.tp_group is None:
+            weight, store = self.weight, self.weight_grad_store
+        else:
+            weight, store = copy_to_tensor_model_parallel_region(self.weight, self.tp_group), None
+        logits = linear(tokens.to(router_dtype(self.config)), weight, None, store)  # [T, E]
         routing = route(logits, self.config, self.expert_bias)
         if self.expert_bias is not None and self.training:
             self.tokens_per_expert += tokens_per_expert(routing.expert_index.detach(), self.config.num_experts)
