@@ -21,6 +21,7 @@ import torch
 
 from megatron.arguments import run_config_from_argv
 from megatron.checkpoint.resume import _check_same_layout
+from megatron.checkpoint.single_process import load_full_state_dict
 from megatron.parallel.state import group_layout
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.moe import MOE_FLAGS, assert_same_moe_run, train_moe
@@ -49,7 +50,7 @@ def runs(moe_argv, tmp_path_factory):
         "etp1 ep2 first": layout(moe_argv, *ep2, "--save", save, *SAVE_AT_3, tp=2),
         "etp1 ep2 resumed": layout(moe_argv, *ep2, "--load", save, tp=2),
     }
-    out = {}
+    out = {"save": save}
     results = run_distributed(train_moe, world_size=4, args=(list(four.values()),), timeout=600)
     for i, label in enumerate(four):
         out[label] = [per_rank[i] for per_rank in results]
@@ -154,3 +155,19 @@ def test_whole_experts_over_the_tp_ranks_continue_from_a_universal_checkpoint_at
     run = runs["universal"][0]
     assert run["iterations"] == list(range(4, ITERS + 1)), run["iterations"]
     assert_same_moe_run(tail, run, "TP=2 + SP, ETP=1 x EP=2 -> universal -> one process")
+
+
+@pytest.mark.multiprocess
+def test_whole_experts_read_back_whole_from_either_checkpoint(runs):
+    """The single-process reader (exporters) takes every expert from the expert files of the ETP = 1 checkpoint; they
+    are the universal conversion's (cut from the ZeRO-1 optimizer partitions), value for value: the same step's fp32
+    weights read two ways."""
+    config, state, _ = load_full_state_dict(runs["save"], "global_step3")
+    zero = os.path.join(runs["save"], "global_step3_universal", "zero")
+    folders = sorted(name for name in os.listdir(zero) if re.match(r"^\d+\.mlp\.experts\.", name))
+    assert len(folders) == 2 * 4, folders  # 2 layers x (w1, w2, fc1_bias, fc2_bias)
+    for folder in folders:
+        item, rest = folder.split(".", 1)
+        name = f"layers.{int(item) - 3}.{rest}"  # pipeline item i + 3 is transformer layer i
+        universal = torch.load(os.path.join(zero, folder, "fp32.pt"), weights_only=True)["param"]
+        assert state[name].shape[0] == config.moe.num_experts and torch.equal(state[name], universal), name
