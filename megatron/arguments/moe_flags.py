@@ -116,6 +116,16 @@ def add_moe_arguments(parser) -> None:
                    help="The dtype of the routing (logits, scores, weights) and of the combine's weighted sum of the "
                         "experts' outputs, as in Megatron-LM. Unset: the router in fp32 all the same, the weighted "
                         "sum in the activations' dtype.")
+    g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                   help="Hide the expert-parallel all-to-all behind computation (needs --expert-model-parallel-size "
+                        "> 1 and the alltoall dispatcher): each MoE layer splits the micro-batch's tokens in two "
+                        "parts, one part's exchange travels while the other's experts compute, forward and backward. "
+                        "Megatron-LM's flag overlaps two micro-batches in its combined 1F1B schedule instead; this "
+                        "split needs no schedule of its own (every pipeline schedule here). The same sums; the "
+                        "experts' GEMMs on two blocks of rows.")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="Run the shared expert while the tokens travel to their experts (alltoall dispatcher), "
+                        "instead of after the routed experts, as in Megatron-LM.")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
                    help="Megatron-LM's benchmark knob (random routing logits); refused here.")
     g.add_argument("--mlp-type", default="standard", choices=("standard", "residual"),
@@ -172,7 +182,9 @@ def resolve_moe(args) -> None:
         router_bias_update_rate=args.moe_router_bias_update_rate,
         shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         expert_capacity_factor=args.moe_expert_capacity_factor, token_drop_policy=args.moe_token_drop_policy,
-        token_dispatcher_type=args.moe_token_dispatcher_type, router_dtype=args.moe_router_dtype)
+        token_dispatcher_type=args.moe_token_dispatcher_type, router_dtype=args.moe_router_dtype,
+        overlap_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
+        shared_expert_overlap=args.moe_shared_expert_overlap)
 
 
 def _given(args, flag: str) -> list:

@@ -83,6 +83,9 @@ class MoEConfig:
     token_drop_policy: str = "probs"         # probs: keep each expert's highest-weight tokens | position: first ones
     token_dispatcher_type: str = "alltoall"  # alltoall: tokens sent to their experts' ranks | allgather: gathered
     router_dtype: Optional[str] = None       # fp32 | fp64: routing and the combine's weighted sum in it
+    overlap_expert_parallel_comm: bool = False  # alltoall: the tokens in two parts, one's exchanges in flight while
+                                             # the other's experts compute (moe.dispatch.alltoall_experts)
+    shared_expert_overlap: bool = False      # alltoall: the shared expert computes while the tokens travel
 
     def is_moe_layer(self, layer_number: int) -> bool:
         return self.layer_pattern[layer_number]
@@ -103,6 +106,14 @@ class MoEConfig:
         _one_of("--moe-token-dispatcher-type", self.token_dispatcher_type, TOKEN_DISPATCHERS)
         if self.router_dtype is not None:
             _one_of("--moe-router-dtype", self.router_dtype, ROUTER_DTYPES)
+        overlaps = [flag for flag, on in (("--overlap-moe-expert-parallel-comm", self.overlap_expert_parallel_comm),
+                                          ("--moe-shared-expert-overlap", self.shared_expert_overlap)) if on]
+        if overlaps and self.token_dispatcher_type != "alltoall":
+            raise ValueError(f"{' and '.join(overlaps)} overlap the all-to-all dispatcher's exchanges; use "
+                             f"--moe-token-dispatcher-type alltoall (not {self.token_dispatcher_type}) or drop them")
+        if self.shared_expert_overlap and self.shared_expert_intermediate_size is None:
+            raise ValueError("--moe-shared-expert-overlap runs the shared expert while the tokens travel, and there is "
+                             "none: set --moe-shared-expert-intermediate-size or drop the flag")
         if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
             raise ValueError(f"--moe-expert-capacity-factor must be positive (or unset for dropless routing), "
                              f"got {self.expert_capacity_factor}")
@@ -184,5 +195,8 @@ def check_moe_run(rc) -> None:
         raise ValueError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} (world / "
                          f"(TP x PP)): expert parallelism is carved from the data-parallel ranks; use a divisor of "
                          f"{dp} or more processes")
+    if moe.overlap_expert_parallel_comm and ep == 1:
+        raise ValueError("--overlap-moe-expert-parallel-comm overlaps the expert-parallel all-to-all, and "
+                         "--expert-model-parallel-size is 1 (no exchange): set it above 1 or drop the flag")
     check_combinations(rc, "MoE")
     check_combinations(rc, "expert parallelism")  # with ZeRO-3

@@ -71,3 +71,23 @@ def test_kernel_choices_are_accepted_with_one_warning_each(files):
 def test_what_does_not_run_here_is_refused_before_launch(files, extra, message):
     with pytest.raises(ValueError, match=message):
         _run(files, extra)
+
+
+def test_the_overlap_flags_reach_the_config(files):
+    moe = _run(files, ["--overlap-moe-expert-parallel-comm", "--moe-shared-expert-overlap",
+                       "--moe-shared-expert-intermediate-size", "32", "--expert-model-parallel-size", "2"],
+               world_size=2).model.moe
+    assert (moe.overlap_expert_parallel_comm, moe.shared_expert_overlap) == (True, True)
+    moe = _run(files, []).model.moe
+    assert (moe.overlap_expert_parallel_comm, moe.shared_expert_overlap) == (False, False)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--overlap-moe-expert-parallel-comm"], "--expert-model-parallel-size is 1 \\(no exchange\\)"),
+    (["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+      "allgather"], "use --moe-token-dispatcher-type alltoall \\(not allgather\\)"),
+    (["--moe-shared-expert-overlap"], "--moe-shared-expert-overlap runs the shared expert .* there is none"),
+])
+def test_overlap_flags_without_what_they_overlap_are_refused(files, extra, message):
+    with pytest.raises(ValueError, match=message):
+        _run(files, extra, world_size=2)

@@ -110,7 +110,7 @@ def _route_and_record(rank, world_size, tp, ep, recompute):
     tokens, its all-to-all calls recorded; each MoE forward's rows sent and received; its expert numel."""
     import torch
 
-    import megatron.model.moe.layer as moe_layer
+    import megatron.model.moe.dispatch as moe_dispatch
     from megatron.engine.initialize import init_deepspeed_comm
     from megatron.model import GPTModel
     from megatron.model.moe import is_expert_parallel
@@ -122,14 +122,14 @@ def _route_and_record(rank, world_size, tp, ep, recompute):
     init_deepspeed_comm("gloo")
     state = ParallelState.create(tp=tp, pp=1, ep=ep)
     routed = []
-    plan_dispatch = moe_layer.plan_dispatch
+    plan_dispatch = moe_dispatch.plan_dispatch
 
     def recording_plan(*args, **kwargs):
         plan = plan_dispatch(*args, **kwargs)
         routed.append((sum(plan.send_splits), sum(plan.recv_splits)))
         return plan
 
-    moe_layer.plan_dispatch = recording_plan
+    moe_dispatch.plan_dispatch = recording_plan
     try:
         config = moe_model_config()
         model = GPTModel(config, state)
@@ -144,7 +144,7 @@ def _route_and_record(rank, world_size, tp, ep, recompute):
                 "routed": routed, "expert_numel": sum(p.numel() for p in model.parameters() if is_expert_parallel(p)),
                 "numel": sum(p.numel() for p in model.parameters()), "ep_rank": state.ep_rank, "tp_rank": state.tp_rank}
     finally:
-        moe_layer.plan_dispatch = plan_dispatch
+        moe_dispatch.plan_dispatch = plan_dispatch
         state.destroy()
 
 

@@ -1,5 +1,7 @@
 """Mixture-of-experts layers under the other pipeline schedules, interleaved virtual stages (v = 2) and ZB-H1, each at
-PP = 2 x EP = 2 (world 4), and under ZeRO-3 and hpZ (EP = 1), train as one process does.
+PP = 2 x EP = 2 (world 4), and under ZeRO-3 and hpZ (EP = 1), train as one process does; the fp32 ZB-H1 run with its
+expert-parallel all-to-all overlapped (--overlap-moe-expert-parallel-comm: the tokens in two parts, one part's
+exchange in flight while the other's experts compute, their weight gradients deferred by ZB-H1).
 
 A 4-layer MoE model (every layer MoE: dropless, aux and z losses, the expert bias moving; fp32, 10 iterations, 4
 micro-batches of 2): one process is the reference. One 4-process launch trains PP = 2 v = 2 x EP = 2 (ZeRO-1),
@@ -29,6 +31,7 @@ EP = ("--expert-model-parallel-size", 2)
 VIRTUAL = ("--num-virtual-stages-per-pipeline-rank", 2, "--zero-stage", 1)
 ZBH1 = ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics")
 ZBH1_BF16 = ZBH1 + ("--bf16",)
+OVERLAP = ("--overlap-moe-expert-parallel-comm",)  # the fp32 ZB-H1 run's all-to-all in flight beside the experts
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def runs(moe_argv, tmp_path_factory):
     """{rank: {name: record}}: the three layouts straight (saving at 5 and 10), then each fp32 one resumed from its
     iteration 5 and the interleaved and bf16 ZB-H1 ones through universal checkpoints at EP = 1."""
     root = tmp_path_factory.mktemp("moe_schedules")
-    layouts = {"interleaved": VIRTUAL, "zbh1": ZBH1, "zbh1 bf16": ZBH1_BF16}
+    layouts = {"interleaved": VIRTUAL, "zbh1": ZBH1 + OVERLAP, "zbh1 bf16": ZBH1_BF16}
     saved = {name: str(root / name.replace(" ", "_")) for name in layouts}
     straight = {name: layout(moe_argv, *EP, *flags, "--save", saved[name], "--save-interval", HALF, pp=2)
                 for name, flags in layouts.items()}
@@ -66,7 +69,7 @@ def runs(moe_argv, tmp_path_factory):
             latest.write(f"global_step{HALF}")
     second = {
         "interleaved resumed": layout(moe_argv, *EP, *VIRTUAL, "--load", saved["interleaved"], pp=2),
-        "zbh1 resumed": layout(moe_argv, *EP, *ZBH1, "--load", saved["zbh1"], pp=2),
+        "zbh1 resumed": layout(moe_argv, *EP, *ZBH1, *OVERLAP, "--load", saved["zbh1"], pp=2),
         "interleaved universal ep1": layout(moe_argv, *VIRTUAL, "--load", saved["interleaved"],
                                             "--universal-checkpoint", pp=2),
         "zbh1 bf16 universal ep1": layout(moe_argv, *ZBH1_BF16, "--load", saved["zbh1 bf16"],
@@ -105,7 +108,7 @@ def test_interleaved_and_zbh1_train_moe_as_one_process(reference, runs):
         assert interleaved["expert_numel"] * 4 == reference["expert_numel"], rank  # half the layers, half the experts
         assert len(interleaved["expert_bias"]) == 2 and len(zbh1["expert_bias"]) == 2, rank  # its two layers
         assert_same_moe_run(reference, interleaved, f"rank {rank}: PP=2 v=2 x EP=2")
-        assert_same_moe_run(reference, zbh1, f"rank {rank}: PP=2 ZB-H1 x EP=2")
+        assert_same_moe_run(reference, zbh1, f"rank {rank}: PP=2 ZB-H1 x EP=2, all-to-all overlapped")
         assert_same_run(reference, bf16, f"rank {rank}: bf16 PP=2 ZB-H1 x EP=2", dtype=torch.bfloat16,
                         num_layers=LAYERS)
 

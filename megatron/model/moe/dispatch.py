@@ -17,6 +17,13 @@ weighted outputs from its local experts, and a reduce-scatter over the group add
 each rank its own tokens' rows (backward: the adjoints, reduce-scatter of the gathered gradients and all-gather).
 The capacity is applied on each rank's own tokens before the gather, as in the all-to-all path.
 
+Overlap (``alltoall_experts``; ``--overlap-moe-expert-parallel-comm``, ``--moe-shared-expert-overlap``): the
+micro-batch's tokens in two parts, each part's exchanges started without waiting, so one part's rows travel while the
+other's experts compute, and the shared expert runs while the dispatch travels. Megatron-LM's flag pairs two
+micro-batches instead (its combined 1F1B schedule runs one's forward beside another's backward); splitting inside
+the layer needs no schedule of its own, so it runs under every pipeline schedule here. The outputs are the same
+sums; the experts' GEMMs run on two blocks of rows instead of one (their weight gradients sum in another order).
+
 Shape letters: T tokens, k choices per token, E experts (El = E / ep on this rank), h hidden, N choices this
 rank sends (kept ones), M choices this rank's experts receive.
 """
@@ -25,18 +32,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from megatron.config.moe import MoEConfig
 from megatron.model.moe.router import Routing
-from megatron.parallel.all_to_all import all_to_all, all_to_all_counts
+from megatron.parallel.all_to_all import all_to_all, all_to_all_counts, start_all_to_all, wait_all_to_all
 from megatron.parallel.mappings import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
 from megatron.parallel.state import group_rank, group_size
 
-__all__ = ["DispatchPlan", "expert_capacity", "kept_choices", "plan_dispatch", "dispatch", "combine", "ep_rank_experts",
-           "allgather_experts"]
+__all__ = ["DispatchPlan", "expert_capacity", "kept_choices", "plan_dispatch", "dispatch", "combine", "alltoall_experts",
+           "ep_rank_experts", "allgather_experts"]
 
 
 def expert_capacity(num_tokens: int, config: MoEConfig) -> Optional[int]:
@@ -83,15 +90,19 @@ class DispatchPlan:
     local_counts: torch.Tensor    # [El]: choices per local expert, in the regrouped order
 
 
-def plan_dispatch(routing: Routing, config: MoEConfig, ep_group=None) -> DispatchPlan:
-    """The plan for ``routing`` on this rank of ``ep_group`` (None: one rank holding every expert)."""
+def plan_dispatch(routing: Routing, config: MoEConfig, ep_group=None, chunk: Optional[tuple[int, int]] = None,
+                  keep: Optional[torch.Tensor] = None) -> DispatchPlan:
+    """The plan for ``routing`` on this rank of ``ep_group`` (None: one rank holding every expert). ``chunk``:
+    (first, stop), the tokens this plan moves (None: all); ``keep``: ``kept_choices`` of the whole micro-batch,
+    computed once for its chunks (the capacity is the micro-batch's; None: computed here)."""
     num_tokens, k = routing.expert_index.shape
+    first, stop = chunk if chunk is not None else (0, num_tokens)
     ep = group_size(ep_group)
     local_experts = config.num_experts // ep
-    expert = routing.expert_index.flatten()  # [T * k]
-    keep = kept_choices(routing, config)
+    keep = (kept_choices(routing, config) if keep is None else keep)[first * k:stop * k]
+    expert = routing.expert_index.flatten()[first * k:stop * k]  # [T * k] (this chunk's choices)
     sort_key = torch.where(keep, expert, torch.full_like(expert, config.num_experts))  # dropped ones last
-    order = torch.argsort(sort_key, stable=True)[:int(keep.sum())]  # [N]
+    order = torch.argsort(sort_key, stable=True)[:int(keep.sum())] + first * k  # [N]
     counts = torch.bincount(expert[keep], minlength=config.num_experts)  # [E]
     received = all_to_all_counts(counts.view(ep, local_experts), ep_group)  # [ep, El]: from each source rank
     # Rows arrive grouped by (source rank, local expert); the experts want them grouped by local expert.
@@ -105,19 +116,72 @@ def plan_dispatch(routing: Routing, config: MoEConfig, ep_group=None) -> Dispatc
 
 def dispatch(tokens: torch.Tensor, plan: DispatchPlan, ep_group=None) -> torch.Tensor:
     """tokens [T, h] -> this rank's experts' inputs [M, h], grouped by local expert (``plan.local_counts``)."""
-    sent = tokens.index_select(0, plan.token)  # [N, h], sorted by expert
-    received = all_to_all(sent, ep_group, plan.recv_splits, plan.send_splits)  # [M, h] by (source, local expert)
-    return received.index_select(0, plan.local_order)  # [M, h] by local expert
+    return _arrived(_dispatch_start(tokens, plan, ep_group, overlap=False), plan)
 
 
 def combine(expert_output: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group=None,
             dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The experts' outputs [M, h] (``dispatch``'s order) -> [T, h]: each token's weighted sum of its choices,
     computed in ``dtype`` (``--moe-router-dtype``; None: the outputs' own) and returned in the outputs' dtype."""
+    back = _combine_start(expert_output, plan, ep_group, overlap=False)
+    return _combined([back], [plan], num_tokens, dtype)
+
+
+def alltoall_experts(tokens: torch.Tensor, routing: Routing, config: MoEConfig, experts, ep_group=None,
+                     dtype: Optional[torch.dtype] = None, chunks: int = 1, overlap: bool = False,
+                     meanwhile: Optional[Callable[[], torch.Tensor]] = None):
+    """The all-to-all dispatcher: tokens [T, h] -> (each token's weighted sum of its kept choices' expert outputs
+    [T, h], the number of kept choices, ``meanwhile()``'s result). ``experts(rows [M, h] grouped by local expert,
+    counts [El])`` runs this rank's experts; ``dtype`` is ``combine``'s.
+
+    ``chunks``: the tokens split in this many contiguous parts, each dispatched, run through the experts and
+    combined on its own (the capacity is still the micro-batch's; a token's choices stay in its part, so its sum
+    adds the same terms in the same order). ``overlap``: every exchange started without waiting and waited for
+    where its rows are needed, so part i + 1's dispatch and part i's combine travel while part i's experts
+    compute, and ``meanwhile`` (the shared expert) runs while the dispatches travel; the backward overlaps the
+    same way round (``start_all_to_all``). Without it the exchanges block and ``meanwhile`` runs first."""
+    num_tokens = tokens.shape[0]
+    keep = kept_choices(routing, config)
+    bounds = [num_tokens * i // chunks for i in range(chunks + 1)]
+    plans = [plan_dispatch(routing, config, ep_group, (first, stop), keep) for first, stop in zip(bounds, bounds[1:])]
+    sent = [_dispatch_start(tokens, plan, ep_group, overlap) for plan in plans]
+    side = meanwhile() if meanwhile is not None else None
+    back = [_combine_start(experts(_arrived(rows, plan), plan.local_counts), plan, ep_group, overlap)
+            for plan, rows in zip(plans, sent)]
+    return _combined(back, plans, num_tokens, dtype), int(keep.sum()), side
+
+
+def _dispatch_start(tokens: torch.Tensor, plan: DispatchPlan, ep_group, overlap: bool):
+    """tokens [T, h] -> the exchange of this plan's rows to their experts' ranks (started, or done)."""
+    sent = tokens.index_select(0, plan.token)  # [N, h], sorted by expert
+    if overlap:
+        return start_all_to_all(sent, ep_group, plan.recv_splits, plan.send_splits)
+    return all_to_all(sent, ep_group, plan.recv_splits, plan.send_splits), None
+
+
+def _arrived(exchange, plan: DispatchPlan) -> torch.Tensor:
+    """The dispatched rows once there [M, h], regrouped by local expert."""
+    received = wait_all_to_all(*exchange)  # [M, h] by (source, local expert)
+    return received.index_select(0, plan.local_order)
+
+
+def _combine_start(expert_output: torch.Tensor, plan: DispatchPlan, ep_group, overlap: bool):
+    """The experts' outputs [M, h] -> the exchange bringing them back to their tokens' ranks."""
     received = torch.empty_like(expert_output).index_copy(0, plan.local_order, expert_output)  # by source
-    back = all_to_all(received, ep_group, plan.send_splits, plan.recv_splits)  # [N, h], sorted by expert
-    weighted = _weighted(back, plan.weight, dtype)  # [N, h]
-    summed = weighted.new_zeros(num_tokens, back.shape[-1]).index_add(0, plan.token, weighted)  # [T, h]
+    if overlap:
+        return start_all_to_all(received, ep_group, plan.send_splits, plan.recv_splits)
+    return all_to_all(received, ep_group, plan.send_splits, plan.recv_splits), None
+
+
+def _combined(exchanges, plans: list[DispatchPlan], num_tokens: int, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """The returned rows of every part ([N, h] each, sorted by expert) -> [T, h], each token's weighted sum."""
+    summed = None
+    for exchange, plan in zip(exchanges, plans):
+        back = wait_all_to_all(*exchange)
+        weighted = _weighted(back, plan.weight, dtype)  # [N, h]
+        if summed is None:
+            summed = weighted.new_zeros(num_tokens, back.shape[-1])
+        summed = summed.index_add(0, plan.token, weighted)  # [T, h]
     return summed.to(back.dtype)
 
 

@@ -1,7 +1,9 @@
 """MoELayer: the mixture-of-experts MLP, a drop-in for the dense ParallelMLP ([s, b, h] -> [s, b, h]).
 
     routing = router(x)                                  top-k experts and weights per token (router.py)
-    y = combine(experts(dispatch(x)))                    all-to-all over the EP group and back (dispatch.py;
+    y = combine(experts(dispatch(x)))                    all-to-all over the EP group and back (dispatch.py:
+                                                         alltoall_experts, its exchanges overlapped with the
+                                                         experts' and the shared expert's computation when asked;
                                                          or all-gather and reduce-scatter: allgather_experts)
       + shared_expert(x)                                 an always-on dense MLP (--moe-shared-expert-...)
 
@@ -33,6 +35,7 @@ Shape letters: s sequence, b micro-batch, h hidden, T = s * b tokens.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -40,14 +43,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.initialization import normal_init, output_layer_std
-from megatron.model.moe.dispatch import (
-    allgather_experts,
-    combine,
-    dispatch,
-    ep_rank_experts,
-    kept_choices,
-    plan_dispatch,
-)
+from megatron.model.moe.dispatch import allgather_experts, alltoall_experts, ep_rank_experts, kept_choices
 from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.router import (
     TopKRouter,
@@ -140,20 +136,24 @@ class MoELayer(nn.Module):
         s, b, h = hidden.shape
         tokens = hidden.reshape(s * b, h)  # [T, h]
         routing = self.router(tokens)
+        shared = None
         if self.config.token_dispatcher_type == "allgather" and group_size(self.ep_group) > 1:
             output = allgather_experts(tokens, routing, self.config, self.experts, self.ep_group,
                                        combine_dtype(self.config)).view(s, b, h)
             kept = None
         else:
-            plan = plan_dispatch(routing, self.config, self.ep_group)
-            rows = dispatch(tokens, plan, self.ep_group)  # [M, h]
-            output = combine(self.experts(rows, plan.local_counts), plan, s * b, self.ep_group,
-                             combine_dtype(self.config)).view(s, b, h)
-            kept = plan.order.numel()
+            meanwhile = None  # the shared expert, while the tokens travel (--moe-shared-expert-overlap)
+            if self.shared_expert is not None and self.config.shared_expert_overlap:
+                meanwhile = functools.partial(self.shared_expert, local)
+            chunks = 2 if self.config.overlap_expert_parallel_comm and group_size(self.ep_group) > 1 else 1
+            output, kept, shared = alltoall_experts(
+                tokens, routing, self.config, self.experts, self.ep_group, combine_dtype(self.config), chunks=chunks,
+                overlap=meanwhile is not None or chunks > 1, meanwhile=meanwhile)
+            output = output.view(s, b, h)
         if self.sequence_parallel:
             output = scatter_to_sequence_parallel_region(output, self.tp_group)  # [s/tp, b, h]
         if self.shared_expert is not None:
-            output = output + self.shared_expert(local)
+            output = output + (self.shared_expert(local) if shared is None else shared)
         if not self.training:
             return output
         shards, num_experts = group_size(self.tokens_group), self.config.num_experts
