@@ -4,8 +4,9 @@ fp32, no dropout, 10 iterations of pretrain_gpt's path: losses and grad norms wi
 (megatron/testing/tolerance.py) of a single process, for BLOOM (ALiBi), a Llama-style model (rotary, SwiGLU,
 RMSNorm, GQA) and learned positions, at SP=2 (ZeRO 0, 1, 2 and 3; with --torch-compile at ZeRO 0 and 3), SP=4, SP=2
 x TP=2 (also with Megatron's --sequence-parallel) and SP=2 x DP=2, and ZeRO-3 with hpZ groups of 2 at SP=2 x DP=2
-and SP=2 x TP=2; bf16 tracks fp32; a run saved at iteration 5 and resumed with SP=2 continues bit for bit; bad
-layouts are refused before launch. One launch per world size trains every layout of that size in turn.
+and SP=2 x TP=2; bf16 tracks fp32; a run saved at iteration 5 and resumed with SP=2 continues bit for bit, and
+through universal checkpoints at other layouts; the ZeRO-0/1 checkpoints read back and export; bad layouts are
+refused before launch. One launch per world size trains every layout of that size in turn.
 """
 
 import pytest
@@ -36,18 +37,33 @@ def _models(corpus):
     return {"bloom": bloom, "llama": llama, "learned": learned}
 
 
+def at_end(folder):
+    """Flags saving a run once, when it ends."""
+    return "--save", folder, "--save-interval", 100
+
+
 @pytest.fixture(scope="module")
-def runs(tiny_corpus, tmp_path_factory):
+def saves(tmp_path_factory):
+    """The checkpoint folders the runs write: the SP = 2 ZeRO-1 run's iteration 5 ("first half"), and at iteration
+    10 the one-process BLOOM reference's and the SP = 2 runs' at ZeRO-0 and ZeRO-1."""
+    root = tmp_path_factory.mktemp("ulysses")
+    return {name: str(root / name) for name in ("half", "one", "sp2 zero0", "sp2 zero1")}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_corpus, saves):
     models = _models(tiny_corpus)
-    save = str(tmp_path_factory.mktemp("ulysses"))
-    refs = run_distributed(train, world_size=1, timeout=300, args=(list(models.values()),))[0]
+    save = saves["half"]
+    refs = run_distributed(train, world_size=1, timeout=300,
+                           args=([layout(models["bloom"], *at_end(saves["one"])), models["llama"],
+                                  models["learned"]],))[0]
     references = dict(zip(models, refs))
     for name, ref in references.items():
         assert ref["losses"][-1] < ref["losses"][0] - 0.05, (name, ref["losses"])  # it learns
     bloom = models["bloom"]
     two = {
-        "bloom sp2": (layout(bloom, *SP2), "bloom"),
-        "bloom sp2 zero1": (layout(bloom, *SP2, "--zero-stage", 1), "bloom"),
+        "bloom sp2": (layout(bloom, *SP2, *at_end(saves["sp2 zero0"])), "bloom"),
+        "bloom sp2 zero1": (layout(bloom, *SP2, "--zero-stage", 1, *at_end(saves["sp2 zero1"])), "bloom"),
         "bloom sp2 zero2": (layout(bloom, *SP2, "--zero-stage", 2), "bloom"),
         "bloom sp2 zero3": (layout(bloom, *SP2, "--zero-stage", 3), "bloom"),
         "llama sp2": (layout(models["llama"], *SP2), "llama"),
@@ -144,43 +160,41 @@ def test_ulysses_resume_is_exact(runs):
 
 
 @pytest.mark.multiprocess
-def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus, tmp_path):
-    """The SP ranks hold the same weights: an SP=2 ZeRO-1 checkpoint, converted at iteration 5 by
-    ds_to_universal.py (for the model engine, which Ulysses runs on, and with --target-engine pipeline),
-    continues at SP=4, at SP=2 x DP=2, at SP=1 x DP=4 under ZeRO-2 and in 3D (TP=2 x PP=2), each within ``run_tolerance``
-    of the straight SP=2 run."""
+def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus, runs, saves, tmp_path):
+    """The SP ranks hold the same weights: the SP=2 ZeRO-1 run's iteration-5 checkpoint ("first half"), converted
+    by ds_to_universal.py (for the model engine, which Ulysses runs on, and, in a copy of the folder, with
+    --target-engine pipeline), continues at SP=4, at SP=2 x DP=2, at SP=1 x DP=4 under ZeRO-2 and in 3D (TP=2 x
+    PP=2), each within ``run_tolerance`` of the straight SP=2 run (one 4-process launch)."""
     import os
+    import shutil
 
-    argv = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1)
-    save = str(tmp_path / "sp2")
-    straight, _ = run_distributed(train, world_size=2, timeout=600, args=(
-        [layout(argv, *SP2), layout(argv, *SP2, "--save", save, "--save-interval", 100, "--exit-interval", 5)],))[0]
-
-    def convert(name, *flags):
+    _, out = runs
+    straight = out["bloom sp2 zero1"][0][1]
+    model_engine, pipeline = saves["half"], str(tmp_path / "half_for_the_pipeline")
+    shutil.copytree(model_engine, pipeline)
+    for save, name, flags in ((model_engine, "global_step5_universal", ()),
+                              (pipeline, "global_step5_universal_pipeline", ("--target-engine", "pipeline"))):
         to_universal(os.path.join(save, "global_step5"), os.path.join(save, name), *flags)  # latest_universal -> it
-
-    def resume(runs):
-        per_rank = run_distributed(train, world_size=4, timeout=600, args=(
-            [layout(a, "--load", save, "--universal-checkpoint") for a in runs.values()],))
-        for rank, results in enumerate(per_rank):
-            for label, run in zip(runs, results):
-                assert run["iterations"] == list(range(6, 11)), (label, run["iterations"])
-                assert_continues(straight["losses"], run["losses"], f"rank {rank} {label}", dtype=torch.float32)
-
-    convert("global_step5_universal")
-    resume({"sp4": layout(argv, *SP4), "sp2 dp2": layout(argv, *SP2),
-            "sp1 dp4 zero2": tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=2)})
-    convert("global_step5_universal_pipeline", "--target-engine", "pipeline")
-    resume({"3d tp2 pp2": tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1, tensor_model_parallel_size=2,
-                                    pipeline_model_parallel_size=2)})
+    argv = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1)
+    resumed = {"sp4": layout(argv, *SP4, "--load", model_engine), "sp2 dp2": layout(argv, *SP2, "--load", model_engine),
+               "sp1 dp4 zero2": tiny_argv(tiny_corpus, "--load", model_engine, train_iters=ITERS, zero_stage=2),
+               "3d tp2 pp2": tiny_argv(tiny_corpus, "--load", pipeline, train_iters=ITERS, zero_stage=1,
+                                       tensor_model_parallel_size=2, pipeline_model_parallel_size=2)}
+    per_rank = run_distributed(train, world_size=4, timeout=600, args=(
+        [layout(a, "--universal-checkpoint") for a in resumed.values()],))
+    for rank, results in enumerate(per_rank):
+        for label, run in zip(resumed, results):
+            assert run["iterations"] == list(range(6, 11)), (label, run["iterations"])
+            assert_continues(straight["losses"], run["losses"], f"rank {rank} {label}", dtype=torch.float32)
 
 
 @pytest.mark.multiprocess
-def test_ulysses_zero0_and_zero1_checkpoints_export_and_refuse_the_pipeline_engine(tiny_corpus, tmp_path):
+def test_ulysses_zero0_and_zero1_checkpoints_export_and_refuse_the_pipeline_engine(runs, saves, tiny_corpus,
+                                                                                    tmp_path):
     """DeepSpeed's model engine saves a Ulysses run's weights in its module states at ZeRO-0/1 (no
-    pipeline layer files): the readers take the record's word for it. The weights read back equal a single
-    process's at the same iteration, the transformers export computes our model's logits, and resuming on the
-    pipeline engine is refused before any work, naming the conversion."""
+    pipeline layer files): the readers take the record's word for it. The weights read back (the SP = 2 runs' at
+    iteration 10) equal the one-process run's at the same iteration, the transformers export computes our model's
+    logits, and resuming on the pipeline engine is refused before any work, naming the conversion."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -191,21 +205,17 @@ def test_ulysses_zero0_and_zero1_checkpoints_export_and_refuse_the_pipeline_engi
     from tools.convert_checkpoint import to_hf
 
     argv = tiny_argv(tiny_corpus, train_iters=ITERS)
-    saves = {stage: str(tmp_path / f"sp2_zero{stage}") for stage in (0, 1)}
-    exit_at = ("--save-interval", 100, "--exit-interval", 3)
-    run_distributed(train, world_size=2, timeout=300, args=(
-        [layout(argv, *SP2, "--zero-stage", stage, "--save", save, *exit_at) for stage, save in saves.items()],))
-    single = str(tmp_path / "one")
-    run_distributed(train, world_size=1, timeout=300, args=([layout(argv, "--save", single, *exit_at)],))
-    _, reference, _ = load_full_state_dict(single)
-    for stage, save in saves.items():
+    _, reference, _ = load_full_state_dict(saves["one"])
+    for stage in (0, 1):
+        save = saves[f"sp2 zero{stage}"]
         record = load_run_state(save)
         assert (record["saving_engine"], record["weight_files"]) == ("model", "module_states"), record
         config, state, _ = load_full_state_dict(save)
         assert set(state) == set(reference), stage
-        for name, tensor in reference.items():  # 3 iterations at another layout: weights_tolerance apart
+        for name, tensor in reference.items():  # 10 iterations at another layout: weights_tolerance apart
             diff = (state[name] - tensor).abs().max().item()
-            assert diff <= weights_tolerance(torch.float32, 3, 1e-3, tensor.abs().max().item()), (stage, name, diff)
+            assert diff <= weights_tolerance(torch.float32, ITERS, 1e-3, tensor.abs().max().item()), \
+                (stage, name, diff)
         assert to_hf.main(["--load", save, "--output-dir", str(tmp_path / f"hf{stage}")]) == 0
         hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"hf{stage}")).eval()
         ours = GPTModel(config).eval()
@@ -216,7 +226,7 @@ def test_ulysses_zero0_and_zero1_checkpoints_export_and_refuse_the_pipeline_engi
             diff = (hf(ids).logits - expected).abs().max().item()
         assert diff <= model_tolerance(config, torch.float32, expected), (stage, diff)
     error = run_distributed(pretrain_error, world_size=1, timeout=300,
-                            args=(layout(argv, "--zero-stage", 1, "--load", saves[1], "--no-load-optim"),))[0]
+                            args=(layout(argv, "--zero-stage", 1, "--load", saves["sp2 zero1"], "--no-load-optim"),))[0]
     assert error and "DeepSpeed engine model (this run: pipeline)" in error and "--target-engine pipeline" in error, \
         error
 
