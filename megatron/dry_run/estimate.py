@@ -12,6 +12,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.config import RunConfig
+from megatron.config.moe import routes_tp_shards
 from megatron.config.schedules import get as get_schedule
 from megatron.config.schedules import schedule_name, virtual_stages_of
 from megatron.model.layout import EMBEDDING, FINAL_NORM, HEAD, TRANSFORMER, pipeline_items
@@ -122,7 +123,12 @@ def experts_section(rc: RunConfig, stage_layers: list[int]) -> Optional[dict]:
     expert_params = stage_expert_param_counts(shape, layout)
     m = rc.batch.num_micro_batches(layout.dp)
     width = 4 if layout.precision == "fp32" else 2
-    traffic = [step_all_to_all_bytes(moe, rc.data.seq_length, layout.micro_batch_size, m, shape.hidden_size,
+    tp = rc.parallel.tensor_model_parallel_size
+    # each TP rank routes its own s / tp tokens under sequence parallelism (Megatron-LM's all-to-all order, or
+    # --expert-tensor-parallel-size 1); otherwise every TP rank routes the gathered sequence
+    own_tokens = routes_tp_shards(rc) or rc.parallel.expert_tp < tp
+    seq = rc.data.seq_length // tp if own_tokens else rc.data.seq_length
+    traffic = [step_all_to_all_bytes(moe, seq, layout.micro_batch_size, m, shape.hidden_size,
                                      width, layout.ep, n, layout.recompute) for n in moe_layers]
     return {"num_experts": moe.num_experts, "topk": moe.topk, "expert_model_parallel_size": layout.ep,
             "experts_per_rank": moe.num_experts // layout.ep, "expert_data_parallel_size": layout.expert_replicas,

@@ -201,6 +201,9 @@ class LayerGroups:
     tokens: Optional[object] = None
     experts_span_tp: bool = False  # etp = 1 < tp: an MoE layer routes this TP rank's own sequence-parallel tokens
                                    # over ``ep`` (which then spans TP ranks) to whole experts
+    routes_tp_shards: bool = False  # etp = tp with sequence parallelism (alltoall, no CP / Ulysses): an MoE layer
+                                    # routes this TP rank's own tokens over ``ep``, then gathers the rows over TP
+                                    # for its TP-split experts (Megatron-LM's order; ``tokens`` is the TP group)
 
     def __post_init__(self):
         if self.cp is not None and self.sequence_exchange is not None:
@@ -229,8 +232,11 @@ class ParallelState:
     ep_group: Optional[object] = None         # expert-model-parallel group (token all-to-all)
     expert_dp_group: Optional[object] = None  # expert-data-parallel group (the experts' gradients)
     cp_group: Optional[object] = None         # context-parallel group (ring attention over slices of one sample)
-    stage_group: Optional[object] = None      # every rank of this pipeline stage; built only with etp < tp (each
-                                              # TP rank then routes other tokens: the routers' counts)
+    stage_group: Optional[object] = None      # every rank of this pipeline stage; built only where each TP rank
+                                              # routes other tokens (etp < tp, or ``moe_tp_shards``): the routers'
+                                              # counts
+    moe_tp_shards: bool = False               # MoE layers route each TP rank's own sequence-parallel tokens with
+                                              # TP-split experts (``LayerGroups.routes_tp_shards``)
 
     # ---- sizes and coordinates -------------------------------------------------------------
     @property
@@ -301,8 +307,9 @@ class ParallelState:
 
     @property
     def routing_data_group(self):
-        """The ranks routing other tokens with this stage's routers: dp x seq (the whole stage with etp < tp)."""
-        return self.stage_group if self.experts_span_tp else self.sp_data_group
+        """The ranks routing other tokens with this stage's routers: dp x seq (the whole stage where each TP rank
+        routes its own tokens: etp < tp, or ``moe_tp_shards``)."""
+        return self.stage_group if self.experts_span_tp or self.moe_tp_shards else self.sp_data_group
 
     @property
     def world_size(self) -> int:
@@ -336,8 +343,10 @@ class ParallelState:
     def layer_groups(self, sequence_exchange: Optional[object] = None) -> LayerGroups:
         """The groups this rank's transformer layers work over (with Ulysses' ``sequence_exchange`` if given)."""
         span = self.experts_span_tp  # etp < tp (seq 1): the TP ranks hold the micro-batch's token shards
+        shards = self.moe_tp_shards and not span  # the same shards, routed to TP-split experts
         return LayerGroups(tp=self.tp_group, cp=self.cp_group, ep=self.ep_group, sequence_exchange=sequence_exchange,
-                           tokens=self.tp_group if span else self.seq_group, experts_span_tp=span)
+                           tokens=self.tp_group if span or shards else self.seq_group, experts_span_tp=span,
+                           routes_tp_shards=shards)
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -346,8 +355,10 @@ class ParallelState:
 
     @classmethod
     def create(cls, tp: int, pp: int, dp: Optional[int] = None, backend: Optional[str] = None, sp: int = 1,
-               ep: int = 1, cp: int = 1, etp: Optional[int] = None) -> "ParallelState":
+               ep: int = 1, cp: int = 1, etp: Optional[int] = None, moe_tp_shards: bool = False) -> "ParallelState":
         """Create the groups over the initialized world. ``dp`` defaults to world / (tp * pp * sp * cp).
+        ``moe_tp_shards``: MoE layers route each TP rank's own sequence-parallel tokens
+        (``megatron.config.moe.routes_tp_shards``; needs tp > 1 and no sequence split).
 
         Collective: every rank of the world must call it with the same sizes.
         """
@@ -379,7 +390,8 @@ class ParallelState:
                    ep_group=mine(layout.expert) if ep > 1 else None,
                    expert_dp_group=mine(layout.expert_data) if ep > 1 else None,
                    cp_group=seq_group if cp > 1 else None,
-                   stage_group=mine(layout.stage) if layout.etp else None)
+                   stage_group=mine(layout.stage) if layout.etp or moe_tp_shards else None,
+                   moe_tp_shards=moe_tp_shards and tp > 1)
 
     def destroy(self) -> None:
         """Destroy the groups this rank holds (the default group is left to the caller)."""

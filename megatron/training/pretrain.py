@@ -25,6 +25,7 @@ from megatron.checkpoint import run_state, training_io
 from megatron.checkpoint.resume import intact_resume_point, restore, resume_point
 from megatron.checkpoint.universal.patterns import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 from megatron.config import RunConfig
+from megatron.config.moe import routes_tp_shards
 from megatron.data.tokenizers import build_tokenizer
 from megatron.engine.deepspeed_compat import checkpoint_loading
 from megatron.engine.initialize import build_engine, init_deepspeed_comm
@@ -129,7 +130,7 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
         raise on_every_rank(error)
     state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                  sp=p.ds_sequence_parallel_size, ep=p.expert_model_parallel_size,
-                                 cp=p.context_parallel_size, etp=p.expert_tp)
+                                 cp=p.context_parallel_size, etp=p.expert_tp, moe_tp_shards=routes_tp_shards(rc))
     tracker = set_seeds(rc.training.seed, state)
 
     datasets = build_datasets(rc)

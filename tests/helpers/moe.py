@@ -2,7 +2,7 @@
 
     MOE_FLAGS                     the MoE flags the training tests share (4 experts, top-2, aux loss, expert bias)
     VARIANT_FLAGS                 added to them: SwiGLU, sigmoid group-limited routing, a shared expert, capacity
-                                  dropping, a dense first layer
+                                  dropping, a dense first layer (VARIANT_DROPLESS: all but the dropping)
     train_moe(rank, world_size, runs)  a run_distributed target: ``train``'s record of each run, plus every
                                   router's expert bias and how many expert parameters this rank holds
     assert_same_moe_run(reference, run, label, num_layers)  ``assert_same_run``, and every expert bias within 1e-6
@@ -18,10 +18,10 @@ MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coe
              "--moe-z-loss-coeff", "0.001", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
              "--moe-ffn-hidden-size", "64"]
 
-VARIANT_FLAGS = ["--swiglu", "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2",
-                 "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.0",
-                 "--moe-shared-expert-intermediate-size", "32", "--moe-expert-capacity-factor", "1.0",
-                 "--moe-token-drop-policy", "position", "--moe-layer-freq", "[0,1]"]
+VARIANT_DROPLESS = ["--swiglu", "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2",
+                    "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.0",
+                    "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "[0,1]"]
+VARIANT_FLAGS = VARIANT_DROPLESS + ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "position"]
 
 
 def _pipeline_name(name: str) -> str:

@@ -5,13 +5,16 @@ losses on, expert bias moving; 10 iterations within ``run_tolerance``, expert bi
                             the aux and z losses are its parts of the micro-batch's, the expert-bias counts are
                             summed over dp x cp, the experts' gradients over the expert-data-parallel group that
                             now spans the CP ranks
-    sequence parallelism    TP = 2 + --sequence-parallel x EP = 2: the layer gathers the TP ranks' tokens on entry;
-                            also the variant (SwiGLU, shared expert, sigmoid group-limited routing, capacity dropping)
+    sequence parallelism    TP = 2 + --sequence-parallel x EP = 2: each TP rank routes its own s / tp tokens, the
+                            all-to-all over EP, the rows gathered over TP for the TP-split experts and their
+                            outputs reduce-scattered (Megatron-LM's order); also the variant without its capacity
+                            (SwiGLU, shared expert, sigmoid group-limited routing): the capacity is per rank here
     DeepSpeed-Ulysses       SP = 2 on DeepSpeed's model engine, at EP = 1 and at EP = 2 x DP = 2 (ZeRO-0 and ZeRO-2:
                             the experts' gradients summed over the SP ranks of their group, averaged over dp)
 
-The all-gather dispatcher (--moe-token-dispatcher-type allgather) at TP = 2 + SP x EP = 2 against the all-to-all one
-and one process, and at EP = 2 (DP = 4) with the variant's capacity dropping.
+The all-gather dispatcher (--moe-token-dispatcher-type allgather; it gathers the TP ranks' tokens on entry) at TP = 2
++ SP x EP = 2 against the all-to-all one and one process, and at EP = 2 (DP = 4) with the variant's capacity
+dropping.
 
 DeepSeek-V2's sequence-wise balance loss (--moe-router-load-balancing-type seq_aux_loss) at CP = 2 x EP = 2: each rank's
 part from the per-sequence choices summed over the CP ranks, against one process.
@@ -32,7 +35,7 @@ import torch
 
 from megatron.testing import run_distributed, tiny_argv
 from megatron.testing.tolerance import run_tolerance
-from tests.helpers.moe import MOE_FLAGS, VARIANT_FLAGS, assert_same_moe_run, train_moe
+from tests.helpers.moe import MOE_FLAGS, VARIANT_DROPLESS, VARIANT_FLAGS, assert_same_moe_run, train_moe
 from tests.helpers.training import TINY_WIDTH, assert_same_run, layout, tensorboard_scalars, to_universal
 
 ITERS = 10
@@ -53,9 +56,10 @@ def runs(moe_argv, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_sequence")
     save = {name: str(root / name) for name in ("cp", "sp")}
     board = {name: ["--tensorboard-dir", str(root / "tensorboard" / name)] for name in ("plain", "cp", "sp")}
-    plain, variant, seq_aux = run_distributed(
+    plain, variant, dropless, seq_aux = run_distributed(
         train_moe, world_size=1, timeout=300,
-        args=([moe_argv + board["plain"], moe_argv + VARIANT_FLAGS, moe_argv + SEQ_AUX],))[0]
+        args=([moe_argv + board["plain"], moe_argv + VARIANT_FLAGS, moe_argv + VARIANT_DROPLESS,
+               moe_argv + SEQ_AUX],))[0]
     sp = ("--sequence-parallel", "--zero-stage", 1)  # ZeRO-1: its optimizer shards make the universal checkpoint
     four = {
         # ZeRO-1: the experts' optimizer state sharded over their expert-data-parallel group (the 2 CP ranks)
@@ -69,14 +73,15 @@ def runs(moe_argv, tmp_path_factory):
         # ZeRO-2: DeepSpeedZeroOptimizer reduce-scatters the experts' gradients over the SP ranks of their group
         "sp2 ep2 zero2": layout(moe_argv, *SP2, *EP2, "--zero-stage", 2),
         "tp2 sp ep2": layout(moe_argv, *sp, *EP2, tp=2),
-        "tp2 sp ep2 variant": layout(moe_argv + VARIANT_FLAGS, *sp, *EP2, tp=2),
+        # dropless: each TP rank routes its own s / tp tokens, and a capacity would be per rank (Megatron-LM's)
+        "tp2 sp ep2 variant": layout(moe_argv + VARIANT_DROPLESS, *sp, *EP2, tp=2),
         "tp2 sp ep2 first": layout(moe_argv, *sp, *EP2, "--save", save["sp"], *SAVE_AT_3, tp=2),
         "tp2 sp ep2 resumed": layout(moe_argv, *sp, *EP2, "--load", save["sp"], tp=2),
         # the all-gather dispatcher: beside the all-to-all one at the same layout, and with capacity dropping
         "tp2 sp ep2 allgather": layout(moe_argv, *sp, *EP2, *ALLGATHER, tp=2),
         "ep2 allgather variant": layout(moe_argv + VARIANT_FLAGS, *EP2, *ALLGATHER),
     }
-    out = {"plain": [plain], "variant": [variant], "seq_aux": [seq_aux],
+    out = {"plain": [plain], "variant": [variant], "variant dropless": [dropless], "seq_aux": [seq_aux],
            "tensorboard": {name: flags[1] for name, flags in board.items()}}
     results = run_distributed(train_moe, world_size=4, args=(list(four.values()),), timeout=600)
     for i, label in enumerate(four):
@@ -94,7 +99,7 @@ def runs(moe_argv, tmp_path_factory):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("label,reference", [("cp2 ep2", "plain"), ("tp2 sp ep2", "plain"),
-                                             ("tp2 sp ep2 variant", "variant"), ("sp2", "plain"),
+                                             ("tp2 sp ep2 variant", "variant dropless"), ("sp2", "plain"),
                                              ("sp2 ep2", "plain"), ("sp2 ep2 zero2", "plain"),
                                              ("cp2 ep2 seq_aux", "seq_aux"), ("tp2 sp ep2 allgather", "plain"),
                                              ("ep2 allgather variant", "variant")])

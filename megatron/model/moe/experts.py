@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.parallel.all_to_all import all_to_all
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from megatron.parallel.state import group_rank, group_size
 from megatron.parallel.utils import fp32_empty, set_tensor_model_parallel_attributes
@@ -164,19 +165,48 @@ class GroupedExperts(nn.Module):
             hidden = F.gelu(hidden, approximate="tanh")
         return grouped_linear(hidden, self.w2, self.weight_grad_store)  # [El, C, h]
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """rows [M, h] grouped by local expert, ``counts`` [El] rows each -> [M, h]."""
-        rows = copy_to_tensor_model_parallel_region(rows, self.tp_group)
+    def _partial(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [M, h] grouped by local expert -> this TP rank's partial output [M, h] (no output bias)."""
         if self.w1.shape[0] == 1:
-            out = self._mlp(rows[None])[0]  # [M, h]
-        elif self.uses_segments(rows):
-            out = self._segments(rows, counts)
-        else:
-            expert, slot, capacity = _padded_rows(counts)
-            grid = rows.new_zeros(self.w1.shape[0], capacity, rows.shape[-1])  # [El, C, h]
-            grid = grid.index_put((expert, slot), rows)
-            out = self._mlp(grid)[expert, slot]  # [M, h]
-        out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
-        if self.fc2_bias is not None:
-            out = out + self.fc2_bias[torch.repeat_interleave(torch.arange(counts.numel(), device=out.device), counts)]
-        return out
+            return self._mlp(rows[None])[0]  # [M, h]
+        if self.uses_segments(rows):
+            return self._segments(rows, counts)
+        expert, slot, capacity = _padded_rows(counts)
+        grid = rows.new_zeros(self.w1.shape[0], capacity, rows.shape[-1])  # [El, C, h]
+        grid = grid.index_put((expert, slot), rows)
+        return self._mlp(grid)[expert, slot]  # [M, h]
+
+    def _output_bias(self, out: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return out + bias[torch.repeat_interleave(torch.arange(counts.numel(), device=out.device), counts)]
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [M, h] grouped by local expert, ``counts`` [El] rows each -> [M, h] (every TP rank holds the same
+        rows)."""
+        rows = copy_to_tensor_model_parallel_region(rows, self.tp_group)
+        out = reduce_from_tensor_model_parallel_region(self._partial(rows, counts), self.tp_group)
+        return out if self.fc2_bias is None else self._output_bias(out, counts, self.fc2_bias)
+
+    def forward_tp_shards(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [M, h] grouped by local expert, ``counts`` [El] rows each -> [M, h], where each TP rank holds other
+        rows (Megatron-LM's all-to-all order under sequence parallelism: the TP ranks routed their own tokens):
+        every TP rank's rows gathered (M_t each; backward: the partial input gradients summed back to their rank),
+        regrouped by local expert, this rank's share of f computed on all of them, and the partial outputs
+        reduce-scattered to the rows' ranks (summed over TP in rank order); then the output bias, whose gradient,
+        from this rank's rows only, enters through copy-to-TP (summed over TP)."""
+        tp = group_size(self.tp_group)
+        if tp == 1:
+            return self.forward(rows, counts)
+        every = [torch.empty_like(counts) for _ in range(tp)]
+        torch.distributed.all_gather(every, counts, group=self.tp_group)
+        every = torch.stack(every)  # [tp, El]
+        sizes, mine = every.sum(1).tolist(), rows.shape[0]
+        gathered = all_to_all(rows.repeat(tp, 1), self.tp_group, sizes, [mine] * tp)  # [sum M_t, h] by source
+        local_expert = torch.arange(counts.numel(), device=rows.device).repeat(tp).repeat_interleave(
+            every.flatten().to(rows.device))
+        order = torch.argsort(local_expert, stable=True)  # by local expert, then source rank
+        out = self._partial(gathered.index_select(0, order), every.sum(0))
+        by_source = torch.empty_like(out).index_copy(0, order, out)
+        out = all_to_all(by_source, self.tp_group, [mine] * tp, sizes).view(tp, mine, -1).sum(0)  # [M, h]
+        if self.fc2_bias is None:
+            return out
+        return self._output_bias(out, counts, copy_to_tensor_model_parallel_region(self.fc2_bias, self.tp_group))

@@ -7,10 +7,15 @@
                                                          or all-gather and reduce-scatter: allgather_experts)
       + shared_expert(x)                                 an always-on dense MLP (--moe-shared-expert-...)
 
-Sequence parallelism (TP with --sequence-parallel): each TP rank holds s/tp of the tokens; the layer gathers them
-over TP on entry (its backward keeps this rank's slice: every TP rank then runs the routed path on the same full
-tokens and computes the same full gradient) and hands back this rank's slice; the shared expert, a ParallelMLP
-built for sequence parallelism, works on the local slice. Context parallelism and Ulysses (``groups.tokens``, the
+Sequence parallelism (TP with --sequence-parallel): each TP rank holds s/tp of the tokens. In a training run with
+the alltoall dispatcher and no CP or Ulysses (``groups.routes_tp_shards``; Megatron-LM's order) each TP rank routes
+its own s/tp tokens, exchanges them over EP, and the experts (split over TP along f) gather the TP ranks' rows and
+reduce-scatter their partial outputs back (``GroupedExperts.forward_tp_shards``); the router weight enters through
+copy-to-TP and the TP group is the token-sharding group, as with expert tensor parallelism 1 below. Otherwise (the
+allgather dispatcher, CP, Ulysses, a layer built without a ParallelState) the layer gathers the tokens over TP on
+entry (its backward keeps this rank's slice: every TP rank then runs the routed path on the same full tokens and
+computes the same full gradient) and hands back this rank's slice. The shared expert, a ParallelMLP built for
+sequence parallelism, works on the local slice either way. Context parallelism and Ulysses (``groups.tokens``, the
 token-sharding group): each rank routes its own tokens; the aux (or sequence-wise aux) and z losses are this
 rank's parts of the whole micro-batch's (``router.aux_loss``, ``router.seq_aux_loss``; the choices per expert, and
 per sequence and expert, summed over the group) and the statistics count 1 / n of
@@ -103,15 +108,22 @@ class MoELayer(nn.Module):
                              f"{group_size(ep_group)}; use a divisor of the expert count")
         self.config, self.ep_group, self.tp_group, self.tokens_group = moe, ep_group, tp_group, groups.tokens
         self.experts_span_tp = groups.experts_span_tp and group_size(tp_group) > 1
-        if self.experts_span_tp and not config.sequence_parallel:
-            raise ValueError("experts split over fewer ranks than TP (--expert-tensor-parallel-size 1) need "
-                             "--sequence-parallel: every TP rank must hold other tokens")
-        # gather the TP ranks' sequence-parallel tokens on entry (experts split over TP as the dense layers)
-        self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1 and not self.experts_span_tp
+        # each TP rank routes its own tokens to TP-split experts (Megatron-LM's order under sequence parallelism)
+        self.routes_tp_shards = groups.routes_tp_shards and group_size(tp_group) > 1 and not self.experts_span_tp
+        if (self.experts_span_tp or self.routes_tp_shards) and not config.sequence_parallel:
+            raise ValueError("routing each TP rank's own tokens (--expert-tensor-parallel-size 1, or the all-to-all "
+                             "order under sequence parallelism) needs --sequence-parallel: every TP rank must hold "
+                             "other tokens")
+        if self.routes_tp_shards and moe.token_dispatcher_type != "alltoall":
+            raise ValueError("routing each TP rank's own tokens to TP-split experts is the alltoall dispatcher's "
+                             "order; the allgather dispatcher gathers the tokens over TP on entry")
+        # else gather the TP ranks' sequence-parallel tokens on entry (experts split over TP as the dense layers)
+        self.sequence_parallel = (config.sequence_parallel and group_size(tp_group) > 1 and not self.experts_span_tp
+                                  and not self.routes_tp_shards)
         prefix = f"layers.{layer_number}.mlp"
         std, seed, out_std = config.init_method_std, config.seed, output_layer_std(config)
         self.router = TopKRouter(moe, config.hidden_size, normal_init(std, seed, f"{prefix}.router.weight"),
-                                 tp_group=tp_group if self.experts_span_tp else None)
+                                 tp_group=tp_group if self.experts_span_tp or self.routes_tp_shards else None)
         self.experts = GroupedExperts(
             config.hidden_size, config.expert_ffn_size, ep_rank_experts(moe, ep_group), swiglu=config.swiglu,
             bias=config.add_bias_linear, tp_group=None if self.experts_span_tp else tp_group,
@@ -146,8 +158,9 @@ class MoELayer(nn.Module):
             if self.shared_expert is not None and self.config.shared_expert_overlap:
                 meanwhile = functools.partial(self.shared_expert, local)
             chunks = 2 if self.config.overlap_expert_parallel_comm and group_size(self.ep_group) > 1 else 1
+            experts = self.experts.forward_tp_shards if self.routes_tp_shards else self.experts
             output, kept, shared = alltoall_experts(
-                tokens, routing, self.config, self.experts, self.ep_group, combine_dtype(self.config), chunks=chunks,
+                tokens, routing, self.config, experts, self.ep_group, combine_dtype(self.config), chunks=chunks,
                 overlap=meanwhile is not None or chunks > 1, meanwhile=meanwhile)
             output = output.view(s, b, h)
         if self.sequence_parallel:
