@@ -105,9 +105,10 @@ def test_deepseek_v3_shape_on_256_h100s():
     assert (best.layout.tp, best.layout.pp, best.layout.dp, best.layout.ep) == (4, 32, 2, 2), best.layout.short()
 
 
-def _route_and_record(rank, world_size, tp, ep, recompute):
+def _route_and_record(rank, world_size, tp, ep, recompute, sequence_parallel=False):
     """A tiny MoE GPTModel on (TP, EP) = (tp, ep) over DP = world / tp: one forward + backward on this rank's own
-    tokens, its all-to-all calls recorded; each MoE forward's rows sent and received; its expert numel."""
+    tokens, its all-to-all calls recorded (the EP group's; under ``sequence_parallel`` the TP group's apart: the
+    experts' rows gathered over TP); each MoE forward's rows sent and received; its expert numel."""
     import torch
 
     import megatron.model.moe.dispatch as moe_dispatch
@@ -120,7 +121,7 @@ def _route_and_record(rank, world_size, tp, ep, recompute):
 
     torch.set_num_threads(1)
     init_deepspeed_comm("gloo")
-    state = ParallelState.create(tp=tp, pp=1, ep=ep)
+    state = ParallelState.create(tp=tp, pp=1, ep=ep, moe_tp_shards=sequence_parallel)
     routed = []
     plan_dispatch = moe_dispatch.plan_dispatch
 
@@ -131,7 +132,7 @@ def _route_and_record(rank, world_size, tp, ep, recompute):
 
     moe_dispatch.plan_dispatch = recording_plan
     try:
-        config = moe_model_config()
+        config = moe_model_config(sequence_parallel=sequence_parallel)
         model = GPTModel(config, state)
         if recompute:
             model.recompute_activations(tracked_checkpoint_func(None), 1)
@@ -140,7 +141,9 @@ def _route_and_record(rank, world_size, tp, ep, recompute):
             recorder.active = True
             model(tokens, torch.arange(16)[None], tokens).sum().backward()
             recorder.active = False
-        return {"all_to_all_bytes": sum(r.nbytes for r in recorder.records if r.op == "all_to_all_single"),
+        exchanges = [r for r in recorder.records if r.op == "all_to_all_single"]
+        return {"all_to_all_bytes": sum(r.nbytes for r in exchanges if r.axis != "tp"),
+                "tp_all_to_all_bytes": sum(r.nbytes for r in exchanges if r.axis == "tp"),
                 "routed": routed, "expert_numel": sum(p.numel() for p in model.parameters() if is_expert_parallel(p)),
                 "numel": sum(p.numel() for p in model.parameters()), "ep_rank": state.ep_rank, "tp_rank": state.tp_rank}
     finally:
@@ -149,12 +152,14 @@ def _route_and_record(rank, world_size, tp, ep, recompute):
 
 
 def _both_recomputations(rank, world_size):
-    return [_route_and_record(rank, world_size, 2, 2, recompute) for recompute in (False, True)]
+    return [_route_and_record(rank, world_size, 2, 2, recompute) for recompute in (False, True)] + [
+        _route_and_record(rank, world_size, 2, 2, False, sequence_parallel=True)]
 
 
 @pytest.fixture(scope="module")
 def ep_runs():
-    """(TP, EP, DP) = (2, 2, 2) on 4 processes, without and with full recomputation (one launch)."""
+    """(TP, EP, DP) = (2, 2, 2) on 4 processes, without and with full recomputation, and with sequence parallelism
+    (one launch)."""
     return run_distributed(_both_recomputations, world_size=4, timeout=600)
 
 
@@ -189,10 +194,42 @@ def test_measured_all_to_all_bytes_equal_the_planners_count(ep_runs):
 def test_expert_parameters_per_rank_equal_the_models_at_ep2_tp2(ep_runs):
     shape = model_shape_of(moe_model_config())
     layout = Layout(tp=2, pp=1, dp=2, micro_batch_size=2, ep=2)
-    for rank, (run, _) in enumerate(ep_runs):
+    for rank, (run, *_) in enumerate(ep_runs):
         assert run["expert_numel"] == stage_expert_param_counts(shape, layout)[0], f"rank {rank}"
         assert run["numel"] == stage_param_counts(shape, layout)[0], f"rank {rank}"
-    assert {(run["ep_rank"], run["tp_rank"]) for run, _ in ep_runs} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert {(run["ep_rank"], run["tp_rank"]) for run, *_ in ep_runs} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_sends_each_tp_ranks_own_tokens(ep_runs):
+    """Under --sequence-parallel each TP rank routes its own s / tp tokens (Megatron-LM's order): the EP group's
+    all-to-all carries half the rows of the gathered run at TP = 2, as the planner and the dry run count them
+    (layer_bytes at s / tp tokens); the experts then gather the TP ranks' rows over TP."""
+    from megatron.planner import estimate_step
+
+    config = moe_model_config()
+    shape, layers = model_shape_of(config), model_shape_of(config).moe.num_moe_layers
+    mine = TOKENS_PER_RANK // 2
+    for rank, (gathered, _, run) in enumerate(ep_runs):
+        assert all(sent == mine * 2 for sent, _ in run["routed"]), (rank, run["routed"])  # dropless, top-2
+        expected = sum(exchange_bytes(sent, received, config.hidden_size, 4, num_experts=4)
+                       for sent, received in run["routed"])
+        assert run["all_to_all_bytes"] == expected, rank
+        assert run["tp_all_to_all_bytes"] > 0 and gathered["tp_all_to_all_bytes"] == 0, rank
+    for tp_rank in (0, 1):
+        group = [run for _, _, run in ep_runs if run["tp_rank"] == tp_rank]
+        figure = layer_bytes(shape.moe, mine, config.hidden_size, 4, 2)["handed"]
+        assert sum(r["all_to_all_bytes"] for r in group) == 2 * layers * figure, f"TP rank {tp_rank}"
+    # the planner's step time counts the all-to-all at s / tp tokens under sequence parallelism
+    gpu, cluster, seq = GPUS["H100-80GB"], CLUSTERS["dgx-h100"], 64
+    times = {sp: estimate_step(shape, Layout(tp=2, pp=1, dp=4, micro_batch_size=2, ep=2, recompute=False,
+                                             sequence_parallel=sp), gpu,
+                               cluster, seq, 16).components_s["moe_all_to_all"] for sp in (False, True)}
+    for sp, tokens in ((False, seq * 2), (True, seq)):  # micro-batch 2: s x 2 tokens, or s / 2 x 2 per TP rank
+        one = layer_bytes(shape.moe, tokens, shape.hidden_size, 2, 2)
+        per_micro_batch = layers * (one["cross_rank"] / (gpu.nvlink_busbw_gbps * 1e9)
+                                    + one["calls"] * cluster.collective_latency_us * 1e-6)
+        assert times[sp] == pytest.approx(2 * per_micro_batch, rel=F64, abs=0), sp  # 2 micro-batches, PP 1
 
 
 def test_expert_parallelism_is_proposed_with_ulysses_on_its_own_tokens():
