@@ -157,20 +157,17 @@ def _check_expert_tensor_parallel(rc) -> bool:
     if not rc.model.sequence_parallel:
         raise ValueError(f"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size {tp} needs "
                          f"--sequence-parallel: each TP rank must hold other tokens to route (as in Megatron-LM)")
-    seq = p.ds_sequence_parallel_size * p.context_parallel_size
-    if seq > 1:
-        raise ValueError("--expert-tensor-parallel-size 1 below the TP size is not built with context parallelism or "
-                         "DeepSpeed-Ulysses yet: drop --context-parallel-size / --ds-sequence-parallel-size, or "
-                         "--expert-tensor-parallel-size")
     if rc.checkpoint.universal_checkpoint:
         raise ValueError("--universal-checkpoint with --expert-tensor-parallel-size 1 below the TP size is not built "
                          "yet (the universal loader would cut each whole expert along TP): load it at the default "
                          "--expert-tensor-parallel-size (the TP size)")
-    stage = tp * p.data_parallel_size
+    seq = p.ds_sequence_parallel_size * p.context_parallel_size
+    stage = tp * seq * p.data_parallel_size
     if ep == 1 or stage % (etp * ep):
         raise ValueError(f"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size {tp}: "
                          f"--expert-model-parallel-size {ep} must be above 1 and divide the {stage} ranks of a pipeline "
-                         f"stage (TP {tp} x DP {p.data_parallel_size}): expert parallelism then spans the TP ranks")
+                         f"stage (TP {tp} x CP / Ulysses {seq} x DP {p.data_parallel_size}): expert parallelism then "
+                         f"spans the TP ranks")
     return True
 
 

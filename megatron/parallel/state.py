@@ -85,6 +85,8 @@ class GroupLayout:
     cp: int = 1                  # context-parallel size (ring attention); the sequence axis when > 1
     etp: int = 0                 # expert-tensor-parallel size (0: tp, the experts split as the dense layers)
     stage: list[list[int]] = dataclasses.field(default_factory=list)  # one per pipe stage: its tp x seq x dp ranks
+    token_shards: list[list[int]] = dataclasses.field(default_factory=list)  # one per (pipe, data): seq x tp ranks,
+                                 # the shards of one micro-batch's tokens when each TP rank routes its own (etp < tp)
 
     @property
     def expert_tp(self) -> int:
@@ -176,8 +178,9 @@ def group_layout(tp: int, pp: int, dp: int, sp: int = 1, ep: int = 1, cp: int = 
         at = lambda p, x, e, j: p * size + (j * ep + e) * etp + x  # noqa: E731  (the stage-local index inverted)
         expert = [[at(p, x, e, j) for e in E] for p in P for j in EDP for x in X]
         expert_data = [[at(p, x, e, j) for j in EDP] for p in P for e in E for x in X]
+    token_shards = [[rank(p, d, s, t) for s in S for t in T] for p in P for d in D]
     return GroupLayout(tp, pp, dp, tensor, pipeline, data, model, embedding, sp, sequence, sequence_data, ep,
-                       expert, expert_data, cp, 0 if etp is None or etp == tp else etp, stage)
+                       expert, expert_data, cp, 0 if etp is None or etp == tp else etp, stage, token_shards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +238,8 @@ class ParallelState:
     stage_group: Optional[object] = None      # every rank of this pipeline stage; built only where each TP rank
                                               # routes other tokens (etp < tp, or ``moe_tp_shards``): the routers'
                                               # counts
+    token_shard_group: Optional[object] = None  # the seq x tp ranks of one (pipe, data) coordinate; built only with
+                                              # etp < tp and a sequence split (CP, Ulysses): an MoE layer's losses
     moe_tp_shards: bool = False               # MoE layers route each TP rank's own sequence-parallel tokens with
                                               # TP-split experts (``LayerGroups.routes_tp_shards``)
 
@@ -342,11 +347,13 @@ class ParallelState:
     # ---- construction ----------------------------------------------------------------------
     def layer_groups(self, sequence_exchange: Optional[object] = None) -> LayerGroups:
         """The groups this rank's transformer layers work over (with Ulysses' ``sequence_exchange`` if given)."""
-        span = self.experts_span_tp  # etp < tp (seq 1): the TP ranks hold the micro-batch's token shards
+        span = self.experts_span_tp  # etp < tp: the TP (x seq) ranks hold the micro-batch's token shards
         shards = self.moe_tp_shards and not span  # the same shards, routed to TP-split experts
+        tokens = self.seq_group
+        if span or shards:
+            tokens = self.token_shard_group if self.token_shard_group is not None else self.tp_group
         return LayerGroups(tp=self.tp_group, cp=self.cp_group, ep=self.ep_group, sequence_exchange=sequence_exchange,
-                           tokens=self.tp_group if span or shards else self.seq_group, experts_span_tp=span,
-                           routes_tp_shards=shards)
+                           tokens=tokens, experts_span_tp=span, routes_tp_shards=shards)
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -391,6 +398,7 @@ class ParallelState:
                    expert_dp_group=mine(layout.expert_data) if ep > 1 else None,
                    cp_group=seq_group if cp > 1 else None,
                    stage_group=mine(layout.stage) if layout.etp or moe_tp_shards else None,
+                   token_shard_group=mine(layout.token_shards) if layout.etp and sp * cp > 1 else None,
                    moe_tp_shards=moe_tp_shards and tp > 1)
 
     def destroy(self) -> None:
@@ -398,7 +406,7 @@ class ParallelState:
         seen = set()
         for group in (self.tp_group, self.pp_group, self.dp_group, self.model_group,
                       self.embedding_group, self.sp_group, self.sp_data_group, self.ep_group, self.expert_dp_group,
-                      self.cp_group, self.stage_group):
+                      self.cp_group, self.stage_group, self.token_shard_group):
             if group is not None and id(group) not in seen:
                 seen.add(id(group))
                 dist.destroy_process_group(group)

@@ -7,6 +7,8 @@ iterations within ``run_tolerance``, expert biases to 1e-6):
     EP = 2 (ZeRO-1)                the EP groups are the TP pairs, the experts' gradients and optimizer shards go
                                    over the expert-data-parallel group (the two DP ranks of one TP rank)
     EP = 2 in bf16                 BF16_Optimizer, close to the fp32 reference (bf16's run_tolerance)
+    EP = 2 x CP = 2, x Ulysses 2   the sequence split too (DP = 1): each rank routes its s / (tp x seq) tokens, the
+                                   losses' parts and counts over the seq x TP ranks of the micro-batch
 
 The EP = 2 run resumes from a checkpoint saved at iteration 3 at its own layout, loss for loss, grad norm for grad
 norm, bias for bias, and its checkpoint converted to a universal one continues at EP = 1 on one process. One launch
@@ -49,6 +51,11 @@ def runs(moe_argv, tmp_path_factory):
         "etp1 ep2": layout(moe_argv, *ep2, tp=2),
         "etp1 ep2 first": layout(moe_argv, *ep2, "--save", save, *SAVE_AT_3, tp=2),
         "etp1 ep2 resumed": layout(moe_argv, *ep2, "--load", save, tp=2),
+        # the sequence split too: the aux and z losses' parts over the seq x TP ranks of a micro-batch
+        "etp1 ep2 cp2": layout(moe_argv, *ETP1, "--expert-model-parallel-size", 2, "--context-parallel-size", 2,
+                               tp=2),
+        "etp1 ep2 ulysses2": layout(moe_argv, *ETP1, "--expert-model-parallel-size", 2,
+                                    "--ds-sequence-parallel-size", 2, tp=2),
     }
     out = {"save": save}
     results = run_distributed(train_moe, world_size=4, args=(list(four.values()),), timeout=600)
@@ -84,8 +91,9 @@ def test_the_expert_groups_fold_the_stage_in_megatron_lm_order():
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
       "--expert-model-parallel-size", "4"], 2, "--expert-model-parallel-size 4 must be above 1 and divide the 2 ranks"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
-      "--expert-model-parallel-size", "2", "--context-parallel-size", "2"], 4,
-     "not built with context parallelism or DeepSpeed-Ulysses yet"),
+      "--context-parallel-size", "2"], 4,
+     "--expert-model-parallel-size 1 must be above 1 and divide the 4 ranks of a pipeline stage (TP 2 x CP / "
+     "Ulysses 2 x DP 1)"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
       "--expert-model-parallel-size", "2", "--load", "{tmp}", "--universal-checkpoint"], 4,
      "--universal-checkpoint with --expert-tensor-parallel-size 1 below the TP size is not built yet"),
@@ -118,11 +126,11 @@ def test_a_checkpoint_loads_only_at_its_expert_tensor_parallel_size(tiny_corpus,
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("label", ["etp1 ep4", "etp1 ep2"])
+@pytest.mark.parametrize("label", ["etp1 ep4", "etp1 ep2", "etp1 ep2 cp2", "etp1 ep2 ulysses2"])
 def test_whole_experts_over_the_tp_ranks_train_as_one_process(runs, label):
     ref = runs["plain"][0]
     assert ref["losses"][-1] < ref["losses"][0] - 0.05, ref["losses"]
-    ep = int(label.split("ep")[-1])
+    ep = int(label.split("ep")[1].split()[0])
     for rank, run in enumerate(runs[label]):
         assert_same_moe_run(ref, run, f"rank {rank} of TP=2 + SP, ETP=1, {label}")
         assert sorted(run["expert_bias"]) == sorted(ref["expert_bias"]), f"rank {rank} of {label}"
