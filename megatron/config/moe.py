@@ -174,13 +174,14 @@ def _check_expert_tensor_parallel(rc) -> bool:
 def routes_tp_shards(rc) -> bool:
     """Whether a run's MoE layers route each TP rank's own sequence-parallel tokens to TP-split experts
     (Megatron-LM's all-to-all order: route s / tp tokens, all-to-all over EP, all-gather the rows over TP): with
-    experts, --sequence-parallel at TP > 1, the alltoall dispatcher, experts split over TP (etp = tp; etp = 1 routes
-    the shards to whole experts), no context parallelism or Ulysses (their token group would span TP and the
-    sequence ranks). Otherwise, under --sequence-parallel, the MoE layer gathers the tokens over TP on entry."""
+    experts, --sequence-parallel at TP > 1, the alltoall dispatcher and experts split over TP (etp = tp; etp = 1
+    routes the shards to whole experts). With CP or Ulysses too, each rank routes its s / (tp x seq) tokens and the
+    seq x TP ranks share the losses. Otherwise, under --sequence-parallel (the allgather dispatcher), the MoE layer
+    gathers the tokens over TP on entry."""
     p, moe = rc.parallel, rc.model.moe
     tp = p.tensor_model_parallel_size
     return (moe is not None and rc.model.sequence_parallel and tp > 1 and moe.token_dispatcher_type == "alltoall"
-            and p.expert_tp == tp and p.ds_sequence_parallel_size * p.context_parallel_size == 1)
+            and p.expert_tp == tp)
 
 
 def check_moe_run(rc) -> None:

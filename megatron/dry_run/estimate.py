@@ -123,11 +123,12 @@ def experts_section(rc: RunConfig, stage_layers: list[int]) -> Optional[dict]:
     expert_params = stage_expert_param_counts(shape, layout)
     m = rc.batch.num_micro_batches(layout.dp)
     width = 4 if layout.precision == "fp32" else 2
-    tp = rc.parallel.tensor_model_parallel_size
+    p = rc.parallel
     # each TP rank routes its own s / tp tokens under sequence parallelism (Megatron-LM's all-to-all order, or
-    # --expert-tensor-parallel-size 1); otherwise every TP rank routes the gathered sequence
-    own_tokens = routes_tp_shards(rc) or rc.parallel.expert_tp < tp
-    seq = rc.data.seq_length // tp if own_tokens else rc.data.seq_length
+    # --expert-tensor-parallel-size 1); otherwise every TP rank routes the gathered sequence; CP and Ulysses split it
+    own_tokens = routes_tp_shards(rc) or p.expert_tp < p.tensor_model_parallel_size
+    split = (p.tensor_model_parallel_size if own_tokens else 1) * p.context_parallel_size * p.ds_sequence_parallel_size
+    seq = rc.data.seq_length // split
     traffic = [step_all_to_all_bytes(moe, seq, layout.micro_batch_size, m, shape.hidden_size,
                                      width, layout.ep, n, layout.recompute) for n in moe_layers]
     return {"num_experts": moe.num_experts, "topk": moe.topk, "expert_model_parallel_size": layout.ep,

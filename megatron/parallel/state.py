@@ -204,9 +204,9 @@ class LayerGroups:
     tokens: Optional[object] = None
     experts_span_tp: bool = False  # etp = 1 < tp: an MoE layer routes this TP rank's own sequence-parallel tokens
                                    # over ``ep`` (which then spans TP ranks) to whole experts
-    routes_tp_shards: bool = False  # etp = tp with sequence parallelism (alltoall, no CP / Ulysses): an MoE layer
-                                    # routes this TP rank's own tokens over ``ep``, then gathers the rows over TP
-                                    # for its TP-split experts (Megatron-LM's order; ``tokens`` is the TP group)
+    routes_tp_shards: bool = False  # etp = tp with sequence parallelism (alltoall): an MoE layer routes this TP
+                                    # rank's own tokens over ``ep``, then gathers the rows over TP for its TP-split
+                                    # experts (Megatron-LM's order; ``tokens`` spans the TP, and seq, ranks)
 
     def __post_init__(self):
         if self.cp is not None and self.sequence_exchange is not None:
@@ -238,8 +238,9 @@ class ParallelState:
     stage_group: Optional[object] = None      # every rank of this pipeline stage; built only where each TP rank
                                               # routes other tokens (etp < tp, or ``moe_tp_shards``): the routers'
                                               # counts
-    token_shard_group: Optional[object] = None  # the seq x tp ranks of one (pipe, data) coordinate; built only with
-                                              # etp < tp and a sequence split (CP, Ulysses): an MoE layer's losses
+    token_shard_group: Optional[object] = None  # the seq x tp ranks of one (pipe, data) coordinate; built only where
+                                              # each TP rank routes its own tokens (etp < tp, ``moe_tp_shards``) and
+                                              # the sequence is split (CP, Ulysses): an MoE layer's losses
     moe_tp_shards: bool = False               # MoE layers route each TP rank's own sequence-parallel tokens with
                                               # TP-split experts (``LayerGroups.routes_tp_shards``)
 
@@ -365,7 +366,7 @@ class ParallelState:
                ep: int = 1, cp: int = 1, etp: Optional[int] = None, moe_tp_shards: bool = False) -> "ParallelState":
         """Create the groups over the initialized world. ``dp`` defaults to world / (tp * pp * sp * cp).
         ``moe_tp_shards``: MoE layers route each TP rank's own sequence-parallel tokens
-        (``megatron.config.moe.routes_tp_shards``; needs tp > 1 and no sequence split).
+        (``megatron.config.moe.routes_tp_shards``; needs tp > 1).
 
         Collective: every rank of the world must call it with the same sizes.
         """
@@ -398,7 +399,8 @@ class ParallelState:
                    expert_dp_group=mine(layout.expert_data) if ep > 1 else None,
                    cp_group=seq_group if cp > 1 else None,
                    stage_group=mine(layout.stage) if layout.etp or moe_tp_shards else None,
-                   token_shard_group=mine(layout.token_shards) if layout.etp and sp * cp > 1 else None,
+                   token_shard_group=mine(layout.token_shards) if (layout.etp or moe_tp_shards) and sp * cp > 1
+                   else None,
                    moe_tp_shards=moe_tp_shards and tp > 1)
 
     def destroy(self) -> None:

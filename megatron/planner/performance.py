@@ -166,12 +166,9 @@ def _moe_comm_s(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cluste
     if layout.ep == 1 or not n_moe_layers:
         return 0.0
     bw = gpu.nvlink_busbw_gbps if layout.tp * layout.ep <= cluster.gpus_per_node else cluster.inter_node_gbps
-    # each rank routes its own s / (u x cp) tokens of each sample; under sequence parallelism without u or cp each
-    # TP rank its own s / tp (megatron.config.moe.routes_tp_shards; else the TP ranks route the same tokens)
-    split = layout.token_split
-    if layout.sequence_parallel and split == 1:
-        split = layout.tp
-    one = layer_bytes(model.moe, seq_length // split * layout.micro_batch_size, model.hidden_size, 2,
+    # each rank routes its own s / (u x cp) tokens of each sample, and under sequence parallelism each TP rank its
+    # own share of them (megatron.config.moe.routes_tp_shards; else the TP ranks route the same tokens)
+    one = layer_bytes(model.moe, seq_length // layout.sequence_split * layout.micro_batch_size, model.hidden_size, 2,
                       layout.ep, layout.recompute)
     return n_moe_layers * (one["cross_rank"] / (bw * 1e9) + one["calls"] * cluster.collective_latency_us * 1e-6)
 

@@ -8,7 +8,8 @@ losses on, expert bias moving; 10 iterations within ``run_tolerance``, expert bi
     sequence parallelism    TP = 2 + --sequence-parallel x EP = 2: each TP rank routes its own s / tp tokens, the
                             all-to-all over EP, the rows gathered over TP for the TP-split experts and their
                             outputs reduce-scattered (Megatron-LM's order); also the variant without its capacity
-                            (SwiGLU, shared expert, sigmoid group-limited routing): the capacity is per rank here
+                            (SwiGLU, shared expert, sigmoid group-limited routing): the capacity is per rank here;
+                            and TP = 2 + SP x CP = 2 (EP = 1): each rank routes s / (tp x cp) tokens
     DeepSpeed-Ulysses       SP = 2 on DeepSpeed's model engine, at EP = 1 and at EP = 2 x DP = 2 (ZeRO-0 and ZeRO-2:
                             the experts' gradients summed over the SP ranks of their group, averaged over dp)
 
@@ -73,6 +74,8 @@ def runs(moe_argv, tmp_path_factory):
         # ZeRO-2: DeepSpeedZeroOptimizer reduce-scatters the experts' gradients over the SP ranks of their group
         "sp2 ep2 zero2": layout(moe_argv, *SP2, *EP2, "--zero-stage", 2),
         "tp2 sp ep2": layout(moe_argv, *sp, *EP2, tp=2),
+        # both splits (EP = 1): each rank routes its s / (tp x cp) tokens, the losses' parts over the 4 ranks
+        "tp2 sp cp2": layout(moe_argv, *sp, *CP2, tp=2),
         # dropless: each TP rank routes its own s / tp tokens, and a capacity would be per rank (Megatron-LM's)
         "tp2 sp ep2 variant": layout(moe_argv + VARIANT_DROPLESS, *sp, *EP2, tp=2),
         "tp2 sp ep2 first": layout(moe_argv, *sp, *EP2, "--save", save["sp"], *SAVE_AT_3, tp=2),
@@ -98,7 +101,7 @@ def runs(moe_argv, tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("label,reference", [("cp2 ep2", "plain"), ("tp2 sp ep2", "plain"),
+@pytest.mark.parametrize("label,reference", [("cp2 ep2", "plain"), ("tp2 sp ep2", "plain"), ("tp2 sp cp2", "plain"),
                                              ("tp2 sp ep2 variant", "variant dropless"), ("sp2", "plain"),
                                              ("sp2 ep2", "plain"), ("sp2 ep2 zero2", "plain"),
                                              ("cp2 ep2 seq_aux", "seq_aux"), ("tp2 sp ep2 allgather", "plain"),

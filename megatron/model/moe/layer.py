@@ -8,12 +8,12 @@
       + shared_expert(x)                                 an always-on dense MLP (--moe-shared-expert-...)
 
 Sequence parallelism (TP with --sequence-parallel): each TP rank holds s/tp of the tokens. In a training run with
-the alltoall dispatcher and no CP or Ulysses (``groups.routes_tp_shards``; Megatron-LM's order) each TP rank routes
-its own s/tp tokens, exchanges them over EP, and the experts (split over TP along f) gather the TP ranks' rows and
-reduce-scatter their partial outputs back (``GroupedExperts.forward_tp_shards``); the router weight enters through
-copy-to-TP and the TP group is the token-sharding group, as with expert tensor parallelism 1 below. Otherwise (the
-allgather dispatcher, CP, Ulysses, a layer built without a ParallelState) the layer gathers the tokens over TP on
-entry (its backward keeps this rank's slice: every TP rank then runs the routed path on the same full tokens and
+the alltoall dispatcher (``groups.routes_tp_shards``; Megatron-LM's order) each TP rank routes its own s/tp tokens,
+exchanges them over EP, and the experts (split over TP along f) gather the TP ranks' rows and reduce-scatter their
+partial outputs back (``GroupedExperts.forward_tp_shards``); the router weight enters through copy-to-TP and the
+TP (x CP or Ulysses) ranks of the micro-batch are the token-sharding group, as with expert tensor parallelism 1
+below. Otherwise (the allgather dispatcher, a layer built without a ParallelState) the layer gathers the tokens over
+TP on entry (its backward keeps this rank's slice: every TP rank then runs the routed path on the same full tokens and
 computes the same full gradient) and hands back this rank's slice. The shared expert, a ParallelMLP built for
 sequence parallelism, works on the local slice either way. Context parallelism and Ulysses (``groups.tokens``, the
 token-sharding group): each rank routes its own tokens; the aux (or sequence-wise aux) and z losses are this
