@@ -25,7 +25,8 @@ one process's too.
 
 Each of the first two also resumes from a checkpoint saved at iteration 3 at its own layout, loss for loss, grad norm
 for grad norm, bias for bias; the sequence-parallel one is converted to a universal checkpoint and continues at
-EP = 1 x TP = 2 without sequence parallelism. (A universal checkpoint with CP is refused by its own row in
+EP = 1 x TP = 2 without sequence parallelism; a Ulysses 2 x EP = 2 run (model engine, ZeRO-1) saved at iteration 3
+converts too and continues at EP = 2 x DP = 2 on the pipeline engine. (A universal checkpoint with CP is refused by its own row in
 megatron/config/combinations.py.) One launch per world size.
 """
 
@@ -55,7 +56,7 @@ def moe_argv(tiny_corpus):
 def runs(moe_argv, tmp_path_factory):
     """{label: [record per rank]}; the one-process references under "plain" and "variant"."""
     root = tmp_path_factory.mktemp("moe_sequence")
-    save = {name: str(root / name) for name in ("cp", "sp")}
+    save = {name: str(root / name) for name in ("cp", "sp", "ulysses")}
     board = {name: ["--tensorboard-dir", str(root / "tensorboard" / name)] for name in ("plain", "cp", "sp")}
     plain, variant, dropless, seq_aux = run_distributed(
         train_moe, world_size=1, timeout=300,
@@ -73,6 +74,8 @@ def runs(moe_argv, tmp_path_factory):
         "sp2 ep2": layout(moe_argv, *SP2, *EP2, *board["sp"]),
         # ZeRO-2: DeepSpeedZeroOptimizer reduce-scatters the experts' gradients over the SP ranks of their group
         "sp2 ep2 zero2": layout(moe_argv, *SP2, *EP2, "--zero-stage", 2),
+        # DeepSpeed's model engine at ZeRO-1: the universal checkpoint's source (the ZeRO ranks are dp x sp)
+        "sp2 ep2 first": layout(moe_argv, *SP2, *EP2, "--zero-stage", 1, "--save", save["ulysses"], *SAVE_AT_3),
         "tp2 sp ep2": layout(moe_argv, *sp, *EP2, tp=2),
         # both splits (EP = 1): each rank routes its s / (tp x cp) tokens, the losses' parts over the 4 ranks
         "tp2 sp cp2": layout(moe_argv, *sp, *CP2, tp=2),
@@ -90,9 +93,12 @@ def runs(moe_argv, tmp_path_factory):
     for i, label in enumerate(four):
         out[label] = [per_rank[i] for per_rank in results]
     to_universal(os.path.join(save["sp"], "global_step3"))
+    to_universal(os.path.join(save["ulysses"], "global_step3"), None, "--target-engine", "pipeline")
     two = {
         "sp2": layout(moe_argv, *SP2),
         "universal tp2": layout(moe_argv, "--zero-stage", 1, "--load", save["sp"], "--universal-checkpoint", tp=2),
+        "universal from ulysses": layout(moe_argv, "--zero-stage", 1, "--load", save["ulysses"],
+                                         "--universal-checkpoint", *EP2),
     }
     results = run_distributed(train_moe, world_size=2, args=(list(two.values()),), timeout=600)
     for i, label in enumerate(two):
@@ -162,10 +168,14 @@ def test_moe_with_a_split_sequence_resumes_loss_for_loss(runs, name):
 
 
 @pytest.mark.multiprocess
-def test_a_sequence_parallel_moe_run_continues_from_a_universal_checkpoint(runs):
-    """Saved at TP = 2 + SP x EP = 2, converted by ds_to_universal.py, resumed at EP = 1 x TP = 2 without SP."""
+@pytest.mark.parametrize("label,source,target", [
+    ("universal tp2", "TP=2 + SP x EP=2", "EP=1 x TP=2"),
+    # the model engine's ZeRO files (ZeRO rank = data rank x 2 + Ulysses rank) and its router-bias buffers
+    ("universal from ulysses", "Ulysses 2 x EP=2 (model engine)", "EP=2 x DP=2 (pipeline engine)")])
+def test_a_sequence_parallel_moe_run_continues_from_a_universal_checkpoint(runs, label, source, target):
+    """Saved at the source layout, converted by ds_to_universal.py, resumed at the target."""
     ref = runs["plain"][0]
     tail = dict(ref, losses=ref["losses"][3:], grad_norms=ref["grad_norms"][3:])
-    for rank, run in enumerate(runs["universal tp2"]):
+    for rank, run in enumerate(runs[label]):
         assert run["iterations"] == list(range(4, ITERS + 1)), f"rank {rank}: {run['iterations']}"
-        assert_same_moe_run(tail, run, f"rank {rank}, TP=2 + SP x EP=2 -> universal -> EP=1 x TP=2")
+        assert_same_moe_run(tail, run, f"rank {rank}, {source} -> universal -> {target}")

@@ -101,7 +101,8 @@ def _stage_experts(tag_dir: str, output_folder: str, config, source: str, record
     staging = os.path.normpath(output_folder) + ".ep_staging"
     shutil.rmtree(staging, ignore_errors=True)  # left by a conversion that died half-way
     tp = parallel.get("tensor_model_parallel_size", 1)
-    stage_expert_names(tag_dir, staging, config, source, ep, tp, parallel.get("expert_tensor_parallel_size", tp))
+    stage_expert_names(tag_dir, staging, config, source, ep, tp, parallel.get("expert_tensor_parallel_size", tp),
+                       parallel.get("ds_sequence_parallel_size", 1))
     return staging
 
 

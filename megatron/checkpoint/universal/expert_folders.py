@@ -77,7 +77,8 @@ def _renamed(mapping: dict, experts, ranks) -> dict:
 
 def _whole_ep_rank(dp_rank: int, mp_rank: int, tp: int, ep: int, etp: int) -> int:
     """The EP rank of optimizer file (dp_rank, mp_rank) with experts whole over TP (``megatron.parallel.state``'s
-    expert order over the stage-local index l = dp_rank * tp + tp_rank; no sequence axis)."""
+    expert order over the stage-local index l = dp_rank * tp + tp_rank; with Ulysses the file's ZeRO rank is
+    data rank x seq + sequence rank, so the same formula holds)."""
     return ((dp_rank * tp + mp_rank % tp) // etp) % ep
 
 
@@ -104,9 +105,10 @@ def _hide_experts(state: dict, experts) -> None:
 
 
 def stage_expert_names(tag_dir: str, staging: str, config: ModelConfig, engine: str, ep: int, tp: int = 1,
-                       etp: int = 0) -> None:
+                       etp: int = 0, seq: int = 1) -> None:
     """Write into ``staging`` the copy of ``tag_dir`` DeepSpeed's converter reads (see the module docstring).
-    ``etp`` below ``tp``: the experts are whole on every TP rank and hidden from the converter."""
+    ``etp`` below ``tp``: the experts are whole on every TP rank and hidden from the converter. ``seq``: the
+    sequence ranks (Ulysses') inside the ZeRO group, whose file index r is then data rank x seq + sequence rank."""
     experts = expert_folders(config, engine)
     whole = 0 < etp < tp
     os.makedirs(staging)
@@ -115,7 +117,8 @@ def stage_expert_names(tag_dir: str, staging: str, config: ModelConfig, engine: 
         optim = _OPTIM_FILE.search(name)
         if optim is not None:
             state = _load(source)
-            ep_rank = int(optim.group(1)) % ep  # data-parallel rank r holds EP rank r % EP's experts
+            # ZeRO rank r (data rank r // seq) holds EP rank (r // seq) % EP's experts
+            ep_rank = int(optim.group(1)) // seq % ep
             sd = state[C.OPTIMIZER_STATE_DICT]
             sd[C.PARAM_SLICE_MAPPINGS] = [_without(group, experts) if whole else _renamed(group, experts, [ep_rank])
                                           for group in sd[C.PARAM_SLICE_MAPPINGS]]
@@ -237,4 +240,8 @@ def save_router_state(tag_dir: str, out_dir: str, config: ModelConfig) -> int:
             biases = {name: t for name, t in module.items() if name.endswith(ROUTER_BUFFER)}
     if biases:
         torch.save(biases, os.path.join(out_dir, ROUTER_STATE_FILE))
+    # DeepSpeed's converter writes a zero/ folder for every entry of a model-engine checkpoint's module state that
+    # has no optimizer fragment, buffers included: the biases live in ROUTER_STATE_FILE, not among the parameters
+    for name in biases:
+        shutil.rmtree(os.path.join(out_dir, "zero", name), ignore_errors=True)
     return len(biases)
