@@ -12,8 +12,8 @@ TP=2 x DP=2 the same way: to 3D, and from the 3D checkpoint converted for ZeRO-3
 GPTModel's names serves both stages), which ZeRO-3 at TP=2 x DP=2 loads too; a Llama-style model
 (untied head) both ways between ZeRO-3 and 3D. Wrong-engine and stale conversions are refused by name,
 the renamed files carry checksums, a crafted or incomplete folder is refused.
-Tiny model (hidden 32, 2 layers, seq 16): one 4-process and one 8-process launch, then one 4-process
-(and three more for the Llama case); about 2 minutes on 2 cores.
+Tiny model (hidden 32, 2 layers, seq 16; the Llama-style one hidden 64): one 4-process and one 8-process launch,
+then one 4-process, every run of the module in them.
 """
 
 import json
@@ -43,38 +43,58 @@ def _to_universal(ckpt, engine, out_root):
                  "--target-engine", engine)
 
 
+LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96",
+         "--position-embedding-type", "rope")
+
+
+def _llama_argv(tiny_corpus, *extra, **flags):
+    return _argv(tiny_corpus, *LLAMA, *extra, hidden_size=64, embed_layernorm=False, **flags)
+
+
 @pytest.fixture(scope="module")
 def reshaped(tiny_corpus, tmp_path_factory):
+    """Every run of the module, in three launches (4, 8 and 4 processes): the BLOOM-style ones, and the Llama-style
+    ones ("llama_*": ZeRO-3 -> 3D -> ZeRO-3)."""
     root = tmp_path_factory.mktemp("uni")
     d = {name: str(root / name) for name in ("z3", "z2", "d3", "z3_for_3d", "z2_for_3d", "d3_for_z3", "z3_loaded",
-                                             "d3_loaded", "z3_for_model")}
-    z3, z2 = run_distributed(train, world_size=4, timeout=600, args=(
+                                             "d3_loaded", "z3_for_model", "llama_z3", "llama_d3", "llama_z3_for_3d",
+                                             "llama_d3_for_z3")}
+    z3, z2, llama_z3 = run_distributed(train, world_size=4, timeout=600, args=(
         [_argv(tiny_corpus, *ZERO3, save=d["z3"], save_interval=5),
-         _argv(tiny_corpus, *ZERO2, save=d["z2"], save_interval=5)],))[0]
+         _argv(tiny_corpus, *ZERO2, save=d["z2"], save_interval=5),
+         _llama_argv(tiny_corpus, *ZERO3, save=d["llama_z3"], save_interval=5)],))[0]
     _to_universal(d["z3"], "pipeline", d["z3_for_3d"])
     _to_universal(d["z2"], "pipeline", d["z2_for_3d"])
+    _to_universal(d["llama_z3"], "pipeline", d["llama_z3_for_3d"])
     from_z3 = dict(load=d["z3_for_3d"], universal_checkpoint=True)
-    d3, d3_resumed, d3_loaded, d3_from_z2 = run_distributed(train, world_size=8, timeout=900, args=(
-        [_argv(tiny_corpus, *THREE_D, save=d["d3"], save_interval=5),
-         _argv(tiny_corpus, *THREE_D, **from_z3),
-         _argv(tiny_corpus, *THREE_D, **from_z3, train_iters=5, save=d["d3_loaded"], save_interval=100),
-         _argv(tiny_corpus, *THREE_D, load=d["z2_for_3d"], universal_checkpoint=True)],))[-1]
+    d3, d3_resumed, d3_loaded, d3_from_z2, llama_d3, llama_d3_resumed = run_distributed(
+        train, world_size=8, timeout=900, args=(
+            [_argv(tiny_corpus, *THREE_D, save=d["d3"], save_interval=5),
+             _argv(tiny_corpus, *THREE_D, **from_z3),
+             _argv(tiny_corpus, *THREE_D, **from_z3, train_iters=5, save=d["d3_loaded"], save_interval=100),
+             _argv(tiny_corpus, *THREE_D, load=d["z2_for_3d"], universal_checkpoint=True),
+             _llama_argv(tiny_corpus, *THREE_D, save=d["llama_d3"], save_interval=5),
+             _llama_argv(tiny_corpus, *THREE_D, load=d["llama_z3_for_3d"], universal_checkpoint=True)],))[-1]
     _to_universal(d["d3"], "model", d["d3_for_z3"])
     _to_universal(d["z3"], "model", d["z3_for_model"])  # the saving run's own engine, for ZeRO-2 and 3 at any TP
+    _to_universal(d["llama_d3"], "model", d["llama_d3_for_z3"])
     from_d3 = dict(load=d["d3_for_z3"], universal_checkpoint=True)
     from_z3 = dict(load=d["z3_for_model"], universal_checkpoint=True)
     tp2 = ["--tensor-model-parallel-size", "2"]
-    z3_resumed, z3_loaded, z2_from_d3, z3_tp2_from_d3, z2_from_z3, z3_tp2_from_z3 = run_distributed(
+    z3_resumed, z3_loaded, z2_from_d3, z3_tp2_from_d3, z2_from_z3, z3_tp2_from_z3, llama_z3_resumed = run_distributed(
         train, world_size=4, timeout=600, args=(
             [_argv(tiny_corpus, *ZERO3, **from_d3),
              _argv(tiny_corpus, *ZERO3, **from_d3, train_iters=5, save=d["z3_loaded"], save_interval=100),
              _argv(tiny_corpus, *ZERO2, **from_d3),
              _argv(tiny_corpus, *ZERO3, *tp2, **from_d3),
              _argv(tiny_corpus, *ZERO2, **from_z3),
-             _argv(tiny_corpus, *ZERO3, *tp2, **from_z3)],))[0]
+             _argv(tiny_corpus, *ZERO3, *tp2, **from_z3),
+             _llama_argv(tiny_corpus, *ZERO3, load=d["llama_d3_for_z3"], universal_checkpoint=True)],))[0]
     runs = dict(z3=z3, z2=z2, d3=d3, d3_resumed=d3_resumed, d3_loaded=d3_loaded, d3_from_z2=d3_from_z2,
                 z3_resumed=z3_resumed, z3_loaded=z3_loaded, z2_from_d3=z2_from_d3, z3_tp2_from_d3=z3_tp2_from_d3,
-                z2_from_z3=z2_from_z3, z3_tp2_from_z3=z3_tp2_from_z3)
+                z2_from_z3=z2_from_z3, z3_tp2_from_z3=z3_tp2_from_z3, llama_z3=llama_z3, llama_d3=llama_d3,
+                llama_d3_resumed=llama_d3_resumed, llama_z3_resumed=llama_z3_resumed)
     return runs, d
 
 
@@ -233,29 +253,14 @@ def test_retargeted_files_carry_checksums_and_load_safely(reshaped, tmp_path):
     assert not marker.exists()
 
 
-LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
-         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96",
-         "--position-embedding-type", "rope")
-
 
 @pytest.mark.multiprocess
-def test_llama_untied_head_moves_between_zero3_and_3d(tiny_corpus, tmp_path):
+def test_llama_untied_head_moves_between_zero3_and_3d(reshaped):
     """Llama-style (untied output_layer.weight, grouped-query QKV, SwiGLU, RMSNorm): ZeRO-3 -> 3D and 3D -> ZeRO-3
     continue within ``run_tolerance`` of the target layout's straight run."""
-    d = {name: str(tmp_path / name) for name in ("z3", "d3", "z3_for_3d", "d3_for_z3")}
-
-    def argv(*extra, **flags):
-        return _argv(tiny_corpus, *LLAMA, *extra, hidden_size=64, embed_layernorm=False, **flags)
-
-    z3, = run_distributed(train, world_size=4, timeout=600, args=([argv(*ZERO3, save=d["z3"], save_interval=5)],))[0]
-    _to_universal(d["z3"], "pipeline", d["z3_for_3d"])
-    d3, d3_resumed = run_distributed(train, world_size=8, timeout=900, args=(
-        [argv(*THREE_D, save=d["d3"], save_interval=5),
-         argv(*THREE_D, load=d["z3_for_3d"], universal_checkpoint=True)],))[-1]
-    _to_universal(d["d3"], "model", d["d3_for_z3"])
-    z3_resumed, = run_distributed(train, world_size=4, timeout=600, args=(
-        [argv(*ZERO3, load=d["d3_for_z3"], universal_checkpoint=True)],))[0]
-    assert "output_layer.weight" in os.listdir(os.path.join(d["d3_for_z3"], "global_step5_universal", "zero"))
+    runs, d = reshaped
+    z3, d3, d3_resumed, z3_resumed = (runs[f"llama_{name}"] for name in ("z3", "d3", "d3_resumed", "z3_resumed"))
+    assert "output_layer.weight" in os.listdir(os.path.join(d["llama_d3_for_z3"], "global_step5_universal", "zero"))
     assert d3_resumed["iterations"] == list(range(6, 11)) == z3_resumed["iterations"]
     assert_continues(d3["losses"], d3_resumed["losses"], "Llama ZeRO-3 -> 3D vs 3D straight", dtype=torch.float32)
     assert_continues(z3["losses"], d3_resumed["losses"], "Llama ZeRO-3 -> 3D vs ZeRO-3 continuing", dtype=torch.float32)
