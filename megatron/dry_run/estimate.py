@@ -62,11 +62,12 @@ def item_param_counts(rc: RunConfig) -> list[int]:
     """Parameters of each pipeline item on one TP rank, as DeepSpeed's 'parameters' partition counts them
     (it builds each layer spec: the head's module is the word embedding alone)."""
     shape, tp, ep = model_shape(rc), rc.parallel.tensor_model_parallel_size, rc.parallel.expert_model_parallel_size
+    etp = rc.parallel.expert_tp
     h, word = shape.hidden_size, shape.vocab_size * shape.hidden_size // tp
     per_kind = {EMBEDDING: word + shape.learned_positions * h + (shape.norm_params if shape.embed_layernorm else 0),
                 FINAL_NORM: shape.norm_params, HEAD: word}
     layers = iter(range(shape.num_layers))  # an MoE layer counts this EP rank's experts
-    return [sum(shape.layer_params_split(next(layers), tp, ep)) if item.kind == TRANSFORMER
+    return [sum(shape.layer_params_split(next(layers), tp, ep, etp)) if item.kind == TRANSFORMER
             else per_kind.get(item.kind, 0) for item in pipeline_items(rc.model)]
 
 
@@ -97,6 +98,7 @@ def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
                   hpz=p.zero_hpz_partition_size, sequence_parallel=p.sequence_parallel,
                   ulysses=p.ds_sequence_parallel_size,
                   store_attention_scores=stores_attention_scores(rc), ep=p.expert_model_parallel_size,
+                  etp=0 if p.expert_tp == p.tensor_model_parallel_size else p.expert_tp,
                   cp=p.context_parallel_size, schedule=schedule, virtual_stages=virtual_stages)
 
 

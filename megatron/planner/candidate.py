@@ -34,8 +34,10 @@ class Layout:
     # the core attention keeps its [np, s, s] softmax and dropout output for backward (Korthikanti's 5as/h);
     # False: a fused kernel (flash / flex / SDPA's fused ones) or selective recomputation of the core attention
     store_attention_scores: bool = True
-    # expert parallelism: each MoE layer's experts split over ep of the DP ranks (megatron.planner.moe)
+    # expert parallelism: each MoE layer's experts split over ep of the DP ranks (megatron.planner.moe); with
+    # etp = 1 below tp (--expert-tensor-parallel-size) the experts are whole and ep spans the stage's TP ranks too
     ep: int = 1
+    etp: int = 0                        # 0: tp (the experts split over TP as the dense layers)
     # context parallelism (ring attention): every layer on s/cp tokens, key / value blocks passed around the ring
     # (megatron.planner.context_parallel); its ranks hold the same weights, like DP's
     cp: int = 1
@@ -57,13 +59,19 @@ class Layout:
         if (self.virtual_stages != 1) != get_schedule(self.schedule).uses_virtual_stages or self.virtual_stages < 1:
             raise ValueError(f"virtual_stages {self.virtual_stages} with schedule {self.schedule!r}: interleaved "
                              f"runs v >= 2 chunks per rank, the other schedules 1")
-        check_expert_size(self.dp, self.ep)  # the run's own rule (EP divides DP)
+        # the run's own rule (EP divides DP; with etp < tp the stage's tp x seq x dp ranks)
+        check_expert_size(self.dp, self.ep, self.tp, self.etp or None, self.ulysses * self.cp)
 
     @property
     def expert_replicas(self) -> int:
         """Ranks holding the same experts: the expert-data-parallel group, DP / EP (ZeRO shards the experts'
-        optimizer state over them)."""
-        return self.weight_replicas // self.ep
+        optimizer state over them); with etp < tp, the stage's tp x seq x dp ranks / (etp x ep)."""
+        return self.weight_replicas * self.tp // (self.expert_tp * self.ep)
+
+    @property
+    def expert_tp(self) -> int:
+        """The ranks each expert is split over (``etp``; tp where it is 0)."""
+        return self.etp or self.tp
 
     @property
     def zero_label(self) -> str:

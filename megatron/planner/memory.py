@@ -74,7 +74,8 @@ def stage_param_counts(model: ModelShape, layout: Layout) -> list[int]:
     head = model.vocab_size * h // t
     out, first_layer = [], 0
     for i, n_layers in enumerate(counts):
-        n = sum(sum(model.layer_params_split(j, t, layout.ep)) for j in range(first_layer, first_layer + n_layers))
+        n = sum(sum(model.layer_params_split(j, t, layout.ep, layout.etp))
+                for j in range(first_layer, first_layer + n_layers))
         first_layer += n_layers
         if i == 0:
             n += embedding
@@ -90,7 +91,7 @@ def stage_expert_param_counts(model: ModelShape, layout: Layout) -> list[int]:
     """The routed experts' parameters held by one (TP, EP) rank of each pipeline stage (0 for a dense model)."""
     out, first_layer = [], 0
     for n_layers in stage_layer_counts(model, layout):
-        out.append(sum(model.layer_params_split(j, layout.tp, layout.ep)[1]
+        out.append(sum(model.layer_params_split(j, layout.tp, layout.ep, layout.etp)[1]
                        for j in range(first_layer, first_layer + n_layers)))
         first_layer += n_layers
     return out
@@ -106,7 +107,8 @@ def static_bytes(num_params: int, layout: Layout, expert_params: int = 0) -> dic
     optimizer state ZeRO shards over the expert-data-parallel group (``layout.expert_replicas``) instead."""
     if expert_params:
         dense = static_bytes(num_params - expert_params, layout)
-        experts = static_bytes(expert_params, dataclasses.replace(layout, dp=layout.expert_replicas, ulysses=1, cp=1, ep=1))
+        experts = static_bytes(expert_params, dataclasses.replace(layout, dp=layout.expert_replicas, ulysses=1, cp=1, ep=1,
+                                                                  etp=0))
         return {key: dense[key] + experts[key] for key in dense}
     n, shard = num_params, (layout.weight_replicas if layout.zero_stage >= 1 else 1)
     if layout.zero_stage >= 2:

@@ -89,12 +89,12 @@ def expert_params_per_rank(moe: MoEShape, hidden: int, swiglu: bool, bias: bool,
 
 
 def moe_layer_params(dense_layer_params: int, dense_mlp_params: int, moe: MoEShape, hidden: int, swiglu: bool,
-                     bias: bool, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+                     bias: bool, tp: int = 1, ep: int = 1, etp: int = 0) -> tuple[int, int]:
     """(non-expert, expert) parameters of one MoE layer on one rank: the dense layer without its MLP, plus the
-    router [E, h] and the shared expert; and this rank's routed experts."""
+    router [E, h] and the shared expert; and this rank's routed experts (split over ``etp`` ranks; 0: tp)."""
     shared = mlp_params(hidden, moe.shared_expert_ffn, swiglu, bias, tp) if moe.shared_expert_ffn else 0
     dense = dense_layer_params - dense_mlp_params + moe.num_experts * hidden + shared
-    return dense, expert_params_per_rank(moe, hidden, swiglu, bias, tp, ep)
+    return dense, expert_params_per_rank(moe, hidden, swiglu, bias, etp or tp, ep)
 
 
 def exchange_bytes(sent_rows: int, received_rows: int, hidden: int, bytes_per_element: int, *, num_experts: int,

@@ -116,14 +116,14 @@ class ModelShape:
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layer_pattern[layer]
 
-    def layer_params_split(self, layer: int, tp: int = 1, ep: int = 1) -> tuple[int, int]:
-        """(non-expert, routed-expert) parameters of layer ``layer`` on one (TP, EP) rank
-        (``megatron.planner.moe``); a dense layer has no expert part."""
+    def layer_params_split(self, layer: int, tp: int = 1, ep: int = 1, etp: int = 0) -> tuple[int, int]:
+        """(non-expert, routed-expert) parameters of layer ``layer`` on one (TP, EP) rank, the experts split over
+        ``etp`` ranks (0: tp; ``megatron.planner.moe``); a dense layer has no expert part."""
         if not self.is_moe_layer(layer):
             return self.layer_params(tp), 0
         dense_mlp = mlp_params(self.hidden_size, self.ffn, self.swiglu, self.add_bias_linear, tp)
         return moe_layer_params(self.layer_params(tp), dense_mlp, self.moe, self.hidden_size, self.swiglu,
-                                self.add_bias_linear, tp, ep)
+                                self.add_bias_linear, tp, ep, etp)
 
     def total_params(self) -> int:
         h = self.hidden_size

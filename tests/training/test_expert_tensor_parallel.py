@@ -138,6 +138,25 @@ def test_whole_experts_over_the_tp_ranks_train_as_one_process(runs, label):
 
 
 @pytest.mark.multiprocess
+def test_the_dry_run_counts_the_whole_experts_each_rank_holds(runs, moe_argv):
+    """--dry-run's experts section (the planner's Layout with etp = 1): each rank's expert parameters are the ones
+    the run held (whole experts, E / ep of them), the expert-data-parallel group tp x seq x dp / ep."""
+    from megatron.dry_run.estimate import experts_section
+
+    for label, flags, world_size in (
+            ("etp1 ep4", ("--expert-model-parallel-size", 4), 4),
+            ("etp1 ep2", ("--expert-model-parallel-size", 2, "--zero-stage", 1), 4),
+            ("etp1 ep2 cp2", ("--expert-model-parallel-size", 2, "--context-parallel-size", 2), 4),
+            ("etp1 ep2 ulysses2", ("--expert-model-parallel-size", 2, "--ds-sequence-parallel-size", 2), 4)):
+        rc = run_config_from_argv(layout(moe_argv, *ETP1, *flags, tp=2), world_size=world_size)
+        section = experts_section(rc, [rc.model.num_layers])
+        ep = rc.parallel.expert_model_parallel_size
+        assert section["expert_data_parallel_size"] == world_size // ep, (label, section)
+        assert {run["expert_numel"] for run in runs[label]} == {section["stages"][0]["expert_params_per_rank"]}, \
+            (label, section)
+
+
+@pytest.mark.multiprocess
 def test_whole_experts_over_the_tp_ranks_in_bf16_track_fp32(runs):
     for rank, run in enumerate(runs["etp1 ep2 bf16"]):
         assert run["optimizer"] == "BF16_Optimizer", f"rank {rank}"
