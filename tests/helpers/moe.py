@@ -6,6 +6,8 @@
     train_moe(rank, world_size, runs)  a run_distributed target: ``train``'s record of each run, plus every
                                   router's expert bias and how many expert parameters this rank holds
     assert_same_moe_run(reference, run, label, num_layers)  ``assert_same_run``, and every expert bias within 1e-6
+    assert_resumed_bit_for_bit(straight, first, resumed, label, saved_at, iterations)  a run stopped and resumed
+                                  is the straight run, loss, grad norm and expert bias
 """
 
 import re
@@ -59,3 +61,13 @@ def assert_same_moe_run(reference, run, label, num_layers=TINY_LAYERS):
     assert run["expert_bias"] and set(run["expert_bias"]) <= set(reference["expert_bias"]), label
     for name, bias in run["expert_bias"].items():
         assert bias == pytest.approx(reference["expert_bias"][name], abs=1e-6), f"{label}: {name} bias"
+
+
+def assert_resumed_bit_for_bit(straight, first, resumed, label, saved_at, iterations):
+    """A run stopped after iteration ``saved_at`` (``first``) and resumed from its checkpoint (``resumed``) is the
+    ``straight`` run of ``iterations``: the same losses, grad norms after the resume and expert biases, bit for bit."""
+    assert first["iterations"] == list(range(1, saved_at + 1)), label
+    assert resumed["iterations"] == list(range(saved_at + 1, iterations + 1)), label
+    assert first["losses"] + resumed["losses"] == straight["losses"], label
+    assert resumed["grad_norms"] == straight["grad_norms"][saved_at:], label
+    assert resumed["expert_bias"] == straight["expert_bias"], label

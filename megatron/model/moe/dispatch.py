@@ -42,8 +42,8 @@ from megatron.parallel.all_to_all import all_to_all, all_to_all_counts, start_al
 from megatron.parallel.mappings import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
 from megatron.parallel.state import group_rank, group_size
 
-__all__ = ["DispatchPlan", "expert_capacity", "kept_choices", "plan_dispatch", "dispatch", "combine", "alltoall_experts",
-           "ep_rank_experts", "allgather_experts"]
+__all__ = ["DispatchPlan", "expert_capacity", "kept_choices", "plan_dispatch", "local_expert_order", "dispatch", "combine",
+           "alltoall_experts", "ep_rank_experts", "allgather_experts"]
 
 
 def expert_capacity(num_tokens: int, config: MoEConfig) -> Optional[int]:
@@ -105,13 +105,18 @@ def plan_dispatch(routing: Routing, config: MoEConfig, ep_group=None, chunk: Opt
     order = torch.argsort(sort_key, stable=True)[:int(keep.sum())] + first * k  # [N]
     counts = torch.bincount(expert[keep], minlength=config.num_experts)  # [E]
     received = all_to_all_counts(counts.view(ep, local_experts), ep_group)  # [ep, El]: from each source rank
-    # Rows arrive grouped by (source rank, local expert); the experts want them grouped by local expert.
-    local_expert_of_row = torch.arange(local_experts, device=expert.device).repeat(ep).repeat_interleave(
-        received.flatten())  # [M]
     return DispatchPlan(
         order=order, token=order // k, weight=routing.weight.flatten()[order],
         send_splits=counts.view(ep, local_experts).sum(1).tolist(), recv_splits=received.sum(1).tolist(),
-        local_order=torch.argsort(local_expert_of_row, stable=True), local_counts=received.sum(0))
+        local_order=local_expert_order(received), local_counts=received.sum(0))
+
+
+def local_expert_order(counts: torch.Tensor) -> torch.Tensor:
+    """counts [g, El]: the rows each of g sources sends each local expert, arriving grouped by (source, local
+    expert) -> [M], the order that groups them by local expert (the sources in order within)."""
+    sources, local = counts.shape
+    expert_of_row = torch.arange(local, device=counts.device).repeat(sources).repeat_interleave(counts.flatten())
+    return torch.argsort(expert_of_row, stable=True)
 
 
 def dispatch(tokens: torch.Tensor, plan: DispatchPlan, ep_group=None) -> torch.Tensor:
@@ -154,9 +159,7 @@ def alltoall_experts(tokens: torch.Tensor, routing: Routing, config: MoEConfig, 
 def _dispatch_start(tokens: torch.Tensor, plan: DispatchPlan, ep_group, overlap: bool):
     """tokens [T, h] -> the exchange of this plan's rows to their experts' ranks (started, or done)."""
     sent = tokens.index_select(0, plan.token)  # [N, h], sorted by expert
-    if overlap:
-        return start_all_to_all(sent, ep_group, plan.recv_splits, plan.send_splits)
-    return all_to_all(sent, ep_group, plan.recv_splits, plan.send_splits), None
+    return _send(sent, ep_group, plan.recv_splits, plan.send_splits, overlap)
 
 
 def _arrived(exchange, plan: DispatchPlan) -> torch.Tensor:
@@ -168,9 +171,14 @@ def _arrived(exchange, plan: DispatchPlan) -> torch.Tensor:
 def _combine_start(expert_output: torch.Tensor, plan: DispatchPlan, ep_group, overlap: bool):
     """The experts' outputs [M, h] -> the exchange bringing them back to their tokens' ranks."""
     received = torch.empty_like(expert_output).index_copy(0, plan.local_order, expert_output)  # by source
+    return _send(received, ep_group, plan.send_splits, plan.recv_splits, overlap)
+
+
+def _send(rows: torch.Tensor, ep_group, output_splits: list[int], input_splits: list[int], overlap: bool):
+    """The exchange of ``rows`` over ``ep_group`` as (rows, in flight): started (``overlap``), or done (None)."""
     if overlap:
-        return start_all_to_all(received, ep_group, plan.send_splits, plan.recv_splits)
-    return all_to_all(received, ep_group, plan.send_splits, plan.recv_splits), None
+        return start_all_to_all(rows, ep_group, output_splits, input_splits)
+    return all_to_all(rows, ep_group, output_splits, input_splits), None
 
 
 def _combined(exchanges, plans: list[DispatchPlan], num_tokens: int, dtype: Optional[torch.dtype]) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.model.moe.dispatch import local_expert_order
 from megatron.parallel.all_to_all import all_to_all
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from megatron.parallel.state import group_rank, group_size
@@ -201,9 +202,7 @@ class GroupedExperts(nn.Module):
         every = torch.stack(every)  # [tp, El]
         sizes, mine = every.sum(1).tolist(), rows.shape[0]
         gathered = all_to_all(rows.repeat(tp, 1), self.tp_group, sizes, [mine] * tp)  # [sum M_t, h] by source
-        local_expert = torch.arange(counts.numel(), device=rows.device).repeat(tp).repeat_interleave(
-            every.flatten().to(rows.device))
-        order = torch.argsort(local_expert, stable=True)  # by local expert, then source rank
+        order = local_expert_order(every)  # by local expert, then source rank
         out = self._partial(gathered.index_select(0, order), every.sum(0))
         by_source = torch.empty_like(out).index_copy(0, order, out)
         out = all_to_all(by_source, self.tp_group, [mine] * tp, sizes).view(tp, mine, -1).sum(0)  # [M, h]
