@@ -16,15 +16,15 @@ import json
 import os
 from typing import Optional, Sequence
 
-from megatron.arguments.flags import DRY_RUN_OPTIONS, POSITION_EMBEDDING_ALIASES
+from megatron.arguments.flags import ATTENTION_BACKEND_ALIASES, DRY_RUN_OPTIONS, POSITION_EMBEDDING_ALIASES
 from megatron.arguments.moe_flags import moe_warnings
-from megatron.config import deepspeed_zero_stage, parallel_dims
+from megatron.arguments.upstream_flags import upstream_warnings
+from megatron.config import TOKENIZER_FILES, deepspeed_zero_stage, parallel_dims
 from megatron.data.dataset_utils import document_range, parse_data_path, parse_split, parse_weighted_split_paths
 from megatron.data.hf_cache import resolve_tokenizer_path
 from megatron.data.indexed_dataset import sequence_count
 
-REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr",
-            "tokenizer_type")
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
 FP16_ONLY = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 SPLITS = ("train", "valid", "test")
 
@@ -42,11 +42,30 @@ def check_required(args) -> None:
         raise ValueError(f"missing required flag(s): {', '.join(missing)}")
 
 
+def check_megatron_lm_values(args) -> None:
+    """Megatron-LM flags accepted at the value that means what this engine does, refused at another."""
+    heads, hidden = args.num_attention_heads, args.hidden_size
+    if args.kv_channels is not None and heads and hidden and args.kv_channels * heads != hidden:
+        raise ValueError(f"--kv-channels {args.kv_channels}: a head size other than --hidden-size / "
+                         f"--num-attention-heads ({hidden} / {heads}) is not implemented here; drop the flag for "
+                         f"{hidden // heads}-wide heads")
+    if args.rotary_percent != 1.0:
+        raise ValueError(f"--rotary-percent {args.rotary_percent}: partial rotary positions are not implemented "
+                         "here (every head dimension is rotated); drop the flag or pass 1.0")
+    if args.calculate_per_token_loss and args.eod_mask_loss:
+        raise ValueError("--calculate-per-token-loss with --eod-mask-loss: the per-token mean over a global batch "
+                         "whose micro-batches count different tokens is not implemented (each micro-batch's mean "
+                         "is averaged); drop one of the flags")
+
+
 def resolve_model_spellings(args) -> None:
     """One value each for what Megatron-DeepSpeed and Megatron-LM spell in several ways: the position
     type (``--position-embedding-type``, ``--use-rotary-position-embeddings``, ``--no-position-embedding``)
     and the key / value heads (``--num-key-value-heads``, ``--group-query-attention --num-query-groups``).
-    Spellings that contradict each other are a ValueError naming both."""
+    Spellings that contradict each other are a ValueError naming both. Megatron-LM's --attention-backend names
+    (fused, local) become ours."""
+    args.attention_backend_alias = args.attention_backend if args.attention_backend in ATTENTION_BACKEND_ALIASES else None
+    args.attention_backend = ATTENTION_BACKEND_ALIASES.get(args.attention_backend, args.attention_backend)
     given = args.position_embedding_type
     position = POSITION_EMBEDDING_ALIASES.get(given, given)
     if args.use_rotary_position_embeddings:
@@ -146,7 +165,8 @@ def merge_skip_ranges(ranges: Optional[Sequence[str]]) -> tuple[tuple[int, int],
 
 
 def parse_data_flags(args) -> None:
-    """``data_path_pairs`` and ``{train,valid,test}_weighted_split_groups``, and Megatron's default --split."""
+    """``data_path_pairs`` and ``{train,valid,test}_weighted_split_groups``, and Megatron's default --split (a
+    quoted one unquoted)."""
     args.data_path_pairs = parse_data_path(args.data_path)
     for split in SPLITS:
         groups = parse_weighted_split_paths(getattr(args, f"{split}_weighted_split_paths"), split,
@@ -155,6 +175,10 @@ def parse_data_flags(args) -> None:
     weighted = args.train_weighted_split_groups or args.valid_weighted_split_groups or args.test_weighted_split_groups
     if args.data_path_pairs and args.split is None and not weighted:
         args.split = "969, 30, 1"  # Megatron's default, for mode 1 only
+    if args.split is not None:
+        # Megatron-LM reads the numbers out of the text: a script's "--split '99,1,0'" (quotes kept by the shell
+        # from an array element) trains on 99,1,0 there, and here.
+        args.split = args.split.strip().strip("'\"").strip()
 
 
 def data_prefixes(args, stand_in_splits: Sequence[str] = ()) -> list[str]:
@@ -184,14 +208,14 @@ def check_data_files(args, stand_in_splits: Sequence[str] = ()) -> None:
 
 
 def check_tokenizer_files(args) -> None:
-    files = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",)
-             }.get(args.tokenizer_type, ())
-    for name in files:
+    for name in TOKENIZER_FILES.get(args.tokenizer_type, ()):
         path = getattr(args, name)
-        if path is not None and not os.path.exists(path):
+        if path is None:
+            continue
+        if args.tokenizer_type in ("PretrainedFromHF", "HuggingFaceTokenizer"):
+            resolve_tokenizer_path(path)  # the tokenizer builder's own lookup (a folder, a file or a cached name)
+        elif not os.path.exists(path):
             raise ValueError(f"--{name.replace('_', '-')} {path!r}: no such file or directory")
-    if args.tokenizer_type == "PretrainedFromHF" and args.tokenizer_name_or_path is not None:
-        resolve_tokenizer_path(args.tokenizer_name_or_path)  # the tokenizer builder's own lookup
 
 
 def check_output_folders(args) -> None:
@@ -245,7 +269,12 @@ def load_deepspeed_json(args) -> None:
         stage = (args.deepspeed_user_config or {}).get("zero_optimization", {}).get("stage")
         # bf16: ZeRO-1 partitions BF16_Optimizer's fp32 master weights over DP. fp32/fp16: stage 0, as a
         # ZeRO wrapper refuses the fp32 path's grad-norm-clipping client optimizer (megatron.engine.optimizer)
-        args.zero_stage = int(stage) if stage is not None else (1 if args.bf16 else 0)
+        args.zero_stage = (int(stage) if stage is not None
+                           else 1 if args.bf16 or args.use_distributed_optimizer else 0)
+    if args.use_distributed_optimizer and args.zero_stage == 0 and not args.bf16:
+        raise ValueError("--use-distributed-optimizer shards the optimizer states over the data-parallel ranks, "
+                         "which --zero-stage 0 (or the JSON's stage 0) does not; drop one of them (stage 1 is the "
+                         "distributed optimizer)")
 
 
 def read_deepspeed_json(path: Optional[str]) -> Optional[dict]:
@@ -279,9 +308,6 @@ def _no_effect_warnings(args) -> list[str]:
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         out.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1 (there is no tensor-parallel "
                    "group to split the sequence over); the model runs without it")
-    if args.abort_on_unmet_fused_kernel_constraints:
-        out.append("--abort-on-unmet-fused-kernel-constraints is ignored: there are no CUDA fused kernels here "
-                   "(torch's own kernels have no constraints to meet)")
     if not args.fp16:
         given = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in FP16_ONLY if getattr(args, n) is not None]
         if given:
@@ -302,7 +328,10 @@ def _no_effect_warnings(args) -> list[str]:
                    "recomputes uniform chunks of --checkpoint-num-layers layers")
     if args.deepspeed_activation_checkpointing and not args.checkpoint_activations:
         out.append("--deepspeed-activation-checkpointing has no effect without --checkpoint-activations")
-    out += moe_warnings(args)
+    if getattr(args, "attention_backend_alias", None):
+        out.append(f"--attention-backend {args.attention_backend_alias} (Megatron-LM's name) runs as "
+                   f"--attention-backend {args.attention_backend}: the same math on torch's kernels")
+    out += moe_warnings(args) + upstream_warnings(args)
     if args.distributed_backend == "nccl" and not _cuda_available():
         out.append("--distributed-backend nccl but CUDA is not available on this machine: the process group "
                    "cannot start here (use gloo on CPU)")

@@ -12,11 +12,13 @@ import argparse
 from megatron.arguments.interleaved_flags import add_interleaved_arguments
 from megatron.arguments.mla_flags import add_mla_arguments
 from megatron.arguments.moe_flags import add_moe_arguments
+from megatron.arguments.upstream_flags import add_upstream_arguments
 from megatron.arguments.zero_bubble_flags import add_zero_bubble_arguments
 from megatron.config import (
     ATTENTION_BACKENDS,
     CP_COMM_TYPES,
     DATA_IMPLS,
+    DEFAULT_TOKENIZER_TYPE,
     DISTRIBUTED_BACKENDS,
     LR_DECAY_STYLES,
     NORMALIZATIONS,
@@ -26,12 +28,14 @@ from megatron.config import (
     TOKENIZER_TYPES,
 )
 
-# Flags whose meaning is "no effect here" (see parse_args' startup warnings).
-NO_EFFECT_FLAGS = ("abort_on_unmet_fused_kernel_constraints",)
 # (flag, dest) of the options that only --dry-run reads (a real run refuses them).
 # Megatron-LM's spellings of --position-embedding-type -> ours.
 POSITION_EMBEDDING_ALIASES = {"rope": "rotary", "learned_absolute": "absolute"}
 POSITION_EMBEDDING_FLAG_VALUES = POSITION_EMBEDDING_TYPES + tuple(POSITION_EMBEDDING_ALIASES)
+# Megatron-LM's --attention-backend names for kernels of the same math -> ours: fused (Transformer Engine's cuDNN
+# fused attention) runs as torch's SDPA, local (Megatron's own unfused core) as unfused.
+ATTENTION_BACKEND_ALIASES = {"fused": "sdpa", "local": "unfused"}
+ATTENTION_BACKEND_FLAG_VALUES = ATTENTION_BACKENDS + tuple(ATTENTION_BACKEND_ALIASES)
 DRY_RUN_OPTIONS = (("--world-size", "dry_run_world_size"), ("--dry-run-json", "dry_run_json"),
                    ("--dry-run-gpu", "dry_run_gpu"), ("--dry-run-cluster", "dry_run_cluster"))
 
@@ -42,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a GPT/BLOOM model. Flag names and meanings follow Megatron-DeepSpeed.")
     for add in (_model, _parallelism, add_interleaved_arguments, add_zero_bubble_arguments, add_moe_arguments,
                 add_mla_arguments, _data, _tokenizer, _training, _learning_rate, _regularization, _mixed_precision,
-                _speed, _checkpointing, _logging, _exit, _deepspeed, _dry_run):
+                _speed, _checkpointing, _logging, _exit, _deepspeed, _dry_run, add_upstream_arguments):
         add(parser)
     return parser
 
@@ -98,6 +102,12 @@ def _model(parser):
                    help="Megatron-LM: use grouped-query attention with --num-query-groups groups.")
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="Megatron-LM's name for --num-key-value-heads (needs --group-query-attention).")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Megatron-LM's attention head size. Here the head size is --hidden-size / "
+                        "--num-attention-heads, so that value is accepted (Llama, Mixtral) and another is refused.")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="Megatron-LM's share of each head's dimensions that rotary positions rotate; 1.0 (every "
+                        "dimension, Llama's) is what this engine does, another value is refused.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Give the output head its own weight instead of reusing the word embedding (Llama).")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
@@ -112,10 +122,6 @@ def _model(parser):
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Standard deviation of the normal weight initialization; output projections use "
                         "std / sqrt(2 x num-layers).")
-    g.add_argument("--abort-on-unmet-fused-kernel-constraints", action="store_true",
-                   help="Megatron-DeepSpeed: abort when a CUDA fused softmax kernel cannot be used. Accepted and "
-                        "ignored here: this project uses torch's own kernels, which have no such constraints "
-                        "(a warning is logged at startup).")
 
 
 def _parallelism(parser):
@@ -197,6 +203,11 @@ def _data(parser):
     g.add_argument("--data-cache-path", default=None,
                    help="Path to a directory to hold cached index files (the sample indexes built at startup). "
                         "Default: beside the data. It must be creatable and writable, and shared by all nodes.")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="Megatron-LM: the loss of a step is the sum over its tokens divided by the tokens counted "
+                        "in the whole global batch, not the mean of the micro-batches' means. Every micro-batch "
+                        "counts micro-batch x --seq-length tokens here unless --eod-mask-loss masks some, so without "
+                        "that flag the two are the same number; with it the flag is refused.")
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="No loss at positions whose input token is the tokenizer's end-of-document token (the "
                         "prediction of the next document's first token from the previous document).")
@@ -213,14 +224,21 @@ def _data(parser):
 
 def _tokenizer(parser):
     g = parser.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, help="Tokenizer (required).")
+    g.add_argument("--tokenizer-type", default=DEFAULT_TOKENIZER_TYPE, choices=TOKENIZER_TYPES,
+                   help="Tokenizer, by Megatron-DeepSpeed's and Megatron-LM's names: GPT2BPETokenizer (the default, "
+                        "as upstream: --vocab-file, --merge-file), SentencePieceTokenizer / GPTSentencePieceTokenizer "
+                        "(--tokenizer-model), Llama2Tokenizer (--tokenizer-model; BOS first in every text), "
+                        "HuggingFaceTokenizer (--tokenizer-model: a local folder or tokenizer.json; adds the "
+                        "tokenizer's own special tokens), PretrainedFromHF (--tokenizer-name-or-path).")
     g.add_argument("--tokenizer-name-or-path", default=None,
                    help="PretrainedFromHF: a local tokenizer.json, a directory holding a saved tokenizer, or a "
                         "hub name (ORG/NAME) found in the local Hugging Face cache ($HF_HUB_CACHE, else "
                         "$HF_HOME/hub, else ~/.cache/huggingface/hub). Nothing is downloaded.")
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: the vocab.json file.")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: the merges.txt file.")
-    g.add_argument("--tokenizer-model", default=None, help="SentencePieceTokenizer: the .model file.")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="The SentencePiece types: the .model file. HuggingFaceTokenizer: a local tokenizer folder "
+                        "or tokenizer.json, or a hub name found in the local Hugging Face cache.")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the embedding rows to a multiple of this value times the tensor-parallel size.")
     g.add_argument("--pad-vocab-size-to", type=int, default=None,
@@ -246,6 +264,9 @@ def _training(parser):
     g.add_argument("--train-iters", type=int, default=None,
                    help="Iterations to train over all runs (iteration-based training). Give this or "
                         "--train-samples.")
+    g.add_argument("--train-tokens", type=int, default=None,
+                   help="Megatron-DeepSpeed: stop once this many tokens (consumed samples x --seq-length) are "
+                        "trained on, or at --train-iters / --train-samples if that comes first.")
     g.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
                    help="Optimizer: adam (with decoupled weight decay, as Megatron's) or sgd.")
     g.add_argument("--seed", type=int, default=1234, help="Random seed for initialization, dropout and data order.")
@@ -306,11 +327,20 @@ def _learning_rate(parser):
                    help="Samples of linear warmup from 0 (sample-based training).")
     g.add_argument("--lr-warmup-iters", type=int, default=0,
                    help="Iterations of linear warmup from 0 (iteration-based training).")
+    g.add_argument("--lr-decay-tokens", type=int, default=None,
+                   help="Megatron-DeepSpeed's token-based schedule: tokens over which to decay (warmup included), "
+                        "counted as consumed samples x --seq-length; replaces the iteration / sample decay length. "
+                        "The warm-up is then --lr-warmup-tokens, or the iteration / sample warm-up in tokens.")
+    g.add_argument("--lr-warmup-tokens", type=int, default=None,
+                   help="Tokens of linear warmup from 0 (needs --lr-decay-tokens).")
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="Warmup as a fraction of the decay length; exclusive with --lr-warmup-samples/-iters.")
-    g.add_argument("--override-lr-scheduler", action="store_true",
-                   help="On resume, use these flags' schedule rather than the checkpoint's.")
-    g.add_argument("--use-checkpoint-lr-scheduler", action="store_true",
+    g.add_argument("--override-lr-scheduler", "--override-opt_param-scheduler", dest="override_lr_scheduler",
+                   action="store_true",
+                   help="On resume, use these flags' schedule rather than the checkpoint's "
+                        "(--override-opt_param-scheduler: Megatron-LM's and Megatron-DeepSpeed's later name).")
+    g.add_argument("--use-checkpoint-lr-scheduler", "--use-checkpoint-opt_param-scheduler",
+                   dest="use_checkpoint_lr_scheduler", action="store_true",
                    help="On resume, use the checkpoint's schedule rather than these flags'. Without either flag "
                         "a difference is an error.")
 
@@ -429,8 +459,12 @@ def _deepspeed(parser):
                         "--bf16, 0 (BLOOM's setting) runs DeepSpeed's BF16_Optimizer as stage 1, as 1 does (a "
                         "startup warning says so). 2 (gradients sharded too) and 3 (parameters too) need "
                         "--pipeline-model-parallel-size 1 and run on DeepSpeed's model engine, with "
-                        "tensor parallelism. Default: the DeepSpeed JSON's stage, else 1 with --bf16 and 0 "
-                        "otherwise.")
+                        "tensor parallelism. Default: the DeepSpeed JSON's stage, else 1 with --bf16 or "
+                        "--use-distributed-optimizer, and 0 otherwise.")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron-LM's distributed optimizer: the optimizer states (and fp32 master weights) sharded "
+                        "over the data-parallel ranks, which is ZeRO stage 1 here (or 2 / 3, which shard more): "
+                        "without --zero-stage or a JSON stage it selects 1; a stage 0 given with it is an error.")
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
                    help="With --checkpoint-activations, recompute through DeepSpeed's activation checkpointing "
                         "(adds its activation_checkpointing config section).")
@@ -438,7 +472,7 @@ def _deepspeed(parser):
 
 def _speed(parser):
     g = parser.add_argument_group("speed (docs/performance.md)")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_FLAG_VALUES,
                    help="The attention core's kernel: sdpa (torch's scaled_dot_product_attention, ALiBi as a "
                         "materialized [np, s, s] bias), flex (torch's flex_attention compiled, ALiBi as a score_mod "
                         "and a causal block mask: no [np, s, s] tensor; needs --attention-dropout 0), flash "

@@ -4,7 +4,7 @@ Megatron-DeepSpeed's spellings accepted where they mean the same thing (``--moe-
 (``--mlp-type residual``, several expert counts for ``--num-experts``). Megatron-LM's flags for what does not
 run here are refused with their cause (``REFUSED_VALUES``: the sinkhorn and global balancing losses, the
 DeepEP dispatcher, random routing); its kernel choices (``--moe-grouped-gemm``,
-``--moe-permute-fusion``) are accepted with a startup warning (``moe_warnings``).
+``--moe-permute-fusion``) are in the one table of no-effect flags (``megatron.arguments.upstream_flags``).
 """
 
 from __future__ import annotations
@@ -37,13 +37,6 @@ REFUSED_VALUES = {
 }
 LOAD_BALANCING_FLAG_VALUES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # Pure kernel choices of Megatron-LM: accepted, with a startup warning that they change nothing here.
-KERNEL_FLAGS = {
-    "moe_grouped_gemm": "--moe-grouped-gemm has no effect: each rank's experts always run as one grouped GEMM per "
-                        "weight over their tokens (torch._grouped_mm; a padded batched matmul where shapes do not "
-                        "allow it)",
-    "moe_permute_fusion": "--moe-permute-fusion has no effect: tokens are permuted by index_select / index_add "
-                          "(no fused Transformer Engine permute kernel here); the result is the same",
-}
 
 
 def add_moe_arguments(parser) -> None:
@@ -101,12 +94,6 @@ def add_moe_arguments(parser) -> None:
                         "Default: dropless.")
     g.add_argument("--moe-token-drop-policy", default="probs", choices=TOKEN_DROP_POLICIES,
                    help="Which choices an expert over capacity keeps: its highest-weight ones, or the first ones.")
-    g.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="Accepted for Megatron-LM compatibility (a startup warning says so): each rank's experts "
-                        "always run as one grouped GEMM per weight.")
-    g.add_argument("--moe-permute-fusion", action="store_true",
-                   help="Accepted for Megatron-LM compatibility (a startup warning says so): no fused permute "
-                        "kernel; tokens are permuted by index_select.")
     g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=("alltoall", "allgather", "flex"),
                    help="How tokens reach the experts' ranks (the same outputs): alltoall sends each token to the "
                         "ranks of its experts (the default here; Megatron-LM's default is allgather); allgather "
@@ -206,7 +193,7 @@ def _balancing_coefficients(types: list[str], coeffs: list[float]) -> dict[str, 
 
 def moe_warnings(args) -> list[str]:
     """The startup warnings of MoE flags accepted with no effect here."""
-    out = [why for dest, why in KERNEL_FLAGS.items() if getattr(args, dest)]
+    out = []
     ignored = [c for t, c in zip(_given(args, "--moe-router-load-balancing-type"), _given(args, "--moe-aux-loss-coeff"))
                if t == "none" and c]
     if ignored:

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
-from megatron.arguments import flag_steps, interleaved_flags, mla_flags, moe_flags
+from megatron.arguments import flag_steps, interleaved_flags, mla_flags, moe_flags, upstream_flags
 from megatron.arguments.build import assemble_run_config, resolve_vocab_size
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
@@ -148,8 +148,11 @@ FLAG_STEPS = (
     Step("the dry-run options", flag_steps.check_dry_run_flags),
     Step(WORLD, _world_size, produces=("world_size", "rank"), on="run"),
     Step("the required flags", flag_steps.check_required),
+    Step("the Megatron flags refused here", upstream_flags.check_upstream_flags),
     Step("the model flags spelled two ways", flag_steps.resolve_model_spellings,
-         produces=("position_embedding_type", "num_key_value_heads")),
+         produces=("position_embedding_type", "num_key_value_heads", "attention_backend", "attention_backend_alias")),
+    Step("the Megatron-LM values that must match this engine's", flag_steps.check_megatron_lm_values,
+         needs=("the required flags",)),
     Step("the mixture-of-experts flags", moe_flags.resolve_moe, needs=("the required flags",), produces=("moe",)),
     Step("the recomputation flags", flag_steps.resolve_recompute_spellings,
          produces=("recompute_core_attention", "checkpoint_activations", "checkpoint_num_layers")),

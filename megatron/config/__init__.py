@@ -24,7 +24,16 @@ The rules each feature adds across a ``RunConfig``, and their helpers:
     _checks            small validation helpers shared by the config modules
 """
 
-from megatron.config.data import DATA_IMPLS, TOKENIZER_TYPES, DataConfig, DatasetGroup, DatasetSplit, TokenizerConfig
+from megatron.config.data import (
+    DATA_IMPLS,
+    DEFAULT_TOKENIZER_TYPE,
+    TOKENIZER_FILES,
+    TOKENIZER_TYPES,
+    DataConfig,
+    DatasetGroup,
+    DatasetSplit,
+    TokenizerConfig,
+)
 from megatron.config.model import (
                                  ATTENTION_BACKENDS,
                                  NORMALIZATIONS,
@@ -53,7 +62,8 @@ from megatron.config.run import (
 )
 
 __all__ = ["ModelConfig", "ATTENTION_BACKENDS", "POSITION_EMBEDDING_TYPES", "NORMALIZATIONS", "PARAMS_DTYPES",
-           "DataConfig", "DatasetGroup", "DatasetSplit", "TOKENIZER_TYPES", "TokenizerConfig", "DATA_IMPLS",
+           "DataConfig", "DatasetGroup", "DatasetSplit", "TOKENIZER_TYPES", "TOKENIZER_FILES", "DEFAULT_TOKENIZER_TYPE",
+           "TokenizerConfig", "DATA_IMPLS",
            "ParallelConfig", "OptimizerConfig", "LRScheduleConfig", "BatchConfig", "PrecisionConfig", "TrainingConfig",
            "LoggingConfig", "CheckpointConfig", "ExitConfig", "RunConfig", "PARTITION_METHODS", "DISTRIBUTED_BACKENDS",
            "LR_DECAY_STYLES", "OPTIMIZERS", "check_rampup_batch_size", "deepspeed_zero_stage", "CP_COMM_TYPES"]

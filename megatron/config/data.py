@@ -7,7 +7,11 @@ from typing import Optional
 
 from megatron.config._checks import _one_of, _positive
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "PretrainedFromHF")
+# Megatron-DeepSpeed's and Megatron-LM's --tokenizer-type names read here (megatron.data.tokenizers); both
+# upstreams default to GPT2BPETokenizer.
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "HuggingFaceTokenizer", "PretrainedFromHF")
+DEFAULT_TOKENIZER_TYPE = "GPT2BPETokenizer"
 DATA_IMPLS = ("mmap", "infer")   # Megatron's "lazy" and "cached" formats are not read by this project
 
 
@@ -29,8 +33,10 @@ class DatasetGroup:
     datasets: tuple[DatasetSplit, ...]
 
 
-_TOKENIZER_FILES = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",),
-                    "PretrainedFromHF": ("tokenizer_name_or_path",)}
+# The flags (TokenizerConfig fields) naming each type's files.
+TOKENIZER_FILES = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",),
+                    "GPTSentencePieceTokenizer": ("tokenizer_model",), "Llama2Tokenizer": ("tokenizer_model",),
+                    "HuggingFaceTokenizer": ("tokenizer_model",), "PretrainedFromHF": ("tokenizer_name_or_path",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +44,11 @@ class TokenizerConfig:
     """Which tokenizer, from which files: the --tokenizer-type flags, what preprocessing workers
     rebuild, and what a checkpoint records (``run_state.json``'s "tokenizer"), in one shape."""
 
-    tokenizer_type: Optional[str] = None            # GPT2BPETokenizer | SentencePieceTokenizer | PretrainedFromHF
+    tokenizer_type: Optional[str] = None            # one of TOKENIZER_TYPES
     vocab_file: Optional[str] = None                # GPT2BPETokenizer: vocab.json
     merge_file: Optional[str] = None                # GPT2BPETokenizer: merges.txt
-    tokenizer_model: Optional[str] = None           # SentencePieceTokenizer: the .model file
+    tokenizer_model: Optional[str] = None           # the SentencePiece types: the .model file; HuggingFaceTokenizer:
+                                                    # a local tokenizer folder or tokenizer.json (or a cached hub name)
     tokenizer_name_or_path: Optional[str] = None    # PretrainedFromHF: a local tokenizer.json or directory, or a
                                                     # hub name in the local Hugging Face cache (megatron.data.hf_cache)
 
@@ -55,9 +62,11 @@ class TokenizerConfig:
 
     def validate(self) -> "TokenizerConfig":
         _one_of("--tokenizer-type", self.tokenizer_type, TOKENIZER_TYPES)
-        for name in _TOKENIZER_FILES[self.tokenizer_type]:
+        for name in TOKENIZER_FILES[self.tokenizer_type]:
             if getattr(self, name) is None:
-                raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs --{name.replace('_', '-')}")
+                default = (f" ({DEFAULT_TOKENIZER_TYPE} is the default, as in Megatron; name another with "
+                           "--tokenizer-type)" if self.tokenizer_type == DEFAULT_TOKENIZER_TYPE else "")
+                raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs --{name.replace('_', '-')}{default}")
         return self
 
 

@@ -137,6 +137,8 @@ class LRScheduleConfig:
     lr_warmup_iters: int = 0                # iteration-based warmup length
     lr_warmup_samples: int = 0              # sample-based warmup length
     lr_warmup_fraction: Optional[float] = None  # warmup as a fraction of the decay length (either unit)
+    lr_decay_tokens: Optional[int] = None   # Megatron-DeepSpeed's token-based decay length (overrides the others)
+    lr_warmup_tokens: Optional[int] = None  # token-based warmup length (needs lr_decay_tokens)
     override_lr_scheduler: bool = False     # on resume, keep these values over the checkpoint's
     use_checkpoint_lr_scheduler: bool = False  # on resume, take the checkpoint's values over these
 
@@ -154,6 +156,15 @@ class LRScheduleConfig:
                 raise ValueError("give one of --lr-warmup-fraction, --lr-warmup-iters, --lr-warmup-samples; got "
                                  f"fraction {self.lr_warmup_fraction}, iters {self.lr_warmup_iters}, "
                                  f"samples {self.lr_warmup_samples}")
+        _positive("--lr-decay-tokens", self.lr_decay_tokens, allow_none=True)
+        if self.lr_warmup_tokens is not None:
+            if self.lr_decay_tokens is None:
+                raise ValueError(f"--lr-warmup-tokens {self.lr_warmup_tokens} needs --lr-decay-tokens (a token warm-up "
+                                 "before an iteration or sample decay mixes units); add --lr-decay-tokens")
+            if self.lr_warmup_tokens < 0 or self.lr_warmup_iters or self.lr_warmup_samples or \
+                    self.lr_warmup_fraction is not None:
+                raise ValueError(f"--lr-warmup-tokens {self.lr_warmup_tokens}: give one non-negative warm-up "
+                                 "(tokens, iterations, samples or a fraction)")
         if self.override_lr_scheduler and self.use_checkpoint_lr_scheduler:
             raise ValueError("--override-lr-scheduler and --use-checkpoint-lr-scheduler contradict each other; "
                              "pass one")
@@ -267,6 +278,7 @@ class TrainingConfig:
 
     train_iters: Optional[int] = None      # iteration-based run length (exclusive with train_samples)
     train_samples: Optional[int] = None    # sample-based run length (needed for batch-size rampup)
+    train_tokens: Optional[int] = None     # Megatron-DeepSpeed: also stop once this many tokens are consumed
     eval_interval: int = 1000              # iterations between evaluations
     eval_iters: int = 100                  # iterations per evaluation (per validation group); 0 disables it
     skip_train_iteration_range: tuple[tuple[int, int], ...] = ()  # inclusive [start, end] ranges, merged, sorted
@@ -455,9 +467,26 @@ class RunConfig:
         """The ZeRO stage DeepSpeed runs (``precision.zero_stage`` is the one asked for)."""
         return deepspeed_zero_stage(self.precision.zero_stage, self.bf16)
 
-    def lr_schedule_in_samples(self) -> tuple[float, int]:
-        """(warmup, decay) lengths in consumed samples, as Megatron's get_learning_rate_scheduler computes them."""
+    def lr_schedule_lengths(self) -> tuple[float, float, int]:
+        """(warmup, decay, unit): the schedule's lengths in the unit it counts, and that unit in tokens per sample:
+        consumed samples (unit 1), or with --lr-decay-tokens consumed tokens (unit --seq-length), as
+        Megatron-DeepSpeed's token-based schedule counts them (its warm-up in iterations or samples becomes the
+        tokens consumed by its end)."""
+        s = self.lr_schedule
+        warmup, decay = self.lr_schedule_in_samples(tokens=False)
+        if s.lr_decay_tokens is None:
+            return warmup, decay, 1
+        seq = self.data.seq_length
+        return (s.lr_warmup_tokens if s.lr_warmup_tokens is not None else warmup * seq), s.lr_decay_tokens, seq
+
+    def lr_schedule_in_samples(self, tokens: bool = True) -> tuple[float, float]:
+        """(warmup, decay) lengths in consumed samples, as Megatron's get_learning_rate_scheduler computes them
+        (a token-based schedule's in samples, fractional where a length is not a whole number of samples; with
+        ``tokens`` False, the iteration / sample lengths it replaces)."""
         s, t = self.lr_schedule, self.training
+        if tokens and s.lr_decay_tokens is not None:
+            warmup, decay, seq = self.lr_schedule_lengths()
+            return warmup / seq, decay / seq
         if t.sample_based:
             decay = s.lr_decay_samples if s.lr_decay_samples is not None else t.train_samples
             warmup = s.lr_warmup_samples

@@ -1,17 +1,26 @@
 """Tokenizers behind one interface, and Megatron's vocabulary padding.
 
-Three implementations, named as Megatron-DeepSpeed's ``--tokenizer-type`` names them:
+The implementations, named as Megatron-DeepSpeed's and Megatron-LM's ``--tokenizer-type`` name them
+(both upstreams default to ``GPT2BPETokenizer``):
 
 - ``GPT2BPETokenizer``: byte-level BPE from a GPT-2 ``vocab.json`` + ``merges.txt``, through the
   ``tokenizers`` library (a byte-level pre-tokenizer without a prefix space, exactly as GPT-2 and
   Megatron's own BPE code split text); ``<|endoftext|>`` is the end-of-document token.
-- ``SentencePieceTokenizer``: a SentencePiece ``.model`` file; ``</s>`` (its eos) ends a document.
-- ``PretrainedFromHF``: a LOCAL ``tokenizer.json`` or a local directory holding one (or any local
-  directory ``transformers`` can load with ``local_files_only=True``), or a hub name already in the
-  local Hugging Face cache (``megatron.data.hf_cache``). Nothing here downloads.
+- ``SentencePieceTokenizer`` and Megatron-DeepSpeed's ``GPTSentencePieceTokenizer`` (the same here): a
+  SentencePiece ``.model`` file (``--tokenizer-model``); ``</s>`` (its eos) ends a document.
+- ``Llama2Tokenizer`` (Megatron-LM): a SentencePiece ``.model`` file whose ``tokenize`` puts the BOS
+  token first, as Megatron-LM's does (so ``tools/preprocess_data.py`` writes what Megatron-LM's writes).
+- ``HuggingFaceTokenizer`` (Megatron-LM): ``--tokenizer-model`` names a local tokenizer folder or
+  ``tokenizer.json`` (or a hub name in the local cache); ``tokenize`` adds the tokenizer's own special
+  tokens (Llama 3's ``<|begin_of_text|>``), as Megatron-LM's does; the eos token of the folder's
+  ``tokenizer_config.json`` ends a document.
+- ``PretrainedFromHF`` (BLOOM's Megatron-DeepSpeed): a LOCAL ``tokenizer.json`` or a local directory
+  holding one (or any local directory ``transformers`` can load with ``local_files_only=True``), or a
+  hub name already in the local Hugging Face cache (``megatron.data.hf_cache``). Nothing here downloads.
 
-No tokenizer adds special tokens of its own (no BOS, no EOS): a document's end-of-document token is
-appended by the caller (``tools/preprocess_data.py --append-eod``), as in Megatron.
+Apart from those two upstream rules (Llama2Tokenizer's BOS, HuggingFaceTokenizer's special tokens), no
+tokenizer adds special tokens of its own: a document's end-of-document token is appended by the caller
+(``tools/preprocess_data.py --append-eod``), as in Megatron.
 """
 
 from __future__ import annotations
@@ -187,6 +196,7 @@ class SentencePieceTokenizer(AbstractTokenizer):
     """A SentencePiece model; its eos (``</s>``) ends a document, its pad (if any) pads."""
 
     name = "SentencePieceTokenizer"
+    add_bos = False  # Llama2Tokenizer: put the model's BOS first
 
     def __init__(self, model_file):
         import sentencepiece  # noqa: PLC0415 (optional: only for that tokenizer type)
@@ -204,14 +214,33 @@ class SentencePieceTokenizer(AbstractTokenizer):
         return self._sp.get_piece_size()
 
     def tokenize(self, text: str) -> list[int]:
-        return self._sp.encode(text)
+        return self._sp.encode(text, add_bos=self.add_bos)
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # One thread: preprocessing parallelizes over worker processes instead.
-        return self._sp.encode(list(texts), num_threads=1)
+        return self._sp.encode(list(texts), add_bos=self.add_bos, num_threads=1)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
+
+
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron-DeepSpeed's name for a plain SentencePiece model (its Llama examples use it)."""
+
+    name = "GPTSentencePieceTokenizer"
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron-LM's Llama-2 tokenizer: SentencePiece, BOS first in every ``tokenize``, eos ends a document."""
+
+    name = "Llama2Tokenizer"
+    add_bos = True
+
+    def __init__(self, model_file):
+        super().__init__(model_file)
+        if self._sp.bos_id() < 0:
+            raise ValueError(f"SentencePiece model {model_file!r} has no bos token, which Llama2Tokenizer puts "
+                             "first; use --tokenizer-type GPTSentencePieceTokenizer for a model without one")
 
 
 def _special_id(vocab: dict, candidates: Sequence[str]) -> Optional[int]:
@@ -230,10 +259,12 @@ class PretrainedFromHF(_FastTokenizer):
     """
 
     name = "PretrainedFromHF"
+    flag = "--tokenizer-name-or-path"
+    add_special_tokens = False   # HuggingFaceTokenizer: the tokenizer's own BOS (and any other it adds)
 
     def __init__(self, name_or_path):
         if name_or_path is None:
-            raise ValueError("--tokenizer-name-or-path is required for PretrainedFromHF; pass a local "
+            raise ValueError(f"{self.flag} is required for {self.name}; pass a local "
                              "tokenizer.json, a directory holding one, or a hub name in the local cache")
         path = pathlib.Path(resolve_tokenizer_path(name_or_path))
         self.directory = path if path.is_dir() else None
@@ -243,15 +274,20 @@ class PretrainedFromHF(_FastTokenizer):
 
             tokenizer = Tokenizer.from_file(str(json_file))
             vocab = tokenizer.get_vocab(with_added_tokens=True)
-            eod = _special_id(vocab, EOD_TOKEN_CANDIDATES)
+            eod = _special_id(vocab, self._eod_candidates(json_file.parent))
             if eod is None:
                 raise ValueError(f"{str(json_file)!r} has none of the end-of-document tokens "
                                  f"{EOD_TOKEN_CANDIDATES}; add one of them to the tokenizer")
             super().__init__(tokenizer, eod, _special_id(vocab, PAD_TOKEN_CANDIDATES))
             self._hf = None
-            self.cuts_before_spaces = _cuts_before_spaces(tokenizer)
+            # pieces of a text would each get the special tokens: only whole texts then
+            self.cuts_before_spaces = _cuts_before_spaces(tokenizer) and not self.add_special_tokens
         else:
             self._init_transformers(path)
+
+    def _eod_candidates(self, folder: pathlib.Path) -> tuple[str, ...]:
+        """The end-of-document names to look for, most specific first."""
+        return EOD_TOKEN_CANDIDATES
 
     def _init_transformers(self, path: pathlib.Path) -> None:
         from transformers import AutoTokenizer  # noqa: PLC0415 (transformers: seconds to import, only for --tokenizer-type HFTokenizer)
@@ -279,13 +315,14 @@ class PretrainedFromHF(_FastTokenizer):
 
     def tokenize(self, text: str) -> list[int]:
         if self._hf is not None:
-            return self._hf(text, add_special_tokens=False)["input_ids"]
-        return super().tokenize(text)
+            return self._hf(text, add_special_tokens=self.add_special_tokens)["input_ids"]
+        return self._tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if self._hf is not None:
-            return self._hf(list(texts), add_special_tokens=False)["input_ids"]
-        return super().tokenize_batch(texts)
+            return self._hf(list(texts), add_special_tokens=self.add_special_tokens)["input_ids"]
+        encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        return [encoding.ids for encoding in encode(list(texts), add_special_tokens=self.add_special_tokens)]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         if self._hf is not None:
@@ -293,12 +330,32 @@ class PretrainedFromHF(_FastTokenizer):
         return super().detokenize(ids)
 
 
+class HuggingFaceTokenizer(PretrainedFromHF):
+    """Megatron-LM's ``HuggingFaceTokenizer``: the tokenizer folder (or tokenizer.json) ``--tokenizer-model``
+    names; ``tokenize`` adds the tokenizer's own special tokens (Llama 3's BOS), as Megatron-LM's does; its
+    eos token (``tokenizer_config.json``'s ``eos_token``, else the usual names) ends a document."""
+
+    name = "HuggingFaceTokenizer"
+    flag = "--tokenizer-model"
+    add_special_tokens = True
+
+    def _eod_candidates(self, folder: pathlib.Path) -> tuple[str, ...]:
+        config = folder / "tokenizer_config.json"
+        eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        return ((eos,) if isinstance(eos, str) else ()) + EOD_TOKEN_CANDIDATES
+
+
 def build_tokenizer(config: TokenizerConfig) -> AbstractTokenizer:
     """The tokenizer named by Megatron's ``--tokenizer-type``, from the files its flags name."""
     if config.tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(config.vocab_file, config.merge_file)
-    if config.tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(config.tokenizer_model)
+    sentencepiece_types = {cls.name: cls for cls in (SentencePieceTokenizer, GPTSentencePieceTokenizer,
+                                                     Llama2Tokenizer)}
+    if config.tokenizer_type in sentencepiece_types:
+        return sentencepiece_types[config.tokenizer_type](config.tokenizer_model)
+    if config.tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(config.tokenizer_model)
     if config.tokenizer_type == "PretrainedFromHF":
         return PretrainedFromHF(config.tokenizer_name_or_path)
     raise ValueError(f"--tokenizer-type {config.tokenizer_type!r} is not supported; use one of {TOKENIZER_TYPES}")

@@ -73,6 +73,9 @@ class RunSteps:
             self.ramp_batches.append(size)
             self.ramp_consumed.append(self.ramp_consumed[-1] + size)
         self.num_iterations = t.train_iters if t.train_iters is not None else self.iterations_for(t.train_samples)
+        if t.train_tokens is not None:  # Megatron-DeepSpeed's token budget: whichever ends first
+            self.num_iterations = min(self.num_iterations,
+                                      self.iterations_for(-(-t.train_tokens // rc.data.seq_length)))
 
     @property
     def num_ramp_iterations(self) -> int:

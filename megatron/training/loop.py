@@ -111,13 +111,18 @@ class Trainer:
     # ---- schedule ---------------------------------------------------------------------------
     def _done(self) -> bool:
         t, p = self.rc.training, self.progress
+        if t.train_tokens is not None and p.consumed_tokens >= t.train_tokens:
+            return True
         if t.train_iters is not None:
             return p.iteration >= t.train_iters
         return p.consumed_samples >= t.train_samples
 
     def _total_iters(self) -> int:
-        t = self.rc.training
-        return t.train_iters if t.train_iters is not None else t.train_samples // self.rc.batch.global_batch_size
+        t, gbs = self.rc.training, self.rc.batch.global_batch_size
+        total = t.train_iters if t.train_iters is not None else t.train_samples // gbs
+        if t.train_tokens is not None:
+            total = min(total, -(-t.train_tokens // (gbs * self.rc.data.seq_length)))
+        return total
 
     def _in_skip_range(self, iteration: int) -> bool:
         return any(start <= iteration <= end for start, end in self.rc.training.skip_train_iteration_range)

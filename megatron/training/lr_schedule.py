@@ -2,10 +2,11 @@
 
 Linear warmup from 0 to ``max_lr`` over ``warmup_steps``, then ``linear`` / ``cosine`` decay to
 ``min_lr`` at ``decay_steps`` (the decay length counts the warmup, as in Megatron), then ``min_lr``;
-``constant`` holds ``max_lr`` after warmup. A "step" is whatever ``step(increment)`` counts: the
-loop passes the samples of each optimizer step (the current global batch), and the lengths come
-in samples from ``RunConfig.lr_schedule_in_samples`` (iteration flags x global batch size, exactly
-as Megatron converts them), so sample- and iteration-based runs share one code path.
+``constant`` holds ``max_lr`` after warmup. The loop passes ``step(increment)`` the samples of each
+optimizer step (the current global batch); the schedule counts them in its unit
+(``RunConfig.lr_schedule_lengths``): samples, with lengths from the iteration flags x global batch size
+exactly as Megatron converts them, so sample- and iteration-based runs share one code path; or, with
+Megatron-DeepSpeed's ``--lr-decay-tokens``, tokens (samples x ``--seq-length``), the lengths in tokens.
 
 The rate is written into every optimizer param group, times the group's ``lr_mult`` if it has one.
 """
@@ -22,7 +23,8 @@ _CHECKED_KEYS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style
 
 class LRScheduler:
     def __init__(self, optimizer, *, max_lr: float, min_lr: float, warmup_steps: float, decay_steps: float,
-                 decay_style: str, use_checkpoint_lr_scheduler: bool = False, override_lr_scheduler: bool = False):
+                 decay_style: str, use_checkpoint_lr_scheduler: bool = False, override_lr_scheduler: bool = False,
+                 tokens_per_sample: int = 1):
         if decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"decay style {decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}")
         if not 0.0 <= min_lr <= max_lr:
@@ -39,18 +41,20 @@ class LRScheduler:
         self.decay_style = decay_style
         self.use_checkpoint_lr_scheduler = use_checkpoint_lr_scheduler
         self.override_lr_scheduler = override_lr_scheduler
+        # 1: the steps are samples; --seq-length: tokens (Megatron-DeepSpeed's token-based schedule)
+        self.tokens_per_sample = tokens_per_sample
         self.num_steps = 0
         self.step(0)
 
     @classmethod
     def from_run_config(cls, optimizer, run_config) -> "LRScheduler":
-        """The schedule of a ``RunConfig``, counted in consumed samples."""
-        warmup, decay = run_config.lr_schedule_in_samples()
+        """The schedule of a ``RunConfig``, counted in consumed samples or tokens (``lr_schedule_lengths``)."""
+        warmup, decay, unit = run_config.lr_schedule_lengths()
         s = run_config.lr_schedule
         return cls(optimizer, max_lr=run_config.optimizer.lr, min_lr=run_config.optimizer.min_lr,
                    warmup_steps=warmup, decay_steps=decay, decay_style=s.lr_decay_style,
                    use_checkpoint_lr_scheduler=s.use_checkpoint_lr_scheduler,
-                   override_lr_scheduler=s.override_lr_scheduler)
+                   override_lr_scheduler=s.override_lr_scheduler, tokens_per_sample=unit)
 
     def get_lr(self) -> float:
         """The rate after ``num_steps`` steps."""
@@ -70,7 +74,7 @@ class LRScheduler:
 
     def step(self, increment: int = 1) -> float:
         """Advance by ``increment`` (samples of the step just taken) and set the rate on the optimizer."""
-        self.num_steps += increment
+        self.num_steps += increment * self.tokens_per_sample
         lr = self.get_lr()
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
@@ -80,7 +84,8 @@ class LRScheduler:
     def state_dict(self) -> dict:
         """Megatron's AnnealingLR keys, so checkpoints carry the same fields."""
         return {"max_lr": self.max_lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
-                "decay_steps": self.decay_steps, "decay_style": self.decay_style, "num_steps": self.num_steps}
+                "decay_steps": self.decay_steps, "decay_style": self.decay_style, "num_steps": self.num_steps,
+                "tokens_per_sample": self.tokens_per_sample}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the step count; the schedule's shape follows Megatron's resume rules.
@@ -99,7 +104,12 @@ class LRScheduler:
                 raise ValueError(f"learning-rate schedule {key}: checkpoint has {saved!r}, the flags give "
                                  f"{getattr(self, key)!r}; pass --override-lr-scheduler to keep the flags or "
                                  f"--use-checkpoint-lr-scheduler to keep the checkpoint's")
-        self.num_steps = state.get("num_steps", state.get("num_iters", 0))
+        # the saved count in the unit counted from now on (samples or tokens: the checkpoint's with
+        # use_checkpoint_lr_scheduler, whose lengths are in it; else this one's)
+        count, saved_unit = state.get("num_steps", state.get("num_iters", 0)), state.get("tokens_per_sample", 1)
+        if self.use_checkpoint_lr_scheduler:
+            self.tokens_per_sample = saved_unit
+        self.num_steps = count if saved_unit == self.tokens_per_sample else count * self.tokens_per_sample / saved_unit
         self.step(0)
 
 

@@ -51,8 +51,8 @@ def test_a_coefficient_given_to_none_is_reported_unused(files):
 def test_kernel_choices_are_accepted_with_one_warning_each(files):
     rc = _run(files, ["--moe-grouped-gemm", "--moe-permute-fusion", "--moe-token-dispatcher-type", "alltoall"])
     assert len(rc.startup_warnings) == 2
-    assert rc.startup_warnings[0].startswith("--moe-grouped-gemm has no effect: each rank's experts always run")
-    assert rc.startup_warnings[1].startswith("--moe-permute-fusion has no effect: tokens are permuted")
+    assert rc.startup_warnings[0].startswith("--moe-grouped-gemm has no effect here: each rank's experts always run")
+    assert rc.startup_warnings[1].startswith("--moe-permute-fusion has no effect here: tokens are permuted")
     assert rc.model.moe == _run(files, []).model.moe
 
 

@@ -161,14 +161,16 @@ def export_tokenizer(record: dict, out_dir: str, model_max_length: Optional[int]
         tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
         written = ["vocab.json", "merges.txt", "tokenizer.json"]
         special = "<|endoftext|>"
-    elif kind == "PretrainedFromHF" and record.get("tokenizer_name_or_path"):
-        path = record["tokenizer_name_or_path"]
+    elif kind in ("PretrainedFromHF", "HuggingFaceTokenizer") and record.get(
+            "tokenizer_name_or_path" if kind == "PretrainedFromHF" else "tokenizer_model"):
+        path = record["tokenizer_name_or_path" if kind == "PretrainedFromHF" else "tokenizer_model"]
         source = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(source):
             return []
         shutil.copyfile(source, os.path.join(out_dir, "tokenizer.json"))
         written, special = ["tokenizer.json"], _eod_token_of(source)
-    elif kind == "SentencePieceTokenizer" and record.get("tokenizer_model") and os.path.isfile(
+    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer") and record.get(
+            "tokenizer_model") and os.path.isfile(
             record["tokenizer_model"]):
         shutil.copyfile(record["tokenizer_model"], os.path.join(out_dir, "tokenizer.model"))
         return ["tokenizer.model"]
