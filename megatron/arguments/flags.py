@@ -327,6 +327,14 @@ def _learning_rate(parser):
                    help="Samples of linear warmup from 0 (sample-based training).")
     g.add_argument("--lr-warmup-iters", type=int, default=0,
                    help="Iterations of linear warmup from 0 (iteration-based training).")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="Megatron-LM: the learning rate the linear warmup starts from (default 0), rising to --lr "
+                        "(and to --decoupled-lr for the embedding and output layer).")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="Megatron-LM: the word embedding's and the output layer's own peak learning rate, on the "
+                        "same schedule as --lr (warmup, decay style and lengths).")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="Megatron-LM: the floor of --decoupled-lr's decay. Default: --min-lr.")
     g.add_argument("--lr-decay-tokens", type=int, default=None,
                    help="Megatron-DeepSpeed's token-based schedule: tokens over which to decay (warmup included), "
                         "counted as consumed samples x --seq-length; replaces the iteration / sample decay length. "

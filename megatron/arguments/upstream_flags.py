@@ -142,12 +142,6 @@ UPSTREAM_FLAGS = (
              "rounding and under weight decay on norms; remove the flag to train the usual parameterisation"),
     _refused("--grad-reduce-in-bf16", "gradients are reduced in fp32 here (DeepSpeed's BF16_Optimizer accumulates "
              "and reduces fp32 gradients); remove the flag to reduce in fp32, which is more exact"),
-    _refused("--decoupled-lr", "a separate learning rate for the embedding and output layer is not implemented; "
-             "remove --decoupled-lr / --decoupled-min-lr to train every layer at --lr", "LR"),
-    _refused("--decoupled-min-lr", "a separate learning rate for the embedding and output layer is not implemented; "
-             "remove --decoupled-lr / --decoupled-min-lr to train every layer at --lr", "LR"),
-    _refused("--lr-warmup-init", "a warm-up starting above 0 is not implemented (the warm-up here starts at 0, as "
-             "Megatron's default); remove the flag to warm up from 0", "LR"),
 )
 BY_FLAG = {row.flag: row for row in UPSTREAM_FLAGS}
 

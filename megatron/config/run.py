@@ -95,6 +95,10 @@ class OptimizerConfig:
     optimizer: str = "adam"        # adam (decoupled weight decay, i.e. AdamW, as Megatron's Adam) | sgd
     lr: float = 1e-4               # peak learning rate, reached at the end of warmup
     min_lr: float = 0.0            # floor of the decay; held after the decay ends
+    # Megatron-LM's decoupled learning rate: the word embedding's and the output layer's own peak (and floor; None:
+    # min_lr), on the same schedule shape
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -112,6 +116,14 @@ class OptimizerConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr {self.min_lr} must be between 0 and --lr {self.lr}; lower --min-lr")
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise ValueError(f"--decoupled-min-lr {self.decoupled_min_lr} needs --decoupled-lr (the embedding's and "
+                             "output layer's peak); add it or drop --decoupled-min-lr")
+        if self.decoupled_lr is not None:
+            floor = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+            if not self.decoupled_lr > 0 or not 0 <= floor <= self.decoupled_lr:
+                raise ValueError(f"--decoupled-lr {self.decoupled_lr} must be positive and at least its floor "
+                                 f"{floor} (--decoupled-min-lr, else --min-lr) >= 0")
         for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
@@ -137,6 +149,7 @@ class LRScheduleConfig:
     lr_warmup_iters: int = 0                # iteration-based warmup length
     lr_warmup_samples: int = 0              # sample-based warmup length
     lr_warmup_fraction: Optional[float] = None  # warmup as a fraction of the decay length (either unit)
+    lr_warmup_init: float = 0.0             # Megatron-LM: the rate the linear warmup starts from
     lr_decay_tokens: Optional[int] = None   # Megatron-DeepSpeed's token-based decay length (overrides the others)
     lr_warmup_tokens: Optional[int] = None  # token-based warmup length (needs lr_decay_tokens)
     override_lr_scheduler: bool = False     # on resume, keep these values over the checkpoint's
@@ -157,6 +170,8 @@ class LRScheduleConfig:
                                  f"fraction {self.lr_warmup_fraction}, iters {self.lr_warmup_iters}, "
                                  f"samples {self.lr_warmup_samples}")
         _positive("--lr-decay-tokens", self.lr_decay_tokens, allow_none=True)
+        if self.lr_warmup_init < 0:
+            raise ValueError(f"--lr-warmup-init must be >= 0, got {self.lr_warmup_init}")
         if self.lr_warmup_tokens is not None:
             if self.lr_decay_tokens is None:
                 raise ValueError(f"--lr-warmup-tokens {self.lr_warmup_tokens} needs --lr-decay-tokens (a token warm-up "

@@ -50,9 +50,27 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def decoupled_lr_groups(groups: list[dict], config: OptimizerConfig) -> list[dict]:
+    """With Megatron-LM's ``--decoupled-lr``: the word embedding's and the output layer's weights (marked
+    ``is_embedding_or_output_parameter`` by megatron.model.embedding) moved from their group into one of their own
+    with ``max_lr`` / ``min_lr``, which the scheduler (megatron.training.lr_schedule) follows. Else ``groups``."""
+    if config.decoupled_lr is None:
+        return groups
+    out, decoupled = [], []
+    for group in groups:
+        own = [p for p in group["params"] if getattr(p, "is_embedding_or_output_parameter", False)]
+        rest = [p for p in group["params"] if not getattr(p, "is_embedding_or_output_parameter", False)]
+        if own:
+            decoupled.append(dict(group, params=own, name=group["name"] + "_decoupled_lr", max_lr=config.decoupled_lr,
+                                  min_lr=config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr))
+        if rest:
+            out.append(dict(group, params=rest))
+    return out + decoupled
+
+
 def build_client_optimizer(module: torch.nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
-    """The torch optimizer ``config`` describes over ``module``'s two parameter groups."""
-    groups = param_groups(module, config.weight_decay)
+    """The torch optimizer ``config`` describes over ``module``'s parameter groups."""
+    groups = decoupled_lr_groups(param_groups(module, config.weight_decay), config)
     if config.optimizer == "adam":
         # Megatron's "adam" is AdamW (decoupled weight decay). foreach: fast on CPU and GPU alike.
         return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.adam_eps,

@@ -81,6 +81,7 @@ class EmbeddingLayer(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, tp_group=tp_group,
             init_method=normal_init(config.init_method_std, config.seed, "embedding.word_embeddings.weight"))
+        self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr's (megatron.engine.optimizer)
         self.position_embeddings = None
         if config.position_embedding_type == "absolute":
             self.position_embeddings = _PositionEmbedding(
@@ -144,6 +145,7 @@ class OutputLayer(ColumnParallelLinear):
                          sequence_parallel=config.sequence_parallel and group_size(tp_group) > 1,
                          init_method=normal_init(config.init_method_std, config.seed, "output_layer.weight"))
         self.weight.vocab_parallel = True
+        self.weight.is_embedding_or_output_parameter = True  # --decoupled-lr's (megatron.engine.optimizer)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits, _ = super().forward(hidden)  # [s, b, vp]

@@ -8,7 +8,10 @@ optimizer step (the current global batch); the schedule counts them in its unit
 exactly as Megatron converts them, so sample- and iteration-based runs share one code path; or, with
 Megatron-DeepSpeed's ``--lr-decay-tokens``, tokens (samples x ``--seq-length``), the lengths in tokens.
 
-The rate is written into every optimizer param group, times the group's ``lr_mult`` if it has one.
+The rate is written into every optimizer param group, times the group's ``lr_mult`` if it has one; a group
+with its own ``max_lr`` / ``min_lr`` (Megatron-LM's ``--decoupled-lr`` for the embedding and output layer,
+``megatron.engine.optimizer``) follows the same shape between its own peak and floor. The warmup starts from
+``init_lr`` (Megatron-LM's ``--lr-warmup-init``, default 0).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ _CHECKED_KEYS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style
 class LRScheduler:
     def __init__(self, optimizer, *, max_lr: float, min_lr: float, warmup_steps: float, decay_steps: float,
                  decay_style: str, use_checkpoint_lr_scheduler: bool = False, override_lr_scheduler: bool = False,
-                 tokens_per_sample: int = 1):
+                 tokens_per_sample: int = 1, init_lr: float = 0.0):
         if decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"decay style {decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}")
         if not 0.0 <= min_lr <= max_lr:
@@ -36,6 +39,7 @@ class LRScheduler:
         self.optimizer = optimizer
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
+        self.init_lr = float(init_lr)
         self.warmup_steps = warmup_steps
         self.decay_steps = decay_steps
         self.decay_style = decay_style
@@ -54,23 +58,27 @@ class LRScheduler:
         return cls(optimizer, max_lr=run_config.optimizer.lr, min_lr=run_config.optimizer.min_lr,
                    warmup_steps=warmup, decay_steps=decay, decay_style=s.lr_decay_style,
                    use_checkpoint_lr_scheduler=s.use_checkpoint_lr_scheduler,
-                   override_lr_scheduler=s.override_lr_scheduler, tokens_per_sample=unit)
+                   override_lr_scheduler=s.override_lr_scheduler, tokens_per_sample=unit, init_lr=s.lr_warmup_init)
 
-    def get_lr(self) -> float:
-        """The rate after ``num_steps`` steps."""
+    def get_lr(self, group: Optional[dict] = None) -> float:
+        """The rate after ``num_steps`` steps (of ``group``, where it has its own ``max_lr`` / ``min_lr``)."""
+        group = group or {}
+        max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
         if self.warmup_steps > 0 and self.num_steps <= self.warmup_steps:
-            return self.max_lr * float(self.num_steps) / float(self.warmup_steps)
+            if self.init_lr == 0.0:
+                return max_lr * float(self.num_steps) / float(self.warmup_steps)
+            return self.init_lr + (max_lr - self.init_lr) * float(self.num_steps) / float(self.warmup_steps)
         if self.decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if self.num_steps > self.decay_steps:
-            return self.min_lr
+            return min_lr
         decay_ratio = float(self.num_steps - self.warmup_steps) / float(self.decay_steps - self.warmup_steps)
         assert 0.0 <= decay_ratio <= 1.0, decay_ratio
         if self.decay_style == "linear":
             coeff = 1.0 - decay_ratio
         else:  # cosine: half a period from max_lr down to min_lr
             coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def step(self, increment: int = 1) -> float:
         """Advance by ``increment`` (samples of the step just taken) and set the rate on the optimizer."""
@@ -78,7 +86,7 @@ class LRScheduler:
         lr = self.get_lr()
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_mult", 1.0)
+                group["lr"] = (self.get_lr(group) if "max_lr" in group else lr) * group.get("lr_mult", 1.0)
         return lr
 
     def state_dict(self) -> dict:
