@@ -45,7 +45,7 @@ def assemble_run_config(args) -> RunConfig:
         init_method_std=args.init_method_std, params_dtype=params_dtype, seed=args.seed,
         rotary_base=args.rotary_base, num_key_value_heads=args.num_key_value_heads, normalization=args.normalization,
         swiglu=args.swiglu, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        qk_layernorm=args.qk_layernorm,
+        qk_layernorm=args.qk_layernorm, apply_layernorm_1p=args.apply_layernorm_1p,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
         attention_backend=args.attention_backend, recompute_core_attention=args.recompute_core_attention,

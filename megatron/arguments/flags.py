@@ -119,6 +119,10 @@ def _model(parser):
                    help="Normalize every query and key head over its head dimension before the rotary positions "
                         "(--normalization's kind, one weight per head dimension shared by the heads; Qwen3, "
                         "Megatron-LM's flag).")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="Megatron-LM's zero-centred norm weights: every norm (LayerNorm or RMSNorm, the q / k norms "
+                        "too) stores w, starting at 0, and scales by 1 + w; the same function as the usual weight "
+                        "1 + w, stored with more precision near 1. Exported to Hugging Face as 1 + w.")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Standard deviation of the normal weight initialization; output projections use "
                         "std / sqrt(2 x num-layers).")

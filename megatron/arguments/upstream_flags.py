@@ -137,9 +137,6 @@ UPSTREAM_FLAGS = (
     _refused("--fp8-amax-compute-algo", _FP8, "ALGO"),
     _refused("--fp8-param-gather", _FP8),
     _refused("--fp8-margin", _FP8, "MARGIN"),
-    _refused("--apply-layernorm-1p", "zero-centred norm weights (the norm multiplies by 1 + w, w starting at 0) are "
-             "not implemented; without it the model's norms store their weight directly, which differs in bf16 "
-             "rounding and under weight decay on norms; remove the flag to train the usual parameterisation"),
     _refused("--grad-reduce-in-bf16", "gradients are reduced in fp32 here (DeepSpeed's BF16_Optimizer accumulates "
              "and reduces fp32 gradients); remove the flag to reduce in fp32, which is more exact"),
 )

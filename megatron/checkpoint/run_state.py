@@ -206,7 +206,7 @@ def model_config_from_dict(fields: dict) -> ModelConfig:
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                        "position_embedding_type", "embed_layernorm", "layernorm_epsilon", "max_position_embeddings",
                        "num_key_value_heads", "normalization", "swiglu", "add_bias_linear", "add_qkv_bias",
-                       "untie_embeddings_and_output_weights", "mla")
+                       "untie_embeddings_and_output_weights", "mla", "apply_layernorm_1p")
 
 
 def check_model_config(saved: dict[str, Any], current: dict[str, Any], universal: bool = False) -> None:

@@ -75,6 +75,7 @@ class ModelConfig:
     add_bias_linear: bool = True           # biases in every linear layer (False: --disable-bias-linear)
     add_qkv_bias: bool = False             # a bias in the QKV projection even without add_bias_linear (Qwen2)
     qk_layernorm: bool = False             # normalization (the model's kind) of each query / key head (Qwen3)
+    apply_layernorm_1p: bool = False       # Megatron-LM's zero-centred norm weights: every norm scales by 1 + w
     untie_embeddings_and_output_weights: bool = False  # an output head of its own instead of the word embedding
     embed_layernorm: bool = False          # LayerNorm right after the word embedding (BLOOM)
     layernorm_epsilon: float = 1e-5

@@ -34,6 +34,10 @@ class Norm(nn.Module):
     pass through copy_to (forward identity, backward all-reduce over ``tp_group``) and are tagged
     ``sequence_parallel = True``. That works under any engine, recomputation and ZeRO-3.
 
+    ``config.apply_layernorm_1p`` (Megatron-LM's zero-centred weights): ``weight`` starts at 0 and the norm scales
+    by ``1 + weight`` (computed in the weight's dtype, as Megatron's ``weight + 1``); ``effective_norm_weights``
+    turns a state dict of such weights into the usual ones (the Hugging Face export).
+
     ``per_head_size`` hn (``--qk-layernorm``): the norm of each query / key head, over [..., hn] instead of h.
     Each TP rank holds other heads, so its gradient is again a partial sum: it goes through copy_to over
     ``tp_group`` whatever the sequence parallelism (one all-reduce of hn values per step).
@@ -46,7 +50,8 @@ class Norm(nn.Module):
         self.tp_group = tp_group if partial_grads else None
         size = config.hidden_size if per_head_size is None else per_head_size
         self.normalized_shape, self.eps = (size,), config.layernorm_epsilon
-        self.weight = nn.Parameter(torch.ones(size))
+        self.zero_centred = config.apply_layernorm_1p
+        self.weight = nn.Parameter(torch.zeros(size) if self.zero_centred else torch.ones(size))
         if config.normalization == "layernorm":
             self.bias = nn.Parameter(torch.zeros(size))
         else:
@@ -57,6 +62,8 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # tp_group is None unless the gradients are partial sums (see above): copy_to is then the identity.
         weight = copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
+        if self.zero_centred:
+            weight = weight + 1
         if self.bias is not None:
             bias = copy_to_tensor_model_parallel_region(self.bias, self.tp_group)
             return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
@@ -65,4 +72,17 @@ class Norm(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "layernorm" if self.bias is not None else "rmsnorm"
-        return f"{kind}, {self.normalized_shape[0]}, eps={self.eps}"
+        return f"{kind}, {self.normalized_shape[0]}, eps={self.eps}" + (", scale 1 + weight" if self.zero_centred else "")
+
+
+# Every norm's weight in a state dict of ours ends so (input_layernorm, post_attention_layernorm, final_layernorm,
+# embed_layernorm, q_layernorm, k_layernorm, kv_layernorm).
+NORM_WEIGHT_SUFFIX = "layernorm.weight"
+
+
+def effective_norm_weights(state_dict: dict, config: ModelConfig) -> dict:
+    """``state_dict`` with every norm weight as the scale it applies: ``1 + w`` under ``apply_layernorm_1p``, else
+    unchanged (the same dict)."""
+    if not config.apply_layernorm_1p:
+        return state_dict
+    return {name: tensor + 1 if name.endswith(NORM_WEIGHT_SUFFIX) else tensor for name, tensor in state_dict.items()}

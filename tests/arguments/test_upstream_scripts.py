@@ -82,18 +82,18 @@ def test_mlm_mixtral_maps_megatron_lm_names(script_files):
 
 
 def test_mlm_llama3_stops_only_on_what_would_change_its_math(script_files):
-    """Llama-3-8B's example is FP8, with zero-centred norms and bf16 gradient reduction, none built yet: each refused
-    with its cause, every other flag accounted for."""
+    """Llama-3-8B's example is FP8 with bf16 gradient reduction, neither built yet: each refused with its cause,
+    every other flag accounted for."""
     argv, check = _check("mlm_llama3_8b", script_files)
     refused = [row.flag for row in _upstream_flags_in(argv) if row.effect == REFUSED]
-    assert refused == ["--apply-layernorm-1p", "--grad-reduce-in-bf16", "--fp8-format", "--fp8-amax-history-len",
-                       "--fp8-amax-compute-algo", "--fp8-param-gather"]
+    assert refused == ["--grad-reduce-in-bf16", "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
+                       "--fp8-param-gather"]
     assert len(check.problems) == 1 and not any("unrecognized" in p for p in check.problems), check.problems
     assert all(flag in check.problems[0] for flag in refused)
     assert "remove the --fp8-* flags to train in bf16" in check.problems[0]
     # without them it passes: the split's quotes, --kv-channels 128 = 4096 / 32, --attention-backend fused, the
-    # decoupled learning rate
-    dropped = {"--apply-layernorm-1p", "--grad-reduce-in-bf16", "--fp8-param-gather"}
+    # decoupled learning rate, zero-centred norms
+    dropped = {"--grad-reduce-in-bf16", "--fp8-param-gather"}
     kept, skip = [], 0
     for token in argv:
         if skip:
@@ -108,6 +108,7 @@ def test_mlm_llama3_stops_only_on_what_would_change_its_math(script_files):
     assert check.ok, check.problems
     assert check.run_config.data.split == "99,1,0" and check.run_config.model.attention_backend == "sdpa"
     assert (check.run_config.optimizer.decoupled_lr, check.run_config.optimizer.decoupled_min_lr) == (5e-4, 4.5e-5)
+    assert check.run_config.model.apply_layernorm_1p
     assert any(w.startswith("--attention-backend fused (Megatron-LM's name) runs as") for w in check.warnings)
 
 

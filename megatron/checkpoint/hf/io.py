@@ -27,6 +27,7 @@ from megatron.checkpoint.hf.families import family_for, family_of
 from megatron.checkpoint.single_process import router_buffer_names
 from megatron.config import ModelConfig
 from megatron.data.tokenizers import EOD_TOKEN_CANDIDATES
+from megatron.model.norm import effective_norm_weights
 
 __all__ = ["write_hf_model", "read_hf_model", "export_tokenizer", "DTYPE_NAMES"]
 
@@ -46,7 +47,7 @@ def write_hf_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], out
 
     family, model_type = family_for(config)
     vocab_size = config.original_vocab_size or config.padded_vocab_size
-    tensors = family.from_ours(state_dict, config, vocab_size)
+    tensors = family.from_ours(effective_norm_weights(state_dict, config), config, vocab_size)
     if config.tied_embeddings:
         tensors.pop("lm_head.weight", None)  # transformers ties it to the embedding (one stored tensor)
     config_class, model_class = family.model_types[model_type]
