@@ -249,3 +249,23 @@ def test_token_schedule_flag_rules(files):
         parse(files, lr_warmup_tokens=100)
     with pytest.raises(ValueError, match="give one non-negative warm-up"):
         parse(files, lr_warmup_tokens=100, lr_decay_tokens=1000, lr_warmup_iters=2)
+
+
+def test_port_tool_says_what_each_flag_becomes(script_files, tmp_path, capsys):
+    from tools import port_megatron_args
+
+    script = SCRIPTS["mlm_mixtral_8x7b"]
+    argv = script_argv("mlm_mixtral_8x7b", script_files)
+    flags_file = tmp_path / "flags.txt"
+    flags_file.write_text("# Mixtral's flags\n" + " ".join(argv) + "\n")
+    assert port_megatron_args.main(["--world-size", str(script["world_size"]), "--args-file", str(flags_file)]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("--")}
+    assert set(lines) == {t for t in argv if t.startswith("--")}
+    assert "no effect here" in lines["--overlap-grad-reduce"] and "overlap" in lines["--overlap-grad-reduce"]
+    assert "implemented" in lines["--use-distributed-optimizer"]
+    assert "pretrain_gpt.py --dry-run at 32 processes: passes" in out
+    assert port_megatron_args.main(["--world-size", "32", "--", *argv, "--fp8-format", "hybrid", "--bogus"]) == 1
+    out = capsys.readouterr().out
+    assert "refused" in out.split("--fp8-format", 1)[1].splitlines()[0]
+    assert "unknown" in out.split("\n--bogus", 1)[1].splitlines()[0]
