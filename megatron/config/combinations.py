@@ -157,7 +157,8 @@ REFUSED: tuple[Refused, ...] = (
     Refused("model engine", "DeepSpeed activation checkpointing", "it is the pipeline engine's checkpointing",
             "--checkpoint-activations alone recomputes the layers",
             say="{b} is for the pipeline engine; with {a}, {fix}"),
-    Refused("model engine", "fp16", "not testable on CPU", "use --bf16 or fp32",
+    Refused("model engine", "fp16", "DeepSpeed's CPU accelerator refuses fp16, so the model engine's loss-scaled "
+            "ZeRO-2/3 and Ulysses path has never run here", "use --bf16 or fp32",
             say="{b} with {a} is not supported here ({reason}); {fix}"),
     # Expert parallelism x ZeRO-3: DeepSpeed's engine (the pinned version: runtime/engine.py,
     # _validate_zero3_moe_compatibility) asserts "Native DeepSpeed MoE is not supported with ZeRO Stage 3" when it
@@ -170,7 +171,9 @@ REFUSED: tuple[Refused, ...] = (
             "use --zero-stage 2 (the experts' gradients and optimizer state sharded there) or 1, or "
             "--expert-model-parallel-size 1 (ZeRO-3 then shards the experts as any parameter)",
             say="MoE (--num-experts {rc.model.moe.num_experts}) with {a} does not work with {b}: {reason}; {fix}"),
-    Refused("MoE", "fp16", "not implemented for MoE models", "use --bf16"),
+    Refused("MoE", "fp16", "DeepSpeed's CPU accelerator refuses fp16, so no MoE run has trained under its loss "
+            "scaler here (the router's aux loss and the expert-parallel gradient norm under a scaled loss)",
+            "use --bf16"),
     # ZB-H1 (megatron/engine/schedules/zero_bubble.py)
     Refused("ZB-H1", "model engine", "ZB-H1 is a schedule of the pipeline engine",
             "Use --zero-stage 0 or 1 without Ulysses, or drop --enable-zbh1-pipeline",
