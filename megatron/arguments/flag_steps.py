@@ -52,6 +52,9 @@ def check_megatron_lm_values(args) -> None:
     if args.rotary_percent != 1.0:
         raise ValueError(f"--rotary-percent {args.rotary_percent}: partial rotary positions are not implemented "
                          "here (every head dimension is rotated); drop the flag or pass 1.0")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ValueError("--grad-reduce-in-bf16 reduces bf16 runs' gradients in bf16; it needs --bf16 (add it, or "
+                         "drop the flag)")
     if args.calculate_per_token_loss and args.eod_mask_loss:
         raise ValueError("--calculate-per-token-loss with --eod-mask-loss: the per-token mean over a global batch "
                          "whose micro-batches count different tokens is not implemented (each micro-batch's mean "

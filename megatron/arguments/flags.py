@@ -377,6 +377,12 @@ def _mixed_precision(parser):
                    help="bf16 parameters with fp32 master weights and fp32 gradient accumulation (DeepSpeed's "
                         "BF16_Optimizer, BLOOM's path).")
     g.add_argument("--fp16", action="store_true", help="fp16 parameters with loss scaling.")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="Megatron-LM: reduce the gradients over the data-parallel ranks in bf16 (needs --bf16). "
+                        "DeepSpeed does so for every bf16 run by default (its communication_data_type: the fp32 "
+                        "gradient buffer cast to bf16 for the all-reduce); the flag writes it into the DeepSpeed "
+                        "config. For fp32 reductions, put \"communication_data_type\": \"fp32\" in the DeepSpeed "
+                        "JSON.")
     g.add_argument("--loss-scale", type=float, default=None,
                    help="fp16: static loss scale; unset or 0: dynamic loss scaling. Ignored (with a warning) "
                         "without --fp16.")

@@ -137,8 +137,6 @@ UPSTREAM_FLAGS = (
     _refused("--fp8-amax-compute-algo", _FP8, "ALGO"),
     _refused("--fp8-param-gather", _FP8),
     _refused("--fp8-margin", _FP8, "MARGIN"),
-    _refused("--grad-reduce-in-bf16", "gradients are reduced in fp32 here (DeepSpeed's BF16_Optimizer accumulates "
-             "and reduces fp32 gradients); remove the flag to reduce in fp32, which is more exact"),
 )
 BY_FLAG = {row.flag: row for row in UPSTREAM_FLAGS}
 

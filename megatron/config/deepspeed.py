@@ -25,6 +25,8 @@ pipeline.pipe_partitioned / grad_partitioned = false  --sequence-parallel (with 
                                                       activation is its own sequence shard, so DeepSpeed
                                                       must not send 1/TP of it and rebuild the rest from
                                                       the TP peers (that assumes replicated activations)
+communication_data_type = "bf16"                      --grad-reduce-in-bf16 (DeepSpeed's default for bf16
+                                                      runs too: the gradients are reduced in bf16)
 fp16.loss_scale                                       --loss-scale (0: dynamic), when given
 fp16.initial_scale_power                              log2(--initial-loss-scale), when given
 fp16.min_loss_scale / loss_scale_window / hysteresis  --min-loss-scale / --loss-scale-window /
@@ -118,6 +120,8 @@ def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
         # all-reduce path would average the different experts of the whole data-parallel group
         out.append((("zero_optimization", "reduce_scatter"), True,
                     f"--expert-model-parallel-size {ep} with --zero-stage 2 (experts reduced per expert-data group)"))
+    if p.grad_reduce_in_bf16:
+        out.append((("communication_data_type",), "bf16", "--grad-reduce-in-bf16"))
     if bf16 and rc.deepspeed_zero_stage <= 1:
         # Megatron accumulates bf16 gradients in fp32; DeepSpeed then picks BF16_Optimizer
         out.append((("data_types", "grad_accum_dtype"), "fp32", "--bf16 (gradients accumulate in fp32)"))

@@ -249,6 +249,8 @@ class PrecisionConfig:
     min_loss_scale: Optional[float] = None      # floor (default 1)
     loss_scale_window: Optional[int] = None     # steps without overflow before the scale doubles (default 1000)
     hysteresis: Optional[int] = None            # overflows tolerated before the scale halves (default 2)
+    grad_reduce_in_bf16: bool = False      # Megatron-LM's flag: DeepSpeed's communication_data_type "bf16", which
+                                           # is also DeepSpeed's default for bf16 runs (megatron.config.deepspeed)
     zero_stage: int = 1                    # the ZeRO stage asked for, 0-3 (2 and 3: one pipeline stage only, on
                                            # DeepSpeed's model engine, megatron.engine.model_engine);
                                            # the command line's default: the JSON's, else 1 with bf16, 0 otherwise.

@@ -82,18 +82,16 @@ def test_mlm_mixtral_maps_megatron_lm_names(script_files):
 
 
 def test_mlm_llama3_stops_only_on_what_would_change_its_math(script_files):
-    """Llama-3-8B's example is FP8 with bf16 gradient reduction, neither built yet: each refused with its cause,
-    every other flag accounted for."""
+    """Llama-3-8B's example is FP8, not built yet: refused with its cause, every other flag accounted for."""
     argv, check = _check("mlm_llama3_8b", script_files)
     refused = [row.flag for row in _upstream_flags_in(argv) if row.effect == REFUSED]
-    assert refused == ["--grad-reduce-in-bf16", "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
-                       "--fp8-param-gather"]
+    assert refused == ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
     assert len(check.problems) == 1 and not any("unrecognized" in p for p in check.problems), check.problems
     assert all(flag in check.problems[0] for flag in refused)
     assert "remove the --fp8-* flags to train in bf16" in check.problems[0]
     # without them it passes: the split's quotes, --kv-channels 128 = 4096 / 32, --attention-backend fused, the
-    # decoupled learning rate, zero-centred norms
-    dropped = {"--grad-reduce-in-bf16", "--fp8-param-gather"}
+    # decoupled learning rate, zero-centred norms, bf16 gradient reduction
+    dropped = {"--fp8-param-gather"}
     kept, skip = [], 0
     for token in argv:
         if skip:
@@ -108,7 +106,7 @@ def test_mlm_llama3_stops_only_on_what_would_change_its_math(script_files):
     assert check.ok, check.problems
     assert check.run_config.data.split == "99,1,0" and check.run_config.model.attention_backend == "sdpa"
     assert (check.run_config.optimizer.decoupled_lr, check.run_config.optimizer.decoupled_min_lr) == (5e-4, 4.5e-5)
-    assert check.run_config.model.apply_layernorm_1p
+    assert check.run_config.model.apply_layernorm_1p and check.run_config.precision.grad_reduce_in_bf16
     assert any(w.startswith("--attention-backend fused (Megatron-LM's name) runs as") for w in check.warnings)
 
 
@@ -117,7 +115,7 @@ def test_refused_and_value_rules(script_files):
     for extra, expected in ((["--kv-channels", "64"], "--kv-channels 64: a head size other than"),
                             (["--rotary-percent", "0.5"], "--rotary-percent 0.5: partial rotary"),
                             (["--calculate-per-token-loss", "--eod-mask-loss"], "--calculate-per-token-loss with "),
-                            (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16: not supported here"),
+                            (["--fp8-format", "hybrid"], "--fp8-format hybrid: not supported here"),
                             (["--use-distributed-optimizer", "--zero-stage", "0", "--fp16"],
                              "--use-distributed-optimizer shards the optimizer states")):
         check = check_argv([t for t in argv if t != "--bf16"] + extra + ["--dry-run", "--world-size", "8"]

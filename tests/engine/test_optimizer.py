@@ -75,3 +75,31 @@ def test_the_clipping_wrapper_still_shares_groups_and_state_after_loading_a_chec
     module(torch.randn(2, 4)).sum().backward()
     wrapper.step()
     assert not torch.equal(before, module.weight)
+
+
+def _communication_dtype(rank, world_size, rc):
+    from megatron.engine.initialize import build_engine, init_deepspeed_comm
+    from megatron.parallel.state import ParallelState
+
+    init_deepspeed_comm("gloo")
+    return str(build_engine(rc, ParallelState.create(1, 1)).communication_data_type)
+
+
+@pytest.mark.multiprocess
+def test_bf16_gradients_are_reduced_in_bf16(tiny_corpus):
+    """What --grad-reduce-in-bf16 (Megatron-LM) asks is DeepSpeed's default for bf16 runs: the engine casts the fp32
+    gradient buffer to its communication dtype, bf16, for the data-parallel all-reduce. The flag writes it into the
+    config; a JSON asking fp32 contradicts it."""
+    from megatron.arguments import run_config_from_argv
+    from megatron.config.deepspeed import build_deepspeed_config
+
+    plain = run_config_from_argv(tiny_argv(tiny_corpus, "--bf16"), world_size=1)
+    asked = run_config_from_argv(tiny_argv(tiny_corpus, "--bf16", "--grad-reduce-in-bf16"), world_size=1)
+    assert "communication_data_type" not in build_deepspeed_config(plain)
+    assert build_deepspeed_config(asked)["communication_data_type"] == "bf16"
+    with pytest.raises(ValueError, match="communication_data_type"):
+        build_deepspeed_config(asked, {"communication_data_type": "fp32"})
+    (dtype,) = run_distributed(_communication_dtype, world_size=1, args=(plain,), timeout=300)
+    assert dtype == "torch.bfloat16"
+    with pytest.raises(ValueError, match="--grad-reduce-in-bf16 reduces bf16 runs' gradients in bf16; it needs --bf16"):
+        run_config_from_argv(tiny_argv(tiny_corpus, "--grad-reduce-in-bf16"), world_size=1)
