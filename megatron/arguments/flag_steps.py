@@ -55,10 +55,6 @@ def check_megatron_lm_values(args) -> None:
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise ValueError("--grad-reduce-in-bf16 reduces bf16 runs' gradients in bf16; it needs --bf16 (add it, or "
                          "drop the flag)")
-    if args.calculate_per_token_loss and args.eod_mask_loss:
-        raise ValueError("--calculate-per-token-loss with --eod-mask-loss: the per-token mean over a global batch "
-                         "whose micro-batches count different tokens is not implemented (each micro-batch's mean "
-                         "is averaged); drop one of the flags")
 
 
 def resolve_model_spellings(args) -> None:

@@ -208,10 +208,11 @@ def _data(parser):
                    help="Path to a directory to hold cached index files (the sample indexes built at startup). "
                         "Default: beside the data. It must be creatable and writable, and shared by all nodes.")
     g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="Megatron-LM: the loss of a step is the sum over its tokens divided by the tokens counted "
-                        "in the whole global batch, not the mean of the micro-batches' means. Every micro-batch "
-                        "counts micro-batch x --seq-length tokens here unless --eod-mask-loss masks some, so without "
-                        "that flag the two are the same number; with it the flag is refused.")
+                   help="Megatron-LM: the loss of a step is the sum over its counted tokens divided by the tokens "
+                        "counted in the whole global batch, not the mean of the micro-batches' means. The two differ "
+                        "only where --eod-mask-loss masks tokens (each micro-batch then counts its own); there the "
+                        "step's count is summed over its micro-batches and data-parallel ranks before the step "
+                        "(pipeline engine: ZeRO 0 / 1, no CP or Ulysses).")
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="No loss at positions whose input token is the tokenizer's end-of-document token (the "
                         "prediction of the next document's first token from the previous document).")

@@ -296,6 +296,7 @@ class TrainingConfig:
     train_iters: Optional[int] = None      # iteration-based run length (exclusive with train_samples)
     train_samples: Optional[int] = None    # sample-based run length (needed for batch-size rampup)
     train_tokens: Optional[int] = None     # Megatron-DeepSpeed: also stop once this many tokens are consumed
+    calculate_per_token_loss: bool = False  # Megatron-LM: a step's loss = its counted tokens' losses / their count
     eval_interval: int = 1000              # iterations between evaluations
     eval_iters: int = 100                  # iterations per evaluation (per validation group); 0 disables it
     skip_train_iteration_range: tuple[tuple[int, int], ...] = ()  # inclusive [start, end] ranges, merged, sorted
@@ -484,6 +485,13 @@ class RunConfig:
         """The ZeRO stage DeepSpeed runs (``precision.zero_stage`` is the one asked for)."""
         return deepspeed_zero_stage(self.precision.zero_stage, self.bf16)
 
+    @property
+    def counts_step_tokens(self) -> bool:
+        """Megatron-LM's per-token loss where it is not the mean of micro-batch means: with a loss mask, micro-batches
+        count different tokens (megatron.training.token_count). Without one every micro-batch counts micro-batch x
+        seq-length tokens and the two are the same number."""
+        return self.training.calculate_per_token_loss and self.data.eod_mask_loss
+
     def lr_schedule_lengths(self) -> tuple[float, float, int]:
         """(warmup, decay, unit): the schedule's lengths in the unit it counts, and that unit in tokens per sample:
         consumed samples (unit 1), or with --lr-decay-tokens consumed tokens (unit --seq-length), as
@@ -541,6 +549,11 @@ class RunConfig:
         check_interleaved_run(self)
         if self.model.seq_length != self.data.seq_length:
             raise ValueError(f"model seq_length {self.model.seq_length} != data seq_length {self.data.seq_length}")
+        if self.counts_step_tokens and (self.deepspeed_engine == "model" or self.parallel.context_parallel_size > 1):
+            raise ValueError("--calculate-per-token-loss with --eod-mask-loss divides by the global batch's counted "
+                             "tokens on DeepSpeed's pipeline engine only; not implemented with ZeRO-2/3, Ulysses or "
+                             "context parallelism (whose losses are split over the sequence ranks). Use --zero-stage 0 "
+                             "or 1 without them, or drop one of the two flags")
         if self.data.reset_position_ids and self.model.position_embedding_type != "absolute":
             raise ValueError(f"--reset-position-ids changes the position ids, which only learned absolute positions "
                              f"read (as in Megatron-LM); --position-embedding-type "

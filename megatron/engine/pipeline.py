@@ -116,13 +116,20 @@ class GPTLossFn:
 
     With context parallelism (``cp_group``) each rank holds 1/cp of the tokens: its part of the whole sequence's
     masked mean (the mask count all-reduced over the group), times cp, because DeepSpeed averages gradients and
-    reported losses over the data axis, which holds the dp x cp ranks (Megatron-LM scales by cp likewise)."""
+    reported losses over the data axis, which holds the dp x cp ranks (Megatron-LM scales by cp likewise).
+
+    ``tokens_per_micro_batch``: set for a step by ``megatron.training.token_count`` (--calculate-per-token-loss
+    with a loss mask): the masked sum divided by it instead of by the micro-batch's own count."""
 
     def __init__(self, tp_group, cp_group=None, cp_size: int = 1):
         self.tp_group, self.cp_group, self.cp_size = tp_group, cp_group, cp_size
+        self.tokens_per_micro_batch = None
 
     def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
         target, loss_mask = labels
+        if self.tokens_per_micro_batch is not None:  # no CP here (RunConfig refuses it)
+            loss = per_token_loss(logits, target, self.tp_group)
+            return (loss * loss_mask.to(torch.float32)).sum() / self.tokens_per_micro_batch
         if self.cp_group is None:
             return gpt_loss(logits, target, loss_mask, self.tp_group)
         part = sequence_parallel_loss(per_token_loss(logits, target, self.tp_group), loss_mask, self.cp_group)

@@ -8,6 +8,7 @@ exit signals. Uses ``megatron.engine``, ``megatron.checkpoint`` (saves and resum
     batches       from dataset samples to what the pipeline engine consumes
     microbatches  how many micro-batches make the current step: constant, or Megatron's batch-size rampup
     lr_schedule   the learning-rate schedule: Megatron's AnnealingLR
+    token_count   --calculate-per-token-loss with a loss mask: the step's counted tokens, summed before the step
     loop          the training loop: one DeepSpeed pipeline step per iteration, evaluation, logging, exits, saves
     guards        what the loop checks of each iteration's loss and gradient norm: non-finite values, loss spikes
     exit          leaving cleanly: SIGTERM, the kill-switch file, --exit-duration-in-mins and --exit-interval

@@ -69,10 +69,11 @@ class Trainer:
                  save_fn: Optional[Callable[[Progress], None]] = None,
                  sync_fn: Optional[Callable[[], None]] = None, world_size: int = 1,
                  harness_fn: Optional[Callable[[], dict]] = None,
-                 moe_stats_fn: Optional[Callable[[], dict[str, float]]] = None):
+                 moe_stats_fn: Optional[Callable[[], dict[str, float]]] = None, token_count=None):
         self.rc = rc
         self.engine = engine
         self.moe_stats_fn = moe_stats_fn  # collective, after every trained iteration (megatron.model.moe.stats)
+        self.token_count = token_count  # --calculate-per-token-loss with a loss mask (megatron.training.token_count)
         self.moe_stats: dict[str, float] = {}
         self.lr_scheduler = lr_scheduler
         self.microbatches = microbatches
@@ -154,7 +155,12 @@ class Trainer:
             # the factor a rank's part of it gets under context parallelism or Ulysses
             set_aux_loss_scale(self.engine.module, loss_part_factor(self.rc) / self.engine.gradient_accumulation_steps())
             with self.timers("train-batch", 1):
-                loss = self.engine.train_batch(self.train_iterator)
+                if self.token_count is None:
+                    loss = self.engine.train_batch(self.train_iterator)
+                else:
+                    loss = self.engine.train_batch(self.token_count.step_iterator(self.train_iterator,
+                                                                                  self.microbatches.get()))
+                    self.token_count.end_step()
                 loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)
             if self.moe_stats_fn is not None:
                 self.moe_stats = self.moe_stats_fn()

@@ -44,6 +44,7 @@ from megatron.training.lr_schedule import LRScheduler
 from megatron.training.metrics import TrainingLogger
 from megatron.training.microbatches import build_num_microbatches_calculator
 from megatron.training.profiling import check_profiler_device
+from megatron.training.token_count import StepTokenCount
 
 
 @dataclasses.dataclass
@@ -169,6 +170,8 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
                       train_iterator=train_iter, valid_iterators=valid_iters, logger=logger, exit_monitor=monitor,
                       progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=after_step,
                       world_size=dist.get_world_size(), harness_fn=_live_harness(rc, engine, state),
+                      token_count=StepTokenCount(engine.module.loss_fn, state.dp_group, state.dp_size)
+                      if rc.counts_step_tokens else None,
                       moe_stats_fn=None if rc.model.moe is None else (
                           lambda: moe_iteration_stats(engine.module, rc.model.moe, rc.model.num_layers,
                                                       state.routing_data_group, state.pp_group)))

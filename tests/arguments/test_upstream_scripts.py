@@ -114,7 +114,8 @@ def test_refused_and_value_rules(script_files):
     argv, _ = _check("mds_llama2", script_files)
     for extra, expected in ((["--kv-channels", "64"], "--kv-channels 64: a head size other than"),
                             (["--rotary-percent", "0.5"], "--rotary-percent 0.5: partial rotary"),
-                            (["--calculate-per-token-loss", "--eod-mask-loss"], "--calculate-per-token-loss with "),
+                            (["--calculate-per-token-loss", "--eod-mask-loss", "--context-parallel-size", "2"],
+                             "--calculate-per-token-loss with --eod-mask-loss divides by the global batch"),
                             (["--fp8-format", "hybrid"], "--fp8-format hybrid: not supported here"),
                             (["--use-distributed-optimizer", "--zero-stage", "0", "--fp16"],
                              "--use-distributed-optimizer shards the optimizer states")):
