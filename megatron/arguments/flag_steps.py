@@ -220,7 +220,8 @@ def check_tokenizer_files(args) -> None:
 def check_output_folders(args) -> None:
     """Found now, not at the first save or log line (after a save interval of work)."""
     for flag, path in (("--data-cache-path", args.data_cache_path), ("--save", args.save),
-                       ("--tensorboard-dir", args.tensorboard_dir)):
+                       ("--tensorboard-dir", args.tensorboard_dir),
+                       ("--wandb-save-dir", args.wandb_save_dir if args.wandb_project else None)):
         _check_writable_folder(flag, path)
 
 

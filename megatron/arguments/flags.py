@@ -454,6 +454,20 @@ def _logging(parser):
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="With --profile: torch.profiler, its trace (*.pt.trace.json) written into "
                         "--tensorboard-dir for TensorBoard's profiler plugin.")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="Add to the log line, and to TensorBoard and W&B, per GPU: the model TFLOP/s "
+                        "(Megatron-LM's throughput, recomputation not counted), tokens per second and, where the "
+                        "device's peak is known (a known GPU, or --peak-tflops; not on CPU), MFU.")
+    g.add_argument("--wandb-project", default=None,
+                   help="Log to this Weights & Biases project the scalars TensorBoard gets, from the same rank "
+                        "(the last), and the run's flags as its config. Unset or empty: no W&B. Needs the wandb "
+                        "package (requirements.txt). Without network: WANDB_MODE=offline, then `wandb sync`.")
+    g.add_argument("--wandb-exp-name", default=None, help="The W&B run's name. Default: one W&B picks.")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="Where W&B keeps the run's files (its wandb/ folder). Default: --save's wandb/ "
+                        "folder, or the working directory without --save.")
+    g.add_argument("--wandb-entity", default=None,
+                   help="The W&B user or team that owns the project. Default: the logged-in user's default.")
 
 
 def _exit(parser):

@@ -372,6 +372,15 @@ class LoggingConfig:
     profile_step_end: int = 12
     profile_ranks: tuple[int, ...] = ()    # () profiles every rank
     use_pytorch_profiler: bool = False
+    # Weights & Biases (Megatron-LM's flags), written by the rank that writes TensorBoard, the same scalars. No
+    # project: no W&B. Offline (no network): WANDB_MODE=offline; `wandb sync DIR` uploads the run later.
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None   # the run's name; None: W&B names it
+    wandb_save_dir: Optional[str] = None   # None: --save's wandb/ folder, else the working directory
+    wandb_entity: Optional[str] = None     # the W&B user or team; None: the logged-in user's default
+    # Megatron-LM's --log-throughput: per GPU, model TFLOP/s (its "throughput"), tokens/s and, where the device's
+    # peak is known (or --peak-tflops), MFU: on the log line and to TensorBoard / W&B.
+    log_throughput: bool = False
 
     def validate(self) -> "LoggingConfig":
         _positive("--log-interval", self.log_interval)

@@ -1,4 +1,4 @@
-"""The training loop around the engine: set-up, train step, evaluation, logging (tensorboard) and
+"""The training loop around the engine: set-up, train step, evaluation, logging (TensorBoard, W&B) and
 exit signals. Uses ``megatron.engine``, ``megatron.checkpoint`` (saves and resumes) and
 ``megatron.data``; reads no flags itself (it is handed a ``RunConfig``).
 
@@ -12,7 +12,8 @@ exit signals. Uses ``megatron.engine``, ``megatron.checkpoint`` (saves and resum
     loop          the training loop: one DeepSpeed pipeline step per iteration, evaluation, logging, exits, saves
     guards        what the loop checks of each iteration's loss and gradient norm: non-finite values, loss spikes
     exit          leaving cleanly: SIGTERM, the kill-switch file, --exit-duration-in-mins and --exit-interval
-    metrics       the log line, tensorboard scalars (Megatron-DeepSpeed's tag names) and the TFLOPs estimate
+    metrics       the log line, the scalars (Megatron-DeepSpeed's tensorboard tag names) and the TFLOPs estimate
+    log_writers   where the scalars go: TensorBoard and Weights & Biases behind one add_scalar
     timing        per-phase timers across ranks and memory for the log line, Megatron-LM's names
     profiling     the profiling window of --profile: nsys ranges or torch.profiler
 """

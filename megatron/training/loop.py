@@ -89,7 +89,11 @@ class Trainer:
         self.history: list[IterationRecord] = []
         self.last_validation: dict[str, float] = {}
         # MFU needs the device's peak: known GPUs by name, or --peak-tflops; None on CPU (TFLOPs only).
-        self.peak_tflops = peak_tflops_for_device(current_device_name(), rc.logging.peak_tflops)
+        device_name = current_device_name()
+        self.peak_tflops = peak_tflops_for_device(device_name, rc.logging.peak_tflops)
+        if rc.logging.log_throughput and self.peak_tflops is None:
+            logger.print_fn(f"--log-throughput: no MFU, the peak TFLOP/s of {device_name or 'a CPU'} is not known; "
+                            f"--peak-tflops gives it", flush=True)
         t = rc.training
         self.guard = LossGuard(check_for_nan=t.check_for_nan_in_loss_and_grad, max_nonfinite_steps=t.max_nonfinite_steps,
                                loss_spike_factor=t.loss_spike_factor, loss_scaling=rc.fp16)

@@ -1,7 +1,8 @@
-"""What a training run reports: the log line, tensorboard scalars (Megatron-DeepSpeed's tag
-names, so existing dashboards keep working) and the TFLOPs estimate.
+"""What a training run reports: the log line, the scalars (Megatron-DeepSpeed's tensorboard tag names, so
+existing dashboards keep working) and the TFLOPs estimate.
 
-Only the last rank writes (it holds the loss after the pipeline); the others pass ``writer=None``.
+Only the last rank writes (it holds the loss after the pipeline); the others pass ``writer=None``. The writer is
+TensorBoard's, W&B's or both behind one ``add_scalar`` (megatron.training.log_writers).
 """
 
 from __future__ import annotations
@@ -59,12 +60,13 @@ def scalar_tags(prefix: str, name: str) -> tuple[str, str, str]:
 
 
 class TrainingLogger:
-    """Formats the per-interval log line and writes tensorboard scalars."""
+    """Formats the per-interval log line and writes the scalars (TensorBoard, W&B)."""
 
     def __init__(self, writer=None, *, log_timers: bool = False, log_batch_size: bool = False,
-                 log_validation_ppl: bool = False, print_fn=print):
+                 log_validation_ppl: bool = False, log_throughput: bool = False, print_fn=print):
         self.writer = writer
         self.log_timers = log_timers
+        self.log_throughput = log_throughput
         self.log_batch_size = log_batch_size
         self.log_validation_ppl = log_validation_ppl
         self.print_fn = print_fn
@@ -82,8 +84,8 @@ class TrainingLogger:
     def training(self, *, iteration: int, train_iters: int, consumed_samples: int, consumed_tokens: int,
                  elapsed_ms_per_iter: float, lr: float, global_batch_size: int, loss: float,
                  grad_norm: Optional[float], skipped: int, nan_iters: int, seq_length: int,
-                 tflops_per_gpu: float, world_size: int, model_tflops_per_gpu: Optional[float] = None,
-                 mfu: Optional[float] = None, timers: str = "", moe: Optional[dict[str, float]] = None) -> str:
+                 tflops_per_gpu: float, model_tflops_per_gpu: float, world_size: int, mfu: Optional[float] = None,
+                 timers: str = "", moe: Optional[dict[str, float]] = None) -> str:
         samples_per_s = global_batch_size / (elapsed_ms_per_iter / 1000.0) if elapsed_ms_per_iter > 0 else 0.0
         tokens_per_s = samples_per_s * seq_length
         line = (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:12d} | "
@@ -93,10 +95,11 @@ class TrainingLogger:
                 f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan_iters:3d} | "
                 f"samples per second: {samples_per_s:.3f} | tokens per second: {tokens_per_s:.1f} | "
                 f"TFLOPs: {tflops_per_gpu:.3g} |")
-        if model_tflops_per_gpu is not None:  # without recomputation (TFLOPs above counts it)
-            line += f" model TFLOPs: {model_tflops_per_gpu:.3g} |"
+        line += f" model TFLOPs: {model_tflops_per_gpu:.3g} |"  # without recomputation (TFLOPs above counts it)
         if mfu is not None:
             line += f" MFU: {100 * mfu:.1f}% |"
+        if self.log_throughput:
+            line += self._throughput(iteration, model_tflops_per_gpu, tokens_per_s / world_size, mfu)
         if moe:  # the last iteration's MoE statistics (megatron.model.moe.stats)
             loads = [v for tag, v in moe.items() if tag.endswith("/load-max-over-mean")]
             line += (f" moe aux loss: {moe['moe/aux-loss']:.4E} | moe z loss: {moe['moe/z-loss']:.4E} | "
@@ -111,6 +114,17 @@ class TrainingLogger:
             if mfu is not None:
                 self.writer.add_scalar("iteration-time/MFU", mfu, iteration)
         return line
+
+    def _throughput(self, iteration: int, model_tflops_per_gpu: float, tokens_per_s_per_gpu: float,
+                    mfu: Optional[float]) -> str:
+        """--log-throughput: Megatron-LM's log field and 'throughput' tag (model TFLOP/s per GPU, recomputation
+        not counted), tokens per second per GPU, and MFU where the peak is known; the log line's part."""
+        values = {"throughput": model_tflops_per_gpu, "throughput/tokens per second per GPU": tokens_per_s_per_gpu}
+        if mfu is not None:
+            values["throughput/MFU"] = mfu
+        self.write_scalars(values, iteration)
+        tflops = f"{model_tflops_per_gpu:.1f}" if model_tflops_per_gpu >= 1 else f"{model_tflops_per_gpu:.3g}"
+        return f" throughput per GPU (TFLOP/s/GPU): {tflops} | tokens per second per GPU: {tokens_per_s_per_gpu:.1f} |"
 
     def write_scalars(self, values: dict[str, float], iteration: int) -> None:
         """Flat tags (timers, memory), as Megatron-LM writes them."""

@@ -39,6 +39,7 @@ from megatron.training.batches import gpt_micro_batch
 from megatron.training.data_iterators import build_datasets, close_data_iterators, micro_batch_iterator
 from megatron.training.distributed import init_process_group
 from megatron.training.exit import ExitMonitor
+from megatron.training.log_writers import check_wandb_installed, open_writers, wandb_enabled
 from megatron.training.loop import Progress, Trainer
 from megatron.training.lr_schedule import LRScheduler
 from megatron.training.metrics import TrainingLogger
@@ -77,22 +78,46 @@ def set_seeds(seed: int, state: ParallelState) -> RNGStatesTracker:
     return model_parallel_rng_seed(stage_seed, state.sp_rank * state.tp_size + state.tp_rank, RNGStatesTracker())
 
 
-def _tensorboard_writer(rc: RunConfig, is_last_rank: bool):
-    if not rc.logging.tensorboard_dir or not is_last_rank:
-        return None
-    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (tensorboard, about a second to import: only on the rank that writes)
-
-    return SummaryWriter(log_dir=rc.logging.tensorboard_dir, max_queue=rc.logging.tensorboard_queue_size)
-
-
 def _training_logger(rc: RunConfig):
-    """(the tensorboard writer or None, the TrainingLogger): the last rank logs, as Megatron's does."""
-    is_last_rank = dist.get_rank() == dist.get_world_size() - 1
-    writer = _tensorboard_writer(rc, is_last_rank)
+    """(the writer or None, the TrainingLogger): the last rank logs, as Megatron's does, to TensorBoard and W&B
+    (megatron.training.log_writers). Collective: where the last rank cannot open its writers, every rank raises."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    is_last_rank = rank == world_size - 1
+    writer, problem = None, ""
+    if is_last_rank:
+        try:
+            writer = open_writers(rc.logging, rc.checkpoint.save, config=_wandb_config(rc))
+        except (ValueError, OSError) as error:
+            problem = str(error)
+    if (rc.logging.tensorboard_dir or wandb_enabled(rc.logging)) and _any_rank(bool(problem)):
+        if world_size == 1:
+            raise on_every_rank(ValueError(problem))
+        if is_last_rank:
+            raise ValueError(problem)  # printed by this rank, with its rank
+        raise on_every_rank(ValueError(f"the last rank ({world_size - 1}) could not open its TensorBoard / W&B "
+                                       f"writers (its error is printed beside this one)"))
     return writer, TrainingLogger(writer, log_timers=rc.logging.log_timers_to_tensorboard,
                                   log_batch_size=rc.logging.log_batch_size_to_tensorboard,
                                   log_validation_ppl=rc.logging.log_validation_ppl_to_tensorboard,
+                                  log_throughput=rc.logging.log_throughput,
                                   print_fn=print if is_last_rank else (lambda *a, **k: None))
+
+
+def _wandb_config(rc: RunConfig) -> dict:
+    """W&B's config: the run's flags under Megatron's names (Megatron's ``args``, as its ``config=vars(args)``),
+    without the progress counters, not known before a resume."""
+    config = vars(run_state.megatron_args(rc, dataclasses.asdict(Progress())))
+    for key in ("iteration", "consumed_train_samples", "consumed_train_tokens"):
+        config.pop(key)
+    return config
+
+
+def _any_rank(flag: bool) -> bool:
+    """Collective: whether ``flag`` is set on any rank (a device tensor under NCCL, which has no CPU collectives)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flags = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(flags)
+    return bool(flags.item())
 
 
 def _client_state(rc: RunConfig, progress: Progress, lr_scheduler, tracker) -> dict:
@@ -110,6 +135,7 @@ def pretrain(rc: RunConfig) -> PretrainResult:
     run holds --save, a --load checkpoint that cannot be resumed) is the same ValueError on every rank."""
     start = time.time()
     check_profiler_device(rc.logging)
+    check_wandb_installed(rc.logging)
     p = rc.parallel
     info = init_process_group(p.distributed_backend, p.distributed_timeout_minutes)
     init_deepspeed_comm(p.distributed_backend, timeout_s=60.0 * p.distributed_timeout_minutes)
@@ -123,12 +149,23 @@ def pretrain(rc: RunConfig) -> PretrainResult:
 
 
 def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
-    p = rc.parallel
     try:
         point = resume_point(rc)  # file reads only: every rank finds the same, and refuses alike
         point = intact_resume_point(rc, point)  # every file against its checksum, the hashing shared out
     except ValueError as error:
         raise on_every_rank(error)
+    # Before the engine is built (minutes for a large model): a W&B login or a tensorboard folder that fails stops
+    # the run at once, as Megatron opens its writers before building the model.
+    writer, logger = _training_logger(rc)
+    try:
+        return _build_and_train(rc, start, info, point, logger)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _build_and_train(rc: RunConfig, start: float, info, point, logger: TrainingLogger) -> PretrainResult:
+    p = rc.parallel
     state = ParallelState.create(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                  sp=p.ds_sequence_parallel_size, ep=p.expert_model_parallel_size,
                                  cp=p.context_parallel_size, etp=p.expert_tp, moe_tp_shards=routes_tp_shards(rc))
@@ -148,7 +185,6 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
                                       num_workers=rc.data.num_workers, **dp)
     valid_iters = {name: micro_batch_iterator(ds, rc, consumed_samples=0, num_workers=rc.data.valid_num_workers,
                                               **dp) for name, ds in datasets.valid.items()}
-    writer, logger = _training_logger(rc)
 
     def save(progress_now: Progress) -> None:
         tag = training_io.save_checkpoint(engine, rc.checkpoint.save, progress_now.iteration,
@@ -195,8 +231,6 @@ def _pretrain_locked(rc: RunConfig, start: float, info) -> PretrainResult:
     finally:
         monitor.restore_signal_handlers()
         close_data_iterators()
-        if writer is not None:
-            writer.close()
     return PretrainResult(reason, progress, trainer.history, trainer.last_validation, test, engine)
 
 

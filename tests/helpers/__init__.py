@@ -6,6 +6,7 @@ Fixtures live in tests/conftest.py.
     training            train (a run_distributed target: one record per run), record_run, pretrain_error,
                         layout, assert_same_run, assert_continues, tensorboard_scalars,
                         to_universal / convert_to_universal (tools/convert_checkpoint/ds_to_universal.py)
+    wandb_offline       a W&B offline run read back from its .wandb file (history, summary, config)
     reference_losses    the golden runs (tests/training/golden/) and their comparison
     inference           prompts, a fixed batch, train_and_evaluate (a training run that evaluates it)
     hf                  comparisons with transformers' models and tools/generate.py

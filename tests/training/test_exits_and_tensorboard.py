@@ -1,4 +1,4 @@
-"""Leaving cleanly (exit interval, kill switch, SIGTERM to one rank) and the tensorboard record."""
+"""Leaving cleanly (exit interval, kill switch, SIGTERM to one rank) and the tensorboard and W&B records."""
 
 import math
 import os
@@ -7,12 +7,15 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
+from megatron.training.log_writers import CUSTOM_AXES
 from tests.helpers.faults import poisoned_env
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.training import tensorboard_scalars, train
+from tests.helpers.wandb_offline import offline_runs, read_offline_run
 
 
 def _latest(save_dir):
@@ -25,13 +28,16 @@ def test_exit_interval_and_kill_switch_save_and_tensorboard_holds_the_run(tiny_c
     tb, save_a, save_b = tmp_path / "tb", tmp_path / "ckpt_a", tmp_path / "ckpt_b"
     kill_switch = tmp_path / "kill-switch"
     kill_switch.write_text("stop")
+    # W&B offline (no network needed), into --save's wandb/ folder (Megatron's default), beside tensorboard
     logged = tiny_argv(tiny_corpus, train_iters=20, eval_interval=3, eval_iters=1, exit_interval=6,
                        save=str(save_a), save_interval=100, tensorboard_dir=str(tb),
                        log_timers_to_tensorboard=True, log_batch_size_to_tensorboard=True,
-                       log_validation_ppl_to_tensorboard=True, loss_spike_factor=0.5)
+                       log_validation_ppl_to_tensorboard=True, loss_spike_factor=0.5,
+                       wandb_project="tiny", wandb_exp_name="exit-interval", log_throughput=True, peak_tflops=0.5)
     killed = tiny_argv(tiny_corpus, train_iters=20, save=str(save_b), save_interval=100,
                        kill_switch_path=str(kill_switch))
-    (interval_run, kill_run), = run_distributed(train, world_size=1, args=([logged, killed],))
+    (interval_run, kill_run), = run_distributed(train, world_size=1, args=([logged, killed],),
+                                                env={"WANDB_MODE": "offline"})
 
     # --exit-interval 6: stops after iteration 6 with a checkpoint; the kill switch after the first.
     assert (interval_run["reason"], interval_run["iteration"]) == ("exit-interval", 6)
@@ -59,6 +65,40 @@ def test_exit_interval_and_kill_switch_save_and_tensorboard_holds_the_run(tiny_c
     losses = [h[1] for h in history]
     assert scalars["loss-spikes/loss-spike-ratio"] == [(6, pytest.approx(losses[5] / (sum(losses[:5]) / 5)))]
     assert scalars["loss-spikes/loss-spikes"] == [(6, 1.0)]
+    _assert_wandb_holds(save_a / "wandb", scalars, history)
+
+
+def _assert_wandb_holds(wandb_dir, scalars, history):
+    """The W&B offline run holds what tensorboard holds (every tag, step and value), the run's losses exactly,
+    and --log-throughput's values from Megatron's FLOPs formula on the logged iteration time."""
+    files = offline_runs(wandb_dir)
+    assert len(files) == 1, files
+    run = read_offline_run(files[0])
+    assert (run.project, run.name) == ("tiny", "exit-interval")
+    assert (run.config["num_layers"], run.config["train_iters"], run.config["wandb_project"]) == (2, 20, "tiny")
+    axes = {"Samples": dict(run.history["Samples"]), "Tokens": dict(run.history["Tokens"])}
+    assert set(run.history) - {"_step", "_runtime", "_timestamp", *axes} == set(scalars)
+    for tag, points in scalars.items():
+        axis = next((axes[name] for suffix, name in CUSTOM_AXES if tag.endswith(suffix)), None)
+        logged = [(step if axis is None else axis[step], value) for step, value in run.history[tag]]
+        # tensorboard keeps float32 of the value W&B keeps in full
+        assert [(step, float(np.float32(value))) for step, value in logged] == points, tag
+    losses = [(h[0], h[1]) for h in history]
+    assert run.history["lm-loss-training/lm loss"] == losses  # exactly: JSON keeps every bit of a float64
+    assert run.summary["lm-loss-training/lm loss"] == losses[-1][1]
+
+    # --log-throughput, per GPU (one here): Megatron's model FLOPs (no recomputation) of the tiny model,
+    # 24 c B s L h^2 (1 + s / (6h) + V / (16 L h)) with c = 3, B = 8, s = 32, L = 2, h = 64, V = 512 rows
+    assert run.config["padded_vocab_size"] == 512
+    flops = 24 * 3 * 8 * 32 * 2 * 64 ** 2 * (1 + 32 / (6 * 64) + 512 / (16 * 2 * 64))
+    seconds = dict(run.history["iteration-time/iteration-time"])
+    assert sorted(seconds) == [1, 2, 3, 4, 5, 6]
+    for tag, expected in (("throughput", lambda t: flops / t / 1e12),
+                          ("throughput/tokens per second per GPU", lambda t: 8 * 32 / t),
+                          ("throughput/MFU", lambda t: flops / t / 1e12 / 0.5)):  # --peak-tflops 0.5
+        assert [step for step, _ in run.history[tag]] == sorted(seconds), tag
+        for step, value in run.history[tag]:  # the same float64 arithmetic, in another order: a few ulps
+            assert value == pytest.approx(expected(seconds[step]), rel=1e-12), (tag, step)
 
 
 @pytest.mark.multiprocess

@@ -5,7 +5,7 @@ import pytest
 from megatron.config import ModelConfig
 from megatron.config.model import megatron_flops
 from megatron.planner import BLOOM_SIZES
-from megatron.training.metrics import peak_tflops_for_device, throughput_metrics
+from megatron.training.metrics import TrainingLogger, peak_tflops_for_device, throughput_metrics
 
 BLOOM_176B = ModelConfig(num_layers=70, hidden_size=14336, num_attention_heads=112, padded_vocab_size=250880,
                          seq_length=2048)
@@ -41,3 +41,29 @@ def test_peak_lookup_and_override():
     assert peak_tflops_for_device("NVIDIA A100-SXM4-40GB") == 312.0
     assert peak_tflops_for_device(None) is None
     assert peak_tflops_for_device("NVIDIA A100-SXM4-40GB", override=250.0) == 250.0
+
+
+class _Scalars:
+    def __init__(self):
+        self.values = {}
+
+    def add_scalar(self, tag, value, step):
+        self.values[tag, step] = value
+
+
+def test_log_throughput_adds_megatron_lms_field_tokens_per_gpu_and_mfu_where_the_peak_is_known():
+    common = dict(iteration=4, train_iters=10, consumed_samples=32, consumed_tokens=1024, elapsed_ms_per_iter=250.0,
+                  lr=1e-3, global_batch_size=8, loss=2.0, grad_norm=1.0, skipped=0, nan_iters=0, seq_length=32,
+                  tflops_per_gpu=4.0, model_tflops_per_gpu=3.0, world_size=2)
+    writer = _Scalars()
+    line = TrainingLogger(writer, log_throughput=True, print_fn=lambda *a, **k: None).training(**common, mfu=0.25)
+    # 8 x 32 tokens in 0.25 s over 2 GPUs
+    assert writer.values == {("throughput", 4): 3.0, ("throughput/tokens per second per GPU", 4): 512.0,
+                             ("throughput/MFU", 4): 0.25}
+    assert "| throughput per GPU (TFLOP/s/GPU): 3.0 | tokens per second per GPU: 512.0 |" in line
+    writer = _Scalars()
+    TrainingLogger(writer, log_throughput=True, print_fn=lambda *a, **k: None).training(**common)  # a CPU: no peak
+    assert set(writer.values) == {("throughput", 4), ("throughput/tokens per second per GPU", 4)}
+    writer = _Scalars()
+    line = TrainingLogger(writer, print_fn=lambda *a, **k: None).training(**common, mfu=0.25)
+    assert writer.values == {} and "throughput per GPU" not in line  # only with --log-throughput
