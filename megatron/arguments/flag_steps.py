@@ -52,6 +52,9 @@ def check_megatron_lm_values(args) -> None:
     if args.rotary_percent != 1.0:
         raise ValueError(f"--rotary-percent {args.rotary_percent}: partial rotary positions are not implemented "
                          "here (every head dimension is rotated); drop the flag or pass 1.0")
+    if args.no_pipeline_parallel and args.pipeline_model_parallel_size > 1:
+        raise ValueError(f"--no-pipeline-parallel with --pipeline-model-parallel-size "
+                         f"{args.pipeline_model_parallel_size}: drop one of them")
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise ValueError("--grad-reduce-in-bf16 reduces bf16 runs' gradients in bf16; it needs --bf16 (add it, or "
                          "drop the flag)")
@@ -95,6 +98,11 @@ def resolve_model_spellings(args) -> None:
 def resolve_recompute_spellings(args) -> None:
     """Megatron-LM's --recompute-granularity / -method / -num-layers onto Megatron-DeepSpeed's
     --checkpoint-activations / --checkpoint-num-layers (full) and ``recompute_core_attention`` (selective)."""
+    if args.recompute_activations:  # Megatron-LM's older spelling of selective recomputation
+        if args.recompute_granularity == "full":
+            raise ValueError("--recompute-activations (selective recomputation) contradicts --recompute-granularity "
+                             "full; drop one of them")
+        args.recompute_granularity = "selective"
     granularity, method, num_layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
     # With --checkpoint-activations too, full recomputation wins: it already recomputes the attention core
     # (Megatron-DeepSpeed runs both, nesting a second recomputation of the core; a startup warning says so).

@@ -201,9 +201,11 @@ def _data(parser):
         g.add_argument(f"--{split}-weighted-split-paths-path", default=None,
                        help=f"A file holding the --{split}-weighted-split-paths groups on one line, each "
                             f"between double quotes (as BigScience's load_ratios_meg_ds_format.py writes it).")
-    g.add_argument("--data-impl", default="mmap", choices=("lazy", "cached") + DATA_IMPLS,
+    g.add_argument("--data-impl", "--dataset-impl", dest="data_impl", default="mmap",
+                   choices=("lazy", "cached") + DATA_IMPLS,
                    help="Indexed dataset format. Only Megatron's 'mmap' format is read ('infer' finds it); "
-                        "'lazy' and 'cached' are refused with an error.")
+                        "'lazy' and 'cached' are refused with an error. --dataset-impl: Megatron-DeepSpeed's "
+                        "older name.")
     g.add_argument("--data-cache-path", default=None,
                    help="Path to a directory to hold cached index files (the sample indexes built at startup). "
                         "Default: beside the data. It must be creatable and writable, and shared by all nodes.")
@@ -494,6 +496,11 @@ def _deepspeed(parser):
                         "--pipeline-model-parallel-size 1 and run on DeepSpeed's model engine, with "
                         "tensor parallelism. Default: the DeepSpeed JSON's stage, else 1 with --bf16 or "
                         "--use-distributed-optimizer, and 0 otherwise.")
+    g.add_argument("--no-pipeline-parallel", action="store_true",
+                   help="Megatron-DeepSpeed: train without DeepSpeed's pipeline engine (its ZeRO-2/3 and Ulysses "
+                        "scripts). Here the engine follows --zero-stage and --ds-sequence-parallel-size (ZeRO-2/3 or "
+                        "Ulysses: the model engine), so the flag needs --pipeline-model-parallel-size 1 and changes "
+                        "nothing else.")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron-LM's distributed optimizer: the optimizer states (and fp32 master weights) sharded "
                         "over the data-parallel ranks, which is ZeRO stage 1 here (or 2 / 3, which shard more): "
@@ -516,6 +523,8 @@ def _speed(parser):
                         "installed, else flex for ALiBi without attention dropout, else sdpa. Incremental decoding "
                         "always uses sdpa. Megatron-LM's flag of this name selects Transformer Engine kernels "
                         "(flash, fused, unfused, local); flash and unfused exist here.")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron-LM's older spelling of --recompute-granularity selective.")
     g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
                    help="Megatron-LM's recomputation: full = --checkpoint-activations (every layer's activations "
                         "recomputed in backward, --recompute-num-layers layers per chunk); selective = only the "

@@ -44,6 +44,9 @@ _OVERLAP = ("a communication-overlap knob of Megatron's own data-parallel engine
             "reductions itself (its ZeRO overlap_comm is set in the DeepSpeed JSON)")
 _CKPT = ("checkpoints are written in DeepSpeed's layout (Megatron-DeepSpeed's, readable by the universal and Hugging "
          "Face converters in tools/convert_checkpoint), whatever format is named")
+_FSDP = ("Megatron-FSDP is Megatron-LM's own sharded data-parallel engine; here DeepSpeed's ZeRO-3 shards the "
+         "parameters, gradients and optimizer state over the data-parallel ranks: use --zero-stage 3 instead")
+_LATER = "not implemented yet (the DeepSeek-V3 / Qwen3 recipe work)"
 _FP8 = ("FP8 training (Transformer Engine's recipes) is not implemented in this engine, and dropping the flag would "
         "train in bf16 instead of what the script asks; remove the --fp8-* flags to train in bf16")
 
@@ -130,6 +133,7 @@ UPSTREAM_FLAGS = (
                "learning rate and grad-norm series are"),
     _no_effect("--logging-level", "this engine logs at INFO on rank 0 (Python's logging; set LOGLEVEL-style "
                "filters with logging's own configuration)", "LEVEL"),
+    _no_effect("--use-nccl-ub", "NCCL user-buffer registration speeds communication; the sums are the same"),
     # what would change the math: refused with the cause
     _refused("--fp8-format", _FP8, "FORMAT"),
     _refused("--fp8-recipe", _FP8, "RECIPE"),
@@ -137,6 +141,36 @@ UPSTREAM_FLAGS = (
     _refused("--fp8-amax-compute-algo", _FP8, "ALGO"),
     _refused("--fp8-param-gather", _FP8),
     _refused("--fp8-margin", _FP8, "MARGIN"),
+    _refused("--use-megatron-fsdp", _FSDP),
+    _refused("--data-parallel-sharding-strategy", _FSDP, "STRATEGY"),
+    _refused("--megatron-fsdp-main-grads-dtype", _FSDP, "DTYPE"),
+    _refused("--megatron-fsdp-grad-comm-dtype", _FSDP, "DTYPE"),
+    _refused("--fsdp-double-buffer", _FSDP),
+    _refused("--mtp-num-layers", f"multi-token prediction is {_LATER}; drop --mtp-num-layers and "
+             "--mtp-loss-scaling-factor to train without the MTP head", "N"),
+    _refused("--mtp-loss-scaling-factor", f"multi-token prediction is {_LATER}; drop --mtp-num-layers and "
+             "--mtp-loss-scaling-factor to train without the MTP head", "FACTOR"),
+    _refused("--rotary-scaling-factor", f"YaRN rotary scaling is {_LATER}; without it the positions are plain "
+             "RoPE (Llama 3.1's scaling is --use-rope-scaling)", "FACTOR"),
+    _refused("--mscale", f"YaRN rotary scaling is {_LATER}; without it the positions are plain RoPE", "MSCALE"),
+    _refused("--mscale-all-dim", f"YaRN rotary scaling is {_LATER}; without it the positions are plain RoPE",
+             "MSCALE"),
+    _refused("--rotary-seq-len-interpolation-factor", "linear position interpolation is not implemented; drop it "
+             "for plain positions", "FACTOR"),
+    _refused("--pipeline-model-parallel-layout", f"explicit pipeline layouts are {_LATER}; drop it to split the "
+             "layers evenly over the stages (--partition-method)", "LAYOUT"),
+    _refused("--decoder-first-pipeline-num-layers", f"uneven first / last pipeline stages are {_LATER}; drop it to "
+             "split the layers evenly (--partition-method)", "N"),
+    _refused("--decoder-last-pipeline-num-layers", f"uneven first / last pipeline stages are {_LATER}; drop it to "
+             "split the layers evenly (--partition-method)", "N"),
+    _refused("--account-for-embedding-in-pipeline-split", f"counting the embedding as a layer of the pipeline split "
+             f"is {_LATER}; drop it to split the transformer layers evenly"),
+    _refused("--account-for-loss-in-pipeline-split", f"counting the loss as a layer of the pipeline split is "
+             f"{_LATER}; drop it to split the transformer layers evenly"),
+    _refused("--recompute-modules", f"recomputing chosen modules is {_LATER}; use --recompute-granularity full or "
+             "selective (the attention core)", "MODULES"),
+    _refused("--moe-layer-recompute", f"recomputing the MoE layers alone is {_LATER}; use --recompute-granularity "
+             "full"),
 )
 BY_FLAG = {row.flag: row for row in UPSTREAM_FLAGS}
 

@@ -117,11 +117,23 @@ def test_refused_and_value_rules(script_files):
                             (["--calculate-per-token-loss", "--eod-mask-loss", "--context-parallel-size", "2"],
                              "--calculate-per-token-loss with --eod-mask-loss divides by the global batch"),
                             (["--fp8-format", "hybrid"], "--fp8-format hybrid: not supported here"),
+                            (["--no-pipeline-parallel"], "--no-pipeline-parallel with --pipeline-model-parallel-size 2"),
+                            (["--mtp-num-layers", "1"], "--mtp-num-layers 1: not supported here: multi-token"),
+                            (["--use-megatron-fsdp"], "--use-megatron-fsdp: not supported here: Megatron-FSDP"),
                             (["--use-distributed-optimizer", "--zero-stage", "0", "--fp16"],
                              "--use-distributed-optimizer shards the optimizer states")):
         check = check_argv([t for t in argv if t != "--bf16"] + extra + ["--dry-run", "--world-size", "8"]
                            if "--fp16" in extra else argv + extra + ["--dry-run", "--world-size", "8"])
         assert any(p.startswith(expected) for p in check.problems), (extra, check.problems)
+
+
+def test_older_upstream_spellings(files):
+    from tests.helpers.arguments import parse
+
+    assert parse(files, drop=(), dataset_impl="mmap").data.data_impl == "mmap"
+    assert parse(files, recompute_activations=True).model.recompute_core_attention  # = selective
+    with pytest.raises(ValueError, match="--recompute-activations .selective recomputation. contradicts"):
+        parse(files, recompute_activations=True, recompute_granularity="full")
 
 
 def test_the_table_is_in_the_docs_and_each_row_is_a_flag():
