@@ -55,6 +55,14 @@ def check_megatron_lm_values(args) -> None:
     if args.no_pipeline_parallel and args.pipeline_model_parallel_size > 1:
         raise ValueError(f"--no-pipeline-parallel with --pipeline-model-parallel-size "
                          f"{args.pipeline_model_parallel_size}: drop one of them")
+    for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(args, name) == "fp8":
+            raise ValueError(f"--{name.replace('_', '-')} fp8: FP8 optimizer states are not implemented here (no FP8 "
+                             "training); use bf16 or fp16")
+    if args.main_grads_dtype != "fp32" or args.main_params_dtype != "fp32":
+        raise ValueError(f"--main-grads-dtype {args.main_grads_dtype} / --main-params-dtype {args.main_params_dtype}: "
+                         "DeepSpeed's optimizer wrappers accumulate gradients and keep master weights in fp32 here; "
+                         "drop the flags (fp32)")
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise ValueError("--grad-reduce-in-bf16 reduces bf16 runs' gradients in bf16; it needs --bf16 (add it, or "
                          "drop the flag)")

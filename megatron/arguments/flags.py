@@ -334,6 +334,22 @@ def _learning_rate(parser):
                    help="Samples of linear warmup from 0 (sample-based training).")
     g.add_argument("--lr-warmup-iters", type=int, default=0,
                    help="Iterations of linear warmup from 0 (iteration-based training).")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Megatron-LM: let --exp-avg-dtype / --exp-avg-sq-dtype store Adam's moments in a lower "
+                        "precision (computed in fp32 each step, stored rounded). Its --main-grads-dtype and "
+                        "--main-params-dtype are fp32 here (DeepSpeed's fp32 gradient accumulation and masters).")
+    g.add_argument("--exp-avg-dtype", default="fp32", choices=("fp32", "bf16", "fp16", "fp8"),
+                   help="Megatron-LM: the dtype Adam's first moment is stored in (needs "
+                        "--use-precision-aware-optimizer); fp8 is refused (no FP8 here).")
+    g.add_argument("--exp-avg-sq-dtype", default="fp32", choices=("fp32", "bf16", "fp16", "fp8"),
+                   help="Megatron-LM: the dtype Adam's second moment is stored in (needs "
+                        "--use-precision-aware-optimizer); fp8 is refused (no FP8 here).")
+    g.add_argument("--main-grads-dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="Megatron-LM: the dtype of the main gradients. fp32 only here (DeepSpeed's BF16_Optimizer "
+                        "accumulates in fp32); bf16 is refused.")
+    g.add_argument("--main-params-dtype", default="fp32", choices=("fp32", "fp16"),
+                   help="Megatron-LM: the dtype of the master weights. fp32 only here (DeepSpeed's optimizer "
+                        "wrappers keep fp32 masters); fp16 is refused.")
     g.add_argument("--lr-warmup-init", type=float, default=0.0,
                    help="Megatron-LM: the learning rate the linear warmup starts from (default 0), rising to --lr "
                         "(and to --decoupled-lr for the embedding and output layer).")

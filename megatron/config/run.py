@@ -99,6 +99,11 @@ class OptimizerConfig:
     # min_lr), on the same schedule shape
     decoupled_lr: Optional[float] = None
     decoupled_min_lr: Optional[float] = None
+    # Megatron-LM's precision-aware optimizer: Adam's moments stored in fp32 | bf16 | fp16
+    # (megatron.engine.adam_state_dtypes); needs use_precision_aware_optimizer, as there
+    use_precision_aware_optimizer: bool = False
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -116,6 +121,15 @@ class OptimizerConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr {self.min_lr} must be between 0 and --lr {self.lr}; lower --min-lr")
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            value = getattr(self, name)
+            _one_of(f"--{name.replace('_', '-')}", value, ("fp32", "bf16", "fp16"))
+            if value != "fp32" and not self.use_precision_aware_optimizer:
+                raise ValueError(f"--{name.replace('_', '-')} {value} needs --use-precision-aware-optimizer (as in "
+                                 "Megatron-LM); add it or keep fp32")
+            if value != "fp32" and self.optimizer != "adam":
+                raise ValueError(f"--{name.replace('_', '-')} {value} stores Adam's moments; it needs --optimizer "
+                                 f"adam, not {self.optimizer}")
         if self.decoupled_min_lr is not None and self.decoupled_lr is None:
             raise ValueError(f"--decoupled-min-lr {self.decoupled_min_lr} needs --decoupled-lr (the embedding's and "
                              "output layer's peak); add it or drop --decoupled-min-lr")

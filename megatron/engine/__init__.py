@@ -6,6 +6,7 @@
 - ``pipeline``: the model's own modules staged as a DeepSpeed ``PipelineModule`` (tied embedding,
   partition methods, activation checkpointing);
 - ``optimizer``: parameter groups (no weight decay on biases and norms) and the fp32 grad-norm clipper;
+- ``adam_state_dtypes``: AdamW with its moments stored in bf16 / fp16 (Megatron-LM's precision-aware optimizer);
 - ``initialize``: ``build_engine(run_config, state)``: ``deepspeed.initialize`` on our topology, with the
   DeepSpeed config ``megatron.config.deepspeed`` derives from the run;
 - ``model_engine``: the model engine: ZeRO-2 / ZeRO-3 data parallelism and Ulysses with our tensor parallelism, a

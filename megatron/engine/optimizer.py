@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import OPTIMIZERS, OptimizerConfig
+from megatron.engine.adam_state_dtypes import STATE_DTYPES, AdamWStateDtypes
 from megatron.engine.deepspeed_compat import is_moe_parameter
 from megatron.model.moe import is_expert_parallel
 from megatron.parallel.replicated import sync_tp_duplicated_parameters, tp_duplicated_parameters
@@ -71,6 +72,11 @@ def decoupled_lr_groups(groups: list[dict], config: OptimizerConfig) -> list[dic
 def build_client_optimizer(module: torch.nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
     """The torch optimizer ``config`` describes over ``module``'s parameter groups."""
     groups = decoupled_lr_groups(param_groups(module, config.weight_decay), config)
+    if config.optimizer == "adam" and (config.exp_avg_dtype, config.exp_avg_sq_dtype) != ("fp32", "fp32"):
+        # Megatron-LM's precision-aware optimizer: the moments stored in bf16 / fp16
+        return AdamWStateDtypes(groups, lr=config.lr, betas=config.betas, eps=config.adam_eps,
+                                weight_decay=config.weight_decay, exp_avg_dtype=STATE_DTYPES[config.exp_avg_dtype],
+                                exp_avg_sq_dtype=STATE_DTYPES[config.exp_avg_sq_dtype])
     if config.optimizer == "adam":
         # Megatron's "adam" is AdamW (decoupled weight decay). foreach: fast on CPU and GPU alike.
         return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.adam_eps,
