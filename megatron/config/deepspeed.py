@@ -25,6 +25,8 @@ pipeline.pipe_partitioned / grad_partitioned = false  --sequence-parallel (with 
                                                       activation is its own sequence shard, so DeepSpeed
                                                       must not send 1/TP of it and rebuild the rest from
                                                       the TP peers (that assumes replicated activations)
+zero_allow_untested_optimizer = true                  --optimizer muon under ZeRO or BF16_Optimizer (the
+                                                      Muon client steps on DeepSpeed's flat partitions)
 fp16.loss_scale                                       --loss-scale (0: dynamic), when given
 fp16.initial_scale_power                              log2(--initial-loss-scale), when given
 fp16.min_loss_scale / loss_scale_window / hysteresis  --min-loss-scale / --loss-scale-window /
@@ -121,6 +123,10 @@ def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
     if bf16 and rc.deepspeed_zero_stage <= 1:
         # Megatron accumulates bf16 gradients in fp32; DeepSpeed then picks BF16_Optimizer
         out.append((("data_types", "grad_accum_dtype"), "fp32", "--bf16 (gradients accumulate in fp32)"))
+    if rc.optimizer.optimizer == "muon" and (rc.deepspeed_zero_stage or bf16 or fp16):
+        # DeepSpeed's ZeRO / BF16_Optimizer accept only optimizers it knows unless told; megatron.engine.muon
+        # steps on their flat partitions (attach_partitioned)
+        out.append((("zero_allow_untested_optimizer",), True, "--optimizer muon"))
     if fp16:
         power = None if p.initial_loss_scale is None else int(math.log2(p.initial_loss_scale))
         scaling = {"loss_scale": p.loss_scale, "min_loss_scale": p.min_loss_scale,
