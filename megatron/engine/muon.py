@@ -129,7 +129,7 @@ class Muon(torch.optim.Optimizer):
         self._partitions: dict[int, tuple] = {}
 
     # --- the matrices' orthogonalised updates ---------------------------------------------------------------
-    def _orthogonal(self, param: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    def orthogonalize(self, param: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The scaled Newton-Schulz update of one matrix (this rank's TP shard ``u`` of ``param``'s momentum)."""
         if self.qkv_rows is not None and id(param) in self._qkv:
             per_group = sum(self.qkv_rows)
@@ -186,7 +186,7 @@ class Muon(torch.optim.Optimizer):
         for param in group["params"]:
             if param.grad is None:
                 continue
-            update = self._orthogonal(param, self._momentum(group, param))
+            update = self.orthogonalize(param, self._momentum(group, param))
             param.add_(update.to(param.dtype), alpha=-group["lr"])
 
     def _muon_partition(self, group: dict) -> None:
@@ -205,7 +205,7 @@ class Muon(torch.optim.Optimizer):
             end = offset + param.numel()
             if end <= lo or offset >= hi:
                 continue
-            ortho = self._orthogonal(param, full[offset:end].view(param.shape)).reshape(-1)
+            ortho = self.orthogonalize(param, full[offset:end].view(param.shape)).reshape(-1)
             a, b = max(offset, lo), min(end, hi)
             update[a - lo:b - lo] = ortho[a - offset:b - offset]
         flat.add_(update.to(flat.dtype), alpha=-group["lr"])
