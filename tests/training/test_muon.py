@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.engine.test_muon import MODDED_NANOGPT, SCALES, ns_tolerance, reference_orthogonalize
-from tests.helpers.muon import QKV_ROWS, tp_matrices, tp_orthogonalize_then_train
+from tests.helpers.muon import (
+    MODDED_NANOGPT,
+    QKV_ROWS,
+    SCALES,
+    ns_tolerance,
+    reference_orthogonalize,
+    tp_matrices,
+    tp_orthogonalize_then_train,
+)
 from tests.helpers.training import assert_same_run, layout, train
 
 ITERS = 10
