@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 from megatron.arguments.flags import DRY_RUN_OPTIONS, POSITION_EMBEDDING_ALIASES
 from megatron.arguments.moe_flags import moe_warnings
+from megatron.arguments.muon_flags import muon_warnings
 from megatron.config import deepspeed_zero_stage, parallel_dims
 from megatron.data.dataset_utils import document_range, parse_data_path, parse_split, parse_weighted_split_paths
 from megatron.data.hf_cache import resolve_tokenizer_path
@@ -303,6 +304,7 @@ def _no_effect_warnings(args) -> list[str]:
     if args.deepspeed_activation_checkpointing and not args.checkpoint_activations:
         out.append("--deepspeed-activation-checkpointing has no effect without --checkpoint-activations")
     out += moe_warnings(args)
+    out += muon_warnings(args)
     if args.distributed_backend == "nccl" and not _cuda_available():
         out.append("--distributed-backend nccl but CUDA is not available on this machine: the process group "
                    "cannot start here (use gloo on CPU)")

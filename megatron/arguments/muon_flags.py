@@ -14,7 +14,7 @@ from megatron.config.muon import (
     MUON_TP_MODES,
 )
 
-__all__ = ["add_muon_arguments"]
+__all__ = ["add_muon_arguments", "muon_warnings"]
 
 
 def add_muon_arguments(parser) -> None:
@@ -53,3 +53,27 @@ def add_muon_arguments(parser) -> None:
                    help="Optimizer of the parameters Muon does not take (embeddings, output layer, biases, "
                         "norms): adam (AdamW with --adam-beta1/2, --adam-eps). lion is refused (not implemented "
                         "here).")
+
+
+_DEFAULTS = {"muon_momentum": 0.9, "muon_nesterov": False, "muon_split_qkv": True, "muon_scale_mode": "spectral",
+             "muon_extra_scale_factor": 1.0, "muon_num_ns_steps": 5, "muon_coefficient_type": "quintic",
+             "muon_fp32_matmul_prec": "medium", "muon_tp_mode": "duplicated", "muon_use_syrk": False,
+             "muon_scalar_optimizer": "adam"}
+
+
+def muon_warnings(args) -> list[str]:
+    """The startup warnings of Muon flags accepted with no effect here (or computed another way to the same result)."""
+    if args.optimizer != "muon":
+        given = sorted(f"--{dest.replace('_', '-')}" for dest, default in _DEFAULTS.items()
+                       if getattr(args, dest) != default)
+        return [f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --optimizer muon "
+                f"(--optimizer {args.optimizer})"] if given else []
+    out = []
+    if args.muon_use_syrk:
+        out.append("--muon-use-syrk has no effect here: it picks Megatron-LM's Triton SYRK kernel for the Gram matrix "
+                   "X X^T on GPUs; torch's matmul computes the same product")
+    if args.muon_tp_mode == "distributed":
+        out.append("--muon-tp-mode distributed runs as duplicated here: each TP-split matrix is gathered and "
+                   "orthogonalised whole on every TP rank, the same whole-matrix result Megatron-LM's distributed "
+                   "mode computes with an all-reduced Gram matrix")
+    return out

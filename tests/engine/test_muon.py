@@ -167,3 +167,14 @@ def test_flags_take_megatron_lm_meanings(tiny_corpus):
     default = run_config_from_argv(tiny_argv(tiny_corpus, "--optimizer", "muon"), world_size=1).optimizer
     assert (default.muon_momentum, default.muon_num_ns_steps, default.muon_coefficient_type, default.muon_tp_mode,
             default.muon_fp32_matmul_prec, default.muon_split_qkv) == (0.9, 5, "quintic", "duplicated", "medium", True)
+
+
+def test_flags_without_effect_here_say_so_at_startup(tiny_corpus):
+    rc = run_config_from_argv(tiny_argv(tiny_corpus, "--optimizer", "muon", "--muon-use-syrk", "--muon-tp-mode",
+                                        "distributed"), world_size=1)
+    assert any(w.startswith("--muon-use-syrk has no effect here") for w in rc.startup_warnings), rc.startup_warnings
+    assert any(w.startswith("--muon-tp-mode distributed runs as duplicated") for w in rc.startup_warnings)
+    adam = run_config_from_argv(tiny_argv(tiny_corpus, "--muon-momentum", "0.95"), world_size=1)
+    assert "--muon-momentum has no effect without --optimizer muon (--optimizer adam)" in adam.startup_warnings
+    plain = run_config_from_argv(tiny_argv(tiny_corpus, "--optimizer", "muon"), world_size=1)
+    assert not any("muon" in w for w in plain.startup_warnings), plain.startup_warnings
