@@ -178,3 +178,21 @@ def test_flags_without_effect_here_say_so_at_startup(tiny_corpus):
     assert "--muon-momentum has no effect without --optimizer muon (--optimizer adam)" in adam.startup_warnings
     plain = run_config_from_argv(tiny_argv(tiny_corpus, "--optimizer", "muon"), world_size=1)
     assert not any("muon" in w for w in plain.startup_warnings), plain.startup_warnings
+
+
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_on_the_gpt_model_muon_takes_every_matrix_but_the_vocabulary_ones(untie):
+    from megatron.model.gpt import GPTModel
+    from tests.helpers.model import tiny_config
+
+    config = tiny_config(position_embedding_type="absolute", untie_embeddings_and_output_weights=untie,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = GPTModel(config)
+    optimizer = build_client_optimizer(model, OptimizerConfig(optimizer="muon"), model_config=config)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in optimizer.param_groups if g["muon"] for p in g["params"]}
+    matrices = {n for n, p in model.named_parameters() if p.dim() == 2}
+    vocabulary = {"embedding.word_embeddings.weight"} | ({"output_layer.weight"} if untie else set())
+    assert vocabulary <= matrices and muon == matrices - vocabulary
+    # the fused QKV rows split per query group: 2 query heads, a key and a value head of 16 each
+    assert optimizer.qkv_rows == (32, 16, 16) and len(optimizer._qkv) == 2

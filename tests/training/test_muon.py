@@ -2,8 +2,8 @@
 one process learns; in one 4-process launch, each TP = 2 rank's orthogonalised shard of known matrices equals the
 reference's (whole matrix for duplicated / distributed, its own shard for blockwise, the QKV rows split), and
 TP = 2 x DP = 2 (no ZeRO; ZeRO-1; ZeRO-2 on the model engine), PP = 2 x DP = 2 with ZeRO-1, and bf16 (BF16_Optimizer)
-train as the one process does (``assert_same_run``: within ``run_tolerance``, bf16's for bf16); a ZeRO-1 run saved
-after 3 iterations and resumed to 6 repeats the straight run bit for bit (the sharded momentum restored)."""
+train as the one process does (``assert_same_run``: within ``run_tolerance``, bf16's for bf16); runs saved after 3
+iterations and resumed to 6 (no ZeRO, ZeRO-1, bf16) repeat the straight run bit for bit (the momentum restored)."""
 
 import math
 
@@ -24,7 +24,9 @@ from tests.helpers.training import assert_same_run, layout, train
 
 ITERS = 10
 MUON = ("--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--muon-nesterov")
-TP2_ZERO1 = ("TP=2 x DP=2, ZeRO-1",)
+# the layouts saved after 3 iterations and resumed to 6: the whole momentum (no ZeRO), its ZeRO-1 shards, and
+# BF16_Optimizer's (with the fp32 masters)
+RESUMED = ("TP=2 x DP=2", "TP=2 x DP=2, ZeRO-1", "TP=2 x DP=2, bf16")
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +42,17 @@ def reference(muon_argv):
 @pytest.fixture(scope="module")
 def four_processes(muon_argv, tmp_path_factory):
     """One launch: the TP orthogonalisation checks, then every layout (and the save / resume pair)."""
-    save = str(tmp_path_factory.mktemp("muon_checkpoints"))
     tp2, zero1 = layout(muon_argv, tp=2), ["--zero-stage", "1"]
-    checkpoint = ["--save", save, "--save-interval", "100"]
     runs = {"TP=2 x DP=2": tp2,
             "TP=2 x DP=2, ZeRO-1": tp2 + zero1,
             "TP=2 x DP=2, ZeRO-2": tp2 + ["--zero-stage", "2"],
             "PP=2 x DP=2, ZeRO-1": layout(muon_argv, *zero1, pp=2),
-            "TP=2 x DP=2, bf16": tp2 + ["--bf16"],
-            "saved at 3": tp2 + zero1 + checkpoint + ["--exit-interval", "3"],
-            "resumed to 6": tp2 + zero1 + checkpoint + ["--load", save, "--exit-interval", "6"]}
+            "TP=2 x DP=2, bf16": tp2 + ["--bf16"]}
+    for straight in RESUMED:
+        save = str(tmp_path_factory.mktemp("muon_checkpoints"))
+        checkpoint = ["--save", save, "--save-interval", "100"]
+        runs[f"{straight}: saved at 3"] = runs[straight] + checkpoint + ["--exit-interval", "3"]
+        runs[f"{straight}: resumed to 6"] = runs[straight] + checkpoint + ["--load", save, "--exit-interval", "6"]
     per_rank = run_distributed(tp_orthogonalize_then_train, world_size=4, args=(list(runs.values()),))
     checks = [rank_checks for rank_checks, _ in per_rank]
     records = [dict(zip(runs, rank_records, strict=True)) for _, rank_records in per_rank]
@@ -114,11 +117,12 @@ def test_bf16_trains_close_to_fp32(reference, four_processes):
     assert_same_run(reference, run, "bf16 (BF16_Optimizer)", dtype=torch.bfloat16)
 
 
-def test_checkpoints_resume_bit_for_bit(four_processes):
-    """Saved after 3 iterations and resumed to 6: the straight ZeRO-1 run's first 6 losses and grad norms."""
+@pytest.mark.parametrize("straight", RESUMED)
+def test_checkpoints_resume_bit_for_bit(four_processes, straight):
+    """Saved after 3 iterations and resumed to 6: the straight run's first 6 losses and grad norms, bit for bit."""
     _, records = four_processes
     for rank, runs in enumerate(records):
-        straight, first, resumed = (runs[k] for k in ("TP=2 x DP=2, ZeRO-1", "saved at 3", "resumed to 6"))
+        full, first, resumed = (runs[k] for k in (straight, f"{straight}: saved at 3", f"{straight}: resumed to 6"))
         assert first["iterations"] == [1, 2, 3] and resumed["iterations"] == [4, 5, 6], f"rank {rank}"
-        assert first["losses"] + resumed["losses"] == straight["losses"][:6], f"rank {rank}"
-        assert resumed["grad_norms"] == straight["grad_norms"][3:6], f"rank {rank}"
+        assert first["losses"] + resumed["losses"] == full["losses"][:6], f"rank {rank}"
+        assert resumed["grad_norms"] == full["grad_norms"][3:6], f"rank {rank}"
