@@ -14,6 +14,7 @@ One module per feature's argument group and its step:
 
     moe_flags          the mixture-of-experts flags: Megatron-LM's names, and Megatron-DeepSpeed's where they agree
     mla_flags          the multi-head latent attention flags (``--multi-latent-attention``, ``--q-lora-rank``, ...)
+    muon_flags         the Muon optimizer's flags (``--muon-*``, Megatron-LM's names) for ``--optimizer muon``
     interleaved_flags  Megatron-LM's interleaved-pipeline flags: either one names the virtual stages per rank
     zero_bubble_flags  the zero-bubble pipeline flags, Megatron-DeepSpeed's names (rules: megatron.config.zero_bubble)
     upstream_flags     the one table of Megatron-LM / Megatron-DeepSpeed flags accepted with no effect here, or refused

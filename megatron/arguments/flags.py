@@ -12,6 +12,7 @@ import argparse
 from megatron.arguments.interleaved_flags import add_interleaved_arguments
 from megatron.arguments.mla_flags import add_mla_arguments
 from megatron.arguments.moe_flags import add_moe_arguments
+from megatron.arguments.muon_flags import add_muon_arguments
 from megatron.arguments.upstream_flags import add_upstream_arguments
 from megatron.arguments.zero_bubble_flags import add_zero_bubble_arguments
 from megatron.config import (
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a GPT/BLOOM model. Flag names and meanings follow Megatron-DeepSpeed.")
     for add in (_model, _parallelism, add_interleaved_arguments, add_zero_bubble_arguments, add_moe_arguments,
                 add_mla_arguments, _data, _tokenizer, _training, _learning_rate, _regularization, _mixed_precision,
-                _speed, _checkpointing, _logging, _exit, _deepspeed, _dry_run, add_upstream_arguments):
+                _speed, _checkpointing, _logging, _exit, _deepspeed, _dry_run, add_muon_arguments,
+                add_upstream_arguments):
         add(parser)
     return parser
 
@@ -275,7 +277,7 @@ def _training(parser):
                    help="Megatron-DeepSpeed: stop once this many tokens (consumed samples x --seq-length) are "
                         "trained on, or at --train-iters / --train-samples if that comes first.")
     g.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
-                   help="Optimizer: adam (with decoupled weight decay, as Megatron's) or sgd.")
+                   help="Optimizer: adam (with decoupled weight decay, as Megatron's), sgd, or muon (the --muon-* flags).")
     g.add_argument("--seed", type=int, default=1234, help="Random seed for initialization, dropout and data order.")
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="Recompute activations in the backward pass instead of storing them.")

@@ -17,6 +17,7 @@ The rules each feature adds across a ``RunConfig``, and their helpers:
     parallel_dims      the one list of parallel dimensions: name, flag, world factor, ZeRO sharding, resume rule
     moe                MoEConfig: the mixture-of-experts MLP, and the run rules it adds
     mla                MLAConfig: multi-head latent attention (DeepSeek-V2 / V3)
+    muon               the Muon optimizer's --muon-* choices, Newton-Schulz coefficient sets and rules
     context_parallel   the rules of context parallelism (``--context-parallel-size``, ring attention)
     pipeline_schedule  which layouts interleaved virtual stages can run, each refused with the fix
     zero_bubble        what the ZB-H1 pipeline schedule (``--enable-zbh1-pipeline``) needs of a run

@@ -99,6 +99,7 @@ FEATURES: tuple[Feature, ...] = (
             lambda rc: "--deepspeed-activation-checkpointing"),
     Feature("sync TP-duplicated parameters", "--sync-tp-duplicated-parameters",
             lambda rc: rc.training.sync_tp_duplicated_parameters, lambda rc: "--sync-tp-duplicated-parameters"),
+    Feature("Muon", "--optimizer muon", lambda rc: rc.optimizer.optimizer == "muon", lambda rc: "--optimizer muon"),
 )
 _BY_NAME = {f.name: f for f in FEATURES}
 
@@ -206,6 +207,19 @@ REFUSED: tuple[Refused, ...] = (
     Refused("interleaved", "context parallelism", "the two have not been run together", "drop --context-parallel-size"),
     Refused("interleaved", "partition method other than type:transformer", "chunks must hold equal layer counts",
             "use --pp-partition-method type:transformer"),
+    # Muon (megatron/engine/muon.py): it orthogonalises whole matrices, gathered from ZeRO-1/2's and BF16_Optimizer's
+    # flat partitions of each parameter group
+    Refused("Muon", "ZeRO-3", "ZeRO-3 holds 1/DP of every parameter in its own sub-group partitions, which "
+            "megatron.engine.muon does not gather into matrices (DeepSpeed's own ZeRO-3 Muon orthogonalises without "
+            "tensor parallelism and in half precision only)", "use --zero-stage 1 or 2 (the Muon momentum is "
+            "sharded over DP there too)", say="{a} does not work with {b}: {reason}; {fix}"),
+    Refused("Muon", "fp16", "Megatron-LM refuses it too ('emerging optimizer with fp16 is not supported'), and fp16 "
+            "cannot run on the CPU accelerator to be tested", "use --bf16 (BF16_Optimizer) or fp32",
+            say="{a} does not work with {b}: {reason}; {fix}"),
+    Refused("Muon", "universal checkpoint", "the universal format (DeepSpeed's ds_to_universal.py and "
+            "megatron.checkpoint.universal) carries Adam's exp_avg / exp_avg_sq only: the Muon momentum would be "
+            "lost", "resume Muon runs from their regular checkpoints at the same layout",
+            say="{a} does not work with {b}: {reason}; {fix}"),
     # the live evaluation harness (megatron/evaluation/live.py)
     Refused("live evaluation harness", "model engine", "it runs on the pipeline engine's model",
             "Evaluate its saved checkpoints with tools/evaluate.py instead",

@@ -27,9 +27,9 @@ pipeline.pipe_partitioned / grad_partitioned = false  --sequence-parallel (with 
                                                       the TP peers (that assumes replicated activations)
 communication_data_type = "bf16"                      --grad-reduce-in-bf16 (DeepSpeed's default for bf16
                                                       runs too: the gradients are reduced in bf16)
-zero_allow_untested_optimizer = true                  --exp-avg-dtype / --exp-avg-sq-dtype below fp32 under
-                                                      ZeRO or BF16_Optimizer (a torch optimizer over their
-                                                      flat fp32 partitions)
+zero_allow_untested_optimizer = true                  --optimizer muon, or --exp-avg-dtype / --exp-avg-sq-dtype
+                                                      below fp32, under ZeRO or BF16_Optimizer (client
+                                                      optimizers stepping on DeepSpeed's flat partitions)
 fp16.loss_scale                                       --loss-scale (0: dynamic), when given
 fp16.initial_scale_power                              log2(--initial-loss-scale), when given
 fp16.min_loss_scale / loss_scale_window / hysteresis  --min-loss-scale / --loss-scale-window /
@@ -129,10 +129,13 @@ def _derived(rc) -> list[tuple[tuple[str, ...], Any, str]]:
         # Megatron accumulates bf16 gradients in fp32; DeepSpeed then picks BF16_Optimizer
         out.append((("data_types", "grad_accum_dtype"), "fp32", "--bf16 (gradients accumulate in fp32)"))
     o = rc.optimizer
-    if (o.exp_avg_dtype, o.exp_avg_sq_dtype) != ("fp32", "fp32") and (rc.deepspeed_zero_stage or bf16 or fp16):
-        # DeepSpeed's ZeRO / BF16_Optimizer accept only optimizers it knows unless told; AdamWStateDtypes
-        # (megatron.engine.adam_state_dtypes) is a plain torch optimizer over their fp32 partitions
-        out.append((("zero_allow_untested_optimizer",), True, "--exp-avg-dtype / --exp-avg-sq-dtype"))
+    untested = o.optimizer == "muon" or (o.exp_avg_dtype, o.exp_avg_sq_dtype) != ("fp32", "fp32")
+    if untested and (rc.deepspeed_zero_stage or bf16 or fp16):
+        # DeepSpeed's ZeRO / BF16_Optimizer accept only optimizers it knows unless told; megatron.engine.muon steps
+        # on their flat partitions (attach_partitioned), AdamWStateDtypes (megatron.engine.adam_state_dtypes) is a
+        # plain torch optimizer over them
+        why = "--optimizer muon" if o.optimizer == "muon" else "--exp-avg-dtype / --exp-avg-sq-dtype"
+        out.append((("zero_allow_untested_optimizer",), True, why))
     if fp16:
         power = None if p.initial_loss_scale is None else int(math.log2(p.initial_loss_scale))
         scaling = {"loss_scale": p.loss_scale, "min_loss_scale": p.min_loss_scale,

@@ -14,6 +14,7 @@ from megatron.config.context_parallel import check_context_parallel_run
 from megatron.config.data import DataConfig, DatasetGroup, DatasetSplit  # noqa: F401 (RunConfig fields)
 from megatron.config.model import ModelConfig
 from megatron.config.moe import check_moe_run
+from megatron.config.muon import check_muon
 from megatron.config.pipeline_schedule import check_interleaved_run
 from megatron.config.zero_bubble import check_zero_bubble_run
 
@@ -21,7 +22,7 @@ PARTITION_METHODS = ("type:transformer", "type:transformer|embedding", "paramete
 DISTRIBUTED_BACKENDS = ("nccl", "gloo", "ccl")
 CP_COMM_TYPES = ("p2p",)  # Megatron-LM's --cp-comm-type values implemented here (all_gather, a2a, a2a+p2p are not)
 LR_DECAY_STYLES = ("linear", "cosine", "constant")
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd", "muon")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,18 @@ class OptimizerConfig:
     sgd_momentum: float = 0.9      # sgd only
     weight_decay: float = 0.01     # not applied to biases and norms (megatron.engine.optimizer)
     clip_grad: float = 1.0         # max global L2 norm of the gradients; 0 disables clipping
+    # --optimizer muon (megatron.engine.muon; flags: megatron.arguments.muon_flags, Megatron-LM's names)
+    muon_momentum: float = 0.9
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True    # --muon-no-split-qkv clears it
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "duplicated"
+    muon_use_syrk: bool = False
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = "adam"
 
     @property
     def betas(self) -> tuple[float, float]:
@@ -145,6 +158,8 @@ class OptimizerConfig:
             raise ValueError(f"--adam-eps must be positive, got {self.adam_eps}")
         if self.weight_decay < 0 or self.clip_grad < 0:
             raise ValueError(f"--weight-decay {self.weight_decay} and --clip-grad {self.clip_grad} must be >= 0")
+        if self.optimizer == "muon":
+            check_muon(self)
         return self
 
 
@@ -588,6 +603,7 @@ class RunConfig:
                              f"--valid-weighted-split-paths, or a --split without a validation part); pass "
                              f"validation data or --eval-iters 0")
         check_combinations(self, "live evaluation harness")  # on the pipeline engine's model only
+        check_combinations(self, "Muon")  # the ZeRO stages, precisions and checkpoint formats Muon runs with
         return self
 
     def _validate_pipeline(self, pp: int) -> None:

@@ -7,6 +7,8 @@
   partition methods, activation checkpointing);
 - ``optimizer``: parameter groups (no weight decay on biases and norms) and the fp32 grad-norm clipper;
 - ``adam_state_dtypes``: AdamW with its moments stored in bf16 / fp16 (Megatron-LM's precision-aware optimizer);
+- ``muon``: ``--optimizer muon``: Newton-Schulz-orthogonalised momentum for the matrices (whole over TP, or per
+  shard), AdamW for the rest; on ZeRO-1 / 2 and BF16_Optimizer's flat partitions too;
 - ``initialize``: ``build_engine(run_config, state)``: ``deepspeed.initialize`` on our topology, with the
   DeepSpeed config ``megatron.config.deepspeed`` derives from the run;
 - ``model_engine``: the model engine: ZeRO-2 / ZeRO-3 data parallelism and Ulysses with our tensor parallelism, a

@@ -37,6 +37,7 @@ from megatron.engine.deepspeed_compat import (
 )
 from megatron.engine.expert_parallel import check_expert_parallel_engine, mark_expert_parameters
 from megatron.engine.model_engine import DeepSpeedMPU, ModelEngine, build_model_module, set_hpz_group
+from megatron.engine.muon import attach_partitioned
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
 from megatron.engine.pipeline import build_pipeline_module
 from megatron.engine.schedules import ENGINE_CLASSES
@@ -84,17 +85,22 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
     if t.torch_compile:
         _compile_layers(module)
     experts = mark_expert_parameters(module, rc.model, state)  # MoE with EP > 1 (megatron.engine.expert_parallel)
-    client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
+    client = _fp32_clipping(_client(module, rc, state), config, rc, state)
     # the registry's chooser (megatron.config.schedules), the engine per schedule (megatron.engine.schedules);
     # no class: DeepSpeed's PipelineEngine (1F1B)
     engine_class, set_up, _ = ENGINE_CLASSES[schedule_name(rc)]
     with pipeline_engine_class(engine_class) if engine_class else contextlib.nullcontext():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
+    attach_partitioned(client, engine.optimizer)  # Muon under ZeRO / BF16_Optimizer: where its matrices lie
     use_safe_loading(engine)  # --load never unpickles code (megatron.engine.deepspeed_compat)
     if set_up is not None:
         engine = set_up(engine)  # ZB-H1: megatron.engine.schedules.zero_bubble.enable_zero_bubble
     check_expert_parallel_engine(engine, experts, state)
     return engine
+
+
+def _client(module, rc: RunConfig, state: ParallelState):
+    return build_client_optimizer(module, rc.optimizer, tp_group=state.tp_group, model_config=rc.model)
 
 
 def _fp32_clipping(client, config: dict, rc: RunConfig, state: ParallelState):
@@ -128,8 +134,9 @@ def _build_sharded_engine(rc: RunConfig, state: ParallelState, config: dict, tra
     # ZeRO-2 (ZeRO-3 is refused with EP > 1: megatron.config.combinations): DeepSpeedZeroOptimizer reduce-scatters a marked
     # expert's gradient over its expert-data-parallel group and shards its state there, as ZeRO-1 does
     experts = mark_expert_parameters(module, rc.model, state)
-    client = _fp32_clipping(build_client_optimizer(module, rc.optimizer), config, rc, state)
+    client = _fp32_clipping(_client(module, rc, state), config, rc, state)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config, mpu=mpu)
+    attach_partitioned(client, engine.optimizer)
     use_safe_loading(engine)
     sharded = ModelEngine(engine, state, mpu, hpz_ranks)
     check_expert_parallel_engine(sharded, experts, state)

@@ -1,4 +1,4 @@
-"""The client optimizer DeepSpeed wraps: AdamW (or SGD) over two parameter groups.
+"""The client optimizer DeepSpeed wraps: AdamW (or SGD, or Muon: megatron.engine.muon) over two parameter groups.
 
 No weight decay on biases and norm weights (Megatron's rule: every 1-D parameter), weight decay on
 the rest. DeepSpeed gets this torch optimizer as its client optimizer, so it never JIT-builds its
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.config import OPTIMIZERS, OptimizerConfig
 from megatron.engine.adam_state_dtypes import STATE_DTYPES, AdamWStateDtypes
 from megatron.engine.deepspeed_compat import is_moe_parameter
+from megatron.engine.muon import Muon, is_muon_parameter, qkv_split_rows
 from megatron.model.moe import is_expert_parallel
 from megatron.parallel.replicated import sync_tp_duplicated_parameters, tp_duplicated_parameters
 from megatron.parallel.state import group_size
@@ -69,9 +70,14 @@ def decoupled_lr_groups(groups: list[dict], config: OptimizerConfig) -> list[dic
     return out + decoupled
 
 
-def build_client_optimizer(module: torch.nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
-    """The torch optimizer ``config`` describes over ``module``'s parameter groups."""
+def build_client_optimizer(module: torch.nn.Module, config: OptimizerConfig, *, tp_group=None,
+                           model_config=None) -> torch.optim.Optimizer:
+    """The torch optimizer ``config`` describes over ``module``'s parameter groups. Muon
+    (``megatron.engine.muon``) takes the decayed group's matrices in a group of their own (``tp_group``: the
+    group TP-split matrices are gathered over; ``model_config``: where the fused QKV rows split)."""
     groups = decoupled_lr_groups(param_groups(module, config.weight_decay), config)
+    if config.optimizer == "muon":
+        return _muon(module, groups, config, tp_group, model_config)
     if config.optimizer == "adam" and (config.exp_avg_dtype, config.exp_avg_sq_dtype) != ("fp32", "fp32"):
         # Megatron-LM's precision-aware optimizer: the moments stored in bf16 / fp16
         return AdamWStateDtypes(groups, lr=config.lr, betas=config.betas, eps=config.adam_eps,
@@ -84,6 +90,21 @@ def build_client_optimizer(module: torch.nn.Module, config: OptimizerConfig) -> 
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
     raise ValueError(f"--optimizer {config.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+
+
+def _muon(module, groups: list[dict], config: OptimizerConfig, tp_group, model_config) -> torch.optim.Optimizer:
+    matrices = {id(p) for name, p in module.named_parameters() if p.requires_grad and is_muon_parameter(name, p)}
+    qkv = [p for name, p in module.named_parameters() if name.endswith("query_key_value.weight")]
+    out = []
+    for group in groups:
+        muon = [p for p in group["params"] if id(p) in matrices]
+        rest = [p for p in group["params"] if id(p) not in matrices]
+        if muon:
+            out.append(dict(group, params=muon, name="muon", muon=True))
+        if rest:
+            out.append(dict(group, params=rest, muon=False))
+    rows = qkv_split_rows(model_config) if model_config is not None else None
+    return Muon(out, config, tp_group=tp_group, qkv_rows=rows, qkv_params=qkv)
 
 
 def _counted_once(param: torch.Tensor, tp_rank: int) -> bool:

@@ -146,3 +146,18 @@ def test_bench_gpu_moe_row_runs_its_three_expert_paths_on_cpu():
             assert "error" not in entry[path], (skew, path, entry[path])
             assert entry[path]["median_fwd_bwd_s"] > 0
             assert entry[path]["max_abs_diff_vs_segments"] <= tolerance(torch.bfloat16, 4, 24, 1.0), (skew, path)
+
+
+def test_bench_muon_steps_adamw_and_muon_over_the_same_parameters(capsys):
+    from benchmarks import bench_muon
+
+    result = bench_muon.main(["--layers", "2", "--hidden-size", "32", "--heads", "4", "--vocab", "64", "--reps", "1",
+                              "--warmup", "0"])
+    paths = result["paths"]
+    assert set(paths) == {"adam", "muon_fp32", "muon_bf16"} and paths["adam"]["vs_adam"] == 1
+    for name in ("muon_fp32", "muon_bf16"):
+        # per layer QKV, dense, h -> 4h, 4h -> h; the rest (embeddings, output layer, biases, norms) on AdamW
+        assert paths[name]["muon_matrices"] == 8
+        assert paths[name]["muon_params"] + paths[name]["adam_params"] == result["total_params"]
+        assert paths[name]["muon_params"] == 2 * (3 + 1 + 4 + 4) * 32 * 32
+        assert paths[name]["ns_gflop_per_step"] > 0

@@ -15,6 +15,7 @@ Fixtures live in tests/conftest.py.
     server              a generation server in a thread, tools/serve.py in a process, a blocking client
     model, parallel     tiny configs of the model tests; tensor-parallel workers on gloo (run_on_tp)
     engine              DeepSpeed's pipeline partitioning on our layer specs
+    muon                Muon's plain-PyTorch reference and tolerance; the TP-mode check + training launch target
     arguments, config   command lines of the argument tests; RunConfigs built from the dataclasses
     data                a Hugging Face cache laid out by hand
     examples, tr11_jobs, slurm_cluster   the launch scripts' dry runs; BigScience's tr11 commands; a
