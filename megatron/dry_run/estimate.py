@@ -30,6 +30,8 @@ from megatron.planner.performance import ATTENTION_EFFICIENCY
 from megatron.planner.schedule_costs import in_flight, p2p_bytes_per_step
 from megatron.planner.specs import DEFAULT_CLUSTER, GiB, model_shape_of
 
+STATE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # an Adam moment's bytes per value, by its dtype
+
 DEFAULT_GPU = "A100-80GB"  # what BLOOM-176B trained on (Jean Zay), the GPU these flags were written for
 
 
@@ -99,7 +101,9 @@ def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
                   ulysses=p.ds_sequence_parallel_size,
                   store_attention_scores=stores_attention_scores(rc), ep=p.expert_model_parallel_size,
                   etp=0 if p.expert_tp == p.tensor_model_parallel_size else p.expert_tp,
-                  cp=p.context_parallel_size, schedule=schedule, virtual_stages=virtual_stages)
+                  cp=p.context_parallel_size, schedule=schedule, virtual_stages=virtual_stages,
+                  adam_state_bytes=sum(STATE_BYTES[d] for d in (rc.optimizer.exp_avg_dtype,
+                                                                rc.optimizer.exp_avg_sq_dtype)))
 
 
 def memory_section(rc: RunConfig, stage_layers: list[int], gpu) -> dict:

@@ -45,6 +45,9 @@ class Layout:
     # chunks of layers per rank (Megatron-LM's --num-virtual-stages-per-pipeline-rank)
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    # bytes of Adam's two moments per parameter: 8 in fp32, 4 with both stored in bf16 / fp16 (Megatron-LM's
+    # precision-aware optimizer, --exp-avg-dtype / --exp-avg-sq-dtype)
+    adam_state_bytes: int = 8
 
     def __post_init__(self):
         if self.ulysses < 1 or self.cp < 1:

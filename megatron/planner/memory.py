@@ -111,17 +111,18 @@ def static_bytes(num_params: int, layout: Layout, expert_params: int = 0) -> dic
                                                                   etp=0))
         return {key: dense[key] + experts[key] for key in dense}
     n, shard = num_params, (layout.weight_replicas if layout.zero_stage >= 1 else 1)
+    adam = layout.adam_state_bytes  # 8: both moments fp32
     if layout.zero_stage >= 2:
         return _sharded_static_bytes(n, layout)
     if layout.precision == "bf16":
-        return {"weights": 2 * n, "grad_buffer": 4 * n, "master": 4 * n / shard, "adam": 8 * n / shard,
+        return {"weights": 2 * n, "grad_buffer": 4 * n, "master": 4 * n / shard, "adam": adam * n / shard,
                 "grads": 2 * n}
     if layout.precision == "fp16" and layout.zero_stage == 0:
         # FP16_UnfusedOptimizer around the client AdamW: fp32 copies hold the Adam states; the step makes
         # an fp32 copy of every fp16 .grad before it updates
-        return {"weights": 2 * n, "grad_buffer": 0.0, "master": 4 * n, "adam": 8 * n, "grads": 2 * n + 4 * n}
+        return {"weights": 2 * n, "grad_buffer": 0.0, "master": 4 * n, "adam": adam * n, "grads": 2 * n + 4 * n}
     if layout.precision == "fp32":
-        return {"weights": 4 * n, "grad_buffer": 0.0, "master": 0.0, "adam": 8 * n / shard, "grads": 4 * n}
+        return {"weights": 4 * n, "grad_buffer": 0.0, "master": 0.0, "adam": adam * n / shard, "grads": 4 * n}
     raise ValueError(f"precision {layout.precision!r} with ZeRO stage {layout.zero_stage} is not modelled (bf16, "
                      f"fp32, and fp16 with ZeRO stage 0 are)")
 
@@ -136,13 +137,13 @@ def _sharded_static_bytes(n: int, layout: Layout) -> dict[str, float]:
         set (the layers being computed, prefetched) is
         not itemized, nor the parameters small enough to stay gathered (stage3_param_persistence_threshold).
     """
-    d, width = layout.weight_replicas, (2 if layout.precision == "bf16" else 4)
+    d, width, adam = layout.weight_replicas, (2 if layout.precision == "bf16" else 4), layout.adam_state_bytes
     if layout.precision not in ("bf16", "fp32"):
         raise ValueError(f"precision {layout.precision!r} with ZeRO stage {layout.zero_stage} is not modelled "
                          f"(bf16 and fp32 are)")
     if layout.zero_stage == 2:
-        return {"weights": width * n, "grad_buffer": 0.0, "master": 4 * n / d, "adam": 8 * n / d, "grads": 4 * n / d}
-    out = {"weights": width * n / d, "grad_buffer": width * n / d, "master": 4 * n / d, "adam": 8 * n / d,
+        return {"weights": width * n, "grad_buffer": 0.0, "master": 4 * n / d, "adam": adam * n / d, "grads": 4 * n / d}
+    out = {"weights": width * n / d, "grad_buffer": width * n / d, "master": 4 * n / d, "adam": adam * n / d,
            "grads": 0.0}
     if layout.hpz > 1:  # hpZ's secondary copy of the weights, sharded over the hpz ranks of a group
         out["weights"] += width * n / layout.hpz

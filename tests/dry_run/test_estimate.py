@@ -47,7 +47,7 @@ def test_planner_layout_reads_sequence_parallelism_and_the_attention_kernel(file
     assert (plain.sequence_parallel, plain.ulysses, plain.store_attention_scores) == (False, 1, False)
     parallel = types.SimpleNamespace(**{**dataclasses.asdict(rc.parallel), "sequence_parallel": True,
                                         "ds_sequence_parallel_size": 2, "expert_tp": rc.parallel.expert_tp})
-    fake = types.SimpleNamespace(parallel=parallel, batch=rc.batch, training=rc.training, model=rc.model,
+    fake = types.SimpleNamespace(parallel=parallel, batch=rc.batch, training=rc.training, model=rc.model, optimizer=rc.optimizer,
                                  deepspeed_zero_stage=rc.deepspeed_zero_stage)
     layout = planner_layout(fake, [rc.model.num_layers])
     assert (layout.sequence_parallel, layout.ulysses, layout.sequence_label) == (True, 2, "SP+U2")

@@ -91,3 +91,18 @@ def test_flag_rules(files):
     with pytest.raises(ValueError, match="--main-grads-dtype bf16 / --main-params-dtype fp32: DeepSpeed's"):
         parse(files, main_grads_dtype="bf16")
     assert parse(files, use_precision_aware_optimizer=True, exp_avg_dtype="fp16").optimizer.exp_avg_dtype == "fp16"
+
+
+def test_dry_run_plans_half_the_adam_bytes(files):
+    """The plan's optimizer state: 8 bytes a parameter with fp32 moments, 4 with both in bf16, 6 with one."""
+    from megatron.dry_run.estimate import planner_layout
+    from megatron.planner.memory import static_bytes
+    from tests.helpers.arguments import parse
+
+    adam = {}
+    for dtypes in (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp32")):
+        rc = parse(files, bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype=dtypes[0],
+                   exp_avg_sq_dtype=dtypes[1])
+        layout = planner_layout(rc, [2])
+        adam[dtypes] = static_bytes(1000, layout)["adam"] * layout.weight_replicas
+    assert adam == {("fp32", "fp32"): 8000, ("bf16", "bf16"): 4000, ("fp16", "fp32"): 6000}
