@@ -190,8 +190,7 @@ def to_universal(tag_dir, output_dir=None, *flags) -> str:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        with open(log, errors="replace") as f:
-            output = f.read()
+        output = open(log, errors="replace").read() if os.path.isfile(log) else "(it wrote no output)"
     assert proc.exitcode == 0, f"exit status {proc.exitcode}\n{output[-6000:]}"
     assert os.path.isfile(os.path.join(output_dir, "complete")), os.listdir(output_dir)
     return str(output_dir)
