@@ -13,9 +13,11 @@
     convert_to_universal(tag_dir, output_dir=None, *flags)  the same, returning the finished process
 """
 
+import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -164,9 +166,51 @@ def convert_to_universal(tag_dir, output_dir=None, *flags) -> subprocess.Complet
 
 
 def to_universal(tag_dir, output_dir=None, *flags) -> str:
-    """``convert_to_universal``, asserted to succeed and to leave a complete checkpoint; its output folder."""
+    """What ``convert_to_universal`` runs, asserted to succeed and to leave a complete checkpoint; its output
+    folder. The script's ``run_tool(main)`` runs in a process of its own forked from ``run_distributed``'s fork
+    server, which has imported torch and DeepSpeed already: a new interpreter spends about 4 s importing them,
+    for each of the suite's conversions (``convert_to_universal`` still starts the script itself)."""
+    import torch.multiprocessing as mp
+
+    from megatron.testing.processes import FORKSERVER_PRELOAD
+
     output_dir = output_dir or f"{os.path.normpath(tag_dir)}_universal"
-    proc = convert_to_universal(tag_dir, output_dir, *flags)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    os.makedirs(os.path.dirname(os.path.abspath(output_dir)), exist_ok=True)  # latest_universal goes there
+    argv = ["--input_folder", str(tag_dir), "--output_folder", str(output_dir), *map(str, flags)]
+    with tempfile.TemporaryDirectory(prefix="ds_to_universal_") as folder:
+        log = os.path.join(folder, "output.txt")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # as run_distributed's ranks (no effect once it runs)
+        proc = ctx.Process(target=_run_ds_to_universal, args=(
+            argv, dict(os.environ, DS_ACCELERATOR="cpu"), os.getcwd(), log))
+        proc.start()
+        try:
+            proc.join(timeout=600)
+        finally:  # also when pytest-timeout interrupts the join
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        output = open(log, errors="replace").read() if os.path.isfile(log) else "(it wrote no output)"
+    assert proc.exitcode == 0, f"exit status {proc.exitcode}\n{output[-6000:]}"
     assert os.path.isfile(os.path.join(output_dir, "complete")), os.listdir(output_dir)
     return str(output_dir)
+
+
+def _run_ds_to_universal(argv, environ, cwd, log):
+    """In a fork of the fork server: ds_to_universal.py's ``__main__`` (``run_tool(main)``, which exits with its
+    status) on ``argv``, in the caller's environment and folder, writing its stdout and stderr to ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    # DeepSpeed's converter forks its worker processes (the default start method of a new interpreter on Linux), so
+    # that they inherit its safe torch.load; in a fork-server child the default would be the fork server.
+    multiprocessing.set_start_method("fork", force=True)
+    from megatron.cli import run_tool
+    from tools.convert_checkpoint.ds_to_universal import main
+
+    run_tool(lambda: main(argv))

@@ -46,6 +46,37 @@ def reference_run(reference_runs):
     return reference_runs[0]
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe_checkpoints")
+
+
+# The 4-process launch's runs, in order: the COMPOSED layouts', then each RESUMED layout's three (straight, 3 + save,
+# resumed), then the save the universal checkpoint is converted from.
+COMPOSED = 5
+RESUMED = ("tp2", "bf16", "pp2")
+
+
+@pytest.fixture(scope="module")
+def four_process_runs(moe_argv, checkpoints):
+    """One 4-process launch: the layouts EP = 2 composes with (test_expert_parallel_composes_with_tp_pp_zero1_and_bf16),
+    each resumed layout straight, 3 + save and 3 resumed (test_expert_parallel_checkpoints_resume_loss_for_loss),
+    and the run saved for the universal checkpoint (test_a_universal_checkpoint_moves_an_moe_run_between_layouts)."""
+    ep = ["--expert-model-parallel-size", 2]
+    runs = [layout(moe_argv, *ep, tp=2), layout(moe_argv, *ep, pp=2), layout(moe_argv, *ep, "--zero-stage", 1),
+            layout(moe_argv, *ep, "--bf16"), layout(moe_argv, *ep, "--bf16", tp=2)]
+    assert len(runs) == COMPOSED
+    for name, flags in zip(RESUMED, (["--expert-model-parallel-size", 2, "--tensor-model-parallel-size", 2],
+                                     ["--expert-model-parallel-size", 2, "--bf16"],
+                                     ["--pipeline-model-parallel-size", 2])):
+        argv = layout(moe_argv, *flags, "--train-iters", 6)
+        save = ["--save", str(checkpoints / name), "--save-interval", "100"]
+        runs += [argv, argv + save + ["--exit-interval", "3"], argv + save + ["--load", str(checkpoints / name)]]
+    runs.append(layout(moe_argv, "--expert-model-parallel-size", 2, "--zero-stage", 1, "--save",
+                       checkpoints / "universal", "--save-interval", 100, "--exit-interval", 3, tp=2))
+    return run_distributed(train_moe, world_size=4, args=(runs,), timeout=900)
+
+
 def test_one_process_learns_and_moves_the_expert_bias(reference_run):
     losses = reference_run["losses"]
     assert len(losses) == ITERS and losses[-1] < losses[0] - 0.05, losses
@@ -144,16 +175,13 @@ def test_moe_statistics_reach_tensorboard_per_iteration(reference_runs, tensorbo
 
 
 @pytest.mark.multiprocess
-def test_expert_parallel_composes_with_tp_pp_zero1_and_bf16(moe_argv, reference_run):
+def test_expert_parallel_composes_with_tp_pp_zero1_and_bf16(four_process_runs, reference_run):
     """One 4-process launch: EP = 2 x TP = 2 (DP = 2), EP = 2 x PP = 2 (DP = 2), EP = 2 with ZeRO-1 over DP = 4
     (fp32: DeepSpeedZeroOptimizer), the BLOOM path (bf16, BF16_Optimizer) at EP = 2 x TP = 2 (its grad norm), and
     at EP = 2 over DP = 4, whose fp32
     master weights are sharded over DP = 4 for the dense parameters and over the expert-data-parallel group
     (2 ranks) for the experts."""
-    ep = ["--expert-model-parallel-size", 2]
-    runs = [layout(moe_argv, *ep, tp=2), layout(moe_argv, *ep, pp=2), layout(moe_argv, *ep, "--zero-stage", 1),
-            layout(moe_argv, *ep, "--bf16"), layout(moe_argv, *ep, "--bf16", tp=2)]
-    results = run_distributed(train_moe, world_size=4, args=(runs,), timeout=600)
+    results = [records[:COMPOSED] for records in four_process_runs]
     # BF16_Optimizer at EP = 2 x TP = 2: the experts' grad norm summed over TP, each expert's output bias (the same
     # on both TP ranks) counted once (deepspeed_compat.count_expert_grads_once). Before that, the TP ranks
     # disagreed on the norm (by ~1e-6 relative; their bias gradients differ in bf16's last bits).
@@ -175,21 +203,14 @@ def test_expert_parallel_composes_with_tp_pp_zero1_and_bf16(moe_argv, reference_
 
 
 @pytest.mark.multiprocess
-def test_expert_parallel_checkpoints_resume_loss_for_loss(moe_argv, tmp_path):
+def test_expert_parallel_checkpoints_resume_loss_for_loss(moe_argv, four_process_runs, checkpoints):
     """One 4-process launch, each layout trained 6 iterations straight, then 3 + save and 3 more resumed:
     EP = 2 x TP = 2 without ZeRO (the experts' Adam state in the expert files), EP = 2 over DP = 4 in bf16
     (BF16_Optimizer: the experts' fp32 master and optimizer shards in DeepSpeed's per-rank files), and EP = 1 x
     PP = 2 (DeepSpeed's files only). The resumed losses and grad norms are the straight ones bit for bit, and so
     are the expert biases (router buffers, outside the gradient). A resume at another EP size is refused by
-    name."""
-    runs = []
-    for name, flags in (("tp2", ["--expert-model-parallel-size", 2, "--tensor-model-parallel-size", 2]),
-                        ("bf16", ["--expert-model-parallel-size", 2, "--bf16"]),
-                        ("pp2", ["--pipeline-model-parallel-size", 2])):
-        argv = layout(moe_argv, *flags, "--train-iters", 6)
-        save = ["--save", str(tmp_path / name), "--save-interval", "100"]
-        runs += [argv, argv + save + ["--exit-interval", "3"], argv + save + ["--load", str(tmp_path / name)]]
-    results = run_distributed(train_moe, world_size=4, args=(runs,), timeout=600)
+    name. (The runs: ``four_process_runs``.)"""
+    results = [records[COMPOSED:COMPOSED + 3 * len(RESUMED)] for records in four_process_runs]
     for rank, records in enumerate(results):
         for i, name in enumerate(("EP=2 x TP=2", "EP=2 bf16", "EP=1 x PP=2")):
             straight, first, resumed = records[3 * i: 3 * i + 3]
@@ -197,7 +218,7 @@ def test_expert_parallel_checkpoints_resume_loss_for_loss(moe_argv, tmp_path):
             assert first["losses"] + resumed["losses"] == straight["losses"], f"rank {rank}, {name}"
             assert resumed["grad_norms"] == straight["grad_norms"][3:], f"rank {rank}, {name}"
             assert resumed["expert_bias"] == straight["expert_bias"], f"rank {rank}, {name}"
-    other_ep = run_config_from_argv(layout(moe_argv, "--tensor-model-parallel-size", 2, "--load", tmp_path / "tp2"),
+    other_ep = run_config_from_argv(layout(moe_argv, "--tensor-model-parallel-size", 2, "--load", checkpoints / "tp2"),
                                     world_size=4)
     with pytest.raises(ValueError, match=re.escape("saved with --expert-model-parallel-size 2 (this run: 1)")):
         resume_point(other_ep)
@@ -228,16 +249,16 @@ def test_expert_parallel_composes_with_every_axis_and_zero2(moe_argv, reference_
 
 
 @pytest.mark.multiprocess
-def test_a_universal_checkpoint_moves_an_moe_run_between_layouts(moe_argv, reference_run, tmp_path):
+def test_a_universal_checkpoint_moves_an_moe_run_between_layouts(moe_argv, reference_run, four_process_runs,
+                                                                 checkpoints):
     """Saved after 3 iterations at EP = 2 x TP = 2 (DP = 2, fp32 ZeRO-1), converted by ds_to_universal.py (each
     expert parameter's folder then holds all 4 experts: the EP ranks' shards joined, the TP slices of each
     joined along the parameter's own split dim; the routers' expert biases beside them), and resumed in one
     2-process launch at EP = 1 x TP = 2, EP = 1 x PP = 2 and EP = 2 x DP = 2: each continues the one-process run
-    within ``run_tolerance`` to iteration 10, and ends with its expert biases."""
-    save = str(tmp_path / "checkpoints")
-    run_distributed(train_moe, world_size=4, timeout=600, args=([layout(
-        moe_argv, "--expert-model-parallel-size", 2, "--zero-stage", 1, "--save", save, "--save-interval", 100,
-        "--exit-interval", 3, tp=2)],))
+    within ``run_tolerance`` to iteration 10, and ends with its expert biases. (The save: ``four_process_runs``'
+    last run.)"""
+    save = str(checkpoints / "universal")
+    assert all(records[-1]["iterations"] == [1, 2, 3] for records in four_process_runs)
     universal = to_universal(os.path.join(save, "global_step3"))
     assert sorted(n for n in os.listdir(os.path.join(universal, "zero")) if ".experts." in n) == [
         f"{layer}.mlp.experts.{p}" for layer in (3, 4) for p in ("fc1_bias", "fc2_bias", "w1", "w2")]

@@ -44,10 +44,31 @@ def at_end(folder):
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory):
-    """The checkpoint folders the runs write: the SP = 2 ZeRO-1 run's iteration 5 ("first half"), and at iteration
-    10 the one-process BLOOM reference's and the SP = 2 runs' at ZeRO-0 and ZeRO-1."""
+    """The checkpoint folders the runs write: the SP = 2 ZeRO-1 run's iteration 5 ("first half"; "half for the
+    pipeline" is a copy of it, converted for the pipeline engine), and at iteration 10 the one-process BLOOM
+    reference's and the SP = 2 runs' at ZeRO-0 and ZeRO-1."""
     root = tmp_path_factory.mktemp("ulysses")
-    return {name: str(root / name) for name in ("half", "one", "sp2 zero0", "sp2 zero1")}
+    return {name: str(root / name) for name in ("half", "half for the pipeline", "one", "sp2 zero0", "sp2 zero1")}
+
+
+def _universal_resumes(corpus, saves) -> dict:
+    """The SP=2 ZeRO-1 run's iteration-5 checkpoint ("first half"), converted by ds_to_universal.py for the model
+    engine, which Ulysses runs on, and, in a copy of the folder, with --target-engine pipeline: the runs that
+    resume it at SP=4, at SP=2 x DP=2, at SP=1 x DP=4 under ZeRO-2 and in 3D (TP=2 x PP=2), 4 processes each."""
+    import os
+    import shutil
+
+    model_engine, pipeline = saves["half"], saves["half for the pipeline"]
+    shutil.copytree(model_engine, pipeline)
+    for save, name, flags in ((model_engine, "global_step5_universal", ()),
+                              (pipeline, "global_step5_universal_pipeline", ("--target-engine", "pipeline"))):
+        to_universal(os.path.join(save, "global_step5"), os.path.join(save, name), *flags)  # latest_universal -> it
+    argv = tiny_argv(corpus, train_iters=ITERS, zero_stage=1)
+    resumed = {"sp4": layout(argv, *SP4, "--load", model_engine), "sp2 dp2": layout(argv, *SP2, "--load", model_engine),
+               "sp1 dp4 zero2": tiny_argv(corpus, "--load", model_engine, train_iters=ITERS, zero_stage=2),
+               "3d tp2 pp2": tiny_argv(corpus, "--load", pipeline, train_iters=ITERS, zero_stage=1,
+                                       tensor_model_parallel_size=2, pipeline_model_parallel_size=2)}
+    return {f"universal {label}": (layout(a, "--universal-checkpoint"), "bloom") for label, a in resumed.items()}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +111,8 @@ def runs(tiny_corpus, saves):
     }
     out = {}
     for world, layouts in ((2, two), (4, four)):
+        if world == 4:  # the universal resumes of the 2-process launch's "first half" join the 4-process launch
+            layouts.update(_universal_resumes(tiny_corpus, saves))
         results = run_distributed(train, world_size=world, args=([argv for argv, _ in layouts.values()],),
                                   timeout=900)
         for rank, per_rank in enumerate(results):
@@ -160,30 +183,15 @@ def test_ulysses_resume_is_exact(runs):
 
 
 @pytest.mark.multiprocess
-def test_universal_checkpoint_moves_between_sequence_parallel_sizes(tiny_corpus, runs, saves, tmp_path):
+def test_universal_checkpoint_moves_between_sequence_parallel_sizes(runs):
     """The SP ranks hold the same weights: the SP=2 ZeRO-1 run's iteration-5 checkpoint ("first half"), converted
     by ds_to_universal.py (for the model engine, which Ulysses runs on, and, in a copy of the folder, with
     --target-engine pipeline), continues at SP=4, at SP=2 x DP=2, at SP=1 x DP=4 under ZeRO-2 and in 3D (TP=2 x
-    PP=2), each within ``run_tolerance`` of the straight SP=2 run (one 4-process launch)."""
-    import os
-    import shutil
-
+    PP=2), each within ``run_tolerance`` of the straight SP=2 run (in the fixture's 4-process launch)."""
     _, out = runs
     straight = out["bloom sp2 zero1"][0][1]
-    model_engine, pipeline = saves["half"], str(tmp_path / "half_for_the_pipeline")
-    shutil.copytree(model_engine, pipeline)
-    for save, name, flags in ((model_engine, "global_step5_universal", ()),
-                              (pipeline, "global_step5_universal_pipeline", ("--target-engine", "pipeline"))):
-        to_universal(os.path.join(save, "global_step5"), os.path.join(save, name), *flags)  # latest_universal -> it
-    argv = tiny_argv(tiny_corpus, train_iters=ITERS, zero_stage=1)
-    resumed = {"sp4": layout(argv, *SP4, "--load", model_engine), "sp2 dp2": layout(argv, *SP2, "--load", model_engine),
-               "sp1 dp4 zero2": tiny_argv(tiny_corpus, "--load", model_engine, train_iters=ITERS, zero_stage=2),
-               "3d tp2 pp2": tiny_argv(tiny_corpus, "--load", pipeline, train_iters=ITERS, zero_stage=1,
-                                       tensor_model_parallel_size=2, pipeline_model_parallel_size=2)}
-    per_rank = run_distributed(train, world_size=4, timeout=600, args=(
-        [layout(a, "--universal-checkpoint") for a in resumed.values()],))
-    for rank, results in enumerate(per_rank):
-        for label, run in zip(resumed, results):
+    for label in ("sp4", "sp2 dp2", "sp1 dp4 zero2", "3d tp2 pp2"):
+        for rank, (_, run) in out[f"universal {label}"].items():
             assert run["iterations"] == list(range(6, 11)), (label, run["iterations"])
             assert_continues(straight["losses"], run["losses"], f"rank {rank} {label}", dtype=torch.float32)
 
