@@ -133,12 +133,16 @@ def test_tiny_torchrun_then_deepspeed_launcher_resumes_it(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PY=sys.executable, RUN_DIR=str(run_dir), TRAIN_ITERS="8", NPROC="2",
                DATA_PREFIX=corpus["data_prefix"], VOCAB_FILE=corpus["vocab_file"], MERGE_FILE=corpus["merge_file"],
-               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
+               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     for script, extra in (("train_tiny_torchrun.sh", ["--exit-interval", "4"]), ("deepspeed_launcher.sh", [])):
-        # tensorboard gets a point per --log-interval
+        # tensorboard gets a point per --log-interval. A port of its own per launch: one picked once and kept for the
+        # second launch can be taken in between as the source port of another worker's connection.
+        env["MASTER_PORT"] = str(_free_port())
         proc = subprocess.run(["bash", str(EXAMPLES / script), *extra, "--log-interval", "1"], env=env,
                               capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line][:20]
+        assert proc.returncode == 0, (f"{script} exited {proc.returncode}; its error lines:\n" + "\n".join(errors)
+                                      + f"\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         latest = (run_dir / "checkpoints" / "latest").read_text().strip()
         assert latest == ("global_step4" if extra else "global_step8")
         assert (run_dir / "checkpoints" / latest / "complete").is_file()

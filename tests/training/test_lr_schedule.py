@@ -71,11 +71,26 @@ def test_state_dict_round_trip():
     s.step(35)
     state = s.state_dict()
     assert state == {"max_lr": 1.0, "min_lr": 0.1, "warmup_steps": 10, "decay_steps": 110,
-                     "decay_style": "cosine", "num_steps": 35}
+                     "decay_style": "cosine", "num_steps": 35, "tokens_per_sample": 1}
     opt = optimizer()
     t = scheduler(opt=opt)
     t.load_state_dict(state)
     assert t.num_steps == 35 and opt.param_groups[0]["lr"] == pytest.approx(COSINE_QUARTER)
+
+
+def test_a_resume_that_switches_to_tokens_counts_the_samples_in_tokens():
+    """A sample-counted checkpoint resumed by a token-based schedule (--override-lr-scheduler: its lengths are the
+    flags'): 35 samples of 16 tokens are 560 tokens; and back."""
+    s = scheduler()
+    s.step(35)
+    tokens = LRScheduler(None, max_lr=1.0, min_lr=0.1, warmup_steps=160, decay_steps=1760, decay_style="cosine",
+                         override_lr_scheduler=True, tokens_per_sample=16)
+    tokens.load_state_dict(s.state_dict())
+    assert tokens.num_steps == 560 and tokens.get_lr() == pytest.approx(COSINE_QUARTER)
+    back = scheduler()
+    back.override_lr_scheduler = True
+    back.load_state_dict(tokens.state_dict())
+    assert back.num_steps == 35
 
 
 def test_resume_with_a_different_schedule_needs_a_choice():
