@@ -5,7 +5,8 @@ these, never global arguments. Field names follow Megatron-DeepSpeed's flag name
 raises ``ValueError`` naming the values and the fix.
 
 Split by concern: ``model`` (the architecture, its FLOPs), ``data`` (data paths, groups, the
-tokenizer) and ``run`` (everything else, and ``RunConfig`` grouping it all); import them from here.
+tokenizer), ``optimizer`` (the optimizer and its learning-rate schedule) and ``run`` (everything else, and
+``RunConfig`` grouping it all); import them from here.
 Beside them, three pure helpers every layer may read: ``deepspeed`` (the DeepSpeed config dict a
 ``RunConfig`` gives, merged with the user's JSON; it never imports deepspeed), ``launch`` (rank
 and world size as the launcher set them) and ``schedules`` (the registry of pipeline schedules: their rules,
@@ -18,6 +19,7 @@ The rules each feature adds across a ``RunConfig``, and their helpers:
     moe                MoEConfig: the mixture-of-experts MLP, and the run rules it adds
     mla                MLAConfig: multi-head latent attention (DeepSeek-V2 / V3)
     muon               the Muon optimizer's --muon-* choices, Newton-Schulz coefficient sets and rules
+    optimizer          OptimizerConfig and LRScheduleConfig: the client optimizer and its learning-rate schedule
     context_parallel   the rules of context parallelism (``--context-parallel-size``, ring attention)
     pipeline_schedule  which layouts interleaved virtual stages can run, each refused with the fix
     zero_bubble        what the ZB-H1 pipeline schedule (``--enable-zbh1-pipeline``) needs of a run
