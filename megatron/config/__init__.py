@@ -18,6 +18,7 @@ The rules each feature adds across a ``RunConfig``, and their helpers:
     parallel_dims      the one list of parallel dimensions: name, flag, world factor, ZeRO sharding, resume rule
     moe                MoEConfig: the mixture-of-experts MLP, and the run rules it adds
     mla                MLAConfig: multi-head latent attention (DeepSeek-V2 / V3)
+    fp8                FP8Config: FP8 training (--fp8-format, --fp8-recipe and the other --fp8-* flags)
     muon               the Muon optimizer's --muon-* choices, Newton-Schulz coefficient sets and rules
     optimizer          OptimizerConfig and LRScheduleConfig: the client optimizer and its learning-rate schedule
     context_parallel   the rules of context parallelism (``--context-parallel-size``, ring attention)

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.config._checks import _one_of
+from megatron.config.fp8 import FP8Config
 from megatron.config.mla import MLAConfig
 from megatron.config.moe import MoEConfig
 
@@ -106,6 +107,8 @@ class ModelConfig:
     moe: Optional[MoEConfig] = None
     # Multi-head latent attention (--multi-latent-attention, DeepSeek-V3) in every layer; None: the fused-QKV attention.
     mla: Optional[MLAConfig] = None
+    # FP8 GEMMs in the transformer layers' linear layers (--fp8-format, megatron.config.fp8); None: the run's precision.
+    fp8: Optional[FP8Config] = None
 
     @property
     def expert_ffn_size(self) -> int:

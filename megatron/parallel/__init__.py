@@ -15,6 +15,8 @@ What lives here:
     all_to_all         the autograd all-to-all with uneven splits that expert parallelism exchanges tokens with
     context_parallel   context parallelism's sequence layout and its ring exchange (``--context-parallel-size``)
     weight_grad_store  deferred weight gradients for zero-bubble pipeline schedules (ZB-H1)
+    fp8_quantize       FP8 quantizers (per tensor, 1 x 128 / 128 x 128 blocks, MXFP8) and the scaled GEMM on them
+    fp8_linear         FP8 GEMMs in the column- and row-parallel layers; delayed scaling's state and its update
 
 Imports only torch: never deepspeed, global arguments or environment variables. Process groups are
 passed explicitly; a group of ``None`` means one rank (collectives are the identity).

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.parallel.fp8_linear import fp8_linear
 from megatron.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -105,6 +106,13 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
         self.weight_grad_store = None  # ZB-H1: where the weight gradient is deferred (weight_grad_store.py)
+        self.fp8 = None  # an FP8Scaling: the GEMMs in FP8 (fp8_linear.enable_fp8)
+        self.fp8_operand_sharding = (False, True, True)  # input (gathered: whole), weight, output gradient: split
+
+    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, bias, self.fp8, self.weight_grad_store)
+        return linear(x, self.weight, bias, self.weight_grad_store)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.sequence_parallel:
@@ -112,7 +120,7 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             total_input = copy_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, h]
         bias = None if self.skip_bias_add else self.bias
-        output_parallel = linear(total_input, self.weight, bias, self.weight_grad_store)  # [s, b, o/tp]
+        output_parallel = self._linear(total_input, bias)  # [s, b, o/tp]
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output_parallel, self.tp_group)  # [s, b, o]
         else:
@@ -175,6 +183,8 @@ class RowParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
         self.weight_grad_store = None  # ZB-H1: where the weight gradient is deferred (weight_grad_store.py)
+        self.fp8 = None  # an FP8Scaling: the GEMMs in FP8 (fp8_linear.enable_fp8)
+        self.fp8_operand_sharding = (True, True, False)  # input and weight split; output gradient whole
 
     def _bias_for_use(self) -> Optional[torch.Tensor]:
         # With sequence parallelism each rank adds the bias to its own tokens only, so the gradient
@@ -188,7 +198,10 @@ class RowParallelLinear(torch.nn.Module):
             input_parallel = x  # [s, b, h/tp]
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, h/tp]
-        output_parallel = linear(input_parallel, self.weight, None, self.weight_grad_store)  # [s, b, o], partial sum
+        if self.fp8 is not None:
+            output_parallel = fp8_linear(input_parallel, self.weight, None, self.fp8, self.weight_grad_store)
+        else:
+            output_parallel = linear(input_parallel, self.weight, None, self.weight_grad_store)  # [s, b, o], partial sum
         if self.sequence_parallel:
             # [s, b, o] partial sums -> [s/tp, b, o] full sums of this rank's tokens
             output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
