@@ -17,6 +17,7 @@ import os
 from typing import Optional, Sequence
 
 from megatron.arguments.flags import ATTENTION_BACKEND_ALIASES, DRY_RUN_OPTIONS, POSITION_EMBEDDING_ALIASES
+from megatron.arguments.fp8_flags import fp8_warnings
 from megatron.arguments.moe_flags import moe_warnings
 from megatron.arguments.muon_flags import muon_warnings
 from megatron.arguments.upstream_flags import upstream_warnings
@@ -348,7 +349,7 @@ def _no_effect_warnings(args) -> list[str]:
     if getattr(args, "attention_backend_alias", None):
         out.append(f"--attention-backend {args.attention_backend_alias} (Megatron-LM's name) runs as "
                    f"--attention-backend {args.attention_backend}: the same math on torch's kernels")
-    out += moe_warnings(args) + muon_warnings(args) + upstream_warnings(args)
+    out += moe_warnings(args) + muon_warnings(args) + fp8_warnings(args) + upstream_warnings(args)
     if args.distributed_backend == "nccl" and not _cuda_available():
         out.append("--distributed-backend nccl but CUDA is not available on this machine: the process group "
                    "cannot start here (use gloo on CPU)")

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
-from megatron.arguments import flag_steps, interleaved_flags, mla_flags, moe_flags, upstream_flags
+from megatron.arguments import flag_steps, fp8_flags, interleaved_flags, mla_flags, moe_flags, upstream_flags
 from megatron.arguments.build import assemble_run_config, resolve_vocab_size
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
@@ -162,6 +162,7 @@ FLAG_STEPS = (
          produces=("num_virtual_stages_per_pipeline_rank",)),
     Step("the multi-head latent attention flags", mla_flags.resolve_mla,
          produces=("mla",)),
+    Step("the FP8 flags", fp8_flags.resolve_fp8, needs=("the required flags",), produces=("fp8",)),
     Step("the defaults", flag_steps.fill_defaults, produces=("distributed_backend", "profile_ranks")),
     Step("the skipped iteration ranges", flag_steps.merge_iteration_ranges, produces=("skip_train_iteration_range",)),
     Step("the data flags", flag_steps.parse_data_flags,
@@ -184,7 +185,7 @@ CONFIG_STEPS = (
     # every flag step that fills in a field the run configuration reads, in the order they run
     Step("the run configuration", _assemble, on="run", produces=("config",),
          needs=(WORLD, "the required flags", "the model flags spelled two ways", "the mixture-of-experts flags",
-                "the multi-head latent attention flags",
+                "the multi-head latent attention flags", "the FP8 flags",
                 "the recomputation flags",
                 "the parallel sizes against the world size", "the defaults", "the skipped iteration ranges",
                 "the data flags", "the DeepSpeed JSON", "the startup warnings")),

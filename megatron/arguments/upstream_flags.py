@@ -47,8 +47,10 @@ _CKPT = ("checkpoints are written in DeepSpeed's layout (Megatron-DeepSpeed's, r
 _FSDP = ("Megatron-FSDP is Megatron-LM's own sharded data-parallel engine; here DeepSpeed's ZeRO-3 shards the "
          "parameters, gradients and optimizer state over the data-parallel ranks: use --zero-stage 3 instead")
 _LATER = "not implemented yet (the DeepSeek-V3 / Qwen3 recipe work)"
-_FP8 = ("FP8 training (Transformer Engine's recipes) is not implemented in this engine, and dropping the flag would "
-        "train in bf16 instead of what the script asks; remove the --fp8-* flags to train in bf16")
+_FP8_PARAM_GATHER = ("Megatron-LM keeps FP8 copies of the weights and all-gathers those (1 byte per parameter); "
+                     "here the FP8 GEMMs (--fp8-format) quantize the bf16 weights inside each product and ZeRO "
+                     "gathers the bf16 parameters (2 bytes per parameter). The GEMMs get the same FP8 weights but "
+                     "for one extra rounding (fp32 -> bf16 -> fp8 instead of fp32 -> fp8)")
 
 
 def _no_effect(flag: str, why: str, metavar: Optional[str] = None) -> UpstreamFlag:
@@ -135,12 +137,7 @@ UPSTREAM_FLAGS = (
                "filters with logging's own configuration)", "LEVEL"),
     _no_effect("--use-nccl-ub", "NCCL user-buffer registration speeds communication; the sums are the same"),
     # what would change the math: refused with the cause
-    _refused("--fp8-format", _FP8, "FORMAT"),
-    _refused("--fp8-recipe", _FP8, "RECIPE"),
-    _refused("--fp8-amax-history-len", _FP8, "LEN"),
-    _refused("--fp8-amax-compute-algo", _FP8, "ALGO"),
-    _refused("--fp8-param-gather", _FP8),
-    _refused("--fp8-margin", _FP8, "MARGIN"),
+    _no_effect("--fp8-param-gather", _FP8_PARAM_GATHER),
     _refused("--use-megatron-fsdp", _FSDP),
     _refused("--data-parallel-sharding-strategy", _FSDP, "STRATEGY"),
     _refused("--megatron-fsdp-main-grads-dtype", _FSDP, "DTYPE"),

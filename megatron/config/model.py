@@ -177,6 +177,7 @@ class ModelConfig:
         self._validate_attention(tp)
         self._validate_moe(tp)
         self._validate_mla()
+        self._validate_fp8()
         if self.sequence_parallel and self.seq_length % tp:
             raise ValueError(f"--sequence-parallel splits the sequence over the {tp} tensor-parallel ranks, but "
                              f"--seq-length {self.seq_length} is not a multiple of --tensor-model-parallel-size {tp}; "
@@ -245,6 +246,16 @@ class ModelConfig:
                              f"Megatron-LM instead replicates key / value heads when TP is a multiple of the "
                              f"group count, which is not implemented here. Use a TP size dividing {kv}, or more "
                              f"key / value heads")
+
+    def _validate_fp8(self) -> None:
+        if self.fp8 is None:
+            return
+        if self.params_dtype == "fp16":
+            raise ValueError("--fp8-format with --fp16 is not supported: fp16's dynamic loss scale multiplies the "
+                             "output gradients FP8 quantizes (delayed scaling would quantize them with scales from "
+                             "before each loss-scale change), and FP8 is built and tested here with bf16 and fp32 "
+                             "only; train FP8 with --bf16 (every Megatron-LM FP8 recipe is a bf16 run)")
+        self.fp8.validate(self.num_layers)
 
     def _validate_mla(self) -> None:
         if self.mla is None:

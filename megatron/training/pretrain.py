@@ -33,6 +33,7 @@ from megatron.engine.load_checks import check_finite_after_load
 from megatron.engine.optimizer import sync_tp_duplicated
 from megatron.model.moe import update_expert_biases
 from megatron.model.moe.stats import iteration_stats as moe_iteration_stats
+from megatron.parallel.fp8_linear import update_fp8_scales
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState
 from megatron.training.batches import gpt_micro_batch
@@ -198,6 +199,8 @@ def _build_and_train(rc: RunConfig, start: float, info, point, logger: TrainingL
             sync_tp_duplicated(engine.module, state.tp_group)
         if rc.model.moe is not None:  # MoE routers' biases: counts summed over every DP and sequence (CP, SP) rank
             update_expert_biases(engine.module, state.routing_data_group)  # (and TP rank, with etp < tp)
+        if rc.model.fp8 is not None:  # delayed scaling: the iteration's amaxes over the ranks of this stage
+            update_fp8_scales(engine.module, (state.tp_group, state.sp_data_group))
 
     monitor = ExitMonitor(exit_interval=rc.exit.exit_interval, exit_duration_in_mins=rc.exit.exit_duration_in_mins,
                           kill_switch_path=rc.exit.kill_switch_path, start_time=start)

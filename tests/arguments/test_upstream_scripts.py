@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megatron.arguments.check import check_argv
-from megatron.arguments.upstream_flags import BY_FLAG, NO_EFFECT, REFUSED, UPSTREAM_FLAGS
+from megatron.arguments.upstream_flags import BY_FLAG, NO_EFFECT, UPSTREAM_FLAGS
 from tests.helpers.upstream_scripts import SCRIPTS, script_argv
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine", "pack my box with five dozen",
@@ -55,7 +55,7 @@ def _upstream_flags_in(argv):
     return [BY_FLAG[token] for token in argv if token in BY_FLAG]
 
 
-@pytest.mark.parametrize("name", ["mds_llama2", "mds_universal_llama", "mds_zbh1", "mlm_mixtral_8x7b"])
+@pytest.mark.parametrize("name", ["mds_llama2", "mds_universal_llama", "mds_zbh1", "mlm_mixtral_8x7b", "mlm_llama3_8b"])
 def test_script_passes_dry_run_with_every_flag_accounted_for(script_files, name):
     argv, check = _check(name, script_files)
     assert check.ok, check.problems
@@ -81,29 +81,14 @@ def test_mlm_mixtral_maps_megatron_lm_names(script_files):
     assert rc.parallel.expert_model_parallel_size == 8 and rc.data.tokenizer.tokenizer_type == "Llama2Tokenizer"
 
 
-def test_mlm_llama3_stops_only_on_what_would_change_its_math(script_files):
-    """Llama-3-8B's example is FP8, not built yet: refused with its cause, every other flag accounted for."""
+def test_mlm_llama3_fp8_passes(script_files):
+    """Llama-3-8B's FP8 example passes: its --fp8-* flags with their meanings, the split's quotes, --kv-channels 128 =
+    4096 / 32, --attention-backend fused, the decoupled learning rate, zero-centred norms, bf16 gradient reduction."""
     argv, check = _check("mlm_llama3_8b", script_files)
-    refused = [row.flag for row in _upstream_flags_in(argv) if row.effect == REFUSED]
-    assert refused == ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
-    assert len(check.problems) == 1 and not any("unrecognized" in p for p in check.problems), check.problems
-    assert all(flag in check.problems[0] for flag in refused)
-    assert "remove the --fp8-* flags to train in bf16" in check.problems[0]
-    # without them it passes: the split's quotes, --kv-channels 128 = 4096 / 32, --attention-backend fused, the
-    # decoupled learning rate, zero-centred norms, bf16 gradient reduction
-    dropped = {"--fp8-param-gather"}
-    kept, skip = [], 0
-    for token in argv:
-        if skip:
-            skip -= 1
-        elif token in dropped:
-            pass
-        elif token.startswith("--fp8"):
-            skip = 1
-        else:
-            kept.append(token)
-    check = check_argv(kept + ["--dry-run", "--world-size", "8"])
-    assert check.ok, check.problems
+    fp8 = check.run_config.model.fp8
+    assert (fp8.fp8_format, fp8.fp8_recipe, fp8.fp8_amax_history_len, fp8.fp8_amax_compute_algo) == \
+        ("hybrid", "delayed", 1024, "max")
+    assert any(w.startswith("--fp8-param-gather has no effect") for w in check.warnings), check.warnings
     assert check.run_config.data.split == "99,1,0" and check.run_config.model.attention_backend == "sdpa"
     assert (check.run_config.optimizer.decoupled_lr, check.run_config.optimizer.decoupled_min_lr) == (5e-4, 4.5e-5)
     assert check.run_config.model.apply_layernorm_1p and check.run_config.precision.grad_reduce_in_bf16
@@ -116,7 +101,7 @@ def test_refused_and_value_rules(script_files):
                             (["--rotary-percent", "0.5"], "--rotary-percent 0.5: partial rotary"),
                             (["--calculate-per-token-loss", "--eod-mask-loss", "--context-parallel-size", "2"],
                              "--calculate-per-token-loss with --eod-mask-loss divides by the global batch"),
-                            (["--fp8-format", "hybrid"], "--fp8-format hybrid: not supported here"),
+                            (["--fp8-format", "hybrid", "--fp16"], "--fp8-format with --fp16 is not supported"),
                             (["--no-pipeline-parallel"], "--no-pipeline-parallel with --pipeline-model-parallel-size 2"),
                             (["--mtp-num-layers", "1"], "--mtp-num-layers 1: not supported here: multi-token"),
                             (["--use-megatron-fsdp"], "--use-megatron-fsdp: not supported here: Megatron-FSDP"),
@@ -276,7 +261,7 @@ def test_port_tool_says_what_each_flag_becomes(script_files, tmp_path, capsys):
     assert "no effect here" in lines["--overlap-grad-reduce"] and "overlap" in lines["--overlap-grad-reduce"]
     assert "implemented" in lines["--use-distributed-optimizer"]
     assert "pretrain_gpt.py --dry-run at 32 processes: passes" in out
-    assert port_megatron_args.main(["--world-size", "32", "--", *argv, "--fp8-format", "hybrid", "--bogus"]) == 1
+    assert port_megatron_args.main(["--world-size", "32", "--", *argv, "--use-megatron-fsdp", "--bogus"]) == 1
     out = capsys.readouterr().out
-    assert "refused" in out.split("--fp8-format", 1)[1].splitlines()[0]
+    assert "refused" in out.split("--use-megatron-fsdp", 1)[1].splitlines()[0]
     assert "unknown" in out.split("\n--bogus", 1)[1].splitlines()[0]
