@@ -32,6 +32,8 @@ setup(
     extras_require={"test": ["pytest>=8", "pytest-timeout", "hypothesis",
                              "pytest-xdist==3.8.0",  # make test: two workers, one module each at a time
                              "openai>=1.0",  # the real client, against /v1/completions
+                             # its float8 / MX quantizers: references for ours (tests/parallel/test_fp8_quantize.py)
+                             "torchao==0.18.0",
                              "ruff==0.17.6"]},  # lint and import order (pyproject.toml), run by make test
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
