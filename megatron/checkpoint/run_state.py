@@ -191,6 +191,9 @@ def model_config_from_dict(fields: dict) -> ModelConfig:
     """A ModelConfig from ``dataclasses.asdict`` output, ignoring fields this version does not know."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     kept = {k: v for k, v in fields.items() if k in known}
+    # FP8 is how the run computed, not what the model is: a model rebuilt from the checkpoint (export, serving,
+    # evaluation) computes in its own dtype, and its layers drop the saved FP8 scaling state when they load
+    kept.pop("fp8", None)
     if isinstance(kept.get("moe"), dict):  # MoE: its own dataclass (JSON made its layer pattern a list)
         moe = {k: v for k, v in kept["moe"].items() if k in {f.name for f in dataclasses.fields(MoEConfig)}}
         kept["moe"] = MoEConfig(**dict(moe, layer_pattern=tuple(moe["layer_pattern"])))

@@ -46,6 +46,7 @@ from megatron.checkpoint.tp_shards import merge_tp_shards, split_for_tp
 from megatron.checkpoint.universal.router_state import ROUTER_BUFFER
 from megatron.config import ModelConfig
 from megatron.model.layout import local_name_of_file_key, parameter_layout, pipeline_items
+from megatron.parallel.fp8_linear import is_fp8_state_key
 
 __all__ = ["load_full_state_dict", "save_as_training_checkpoint", "router_buffer_names"]
 
@@ -132,6 +133,8 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
             if any(key not in shard for shard in shards):
                 raise CheckpointFormatError(f"{key} of pipeline layer {index} is missing on some TP rank")
             name = prefix + local_name_of_file_key(key, numbering)
+            if is_fp8_state_key(key):  # an FP8 run's scaling state: how it computed, not the model
+                continue
             if key == ROUTER_BUFFER:  # an MoE router's expert bias: a buffer, the same on every TP rank
                 state[name] = shards[0][key]
                 continue

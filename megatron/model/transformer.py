@@ -34,7 +34,7 @@ from megatron.model.initialization import normal_init, output_layer_std, params_
 from megatron.model.latent_attention import MultiLatentAttention
 from megatron.model.moe.layer import MoELayer
 from megatron.model.norm import Norm
-from megatron.parallel.fp8_linear import enable_fp8
+from megatron.parallel.fp8_linear import enable_fp8, match_fp8_state
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.random import sequence_parallel_dropout
 from megatron.parallel.state import LayerGroups, group_size
@@ -149,7 +149,10 @@ class TransformerLayer(nn.Module):
         zero_biases(self)
         self.to(params_torch_dtype(config))
         if config.fp8 is not None and layer_number not in config.fp8.bf16_layers(config.num_layers):
-            enable_fp8(self, config.fp8, tp_group)  # --fp8-format: the linear layers' GEMMs
+            enable_fp8(self, config.fp8)  # --fp8-format: the linear layers' and experts' GEMMs
+        # checkpoints load across runs with and without FP8 (its scaling state dropped or started afresh)
+        self._register_load_state_dict_pre_hook(lambda state_dict, prefix, *_: match_fp8_state(self, state_dict,
+                                                                                               prefix))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:

@@ -41,7 +41,8 @@ from megatron.parallel.fp8_quantize import (
 )
 from megatron.parallel.state import group_size
 
-__all__ = ["FP8Scaling", "fp8_linear", "enable_fp8", "update_fp8_scales", "fp8_layers"]
+__all__ = ["FP8Scaling", "fp8_linear", "enable_fp8", "update_fp8_scales", "fp8_layers", "match_fp8_state",
+           "is_fp8_state_key"]
 
 INPUT, WEIGHT, GRAD = 0, 1, 2  # the three operands, the rows of the delayed-scaling state
 
@@ -171,14 +172,21 @@ def fp8_layers(module: torch.nn.Module) -> list[FP8Scaling]:
     return [m for m in module.modules() if isinstance(m, FP8Scaling)]
 
 
-def enable_fp8(module: torch.nn.Module, config: FP8Config, tp_group=None) -> int:
-    """Give every column- and row-parallel layer under ``module`` an ``FP8Scaling``; the number of layers."""
+def enable_fp8(module: torch.nn.Module, config: FP8Config) -> int:
+    """Give every layer under ``module`` that can run its GEMMs in FP8 (it carries ``fp8_operand_sharding``: the
+    column- and row-parallel layers, the MoE experts) its ``FP8Scaling`` (the experts: one per matrix, a
+    ModuleDict), over the layer's own tensor-parallel group; the number of layers."""
     count = 0
-    for layer in module.modules():
-        kind = getattr(layer, "fp8_operand_sharding", None)
-        if kind is not None:
-            layer.fp8 = FP8Scaling(config, tp_group, kind)
-            count += 1
+    for layer in list(module.modules()):
+        sharding = getattr(layer, "fp8_operand_sharding", None)
+        if sharding is None:
+            continue
+        if isinstance(sharding, dict):
+            layer.fp8 = torch.nn.ModuleDict({name: FP8Scaling(config, layer.tp_group, operands)
+                                             for name, operands in sharding.items()})
+        else:
+            layer.fp8 = FP8Scaling(config, layer.tp_group, sharding)
+        count += 1
     return count
 
 
@@ -204,3 +212,24 @@ def update_fp8_scales(module: torch.nn.Module, groups: tuple = ()) -> None:
         usable = torch.isfinite(chosen) & (chosen > 0)  # else the scale in use stays (Transformer Engine's rule)
         m.scale.copy_(torch.where(usable, scales, m.scale))
         m.pending_amax.zero_()
+
+
+def is_fp8_state_key(name: str) -> bool:
+    """Whether a state-dict key is FP8 scaling state (``...fp8.amax_history`` / ``...fp8.scale``), not a weight."""
+    return ".fp8." in f".{name}"
+
+
+def match_fp8_state(module: torch.nn.Module, state_dict: dict, prefix: str) -> None:
+    """A load_state_dict pre-hook for a module that may hold FP8 scaling state (a transformer layer): the saved
+    scaling state of layers that now run without FP8 (or another recipe) is dropped, and the layers that now
+    run delayed scaling and have none saved start from a fresh history (as a run's first iteration does). So a
+    checkpoint loads whether or not either run used FP8; the weights are checked as strictly as before."""
+    own = {prefix + name for name, _ in module.named_buffers() if is_fp8_state_key(name)}
+    for key in [k for k in state_dict if k.startswith(prefix) and is_fp8_state_key(k[len(prefix):])]:
+        if key not in own:
+            del state_dict[key]
+    for name, buffer in module.state_dict().items():
+        key = prefix + name
+        if key in own and key not in state_dict:
+            state_dict[key] = buffer.clone()
+

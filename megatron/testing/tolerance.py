@@ -45,7 +45,8 @@ import math
 
 import torch
 
-__all__ = ["tolerance", "transformer_depth", "model_tolerance", "step_depth", "run_tolerance", "OPS_PER_LAYER"]
+__all__ = ["tolerance", "transformer_depth", "model_tolerance", "step_depth", "run_tolerance", "fp8_run_tolerance",
+           "OPS_PER_LAYER"]
 
 # The roundings one transformer layer puts on the residual path, in sequence: input norm, QKV, Q.K^T, softmax,
 # probabilities x V, dense, residual add, second norm, h -> 4h, activation, 4h -> h, residual add.
@@ -93,3 +94,17 @@ def run_tolerance(dtype: torch.dtype, num_layers: int, width: int, iteration: in
     depth, fp32 = step_depth(num_layers), torch.float32
     return (math.sqrt(depth + iteration - 1) * max(torch.finfo(dtype).eps, torch.finfo(fp32).eps)
             + math.sqrt(iteration * depth * width) * torch.finfo(fp32).eps)
+
+
+def fp8_run_tolerance(dtype: torch.dtype, fp8_dtype: torch.dtype, num_layers: int, width: int,
+                      iteration: int) -> float:
+    """``run_tolerance`` for two runs whose GEMMs take FP8 operands (``--fp8-format``) and that compute differently
+    otherwise (another layout): an operand that differs between them by its ``dtype`` rounding (eps_a) crosses an
+    FP8 rounding boundary with probability about eps_a / eps_8 and then differs by eps_8, so per element the
+    difference has root mean square sqrt(eps_a * eps_8); that is the rounding unit of the chain (``fp8_dtype``:
+    the coarser FP8 type in use, e5m2 for hybrid's gradients)."""
+    eps = math.sqrt(max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps) * torch.finfo(fp8_dtype).eps)
+    depth = step_depth(num_layers)
+    return (math.sqrt(depth + iteration - 1) * eps
+            + math.sqrt(iteration * depth * width) * torch.finfo(torch.float32).eps)
+

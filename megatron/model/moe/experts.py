@@ -13,7 +13,9 @@ and run through ``torch.bmm`` once per matrix (``weight_grad_store.grouped_linea
 no padding and runs as one bmm. Measured (benchmarks/bench_moe.py, docs/performance.md): on CPU the segments
 beat the padded bmm (whose waste grows with the imbalance) and a per-expert ``mm`` loop. Under ZB-H1
 (``weight_grad_store`` set by ``defer_weight_grads``) both products defer their weight gradients to the store;
-the biases' stay in the backward pass. Tensor
+the biases' stay in the backward pass. With --fp8-format (``fp8``, set by ``fp8_linear.enable_fp8``) each
+local expert's two products run as ``fp8_linear`` on its slices of W1 and W2 (one FP8 scaling per matrix for
+all local experts; the weight gradients are not deferred under ZB-H1). Tensor
 parallelism splits every expert along f exactly as the dense MLP is split: the input enters
 through copy-to-TP (backward: all-reduce), the partial outputs are all-reduced before the bias.
 
@@ -36,6 +38,7 @@ from torch import nn
 
 from megatron.model.moe.dispatch import local_expert_order
 from megatron.parallel.all_to_all import all_to_all
+from megatron.parallel.fp8_linear import fp8_linear
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from megatron.parallel.state import group_rank, group_size
 from megatron.parallel.utils import fp32_empty, set_tensor_model_parallel_attributes
@@ -123,6 +126,10 @@ class GroupedExperts(nn.Module):
         self.fc1_bias = _bias(len(expert_ids), width // group_size(tp_group), True) if bias else None
         self.fc2_bias = _bias(len(expert_ids), hidden_size, False) if bias else None
         self.weight_grad_store = None  # ZB-H1: where W1's and W2's gradients are deferred (weight_grad_store.py)
+        # --fp8-format: a ModuleDict {"w1", "w2"} of FP8Scaling (fp8_linear.enable_fp8), one per matrix for all
+        # local experts; W1 is split over TP by its rows (its output), W2 by its columns (its input)
+        self.fp8 = None
+        self.fp8_operand_sharding = {"w1": (False, True, True), "w2": (True, True, False)}
         self.path = "auto"  # "segments" (torch._grouped_mm), "padded" (bmm) or "auto": segments where they run
 
     def uses_segments(self, rows: torch.Tensor) -> bool:
@@ -166,8 +173,28 @@ class GroupedExperts(nn.Module):
             hidden = F.gelu(hidden, approximate="tanh")
         return grouped_linear(hidden, self.w2, self.weight_grad_store)  # [El, C, h]
 
+    def _fp8_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [M, h] grouped by local expert -> partial output [M, h]: each expert's two products with FP8
+        operands (``fp8_linear`` on its slices of W1 and W2; the weight gradients through autograd, not deferred)."""
+        outputs = []
+        for e, part in enumerate(rows.split(counts.tolist())):  # [M_e, h]
+            if part.shape[0] == 0:
+                outputs.append(part)
+                continue
+            hidden = fp8_linear(part, self.w1[e], None if self.fc1_bias is None else self.fc1_bias[e],
+                                self.fp8["w1"])  # [M_e, fp] (swiglu: [M_e, 2 fp], interleaved pairs)
+            if self.swiglu:
+                gate, up = hidden.unflatten(-1, (-1, 2)).unbind(-1)  # 2 x [M_e, fp]
+                hidden = F.silu(gate) * up
+            else:
+                hidden = F.gelu(hidden, approximate="tanh")
+            outputs.append(fp8_linear(hidden, self.w2[e], None, self.fp8["w2"]))  # [M_e, h]
+        return torch.cat(outputs)
+
     def _partial(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [M, h] grouped by local expert -> this TP rank's partial output [M, h] (no output bias)."""
+        if self.fp8 is not None:
+            return self._fp8_experts(rows, counts)
         if self.w1.shape[0] == 1:
             return self._mlp(rows[None])[0]  # [M, h]
         if self.uses_segments(rows):
