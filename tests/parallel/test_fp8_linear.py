@@ -178,3 +178,17 @@ def test_tensorwise_fp8_mlp_at_tp2_equals_one_process():
         for sp, errors in rank_errors.items():
             for name, err in errors.items():
                 assert err <= bounds[name], f"sequence parallel {sp}: {name} {err:.3g} > {bounds[name]:.3g}"
+
+
+def test_first_and_last_layers_stay_bf16_when_asked():
+    from megatron.parallel.fp8_linear import fp8_layers
+
+    fp8 = FP8Config(fp8_recipe="tensorwise", first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
+                    num_layers_at_end_in_bf16=2)
+    model = GPTModel(tiny_config(num_layers=5, fp8=fp8))
+    with_fp8 = [i for i, layer in enumerate(model.layers) if fp8_layers(layer)]
+    assert with_fp8 == [1, 2]
+    assert all(len(fp8_layers(model.layers[i])) == 4 for i in with_fp8)  # QKV, dense, h->4h, 4h->h
+    assert model.layers[0].mlp.dense_h_to_4h.fp8 is None
+    with pytest.raises(ValueError, match="delayed scaling does not support layers in bf16"):
+        FP8Config(fp8_recipe="delayed", first_last_layers_bf16=True).validate(4)

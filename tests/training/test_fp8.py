@@ -1,0 +1,120 @@
+"""FP8 training end to end (--fp8-format hybrid, bf16 runs, the tiny Llama-free BLOOM-style model of tiny_argv):
+
+- Each recipe (tensorwise, delayed with a 4-iteration max history, blockwise, mxfp8) trains 20 iterations: every
+  loss finite, within BAND of the bf16 run's at every iteration from the third, and not equal to it (FP8 ran).
+  BAND: FP8 rounds each GEMM operand to 3 mantissa bits (e4m3: up to 2^-4 relative per element, e5m2 gradients
+  2^-3); over sums of 64 to 256 terms those roundings average out, and the loss averages 256 tokens' losses, so a
+  percent is a generous band for 20 steps (measured here: at most 0.04%).
+- Delayed scaling saved after 10 iterations and resumed to 20 repeats the straight run bit for bit (the amax
+  history and scales are in the checkpoint).
+- TP=2 x PP=2 x DP=2 (8 processes) with delayed and with tensorwise scaling tracks the one-process FP8 run
+  (``fp8_run_tolerance``: the layouts' bf16 roundings flip FP8 roundings; e5m2 the coarser type).
+- MoE (4 experts, top 2, SwiGLU) with FP8 experts at EP=2 (2 processes) tracks the one-process MoE FP8 run.
+- An FP8 run's checkpoint exports to transformers as a bf16 model with the same tensors as a bf16 run's export.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from megatron.testing import run_distributed, tiny_argv
+from megatron.testing.tolerance import fp8_run_tolerance
+from tests.helpers.training import TINY_LAYERS, TINY_WIDTH, assert_continues, layout, train
+
+ITERS = 20
+BAND = 0.01
+FP8 = ("--fp8-format", "hybrid")
+RECIPES = {"tensorwise": ("--fp8-recipe", "tensorwise"),
+           "delayed": ("--fp8-recipe", "delayed", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max"),
+           "blockwise": ("--fp8-recipe", "blockwise"),
+           "mxfp8": ("--fp8-recipe", "mxfp8")}
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--swiglu")
+MOE_ITERS = 6
+LAYOUT_ITERS = 10  # the 8-process runs stop here (--exit-interval): the schedule is the 20-iteration one
+
+
+@pytest.fixture(scope="module")
+def base(tiny_corpus):
+    return tiny_argv(tiny_corpus, "--bf16", train_iters=ITERS)
+
+
+@pytest.fixture(scope="module")
+def moe_argv(tiny_corpus):
+    return tiny_argv(tiny_corpus, "--bf16", *MOE, *FP8, "--fp8-recipe", "tensorwise", train_iters=MOE_ITERS)
+
+
+@pytest.fixture(scope="module")
+def one_process(base, moe_argv, tmp_path_factory):
+    """One launch: bf16, each recipe, the delayed run saved at 10 and resumed, and the MoE reference."""
+    save = str(tmp_path_factory.mktemp("fp8_checkpoints"))
+    runs = {"bf16": base}
+    runs.update({name: base + list(FP8) + list(flags) for name, flags in RECIPES.items()})
+    checkpoint = ["--save", save, "--save-interval", "100"]
+    runs["delayed: saved at 10"] = runs["delayed"] + checkpoint + ["--exit-interval", "10"]
+    runs["delayed: resumed to 20"] = runs["delayed"] + checkpoint + ["--load", save]
+    runs["moe"] = moe_argv
+    records = run_distributed(train, world_size=1, args=(list(runs.values()),))[0]
+    return dict(zip(runs, records, strict=True)), save
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_each_recipe_trains_near_bf16_and_not_as_bf16(one_process, recipe):
+    records, _ = one_process
+    bf16, fp8 = records["bf16"]["losses"], records[recipe]["losses"]
+    assert len(fp8) == ITERS and all(math.isfinite(loss) for loss in fp8), fp8
+    for it, (a, b) in enumerate(zip(bf16, fp8, strict=True), start=1):
+        if it >= 3:
+            assert abs(b - a) <= BAND * a, f"{recipe}: iteration {it}: loss {b} vs bf16 {a}"
+    assert fp8 != bf16, f"{recipe}: the losses equal bf16's: FP8 did not run"
+    assert fp8[-1] < fp8[0] - 0.3, f"{recipe} did not learn: {fp8}"
+
+
+def test_delayed_scaling_resumes_bit_for_bit(one_process):
+    records, _ = one_process
+    assert records["delayed: saved at 10"]["iteration"] == 10
+    assert_continues(records["delayed"]["losses"], records["delayed: resumed to 20"]["losses"], "delayed resume")
+
+
+def test_fp8_checkpoint_exports_as_bf16(one_process, tmp_path):
+    from safetensors import safe_open
+
+    from tools.convert_checkpoint import to_hf
+
+    _, save = one_process
+    assert to_hf.main(["--load", save, "--output-dir", str(tmp_path / "hf"), "--no-tokenizer"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        dtypes = {f.get_tensor(name).dtype for name in names}
+    assert dtypes == {torch.bfloat16}, (dtypes, config.get("torch_dtype"), config.get("dtype"))
+    assert not any("fp8" in name or "amax" in name for name in names), names
+    assert any(name.endswith("dense_h_to_4h.weight") for name in names)
+
+
+@pytest.fixture(scope="module")
+def eight_processes(base):
+    runs = [layout(base, *FP8, *RECIPES[recipe], "--exit-interval", LAYOUT_ITERS, tp=2, pp=2)
+            for recipe in ("delayed", "tensorwise")]
+    return dict(zip(("delayed", "tensorwise"), run_distributed(train, world_size=8, args=(runs,))[0], strict=True))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_fp8_at_tp2_pp2_dp2_tracks_one_process(one_process, eight_processes, recipe):
+    reference, other = one_process[0][recipe], eight_processes[recipe]
+    assert other["iteration"] == LAYOUT_ITERS and other["dp_size"] == 2
+    for it, (a, b) in enumerate(zip(reference["losses"][:LAYOUT_ITERS], other["losses"], strict=True), start=1):
+        rel = fp8_run_tolerance(torch.bfloat16, torch.float8_e5m2, TINY_LAYERS, TINY_WIDTH, it)
+        assert abs(a - b) <= rel * abs(a), f"{recipe}: iteration {it}: loss {b} vs one process {a} ({rel:.2g})"
+
+
+@pytest.mark.multiprocess
+def test_moe_fp8_at_ep2_tracks_one_process(one_process, moe_argv):
+    reference = one_process[0]["moe"]
+    other = run_distributed(train, world_size=2, args=([layout(moe_argv, "--expert-model-parallel-size", 2)],))[0][0]
+    assert len(other["losses"]) == MOE_ITERS and all(math.isfinite(loss) for loss in other["losses"])
+    for it, (a, b) in enumerate(zip(reference["losses"], other["losses"], strict=True), start=1):
+        rel = fp8_run_tolerance(torch.bfloat16, torch.float8_e5m2, TINY_LAYERS, TINY_WIDTH, it)
+        assert abs(a - b) <= rel * abs(a), f"EP=2: iteration {it}: loss {b} vs one process {a} ({rel:.2g})"
