@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron.checkpoint import run_state, tags, training_io
 from megatron.checkpoint.integrity import verify_checksums
+from megatron.checkpoint.universal.fp8_state import load_fp8_state
 from megatron.checkpoint.universal.router_state import load_router_state
 from megatron.config import RunConfig, parallel_dims
 from megatron.model.layout import LAYOUT
@@ -173,8 +174,9 @@ def restore(rc: RunConfig, engine, point: Point, lr_scheduler, tracker, *,
     with loading():
         client = training_io.load_checkpoint(engine, ck.load, tag,
                                              load_optimizer_states=not (ck.no_load_optim or ck.finetune))
-    if ck.universal_checkpoint:  # MoE routers' expert biases: buffers, beside the parameter folders
+    if ck.universal_checkpoint:  # MoE routers' expert biases, FP8 scaling state: buffers, beside the parameters
         load_router_state(engine.module, tag_dir, rc.model)
+        load_fp8_state(engine.module, tag_dir, rc.model)
     if after_load is not None:
         after_load(tag_dir)
     if ck.finetune:

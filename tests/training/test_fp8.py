@@ -10,11 +10,14 @@
 - TP=2 x PP=2 x DP=2 (8 processes) with delayed and with tensorwise scaling tracks the one-process FP8 run
   (``fp8_run_tolerance``: the layouts' bf16 roundings flip FP8 roundings; e5m2 the coarser type).
 - MoE (4 experts, top 2, SwiGLU) with FP8 experts at EP=2 (2 processes) tracks the one-process MoE FP8 run.
+- The delayed run's universal checkpoint keeps every layer's amax history and scales (equal to the layer files'),
+  and resumed at TP=2 it tracks the straight run.
 - An FP8 run's checkpoint exports to transformers as a bf16 model with the same tensors as a bf16 run's export.
 """
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -110,11 +113,42 @@ def test_fp8_at_tp2_pp2_dp2_tracks_one_process(one_process, eight_processes, rec
         assert abs(a - b) <= rel * abs(a), f"{recipe}: iteration {it}: loss {b} vs one process {a} ({rel:.2g})"
 
 
+@pytest.fixture(scope="module")
+def two_processes(one_process, base, moe_argv):
+    """One launch: MoE at EP=2, and the delayed run's universal checkpoint (10 iterations) resumed at TP=2."""
+    from tests.helpers.training import to_universal
+
+    _, save = one_process
+    universal = to_universal(os.path.join(save, "global_step10"))
+    runs = [layout(moe_argv, "--expert-model-parallel-size", 2),
+            layout(base, *FP8, *RECIPES["delayed"], "--load", save, "--universal-checkpoint", tp=2)]
+    return universal, run_distributed(train, world_size=2, args=(runs,))[0]
+
+
 @pytest.mark.multiprocess
-def test_moe_fp8_at_ep2_tracks_one_process(one_process, moe_argv):
-    reference = one_process[0]["moe"]
-    other = run_distributed(train, world_size=2, args=([layout(moe_argv, "--expert-model-parallel-size", 2)],))[0][0]
+def test_moe_fp8_at_ep2_tracks_one_process(one_process, two_processes):
+    reference, other = one_process[0]["moe"], two_processes[1][0]
     assert len(other["losses"]) == MOE_ITERS and all(math.isfinite(loss) for loss in other["losses"])
     for it, (a, b) in enumerate(zip(reference["losses"], other["losses"], strict=True), start=1):
         rel = fp8_run_tolerance(torch.bfloat16, torch.float8_e5m2, TINY_LAYERS, TINY_WIDTH, it)
         assert abs(a - b) <= rel * abs(a), f"EP=2: iteration {it}: loss {b} vs one process {a} ({rel:.2g})"
+
+
+@pytest.mark.multiprocess
+def test_delayed_scaling_state_travels_in_universal_checkpoints(one_process, two_processes):
+    from megatron.checkpoint.safe_load import safe_load
+    from megatron.checkpoint.universal.fp8_state import FP8_STATE_FILE
+
+    records, save = one_process
+    universal, (_, resumed) = two_processes
+    kept = safe_load(os.path.join(universal, FP8_STATE_FILE))
+    layer = safe_load(os.path.join(save, "global_step10", "layer_03-model_00-model_states.pt"))  # layer 0
+    saved = {key: t for key, t in layer.items() if ".fp8." in key}
+    assert len(kept) == 2 * len(saved) == 16  # 2 layers x 4 linear layers x (history, scales)
+    for key, t in saved.items():
+        assert torch.equal(kept["layers.0." + key], t), key
+    assert kept["layers.0.mlp.dense_h_to_4h.fp8.amax_history"].count_nonzero() == 12  # 4 iterations x 3 amaxes
+    assert resumed["iterations"] == list(range(11, ITERS + 1))
+    for it, a, b in zip(resumed["iterations"], records["delayed"]["losses"][10:], resumed["losses"], strict=True):
+        rel = fp8_run_tolerance(torch.bfloat16, torch.float8_e5m2, TINY_LAYERS, TINY_WIDTH, it)
+        assert abs(a - b) <= rel * abs(a), f"universal resume at TP=2: iteration {it}: loss {b} vs {a} ({rel:.2g})"

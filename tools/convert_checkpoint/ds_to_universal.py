@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     from megatron.checkpoint.run_state import UNIVERSAL_ENGINE, load_run_state, model_config_from_dict, reader_for
     from megatron.checkpoint.tags import COMPLETE_MARKER, RUN_STATE, write_atomically, write_complete_marker
     from megatron.checkpoint.universal.engines import ENGINES, retarget
+    from megatron.checkpoint.universal.fp8_state import save_fp8_state
     from megatron.engine.deepspeed_compat import safe_loading
 
     ours = argparse.ArgumentParser(add_help=False)
@@ -78,6 +79,9 @@ def main(argv=None) -> int:
         if staging:
             shutil.rmtree(staging, ignore_errors=True)
     _merge_experts(tag_dir, known.output_folder, config, source, record)
+    fp8 = save_fp8_state(tag_dir, known.output_folder, config)  # delayed scaling's histories: buffers
+    if fp8:
+        print(f"FP8: {fp8} scaling-state tensors (amax histories, scales) kept beside the parameters")
     renamed = retarget(known.output_folder, config, source, target)
     if renamed:
         print(f"{renamed} parameters renamed for the {target} engine")
