@@ -13,6 +13,7 @@ too. Imports megatron.config and (for the tokenizer and those formats) megatron.
 One module per feature's argument group and its step:
 
     moe_flags          the mixture-of-experts flags: Megatron-LM's names, and Megatron-DeepSpeed's where they agree
+    fp8_flags          the FP8 training flags (``--fp8-format``, ``--fp8-recipe``, ..., Megatron-LM's names)
     mla_flags          the multi-head latent attention flags (``--multi-latent-attention``, ``--q-lora-rank``, ...)
     muon_flags         the Muon optimizer's flags (``--muon-*``, Megatron-LM's names) for ``--optimizer muon``
     interleaved_flags  Megatron-LM's interleaved-pipeline flags: either one names the virtual stages per rank
