@@ -183,3 +183,27 @@ def test_the_startup_check_on_cuda_reads_the_capability_and_on_cpu_runs_scaled_m
     monkeypatch.setattr(torch, "_scaled_mm", broken)
     with pytest.raises(ValueError, match=r"torch._scaled_mm does not run on this CPU .*drop --fp8-format"):
         check_fp8_device(cuda=False)
+
+
+def test_the_docs_llama3_8b_figures_are_the_planners():
+    """docs/performance.md's table for Megatron-LM's Llama-3-8B FP8 script on 8 x H100 (TP 1, DP 8, MBS 1, global
+    batch 128, seq 8192, fused attention) is what the planner computes."""
+    from megatron.planner import LLAMA_SIZES
+    from megatron.planner.specs import GiB
+    from tests.helpers.paths import REPO_ROOT
+
+    doc = (REPO_ROOT / "docs" / "performance.md").read_text()
+    layout = Layout(1, 1, 8, 1, recompute=False, sequence_parallel=True, store_attention_scores=False)
+    llama = LLAMA_SIZES["llama-3-8b"]
+    rows = {"bf16": llama}
+    for label, recipe in (("FP8 delayed / tensorwise", "delayed"), ("FP8 blockwise", "blockwise"),
+                          ("FP8 mxfp8", "mxfp8")):
+        config = FP8Config(fp8_format="hybrid", fp8_recipe=recipe, fp8_amax_history_len=1024,
+                           fp8_amax_compute_algo="max")
+        rows[label] = dataclasses.replace(llama, fp8=fp8_shape_of(config, 32))
+    for label, shape in rows.items():
+        step = estimate_step(shape, layout, H100, CLUSTER, 8192, 128)
+        memory = estimate_memory(shape, layout, 8192, 128)
+        quantize = f"{step.components_s['fp8_quantize']:.2f} s" if shape.fp8 else "-"
+        assert (f"| {label} | {step.step_s:.1f} s | {step.mfu:.1%} | {step.components_s['matmul']:.2f} s | {quantize} | "
+                f"{memory.peak / GiB:.1f} GiB |") in doc, label
