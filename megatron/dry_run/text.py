@@ -126,7 +126,8 @@ def _fp8(f: dict) -> list[str]:
     state = " ".join(f"{s['scaling_state_mib']:g}" for s in f["stages"])
     return ["", f"fp8          --fp8-format {f['format']} ({dtypes}), recipe {recipe}{wgrad}",
             f"  in FP8     layers {layers(f['fp8_layers'])}: {f['in_fp8']}",
-            f"  in bf16    layers {layers(f['bf16_layers'])} whole; everywhere: {f['in_bf16']}",
+            f"  in bf16    {'layers ' + layers(f['bf16_layers']) + ' whole' if f['bf16_layers'] else 'no whole layer'}; "
+            f"in every layer: {f['in_bf16']}",
             f"  planner    FP8 GEMMs at {f['peak_fp8_tflops']:g} TFLOP/s peak on the {f['gpu']}, the rest at bf16's "
             f"{f['peak_bf16_tflops']:g}; MFU above is against the bf16 peak; no FP8 weight copy kept: transient "
             f"quantized weight {stages} MiB, scaling state {state} MiB per stage"]

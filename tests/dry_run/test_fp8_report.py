@@ -31,8 +31,8 @@ def test_the_report_shows_fp8_and_uses_the_planners_fp8_figures(tokenizer_files)
     fp8 = text.index("fp8          --fp8-format hybrid (e4m3 forward, e5m2 output gradients), recipe tensorwise")
     assert text[fp8 + 1] == ("  in FP8     layers 1-2: the transformer layers' linear GEMMs: QKV, attention output, "
                              "MLP")
-    assert text[fp8 + 2] == ("  in bf16    layers 0, 3 whole; everywhere: core attention, embedding, output layer "
-                             "(logits), norms")
+    assert text[fp8 + 2] == ("  in bf16    layers 0, 3 whole; in every layer: core attention, embedding, output "
+                             "layer (logits), norms")
     assert text[fp8 + 3].startswith("  planner    FP8 GEMMs at 1979 TFLOP/s peak on the H100-80GB, the rest at "
                                     "bf16's 989; MFU above is against the bf16 peak")
     # the step and memory sections are the planner's on the FP8 model shape, not the bf16 one
@@ -72,3 +72,8 @@ def test_an_fp8_job_assumes_an_h100_without_dry_run_gpu(tokenizer_files):
     assert report["step"]["gpu"] == report["fp8"]["gpu"] == "H100-80GB"
     assert build_report(_argv(tokenizer_files))["step"]["gpu"] == "A100-80GB"  # other jobs: the default as before
     assert build_report(_argv(tokenizer_files))["fp8"] is None
+    every = render(build_report(_argv(tokenizer_files, "--fp8-format", "e4m3"))).splitlines()
+    assert "fp8          --fp8-format e4m3 (e4m3 forward, e4m3 output gradients), recipe delayed (amax history 1, " \
+           "most_recent, margin 0)" in every
+    assert any(line.startswith("  in FP8     layers 0-3: ") for line in every)
+    assert any(line.startswith("  in bf16    no whole layer; in every layer: core attention") for line in every)
