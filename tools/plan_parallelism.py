@@ -11,6 +11,8 @@
         --global-batch-size 1024 --ep-sizes 1 2 4 8
     python tools/plan_parallelism.py --model 7B1 --num-gpus 8 --gpu A100-80GB --global-batch-size 8 \
         --longest-sequence --ulysses-sizes 1 2 4 8 --attention fused
+    python tools/plan_parallelism.py --model llama-3-8b --num-gpus 8 --gpu H100-80GB --seq-length 8192 \
+        --global-batch-size 128 --fp8-format hybrid --fp8-recipe tensorwise
 
 Memory per GPU (weights, gradients, optimizer state, activations, overhead) and step time
 (compute, TP / PP / DP communication, bubble) come from megatron.planner; every constant is
@@ -24,7 +26,10 @@ import dataclasses
 import json
 import sys
 
+from megatron.config.fp8 import FP8_FORMATS, FP8_RECIPES, FP8Config
+from megatron.config.hardware import fp8_capability_problem
 from megatron.planner import CLUSTERS, GPUS, MODEL_SIZES, ModelShape, plan_layouts
+from megatron.planner.fp8 import fp8_shape_of
 from megatron.planner.search import longest_sequences
 from megatron.planner.specs import DEFAULT_CLUSTER, GiB
 
@@ -81,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="instead of ranking layouts at --seq-length: the longest sequence (a multiple of 256) each "
                         "family fits (plain 3D/ZeRO, +SP, +Ulysses over --ulysses-sizes, both), with activation "
                         "checkpointing and without, at micro-batch 1")
+    p.add_argument("--fp8-format", choices=FP8_FORMATS, help="FP8 GEMMs in the transformer layers' linear layers "
+                   "(pretrain_gpt.py's flag; megatron.planner.fp8); needs a GPU with FP8 tensor cores")
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed", help="with --fp8-format (default delayed)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--show-infeasible", action="store_true", help="also list layouts that do not fit")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON document")
@@ -88,6 +96,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_from_args(args) -> ModelShape:
+    model = _shape_from_args(args)
+    if args.fp8_format:
+        config = FP8Config(fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe)
+        model = dataclasses.replace(model, fp8=fp8_shape_of(config, model.num_layers))
+    return model
+
+
+def _shape_from_args(args) -> ModelShape:
     if args.model:
         return MODEL_SIZES[args.model]
     missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads") if getattr(args, f) is None]
@@ -116,6 +132,8 @@ def ep_sizes_from_args(args, model: ModelShape) -> tuple[int, ...]:
 
 def hardware_from_args(args):
     gpu = GPUS[args.gpu]
+    if args.fp8_format and not gpu.has_fp8:
+        raise SystemExit(fp8_capability_problem(gpu.compute_capability, f"the {gpu.name} (--gpu)"))
     if args.gpu_memory_gib:
         gpu = dataclasses.replace(gpu, memory_bytes=int(args.gpu_memory_gib * GiB))
     if args.intra_node_gbps:
@@ -209,8 +227,9 @@ def main(argv=None) -> int:
                           "seq_length": args.seq_length, "global_batch_size": args.global_batch_size,
                           "num_feasible": sum(p.fits for p in plans), "layouts": rows}))
     else:
+        fp8 = f", FP8 {args.fp8_format} {args.fp8_recipe} (MFU against the bf16 peak)" if args.fp8_format else ""
         print(f"{model.total_params() / 1e9:.1f}B parameters on {args.num_gpus} x {gpu.name} ({cluster.name}), "
-              f"seq {args.seq_length}, global batch {args.global_batch_size}: "
+              f"seq {args.seq_length}, global batch {args.global_batch_size}{fp8}: "
               f"{sum(p.fits for p in plans)} layouts fit")
         print(format_table(rows))
     if not any(p.fits for p in plans):

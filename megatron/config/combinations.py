@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 __all__ = ["markdown_cell", "FEATURES", "GROUPED", "REFUSED", "Feature", "Refused", "check_combinations", "feature",
-           "refused_present", "render_markdown"]
+           "refusal", "refused_present", "render_markdown"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +100,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("sync TP-duplicated parameters", "--sync-tp-duplicated-parameters",
             lambda rc: rc.training.sync_tp_duplicated_parameters, lambda rc: "--sync-tp-duplicated-parameters"),
     Feature("Muon", "--optimizer muon", lambda rc: rc.optimizer.optimizer == "muon", lambda rc: "--optimizer muon"),
+    Feature("FP8", "--fp8-format e4m3 | hybrid", lambda rc: rc.model.fp8 is not None,
+            lambda rc: f"--fp8-format {rc.model.fp8.fp8_format}"),
 )
 _BY_NAME = {f.name: f for f in FEATURES}
 
@@ -220,12 +222,26 @@ REFUSED: tuple[Refused, ...] = (
             "megatron.checkpoint.universal) carries Adam's exp_avg / exp_avg_sq only: the Muon momentum would be "
             "lost", "resume Muon runs from their regular checkpoints at the same layout",
             say="{a} does not work with {b}: {reason}; {fix}"),
+    # FP8 GEMMs (megatron/parallel/fp8_linear.py)
+    Refused("FP8", "fp16", "fp16's dynamic loss scale multiplies the output gradients FP8 quantizes (delayed scaling "
+            "would quantize them with scales from before each loss-scale change), and FP8 is built and tested here "
+            "with bf16 and fp32 only (DeepSpeed's CPU accelerator refuses fp16)",
+            "train FP8 with --bf16 (every Megatron-LM FP8 recipe is a bf16 run)",
+            say="--fp8-format with {b} is not supported: {reason}; {fix}"),
     # the live evaluation harness (megatron/evaluation/live.py)
     Refused("live evaluation harness", "model engine", "it runs on the pipeline engine's model",
             "Evaluate its saved checkpoints with tools/evaluate.py instead",
             say="{a} runs on the pipeline engine's model; this run (" + _NON_PIPELINE_RUN.format(stage="ZeRO stage")
             + ". {fix}"),
 )
+
+
+def refusal(a: str, b: str) -> Refused:
+    """The table's entry for features ``a`` and ``b`` (KeyError if the pair is not refused)."""
+    for r in REFUSED:
+        if (r.a, r.b) == (a, b):
+            return r
+    raise KeyError((a, b))
 
 
 def refused_present(rc, owner: Optional[str] = None) -> list[Refused]:

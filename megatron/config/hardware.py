@@ -9,6 +9,10 @@ the benchmarks can pick and report the precision.
 ``ATEN_CPU_CAPABILITY`` (torch's kernels) and ``ONEDNN_MAX_CPU_ISA`` (oneDNN's matmuls) limiting
 the instruction set below AVX-512 are honoured: with them a machine that has the instructions
 behaves as one without, which is how the AVX2-only case is measured on a machine with AVX-512.
+
+FP8 (``--fp8-format``): ``PEAK_FP8_TFLOPS`` (datasheet dense FP8 tensor-core peaks; the A100 has no FP8 tensor
+cores), ``fp8_capability_problem`` (``torch._scaled_mm`` runs FP8 on CUDA capability 8.9 and newer) and
+``check_fp8_device``, the startup check: that capability on CUDA, a tiny e4m3 ``torch._scaled_mm`` on CPU.
 """
 
 from __future__ import annotations
@@ -17,11 +21,17 @@ import os
 import re
 from typing import Mapping, Optional
 
-__all__ = ["cpu_bf16_flags", "fast_bf16", "default_precision", "PEAK_BF16_TFLOPS"]
+__all__ = ["cpu_bf16_flags", "fast_bf16", "default_precision", "PEAK_BF16_TFLOPS", "PEAK_FP8_TFLOPS",
+           "FP8_MIN_CAPABILITY", "fp8_capability_problem", "check_fp8_device"]
 
 # Dense bf16 tensor-core peak per GPU, TFLOP/s (datasheet values, SXM parts; sparsity not counted): what MFU
 # divides by (megatron.training.metrics) and what the planner's GPUs compute at (megatron.planner.specs).
 PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
+# Dense FP8 tensor-core peak per GPU, TFLOP/s (datasheets, SXM parts, without sparsity): twice bf16's on Hopper.
+# The A100 (Ampere, capability 8.0) has no FP8 tensor cores: no entry. What the planner's FP8 GEMMs run at.
+PEAK_FP8_TFLOPS = {"H100": 1979.0, "H200": 1979.0}
+# torch._scaled_mm's FP8 GEMMs need CUDA capability 8.9 (Ada) or newer: Hopper is 9.0, Ampere (A100) 8.0.
+FP8_MIN_CAPABILITY = (8, 9)
 
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # ONEDNN_MAX_CPU_ISA values at or above the first ISA with bf16 instructions.
@@ -72,6 +82,42 @@ def default_precision(env: Optional[Mapping[str, str]] = None, cpuinfo: str = "/
     """("bf16" where bf16 runs on hardware, else "fp32"; why in words)."""
     ok, why = fast_bf16(env, cpuinfo, cuda)
     return ("bf16" if ok else "fp32"), why
+
+
+def fp8_capability_problem(capability: tuple[int, int], device: str = "this GPU") -> Optional[str]:
+    """Why ``--fp8-format`` cannot run on a CUDA device of ``capability`` (major, minor), or None where it can."""
+    if tuple(capability) >= FP8_MIN_CAPABILITY:
+        return None
+    major, minor = capability
+    need = ".".join(map(str, FP8_MIN_CAPABILITY))
+    return (f"--fp8-format needs FP8 tensor cores: torch._scaled_mm runs FP8 GEMMs on CUDA capability {need} or "
+            f"newer (Ada, Hopper), and {device} has capability {major}.{minor}, without FP8 tensor cores; drop "
+            f"--fp8-format (train in bf16) or use H100 / H200 GPUs")
+
+
+def check_fp8_device(cuda: Optional[bool] = None) -> None:
+    """At startup of an FP8 run: ValueError where this device cannot run its GEMMs. On CUDA the device's
+    capability (``fp8_capability_problem``); on CPU a tiny e4m3 ``torch._scaled_mm`` must run."""
+    import torch  # noqa: PLC0415 (config/ loads without torch; only the device query needs it)
+
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if cuda:
+        problem = fp8_capability_problem(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+        if problem:
+            raise ValueError(problem)
+        return
+    try:
+        a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+        one = torch.ones((), dtype=torch.float32)
+        out = torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.bfloat16)
+    except (RuntimeError, AttributeError, NotImplementedError) as error:
+        raise ValueError(f"--fp8-format: torch._scaled_mm does not run on this CPU with torch {torch.__version__} "
+                         f"({type(error).__name__}: {error}); drop --fp8-format or use a torch whose CPU "
+                         f"backend has FP8 GEMMs (2.13 has)") from error
+    if float(out[0, 0]) != 16.0:
+        raise ValueError(f"--fp8-format: torch._scaled_mm on this CPU gave {float(out[0, 0])} for a 16-term sum "
+                         f"of ones, not 16; drop --fp8-format")
 
 
 if __name__ == "__main__":  # the main job's script: "bf16 <why>" or "fp32 <why>"

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.config._checks import _one_of
+from megatron.config.combinations import refusal
 from megatron.config.fp8 import FP8Config
 from megatron.config.mla import MLAConfig
 from megatron.config.moe import MoEConfig
@@ -250,11 +251,9 @@ class ModelConfig:
     def _validate_fp8(self) -> None:
         if self.fp8 is None:
             return
-        if self.params_dtype == "fp16":
-            raise ValueError("--fp8-format with --fp16 is not supported: fp16's dynamic loss scale multiplies the "
-                             "output gradients FP8 quantizes (delayed scaling would quantize them with scales from "
-                             "before each loss-scale change), and FP8 is built and tested here with bf16 and fp32 "
-                             "only; train FP8 with --bf16 (every Megatron-LM FP8 recipe is a bf16 run)")
+        if self.params_dtype == "fp16":  # the table's refusal (megatron.config.combinations), found with the model's
+            entry = refusal("FP8", "fp16")
+            raise ValueError(entry.say.format(a="--fp8-format", b="--fp16", reason=entry.reason, fix=entry.fix))
         self.fp8.validate(self.num_layers)
 
     def _validate_mla(self) -> None:

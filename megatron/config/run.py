@@ -446,6 +446,7 @@ class RunConfig:
         model = self.model
         if model.padded_vocab_size is None:  # not known yet: check everything else with a stand-in
             model = dataclasses.replace(model, padded_vocab_size=tp)
+        check_combinations(self, "FP8")  # with fp16 (megatron.config.combinations)
         model.validate(tp)
         check_combinations(self, "MLA")  # the parallelisms MLA is not implemented with (megatron.config.combinations)
         self.batch.validate(self.parallel.data_parallel_size)

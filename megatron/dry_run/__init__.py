@@ -6,7 +6,8 @@
 - ``plan``: the pipeline stages (DeepSpeed's partition rule, ``megatron.engine.partition``), the batch
   and its rampup, the run's iterations, samples and tokens, the learning-rate schedule's key points;
 - ``estimate``: the planner's memory per GPU, step time and pipeline schedule (bubble, activations per stage,
-  p2p bytes) for this layout, and a CP job's ring (``megatron.planner``);
+  p2p bytes) for this layout, a CP job's ring and an FP8 job's GEMMs and refusal on a GPU without FP8
+  (``megatron.planner``);
 - ``report``: the whole as one dict, its JSON file, the exit status; ``text``: the printed form.
 
 No process group starts and nothing runs on a GPU (CUDA is only asked whether it is there). Sits at

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.config import RunConfig
+from megatron.config.hardware import fp8_capability_problem
 from megatron.config.moe import routes_tp_shards
 from megatron.config.schedules import get as get_schedule
 from megatron.config.schedules import schedule_name, virtual_stages_of
@@ -24,6 +25,7 @@ from megatron.planner.context_parallel import (
     ring_exposed_s,
     step_ring_bytes,
 )
+from megatron.planner.fp8 import fp8_stage_bytes, stage_fp8_layers
 from megatron.planner.memory import MEMORY_HEADROOM, activation_terms, stage_expert_param_counts
 from megatron.planner.moe import step_all_to_all_bytes
 from megatron.planner.performance import ATTENTION_EFFICIENCY
@@ -33,11 +35,13 @@ from megatron.planner.specs import DEFAULT_CLUSTER, GiB, model_shape_of
 STATE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # an Adam moment's bytes per value, by its dtype
 
 DEFAULT_GPU = "A100-80GB"  # what BLOOM-176B trained on (Jean Zay), the GPU these flags were written for
+DEFAULT_FP8_GPU = "H100-80GB"  # an FP8 job's (--fp8-format): the A100 has no FP8 tensor cores
 
 
-def hardware(gpu: Optional[str], cluster: Optional[str]):
-    """(GPUSpec, ClusterSpec) named by --dry-run-gpu / --dry-run-cluster; ValueError listing the known names."""
-    gpu = gpu or DEFAULT_GPU
+def hardware(gpu: Optional[str], cluster: Optional[str], fp8: bool = False):
+    """(GPUSpec, ClusterSpec) named by --dry-run-gpu / --dry-run-cluster (without --dry-run-gpu an FP8 job assumes
+    DEFAULT_FP8_GPU, others DEFAULT_GPU); ValueError listing the known names."""
+    gpu = gpu or (DEFAULT_FP8_GPU if fp8 else DEFAULT_GPU)
     if gpu not in GPUS:
         raise ValueError(f"--dry-run-gpu {gpu!r} is not a GPU the planner knows; pick one of {', '.join(sorted(GPUS))}")
     cluster = cluster or DEFAULT_CLUSTER[gpu]
@@ -118,6 +122,51 @@ def memory_section(rc: RunConfig, stage_layers: list[int], gpu) -> dict:
             "per_stage_gib": [{k: round(v / GiB, 2) for k, v in stage.items()} for stage in memory.per_stage]}
 
 
+def fp8_problem(rc: RunConfig, gpu) -> Optional[str]:
+    """Why an FP8 job cannot run on the GPU the estimate assumes (no FP8 tensor cores), or None."""
+    if rc.model.fp8 is None or gpu.has_fp8:
+        return None
+    return fp8_capability_problem(gpu.compute_capability, f"the {gpu.name} (--dry-run-gpu)")
+
+
+def _ranges(layers: list[int]) -> list[list[int]]:
+    """Sorted layer indices as [first, last] runs."""
+    out: list[list[int]] = []
+    for i in layers:
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return out
+
+
+def fp8_section(rc: RunConfig, stage_layers: list[int], gpu) -> Optional[dict]:
+    """An FP8 job's settings, the layers whose GEMMs run FP8 or stay in bf16, and the planner's FP8 figures on the
+    assumed GPU (``megatron.planner.fp8``); None without --fp8-format."""
+    f8 = rc.model.fp8
+    if f8 is None:
+        return None
+    shape, layout = model_shape(rc), planner_layout(rc, stage_layers)
+    pattern = shape.fp8.layer_pattern
+    per_stage = stage_fp8_layers(shape, stage_layers)
+    memory = [fp8_stage_bytes(shape, layout.tp, *counts) for counts in per_stage]
+    return {"format": f8.fp8_format, "recipe": f8.fp8_recipe, "forward_dtype": f8.forward_dtype,
+            "grad_dtype": f8.grad_dtype, "wgrad": f8.fp8_wgrad,
+            "amax_history_len": f8.fp8_amax_history_len if f8.fp8_recipe == "delayed" else None,
+            "amax_compute_algo": f8.fp8_amax_compute_algo if f8.fp8_recipe == "delayed" else None,
+            "margin": f8.fp8_margin if f8.fp8_recipe == "delayed" else None,
+            "fp8_layers": _ranges([i for i, on in enumerate(pattern) if on]),
+            "bf16_layers": _ranges([i for i, on in enumerate(pattern) if not on]),
+            "in_fp8": "the transformer layers' linear GEMMs: QKV, attention output, MLP"
+                      + (" (an MoE layer's shared expert; not its routed experts)" if shape.moe else ""),
+            "in_bf16": "core attention, embedding, output layer (logits), norms"
+                       + (", routed experts, router" if shape.moe else ""),
+            "gpu": gpu.name, "peak_fp8_tflops": gpu.peak_fp8_tflops, "peak_bf16_tflops": gpu.peak_bf16_tflops,
+            "stages": [{"fp8_layers": sum(c), "transient_mib": round(m["fp8_transient"] / 2 ** 20, 2),
+                        "scaling_state_mib": round(m["fp8_scaling_state"] / 2 ** 20, 4)}
+                       for c, m in zip(per_stage, memory)]}
+
+
 def experts_section(rc: RunConfig, stage_layers: list[int]) -> Optional[dict]:
     """An MoE job's experts on each rank of each stage and the token all-to-all bytes of one step
     (``megatron.planner.moe``: dropless and balanced; a capacity factor bounds them); None for a dense model."""
@@ -158,6 +207,7 @@ def step_section(rc: RunConfig, stage_layers: list[int], gpu, cluster, batch_ste
             "model_tflops_per_gpu": round(full.model_tflops_per_gpu, 1),
             "hardware_tflops_per_gpu": round(full.hardware_tflops_per_gpu, 1), "mfu": round(full.mfu, 4),
             "tokens_per_s": round(full.tokens_per_s, 1), "run_days": round(run_s / 86400, 2),
+            "mfu_peak_tflops": full.peak_tflops,
             "components_s": {k: round(v, 3) for k, v in full.components_s.items()}}
 
 

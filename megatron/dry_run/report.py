@@ -15,6 +15,8 @@ from megatron.arguments.check import ArgvCheck, check_argv
 from megatron.dry_run.estimate import (
     context_parallel_section,
     experts_section,
+    fp8_problem,
+    fp8_section,
     hardware,
     item_param_counts,
     memory_section,
@@ -26,7 +28,8 @@ from megatron.dry_run.estimate import (
 from megatron.dry_run.plan import RunSteps, batch_section, layout_section, lr_section, run_section
 from megatron.dry_run.text import render
 
-SECTIONS = ("layout", "batch", "run", "lr_schedule", "memory", "step", "schedule", "experts", "context_parallel")
+SECTIONS = ("layout", "batch", "run", "lr_schedule", "memory", "step", "schedule", "experts", "context_parallel",
+            "fp8")
 
 
 def dry_run(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, out=None) -> int:
@@ -47,9 +50,14 @@ def build_report(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -
     gpu = cluster = None
     if options is not None:
         try:
-            gpu, cluster = hardware(options.dry_run_gpu, options.dry_run_cluster)
+            fp8 = check.run_config is not None and check.run_config.model.fp8 is not None
+            gpu, cluster = hardware(options.dry_run_gpu, options.dry_run_cluster, fp8)
         except ValueError as error:
             check.problems.append(str(error))
+    if check.run_config is not None and gpu is not None:
+        problem = fp8_problem(check.run_config, gpu)  # --fp8-format on a GPU without FP8 tensor cores
+        if problem:
+            check.problems.append(problem)
     if check.run_config is None:
         check.not_checked.append("the plan (pipeline stages, batch and rampup, run length, learning-rate schedule, "
                                  "memory and step time): it needs every setting valid")
@@ -88,12 +96,17 @@ def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
         check.not_checked.append("the memory and step-time estimates: no GPU to assume (see the problems)")
         return
     stage_layers = [stage["num_transformer_layers"] for stage in report["layout"]["stages"]]
+    if fp8_problem(rc, gpu):
+        check.not_checked.append(f"the memory and step-time estimates: FP8 does not run on the {gpu.name} (see the "
+                                 "problems)")
+        return
     try:
         report["memory"] = memory_section(rc, stage_layers, gpu)
         report["step"] = step_section(rc, stage_layers, gpu, cluster, steps.steps_per_batch_size())
         report["schedule"] = schedule_section(rc, stage_layers, gpu, cluster)
         report["experts"] = experts_section(rc, stage_layers)
         report["context_parallel"] = context_parallel_section(rc, stage_layers, gpu, cluster)
+        report["fp8"] = fp8_section(rc, stage_layers, gpu)
     except ValueError as error:
         check.not_checked.append(f"the memory and step-time estimates: {error}")
         return

@@ -18,7 +18,7 @@ def render(report: dict) -> str:
              f"world size   {world['value'] if world['value'] is not None else 'unknown'} (from {world['source']})"]
     for key, section in (("model", _model), ("layout", _layout), ("batch", _batch), ("run", _run),
                          ("lr_schedule", _lr), ("memory", _memory), ("step", _step), ("schedule", _schedule),
-                         ("experts", _experts), ("context_parallel", _context_parallel)):
+                         ("experts", _experts), ("context_parallel", _context_parallel), ("fp8", _fp8)):
         if report[key] is not None:  # None: not computed (the report's "not_checked" says why)
             lines += section(report[key])
     for title, key, prefix in (("warnings (logged at startup, or about the estimates)", "warnings", ""),
@@ -111,6 +111,26 @@ def _step(s: dict) -> list[str]:
             f"per step at the full batch, bubble {s['bubble_fraction']:.1%}, {s['model_tflops_per_gpu']} model "
             f"TFLOP/s per GPU (MFU {s['mfu']:.1%}), {_n(s['tokens_per_s'])} tokens/s; the whole run "
             f"about {s['run_days']:.1f} days"]
+
+
+def _fp8(f: dict) -> list[str]:
+    def layers(runs) -> str:
+        return ", ".join(_span(run) for run in runs) or "none"
+
+    dtypes = f"{f['forward_dtype']} forward, {f['grad_dtype']} output gradients"
+    recipe = f["recipe"]
+    if recipe == "delayed":
+        recipe += (f" (amax history {f['amax_history_len']}, {f['amax_compute_algo']}, margin {f['margin']})")
+    wgrad = "" if f["wgrad"] else "; weight gradients in bf16 (--no-fp8-wgrad)"
+    stages = " ".join(f"{s['transient_mib']:g}" for s in f["stages"])
+    state = " ".join(f"{s['scaling_state_mib']:g}" for s in f["stages"])
+    return ["", f"fp8          --fp8-format {f['format']} ({dtypes}), recipe {recipe}{wgrad}",
+            f"  in FP8     layers {layers(f['fp8_layers'])}: {f['in_fp8']}",
+            f"  in bf16    {'layers ' + layers(f['bf16_layers']) + ' whole' if f['bf16_layers'] else 'no whole layer'}; "
+            f"in every layer: {f['in_bf16']}",
+            f"  planner    FP8 GEMMs at {f['peak_fp8_tflops']:g} TFLOP/s peak on the {f['gpu']}, the rest at bf16's "
+            f"{f['peak_bf16_tflops']:g}; MFU above is against the bf16 peak; no FP8 weight copy kept: transient "
+            f"quantized weight {stages} MiB, scaling state {state} MiB per stage"]
 
 
 def _schedule(s: dict) -> list[str]:

@@ -13,6 +13,8 @@
     moe.py          mixture of experts: experts per (TP, EP) rank, the token all-to-all bytes, EP layout rules
     context_parallel.py  context parallelism (ring attention): what the kernel keeps, its buffers, the ring's
                     p2p bytes per layer and the part the block computation does not hide
+    fp8.py          FP8 GEMMs (--fp8-format): which layers' GEMMs run FP8, their FLOPs, the quantizers' HBM traffic,
+                    the transient FP8 weight and delayed scaling's buffers
     comm_count.py   the analytic count of collectives / p2p in one step, and a recorder that
                     counts the real ones (wrapping torch.distributed) to compare with
     comm_zero.py    the data-parallel collectives of one optimizer step under ZeRO-2, ZeRO-3 and hpZ (one pipeline

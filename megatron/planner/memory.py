@@ -40,6 +40,10 @@ Recomputation in Large Transformer Models", eqs. 2 and 4), bf16, t = TP, u = Uly
   first stage also keeps the embedding dropout mask (s*b*h bytes per micro-batch, split like a layer's input); the last stage the
   logits of one micro-batch: bf16 logits + fp32 copy for the loss + fp32 gradient = 10*s*b*V/t bytes
   (/u with Ulysses). fp32 runs: 4-byte activations (``activation_bytes_per_element``).
+FP8 (``ModelShape.fp8``, ``megatron.planner.fp8``): no FP8 copy of the weights is kept (each GEMM quantizes the
+weight it uses): ``fp8_transient``, the stage's largest FP8 weight in 1 byte per element; ``fp8_scaling_state``,
+delayed scaling's fp32 history, scales and pending amaxes per FP8 linear layer; activations unchanged (the layers
+save their high-precision inputs).
 Context parallelism (CP = c, ring attention): every term for s/c tokens, no scores, plus what the ring kernel
 keeps and its buffers (``megatron.planner.context_parallel``).
 The layer being back-propagated adds its activation gradients (~ one layer's set) and, with
@@ -55,6 +59,7 @@ import dataclasses
 from megatron.config.schedules import get as get_schedule
 from megatron.planner.candidate import Layout, stage_layer_counts
 from megatron.planner.context_parallel import ring_buffer_bytes, ring_saved_bytes
+from megatron.planner.fp8 import fp8_stage_bytes, stage_fp8_layers
 from megatron.planner.moe import check_expert_layout
 from megatron.planner.schedule_costs import check_schedule, first_chunk_in_flight, in_flight, peak_units
 from megatron.planner.specs import GiB, ModelShape
@@ -294,6 +299,7 @@ def estimate_memory(model: ModelShape, layout: Layout, seq_length: int, global_b
     stages = []
     experts = stage_expert_param_counts(model, layout)
     terms = activation_terms(model, layout, seq_length, global_batch_size)
+    fp8_layers = stage_fp8_layers(model, stage_layer_counts(model, layout))
     for i, n_params in enumerate(stage_param_counts(model, layout)):
         stage = dict(static_bytes(n_params, layout, experts[i]))
         if layout.zero_stage == 3:
@@ -301,5 +307,7 @@ def estimate_memory(model: ModelShape, layout: Layout, seq_length: int, global_b
             # DeepSpeed's stage3_prefetch_bucket_size / max_live_parameters bound it, not modelled exactly)
             stage["gathered"] = 2 * (2 if layout.precision == "bf16" else 4) * model.layer_params(layout.tp)
         stage.update(activations=sum(terms[i].values()), overhead=RUNTIME_OVERHEAD)
+        if model.fp8 is not None:  # no FP8 weight copy kept: one GEMM's quantized weight, delayed scaling's buffers
+            stage.update(fp8_stage_bytes(model, layout.tp, *fp8_layers[i]))
         stages.append(stage)
     return MemoryEstimate(stages)

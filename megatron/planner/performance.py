@@ -34,6 +34,11 @@ Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
               while TP x EP fits a node, else over the GPU's NIC; the experts' gradients are all-reduced (and
               under ZeRO-1 their weights all-gathered) over the DP / EP ranks that hold them. The experts'
               GEMMs are counted at the dense GEMMs' rate (T k / E rows each: optimistic for small batches).
+  FP8         (``ModelShape.fp8``, ``megatron.planner.fp8``) the FP8 layers' linear GEMMs (QKV, attention output,
+              MLP; not the core attention, the logits, the routed experts, nor the layers --first-last-layers-bf16
+              keeps) at the GPU's FP8 peak x GEMM_EFFICIENCY x rows / (rows + GEMM_HALF_ROWS), the weight gradients
+              at the bf16 rate under --no-fp8-wgrad; ``fp8_quantize``: the quantizers' HBM passes (and the block
+              recipes' per-K-block sums). MFU stays model FLOPs / the bf16 peak (Megatron's convention).
   grad accum  BF16_Optimizer adds the bf16 .grad into the fp32 buffer after every micro-batch
               (read 2N + read/write 8N bytes) and zeroes the bf16 grads (2N).
 
@@ -59,6 +64,7 @@ import dataclasses
 
 from megatron.planner.candidate import Layout, stage_layer_counts
 from megatron.planner.context_parallel import ring_exposed_s
+from megatron.planner.fp8 import fp8_forward_flops, quantize_bytes, stage_fp8_layers
 from megatron.planner.memory import layer_activation_bytes, stage_expert_param_counts, stage_param_counts
 from megatron.planner.moe import layer_bytes
 from megatron.planner.schedule_costs import bubble_slots
@@ -182,30 +188,50 @@ def _mlp_width(model: ModelShape, n_layers: int, n_moe_layers: int) -> float:
     return ((n_layers - n_moe_layers) * model.ffn + n_moe_layers * width) / n_layers
 
 
+def _fp8_rate(gpu: GPUSpec, rows: float) -> float:
+    """The FP8 GEMMs' FLOP/s: the GPU's FP8 peak at the bf16 GEMMs' efficiency (an assumption, not measured)."""
+    if not gpu.has_fp8:
+        raise ValueError(f"the {gpu.name} has no FP8 tensor cores (torch._scaled_mm needs CUDA capability 8.9+): an "
+                         f"FP8 model (--fp8-format) cannot be planned on it; drop --fp8-format or use H100 / H200")
+    return gpu.peak_fp8_tflops * 1e12 * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)
+
+
 def _weight_gemm_forward_s(model: ModelShape, layout: Layout, gpu: GPUSpec, seq_length: int, n_layers: int,
-                           n_moe_layers: int, head: bool) -> float:
+                           n_moe_layers: int, head: bool, fp8_layers: tuple[int, int] = (0, 0),
+                           weight_grad: bool = False) -> float:
     """One forward's GEMMs with weights on a stage (qkv, dense, MLP; the logits when ``head``): also what a
-    weight-gradient pass (ZB-H1's W) costs, dA = dY^T X being as many FLOPs as Y = X A^T."""
+    weight-gradient pass (ZB-H1's W) costs, dA = dY^T X being as many FLOPs as Y = X A^T. ``fp8_layers``: the
+    (dense, MoE) layers among them whose linear GEMMs run FP8 (``megatron.planner.fp8``), at the FP8 rate; with
+    ``weight_grad`` under --no-fp8-wgrad those run at the bf16 rate."""
     h, t = model.hidden_size, layout.tp
     rows = layout.micro_batch_size * seq_length / layout.token_split
     gemm_rate = gpu.peak_bf16_tflops * 1e12 * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)
     mlp_matrices = 3 if model.swiglu else 2
     dense = 2 * rows * h * (h + 2 * model.kv_hidden + h + mlp_matrices * _mlp_width(model, n_layers, n_moe_layers))
-    out = n_layers * dense / t / gemm_rate if n_layers else 0.0
+    fp8 = fp8_forward_flops(model, rows, *fp8_layers) if any(fp8_layers) else 0
+    out = (n_layers * dense - fp8) / t / gemm_rate if n_layers else 0.0
+    if fp8:
+        out += fp8 / t / (gemm_rate if weight_grad and not model.fp8.wgrad else _fp8_rate(gpu, rows))
     if head:
         out += 2 * rows * h * model.vocab_size / t / gemm_rate
     return out
 
 
 def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
-                n_layers: int, n_params: int, first: bool, last: bool, tp_bw: float, n_moe_layers: int = 0) -> dict:
+                n_layers: int, n_params: int, first: bool, last: bool, tp_bw: float, n_moe_layers: int = 0,
+                fp8_layers: tuple[int, int] = (0, 0)) -> dict:
     b, h, t, u = layout.micro_batch_size, model.hidden_size, layout.tp, layout.ulysses
     s = seq_length
     passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
     attn_rate = gpu.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY
     attn = 4 * b * s * s * h * passes / (t * layout.token_split)  # s/u (s/c) queries against s keys, or a/(tu) heads
     # the weight GEMMs: one forward's worth per pass (the head's logits: forward, input and weight gradients)
-    matmul = _weight_gemm_forward_s(model, layout, gpu, seq_length, n_layers, n_moe_layers, False) * passes
+    forward = _weight_gemm_forward_s(model, layout, gpu, seq_length, n_layers, n_moe_layers, False, fp8_layers)
+    if any(fp8_layers) and not model.fp8.wgrad:  # --no-fp8-wgrad: the weight-gradient pass at the bf16 rate
+        matmul = forward * (passes - 1) + _weight_gemm_forward_s(model, layout, gpu, seq_length, n_layers,
+                                                                 n_moe_layers, False, fp8_layers, weight_grad=True)
+    else:
+        matmul = forward * passes
     matmul += n_layers * attn / attn_rate
     if last:
         matmul += 3 * _weight_gemm_forward_s(model, layout, gpu, seq_length, 0, 0, True)
@@ -216,6 +242,9 @@ def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cluste
     tp = _tp_comm_s(model, layout, cluster, seq_length, n_layers, first, last, tp_bw)
     accum = (12 * n_params if layout.precision == "bf16" else 0) / (gpu.hbm_gbps * 1e9)
     out = {"matmul": matmul, "elementwise": elementwise, "tp_comm": tp, "grad_accum": accum}
+    if any(fp8_layers):  # the quantizers' HBM passes (and the block recipes' per-K-block sums): megatron.planner.fp8
+        rows = b * s / layout.token_split
+        out["fp8_quantize"] = quantize_bytes(model, rows, t, *fp8_layers, layout.recompute) / (gpu.hbm_gbps * 1e9)
     if u > 1:
         out["ulysses_comm"] = _ulysses_comm_s(model, layout, gpu, cluster, seq_length, n_layers)
     if layout.cp > 1:
@@ -273,8 +302,9 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
     layers = stage_layer_counts(model, layout)
     params = stage_param_counts(model, layout)
     moe_layers = model.moe.stage_moe_layers(layers) if model.moe is not None else [0] * layout.pp
+    fp8_layers = stage_fp8_layers(model, layers)
     slots = [_stage_slot(model, layout, gpu, cluster, seq_length, layers[i], params[i], i == 0,
-                         i == layout.pp - 1, tp_bw, moe_layers[i]) for i in range(layout.pp)]
+                         i == layout.pp - 1, tp_bw, moe_layers[i], fp8_layers[i]) for i in range(layout.pp)]
     slowest = max(range(layout.pp), key=lambda i: sum(slots[i].values()))
     slot = dict(slots[slowest])
     if layout.pp > 1:
@@ -285,7 +315,7 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
         slot["pp_comm"] *= layout.virtual_stages  # interleaved: a send and a receive per chunk boundary
     slot_s = sum(slot.values())
     weight_pass = _weight_gemm_forward_s(model, layout, gpu, seq_length, layers[slowest], moe_layers[slowest],
-                                         slowest == layout.pp - 1)
+                                         slowest == layout.pp - 1, fp8_layers[slowest], weight_grad=True)
     bubble = bubble_slots(layout.schedule, layout.pp, layout.virtual_stages, weight_pass / slot_s)
     n = max(params)
     n_experts = max(stage_expert_param_counts(model, layout)) if model.moe is not None else 0

@@ -1,6 +1,6 @@
 """Named hardware and model sizes the planner knows, with where each number comes from.
 
-GPU figures are vendor datasheet values (dense bf16 tensor-core peak, HBM capacity and bandwidth).
+GPU figures are vendor datasheet values (dense bf16 and FP8 tensor-core peaks, HBM capacity and bandwidth).
 Achievable NCCL bandwidths are "bus bandwidth" as nccl-tests reports it for large messages; they
 are typical published figures, not measured here (no GPU on the build machine): override them with
 ``--intra-node-gbps`` / ``--inter-node-gbps`` when you have nccl-tests numbers for your cluster.
@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron.config.hardware import PEAK_BF16_TFLOPS
+from megatron.config.hardware import FP8_MIN_CAPABILITY, PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS
 from megatron.config.model import ModelConfig, megatron_flops, mlp_flops_width, swiglu_default_ffn_size
+from megatron.planner.fp8 import FP8Shape, fp8_shape_of
 from megatron.planner.moe import MoEShape, mlp_params, moe_layer_params
 
 GiB = 1024 ** 3
@@ -25,16 +26,27 @@ class GPUSpec:
     memory_bytes: int            # what torch sees as total device memory
     hbm_gbps: float              # HBM bandwidth, GB/s (datasheet)
     nvlink_busbw_gbps: float     # achievable NCCL all-reduce bus bandwidth inside one 8-GPU node, GB/s
+    peak_fp8_tflops: Optional[float] = None  # dense FP8 tensor-core peak (datasheet); None: no FP8 tensor cores
+    compute_capability: tuple[int, int] = (8, 0)  # CUDA capability (torch.cuda.get_device_capability())
+
+    @property
+    def has_fp8(self) -> bool:
+        """Whether torch._scaled_mm runs FP8 GEMMs here (capability 8.9+, megatron.config.hardware)."""
+        return self.peak_fp8_tflops is not None and self.compute_capability >= FP8_MIN_CAPABILITY
 
 
 GPUS = {
-    # A100 SXM: 312 TFLOPs bf16; NVLink3 600 GB/s bidirectional; nccl-tests all-reduce busbw ~230 GB/s on DGX A100.
+    # A100 SXM: 312 TFLOPs bf16, no FP8 tensor cores (capability 8.0); NVLink3 600 GB/s bidirectional;
+    # nccl-tests all-reduce busbw ~230 GB/s on DGX A100.
     "A100-40GB": GPUSpec("A100-40GB", PEAK_BF16_TFLOPS["A100"], 40 * GiB, 1555.0, 230.0),
     "A100-80GB": GPUSpec("A100-80GB", PEAK_BF16_TFLOPS["A100"], 80 * GiB, 2039.0, 230.0),
     # H100 SXM: 989 TFLOPs bf16 dense; NVLink4 900 GB/s bidirectional; all-reduce busbw ~370 GB/s (NVLS off).
-    "H100-80GB": GPUSpec("H100-80GB", PEAK_BF16_TFLOPS["H100"], 80 * GiB, 3350.0, 370.0),
+    # FP8 dense 1979 TFLOPs (twice bf16), capability 9.0.
+    "H100-80GB": GPUSpec("H100-80GB", PEAK_BF16_TFLOPS["H100"], 80 * GiB, 3350.0, 370.0, PEAK_FP8_TFLOPS["H100"],
+                         (9, 0)),
     # H200 SXM: H100's compute and NVLink with 141 GB (torch reports ~139.8 GiB) of HBM3e at 4.8 TB/s.
-    "H200-141GB": GPUSpec("H200-141GB", PEAK_BF16_TFLOPS["H200"], int(139.8 * GiB), 4800.0, 370.0),
+    "H200-141GB": GPUSpec("H200-141GB", PEAK_BF16_TFLOPS["H200"], int(139.8 * GiB), 4800.0, 370.0,
+                          PEAK_FP8_TFLOPS["H200"], (9, 0)),
 }
 
 
@@ -83,6 +95,7 @@ class ModelShape:
     add_qkv_bias: bool = False           # a QKV bias even without add_bias_linear (Qwen2)
     normalization: str = "layernorm"     # layernorm (weight + bias) | rmsnorm (weight)
     moe: Optional[MoEShape] = None       # routed experts in the layers its pattern marks (None: dense)
+    fp8: Optional[FP8Shape] = None       # FP8 GEMMs in the layers its pattern marks (None: none; megatron.planner.fp8)
 
     @property
     def ffn(self) -> int:
@@ -157,7 +170,8 @@ def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> Mod
                       learned_positions=config.max_positions if config.position_embedding_type == "absolute" else 0,
                       tied_embeddings=config.tied_embeddings, num_key_value_heads=config.num_kv_heads,
                       swiglu=config.swiglu, add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
-                      normalization=config.normalization, moe=_moe_shape_of(config))
+                      normalization=config.normalization, moe=_moe_shape_of(config),
+                      fp8=fp8_shape_of(config.fp8, config.num_layers))
 
 
 def _moe_shape_of(config: ModelConfig) -> Optional[MoEShape]:

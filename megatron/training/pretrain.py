@@ -25,6 +25,7 @@ from megatron.checkpoint import run_state, training_io
 from megatron.checkpoint.resume import intact_resume_point, restore, resume_point
 from megatron.checkpoint.universal.patterns import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 from megatron.config import RunConfig
+from megatron.config.hardware import check_fp8_device
 from megatron.config.moe import routes_tp_shards
 from megatron.data.tokenizers import build_tokenizer
 from megatron.engine.deepspeed_compat import checkpoint_loading
@@ -139,6 +140,8 @@ def pretrain(rc: RunConfig) -> PretrainResult:
     check_wandb_installed(rc.logging)
     p = rc.parallel
     info = init_process_group(p.distributed_backend, p.distributed_timeout_minutes)
+    if rc.model.fp8 is not None:  # FP8 GEMMs on this device: CUDA capability 8.9+, or torch._scaled_mm on CPU
+        check_fp8_device()
     init_deepspeed_comm(p.distributed_backend, timeout_s=60.0 * p.distributed_timeout_minutes)
     # The --save lock comes first: a second run on the same folder must not read the first one's checkpoints.
     lock = _lock_save_folder(rc)  # one writer per --save folder (megatron.checkpoint.lock)

@@ -15,6 +15,7 @@ from megatron.config.combinations import (
     refused_present,
     render_markdown,
 )
+from megatron.config.fp8 import FP8Config
 from megatron.config.mla import MLAConfig
 from megatron.config.moe import MoEConfig
 from tests.helpers.config import run_config, tiny_model
@@ -69,6 +70,7 @@ ENABLE = {
                                                                deepspeed_activation_checkpointing=True),
     "sync TP-duplicated parameters": lambda rc: _training(rc, sync_tp_duplicated_parameters=True),
     "Muon": lambda rc: dataclasses.replace(rc, optimizer=dataclasses.replace(rc.optimizer, optimizer="muon")),
+    "FP8": lambda rc: _model(rc, fp8=FP8Config(fp8_format="hybrid")),
 }
 NAMES = [f.name for f in FEATURES]
 
@@ -147,8 +149,8 @@ def test_exactly_the_pairs_of_the_table_are_refused():
     assert refused == expected
     assert table <= refused
     n = len(NAMES)
-    assert (n, n * (n - 1) // 2, len(REFUSED)) == (26, 325, 28)
-    assert len(refused) == 48  # the table's 28, and 20 more through the features a pair brings along
+    assert (n, n * (n - 1) // 2, len(REFUSED)) == (27, 351, 29)
+    assert len(refused) == 49  # the table's 29, and 20 more through the features a pair brings along
 
 
 def test_docs_flags_md_has_the_section_rendered_from_the_table():

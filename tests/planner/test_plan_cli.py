@@ -96,3 +96,30 @@ def test_pipeline_schedules_are_searched_when_asked(capsys):
     assert plan_parallelism.main(argv[:-3] + ["--schedules", "zbh1", "--top", "3"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[1].split()[-1] == "schedule" and all(line.split()[-1] == "ZB-H1" for line in table[3:]), table
+
+
+def test_fp8_layouts_are_the_librarys_and_refused_on_an_a100(capsys):
+    """--fp8-format plans the FP8 model shape (megatron.planner.fp8): the rows are the library's step times for it;
+    an A100 (no FP8 tensor cores) is refused with the cause and the fix."""
+    import dataclasses
+
+    from megatron.config.fp8 import FP8Config
+    from megatron.planner import CLUSTERS, GPUS, LLAMA_SIZES, plan_layouts
+    from megatron.planner.fp8 import fp8_shape_of
+
+    argv = ["--model", "llama-3-8b", "--num-gpus", "8", "--gpu", "H100-80GB", "--seq-length", "4096",
+            "--global-batch-size", "64", "--recompute", "yes", "--zero-stages", "1", "--sequence-parallel", "off",
+            "--top", "3", "--json"]
+    assert plan_parallelism.main(argv + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    shape = dataclasses.replace(LLAMA_SIZES["llama-3-8b"], fp8=fp8_shape_of(
+        FP8Config(fp8_format="hybrid", fp8_recipe="tensorwise"), 32))
+    expected = plan_layouts(shape, GPUS["H100-80GB"], CLUSTERS["dgx-h100"], 8, 4096, 64, recompute=(True,),
+                            zero_stages=(1,), sequence_parallel=(False,))[:3]
+    assert [r["step_s"] for r in rows] == [p.row()["step_s"] for p in expected]
+    assert plan_parallelism.main(argv) == 0
+    bf16 = json.loads(capsys.readouterr().out)["layouts"]
+    assert [r["step_s"] for r in rows] != [r["step_s"] for r in bf16]
+    with pytest.raises(SystemExit, match="the A100-80GB \\(--gpu\\) has capability 8.0, without FP8 tensor cores; "
+                                         "drop --fp8-format"):
+        plan_parallelism.main(argv[:5] + ["A100-80GB"] + argv[6:] + ["--fp8-format", "e4m3"])
