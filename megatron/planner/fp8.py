@@ -4,9 +4,9 @@ traffic of their quantizers.
 
 What runs in FP8: the column- and row-parallel linear layers of the transformer layers outside
 ``FP8Config.bf16_layers`` (--first-last-layers-bf16): QKV, the attention output projection, the MLP (fc1, fc2),
-and in an MoE layer the shared expert's; each in its three GEMMs (forward, data gradient, and the weight
+and in an MoE layer the shared expert's and the routed experts'; each in its three GEMMs (forward, data gradient, and the weight
 gradient unless --no-fp8-wgrad). What stays in the run's precision: the core attention (softmax(QK^T)V), the
-embedding, the output layer (logits), the routed experts (``GroupedExperts`` has no FP8 path), the router,
+embedding, the output layer (logits), the router,
 norms and the elementwise work. The planner runs the FP8 GEMMs at the GPU's FP8 peak
 (``GPUSpec.peak_fp8_tflops``) with the bf16 GEMMs' efficiency (``performance.GEMM_EFFICIENCY``, assumed, not
 measured), the rest at the bf16 peak; MFU stays model FLOPs over the bf16 peak.
@@ -106,9 +106,16 @@ def fp8_forward_flops(model, rows: float, n_dense: int, n_moe: int) -> float:
     h, mm = model.hidden_size, (3 if model.swiglu else 2)
     attention = h + 2 * model.kv_hidden + h
     out = n_dense * 2 * rows * h * (attention + mm * model.ffn)
-    if n_moe:
-        out += n_moe * 2 * rows * h * (attention + mm * model.moe.shared_expert_ffn)
+    if n_moe:  # the shared expert and the k routed experts each token goes through (not the router)
+        moe = model.moe
+        out += n_moe * 2 * rows * h * (attention + mm * (moe.shared_expert_ffn + moe.topk * moe.expert_ffn))
     return out
+
+
+def routed_expert_linears(model, tp: int) -> list[tuple[float, float]]:
+    """(N, K) of one routed expert's two FP8 GEMMs on one TP rank (W1: [(2) f / tp, h], W2: [h, f / tp])."""
+    h, f = model.hidden_size, model.moe.expert_ffn
+    return [((2 if model.swiglu else 1) * f / tp, h), (h, f / tp)]
 
 
 def _quantize_pass_bytes(shape: FP8Shape, elements: float, width: int) -> float:
@@ -121,7 +128,18 @@ def _block_gemm_bytes(shape: FP8Shape, m: float, n: float, k: float) -> float:
     return m * n * (BLOCK_ACCUMULATE_BYTES * math.ceil(k / shape.k_block) + BLOCK_SUM_BYTES) + 2 * k * (m + n)
 
 
-def quantize_bytes(model, rows: float, tp: int, n_dense: int, n_moe: int, recompute: bool, width: int = 2) -> float:
+def _linear_bytes(shape: FP8Shape, rows: float, n: float, k: float, weights: float, recompute: bool,
+                  width: int) -> float:
+    """One FP8 linear layer's quantizer passes and block sums in a micro-batch: ``rows`` tokens through ``weights``
+    weight matrices [n, k] (one; a layer's routed experts: its local experts, the tokens split among them)."""
+    x, w, dy = rows * k, weights * n * k, rows * n
+    operands = (x + w) * (2 if recompute else 1) + dy + w + ((dy + x) if shape.wgrad else 0)
+    gemms = [(rows, n, k)] * (2 if recompute else 1) + [(rows, k, n)] + ([(n * weights, k, rows)] if shape.wgrad else [])
+    return _quantize_pass_bytes(shape, operands, width) + sum(_block_gemm_bytes(shape, *g) for g in gemms)
+
+
+def quantize_bytes(model, rows: float, tp: int, n_dense: int, n_moe: int, recompute: bool, width: int = 2,
+                   ep: int = 1) -> float:
     """HBM bytes the FP8 path adds over bf16 GEMMs in one micro-batch of a stage (forward, backward, a recomputed
     forward): the quantizers' passes and, for the block recipes, the per-K-block accumulation (module docstring)."""
     shape = model.fp8
@@ -132,11 +150,11 @@ def quantize_bytes(model, rows: float, tp: int, n_dense: int, n_moe: int, recomp
         if not count:
             continue
         for n, k in layer_linears(model, tp, moe):
-            x, w, dy = rows * k, n * k, rows * n
-            operands = (x + w) * (2 if recompute else 1) + dy + w + ((dy + x) if shape.wgrad else 0)
-            gemms = [(rows, n, k)] * (2 if recompute else 1) + [(rows, k, n)] + ([(n, k, rows)] if shape.wgrad else [])
-            total += count * (_quantize_pass_bytes(shape, operands, width)
-                              + sum(_block_gemm_bytes(shape, *g) for g in gemms))
+            total += count * _linear_bytes(shape, rows, n, k, 1, recompute, width)
+        if moe:  # the routed experts: each token's k choices, over this rank's num_experts / ep experts
+            for n, k in routed_expert_linears(model, tp):
+                total += count * _linear_bytes(shape, rows * model.moe.topk, n, k, model.moe.num_experts / ep,
+                                               recompute, width)
     return total
 
 

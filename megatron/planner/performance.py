@@ -35,7 +35,7 @@ Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
               under ZeRO-1 their weights all-gathered) over the DP / EP ranks that hold them. The experts'
               GEMMs are counted at the dense GEMMs' rate (T k / E rows each: optimistic for small batches).
   FP8         (``ModelShape.fp8``, ``megatron.planner.fp8``) the FP8 layers' linear GEMMs (QKV, attention output,
-              MLP; not the core attention, the logits, the routed experts, nor the layers --first-last-layers-bf16
+              MLP, routed experts; not the core attention, the logits, the router, nor the layers --first-last-layers-bf16
               keeps) at the GPU's FP8 peak x GEMM_EFFICIENCY x rows / (rows + GEMM_HALF_ROWS), the weight gradients
               at the bf16 rate under --no-fp8-wgrad; ``fp8_quantize``: the quantizers' HBM passes (and the block
               recipes' per-K-block sums). MFU stays model FLOPs / the bf16 peak (Megatron's convention).
@@ -244,7 +244,7 @@ def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cluste
     out = {"matmul": matmul, "elementwise": elementwise, "tp_comm": tp, "grad_accum": accum}
     if any(fp8_layers):  # the quantizers' HBM passes (and the block recipes' per-K-block sums): megatron.planner.fp8
         rows = b * s / layout.token_split
-        out["fp8_quantize"] = quantize_bytes(model, rows, t, *fp8_layers, layout.recompute) / (gpu.hbm_gbps * 1e9)
+        out["fp8_quantize"] = quantize_bytes(model, rows, t, *fp8_layers, layout.recompute, ep=layout.ep) / (gpu.hbm_gbps * 1e9)
     if u > 1:
         out["ulysses_comm"] = _ulysses_comm_s(model, layout, gpu, cluster, seq_length, n_layers)
     if layout.cp > 1:

@@ -209,20 +209,22 @@ def test_the_docs_llama3_8b_figures_are_the_planners():
                 f"{memory.peak / GiB:.1f} GiB |") in doc, label
 
 
-def test_an_moe_layer_runs_its_attention_and_shared_expert_in_fp8_and_its_routed_experts_in_bf16():
-    """The planner's FP8 FLOPs of an MoE layer are QKV, the output projection and the shared expert's MLP, the linear
-    layers the model gives FP8 (counted on a built tiny MoE model); the routed experts' GEMMs stay at the bf16 rate."""
+def test_an_moe_layer_runs_its_attention_and_experts_in_fp8_and_its_router_in_bf16():
+    """The planner's FP8 FLOPs of an MoE layer are QKV, the output projection, the shared expert's MLP and the k
+    routed experts' MLPs each token goes through, the layers the model gives FP8 (counted on a built tiny MoE model:
+    the routed experts one scaling per matrix); the router stays at the bf16 rate."""
     from megatron.config.moe import MoEConfig
     from megatron.model import GPTModel
     from megatron.parallel.fp8_linear import fp8_layers
-    from megatron.planner.fp8 import layer_linears
+    from megatron.planner.fp8 import layer_linears, routed_expert_linears
     from megatron.planner.moe import MoEShape
 
     moe = MoEConfig(num_experts=4, layer_pattern=(False, True), shared_expert_intermediate_size=32)
     config = tiny_model(swiglu=True, moe=moe, fp8=FP8Config(fp8_recipe="tensorwise"))
     shape = model_shape_of(config)
     built = fp8_layers(GPTModel(config))
-    assert len(built) == len(layer_linears(shape, 1)) + len(layer_linears(shape, 1, moe_layer=True)) == 4 + 4
+    assert len(built) == (len(layer_linears(shape, 1)) + len(layer_linears(shape, 1, moe_layer=True))
+                          + len(routed_expert_linears(shape, 1))) == 4 + 4 + 2
 
     shared, expert_ffn = 1408, 1408
     moe_shape = MoEShape(8, 2, expert_ffn, (True,) * LAYERS, shared_expert_ffn=shared)
@@ -230,6 +232,7 @@ def test_an_moe_layer_runs_its_attention_and_shared_expert_in_fp8_and_its_routed
     fp8 = dataclasses.replace(plain, fp8=fp8_shape_of(FP8Config(fp8_recipe="tensorwise"), LAYERS))
     bf16_step = estimate_step(plain, _layout(), H100, CLUSTER, SEQ, MBS)
     fp8_step = estimate_step(fp8, _layout(), H100, CLUSTER, SEQ, MBS)
-    in_fp8 = LAYERS * 2 * ROWS * H * (H + 2 * KV + H + 3 * shared)  # attention projections + the shared expert
+    # attention projections, the shared expert and the 2 routed experts a token goes through
+    in_fp8 = LAYERS * 2 * ROWS * H * (H + 2 * KV + H + 3 * (shared + 2 * expert_ffn))
     saved = in_fp8 * 3 / TP * (1 / BF16_RATE - 1 / FP8_RATE)
     assert bf16_step.components_s["matmul"] - fp8_step.components_s["matmul"] == pytest.approx(saved, rel=1e-9)
