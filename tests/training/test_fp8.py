@@ -1,4 +1,5 @@
-"""FP8 training end to end (--fp8-format hybrid, bf16 runs, the tiny Llama-free BLOOM-style model of tiny_argv):
+"""FP8 training end to end (--fp8-format hybrid, bf16 runs, a tiny Llama-style model: RMSNorm, SwiGLU, rotary,
+grouped-query attention, no biases, untied output layer):
 
 - Each recipe (tensorwise, delayed with a 4-iteration max history, blockwise, mxfp8) trains 20 iterations: every
   loss finite, within BAND of the bf16 run's at every iteration from the third, and not equal to it (FP8 ran).
@@ -9,7 +10,7 @@
   history and scales are in the checkpoint).
 - TP=2 x PP=2 x DP=2 (8 processes) with delayed and with tensorwise scaling tracks the one-process FP8 run
   (``fp8_run_tolerance``: the layouts' bf16 roundings flip FP8 roundings; e5m2 the coarser type).
-- MoE (4 experts, top 2, SwiGLU) with FP8 experts at EP=2 (2 processes) tracks the one-process MoE FP8 run.
+- MoE (4 experts, top 2) with FP8 experts at EP=2 (2 processes) tracks the one-process MoE FP8 run.
 - The delayed run's universal checkpoint keeps every layer's amax history and scales (equal to the layer files'),
   and resumed at TP=2 it tracks the straight run.
 - An FP8 run's checkpoint exports to transformers as a bf16 model with the same tensors as a bf16 run's export.
@@ -28,24 +29,29 @@ from tests.helpers.training import TINY_LAYERS, TINY_WIDTH, assert_continues, la
 
 ITERS = 20
 BAND = 0.01
+LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96",
+         "--position-embedding-type", "rope")
 FP8 = ("--fp8-format", "hybrid")
 RECIPES = {"tensorwise": ("--fp8-recipe", "tensorwise"),
            "delayed": ("--fp8-recipe", "delayed", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max"),
            "blockwise": ("--fp8-recipe", "blockwise"),
            "mxfp8": ("--fp8-recipe", "mxfp8")}
-MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--swiglu")
+MOE = ("--num-experts", "4", "--moe-router-topk", "2")
 MOE_ITERS = 6
 LAYOUT_ITERS = 10  # the 8-process runs stop here (--exit-interval): the schedule is the 20-iteration one
 
 
 @pytest.fixture(scope="module")
 def base(tiny_corpus):
-    return tiny_argv(tiny_corpus, "--bf16", train_iters=ITERS)
+    return tiny_argv(tiny_corpus, "--bf16", *LLAMA, train_iters=ITERS, embed_layernorm=False,
+                     position_embedding_type=None)
 
 
 @pytest.fixture(scope="module")
 def moe_argv(tiny_corpus):
-    return tiny_argv(tiny_corpus, "--bf16", *MOE, *FP8, "--fp8-recipe", "tensorwise", train_iters=MOE_ITERS)
+    return tiny_argv(tiny_corpus, "--bf16", *LLAMA, *MOE, *FP8, "--fp8-recipe", "tensorwise", train_iters=MOE_ITERS,
+                     embed_layernorm=False, position_embedding_type=None)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +99,7 @@ def test_fp8_checkpoint_exports_as_bf16(one_process, tmp_path):
         dtypes = {f.get_tensor(name).dtype for name in names}
     assert dtypes == {torch.bfloat16}, (dtypes, config.get("torch_dtype"), config.get("dtype"))
     assert not any("fp8" in name or "amax" in name for name in names), names
-    assert any(name.endswith("dense_h_to_4h.weight") for name in names)
+    assert config["architectures"] == ["LlamaForCausalLM"] and "model.layers.1.mlp.down_proj.weight" in names
 
 
 @pytest.fixture(scope="module")
