@@ -75,7 +75,9 @@ def _saturating_cast(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def quantize_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Quantized:
     """x [rows, K] with one given quantization scale (0-dim fp32): tensorwise and delayed scaling."""
-    data = _saturating_cast(x.float() * scale, dtype)
+    # contiguous: a transposed operand (W^T, X^T) would keep its strides, and _scaled_mm wants a row-major a and
+    # the transpose of a row-major b (CUDA refuses other layouts; so does torch.compile's lowering on CPU)
+    data = _saturating_cast(x.float() * scale, dtype).contiguous()
     return Quantized(data, (1.0 / scale).reshape(1, 1), tuple(x.shape))
 
 

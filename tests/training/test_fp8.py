@@ -40,6 +40,12 @@ RECIPES = {"tensorwise": ("--fp8-recipe", "tensorwise"),
 MOE = ("--num-experts", "4", "--moe-router-topk", "2")
 MOE_ITERS = 6
 LAYOUT_ITERS = 10  # the 8-process runs stop here (--exit-interval): the schedule is the 20-iteration one
+SHORT = 4  # the compositions with other features: 4 iterations each
+COMPOSITIONS = {"ZB-H1, PP=2": ("--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline",
+                                "--enable-zbh1-exact-semantics"),
+                "CP=2 (ring attention)": ("--context-parallel-size", "2"),
+                "Ulysses SP=2": ("--ds-sequence-parallel-size", "2"),
+                "TP=2 with sequence parallelism": ("--tensor-model-parallel-size", "2", "--sequence-parallel")}
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +60,18 @@ def moe_argv(tiny_corpus):
                      embed_layernorm=False, position_embedding_type=None)
 
 
+def _short(base):
+    argv = list(base) + list(FP8) + list(RECIPES["tensorwise"])
+    return argv[:argv.index("--train-iters") + 1] + [str(SHORT)] + argv[argv.index("--train-iters") + 2:]
+
+
+def _assert_tracks(reference, other, label):
+    assert len(other) == len(reference), label
+    for it, (a, b) in enumerate(zip(reference, other, strict=True), start=1):
+        rel = fp8_run_tolerance(torch.bfloat16, torch.float8_e5m2, TINY_LAYERS, TINY_WIDTH, it)
+        assert abs(a - b) <= rel * abs(a), f"{label}: iteration {it}: loss {b} vs one process {a} ({rel:.2g})"
+
+
 @pytest.fixture(scope="module")
 def one_process(base, moe_argv, tmp_path_factory):
     """One launch: bf16, each recipe, the delayed run saved at 10 and resumed, and the MoE reference."""
@@ -64,6 +82,8 @@ def one_process(base, moe_argv, tmp_path_factory):
     runs["delayed: saved at 10"] = runs["delayed"] + checkpoint + ["--exit-interval", "10"]
     runs["delayed: resumed to 20"] = runs["delayed"] + checkpoint + ["--load", save]
     runs["moe"] = moe_argv
+    short = _short(base)
+    runs["short"], runs["short, --torch-compile"] = short, short + ["--torch-compile"]
     records = run_distributed(train, world_size=1, args=(list(runs.values()),))[0]
     return dict(zip(runs, records, strict=True)), save
 
@@ -158,3 +178,25 @@ def test_delayed_scaling_state_travels_in_universal_checkpoints(one_process, two
     for it, a, b in zip(resumed["iterations"], records["delayed"]["losses"][10:], resumed["losses"], strict=True):
         rel = fp8_run_tolerance(torch.bfloat16, torch.float8_e5m2, TINY_LAYERS, TINY_WIDTH, it)
         assert abs(a - b) <= rel * abs(a), f"universal resume at TP=2: iteration {it}: loss {b} vs {a} ({rel:.2g})"
+
+
+@pytest.fixture(scope="module")
+def compositions(base):
+    return run_distributed(train, world_size=2, args=([_short(base) + list(flags)
+                                                      for flags in COMPOSITIONS.values()],))[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("index", range(len(COMPOSITIONS)), ids=list(COMPOSITIONS))
+def test_fp8_composes_with(one_process, compositions, index):
+    """FP8 (tensorwise) with ZB-H1 (its weight gradients deferred through fp8_linear), context parallelism,
+    Ulysses and Megatron sequence parallelism, each on 2 processes, tracks the one-process FP8 run."""
+    _assert_tracks(one_process[0]["short"]["losses"], compositions[index]["losses"], list(COMPOSITIONS)[index])
+
+
+def test_fp8_with_torch_compile_tracks_eager(one_process):
+    records, _ = one_process
+    compiled = records["short, --torch-compile"]
+    assert compiled["compiled_layers"] == 2
+    _assert_tracks(records["short"]["losses"], compiled["losses"], "--torch-compile")
+
