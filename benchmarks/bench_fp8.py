@@ -4,8 +4,8 @@ and fp32, one process, side by side in one run (repetitions alternated, the orde
     flock /work/cpu.lock python -m benchmarks.bench_fp8 --output benchmarks/results/fp8_<date>.json
 
 1. gemm: Y [M, N] = X [M, K] @ W [N, K]^T at Llama-3-8B-like layer shapes scaled down to a CPU (--gemm-shapes,
-   M tokens x K hidden x N out; default the MLP's up projection at tokens 1024, hidden 1024, ffn 3.5 x hidden
-   as Llama-3-8B's 14336 / 4096, and a larger square 2048^3), per path:
+   M tokens x K in x N out; default the MLP's up and down projections at tokens 1024, hidden 1024, ffn 3.5 x
+   hidden as Llama-3-8B's 14336 / 4096 (1024x1024x3584, 1024x3584x1024), and a larger square 2048^3), per path:
        fp32, bf16              torch.matmul on operands of that dtype (bf16 out)
        fp8_<recipe>            megatron.parallel.fp8_quantize.scaled_mm on operands quantized beforehand (the
                                GEMM alone): tensorwise one torch._scaled_mm (delayed's GEMM is the same call);
@@ -203,7 +203,7 @@ def shape(text: str) -> tuple[int, int, int]:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gemm-shapes", nargs="+", type=shape, default=[(1024, 1024, 3584), (2048, 2048, 2048)],
+    ap.add_argument("--gemm-shapes", nargs="+", type=shape, default=[(1024, 1024, 3584), (1024, 3584, 1024), (2048, 2048, 2048)],
                     help="MxKxN: tokens x input features x output features")
     ap.add_argument("--linear-shape", type=shape, default=(1024, 1024, 3584))
     ap.add_argument("--step-layers", type=int, default=2)
@@ -212,9 +212,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--step-ffn", type=int, default=896)
     ap.add_argument("--step-seq", type=int, default=256)
     ap.add_argument("--step-mbs", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=3, help="timed calls per path (gemm, linear)")
+    ap.add_argument("--reps", type=int, default=5, help="timed calls per path (gemm, linear)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--step-reps", type=int, default=7, help="timed steps per variant (step)")
+    ap.add_argument("--step-reps", type=int, default=9, help="timed steps per variant (step)")
     ap.add_argument("--step-warmup", type=int, default=2)
     ap.add_argument("--sections", nargs="+", default=["gemm", "linear", "step"], choices=["gemm", "linear", "step"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
