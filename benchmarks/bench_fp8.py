@@ -14,6 +14,10 @@ and fp32, one process, side by side in one run (repetitions alternated, the orde
        fp8_<recipe>_quantized  the same with both operands quantized from bf16 inside the timed call, as the
                                layer does it every call (tensorwise: amax, scale, scaled cast; blocks: per-block
                                amax and scales)
+       fp8_<recipe>_dequantized_fp32  not what the layer does: the same quantized operands dequantized to fp32
+                               (fp8_quantize.dequantize) and one fp32 matmul, what a CPU-only scaled_mm could do
+                               instead (the products of FP8 values and power-of-two scales are exact in fp32;
+                               the sums differ in order only), timed with its dequantization
    Reported per path: median ms, GFLOP/s (2 M N K), the time against bf16's, and the output's largest error
    against the fp32 product relative to its largest value (a sanity check that the path computed the product).
 2. linear: one layer's forward + backward (Y = X W^T; dX, dW) at --linear-shape: megatron.parallel.fp8_linear
@@ -45,7 +49,7 @@ from benchmarks._common import emit, machine, tiny_argv, tiny_corpus
 from benchmarks.bench_attention import cpu_flags
 from megatron.config.fp8 import FP8Config
 from megatron.parallel.fp8_linear import INPUT, WEIGHT, FP8Scaling, fp8_linear, update_fp8_scales
-from megatron.parallel.fp8_quantize import scaled_mm
+from megatron.parallel.fp8_quantize import dequantize, scaled_mm
 
 RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 GEMM_RECIPES = ("tensorwise", "blockwise", "mxfp8")  # delayed's GEMM is tensorwise's (a scale given, not measured)
@@ -98,6 +102,8 @@ def gemm(m: int, k: int, n: int, reps: int, warmup: int, recipes=GEMM_RECIPES) -
         qx, qw = quantized_operands(fp8, x16, w16)
         fns[f"fp8_{recipe}"] = lambda qx=qx, qw=qw: scaled_mm(qx, qw, torch.bfloat16)
         fns[f"fp8_{recipe}_quantized"] = lambda fp8=fp8: scaled_mm(*quantized_operands(fp8, x16, w16), torch.bfloat16)
+        fns[f"fp8_{recipe}_dequantized_fp32"] = (
+            lambda qx=qx, qw=qw: (dequantize(qx) @ dequantize(qw).t()).to(torch.bfloat16))
     reference = fns["fp32"]()
     scale = reference.abs().max().item()
     errors = {name: (fn().float() - reference).abs().max().item() / scale for name, fn in fns.items()}

@@ -181,7 +181,7 @@ def test_bench_fp8_runs_its_three_sections_and_every_fp8_path_computes_the_produ
     assert result["threads"] >= 1 and result["versions"]["torch"] and "note" in result
     gemm = result["gemm"]["16x256x24"]["paths"]
     assert set(gemm) == {"fp32", "bf16"} | {f"fp8_{r}{q}" for r in ("tensorwise", "blockwise", "mxfp8")
-                                             for q in ("", "_quantized")}
+                                             for q in ("", "_quantized", "_dequantized_fp32")}
     linear = result["linear"]["paths"]
     assert set(linear) == {"fp32", "bf16"} | {f"fp8_{r}" for r in ("tensorwise", "delayed", "blockwise", "mxfp8")}
     # Against the fp32 product, relative to its largest value: each operand rounded once to the path's narrowest
