@@ -22,7 +22,8 @@ and fp32, one process, side by side in one run (repetitions alternated, the orde
    against the fp32 product relative to its largest value (a sanity check that the path computed the product).
 2. linear: one layer's forward + backward (Y = X W^T; dX, dW) at --linear-shape: megatron.parallel.fp8_linear
    .fp8_linear per recipe (tensorwise, delayed, blockwise, mxfp8; --fp8-format hybrid, bf16 operands) against
-   F.linear in bf16 and in fp32. 6 M N K FLOPs.
+   F.linear in bf16 and in fp32. 6 M N K FLOPs. Delayed scaling's scales are updated (update_fp8_scales) once
+   after the first call, so that the measured calls use scales from an amax history as in training.
 3. step: one training step (DeepSpeed PipelineEngine + BF16_Optimizer, built as pretrain() builds it:
    benchmarks.bench_train_vs_transformers.Ours) of a small Llama-style model (rotary, RMSNorm, SwiGLU, grouped
    query attention, untied embeddings; --step-* sizes) with --bf16 against --bf16 --fp8-format hybrid
@@ -135,11 +136,15 @@ def linear(m: int, k: int, n: int, reps: int, warmup: int, recipes=RECIPES) -> d
         return run
 
     fns = {"fp32": path(torch.float32), "bf16": path(torch.bfloat16)}
-    for recipe in recipes:
-        fns[f"fp8_{recipe}"] = path(torch.bfloat16, scaling(recipe))
+    scalings = {f"fp8_{recipe}": scaling(recipe) for recipe in recipes}
+    for name, fp8 in scalings.items():
+        fns[name] = path(torch.bfloat16, fp8)
     reference = fns["fp32"]()
     errors = {}
     for name, fn in fns.items():
+        fn()
+        if name in scalings:  # delayed: the amaxes of that call become the scales in use, as after a training
+            update_fp8_scales(scalings[name])  # step (the buffers start at scale 1); other recipes: nothing
         out = fn()
         errors[name] = max((o.float() - r).abs().max().item() / r.abs().max().item() for o, r in zip(out, reference))
     times = alternated(fns, reps, warmup)

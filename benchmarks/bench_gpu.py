@@ -39,7 +39,7 @@ NOT RUN YET: written and dry-run on CPU only (the build machine has no GPU). On 
    4096 -> 2 x 14336, down 14336 -> 4096; 8192 tokens) alone, each product as the model runs it:
      bf16              F.linear on bf16 operands
      fp8_<recipe>      megatron.parallel.fp8_linear.fp8_linear (--fp8-format hybrid) per recipe: tensorwise,
-                       delayed (the scale given: no amax in the step), blockwise (one row-wise _scaled_mm per
+                       delayed (scales from the warm-up call's amaxes, update_fp8_scales), blockwise (one row-wise _scaled_mm per
                        128 K block, partials summed in fp32), mxfp8 (the same per 32 K block); the operands
                        quantized from bf16 inside the timed call, as the layer does every call
    Reported per path: the layer's median seconds (the sum over its four products), achieved TFLOP/s (6 M K N per
@@ -293,7 +293,7 @@ def fp8_layer_gemms(tokens: int, hidden: int, heads: int, query_groups: int, ffn
     import torch.nn.functional as F
 
     from megatron.config.fp8 import FP8Config
-    from megatron.parallel.fp8_linear import FP8Scaling, fp8_linear
+    from megatron.parallel.fp8_linear import FP8Scaling, fp8_linear, update_fp8_scales
     from megatron.training.metrics import current_device_name, peak_tflops_for_device
 
     head_dim = hidden // heads
@@ -310,32 +310,37 @@ def fp8_layer_gemms(tokens: int, hidden: int, heads: int, query_groups: int, ffn
     peak_bf16 = peak_tflops_for_device(name, peak_override)
     peak_fp8 = next((v for key, v in PEAK_FP8_TFLOPS.items() if name and key in name.upper()), None)
 
-    def layer(fp8):
+    def layer(recipe):
+        """The layer's four products with their own weights and (FP8) their own scaling, as the model has them."""
         weights = {p: w.detach().clone().requires_grad_() for p, (_, w, _) in operands.items()}
+        fp8 = {p: None if recipe is None else
+               FP8Scaling(FP8Config(fp8_format="hybrid", fp8_recipe=recipe)).to(device) for p in products}
 
         def run():
             outs = {}
             for p, (x, _, dy) in operands.items():
                 w = weights[p]
                 w.grad = None
-                y = F.linear(x, w) if fp8 is None else fp8_linear(x, w, None, fp8)
+                y = F.linear(x, w) if fp8[p] is None else fp8_linear(x, w, None, fp8[p])
                 y.backward(dy)
                 outs[p] = y.detach()
             return outs
-        return run
+        return run, [f for f in fp8.values() if f is not None]
 
     paths = {"bf16": layer(None)}
     for recipe in recipes:
-        paths[f"fp8_{recipe}"] = layer(FP8Scaling(FP8Config(fp8_format="hybrid", fp8_recipe=recipe)).to(device))
+        paths[f"fp8_{recipe}"] = layer(recipe)
     out = {"shape": dict(tokens=tokens, hidden=hidden, heads=heads, query_groups=query_groups, ffn=ffn),
            "products_k_n": products, "flops_fwd_bwd": flops, "peak_bf16_tflops": peak_bf16,
            "peak_fp8_tflops": peak_fp8}
     reference = None
-    for path, run in paths.items():
+    for path, (run, scalings) in paths.items():
         try:
-            outs = run()  # warm-up, and the outputs compared
+            run()  # warm-up; delayed: its amaxes become the scales in use (the buffers start at scale 1)
+            for scaling in scalings:
+                update_fp8_scales(scaling)
+            outs = run()  # the outputs compared
             reference = outs if reference is None else reference
-            run()
             median = bench_attention.median_time(run, reps, device)
             tflops = flops / median / 1e12
             out[path] = {"median_fwd_bwd_s": median, "tflops": tflops,
