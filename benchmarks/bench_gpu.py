@@ -34,7 +34,20 @@ NOT RUN YET: written and dry-run on CPU only (the build machine has no GPU). On 
      loop         one mm per expert on its slice of rows, outputs concatenated
    Reported: median seconds, achieved TFLOP/s (18 M h f: three h x f matrices, forward and two backward
    products) and the largest output difference from segments. --dry-run: tiny shapes on CPU.
---sections picks which of the three run (default all). Without CUDA and without --dry-run the script exits at
+4. FP8 against bf16 (issue 39), forward + backward of the GEMMs of one Llama-3-8B layer (h 4096, 32 heads in 8
+   query groups of 128: QKV 4096 -> 6144, the attention's dense 4096 -> 4096, SwiGLU's fused gate and up
+   4096 -> 2 x 14336, down 14336 -> 4096; 8192 tokens) alone, each product as the model runs it:
+     bf16              F.linear on bf16 operands
+     fp8_<recipe>      megatron.parallel.fp8_linear.fp8_linear (--fp8-format hybrid) per recipe: tensorwise,
+                       delayed (scales from the warm-up call's amaxes, update_fp8_scales), blockwise (one row-wise _scaled_mm per
+                       128 K block, partials summed in fp32), mxfp8 (the same per 32 K block); the operands
+                       quantized from bf16 inside the timed call, as the layer does every call
+   Reported per path: the layer's median seconds (the sum over its four products), achieved TFLOP/s (6 M K N per
+   product), MFU against the device's dense bf16 peak and against its dense FP8 peak (PEAK_FP8_TFLOPS, datasheet:
+   1979 on H100 / H200 SXM), the speed against bf16's, and the output's largest error against bf16's relative to
+   its largest value. A path that fails reports its error. --dry-run: tiny shapes on CPU (no MFU).
+   NOT RUN on a GPU yet.
+--sections picks which of the four run (default all). Without CUDA and without --dry-run the script exits at
 once naming the missing device (nothing is measured on CPU).
 Prints ONE JSON line.
 """
@@ -70,6 +83,11 @@ DRY = {"tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4),
 VARIANTS = (("1B3", "sdpa", False), ("1B3", "auto", False), ("1B3", "auto", True),
             ("llama1B", "sdpa", False), ("llama1B", "sdpa", True))
 DRY_VARIANTS = (("tiny", "sdpa", False), ("tiny", "flex", False), ("tiny_llama", "auto", False))
+# Dense FP8 tensor-core peak per GPU, TFLOP/s (datasheet, SXM, no sparsity): twice the bf16 peak
+# (megatron.config.hardware.PEAK_BF16_TFLOPS) on Hopper; the A100 has no FP8.
+PEAK_FP8_TFLOPS = {"H100": 1979.0, "H200": 1979.0}
+# Llama-3-8B's layer: hidden 4096, 32 heads in 8 query groups of 128, SwiGLU 14336
+LLAMA3_8B_LAYER = dict(hidden=4096, heads=32, query_groups=8, ffn=14336)
 
 
 def _sync(device: str) -> None:
@@ -268,6 +286,78 @@ def moe_experts(tokens: int, hidden: int, ffn: int, num_experts: int, topk: int,
     return out
 
 
+def fp8_layer_gemms(tokens: int, hidden: int, heads: int, query_groups: int, ffn: int, reps: int, device: str,
+                    recipes=("tensorwise", "delayed", "blockwise", "mxfp8"), peak_override=None) -> dict:
+    """Section 4: the products of one Llama-style layer, forward + backward, bf16 F.linear against fp8_linear per
+    recipe (module docstring)."""
+    import torch.nn.functional as F
+
+    from megatron.config.fp8 import FP8Config
+    from megatron.parallel.fp8_linear import FP8Scaling, fp8_linear, update_fp8_scales
+    from megatron.training.metrics import current_device_name, peak_tflops_for_device
+
+    head_dim = hidden // heads
+    products = {"qkv": (hidden, hidden + 2 * query_groups * head_dim), "dense": (hidden, hidden),
+                "gate_up": (hidden, 2 * ffn), "down": (ffn, hidden)}  # name -> (in K, out N)
+    gen = torch.Generator(device=device).manual_seed(0)
+    operands = {}
+    for name, (k, n) in products.items():
+        operands[name] = (torch.randn(tokens, k, generator=gen, device=device, dtype=torch.bfloat16),
+                          torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) * 0.02,
+                          torch.randn(tokens, n, generator=gen, device=device, dtype=torch.bfloat16))
+    flops = sum(6 * tokens * k * n for k, n in products.values())
+    name = current_device_name() if device == "cuda" else None
+    peak_bf16 = peak_tflops_for_device(name, peak_override)
+    peak_fp8 = next((v for key, v in PEAK_FP8_TFLOPS.items() if name and key in name.upper()), None)
+
+    def layer(recipe):
+        """The layer's four products with their own weights and (FP8) their own scaling, as the model has them."""
+        weights = {p: w.detach().clone().requires_grad_() for p, (_, w, _) in operands.items()}
+        fp8 = {p: None if recipe is None else
+               FP8Scaling(FP8Config(fp8_format="hybrid", fp8_recipe=recipe)).to(device) for p in products}
+
+        def run():
+            outs = {}
+            for p, (x, _, dy) in operands.items():
+                w = weights[p]
+                w.grad = None
+                y = F.linear(x, w) if fp8[p] is None else fp8_linear(x, w, None, fp8[p])
+                y.backward(dy)
+                outs[p] = y.detach()
+            return outs
+        return run, [f for f in fp8.values() if f is not None]
+
+    paths = {"bf16": layer(None)}
+    for recipe in recipes:
+        paths[f"fp8_{recipe}"] = layer(recipe)
+    out = {"shape": dict(tokens=tokens, hidden=hidden, heads=heads, query_groups=query_groups, ffn=ffn),
+           "products_k_n": products, "flops_fwd_bwd": flops, "peak_bf16_tflops": peak_bf16,
+           "peak_fp8_tflops": peak_fp8}
+    reference = None
+    for path, (run, scalings) in paths.items():
+        try:
+            run()  # warm-up; delayed: its amaxes become the scales in use (the buffers start at scale 1)
+            for scaling in scalings:
+                update_fp8_scales(scaling)
+            outs = run()  # the outputs compared
+            reference = outs if reference is None else reference
+            median = bench_attention.median_time(run, reps, device)
+            tflops = flops / median / 1e12
+            out[path] = {"median_fwd_bwd_s": median, "tflops": tflops,
+                         "mfu_vs_bf16_peak": tflops / peak_bf16 if peak_bf16 else None,
+                         "mfu_vs_fp8_peak": tflops / peak_fp8 if peak_fp8 else None,
+                         "rel_error_vs_bf16": max((outs[p].float() - reference[p].float()).abs().max().item()
+                                                  / reference[p].float().abs().max().item() for p in products)}
+        except Exception as exc:  # noqa: BLE001 - a path that does not run here is reported, not fatal
+            out[path] = {"error": repr(exc)[:500]}
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for path in paths:
+        if "median_fwd_bwd_s" in out[path] and "median_fwd_bwd_s" in out["bf16"]:
+            out[path]["speed_vs_bf16"] = out["bf16"]["median_fwd_bwd_s"] / out[path]["median_fwd_bwd_s"]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--output")
@@ -279,15 +369,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-tflops", type=float)
-    p.add_argument("--sections", nargs="+", default=["training", "attention", "moe"],
-                   choices=["training", "attention", "moe"])
+    p.add_argument("--sections", nargs="+", default=["training", "attention", "moe", "fp8"],
+                   choices=["training", "attention", "moe", "fp8"])
+    p.add_argument("--fp8-tokens", type=int, default=8192, help="tokens of the FP8 section's Llama-3-8B layer")
     args = p.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run on CPU")
     os.environ["DS_ACCELERATOR"] = "cpu" if device == "cpu" else "cuda"
     before = machine()
-    attn = backends = moe = None
+    attn = backends = moe = fp8 = None
     if args.dry_run:
         sizes, variants, seq, mbs, steps, warmup = DRY, DRY_VARIANTS, 64, 2, 2, 1
         if "attention" in args.sections:
@@ -295,6 +386,8 @@ def main() -> None:
             backends = bench_attention.run([64], 1, 4, 16, "fp32", device, 1)
         if "moe" in args.sections:
             moe = moe_experts(64, 64, 96, 4, 2, 2, device)
+        if "fp8" in args.sections:
+            fp8 = fp8_layer_gemms(32, 64, 4, 2, 96, 1, device)
     else:
         sizes, seq, mbs = SIZES, args.seq_length, args.micro_batch_size
         variants = [v for v in VARIANTS if v[0] in args.models]
@@ -306,6 +399,10 @@ def main() -> None:
             backends = bench_attention.run([2048, 8192], 1, 16, 128, "bf16", device, 5)
         if "moe" in args.sections:  # Mixtral-8x7B's experts, top-2 of 8192 tokens
             moe = moe_experts(8192, 4096, 14336, 8, 2, 10, device)
+            torch.cuda.empty_cache()
+        if "fp8" in args.sections:  # Llama-3-8B's layer GEMMs, FP8 against bf16
+            fp8 = fp8_layer_gemms(args.fp8_tokens, **LLAMA3_8B_LAYER, reps=5, device=device,
+                                  peak_override=args.peak_tflops)
             torch.cuda.empty_cache()
     if "training" not in args.sections:
         variants = ()
@@ -326,8 +423,10 @@ def main() -> None:
                      "variants": [list(v) for v in variants],
                      "precision": "bf16 + BF16_Optimizer", "layout": "TP=PP=DP=1", "recompute": False},
           "compared_with": "the device's dense bf16 peak (MFU) and the planner's memory prediction; "
-                           "attention: plain SDPA+bias vs FlexAttention ALiBi vs causal SDPA",
+                           "attention: plain SDPA+bias vs FlexAttention ALiBi vs causal SDPA; fp8: fp8_linear per "
+                           "recipe vs bf16 F.linear on Llama-3-8B's layer GEMMs, MFU vs the bf16 and FP8 peaks",
           "training": training, "attention": attn, "attention_backends": backends, "moe_experts": moe,
+          "fp8_layer": fp8,
           "machine": before}, args.output)
 
 

@@ -1,5 +1,6 @@
 """Fast checks of the benchmark scripts' own arithmetic (the benchmarks themselves run by hand)."""
 
+import math
 import os
 
 import pytest
@@ -161,3 +162,60 @@ def test_bench_muon_steps_adamw_and_muon_over_the_same_parameters(capsys):
         assert paths[name]["muon_params"] + paths[name]["adam_params"] == result["total_params"]
         assert paths[name]["muon_params"] == 2 * (3 + 1 + 4 + 4) * 32 * 32
         assert paths[name]["ns_gflop_per_step"] > 0
+
+
+def test_bench_fp8_runs_its_three_sections_and_every_fp8_path_computes_the_product():
+    import json
+    import subprocess
+    import sys
+
+    from benchmarks import _common
+
+    # One subprocess (the step section builds DeepSpeed engines: kept out of the test process), tiny sizes.
+    argv = ["--gemm-shapes", "16x256x24", "--linear-shape", "16x256x24", "--step-layers", "1", "--step-hidden",
+            "64", "--step-heads", "4", "--step-ffn", "128", "--step-seq", "16", "--step-mbs", "2", "--reps", "1",
+            "--warmup", "0", "--step-reps", "1", "--step-warmup", "0"]
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_fp8", *argv], cwd=_common.REPO,
+                          capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["threads"] >= 1 and result["versions"]["torch"] and "note" in result
+    gemm = result["gemm"]["16x256x24"]["paths"]
+    assert set(gemm) == {"fp32", "bf16"} | {f"fp8_{r}{q}" for r in ("tensorwise", "blockwise", "mxfp8")
+                                             for q in ("", "_quantized", "_dequantized_fp32")}
+    linear = result["linear"]["paths"]
+    assert set(linear) == {"fp32", "bf16"} | {f"fp8_{r}" for r in ("tensorwise", "delayed", "blockwise", "mxfp8")}
+    # Against the fp32 product, relative to its largest value: each operand rounded once to the path's narrowest
+    # type and the output once (depth 3; bf16 output, below FP8's rounding), sums over K = 256 in fp32. In the
+    # layer's backward, hybrid's tensorwise / delayed output gradients are e5m2 (the widest eps, taken for every
+    # FP8 path of the layer); every GEMM-section operand is e4m3.
+    for name, row in gemm.items():
+        dtype = torch.float32 if name == "fp32" else torch.bfloat16 if name == "bf16" else torch.float8_e4m3fn
+        assert row["median_ms"] > 0 and row["gflops"] > 0, name
+        assert row["rel_error_vs_fp32"] <= tolerance(dtype, 3, 256), (name, row)
+    for name, row in linear.items():
+        dtype = torch.float32 if name == "fp32" else torch.bfloat16 if name == "bf16" else torch.float8_e5m2
+        assert row["median_ms"] > 0, name
+        assert row["rel_error_vs_fp32"] <= tolerance(dtype, 3, 256), (name, row)
+    assert 0 < gemm["fp8_tensorwise"]["rel_error_vs_fp32"]  # the FP8 paths did round (not an fp32 product)
+    variants = result["step"]["variants"]
+    assert set(variants) == {"bf16"} | {f"bf16_fp8_{r}" for r in ("tensorwise", "delayed", "blockwise", "mxfp8")}
+    for name, row in variants.items():
+        # one layer: QKV, dense and the MLP's two products run FP8 (the embedding and the output layer do not)
+        assert row["fp8_layers"] == (0 if name == "bf16" else 4), (name, row)
+        assert row["median_step_s"] > 0 and row["tokens_per_s"] > 0 and math.isfinite(row["first_loss"]), name
+
+
+def test_bench_gpu_fp8_row_runs_bf16_and_every_recipe_on_cpu():
+    from benchmarks import bench_gpu
+
+    out = bench_gpu.fp8_layer_gemms(tokens=16, hidden=64, heads=4, query_groups=2, ffn=96, reps=1, device="cpu")
+    assert out["products_k_n"] == {"qkv": (64, 128), "dense": (64, 64), "gate_up": (64, 192), "down": (96, 64)}
+    assert out["flops_fwd_bwd"] == 6 * 16 * (64 * 128 + 64 * 64 + 64 * 192 + 96 * 64)
+    assert out["peak_bf16_tflops"] is None and out["peak_fp8_tflops"] is None  # no MFU on a CPU
+    for path in ("bf16", "fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "fp8_mxfp8"):
+        assert "error" not in out[path], (path, out[path])
+        assert out[path]["median_fwd_bwd_s"] > 0 and out[path]["mfu_vs_bf16_peak"] is None
+        # the forward's output against bf16's: the operands rounded to e4m3 and the output to bf16 (depth 3),
+        # sums over K up to 96 (down's); relative to the largest output
+        assert out[path]["rel_error_vs_bf16"] <= tolerance(torch.float8_e4m3fn, 3, 96), (path, out[path])
+    assert out["bf16"]["rel_error_vs_bf16"] == 0.0 and out["fp8_tensorwise"]["rel_error_vs_bf16"] > 0
