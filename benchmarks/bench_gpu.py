@@ -66,6 +66,7 @@ from benchmarks import (
     bench_attention,
 )
 from benchmarks._common import emit, machine, tiny_argv, tiny_corpus
+from megatron.config.hardware import PEAK_FP8_TFLOPS  # dense FP8 peaks (datasheet); the A100 has none
 
 LLAMA = dict(position_embedding_type="rotary", normalization="rmsnorm", swiglu=True, disable_bias_linear=True,
              untie_embeddings_and_output_weights=True, embed_layernorm=False)
@@ -83,9 +84,6 @@ DRY = {"tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4),
 VARIANTS = (("1B3", "sdpa", False), ("1B3", "auto", False), ("1B3", "auto", True),
             ("llama1B", "sdpa", False), ("llama1B", "sdpa", True))
 DRY_VARIANTS = (("tiny", "sdpa", False), ("tiny", "flex", False), ("tiny_llama", "auto", False))
-# Dense FP8 tensor-core peak per GPU, TFLOP/s (datasheet, SXM, no sparsity): twice the bf16 peak
-# (megatron.config.hardware.PEAK_BF16_TFLOPS) on Hopper; the A100 has no FP8.
-PEAK_FP8_TFLOPS = {"H100": 1979.0, "H200": 1979.0}
 # Llama-3-8B's layer: hidden 4096, 32 heads in 8 query groups of 128, SwiGLU 14336
 LLAMA3_8B_LAYER = dict(hidden=4096, heads=32, query_groups=8, ffn=14336)
 
