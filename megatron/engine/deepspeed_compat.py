@@ -18,6 +18,10 @@ they differ (an upgrade then fails at the first workaround it reaches, not silen
                               and loader call torch.load(weights_only=       that loads weights-only; ``safe_loading``:
                               False): a crafted pickle would run             every torch.load weights-only while the
                                                                              converter and universal loaders run
+    muon_import               its ZeRO support check and optimizers         ``skip_unused_muon_import``: a stand-in
+                              import its Muon optimizer module (whose       module with a class no optimizer here is
+                              @torch.compile decorators import inductor:    (its Muon is never used: the JSON's
+                              2-3 s of CPU per rank, every launch)          optimizer section is refused)
     shm_comm_build            builds its shared-memory comm op (~35 s of     ``avoid_cpu_jit_builds`` marks it
                               JIT C++) on the CPU accelerator, used by       incompatible: gloo carries every
                               inference all-reduce only                      collective
@@ -79,6 +83,8 @@ tests/engine/test_partition.py) and the engine-per-ZeRO-stage rule (``megatron.c
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 import warnings
 from typing import Iterator
 
@@ -96,7 +102,7 @@ from megatron.checkpoint.zero_files import DEEPSPEED_GLOBALS
 __all__ = ["PINNED_VERSION", "WORKAROUNDS", "require", "installed_version", "checkpoint_loading", "safe_loading",
            "mend_universal_optimizer", "universal_tp_restore", "set_zero_param_intra_group", "zero3_init", "zero3_leaf_modules",
            "silence_renamed_collectives", "check_bf16_stage_0", "check_zero3_ulysses", "DEEPSPEED_GLOBALS",
-           "SafeTorchCheckpointEngine", "use_safe_loading", "avoid_cpu_jit_builds",
+           "SafeTorchCheckpointEngine", "use_safe_loading", "avoid_cpu_jit_builds", "skip_unused_muon_import",
            "ExpertParallelMarker", "moe_marker", "register_expert_groups", "mark_moe_parameter", "is_moe_parameter",
            "check_moe_engine", "count_expert_grads_once", "plain_checkpoint_files", "universal_expert_slicing",
            "pipeline_engine_class", "PIPELINE_SCHEDULE_OVERRIDES"]
@@ -122,6 +128,9 @@ WORKAROUNDS = {
                             "in the ZeRO-3 universal loader (tests/training/test_universal_zero3_3d.py)",
     "unsafe_torch_load": "the torch.load calls of DeepSpeed's checkpoint engine, ds_to_universal and universal loaders "
                          "(tests/checkpoint/test_safe_load.py, tests/training/test_corrupt_checkpoints.py)",
+    "muon_import": "where DeepSpeed imports deepspeed.runtime.zero.muon.muon_optimizer (is_zero_supported_optimizer, "
+                   "BF16_Optimizer, the ZeRO stages: isinstance checks of MuonWithAuxAdam only) and whether anything "
+                   "else of that module is used",
     "shm_comm_build": "deepspeed.ops.__compatible_ops__ and the CPU accelerator's ShareMemCommBuilder (a fresh "
                       "machine's first launch must not spend ~35 s compiling)",
     "hpz_group": "deepspeed.utils.groups._ZERO_PARAM_INTRA_PARALLEL_GROUP and how zero_hpz_partition_size builds "
@@ -209,6 +218,32 @@ def avoid_cpu_jit_builds() -> None:
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+_DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def skip_unused_muon_import() -> None:
+    """Before any engine is built: DeepSpeed's ZeRO support check and its optimizers import its Muon optimizer module
+    only to test ``isinstance(optimizer, MuonWithAuxAdam)``, and that import pulls in inductor (the module's
+    @torch.compile decorators): 2-3 s of CPU per rank at every launch. This engine never hands DeepSpeed its Muon
+    (the JSON's optimizer section is refused; ``--optimizer muon`` is ``megatron.engine.muon``), so a stand-in
+    module, whose class no optimizer is an instance of, answers those checks as the real one would. Nothing is done
+    where the module is already imported."""
+    require("muon_import")
+    if _DEEPSPEED_MUON in sys.modules:
+        return
+    stand_in = types.ModuleType(_DEEPSPEED_MUON, "a stand-in: megatron.engine.deepspeed_compat.skip_unused_muon_import")
+
+    class MuonWithAuxAdam:
+        """DeepSpeed's Muon optimizer, never used by this engine (no optimizer is an instance of this)."""
+
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("DeepSpeed's own Muon optimizer is not available in this engine: use --optimizer muon "
+                               "(megatron.engine.muon)")
+
+    stand_in.MuonWithAuxAdam = MuonWithAuxAdam
+    sys.modules[_DEEPSPEED_MUON] = stand_in
 
 
 def mend_universal_optimizer(optimizer, own_groups: list[dict]) -> None:

@@ -33,6 +33,7 @@ from megatron.engine.deepspeed_compat import (
     avoid_cpu_jit_builds,
     check_bf16_stage_0,
     pipeline_engine_class,
+    skip_unused_muon_import,
     use_safe_loading,
 )
 from megatron.engine.expert_parallel import check_expert_parallel_engine, mark_expert_parameters
@@ -51,6 +52,7 @@ logger = logging.getLogger(__name__)
 def init_deepspeed_comm(backend: str, timeout_s: float = 600.0) -> None:
     """Let ``deepspeed.comm`` wrap the already initialized torch.distributed default group."""
     avoid_cpu_jit_builds()
+    skip_unused_muon_import()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, dist_init_required=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
 

@@ -44,14 +44,13 @@ __all__ = ["run_distributed", "find_free_port", "DistributedTestError"]
 # path's modules cost a rank about 0.4 s otherwise: 8 ranks on 2 cores, 1.6 s a launch). A module missing here
 # is skipped by multiprocessing (ImportError is ignored while preloading). "__main__" imports a
 # script run as ``python script.py`` (a benchmark) under its own name, so functions defined in it unpickle.
-# DeepSpeed's ZeRO engine imports its Muon optimizer the first time it checks an optimizer (is_zero_supported_optimizer),
-# and that module's @torch.compile decorators import inductor: about 2 s a rank (measured: a 4-rank ZeRO-1 launch's
-# first run 3.9 s -> 2.0 s with it preloaded). Importing it compiles nothing and starts no compile pool. The same
-# first check probes DeepSpeed's ops (deepspeed.ops.__compatible_ops__), importing distutils (setuptools'): 0.2-0.4 s.
+# DeepSpeed's first ZeRO support check probes its ops (deepspeed.ops.__compatible_ops__), importing distutils
+# (setuptools'): 0.2-0.4 s a rank. (Its Muon module, which would import inductor, is replaced by a stand-in:
+# megatron.engine.deepspeed_compat.skip_unused_muon_import.)
 FORKSERVER_PRELOAD = ["__main__", "torch", "torch.distributed", "torch._dynamo", "deepspeed", "pytest",
                       "megatron.testing.processes", "megatron.arguments", "megatron.training.pretrain",
                       "megatron.inference.generation", "deepspeed.ops.op_builder", "deepspeed.module_inject",
-                      "deepspeed.runtime.zero.muon.muon_optimizer", "distutils.ccompiler", "distutils.sysconfig"]
+                      "distutils.ccompiler", "distutils.sysconfig"]
 # How long a hung rank gets to write its stacks once asked.
 STACK_DUMP_WAIT_S = 3.0
 

@@ -39,6 +39,7 @@ WORKAROUNDS = {
     "expert_tp_grad_norm": lambda: deepspeed_compat.count_expert_grads_once(object.__new__(BF16_Optimizer), 1),
     "pipeline_schedule": lambda: zero_bubble.ZeroBubblePipelineEngine(),
     "pipeline_engine_class": lambda: deepspeed_compat.pipeline_engine_class(object).__enter__(),
+    "muon_import": deepspeed_compat.skip_unused_muon_import,
     "zero3_module_outputs": lambda: deepspeed_compat.zero3_leaf_modules(torch.nn.Linear(1, 1), [torch.nn.Linear]),
 }
 
