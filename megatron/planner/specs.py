@@ -185,7 +185,9 @@ def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> Mod
                       embed_layernorm=config.embed_layernorm,
                       learned_positions=config.max_positions if config.position_embedding_type == "absolute" else 0,
                       tied_embeddings=config.tied_embeddings, num_key_value_heads=config.num_kv_heads,
-                      kv_channels=config.kv_channels, qk_layernorm=config.qk_layernorm and config.mla is None,
+                      # MLA has head sizes of its own (not modelled here): --kv-channels and its latent norms aside
+                      kv_channels=config.kv_channels if config.mla is None else None,
+                      qk_layernorm=config.qk_layernorm and config.mla is None,
                       swiglu=config.swiglu, add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
                       normalization=config.normalization, moe=_moe_shape_of(config),
                       fp8=fp8_shape_of(config.fp8, config.num_layers))

@@ -6,7 +6,7 @@ Each is imported at TP=2 x PP=2 and exported again (every tensor back bit for bi
 transformers is the independent reference for the logits (within the fp32 tolerance of the model's depth,
 tests/helpers/hf.py's logits_tolerance) of the model merged to one process and of the pipeline engine running the
 import at TP=2 x PP=2, and for tools/generate.py's greedy text, token for token. Training such a model at
-TP=2 x PP=2 gives the one-process run's losses and grad norms (assert_same_run).
+TP=2 x PP=2, TP=2 x CP=2 and Ulysses SP=2 gives the one-process run's losses and grad norms (assert_same_run).
 """
 
 import pytest
@@ -101,10 +101,10 @@ def test_greedy_text_of_the_tp2_pp2_import_is_transformers(imports, tmp_path, ki
     assert len({tuple(ids) for ids in expected}) == len(PROMPTS)  # the prompts do lead to different texts
 
 
-def evaluate_each(rank, world_size, runs):
-    """On each rank: ``train_and_evaluate`` every argv of ``runs`` in turn (its record, and on the last stage its
-    logits of ``fixed_tokens()``)."""
-    return [train_and_evaluate(rank, world_size, argv) for argv in runs]
+def evaluate_then_train(rank, world_size, evaluated, trained):
+    """On each rank: ``train_and_evaluate`` every argv of ``evaluated`` (pipeline runs: their records, and on the last
+    stage their logits of ``fixed_tokens()``), then ``train`` every argv of ``trained`` (their records)."""
+    return [train_and_evaluate(rank, world_size, argv) for argv in evaluated] + train(rank, world_size, trained)
 
 
 def _engine_logits(results, index):
@@ -115,18 +115,23 @@ def _engine_logits(results, index):
 
 @pytest.mark.multiprocess
 def test_pipeline_engine_at_tp2_pp2_gives_their_logits_and_trains_as_one_process(imports, tiny_corpus):
-    """One 4-rank launch (TP=2 x PP=2): each import loaded and run by the pipeline engine (its one iteration skipped:
+    """One 4-rank launch: each import loaded and run by the pipeline engine at TP=2 x PP=2 (its one iteration skipped:
     no update) gives transformers' logits; a model with the same head size trained from our own init for 10
-    iterations gives the one-process run's losses and grad norms."""
+    iterations at TP=2 x PP=2, TP=2 x CP=2 (ring attention) and Ulysses SP=2 gives the one-process run's losses and
+    grad norms."""
     base = tiny_argv(tiny_corpus, *QWEN3_FLAGS, position_embedding_type="rotary", embed_layernorm=False)
     runs = [layout(base, *(MOE_FLAGS if kind == "qwen3_moe" else []), "--load", imports[kind][2], "--finetune",
                    "--train-iters", "1", "--lr-warmup-iters", "0", "--skip-train-iteration-range", "1-1", tp=2,
                    pp=2) for kind in sorted(FAMILY)]
     training = layout(base, "--train-iters", "10")
-    runs.append(layout(training, tp=2, pp=2))
+    trained = {"TP=2 x PP=2": layout(training, tp=2, pp=2),  # the ring and Ulysses' all-to-all on hn-wide heads too
+               "TP=2 x CP=2": layout(training, "--context-parallel-size", 2, tp=2),
+               "Ulysses SP=2 x DP=2": layout(training, "--ds-sequence-parallel-size", 2)}
+
     (reference,) = run_distributed(train, world_size=1, args=([training],), env={"OMP_NUM_THREADS": "1"},
                                    timeout=300)[0]
-    results = run_distributed(evaluate_each, world_size=4, args=(runs,), env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    results = run_distributed(evaluate_then_train, world_size=4, args=(runs, list(trained.values())),
+                              env={"OMP_NUM_THREADS": "1"}, timeout=600)
 
     tokens = fixed_tokens()[:, :-1]  # [b, s]
     for index, kind in enumerate(sorted(FAMILY)):
@@ -142,5 +147,6 @@ def test_pipeline_engine_at_tp2_pp2_gives_their_logits_and_trains_as_one_process
     config = model_config_from_llama(imports["qwen3"][0].config, 32)
     assert reference["iterations"] == list(range(1, 11))
     for rank, result in enumerate(results):
-        assert_same_run(reference, result[-1], f"rank {rank} of a --kv-channels 32 model at TP=2 x PP=2",
-                        num_layers=run_layers(config))
+        for label, run in zip(trained, result[len(FAMILY):], strict=True):
+            assert_same_run(reference, run, f"rank {rank} of a --kv-channels 32 model at {label}",
+                            num_layers=run_layers(config))
