@@ -112,6 +112,9 @@ def test_refused_and_value_rules(script_files):
 
 
 def test_kv_channels_sets_a_head_size_of_its_own(script_files):
+    from megatron.dry_run.report import build_report
+    from megatron.dry_run.text import render
+
     """--kv-channels other than hidden / heads is Megatron-LM's head size (Qwen3's): accepted, it sets the model's
     head size and so the attention's parameter count; an odd one with rotary positions is refused."""
     argv, base = _check("mds_llama2", script_files)
@@ -119,6 +122,9 @@ def test_kv_channels_sets_a_head_size_of_its_own(script_files):
     assert check.problems == [] and check.run_config.model.kv_channels == 64, check.problems
     model, before = check.run_config.model, base.run_config.model
     assert model.head_dim == 64 != before.head_dim and model.query_hidden_size == model.num_attention_heads * 64
+    report = build_report(argv + ["--kv-channels", "64", "--dry-run", "--world-size", "8"])
+    assert report["model"]["head_dim"] == 64 and f"{model.num_attention_heads} heads of 64 (--kv-channels)" in \
+        render(report)
     odd = check_argv(argv + ["--kv-channels", "63", "--dry-run", "--world-size", "8"])
     assert any("rotary positions need an even head dimension, got 63 (--kv-channels)" in p for p in odd.problems)
 
