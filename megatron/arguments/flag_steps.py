@@ -46,11 +46,6 @@ def check_required(args) -> None:
 
 def check_megatron_lm_values(args) -> None:
     """Megatron-LM flags accepted at the value that means what this engine does, refused at another."""
-    heads, hidden = args.num_attention_heads, args.hidden_size
-    if args.kv_channels is not None and heads and hidden and args.kv_channels * heads != hidden:
-        raise ValueError(f"--kv-channels {args.kv_channels}: a head size other than --hidden-size / "
-                         f"--num-attention-heads ({hidden} / {heads}) is not implemented here; drop the flag for "
-                         f"{hidden // heads}-wide heads")
     if args.rotary_percent != 1.0:
         raise ValueError(f"--rotary-percent {args.rotary_percent}: partial rotary positions are not implemented "
                          "here (every head dimension is rotated); drop the flag or pass 1.0")

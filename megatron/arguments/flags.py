@@ -106,8 +106,10 @@ def _model(parser):
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="Megatron-LM's name for --num-key-value-heads (needs --group-query-attention).")
     g.add_argument("--kv-channels", type=int, default=None,
-                   help="Megatron-LM's attention head size. Here the head size is --hidden-size / "
-                        "--num-attention-heads, so that value is accepted (Llama, Mixtral) and another is refused.")
+                   help="Megatron-LM's attention head size: the width of each query, key and value head, "
+                        "independent of --hidden-size (Qwen3: 128 with hidden 4096 and 64 heads); the query and "
+                        "output projections are --num-attention-heads x this wide. Must be even with rotary "
+                        "positions. Default: --hidden-size / --num-attention-heads.")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="Megatron-LM's share of each head's dimensions that rotary positions rotate; 1.0 (every "
                         "dimension, Llama's) is what this engine does, another value is refused.")

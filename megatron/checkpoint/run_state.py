@@ -178,6 +178,8 @@ def record_from_megatron_args(args: argparse.Namespace, iteration: int, path: st
                  position_embedding_type=str(position), embed_layernorm=bool(a.get("embed_layernorm", False)),
                  layernorm_epsilon=a.get("layernorm_epsilon", 1e-5), init_method_std=a.get("init_method_std", 0.02),
                  params_dtype="bf16" if a.get("bf16") else "fp16" if a.get("fp16") else "fp32")
+    if a.get("kv_channels") not in (None, a["hidden_size"] // a["num_attention_heads"]):
+        model.update(kv_channels=a["kv_channels"])  # Megatron sets it to hidden / heads when not given
     tokenizer = {name: a.get(name) for name in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
                                                   "tokenizer_name_or_path")}
     progress = dict(_ZERO_PROGRESS, iteration=int(iteration),
@@ -209,27 +211,30 @@ def model_config_from_dict(fields: dict) -> ModelConfig:
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                        "position_embedding_type", "embed_layernorm", "layernorm_epsilon", "max_position_embeddings",
                        "num_key_value_heads", "normalization", "swiglu", "add_bias_linear", "add_qkv_bias",
-                       "untie_embeddings_and_output_weights", "mla", "apply_layernorm_1p")
+                       "untie_embeddings_and_output_weights", "mla", "apply_layernorm_1p", "kv_channels")
 
 
 def check_model_config(saved: dict[str, Any], current: dict[str, Any], universal: bool = False) -> None:
     """Raise ValueError naming the first architecture field that differs (a default and the value it
     stands for are the same: ffn_hidden_size None is 4 x hidden, or swiglu's width; learned positions None
-    are seq_length; num_key_value_heads None is one per query head)."""
+    are seq_length; num_key_value_heads None is one per query head; kv_channels None, or absent from a checkpoint
+    written before the field, is hidden / heads)."""
     def effective(fields: dict, name: str):
         value = fields.get(name)
         if name == "ffn_hidden_size" and value is None:
             return swiglu_default_ffn_size(fields["hidden_size"]) if fields.get("swiglu") else 4 * fields["hidden_size"]
         if name == "num_key_value_heads" and value is None:
             return fields.get("num_attention_heads")
+        if name == "kv_channels" and value is None:
+            return fields["hidden_size"] // fields["num_attention_heads"]
         if name == "max_position_embeddings":
             learned = fields.get("position_embedding_type") == "absolute"
             return (value if value is not None else fields.get("seq_length")) if learned else None
         return value
 
     for name in ARCHITECTURE_FIELDS:
-        if name in saved and effective(saved, name) != effective(current, name):
-            raise ValueError(f"the checkpoint was trained with {name} = {saved[name]!r} but this run has "
+        if (name in saved or name == "kv_channels") and effective(saved, name) != effective(current, name):
+            raise ValueError(f"the checkpoint was trained with {name} = {saved.get(name)!r} but this run has "
                              f"{current.get(name)!r}: the architectures differ; fix --{name.replace('_', '-')} "
                              f"or load another checkpoint")
     saved_vocab, vocab = saved.get("padded_vocab_size"), current.get("padded_vocab_size")

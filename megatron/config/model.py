@@ -26,21 +26,23 @@ def swiglu_default_ffn_size(hidden_size: int) -> int:
 
 def megatron_flops(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int, global_batch_size: int,
                    recompute: bool, *, ffn_hidden_size: Optional[int] = None, kv_hidden_size: Optional[int] = None,
-                   swiglu: bool = False) -> float:
+                   swiglu: bool = False, query_hidden_size: Optional[int] = None) -> float:
     """Megatron's FLOPs per iteration (its "TFLOPs" formula), read by the training log and the planner alike.
 
-    c B s (L (2 P + 4 s h) + 1.5 V h), with c = 4 (forward + recomputed forward + backward) when
-    activations are recomputed, else 3; P the weights of one layer's matrices, h (h + 2 kv) + h h + m f h
-    (kv = kv_hidden_size, the key / value heads' width, default h; m = 3 matrices with SwiGLU, else 2;
-    f = ffn_hidden_size, default 4h); 4 s h the attention scores and context per token; V the padded
-    vocabulary. With the defaults (P = 12 h^2) this is Megatron's 24 c B s L h^2 (1 + s / (6h) + V / (16 L h)).
+    c B s (L (2 P + 4 s q) + 1.5 V h), with c = 4 (forward + recomputed forward + backward) when
+    activations are recomputed, else 3; P the weights of one layer's matrices, h (q + 2 kv) + q h + m f h
+    (q = query_hidden_size, the query heads' width heads x head size, default h; kv = kv_hidden_size, the key /
+    value heads' width, default h; m = 3 matrices with SwiGLU, else 2; f = ffn_hidden_size, default 4h); 4 s q
+    the attention scores and context per token; V the padded vocabulary. With the defaults (P = 12 h^2) this is
+    Megatron's 24 c B s L h^2 (1 + s / (6h) + V / (16 L h)).
     """
     s, L, h, V = seq_length, num_layers, hidden_size, vocab_size
     f = ffn_hidden_size if ffn_hidden_size is not None else 4 * h
     kv = kv_hidden_size if kv_hidden_size is not None else h
+    q = query_hidden_size if query_hidden_size is not None else h
     c = 4 if recompute else 3
-    layer_weights = h * (h + 2 * kv) + h * h + (3 if swiglu else 2) * f * h
-    return c * global_batch_size * s * (L * (2 * layer_weights + 4 * s * h) + 1.5 * V * h)
+    layer_weights = h * (q + 2 * kv) + q * h + (3 if swiglu else 2) * f * h
+    return c * global_batch_size * s * (L * (2 * layer_weights + 4 * s * q) + 1.5 * V * h)
 
 
 def mlp_flops_width(num_layers: int, ffn: int, swiglu: bool, num_moe_layers: int = 0, topk: int = 0,
@@ -72,6 +74,9 @@ class ModelConfig:
     ffn_hidden_size: Optional[int] = None  # defaults to 4 * hidden_size (swiglu: swiglu_default_ffn_size)
     position_embedding_type: str = "absolute"      # absolute | rotary | alibi | none
     num_key_value_heads: Optional[int] = None      # key / value heads (query groups); None: one per query head
+    # --kv-channels, Megatron-LM's head size: each query / key / value head's width, independent of the hidden size
+    # (Qwen3: 128 with hidden 4096 and 64 heads). None: hidden_size / num_attention_heads.
+    kv_channels: Optional[int] = None
     normalization: str = "layernorm"       # layernorm | rmsnorm: every norm of the model (layernorm_epsilon)
     swiglu: bool = False                   # MLP silu(x W_gate) * (x W_up) instead of gelu(x W1)
     add_bias_linear: bool = True           # biases in every linear layer (False: --disable-bias-linear)
@@ -142,7 +147,14 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Each attention head's width hn: --kv-channels, else hidden / heads."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_hidden_size(self) -> int:
+        """The query heads' (and the attention context's) width, heads x hn: the QKV projection's query rows and
+        the output projection's input; the hidden size unless --kv-channels says otherwise."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def mlp_flops_width(self) -> float:
@@ -160,7 +172,8 @@ class ModelConfig:
         MLPs counted by ``mlp_flops_width``)."""
         return megatron_flops(self.num_layers, self.hidden_size, self.padded_vocab_size, self.seq_length,
                               global_batch_size, recompute, ffn_hidden_size=self.mlp_flops_width,
-                              kv_hidden_size=self.num_kv_heads * self.head_dim, swiglu=self.swiglu)
+                              kv_hidden_size=self.num_kv_heads * self.head_dim, swiglu=self.swiglu,
+                              query_hidden_size=self.query_hidden_size)
 
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
         """Raise ValueError for an impossible configuration; return self so calls can chain."""
@@ -169,7 +182,9 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and (not isinstance(self.kv_channels, int) or self.kv_channels < 1):
+            raise ValueError(f"--kv-channels must be a positive integer, got {self.kv_channels!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                              f"{self.num_attention_heads}")
         if self.num_attention_heads % tp:
@@ -198,8 +213,9 @@ class ModelConfig:
             raise ValueError(f"--seq-length {self.seq_length} is longer than --max-position-embeddings "
                              f"{self.max_positions}: learned positions exist only up to that length")
         if self.position_embedding_type == "rotary" and self.head_dim % 2:
-            raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim} "
-                             f"(--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads})")
+            source = ("--kv-channels" if self.kv_channels is not None else
+                      f"--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads}")
+            raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim} ({source})")
         if self.rope_scaling_factor is not None:
             if self.position_embedding_type != "rotary":
                 raise ValueError(f"--use-rope-scaling scales rotary frequencies, but --position-embedding-type is "

@@ -75,7 +75,7 @@ def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
     rc = check.run_config
     m = rc.model
     report["model"] = {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
-                       "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size,
+                       "num_attention_heads": m.num_attention_heads, "head_dim": m.head_dim, "ffn_hidden_size": m.ffn_size,
                        "seq_length": m.seq_length, "position_embedding_type": m.position_embedding_type,
                        "params_dtype": m.params_dtype, "original_vocab_size": m.original_vocab_size,
                        "padded_vocab_size": m.padded_vocab_size, "zero_stage": rc.precision.zero_stage,

@@ -37,6 +37,8 @@ def _model(m: dict) -> list[str]:
     zero = (f"ZeRO stage {m['zero_stage']}" if m["zero_stage"] == m["deepspeed_zero_stage"] else
             f"ZeRO stage {m['zero_stage']} (runs as {m['deepspeed_zero_stage']})")
     heads = f"{m['num_attention_heads']} heads"
+    if m.get("head_dim") not in (None, m["hidden_size"] // m["num_attention_heads"]):
+        heads += f" of {m['head_dim']} (--kv-channels)"
     if m["num_key_value_heads"] != m["num_attention_heads"]:
         heads += f" ({m['num_key_value_heads']} key / value)"
     block = ", ".join([m["normalization"], "SwiGLU" if m["swiglu"] else "GeLU",

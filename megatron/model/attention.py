@@ -183,8 +183,8 @@ class SelfAttention(nn.Module):
             config.hidden_size, qkv_size, tp_group=tp_group, bias=config.qkv_bias, gather_output=False,
             sequence_parallel=sequence_parallel,
             init_method=normal_init(config.init_method_std, config.seed, f"{prefix}.query_key_value.weight"))
-        self.dense = RowParallelLinear(
-            config.hidden_size, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
+        self.dense = RowParallelLinear(  # [h, heads * hn]: the context's width is h unless --kv-channels
+            config.query_hidden_size, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
             input_is_parallel=True, sequence_parallel=sequence_parallel,
             init_method=normal_init(output_layer_std(config), config.seed, f"{prefix}.dense.weight"))
         # --qk-layernorm (Qwen3, OLMo 2's per-head form): each query / key head normalized before the rotary

@@ -149,7 +149,9 @@ def _structure(config: ModelConfig) -> ModelConfig:
     if moe is not None:
         shared = None if moe.shared_expert_intermediate_size is None else 4
         moe = dataclasses.replace(moe, layer_pattern=kinds, ffn_hidden_size=4, shared_expert_intermediate_size=shared)
+    kv_channels = None if config.kv_channels is None else 4  # hn != h / heads stays so: the dense's input is 4 x heads
     return dataclasses.replace(config, num_layers=len(kinds), hidden_size=2 * heads, ffn_hidden_size=4,
+                               kv_channels=kv_channels,
                                padded_vocab_size=8, original_vocab_size=None, seq_length=4, max_position_embeddings=4,
                                params_dtype="fp32", moe=moe).validate()
 

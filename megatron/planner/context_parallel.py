@@ -52,7 +52,7 @@ def ring_saved_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_p
     """What the ring kernel keeps for backward beyond a fused kernel's set (module docstring), one layer."""
     tokens = seq_length / layout.cp * layout.micro_batch_size
     heads = model.num_attention_heads / layout.tp
-    return tokens * (bytes_per_element * model.hidden_size / layout.tp + 4 * heads)
+    return tokens * (bytes_per_element * model.q_hidden / layout.tp + 4 * heads)
 
 
 def ring_buffer_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int) -> float:
@@ -100,7 +100,7 @@ def ring_exposed_s(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clu
     pair = 2 * kv_block_elements(model, layout, seq_length)
     kv_hop = pair * bytes_per_element / bw + latency
     grad_hop = pair * GRAD_BYTES / bw + latency
-    block_forward = 4 * layout.micro_batch_size * (seq_length / c) ** 2 * model.hidden_size / layout.tp \
+    block_forward = 4 * layout.micro_batch_size * (seq_length / c) ** 2 * model.q_hidden / layout.tp \
         / attention_flops_per_s
     forwards = 2 if layout.recompute else 1
     exposed_forward = (c - 1) * max(0.0, kv_hop - block_forward)

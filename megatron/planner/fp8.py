@@ -93,7 +93,7 @@ def layer_linears(model, tp: int, moe_layer: bool = False) -> list[tuple[float, 
     split by rows (column-parallel), the output projection and fc2 by columns (row-parallel); an MoE layer's MLP is
     its shared expert's (none without one)."""
     h = model.hidden_size
-    out = [((h + 2 * model.kv_hidden) / tp, h), (h, h / tp)]
+    out = [((model.q_hidden + 2 * model.kv_hidden) / tp, h), (h, model.q_hidden / tp)]
     width = model.moe.shared_expert_ffn if moe_layer else model.ffn
     if width:
         out += [((2 if model.swiglu else 1) * width / tp, h), (h, width / tp)]
@@ -104,7 +104,7 @@ def fp8_forward_flops(model, rows: float, n_dense: int, n_moe: int) -> float:
     """The FP8 GEMMs' FLOPs of one forward of ``n_dense`` dense and ``n_moe`` MoE FP8 layers, over ``rows`` tokens,
     for the whole layer (not divided by TP), the same sum as the performance model's dense term."""
     h, mm = model.hidden_size, (3 if model.swiglu else 2)
-    attention = h + 2 * model.kv_hidden + h
+    attention = 2 * model.q_hidden + 2 * model.kv_hidden
     out = n_dense * 2 * rows * h * (attention + mm * model.ffn)
     if n_moe:  # the shared expert and the k routed experts each token goes through (not the router)
         moe = model.moe

@@ -166,7 +166,7 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     With bytes_per_element w (2: bf16, Korthikanti's numbers), in units of s*b*h elements:
       outside TP  the two norms' inputs and outputs (the QKV and MLP inputs): 4w, plus 2 one-byte dropout
                   masks: 10 at w = 2. Divided by t with sequence parallelism.
-      TP region   q and the context (w each per h), k and v (kv_hidden wide); the MLP: the h -> 4h output
+      TP region   q and the context (w each, q_hidden wide), k and v (kv_hidden wide); the MLP: the h -> 4h output
                   and its GeLU (w x 4h each), 24 at w = 2. SwiGLU keeps gate and up (2f), silu(gate) and
                   the product (f each): twice a GeLU MLP's f + f. Divided by t.
       scores      softmax output and its dropout output (w each), the dropout mask (1 byte): (2w + 1)as/h,
@@ -199,7 +199,7 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
         if sp_saves_gathered_inputs:
             outside += 2 * w * (1 - 1 / t)
     second_context = 1 if u > 1 and not layout.store_attention_scores else 0
-    attention = (2 + 2 * model.kv_hidden / h + second_context) * w
+    attention = (2 * model.q_hidden / h + 2 * model.kv_hidden / h + second_context * model.q_hidden / h) * w
     mlp_width, routed = model.ffn, 0.0
     if moe_layer:
         mlp_width = model.moe.topk * model.moe.expert_ffn + model.moe.shared_expert_ffn
@@ -230,12 +230,12 @@ class MemoryEstimate:
 def weight_pass_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int = 2) -> float:
     """One layer's deferred weight-gradient pass (ZB-H1's W, ``megatron.parallel.weight_grad_store``) on one rank:
     each linear keeps its input X and output gradient dY until dA = dY^T X runs. Per token, in elements:
-      inputs   QKV and MLP-in (column-parallel, full h each), dense (h/t), MLP-out (f/t)
-      grads    QKV (h + 2 kv)/t, MLP-in f/t (2f/t SwiGLU), dense and MLP-out (row-parallel, full h each)
+      inputs   QKV and MLP-in (column-parallel, full h each), dense (q/t), MLP-out (f/t)
+      grads    QKV (q + 2 kv)/t, MLP-in f/t (2f/t SwiGLU), dense and MLP-out (row-parallel, full h each)
     Measured on CPU (tests/planner/test_schedule_memory.py). With SP the column inputs are the gathered ones."""
     h, t, f = model.hidden_size, layout.tp, model.ffn
-    inputs = 2 * h + (h + f) / t
-    grads = (h + 2 * model.kv_hidden + (2 if model.swiglu else 1) * f) / t + 2 * h
+    inputs = 2 * h + (model.q_hidden + f) / t
+    grads = (model.q_hidden + 2 * model.kv_hidden + (2 if model.swiglu else 1) * f) / t + 2 * h
     return seq_length / layout.token_split * layout.micro_batch_size * (inputs + grads) * bytes_per_element
 
 

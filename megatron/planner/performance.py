@@ -159,7 +159,7 @@ def _ulysses_comm_s(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cl
         return 0.0
     bw = gpu.nvlink_busbw_gbps if t * u <= cluster.gpus_per_node else cluster.inter_node_gbps
     tokens = seq_length / u * layout.micro_batch_size
-    widths = (model.hidden_size, model.kv_hidden, model.kv_hidden, model.hidden_size)  # q, k, v, context
+    widths = (model.q_hidden, model.kv_hidden, model.kv_hidden, model.q_hidden)  # q, k, v, context
     one_pass = sum(_alltoall_s(2 * tokens * width / t, u, bw, cluster.collective_latency_us) for width in widths)
     return n_layers * one_pass * (3 if layout.recompute else 2)
 
@@ -207,7 +207,7 @@ def _weight_gemm_forward_s(model: ModelShape, layout: Layout, gpu: GPUSpec, seq_
     rows = layout.micro_batch_size * seq_length / layout.token_split
     gemm_rate = gpu.peak_bf16_tflops * 1e12 * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)
     mlp_matrices = 3 if model.swiglu else 2
-    dense = 2 * rows * h * (h + 2 * model.kv_hidden + h + mlp_matrices * _mlp_width(model, n_layers, n_moe_layers))
+    dense = 2 * rows * h * (2 * model.q_hidden + 2 * model.kv_hidden + mlp_matrices * _mlp_width(model, n_layers, n_moe_layers))
     fp8 = fp8_forward_flops(model, rows, *fp8_layers) if any(fp8_layers) else 0
     out = (n_layers * dense - fp8) / t / gemm_rate if n_layers else 0.0
     if fp8:
@@ -220,11 +220,11 @@ def _weight_gemm_forward_s(model: ModelShape, layout: Layout, gpu: GPUSpec, seq_
 def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: ClusterSpec, seq_length: int,
                 n_layers: int, n_params: int, first: bool, last: bool, tp_bw: float, n_moe_layers: int = 0,
                 fp8_layers: tuple[int, int] = (0, 0)) -> dict:
-    b, h, t, u = layout.micro_batch_size, model.hidden_size, layout.tp, layout.ulysses
+    b, t, u = layout.micro_batch_size, layout.tp, layout.ulysses
     s = seq_length
     passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
     attn_rate = gpu.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY
-    attn = 4 * b * s * s * h * passes / (t * layout.token_split)  # s/u (s/c) queries against s keys, or a/(tu) heads
+    attn = 4 * b * s * s * model.q_hidden * passes / (t * layout.token_split)  # s/u (s/c) queries against s keys, or a/(tu) heads
     # the weight GEMMs: one forward's worth per pass (the head's logits: forward, input and weight gradients)
     forward = _weight_gemm_forward_s(model, layout, gpu, seq_length, n_layers, n_moe_layers, False, fp8_layers)
     if any(fp8_layers) and not model.fp8.wgrad:  # --no-fp8-wgrad: the weight-gradient pass at the bf16 rate

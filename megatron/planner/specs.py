@@ -90,6 +90,8 @@ class ModelShape:
     learned_positions: int = 0           # rows of a learned position embedding (0: ALiBi / rotary)
     tied_embeddings: bool = True         # output head = word embedding (a second copy on the last stage when PP > 1)
     num_key_value_heads: Optional[int] = None  # grouped-query attention; None: one per query head
+    kv_channels: Optional[int] = None    # --kv-channels, each head's width; None: hidden / heads
+    qk_layernorm: bool = False           # a norm of each query / key head (Qwen3): two head-wide weights per layer
     swiglu: bool = False                 # gated MLP: three f x h matrices instead of two
     add_bias_linear: bool = True         # biases in every linear layer
     add_qkv_bias: bool = False           # a QKV bias even without add_bias_linear (Qwen2)
@@ -104,10 +106,21 @@ class ModelShape:
         return swiglu_default_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
 
     @property
+    def head_dim(self) -> int:
+        """Each attention head's width: kv_channels, else hidden / heads."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
     def kv_hidden(self) -> int:
         """Width of the keys (and of the values): key / value heads x head dim."""
         heads = self.num_key_value_heads or self.num_attention_heads
-        return heads * (self.hidden_size // self.num_attention_heads)
+        return heads * self.head_dim
+
+    @property
+    def q_hidden(self) -> int:
+        """Width of the queries and of the attention context (the output projection's input): heads x head dim,
+        the hidden size unless kv_channels says otherwise."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def norm_params(self) -> int:
@@ -116,14 +129,17 @@ class ModelShape:
     def layer_params(self, tp: int = 1) -> int:
         """Parameters of one transformer layer held by one TP rank (column/row-parallel split, norms
         and row-parallel biases replicated)."""
-        h, f, qkv = self.hidden_size, self.ffn, self.hidden_size + 2 * self.kv_hidden
+        h, f, qkv = self.hidden_size, self.ffn, self.q_hidden + 2 * self.kv_hidden
         fc1 = 2 * f if self.swiglu else f
-        split = qkv * h + h * h + fc1 * h + f * h            # qkv, dense, h -> ffn (gate and up), ffn -> h
+        split = qkv * h + h * self.q_hidden + fc1 * h + f * h  # qkv, dense, h -> ffn (gate and up), ffn -> h
         if self.add_bias_linear or self.add_qkv_bias:
             split += qkv
         if self.add_bias_linear:
             split += fc1
         replicated = 2 * self.norm_params + (2 * h if self.add_bias_linear else 0)  # norms, dense and ffn -> h biases
+        if self.qk_layernorm:
+            # the query and key head norms, shared by every head: a weight (and LayerNorm's bias) each
+            replicated += 2 * self.norm_params // self.hidden_size * self.head_dim
         return split // tp + replicated
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -159,7 +175,7 @@ class ModelShape:
         """``megatron_flops`` of this shape."""
         return megatron_flops(self.num_layers, self.hidden_size, self.vocab_size, seq_length, global_batch_size,
                               recompute, ffn_hidden_size=self.mlp_flops_width, kv_hidden_size=self.kv_hidden,
-                              swiglu=self.swiglu)
+                              swiglu=self.swiglu, query_hidden_size=self.q_hidden)
 
 
 def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> ModelShape:
@@ -169,6 +185,9 @@ def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> Mod
                       embed_layernorm=config.embed_layernorm,
                       learned_positions=config.max_positions if config.position_embedding_type == "absolute" else 0,
                       tied_embeddings=config.tied_embeddings, num_key_value_heads=config.num_kv_heads,
+                      # MLA has head sizes of its own (not modelled here): --kv-channels and its latent norms aside
+                      kv_channels=config.kv_channels if config.mla is None else None,
+                      qk_layernorm=config.qk_layernorm and config.mla is None,
                       swiglu=config.swiglu, add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
                       normalization=config.normalization, moe=_moe_shape_of(config),
                       fp8=fp8_shape_of(config.fp8, config.num_layers))

@@ -97,8 +97,7 @@ def test_mlm_llama3_fp8_passes(script_files):
 
 def test_refused_and_value_rules(script_files):
     argv, _ = _check("mds_llama2", script_files)
-    for extra, expected in ((["--kv-channels", "64"], "--kv-channels 64: a head size other than"),
-                            (["--rotary-percent", "0.5"], "--rotary-percent 0.5: partial rotary"),
+    for extra, expected in ((["--rotary-percent", "0.5"], "--rotary-percent 0.5: partial rotary"),
                             (["--calculate-per-token-loss", "--eod-mask-loss", "--context-parallel-size", "2"],
                              "--calculate-per-token-loss with --eod-mask-loss divides by the global batch"),
                             (["--fp8-format", "hybrid", "--fp16"], "--fp8-format with --fp16 is not supported"),
@@ -110,6 +109,24 @@ def test_refused_and_value_rules(script_files):
         check = check_argv([t for t in argv if t != "--bf16"] + extra + ["--dry-run", "--world-size", "8"]
                            if "--fp16" in extra else argv + extra + ["--dry-run", "--world-size", "8"])
         assert any(p.startswith(expected) for p in check.problems), (extra, check.problems)
+
+
+def test_kv_channels_sets_a_head_size_of_its_own(script_files):
+    from megatron.dry_run.report import build_report
+    from megatron.dry_run.text import render
+
+    """--kv-channels other than hidden / heads is Megatron-LM's head size (Qwen3's): accepted, it sets the model's
+    head size and so the attention's parameter count; an odd one with rotary positions is refused."""
+    argv, base = _check("mds_llama2", script_files)
+    check = check_argv(argv + ["--kv-channels", "64", "--dry-run", "--world-size", "8"])
+    assert check.problems == [] and check.run_config.model.kv_channels == 64, check.problems
+    model, before = check.run_config.model, base.run_config.model
+    assert model.head_dim == 64 != before.head_dim and model.query_hidden_size == model.num_attention_heads * 64
+    report = build_report(argv + ["--kv-channels", "64", "--dry-run", "--world-size", "8"])
+    assert report["model"]["head_dim"] == 64 and f"{model.num_attention_heads} heads of 64 (--kv-channels)" in \
+        render(report)
+    odd = check_argv(argv + ["--kv-channels", "63", "--dry-run", "--world-size", "8"])
+    assert any("rotary positions need an even head dimension, got 63 (--kv-channels)" in p for p in odd.problems)
 
 
 def test_older_upstream_spellings(files):

@@ -42,3 +42,20 @@ def test_reader_for_a_regular_and_a_universal_checkpoint(record, regular, univer
 def test_weight_files_of_another_version_are_refused_by_name():
     with pytest.raises(CheckpointFormatError, match="weight files 'torch_dcp'.*does not read"):
         weight_files({"saving_engine": "model", "weight_files": "torch_dcp"})
+
+
+def test_a_checkpoint_of_another_head_size_is_refused_and_one_written_before_kv_channels_loads():
+    import dataclasses
+
+    from megatron.checkpoint.run_state import check_model_config
+    from tests.helpers.config import tiny_model
+
+    default, explicit, wider = (dataclasses.asdict(tiny_model(kv_channels=k)) for k in (None, 16, 32))
+    check_model_config(default, explicit)  # None is hidden / heads = 16: the same model
+    check_model_config(explicit, default)
+    with pytest.raises(ValueError, match="kv_channels = 32 but this run has None"):
+        check_model_config(wider, default)
+    before = {k: v for k, v in default.items() if k != "kv_channels"}  # a checkpoint written before the field
+    check_model_config(before, explicit)
+    with pytest.raises(ValueError, match="kv_channels = None but this run has 32"):
+        check_model_config(before, wider)

@@ -45,7 +45,9 @@ LLAMA_TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vo
                                        dict(num_key_value_heads=1, untie_embeddings_and_output_weights=False),
                                        dict(normalization="layernorm", swiglu=False, num_key_value_heads=None,
                                             add_bias_linear=True, untie_embeddings_and_output_weights=False,
-                                            embed_layernorm=True, position_embedding_type="alibi")])
+                                            embed_layernorm=True, position_embedding_type="alibi"),
+                                       dict(kv_channels=32, qk_layernorm=True), dict(kv_channels=8, add_bias_linear=True),
+                                       dict(kv_channels=24, qk_layernorm=True, normalization="layernorm")])
 def test_the_shape_counts_what_the_model_builds(overrides):
     config = ModelConfig(**{**LLAMA_TINY, **overrides}).validate()
     shape = model_shape_of(config)
@@ -56,6 +58,25 @@ def test_the_shape_counts_what_the_model_builds(overrides):
     split = sum(GPTModel(config).get_parameter(n).numel() for n, e in parameter_layout(config).items()
                 if n.startswith("layers.0.") and not e.replicated)
     assert shape.layer_params(2) == split // 2 + (layer - split)
+
+
+def test_kv_channels_sets_the_query_key_value_and_output_widths():
+    """Qwen3-235B-A22B's attention: hidden 4096, 64 query heads and 4 key / value heads of 128 (--kv-channels 128,
+    not 4096 / 64 = 64): QKV [(64 + 2 x 4) x 128, h], the output projection [h, 64 x 128], twice as wide as h."""
+    h, heads, kv, hn, f = 4096, 64, 4, 128, 1536
+    shape = ModelShape(94, h, heads, 151936, f, embed_layernorm=False, tied_embeddings=False,
+                       num_key_value_heads=kv, kv_channels=hn, swiglu=True, add_bias_linear=False,
+                       normalization="rmsnorm")
+    qkv, dense = (heads + 2 * kv) * hn * h, h * heads * hn
+    assert (shape.q_hidden, shape.kv_hidden) == (8192, 512)
+    assert shape.layer_params() == qkv + dense + 3 * f * h + 2 * h
+    assert shape.layer_params(8) == (qkv + dense + 3 * f * h) // 8 + 2 * h
+    s, b, L, V = 4096, 8, 94, 151936
+    by_hand = 3 * b * s * (L * (2 * (qkv + dense + 3 * f * h) + 4 * s * heads * hn) + 1.5 * V * h)
+    assert shape.flops_per_iteration(s, b, recompute=False) == pytest.approx(by_hand, rel=F64, abs=0)
+    without = ModelShape(94, h, heads, 151936, f, embed_layernorm=False, tied_embeddings=False,
+                         num_key_value_heads=kv, swiglu=True, add_bias_linear=False, normalization="rmsnorm")
+    assert shape.layer_params() - without.layer_params() == (heads + 2 * kv) * 64 * h + h * heads * 64
 
 
 def test_stage_counts_put_the_untied_head_on_the_last_stage():

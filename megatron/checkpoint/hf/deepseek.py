@@ -234,6 +234,7 @@ def model_config_from_deepseek(hf_config: Any, seq_length: int, **overrides) -> 
                     qk_head_dim=hf_config.qk_nope_head_dim, qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
                     v_head_dim=hf_config.v_head_dim)
     fields = dict(llama.llama_block_fields(hf_config, seq_length), ffn_hidden_size=hf_config.intermediate_size,
-                  **rope, add_bias_linear=False, qk_layernorm=True, moe=moe, mla=mla)
+                  **rope, add_bias_linear=False, qk_layernorm=True, moe=moe, mla=mla,
+                  kv_channels=None)  # MLA's head sizes are its own (transformers' head_dim is the rotary part)
     fields.update(overrides)
     return ModelConfig(**fields).validate()

@@ -1,11 +1,13 @@
 """Map full (TP=1) weights and configs between GPTModel and transformers' Llama family.
 
-transformers' ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` name their tensors
+transformers' ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` name their tensors
 alike (``model.layers.{i}.self_attn.q_proj`` ... ``mlp.down_proj``, ``model.norm``, ``lm_head``) and
 compute the same block: RMSNorm, rotary positions in the GPT-NeoX half-split form (what
 ``megatron.model.positional`` computes), grouped-query attention, SwiGLU. They differ in biases only:
 Llama has none (or, with ``attention_bias``, on q / k / v / o; ``mlp_bias`` on the MLP), Qwen2 has them
-on q / k / v alone (our ``add_qkv_bias`` with ``add_bias_linear`` off), Mistral has none. Mistral's
+on q / k / v alone (our ``add_qkv_bias`` with ``add_bias_linear`` off), Mistral has none. Qwen3 has none and
+RMS-normalizes each query / key head before the rotary (``q_norm`` / ``k_norm`` [hn]: our ``--qk-layernorm``).
+A ``head_dim`` other than hidden / heads (every Qwen3) is our ``kv_channels``. Mistral's
 sliding window is not implemented here and is refused; Llama 3.1's rope scaling (rope_type llama3) maps
 to ``rope_scaling_factor`` and its three companions.
 
@@ -17,7 +19,7 @@ hands out whole units (``megatron.model.attention``, ``megatron.model.transforme
 
 The vocabulary is zero-padded to the padded size on import and trimmed on export, the untied head too.
 Which tensors there are comes from ``megatron.model.layout``; nothing here imports transformers.
-Shape letters: v vocabulary, h hidden, hn head dim, f ffn hidden size.
+Shape letters: v vocabulary, h hidden, hn head dim (not necessarily h / heads), f ffn hidden size.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ __all__ = ["MODEL_TYPES", "llama_family_of", "dense_llama_family_of", "ours_to_l
            "fuse_fc1", "rope_fields", "llama_block_fields", "kv_heads_of"]
 
 MODEL_TYPES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),  # model_type -> (config class, model class)
-               "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+               "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 # Per block: our name -> theirs, for the tensors that are only renamed.
 _BLOCK_RENAMES = {"input_layernorm.weight": "input_layernorm.weight",
@@ -45,10 +48,19 @@ _BLOCK_RENAMES = {"input_layernorm.weight": "input_layernorm.weight",
                   "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight",
                   "mlp.dense_4h_to_h.bias": "mlp.down_proj.bias"}
 _QKV, _FC1 = "self_attention.query_key_value.", "mlp.dense_h_to_4h."
+# --qk-layernorm (Qwen3, Qwen3-MoE): each query / key head's RMSNorm weight [hn]
+QK_NORMS = (("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+            ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"))
+
+
+def _qk_norms(config: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """The per-head query / key norms' names (ours, theirs) of the fused-QKV attention (MLA's latent norms are
+    ``megatron.checkpoint.hf.deepseek``'s)."""
+    return QK_NORMS if config.qk_layernorm and config.mla is None else ()
 
 
 def llama_family_of(config: ModelConfig) -> str:
-    """'llama' or 'qwen2' (the transformers model_type ``config`` exports to), or ValueError naming what
+    """'llama', 'qwen2' or 'qwen3' (the transformers model_type ``config`` exports to), or ValueError naming what
     no member of the family has."""
     wrong = []
     if config.normalization != "rmsnorm":
@@ -59,16 +71,17 @@ def llama_family_of(config: ModelConfig) -> str:
         wrong.append(f"position_embedding_type {config.position_embedding_type!r} (needs rotary)")
     if config.embed_layernorm:
         wrong.append("an embedding LayerNorm")
+    if config.qk_layernorm and config.qkv_bias:
+        wrong.append("--qk-layernorm with biases (Qwen3 has none: needs --disable-bias-linear, no --add-qkv-bias)")
     if wrong:
         raise ValueError(f"transformers' Llama family cannot hold this model: {', '.join(wrong)}")
+    if config.qk_layernorm:
+        return "qwen3"
     return "qwen2" if config.add_qkv_bias and not config.add_bias_linear else "llama"
 
 
 def dense_llama_family_of(config: ModelConfig) -> str:
-    """:func:`llama_family_of` for a dense model, which has no ``--qk-layernorm`` in any family mapped here."""
-    if config.qk_layernorm:
-        raise ValueError("--qk-layernorm on a dense model: no transformers architecture is mapped for it here "
-                         "(Qwen3-MoE is, with --num-experts)")
+    """:func:`llama_family_of` for a dense model (``--qk-layernorm``: Qwen3)."""
     return llama_family_of(config)
 
 
@@ -120,6 +133,8 @@ def ours_to_llama_state_dict(state: dict[str, torch.Tensor], config: ModelConfig
         for mine, hf in _BLOCK_RENAMES.items():
             if ours + mine in state:
                 out[theirs + hf] = state[ours + mine]
+        for mine, hf in _qk_norms(config):
+            out[theirs + hf] = state[ours + mine]
         for kind in ("weight", "bias"):
             if ours + _QKV + kind in state:
                 q, k, v = _split_qkv(state[ours + _QKV + kind], config)
@@ -167,6 +182,8 @@ def llama_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: ModelCon
         for ours_name, hf in _BLOCK_RENAMES.items():
             if mine + ours_name in expected:
                 ours[mine + ours_name] = take(theirs + hf)
+        for ours_name, hf in _qk_norms(config):
+            ours[mine + ours_name] = take(theirs + hf)
         for kind in ("weight", "bias"):
             if mine + _QKV + kind in expected:
                 q, k, v = (take(f"{theirs}self_attn.{p}_proj.{kind}") for p in "qkv")
@@ -181,8 +198,8 @@ def llama_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: ModelCon
 
 
 def llama_config_kwargs(config: ModelConfig, vocab_size: Optional[int] = None) -> dict[str, Any]:
-    """Keyword arguments for ``transformers.LlamaConfig`` (or ``Qwen2Config`` when
-    ``llama_family_of(config)`` says qwen2) describing ``config``."""
+    """Keyword arguments for ``transformers.LlamaConfig`` (or ``Qwen2Config`` / ``Qwen3Config`` when
+    ``llama_family_of(config)`` says qwen2 / qwen3) describing ``config``."""
     family = llama_family_of(config)
     if vocab_size is None:
         vocab_size = config.original_vocab_size or config.padded_vocab_size
@@ -201,6 +218,8 @@ def llama_config_kwargs(config: ModelConfig, vocab_size: Optional[int] = None) -
     kwargs["rope_parameters"] = rope
     if family == "llama":
         kwargs.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
+    if family == "qwen3":
+        kwargs.update(attention_bias=False, use_sliding_window=False)
     return kwargs
 
 
@@ -223,17 +242,14 @@ def rope_fields(hf_config: Any) -> dict[str, Any]:
 
 def check_llama_block(hf_config: Any, model_type: str) -> None:
     """ValueError for what our Llama block lacks: an MLP other than SwiGLU, sliding-window attention (Mistral's
-    and Mixtral's always when set, the others' with use_sliding_window), a head dim other than h / heads."""
+    and Mixtral's always when set, the others' with use_sliding_window). A head dim other than h / heads is
+    ``kv_channels`` (:func:`llama_block_fields`)."""
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) is mapped")
     if getattr(hf_config, "sliding_window", None) is not None and (
             model_type in ("mistral", "mixtral") or getattr(hf_config, "use_sliding_window", False)):
         raise ValueError(f"{model_type} with sliding_window {hf_config.sliding_window}: sliding-window attention is "
                          f"not implemented here (set sliding_window None for full attention)")
-    head_dim = getattr(hf_config, "head_dim", None)
-    if head_dim not in (None, hf_config.hidden_size // hf_config.num_attention_heads):
-        raise ValueError(f"head_dim {head_dim} is not hidden_size / num_attention_heads ({hf_config.hidden_size} / "
-                         f"{hf_config.num_attention_heads}); not supported here")
 
 
 def model_config_from_llama(hf_config: Any, seq_length: int, **overrides) -> ModelConfig:
@@ -250,18 +266,23 @@ def model_config_from_llama(hf_config: Any, seq_length: int, **overrides) -> Mod
     if attention_bias != mlp_bias:
         raise ValueError(f"attention_bias {attention_bias} with mlp_bias {mlp_bias}: biases are all or none here "
                          f"(add_bias_linear), or q / k / v only (Qwen2)")
+    if model_type == "qwen3" and attention_bias:
+        raise ValueError("Qwen3 with attention_bias True: this converter maps Qwen3 without biases")
     fields = dict(llama_block_fields(hf_config, seq_length), num_key_value_heads=kv_heads_of(hf_config),
                   ffn_hidden_size=hf_config.intermediate_size, **rope_fields(hf_config),
-                  add_bias_linear=attention_bias, add_qkv_bias=model_type == "qwen2")
+                  add_bias_linear=attention_bias, add_qkv_bias=model_type == "qwen2", qk_layernorm=model_type == "qwen3")
     fields.update(overrides)
     return ModelConfig(**fields).validate()
 
 
 def llama_block_fields(hf_config: Any, seq_length: int) -> dict[str, Any]:
     """The ModelConfig fields every Llama-style transformers config maps the same way (Llama, Mistral, Qwen2,
-    Mixtral, Qwen3-MoE, DeepSeek-V3): sizes, rotary positions (``rope_fields`` adds the scaling), RMSNorm, SwiGLU,
-    the head's tying, dropout and the init std."""
-    return dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+    Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3): sizes (a ``head_dim`` other than hidden / heads: ``kv_channels``),
+    rotary positions (``rope_fields`` adds the scaling), RMSNorm, SwiGLU, the head's tying, dropout and the init std."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    if head_dim == hf_config.hidden_size // hf_config.num_attention_heads:
+        head_dim = None  # the default: hidden / heads
+    return dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, kv_channels=head_dim,
                 num_attention_heads=hf_config.num_attention_heads, padded_vocab_size=hf_config.vocab_size,
                 seq_length=seq_length, position_embedding_type="rotary", normalization="rmsnorm", swiglu=True,
                 layernorm_epsilon=hf_config.rms_norm_eps,

@@ -18,7 +18,7 @@ matrix per expert, where we stack them:
     mlp.experts.w1       [E, 2f, h]      <-> per expert: gate (Mixtral w1, Qwen3 gate_proj) and up (w3, up_proj)
                                              [f, h], our rows interleaved [f, 2] as the dense MLP's
     mlp.experts.w2       [E, h, f]       <-> per expert: down (Mixtral w2, Qwen3 down_proj) [h, f]
-    self_attention.q_layernorm.weight    <-> self_attn.q_norm.weight [hn] (k likewise)
+    self_attention.q_layernorm.weight    <-> self_attn.q_norm.weight [hn] (k likewise; ``llama`` maps them)
 
 ``DeepseekV3ForCausalLM`` (multi-head latent attention, sigmoid group-limited routing) is mapped by
 ``megatron.checkpoint.hf.deepseek`` with this module's expert helpers. Nothing here imports transformers.
@@ -56,8 +56,6 @@ _NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.
                       "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
           "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
                         "mlp.experts.{e}.down_proj.weight")}
-_QK_NORMS = (("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
-             ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"))
 
 
 def moe_family_of(config: ModelConfig) -> str:
@@ -95,11 +93,9 @@ def ours_to_moe_state_dict(state: dict[str, torch.Tensor], config: ModelConfig,
     """A TP=1 GPTModel state dict (every expert) -> a Mixtral / Qwen3-MoE state dict as ``save_pretrained``
     writes it (one matrix per expert). vocab_size: keep only the first rows of the embedding and the head."""
     family = moe_family_of(config)
-    out = ours_to_llama_state_dict(state, config, vocab_size)  # all but the experts, the router and QK norms
+    out = ours_to_llama_state_dict(state, config, vocab_size)  # all but the experts and the router
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for mine, hf in _QK_NORMS if config.qk_layernorm else ():
-            out[theirs + hf] = state[ours + mine]
         if not config.moe.is_moe_layer(i):
             continue
         out.update(experts_to_hf(state, ours, theirs, _NAMES[family], config.moe.num_experts))
@@ -143,8 +139,6 @@ def moe_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: ModelConfi
     ours = {}
     for i in range(config.num_layers):
         mine, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for our_name, hf in _QK_NORMS if config.qk_layernorm else ():
-            ours[mine + our_name] = state.pop(theirs + hf)
         if not config.moe.is_moe_layer(i):
             continue
         ours.update(experts_from_hf(state, mine, theirs, _NAMES[family], config.moe.num_experts, family))
@@ -163,7 +157,8 @@ def moe_config_kwargs(config: ModelConfig, vocab_size: Optional[int] = None) -> 
         kwargs.update(num_local_experts=moe.num_experts, intermediate_size=config.expert_ffn_size,
                       router_jitter_noise=0.0, sliding_window=None)
     else:
-        kwargs.pop("head_dim")  # Qwen3MoeConfig derives it (hidden / heads) as we do
+        # Qwen3MoeConfig has no head_dim argument but keeps one given, and its attention reads it (hidden / heads
+        # without it); transformers' Qwen3-MoE checkpoints carry it
         kwargs.update(num_experts=moe.num_experts, moe_intermediate_size=config.expert_ffn_size,
                       norm_topk_prob=not moe.router_pre_softmax, decoder_sparse_step=1,
                       mlp_only_layers=[i for i in range(config.num_layers) if not moe.is_moe_layer(i)],
