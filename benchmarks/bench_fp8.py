@@ -108,12 +108,18 @@ def gemm(m: int, k: int, n: int, reps: int, warmup: int, recipes=GEMM_RECIPES) -
     reference = fns["fp32"]()
     scale = reference.abs().max().item()
     errors = {name: (fn().float() - reference).abs().max().item() / scale for name, fn in fns.items()}
-    times = alternated(fns, reps, warmup)
     flops = 2 * m * n * k
+    return {"m_tokens": m, "k_in": k, "n_out": n, "gflop": flops / 1e9,
+            "paths": _timed_rows(fns, errors, flops, reps, warmup)}
+
+
+def _timed_rows(fns: dict, errors: dict, flops: float, reps: int, warmup: int) -> dict:
+    """Every path timed (alternated), with its error against fp32 and its time against bf16's."""
+    times = alternated(fns, reps, warmup)
     rows = {name: {**summary(times[name], flops), "rel_error_vs_fp32": errors[name]} for name in fns}
     for row in rows.values():
         row["vs_bf16"] = round(row["median_ms"] / rows["bf16"]["median_ms"], 3)
-    return {"m_tokens": m, "k_in": k, "n_out": n, "gflop": flops / 1e9, "paths": rows}
+    return rows
 
 
 def linear(m: int, k: int, n: int, reps: int, warmup: int, recipes=RECIPES) -> dict:
@@ -147,12 +153,9 @@ def linear(m: int, k: int, n: int, reps: int, warmup: int, recipes=RECIPES) -> d
             update_fp8_scales(scalings[name])  # step (the buffers start at scale 1); other recipes: nothing
         out = fn()
         errors[name] = max((o.float() - r).abs().max().item() / r.abs().max().item() for o, r in zip(out, reference))
-    times = alternated(fns, reps, warmup)
     flops = 6 * m * n * k
-    rows = {name: {**summary(times[name], flops), "rel_error_vs_fp32": errors[name]} for name in fns}
-    for row in rows.values():
-        row["vs_bf16"] = round(row["median_ms"] / rows["bf16"]["median_ms"], 3)
-    return {"m_tokens": m, "k_in": k, "n_out": n, "gflop_fwd_bwd": flops / 1e9, "paths": rows}
+    return {"m_tokens": m, "k_in": k, "n_out": n, "gflop_fwd_bwd": flops / 1e9,
+            "paths": _timed_rows(fns, errors, flops, reps, warmup)}
 
 
 def step_argv(corpus: dict, args) -> list[str]:

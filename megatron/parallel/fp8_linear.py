@@ -224,12 +224,9 @@ def match_fp8_state(module: torch.nn.Module, state_dict: dict, prefix: str) -> N
     scaling state of layers that now run without FP8 (or another recipe) is dropped, and the layers that now
     run delayed scaling and have none saved start from a fresh history (as a run's first iteration does). So a
     checkpoint loads whether or not either run used FP8; the weights are checked as strictly as before."""
-    own = {prefix + name for name, _ in module.named_buffers() if is_fp8_state_key(name)}
+    own = {prefix + name: buffer for name, buffer in module.state_dict().items() if is_fp8_state_key(name)}
     for key in [k for k in state_dict if k.startswith(prefix) and is_fp8_state_key(k[len(prefix):])]:
         if key not in own:
             del state_dict[key]
-    for name, buffer in module.state_dict().items():
-        key = prefix + name
-        if key in own and key not in state_dict:
-            state_dict[key] = buffer.clone()
-
+    for key, buffer in own.items():
+        state_dict.setdefault(key, buffer.clone())

@@ -134,9 +134,7 @@ def eight_processes(base):
 def test_fp8_at_tp2_pp2_dp2_tracks_one_process(one_process, eight_processes, recipe):
     reference, other = one_process[0][recipe], eight_processes[recipe]
     assert other["iteration"] == LAYOUT_ITERS and other["dp_size"] == 2
-    for it, (a, b) in enumerate(zip(reference["losses"][:LAYOUT_ITERS], other["losses"], strict=True), start=1):
-        rel = fp8_run_tolerance(torch.bfloat16, torch.float8_e5m2, TINY_LAYERS, TINY_WIDTH, it)
-        assert abs(a - b) <= rel * abs(a), f"{recipe}: iteration {it}: loss {b} vs one process {a} ({rel:.2g})"
+    _assert_tracks(reference["losses"][:LAYOUT_ITERS], other["losses"], recipe)
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +153,7 @@ def two_processes(one_process, base, moe_argv):
 def test_moe_fp8_at_ep2_tracks_one_process(one_process, two_processes):
     reference, other = one_process[0]["moe"], two_processes[1][0]
     assert len(other["losses"]) == MOE_ITERS and all(math.isfinite(loss) for loss in other["losses"])
-    for it, (a, b) in enumerate(zip(reference["losses"], other["losses"], strict=True), start=1):
-        rel = fp8_run_tolerance(torch.bfloat16, torch.float8_e5m2, TINY_LAYERS, TINY_WIDTH, it)
-        assert abs(a - b) <= rel * abs(a), f"EP=2: iteration {it}: loss {b} vs one process {a} ({rel:.2g})"
+    _assert_tracks(reference["losses"], other["losses"], "EP=2")
 
 
 @pytest.mark.multiprocess

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from megatron.checkpoint.run_state import UNIVERSAL_ENGINE, load_run_state, model_config_from_dict, reader_for
     from megatron.checkpoint.tags import COMPLETE_MARKER, RUN_STATE, write_atomically, write_complete_marker
     from megatron.checkpoint.universal.engines import ENGINES, retarget
-    from megatron.checkpoint.universal.fp8_state import save_fp8_state
+    from megatron.checkpoint.universal.expert_folders import save_fp8_state
     from megatron.engine.deepspeed_compat import safe_loading
 
     ours = argparse.ArgumentParser(add_help=False)

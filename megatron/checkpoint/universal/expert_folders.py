@@ -16,9 +16,10 @@ around it (tools/convert_checkpoint/ds_to_universal.py):
         file marked as an expert parameter of E experts (DeepSpeed's universal loader then cuts this run's
         experts, dim 0, before its TP slice) and split along the parameter's own TP dim (``CAT_DIM``)
 
-    save_router_state(tag_dir, out_dir, config)
-        the routers' expert biases (buffers, outside the optimizer's folders) from the source's layer files (or
-        model states) to ``router_state.ROUTER_STATE_FILE``, read back at a universal resume
+    save_router_state(tag_dir, out_dir, config), save_fp8_state(tag_dir, out_dir, config)
+        buffers outside the optimizer's folders, from the source's layer files (or model states): the routers'
+        expert biases to ``router_state.ROUTER_STATE_FILE``, FP8 delayed scaling's state to
+        ``fp8_state.FP8_STATE_FILE``; read back at a universal resume (``save_buffer_state`` does both)
 
 An EP = 1 checkpoint needs no staging; its expert folders are marked the same way.
 
@@ -42,14 +43,16 @@ import torch
 
 from megatron.checkpoint.safe_load import safe_load
 from megatron.checkpoint.universal.engines import folder_names
+from megatron.checkpoint.universal.fp8_state import FP8_STATE_FILE
 from megatron.checkpoint.universal.patterns import C
 from megatron.checkpoint.universal.router_state import ROUTER_BUFFER, ROUTER_STATE_FILE
 from megatron.checkpoint.zero_files import DEEPSPEED_GLOBALS
 from megatron.config import ModelConfig
 from megatron.model.layout import ParameterLayout, pipeline_items
+from megatron.parallel.fp8_linear import is_fp8_state_key
 
 __all__ = ["EP_PREFIX", "expert_folders", "stage_expert_names", "extract_whole_experts", "merge_expert_folders",
-           "save_router_state"]
+           "save_router_state", "save_fp8_state", "save_buffer_state"]
 
 EP_PREFIX = "ep{:02d}."
 _STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -221,27 +224,35 @@ def merge_expert_folders(zero_dir: str, config: ModelConfig, engine: str, ep: in
     return len(experts)
 
 
-def save_router_state(tag_dir: str, out_dir: str, config: ModelConfig) -> int:
-    """Copy the routers' expert biases from the regular checkpoint ``tag_dir`` (the pipeline engine's layer files,
-    or the model engine's model states) to ``out_dir/ROUTER_STATE_FILE``, by GPTModel module name; how
-    many (0 without expert bias: no file)."""
-    biases = {}
+def save_buffer_state(tag_dir: str, out_dir: str, config: ModelConfig, wanted, file_name: str) -> int:
+    """Copy the buffers whose names ``wanted(name)`` accepts from the regular checkpoint ``tag_dir`` (the pipeline
+    engine's layer files, or the model engine's model states) to ``out_dir/file_name``, by GPTModel module name;
+    how many (0: none, no file). Such buffers are the same on every TP rank: the first file's are taken."""
+    state = {}
     for item in pipeline_items(config):
         if item.layer_number is None:
             continue
         files = sorted(glob.glob(os.path.join(tag_dir, f"layer_{item.index:02d}-model_*-model_states.pt")))
-        if files:  # the same on every TP rank: the first file's
-            state = _load(files[0])
-            if ROUTER_BUFFER in state:
-                biases[item.prefix + ROUTER_BUFFER] = state[ROUTER_BUFFER]
-    if not biases:
+        if files:
+            state.update({item.prefix + key: t for key, t in _load(files[0]).items() if wanted(key)})
+    if not state:
         for path in sorted(glob.glob(os.path.join(tag_dir, _MODEL_STATES)))[:1]:
             module = _load(path).get("module") or {}
-            biases = {name: t for name, t in module.items() if name.endswith(ROUTER_BUFFER)}
-    if biases:
-        torch.save(biases, os.path.join(out_dir, ROUTER_STATE_FILE))
+            state = {name: t for name, t in module.items() if wanted(name)}
+    if state:
+        torch.save(state, os.path.join(out_dir, file_name))
     # DeepSpeed's converter writes a zero/ folder for every entry of a model-engine checkpoint's module state that
-    # has no optimizer fragment, buffers included: the biases live in ROUTER_STATE_FILE, not among the parameters
-    for name in biases:
+    # has no optimizer fragment, buffers included: these live in file_name, not among the parameters
+    for name in state:
         shutil.rmtree(os.path.join(out_dir, "zero", name), ignore_errors=True)
-    return len(biases)
+    return len(state)
+
+
+def save_router_state(tag_dir: str, out_dir: str, config: ModelConfig) -> int:
+    """The routers' expert biases to ``ROUTER_STATE_FILE`` (``save_buffer_state``); how many."""
+    return save_buffer_state(tag_dir, out_dir, config, lambda name: name.endswith(ROUTER_BUFFER), ROUTER_STATE_FILE)
+
+
+def save_fp8_state(tag_dir: str, out_dir: str, config: ModelConfig) -> int:
+    """FP8 delayed scaling's amax histories and scales to ``FP8_STATE_FILE`` (``save_buffer_state``); how many."""
+    return save_buffer_state(tag_dir, out_dir, config, is_fp8_state_key, FP8_STATE_FILE)
