@@ -143,10 +143,6 @@ UPSTREAM_FLAGS = (
     _refused("--megatron-fsdp-main-grads-dtype", _FSDP, "DTYPE"),
     _refused("--megatron-fsdp-grad-comm-dtype", _FSDP, "DTYPE"),
     _refused("--fsdp-double-buffer", _FSDP),
-    _refused("--mtp-num-layers", f"multi-token prediction is {_LATER}; drop --mtp-num-layers and "
-             "--mtp-loss-scaling-factor to train without the MTP head", "N"),
-    _refused("--mtp-loss-scaling-factor", f"multi-token prediction is {_LATER}; drop --mtp-num-layers and "
-             "--mtp-loss-scaling-factor to train without the MTP head", "FACTOR"),
     _refused("--rotary-scaling-factor", f"YaRN rotary scaling is {_LATER}; without it the positions are plain "
              "RoPE (Llama 3.1's scaling is --use-rope-scaling)", "FACTOR"),
     _refused("--mscale", f"YaRN rotary scaling is {_LATER}; without it the positions are plain RoPE", "MSCALE"),

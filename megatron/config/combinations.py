@@ -102,6 +102,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("Muon", "--optimizer muon", lambda rc: rc.optimizer.optimizer == "muon", lambda rc: "--optimizer muon"),
     Feature("FP8", "--fp8-format e4m3 | hybrid", lambda rc: rc.model.fp8 is not None,
             lambda rc: f"--fp8-format {rc.model.fp8.fp8_format}"),
+    Feature("MTP", "--mtp-num-layers N (N > 0)", lambda rc: rc.model.mtp_num_layers > 0,
+            lambda rc: f"--mtp-num-layers {rc.model.mtp_num_layers}"),
 )
 _BY_NAME = {f.name: f for f in FEATURES}
 
@@ -228,6 +230,17 @@ REFUSED: tuple[Refused, ...] = (
             "with bf16 and fp32 only (DeepSpeed's CPU accelerator refuses fp16)",
             "train FP8 with --bf16 (every Megatron-LM FP8 recipe is a bf16 run)",
             say="--fp8-format with {b} is not supported: {reason}; {fix}"),
+    # multi-token prediction (megatron/model/mtp.py): each depth shifts the targets one place left along the sequence
+    Refused("MTP", "context parallelism", "the shift of the targets and inputs crosses the ranks' load-balanced "
+            "sequence chunks, which is not built (Megatron-LM exchanges the boundary tokens between CP ranks)",
+            "drop --context-parallel-size", say="{a} does not work yet with {b}: {reason}; {fix}"),
+    Refused("MTP", "interleaved", "the depths run in the last chunk's loss function, which the interleaved module "
+            "has not been wired to (megatron.engine.pipeline._attach_mtp)", "drop the virtual stages (1F1B)",
+            say="{a} does not work yet with {b}: {reason}; {fix}"),
+    Refused("MTP", "ZB-H1", "the two have not been run together (the depths' weight gradients are not deferred)",
+            "drop --enable-zbh1-pipeline", say="{a} does not work yet with {b}: {reason}; {fix}"),
+    Refused("MTP", "Ulysses", "the shift of the targets and inputs crosses the ranks' sequence shards, which is not "
+            "built", "drop --ds-sequence-parallel-size", say="{a} does not work yet with {b}: {reason}; {fix}"),
     # the live evaluation harness (megatron/evaluation/live.py)
     Refused("live evaluation harness", "model engine", "it runs on the pipeline engine's model",
             "Evaluate its saved checkpoints with tools/evaluate.py instead",

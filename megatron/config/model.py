@@ -115,6 +115,11 @@ class ModelConfig:
     mla: Optional[MLAConfig] = None
     # FP8 GEMMs in the transformer layers' linear layers (--fp8-format, megatron.config.fp8); None: the run's precision.
     fp8: Optional[FP8Config] = None
+    # Multi-token prediction (--mtp-num-layers, DeepSeek-V3): that many extra depths after the final norm, each
+    # predicting one token further with the shared embedding and output head (megatron.model.mtp); their mean loss,
+    # times --mtp-loss-scaling-factor, is added to the training loss (not to the reported LM loss).
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
 
     @property
     def expert_ffn_size(self) -> int:
@@ -194,6 +199,7 @@ class ModelConfig:
         self._validate_moe(tp)
         self._validate_mla()
         self._validate_fp8()
+        self._validate_mtp()
         if self.sequence_parallel and self.seq_length % tp:
             raise ValueError(f"--sequence-parallel splits the sequence over the {tp} tensor-parallel ranks, but "
                              f"--seq-length {self.seq_length} is not a multiple of --tensor-model-parallel-size {tp}; "
@@ -271,6 +277,30 @@ class ModelConfig:
             entry = refusal("FP8", "fp16")
             raise ValueError(entry.say.format(a="--fp8-format", b="--fp16", reason=entry.reason, fix=entry.fix))
         self.fp8.validate(self.num_layers)
+
+    @property
+    def total_layers(self) -> int:
+        """The transformer layers the model builds: the decoder's and each MTP depth's (its layer numbers follow the
+        decoder's: ``num_layers + depth``)."""
+        return self.num_layers + self.mtp_num_layers
+
+    def _validate_mtp(self) -> None:
+        if not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0:
+            raise ValueError(f"--mtp-num-layers must be a non-negative integer, got {self.mtp_num_layers!r}")
+        if self.mtp_loss_scaling_factor < 0:
+            raise ValueError(f"--mtp-loss-scaling-factor must be >= 0, got {self.mtp_loss_scaling_factor}")
+        if not self.mtp_num_layers:
+            return
+        # The MTP depths embed shifted tokens with the shared word embedding only: a pipeline's last stage holds that
+        # weight (tied to the first stage's) but not learned positions or BLOOM's embedding norm.
+        wrong = [what for what, present in (
+            ("--position-embedding-type absolute (learned positions; use rope)",
+             self.position_embedding_type == "absolute"),
+            ("--embed-layernorm", self.embed_layernorm)) if present]
+        if wrong:
+            raise ValueError(f"--mtp-num-layers {self.mtp_num_layers} is not implemented with {', '.join(wrong)}: the "
+                             f"MTP depths re-embed tokens with the word embedding alone (DeepSeek-V3, Qwen3 and "
+                             f"Llama-style models have neither); drop --mtp-num-layers or the other flag")
 
     def _validate_mla(self) -> None:
         if self.mla is None:

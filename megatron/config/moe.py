@@ -88,7 +88,9 @@ class MoEConfig:
     shared_expert_overlap: bool = False      # alltoall: the shared expert computes while the tokens travel
 
     def is_moe_layer(self, layer_number: int) -> bool:
-        return self.layer_pattern[layer_number]
+        """Whether layer ``layer_number`` routes; a multi-token-prediction layer (numbered after the decoder's) has
+        the decoder's last layer's kind, as Megatron-LM builds it from the last layer's spec."""
+        return self.layer_pattern[min(layer_number, len(self.layer_pattern) - 1)]
 
     def validate(self, num_layers: int) -> "MoEConfig":
         _positive("--num-experts", self.num_experts)

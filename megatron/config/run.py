@@ -448,6 +448,7 @@ class RunConfig:
             model = dataclasses.replace(model, padded_vocab_size=tp)
         check_combinations(self, "FP8")  # with fp16 (megatron.config.combinations)
         model.validate(tp)
+        check_combinations(self, "MTP")  # the sequence splits MTP's shift does not cross (megatron.config.combinations)
         check_combinations(self, "MLA")  # the parallelisms MLA is not implemented with (megatron.config.combinations)
         self.batch.validate(self.parallel.data_parallel_size)
         self._validate_pipeline(pp)

@@ -16,6 +16,14 @@ in the order ``megatron.model.layout.pipeline_items`` gives (the index checkpoin
 With --untie-embeddings-and-output-weights there is no tied module: the embedding is a plain
 ``LayerSpec(EmbeddingPipe)`` and the head ``LayerSpec(OutputLayer)`` with its own weight.
 
+With --mtp-num-layers (``megatron.model.mtp``) two items come between the final norm and the head:
+    TiedLayerSpec("embed", LMHeadPipe, forward_fn=pass_hidden)   the word embedding's last-stage copy (the embedding
+                                                 is then tied whatever the head's tie); hidden unchanged
+    LayerSpec(MTPPipe)                           the depths' parameters; hidden unchanged
+and the head returns (logits, hidden). The depths run in the loss function (``GPTLossFn.attach_mtp``): they need
+the shifted tokens, and the last stage of DeepSpeed's pipeline engine sees only the labels, which are the inputs
+shifted once (the depths' embedded tokens, megatron.model.mtp).
+
 The pass-through slots are plain functions, so DeepSpeed writes no file for them, as for BLOOM's.
 (With --checkpoint-num-layers above 1, a run of layers that includes a slot is not recomputed:
 DeepSpeed recomputes only runs made of TransformerLayers.) The embedding's layer file uses
@@ -51,6 +59,8 @@ from megatron.model.layout import (
     EMBEDDING,
     FINAL_NORM,
     HEAD,
+    MTP,
+    MTP_EMBEDDING,
     PASS_THROUGH,
     TRANSFORMER,
     PipelineItem,
@@ -58,6 +68,7 @@ from megatron.model.layout import (
     local_name_of_file_key,
     pipeline_items,
 )
+from megatron.model.mtp import MultiTokenPrediction, add_mtp_loss, mtp_depth_losses
 from megatron.parallel.random import RNGStatesTracker, tracked_checkpoint_func
 from megatron.parallel.state import ParallelState
 
@@ -111,6 +122,35 @@ def pass_through(inputs):
     return inputs
 
 
+def pass_hidden(embedding: EmbeddingLayer, hidden: torch.Tensor) -> torch.Tensor:
+    """The MTP embedding slot (``megatron.model.layout.MTP_EMBEDDING``): holds the tied word embedding on the last
+    stage for the MTP depths (the loss function embeds with it); the hidden state passes unchanged."""
+    return hidden
+
+
+class MTPPipe(MultiTokenPrediction):
+    """The MTP depths as a pipeline layer: their parameters (and layer file); the hidden state passes unchanged,
+    the depths run in ``GPTLossFn`` (the module docstring)."""
+
+    def __init__(self, config: ModelConfig, groups=None, rng_tracker=None):
+        super().__init__(config, groups, rng_tracker)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+class OutputPipe(OutputLayer):
+    """The untied head of a model with MTP: hidden -> (logits, hidden), the hidden state for the depths."""
+
+    def forward(self, hidden: torch.Tensor):
+        return super().forward(hidden), hidden
+
+
+def lm_head_forward_with_hidden(embedding: EmbeddingLayer, hidden: torch.Tensor):
+    """The tied head of a model with MTP: hidden -> (logits, hidden)."""
+    return embedding.lm_logits(hidden), hidden
+
+
 class GPTLossFn:
     """Pipeline loss: masked mean of the vocab-parallel cross-entropy over the micro-batch.
 
@@ -124,8 +164,24 @@ class GPTLossFn:
     def __init__(self, tp_group, cp_group=None, cp_size: int = 1):
         self.tp_group, self.cp_group, self.cp_size = tp_group, cp_group, cp_size
         self.tokens_per_micro_batch = None
+        self.mtp = None  # (MultiTokenPrediction, word embedding, head) on a last stage with MTP: attach_mtp
 
-    def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
+    def attach_mtp(self, block: MultiTokenPrediction, embedding: EmbeddingLayer, head) -> None:
+        """Run the MTP depths after the main loss: ``head(hidden)`` -> logits is the stage's own output head."""
+        self.mtp = (block, embedding, head)
+
+    def __call__(self, output, labels) -> torch.Tensor:
+        if self.mtp is None:
+            return self._loss(output, labels)
+        logits, hidden = output
+        block, embedding, head = self.mtp
+        target, loss_mask = labels
+        depth_losses = mtp_depth_losses(
+            block, hidden, target, loss_mask, lambda ids: EmbeddingLayer.forward(embedding, ids),
+            lambda h, t, m: gpt_loss(head(h), t, m, self.tp_group))
+        return add_mtp_loss(self._loss(logits, labels), block, depth_losses)
+
+    def _loss(self, logits: torch.Tensor, labels) -> torch.Tensor:
         target, loss_mask = labels
         if self.tokens_per_micro_batch is not None:  # no CP here (RunConfig refuses it)
             loss = per_token_loss(logits, target, self.tp_group)
@@ -139,7 +195,7 @@ class GPTLossFn:
 def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker: Optional[RNGStatesTracker]):
     embed = dict(tied_weight_attr="word_embeddings.weight", tp_group=state.tp_group, rng_tracker=tracker)
     if item.kind == EMBEDDING:
-        if not config.tied_embeddings:
+        if not config.tied_embeddings and not config.mtp_num_layers:  # MTP embeds on the last stage too
             return LayerSpec(EmbeddingPipe, config, tp_group=state.tp_group, rng_tracker=tracker)
         return TiedLayerSpec("embed", EmbeddingPipe, config, **embed)
     if item.kind == TRANSFORMER:
@@ -147,10 +203,16 @@ def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker
                          rng_tracker=tracker)
     if item.kind == FINAL_NORM:
         return LayerSpec(FinalLayerNorm, config, tp_group=state.tp_group)
+    if item.kind == MTP_EMBEDDING:
+        return TiedLayerSpec("embed", LMHeadPipe, config, forward_fn=pass_hidden, **embed)
+    if item.kind == MTP:
+        return LayerSpec(MTPPipe, config, groups=state.layer_groups(), rng_tracker=tracker)
     if item.kind == HEAD:
+        mtp = config.mtp_num_layers > 0
         if not config.tied_embeddings:
-            return LayerSpec(OutputLayer, config, tp_group=state.tp_group)
-        return TiedLayerSpec("embed", LMHeadPipe, config, forward_fn=lm_head_forward, **embed)
+            return LayerSpec(OutputPipe if mtp else OutputLayer, config, tp_group=state.tp_group)
+        return TiedLayerSpec("embed", LMHeadPipe, config,
+                             forward_fn=lm_head_forward_with_hidden if mtp else lm_head_forward, **embed)
     if item.kind == PASS_THROUGH:
         return pass_through
     raise AssertionError(f"no pipeline spec for layer kind {item.kind!r}")
@@ -194,11 +256,12 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
     module_class, chunks = PipelineModule, {}
     if num_virtual_stages > 1:
         module_class, chunks = InterleavedPipelineModule, dict(num_virtual_stages=num_virtual_stages)
+    loss_fn = GPTLossFn(state.tp_group, state.cp_group, state.cp_size)
     with torch.no_grad():
-        return module_class(
+        module = module_class(
             layers=layer_specs(config, state, tracker),
             topology=topology,
-            loss_fn=GPTLossFn(state.tp_group, state.cp_group, state.cp_size),
+            loss_fn=loss_fn,
             partition_method=partition_method,
             activation_checkpoint_interval=activation_checkpoint_interval,
             activation_checkpoint_func=tracked_checkpoint_func(tracker),
@@ -206,3 +269,16 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
             seed_layers=False,
             **chunks,
         )
+    _attach_mtp(module, loss_fn)
+    return module
+
+
+def _attach_mtp(module: PipelineModule, loss_fn: GPTLossFn) -> None:
+    """On the stage holding the MTP depths (the last), hand them, the tied word embedding and the head to the loss."""
+    blocks = [f for f in module.forward_funcs if isinstance(f, MTPPipe)]
+    if not blocks:
+        return
+    embedding = module.tied_modules["embed"]
+    heads = [f for f in module.forward_funcs if isinstance(f, OutputPipe)]
+    head = (lambda hidden: OutputLayer.forward(heads[0], hidden)) if heads else embedding.lm_logits
+    loss_fn.attach_mtp(blocks[0], embedding, head)

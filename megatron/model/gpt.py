@@ -18,6 +18,7 @@ from megatron.config import ModelConfig
 from megatron.model.attention import KVCache, SequenceExchange
 from megatron.model.embedding import EmbeddingLayer, OutputLayer
 from megatron.model.kv_cache import BatchKVCache
+from megatron.model.mtp import MultiTokenPrediction, add_mtp_loss, mtp_depth_losses
 from megatron.model.transformer import FinalLayerNorm, TransformerLayer
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.parallel.state import ParallelState
@@ -97,6 +98,7 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, groups, i, rng_tracker) for i in range(config.num_layers))
         self.final_layernorm = FinalLayerNorm(config, self.tp_group)
         self.output_layer = None if config.tied_embeddings else OutputLayer(config, self.tp_group)
+        self.mtp = MultiTokenPrediction(config, groups, rng_tracker) if config.mtp_num_layers else None
         self._recompute: Optional[tuple[Callable, int]] = None
 
     def recompute_activations(self, checkpoint_fn: Callable, num_layers: int = 1) -> None:
@@ -154,14 +156,23 @@ class GPTModel(nn.Module):
         hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
         hidden = self._run_layers(hidden, kv_caches)  # [s, b, h]
         hidden = self.final_layernorm(hidden)  # [s, b, h]
-        if self.output_layer is not None:
-            logits = self.output_layer(hidden)  # [s, b, vp]
-        else:
-            logits = self.embedding.lm_logits(hidden)  # [s, b, vp]
+        logits = self._head(hidden)  # [s, b, vp]
         if labels is None:
             if loss_mask is not None:
                 raise ValueError("loss_mask was given without labels")
             return logits
         if loss_mask is None:
             return per_token_loss(logits, labels, self.tp_group)
-        return gpt_loss(logits, labels, loss_mask, self.tp_group)
+        loss = gpt_loss(logits, labels, loss_mask, self.tp_group)
+        if self.mtp is None or kv_caches is not None:
+            return loss
+        depth_losses = mtp_depth_losses(
+            self.mtp, hidden, labels, loss_mask, self.embedding,
+            lambda h, target, mask: gpt_loss(self._head(h), target, mask, self.tp_group))
+        return add_mtp_loss(loss, self.mtp, depth_losses)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [s, b, h] -> vocab-parallel logits [s, b, vp], through the output layer or the tied embedding."""
+        if self.output_layer is not None:
+            return self.output_layer(hidden)
+        return self.embedding.lm_logits(hidden)

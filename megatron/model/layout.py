@@ -7,7 +7,10 @@ Two facts, both derived from the model's own modules:
   ``GPTModelPipe``): 0 a parameter-free slot (BLOOM's fp16 cast), 1 the embedding, 2 a slot (BLOOM's
   transpose to [s, b, h]), 3..L+2 the transformer layers, L+3 a slot (the transpose back), L+4 the
   final norm, L+5 the output head (tied: no parameters of its own, it uses the word embedding;
-  untied, --untie-embeddings-and-output-weights: ``output_layer.weight``, in its own file). Our
+  untied, --untie-embeddings-and-output-weights: ``output_layer.weight``, in its own file). With
+  --mtp-num-layers the multi-token-prediction depths come between the final norm and the head (Megatron-LM's
+  layout letter ``m`` before ``L``): L+5 a slot holding the word embedding's last-stage copy (tied to the first
+  stage's, whatever the head's tie: the depths embed tokens with it), L+6 the depths (``mtp.*``), L+7 the head. Our
   activations are sequence-first throughout, so the slots pass their input on unchanged; they keep
   the file numbers BLOOM's tools expect (transformers' converter among them). Checkpoints written
   before 2026-12-01 used ``LEGACY_LAYOUT`` (0 embedding, 1..L blocks, L+1 final LayerNorm);
@@ -32,12 +35,15 @@ from typing import Optional
 
 from megatron.config import ModelConfig
 
-__all__ = ["EMBEDDING", "TRANSFORMER", "FINAL_NORM", "HEAD", "PASS_THROUGH", "LAYOUT", "LEGACY_LAYOUT", "PipelineItem",
+__all__ = ["EMBEDDING", "TRANSFORMER", "FINAL_NORM", "HEAD", "PASS_THROUGH", "MTP", "MTP_EMBEDDING",
+           "LAYOUT", "LEGACY_LAYOUT", "PipelineItem",
            "ParameterLayout", "pipeline_items", "pipeline_item", "parameter_layout", "model_name", "pipeline_name",
            "file_key", "local_name_of_file_key"]
 
 EMBEDDING, TRANSFORMER, FINAL_NORM, HEAD = "embedding", "transformer", "final_layernorm", "head"
 PASS_THROUGH = "pass_through"  # a parameter-free slot of BLOOM's numbering (see the module docstring)
+MTP = "mtp"                    # the multi-token-prediction depths (--mtp-num-layers), after the final norm
+MTP_EMBEDDING = "mtp_embedding"  # a slot: the word embedding's last-stage copy the MTP depths embed with
 TIED_MODULE_PREFIX = "tied_modules.embed."  # where DeepSpeed keeps the embedding tied between first and last stage
 LAYOUT = "bloom"            # what checkpoints record in run_state.json as "checkpoint_layout"
 LEGACY_LAYOUT = "ds3d-v0"   # checkpoints without that record
@@ -51,7 +57,7 @@ class PipelineItem:
     """One pipeline layer: its global index (the same for any pipeline size) and what it holds."""
 
     index: int
-    kind: str                 # EMBEDDING | TRANSFORMER | FINAL_NORM | HEAD | PASS_THROUGH
+    kind: str                 # EMBEDDING | TRANSFORMER | FINAL_NORM | MTP_EMBEDDING | MTP | HEAD | PASS_THROUGH
     prefix: Optional[str]     # GPTModel name prefix of its parameters; None: it owns none (head, slots)
     note: str = ""            # what BLOOM computes in a PASS_THROUGH slot
 
@@ -70,7 +76,7 @@ class ParameterLayout:
     local_name: str                # its name inside that pipeline layer, e.g. "mlp.dense_4h_to_h.weight"
     partition_dim: Optional[int]   # dim split across TP ranks (0 column-parallel, 1 row-parallel); None: replicated
     vocab_parallel: bool = False   # rows are the (padded) vocabulary
-    tied_to_head: bool = False     # the output head on the last stage uses it too (a second copy there)
+    tied_to_head: bool = False     # a second copy on the last stage: the tied head's, or the MTP depths' embedding
     file_key: str = ""             # its key in the layer file (BLOOM's name); "" means local_name
     in_tied_module: bool = False   # a DeepSpeed tied module holds it (the embedding, when tied to the head)
     expert_parallel: bool = False  # an MoE expert's: dim 0 is the experts, each EP rank holds its share of them
@@ -90,6 +96,9 @@ def pipeline_items(config: ModelConfig, layout: str = LAYOUT) -> list[PipelineIt
     _check_layout(layout)
     n = config.num_layers
     head = None if config.tied_embeddings else "output_layer."
+    if layout == LEGACY_LAYOUT and config.mtp_num_layers:
+        raise ValueError(f"the {LEGACY_LAYOUT} checkpoint layout predates multi-token prediction; a model with "
+                         f"--mtp-num-layers is laid out as {LAYOUT!r}")
     if layout == LEGACY_LAYOUT:
         kinds = [(EMBEDDING, "embedding.", "")]
         kinds += [(TRANSFORMER, f"layers.{i}.", "") for i in range(n)]
@@ -100,7 +109,11 @@ def pipeline_items(config: ModelConfig, layout: str = LAYOUT) -> list[PipelineIt
                  (PASS_THROUGH, None, "BLOOM: transpose [b, s, h] -> [s, b, h] (ours: already [s, b, h])")]
         kinds += [(TRANSFORMER, f"layers.{i}.", "") for i in range(n)]
         kinds += [(PASS_THROUGH, None, "BLOOM: transpose [s, b, h] -> [b, s, h] (ours: stays [s, b, h])"),
-                  (FINAL_NORM, "final_layernorm.", ""), (HEAD, head, "")]
+                  (FINAL_NORM, "final_layernorm.", "")]
+        if config.mtp_num_layers:
+            kinds += [(MTP_EMBEDDING, None, "the word embedding for the MTP depths (tied to the first stage's)"),
+                      (MTP, "mtp.", "")]
+        kinds += [(HEAD, head, "")]
     return [PipelineItem(i, kind, prefix, note) for i, (kind, prefix, note) in enumerate(kinds)]
 
 
@@ -137,7 +150,10 @@ def local_name_of_file_key(key: str, layout: str = LAYOUT) -> str:
 def _layer_kinds(config: ModelConfig) -> tuple[bool, ...]:
     """The kinds of transformer layer the model has, in the stand-in's order: (False,) dense only; with MoE
     (True,) or (False, True) (True: an MoE MLP)."""
-    return (False,) if config.moe is None else tuple(sorted(set(config.moe.layer_pattern)))
+    if config.moe is None:
+        return (False,)
+    pattern = config.moe.layer_pattern  # the last layer's kind last: the stand-in's MTP layers take its kind
+    return tuple(sorted(set(pattern), key=lambda kind: (kind == pattern[-1], kind)))
 
 
 def _structure(config: ModelConfig) -> ModelConfig:
@@ -185,7 +201,7 @@ def parameter_layout(config: ModelConfig, layout: str = LAYOUT) -> dict[str, Par
 
     def add(item: PipelineItem, local: str, dim: Optional[int], vocab: bool, expert: bool) -> None:
         name = item.prefix + local
-        tied = config.tied_embeddings and item.kind == EMBEDDING
+        tied = (config.tied_embeddings or config.mtp_num_layers > 0) and item.kind == EMBEDDING
         params[name] = ParameterLayout(name, item.index, local, dim, vocab, tied_to_head=vocab and tied,
                                        file_key=file_key(local, layout), in_tied_module=tied, expert_parallel=expert)
 
@@ -200,7 +216,7 @@ def parameter_layout(config: ModelConfig, layout: str = LAYOUT) -> dict[str, Par
             kind = config.moe is not None and config.moe.is_moe_layer(item.layer_number)
             for local, *tags in layer_params[kind]:
                 add(item, local, *tags)
-    for prefix in ("final_layernorm.", "output_layer."):
+    for prefix in ("final_layernorm.", "mtp.", "output_layer."):
         for name, *tags in template:
             if name.startswith(prefix):
                 add(by_prefix[prefix], name[len(prefix):], *tags)

@@ -133,9 +133,9 @@ class TransformerLayer(nn.Module):
         groups = groups if groups is not None else LayerGroups()
         tp_group = groups.tp
         config.validate(group_size(tp_group))
-        if not isinstance(layer_number, int) or not 0 <= layer_number < config.num_layers:
+        if not isinstance(layer_number, int) or not 0 <= layer_number < config.total_layers:
             raise ValueError(f"layer_number {layer_number!r} is not a 0-based layer index of a model "
-                             f"with num_layers {config.num_layers}")
+                             f"with num_layers {config.num_layers} (and {config.mtp_num_layers} MTP layers after them)")
         _check_dropout_stream(config, tp_group, rng_tracker)
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout

@@ -215,7 +215,7 @@ def _build_and_train(rc: RunConfig, start: float, info, point, logger: TrainingL
                       token_count=StepTokenCount(engine.module.loss_fn, state.dp_group, state.dp_size)
                       if rc.counts_step_tokens else None,
                       moe_stats_fn=None if rc.model.moe is None else (
-                          lambda: moe_iteration_stats(engine.module, rc.model.moe, rc.model.num_layers,
+                          lambda: moe_iteration_stats(engine.module, rc.model.moe, rc.model.total_layers,
                                                       state.routing_data_group, state.pp_group)))
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
                  f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "

@@ -102,7 +102,6 @@ def test_refused_and_value_rules(script_files):
                              "--calculate-per-token-loss with --eod-mask-loss divides by the global batch"),
                             (["--fp8-format", "hybrid", "--fp16"], "--fp8-format with --fp16 is not supported"),
                             (["--no-pipeline-parallel"], "--no-pipeline-parallel with --pipeline-model-parallel-size 2"),
-                            (["--mtp-num-layers", "1"], "--mtp-num-layers 1: not supported here: multi-token"),
                             (["--use-megatron-fsdp"], "--use-megatron-fsdp: not supported here: Megatron-FSDP"),
                             (["--use-distributed-optimizer", "--zero-stage", "0", "--fp16"],
                              "--use-distributed-optimizer shards the optimizer states")):

@@ -1,0 +1,68 @@
+"""Multi-token prediction (--mtp-num-layers) trained end to end: the depths' loss reaches the weights, and the
+parallel layouts train as one process does (fp32, 10 iterations, ``assert_same_run``): PP=2 x TP=2 (the depths on
+the last stage, embedding with a copy of the word embedding tied to the first stage's), the same with Megatron
+sequence parallelism, TP=2 x DP=2 on ZeRO-2 (DeepSpeed's model engine: the depths inside GPTModel), and an MoE
+model whose MTP layer routes (an MoE layer, as the decoder's last) at PP=2 x EP=2."""
+
+import pytest
+
+from megatron.arguments import run_config_from_argv
+from megatron.testing import run_distributed, tiny_argv
+from tests.helpers.training import assert_same_run, layout, train
+
+ITERS = 10
+LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+         "--position-embedding-type", "rope"]
+MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "0.01"]
+
+
+@pytest.fixture(scope="module")
+def base(tiny_corpus):
+    return tiny_argv(tiny_corpus, *LLAMA, train_iters=ITERS, hidden_size=32, seq_length=16, lr=3e-3,
+                     embed_layernorm=False, position_embedding_type=None)
+
+
+@pytest.fixture(scope="module")
+def one_process(base):
+    runs = [base + MTP, base, base + MTP + MOE]
+    return run_distributed(train, world_size=1, args=(runs,))[0]
+
+
+@pytest.fixture(scope="module")
+def four_processes(base):
+    runs = [layout(base + MTP, tp=2, pp=2), layout(base + MTP, "--sequence-parallel", tp=2, pp=2),
+            layout(base + MTP, "--zero-stage", "2", tp=2),
+            layout(base + MTP + MOE, "--expert-model-parallel-size", "2", pp=2)]
+    return run_distributed(train, world_size=4, args=(runs,))
+
+
+def test_mtp_changes_training_but_not_what_the_lm_loss_means(one_process):
+    with_mtp, without, _ = one_process
+    assert with_mtp["iterations"] == without["iterations"] == list(range(1, ITERS + 1))
+    # iteration 1's reported loss is the LM loss of the same initial trunk: equal to the run without MTP
+    assert with_mtp["losses"][0] == pytest.approx(without["losses"][0], rel=1e-6)
+    # the depths' gradient reaches the shared weights: the runs part
+    assert with_mtp["losses"][-1] != without["losses"][-1]
+    assert with_mtp["grad_norms"][0] != without["grad_norms"][0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("index, label", [(0, "PP=2 x TP=2"), (1, "PP=2 x TP=2 + SP"), (2, "TP=2 x DP=2, ZeRO-2")])
+def test_mtp_layouts_train_as_one_process(one_process, four_processes, index, label):
+    assert_same_run(one_process[0], four_processes[0][index], label)
+
+
+@pytest.mark.multiprocess
+def test_moe_mtp_at_pp2_ep2_trains_as_one_process(one_process, four_processes):
+    assert_same_run(one_process[2], four_processes[0][3], "MoE + MTP, PP=2 x EP=2")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--context-parallel-size", "2"], "--mtp-num-layers 2 does not work yet with --context-parallel-size 2"),
+    (["--ds-sequence-parallel-size", "2", "--pipeline-model-parallel-size", "1"],
+     "--mtp-num-layers 2 does not work yet with --ds-sequence-parallel-size 2"),
+])
+def test_mtp_refusals(base, flags, needle):
+    with pytest.raises(ValueError, match=needle):
+        run_config_from_argv(base + MTP + flags, world_size=2)
