@@ -135,7 +135,7 @@ def load_full_state_dict(ckpt_dir: str, tag: Optional[str] = None
             name = prefix + local_name_of_file_key(key, numbering)
             if is_fp8_state_key(key):  # an FP8 run's scaling state: how it computed, not the model
                 continue
-            if key == ROUTER_BUFFER:  # an MoE router's expert bias: a buffer, the same on every TP rank
+            if key.endswith(ROUTER_BUFFER):  # an MoE router's expert bias (an MTP depth's too): whole on every TP rank
                 state[name] = shards[0][key]
                 continue
             if name not in layout:
@@ -161,7 +161,9 @@ def router_buffer_names(config: ModelConfig) -> list[str]:
     moe = config.moe
     if moe is None or not moe.router_enable_expert_bias:
         return []
-    return [f"layers.{i}.{ROUTER_BUFFER}" for i in range(config.num_layers) if moe.is_moe_layer(i)]
+    depths = [f"mtp.layers.{k}.transformer_layer.{ROUTER_BUFFER}" for k in range(config.mtp_num_layers)
+              if moe.is_moe_layer(config.num_layers + k)]
+    return [f"layers.{i}.{ROUTER_BUFFER}" for i in range(config.num_layers) if moe.is_moe_layer(i)] + depths
 
 
 def _deepspeed_record(mp_world_size: int) -> dict:
@@ -210,9 +212,9 @@ def save_as_training_checkpoint(config: ModelConfig, state_dict: dict[str, torch
             raise ValueError(f"the state dict has no tensors under {prefix!r} (pipeline layer {index})")
         shards = {layout[prefix + key].file_key: split_for_tp(
             layout[prefix + key], ep_slice(layout[prefix + key], tensor, ep, 0).contiguous(), tp)
-            for key, tensor in layer.items() if key != ROUTER_BUFFER}
-        if ROUTER_BUFFER in layer:  # the expert bias: whole on every TP rank
-            shards[ROUTER_BUFFER] = [layer[ROUTER_BUFFER].contiguous()] * tp
+            for key, tensor in layer.items() if not key.endswith(ROUTER_BUFFER)}
+        for key in [k for k in layer if k.endswith(ROUTER_BUFFER)]:  # expert biases: whole on every TP rank
+            shards[key] = [layer[key].contiguous()] * tp
         for rank in range(tp):
             path = os.path.join(tag_dir, f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
             torch.save({key: chunks[rank] for key, chunks in shards.items()}, path)

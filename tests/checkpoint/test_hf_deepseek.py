@@ -103,16 +103,61 @@ def test_greedy_text_from_an_ep2_tp2_import_is_transformers(hf_dirs, tmp_path):
     assert len({tuple(ids) for ids in expected}) == len(PROMPTS)  # the prompts do lead to different texts
 
 
-def test_multi_token_prediction_layers_are_dropped_with_a_warning_and_unmapped_routing_refused(hf_dirs):
-    import transformers
+def _with_mtp_layer(hf_state):
+    """DeepSeek-V3's on-disk MTP layer (its layer 61; here 3, after the 3 decoder layers): a decoder layer's tensors
+    (random, an MoE layer's as DeepSeek's), enorm, hnorm, eh_proj [h, 2h], shared_head.norm, and copies of the
+    embedding and head (embed_tokens, shared_head.head)."""
+    g = torch.Generator().manual_seed(11)
+    out = dict(hf_state)
+    for name, tensor in hf_state.items():
+        if name.startswith("model.layers.2."):
+            out["model.layers.3." + name[len("model.layers.2."):]] = tensor + 0.1 * torch.randn(tensor.shape, generator=g)
+    for name, shape in (("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)),
+                        ("shared_head.norm.weight", (64,))):
+        out["model.layers.3." + name] = torch.randn(shape, generator=g)
+    out["model.layers.3.embed_tokens.weight"] = hf_state["model.embed_tokens.weight"].clone()
+    out["model.layers.3.shared_head.head.weight"] = hf_state["lm_head.weight"].clone()
+    return out
+
+
+def test_deepseek_mtp_layer_round_trips_from_the_checkpoint_layout(hf_dirs):
+    """DeepSeek-V3's MTP layer (num_mtp_layers 1, transformers' config field) imports into our depth (the decoder
+    layer with its experts and expert bias, the MTP norms and projection) and exports back to the same tensors."""
+    import dataclasses
+
+    from megatron.checkpoint.hf.deepseek import ours_to_deepseek_state_dict
+    from megatron.model.layout import parameter_layout
 
     model, hf_in = hf_dirs[32]
-    config = model_config_from_deepseek(model.config, seq_length=32)
-    hf_state = load_file(str(hf_in / "model.safetensors"))  # as save_pretrained writes it: one matrix per expert
-    hf_state["model.layers.3.enorm.weight"] = torch.ones(64)  # DeepSeek-V3's MTP layer (its layer 61)
-    with pytest.warns(UserWarning, match=r"dropping layers \[3\] \(multi-token prediction"):
-        ours = deepseek_state_dict_to_ours(hf_state, config)
+    config = model_config_from_deepseek(model.config, seq_length=32, padded_vocab_size=400)
+    assert config.mtp_num_layers == 1  # transformers' DeepseekV3Config says 1 by default, as DeepSeek-V3's does
+    hf_state = _with_mtp_layer(load_file(str(hf_in / "model.safetensors")))
+    ours = deepseek_state_dict_to_ours(hf_state, config)
+    assert set(parameter_layout(config)) <= set(ours)
+    assert torch.equal(ours["mtp.layers.0.eh_proj.weight"], hf_state["model.layers.3.eh_proj.weight"])
+    assert torch.equal(ours["mtp.layers.0.final_layernorm.weight"], hf_state["model.layers.3.shared_head.norm.weight"])
+    assert torch.equal(ours["mtp.layers.0.transformer_layer.mlp.router.expert_bias"],
+                       hf_state["model.layers.3.mlp.gate.e_score_correction_bias"])
     assert not any(name.startswith("layers.3.") for name in ours)
+    back = ours_to_deepseek_state_dict(ours, config)
+    assert sorted(back) == sorted(hf_state)
+    changed = [name for name in hf_state if not torch.equal(back[name], hf_state[name])]
+    assert changed == []
+    # a copy of the embedding that is not the model's is refused: our depths share it
+    bad = dict(hf_state, **{"model.layers.3.embed_tokens.weight": hf_state["model.embed_tokens.weight"] + 1})
+    with pytest.raises(ValueError, match="embed_tokens.weight differs from model.embed_tokens.weight"):
+        deepseek_state_dict_to_ours(bad, config)
+    # a config announcing the layer without it in the checkpoint imports without MTP, saying so
+    from megatron.checkpoint.hf.deepseek import fit_config
+
+    plain = load_file(str(hf_in / "model.safetensors"))
+    with pytest.warns(UserWarning, match="announces 1 multi-token-prediction layer"):
+        assert fit_config(config, plain) == dataclasses.replace(config, mtp_num_layers=0)
+
+
+def test_unmapped_routing_is_refused(hf_dirs):
+    import transformers
+
     for change, message in ((dict(num_experts_per_tok=4, topk_group=1), "num_experts_per_tok 4 / topk_group 1 != 2"),
                             (dict(norm_topk_prob=False), "norm_topk_prob False with num_experts_per_tok 2"),
                             (dict(rope_interleave=False), "rope_interleave False")):

@@ -25,13 +25,24 @@ expert, where we stack them:
     mlp.shared_expert.dense_h_to_4h [2fs, h] (gate, up interleaved), dense_4h_to_h [h, fs]
                                                <-> mlp.shared_experts.gate_proj / up_proj [fs, h], down_proj [h, fs]
 
-Multi-token-prediction layers (``num_nextn_predict_layers``; DeepSeek-V3's layer 61) are dropped on import with a
-warning: transformers' model ignores them too (they only serve its speculative decoding). Nothing here imports
-transformers. Shape letters: E experts, h hidden, f expert width, fs shared-expert width.
+Multi-token-prediction layers (``num_mtp_layers`` / ``num_nextn_predict_layers``; DeepSeek-V3's layer 61) map to
+our MTP depths (``megatron.model.mtp``, --mtp-num-layers): DeepSeek's layer n + k holds depth k's decoder layer under
+its usual names, and
+
+    mtp.layers.{k}.enorm / hnorm / eh_proj [h, 2h] / final_layernorm   <-> model.layers.{n+k}.enorm / hnorm / eh_proj /
+                                                                            shared_head.norm
+    mtp.layers.{k}.transformer_layer.*                                 <-> model.layers.{n+k}.* (a decoder layer)
+    (the shared embedding and head)              <-> model.layers.{n+k}.embed_tokens / shared_head.head (copies)
+
+The copies of the embedding and head are written on export and checked equal to the model's on import. A
+configuration announcing MTP layers that the checkpoint does not hold (transformers' default ``num_mtp_layers`` 1
+with a model saved without them) imports without MTP (``fit_config``). Nothing here imports transformers.
+Shape letters: E experts, h hidden, f expert width, fs shared-expert width.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from typing import Any, Optional
@@ -46,7 +57,7 @@ from megatron.config.mla import MLAConfig
 from megatron.config.moe import MoEConfig
 from megatron.model.layout import parameter_layout
 
-__all__ = ["MODEL_TYPES", "MLA_NAMES", "check_deepseek", "deepseek_model_type", "ours_to_deepseek_state_dict",
+__all__ = ["MODEL_TYPES", "MLA_NAMES", "check_deepseek", "fit_config", "deepseek_model_type", "ours_to_deepseek_state_dict",
            "deepseek_state_dict_to_ours", "deepseek_config_kwargs", "model_config_from_deepseek"]
 
 MODEL_TYPES = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}  # model_type -> (config, model class)
@@ -110,6 +121,15 @@ def ours_to_deepseek_state_dict(state: dict[str, torch.Tensor], config: ModelCon
     """A TP=1 GPTModel state dict (every expert; the routers' expert biases if enabled) -> a DeepseekV3ForCausalLM
     state dict as ``save_pretrained`` writes it. vocab_size: keep only the first rows of the embedding and head."""
     check_deepseek(config)
+    if config.mtp_num_layers:
+        flat, n = _flattened(config), config.num_layers
+        out = ours_to_deepseek_state_dict(_mtp_as_layers(state, config), flat, vocab_size)
+        for k in range(config.mtp_num_layers):
+            mine, theirs = f"mtp.layers.{k}.", f"model.layers.{n + k}."
+            out.update({theirs + hf: state[mine + ours] for ours, hf in _MTP_NAMES})
+            out[theirs + "embed_tokens.weight"] = out["model.embed_tokens.weight"]
+            out[theirs + "shared_head.head.weight"] = out["lm_head.weight"]
+        return out
     biases = set(router_buffer_names(config))
     out = llama.ours_to_llama_state_dict({n: t for n, t in state.items() if n not in biases}, config, vocab_size)
     for i in range(config.num_layers):
@@ -129,6 +149,41 @@ def ours_to_deepseek_state_dict(state: dict[str, torch.Tensor], config: ModelCon
     return out
 
 
+_MTP_NAMES = (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
+              ("final_layernorm.weight", "shared_head.norm.weight"))
+
+
+def _flattened(config: ModelConfig) -> ModelConfig:
+    """``config`` with its MTP depths' decoder layers as layers n .. n + D - 1 of the decoder (their kind the last
+    layer's): DeepSeek's numbering, so that the layer mapping above converts them."""
+    d = config.mtp_num_layers
+    moe = dataclasses.replace(config.moe, layer_pattern=config.moe.layer_pattern + (config.moe.layer_pattern[-1],) * d)
+    return dataclasses.replace(config, num_layers=config.num_layers + d, mtp_num_layers=0, moe=moe)
+
+
+def _mtp_as_layers(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict with each depth's ``mtp.layers.{k}.transformer_layer.*`` renamed ``layers.{n+k}.*`` and its
+    other tensors (``_MTP_NAMES``) left out."""
+    out = {}
+    for name, tensor in state.items():
+        m = re.match(r"mtp\.layers\.(\d+)\.(.*)", name)
+        if m is None:
+            out[name] = tensor
+        elif m.group(2).startswith("transformer_layer."):
+            out[f"layers.{config.num_layers + int(m.group(1))}.{m.group(2)[len('transformer_layer.'):]}"] = tensor
+    return out
+
+
+def fit_config(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> ModelConfig:
+    """``config`` without MTP depths when the checkpoint holds none (module docstring)."""
+    if config.mtp_num_layers and not any(name.startswith(f"model.layers.{config.num_layers}.") for name in hf_state):
+        warnings.warn(f"DeepSeek-V3: the config announces {config.mtp_num_layers} multi-token-prediction layer(s) but "
+                      f"the checkpoint holds none (no model.layers.{config.num_layers}.*): imported without MTP",
+                      stacklevel=2)
+        return dataclasses.replace(config, mtp_num_layers=0)
+    return config
+
+
 def _drop_mtp_layers(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     extra = sorted({int(m.group(1)) for name in state if (m := re.match(r"model\.layers\.(\d+)\.", name))
                     and int(m.group(1)) >= num_layers})
@@ -143,6 +198,8 @@ def deepseek_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: Model
     """A DeepseekV3ForCausalLM state dict -> a TP=1 GPTModel state dict of ``config`` (the expert biases included).
     ValueError for any tensor left unmapped or missing."""
     check_deepseek(config)
+    if config.mtp_num_layers:
+        return _mtp_state_dict_to_ours(hf_state, config)
     state = _drop_mtp_layers(hf_state, config.num_layers)
     ours = {}
     for i in range(config.num_layers):
@@ -158,6 +215,35 @@ def deepseek_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: Model
     if missing:
         raise ValueError(f"the DeepSeek-V3 checkpoint lacks what this configuration has: {missing} (a query latent? "
                          f"check q_lora_rank)")
+    return ours
+
+
+def _mtp_state_dict_to_ours(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    n, state = config.num_layers, dict(hf_state)
+    extras = {}
+    for k in range(config.mtp_num_layers):
+        theirs = f"model.layers.{n + k}."
+        missing = [theirs + hf for _, hf in _MTP_NAMES if theirs + hf not in state]
+        if missing:
+            raise ValueError(f"the DeepSeek-V3 checkpoint's MTP layer {n + k} lacks {', '.join(missing)}")
+        extras.update({f"mtp.layers.{k}.{ours}": state.pop(theirs + hf) for ours, hf in _MTP_NAMES})
+        for copy, main in (("embed_tokens.weight", "model.embed_tokens.weight"),
+                           ("shared_head.head.weight", "lm_head.weight")):
+            tensor = state.pop(theirs + copy, None)
+            if tensor is not None and main in state and not torch.equal(tensor, state[main]):
+                raise ValueError(f"the DeepSeek-V3 checkpoint's {theirs + copy} differs from {main}: our MTP depths "
+                                 f"share the model's embedding and head")
+    flat = deepseek_state_dict_to_ours(state, _flattened(config))
+    ours = {}
+    for name, tensor in flat.items():
+        m = re.match(r"layers\.(\d+)\.(.*)", name)
+        if m is not None and int(m.group(1)) >= n:
+            name = f"mtp.layers.{int(m.group(1)) - n}.transformer_layer.{m.group(2)}"
+        ours[name] = tensor
+    ours.update(extras)
+    missing = sorted(set(parameter_layout(config)) - set(ours))
+    if missing:
+        raise ValueError(f"the DeepSeek-V3 checkpoint lacks what this configuration has: {missing}")
     return ours
 
 
@@ -187,7 +273,7 @@ def deepseek_config_kwargs(config: ModelConfig, vocab_size: Optional[int] = None
                   first_k_dense_replace=_num_dense_first(config), q_lora_rank=mla.q_lora_rank,
                   kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_head_dim,
                   qk_rope_head_dim=mla.qk_pos_emb_head_dim, v_head_dim=mla.v_head_dim, rope_interleave=True,
-                  attention_bias=False, num_mtp_layers=0)
+                  attention_bias=False, num_mtp_layers=config.mtp_num_layers)
     return kwargs
 
 
@@ -235,6 +321,7 @@ def model_config_from_deepseek(hf_config: Any, seq_length: int, **overrides) -> 
                     v_head_dim=hf_config.v_head_dim)
     fields = dict(llama.llama_block_fields(hf_config, seq_length), ffn_hidden_size=hf_config.intermediate_size,
                   **rope, add_bias_linear=False, qk_layernorm=True, moe=moe, mla=mla,
-                  kv_channels=None)  # MLA's head sizes are its own (transformers' head_dim is the rotary part)
+                  kv_channels=None,  # MLA's head sizes are its own (transformers' head_dim is the rotary part)
+                  mtp_num_layers=getattr(hf_config, "num_mtp_layers", 0) or 0)
     fields.update(overrides)
     return ModelConfig(**fields).validate()

@@ -42,6 +42,8 @@ class Family:
     model_config: Callable[..., ModelConfig]  # (their config, seq_length, **fields) -> ModelConfig
     default_seq_length: Callable[[Any], int]  # their config -> the length recorded when none is given
     records_training_tp: bool = False  # their config records the training TP (``pretraining_tp``)
+    fit_config: Callable[..., ModelConfig] = lambda config, tensors: config  # what the tensors hold that the config
+                                                                            # cannot say (DeepSeek's MTP layers)
 
 
 def _dense(config: ModelConfig) -> bool:
@@ -88,7 +90,8 @@ FAMILIES: dict[str, Family] = {
                             mixtral_qwen3.model_config_from_moe, _max_positions),
     "deepseek_v3": Family(deepseek.MODEL_TYPES, lambda c: c.mla is not None, deepseek.deepseek_model_type,
                           deepseek.ours_to_deepseek_state_dict, deepseek.deepseek_state_dict_to_ours,
-                          deepseek.deepseek_config_kwargs, deepseek.model_config_from_deepseek, _max_positions),
+                          deepseek.deepseek_config_kwargs, deepseek.model_config_from_deepseek, _max_positions,
+                          fit_config=deepseek.fit_config),
 }
 
 

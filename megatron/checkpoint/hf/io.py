@@ -132,7 +132,9 @@ def read_hf_model(hf_dir: str, *, padded_vocab_size_fn, seq_length: Optional[int
     except ValueError as unknown:
         raise ValueError(f"{hf_dir!r} holds {unknown}") from None
     config = family.model_config(hf_config, seq_length or family.default_seq_length(hf_config), **common)
-    state = family.to_ours(_read_hf_tensors(hf_dir), config)
+    tensors = _read_hf_tensors(hf_dir)
+    config = family.fit_config(config, tensors)
+    state = family.to_ours(tensors, config)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[params_dtype]
     fp32 = set(router_buffer_names(config))  # the expert biases stay fp32, as the routers keep them
     return config, {name: tensor.to(torch.float32 if name in fp32 else dtype).contiguous()
