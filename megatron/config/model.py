@@ -26,7 +26,7 @@ def swiglu_default_ffn_size(hidden_size: int) -> int:
 
 def megatron_flops(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int, global_batch_size: int,
                    recompute: bool, *, ffn_hidden_size: Optional[int] = None, kv_hidden_size: Optional[int] = None,
-                   swiglu: bool = False, query_hidden_size: Optional[int] = None) -> float:
+                   swiglu: bool = False, query_hidden_size: Optional[int] = None, mtp_num_layers: int = 0) -> float:
     """Megatron's FLOPs per iteration (its "TFLOPs" formula), read by the training log and the planner alike.
 
     c B s (L (2 P + 4 s q) + 1.5 V h), with c = 4 (forward + recomputed forward + backward) when
@@ -35,6 +35,10 @@ def megatron_flops(num_layers: int, hidden_size: int, vocab_size: int, seq_lengt
     value heads' width, default h; m = 3 matrices with SwiGLU, else 2; f = ffn_hidden_size, default 4h); 4 s q
     the attention scores and context per token; V the padded vocabulary. With the defaults (P = 12 h^2) this is
     Megatron's 24 c B s L h^2 (1 + s / (6h) + V / (16 L h)).
+
+    ``mtp_num_layers`` D (multi-token prediction; ``num_layers`` then counts the decoder's layers and the depths'
+    alike, as Megatron-LM's count does): each depth adds its projection and norms, 2 (2 h^2 + 3 h) per token, and
+    its own logits, 1.5 V h.
     """
     s, L, h, V = seq_length, num_layers, hidden_size, vocab_size
     f = ffn_hidden_size if ffn_hidden_size is not None else 4 * h
@@ -42,7 +46,8 @@ def megatron_flops(num_layers: int, hidden_size: int, vocab_size: int, seq_lengt
     q = query_hidden_size if query_hidden_size is not None else h
     c = 4 if recompute else 3
     layer_weights = h * (q + 2 * kv) + q * h + (3 if swiglu else 2) * f * h
-    return c * global_batch_size * s * (L * (2 * layer_weights + 4 * s * q) + 1.5 * V * h)
+    mtp = mtp_num_layers * 2 * (2 * h * h + 3 * h)
+    return c * global_batch_size * s * (L * (2 * layer_weights + 4 * s * q) + mtp + 1.5 * V * h * (1 + mtp_num_layers))
 
 
 def mlp_flops_width(num_layers: int, ffn: int, swiglu: bool, num_moe_layers: int = 0, topk: int = 0,
@@ -169,16 +174,17 @@ class ModelConfig:
         moe = self.moe
         if moe is None:
             return self.ffn_size
-        return mlp_flops_width(self.num_layers, self.ffn_size, self.swiglu, sum(moe.layer_pattern), moe.router_topk,
+        num_moe = sum(moe.layer_pattern) + self.mtp_num_layers * moe.layer_pattern[-1]  # the MTP layers: the last's kind
+        return mlp_flops_width(self.total_layers, self.ffn_size, self.swiglu, num_moe, moe.router_topk,
                                self.expert_ffn_size, moe.shared_expert_intermediate_size or 0, moe.num_experts)
 
     def flops_per_iteration(self, global_batch_size: int, recompute: bool) -> float:
         """``megatron_flops`` of this model (``padded_vocab_size`` rows) for one global batch (an MoE model's
         MLPs counted by ``mlp_flops_width``)."""
-        return megatron_flops(self.num_layers, self.hidden_size, self.padded_vocab_size, self.seq_length,
+        return megatron_flops(self.total_layers, self.hidden_size, self.padded_vocab_size, self.seq_length,
                               global_batch_size, recompute, ffn_hidden_size=self.mlp_flops_width,
                               kv_hidden_size=self.num_kv_heads * self.head_dim, swiglu=self.swiglu,
-                              query_hidden_size=self.query_hidden_size)
+                              query_hidden_size=self.query_hidden_size, mtp_num_layers=self.mtp_num_layers)
 
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
         """Raise ValueError for an impossible configuration; return self so calls can chain."""

@@ -17,8 +17,9 @@ stage, which never sees the input ids, runs the same computation.
 
 Training loss (:func:`add_mtp_loss`): L = L_main + (lambda / D) * sum_k L_k, lambda = ``--mtp-loss-scaling-factor``.
 The value returned is L_main exactly (the MTP part enters as ``m - m.detach()``), so the reported LM loss stays
-comparable with a run without MTP; its gradient is the whole L's. The depth losses themselves are kept on the
-block (``last_losses``) for the log.
+comparable with a run without MTP; its gradient is the whole L's. The depth losses are kept on the block
+(``last_losses``; summed over an iteration's training forwards for :func:`iteration_losses`, which the training log
+and tensorboard report as Megatron-LM's ``mtp_k loss``).
 
 Parameter names: ``mtp.layers.{k-1}.enorm.*``, ``.hnorm.*``, ``.eh_proj.weight`` [h / tp, 2h] (column-parallel),
 ``.transformer_layer.*`` (a ``TransformerLayer`` numbered ``num_layers + k - 1``: its init streams and MoE kind),
@@ -30,6 +31,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron.config import ModelConfig
@@ -40,7 +42,7 @@ from megatron.parallel.layers import ColumnParallelLinear
 from megatron.parallel.mappings import scatter_to_sequence_parallel_region
 from megatron.parallel.state import LayerGroups, group_size
 
-__all__ = ["MTPLayer", "MultiTokenPrediction", "shift_left", "mtp_depth_losses", "add_mtp_loss"]
+__all__ = ["MTPLayer", "MultiTokenPrediction", "shift_left", "mtp_depth_losses", "add_mtp_loss", "iteration_losses"]
 
 
 def shift_left(x: torch.Tensor) -> torch.Tensor:
@@ -88,6 +90,7 @@ class MultiTokenPrediction(nn.Module):
         self.scaling_factor = config.mtp_loss_scaling_factor
         self.layers = nn.ModuleList(MTPLayer(config, groups, k, rng_tracker) for k in range(config.mtp_num_layers))
         self.last_losses: Optional[torch.Tensor] = None  # [D], detached: the latest micro-batch's depth losses
+        self.iteration_sums = torch.zeros(config.mtp_num_layers + 1, dtype=torch.float64)  # [D losses, forwards]
 
 
 def mtp_depth_losses(block: MultiTokenPrediction, hidden: torch.Tensor, labels: torch.Tensor,
@@ -114,5 +117,23 @@ def mtp_depth_losses(block: MultiTokenPrediction, hidden: torch.Tensor, labels: 
 def add_mtp_loss(main: torch.Tensor, block: MultiTokenPrediction, depth_losses: torch.Tensor) -> torch.Tensor:
     """main + (lambda / D) * sum(depth_losses) for the gradient, with main's exact value (module docstring)."""
     block.last_losses = depth_losses.detach()
+    if block.training:
+        block.iteration_sums += torch.cat([block.last_losses.double().cpu(), torch.ones(1, dtype=torch.float64)])
     mtp = block.scaling_factor * depth_losses.mean()
     return main + (mtp - mtp.detach())
+
+
+def iteration_losses(module: nn.Module, num_depths: int, data_group=None, pipeline_group=None) -> dict[str, float]:
+    """{"mtp_k loss": the mean of depth k's loss over the training forwards since the last call} (reset here),
+    averaged over the data-parallel ranks; collective over ``data_group`` and ``pipeline_group`` (every rank calls
+    it, the last stage's blocks hold the sums). {} when no depth ran."""
+    sums = torch.zeros(num_depths + 1, dtype=torch.float64)
+    for block in (m for m in module.modules() if isinstance(m, MultiTokenPrediction)):
+        sums += block.iteration_sums
+        block.iteration_sums.zero_()
+    for group in (data_group, pipeline_group):
+        if group_size(group) > 1:
+            dist.all_reduce(sums, group=group)
+    if sums[-1] == 0:
+        return {}
+    return {f"mtp_{k + 1} loss": float(sums[k] / sums[-1]) for k in range(num_depths)}

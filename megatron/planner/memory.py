@@ -88,6 +88,9 @@ def stage_param_counts(model: ModelShape, layout: Layout) -> list[int]:
             n += norm  # final norm
             if layout.pp > 1 or not model.tied_embeddings:
                 n += head  # the tied copy of the word embedding (or an untied head)
+            n += model.mtp_params(t, layout.ep, layout.etp)  # the MTP depths
+            if model.mtp_num_layers and layout.pp > 1 and not model.tied_embeddings:
+                n += model.vocab_size * h // t  # their copy of the word embedding, beside the untied head
         out.append(n)
     return out
 
@@ -99,6 +102,8 @@ def stage_expert_param_counts(model: ModelShape, layout: Layout) -> list[int]:
         out.append(sum(model.layer_params_split(j, layout.tp, layout.ep, layout.etp)[1]
                        for j in range(first_layer, first_layer + n_layers)))
         first_layer += n_layers
+    out[-1] += sum(model.layer_params_split(model.num_layers + k, layout.tp, layout.ep, layout.etp)[1]
+                   for k in range(model.mtp_num_layers))  # the MTP depths' experts, on the last stage
     return out
 
 
@@ -250,7 +255,10 @@ def activation_terms(model: ModelShape, layout: Layout, seq_length: int, global_
       saved      the activations the layers keep for backward, of every micro-batch in flight
                  (``megatron.planner.schedule_costs.in_flight``), plus ZB-H1's waiting W passes (the head's too)
       embedding  the first stage's embedding dropout masks (1 byte per element), one per micro-batch in flight
-      logits     the last stage's logits of one micro-batch: the logits, an fp32 copy and its fp32 gradient
+      logits     the last stage's logits of one micro-batch: the logits, an fp32 copy and its fp32 gradient (the
+                 head's and each MTP depth's)
+      mtp        (--mtp-num-layers) the last stage's MTP depths for that micro-batch: each its layer's saved
+                 activations, its [2h] input and its projection's output
       backward   the layer being back-propagated: its activation gradients (~ one layer's set) and, with
                  recomputation, its recomputed activations; with CP also the ring's key / value blocks
     ``saved`` is what tests/planner/test_schedule_memory.py measures on the engine."""
@@ -290,7 +298,12 @@ def activation_terms(model: ModelShape, layout: Layout, seq_length: int, global_
                      else in_flight(layout.schedule, p, m, 0))
             terms["embedding"] = first * local_tokens * h  # embedding dropout mask (1 byte per element)
         if i == p - 1:
-            terms["logits"] = (w + 8) * s / layout.token_split * b * model.vocab_size / t  # logits, fp32 copy, gradient
+            # logits, fp32 copy, gradient: the head's and each MTP depth's (all alive until the loss's backward)
+            terms["logits"] = (1 + model.mtp_num_layers) * (w + 8) * s / layout.token_split * b * model.vocab_size / t
+            if model.mtp_num_layers:  # the depths of the micro-batch whose loss runs: their layer (not recomputed),
+                # the concatenated [2h] input and the projection's output
+                depth_layer = moe_layer if model.is_moe_layer(model.num_layers) else full_layer
+                terms["mtp"] = model.mtp_num_layers * (depth_layer + 3 * w * local_tokens * h)
         out.append(terms)
     return out
 

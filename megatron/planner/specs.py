@@ -98,6 +98,8 @@ class ModelShape:
     normalization: str = "layernorm"     # layernorm (weight + bias) | rmsnorm (weight)
     moe: Optional[MoEShape] = None       # routed experts in the layers its pattern marks (None: dense)
     fp8: Optional[FP8Shape] = None       # FP8 GEMMs in the layers its pattern marks (None: none; megatron.planner.fp8)
+    mtp_num_layers: int = 0              # multi-token-prediction depths on the last stage (each: a layer of the last
+                                         # layer's kind, its projection 2h x h and 3 norms; the word embedding too)
 
     @property
     def ffn(self) -> int:
@@ -143,7 +145,15 @@ class ModelShape:
         return split // tp + replicated
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe is not None and self.moe.layer_pattern[layer]
+        """Whether layer ``layer`` routes; an MTP depth's layer (``num_layers`` + depth) has the last layer's kind."""
+        return self.moe is not None and self.moe.layer_pattern[min(layer, self.num_layers - 1)]
+
+    def mtp_params(self, tp: int = 1, ep: int = 1, etp: int = 0) -> int:
+        """Parameters of the MTP depths on one (TP, EP) rank: each its layer, its projection [h / tp, 2h] and its
+        enorm, hnorm and final norm (the shared embedding and head are counted where they are held)."""
+        per_depth = 2 * self.hidden_size * self.hidden_size // tp + 3 * self.norm_params
+        return sum(sum(self.layer_params_split(self.num_layers + k, tp, ep, etp)) + per_depth
+                   for k in range(self.mtp_num_layers))
 
     def layer_params_split(self, layer: int, tp: int = 1, ep: int = 1, etp: int = 0) -> tuple[int, int]:
         """(non-expert, routed-expert) parameters of layer ``layer`` on one (TP, EP) rank, the experts split over
@@ -158,7 +168,7 @@ class ModelShape:
         h = self.hidden_size
         extra = self.norm_params if self.embed_layernorm else 0
         head = 0 if self.tied_embeddings else self.vocab_size * h
-        layers = sum(sum(self.layer_params_split(i)) for i in range(self.num_layers))
+        layers = sum(sum(self.layer_params_split(i)) for i in range(self.num_layers)) + self.mtp_params()
         return self.vocab_size * h + self.learned_positions * h + extra + layers + self.norm_params + head
 
     @property
@@ -168,14 +178,16 @@ class ModelShape:
         moe = self.moe
         if moe is None:
             return self.ffn
-        return mlp_flops_width(self.num_layers, self.ffn, self.swiglu, moe.num_moe_layers, moe.topk, moe.expert_ffn,
-                               moe.shared_expert_ffn, moe.num_experts)
+        num_moe = moe.num_moe_layers + self.mtp_num_layers * self.is_moe_layer(self.num_layers - 1)
+        return mlp_flops_width(self.num_layers + self.mtp_num_layers, self.ffn, self.swiglu, num_moe, moe.topk,
+                               moe.expert_ffn, moe.shared_expert_ffn, moe.num_experts)
 
     def flops_per_iteration(self, seq_length: int, global_batch_size: int, recompute: bool) -> float:
         """``megatron_flops`` of this shape."""
-        return megatron_flops(self.num_layers, self.hidden_size, self.vocab_size, seq_length, global_batch_size,
-                              recompute, ffn_hidden_size=self.mlp_flops_width, kv_hidden_size=self.kv_hidden,
-                              swiglu=self.swiglu, query_hidden_size=self.q_hidden)
+        return megatron_flops(self.num_layers + self.mtp_num_layers, self.hidden_size, self.vocab_size, seq_length,
+                              global_batch_size, recompute, ffn_hidden_size=self.mlp_flops_width,
+                              kv_hidden_size=self.kv_hidden, swiglu=self.swiglu, query_hidden_size=self.q_hidden,
+                              mtp_num_layers=self.mtp_num_layers)
 
 
 def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> ModelShape:
@@ -190,7 +202,7 @@ def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> Mod
                       qk_layernorm=config.qk_layernorm and config.mla is None,
                       swiglu=config.swiglu, add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
                       normalization=config.normalization, moe=_moe_shape_of(config),
-                      fp8=fp8_shape_of(config.fp8, config.num_layers))
+                      fp8=fp8_shape_of(config.fp8, config.num_layers), mtp_num_layers=config.mtp_num_layers)
 
 
 def _moe_shape_of(config: ModelConfig) -> Optional[MoEShape]:

@@ -100,7 +100,9 @@ class TrainingLogger:
             line += f" MFU: {100 * mfu:.1f}% |"
         if self.log_throughput:
             line += self._throughput(iteration, model_tflops_per_gpu, tokens_per_s / world_size, mfu)
-        if moe:  # the last iteration's MoE statistics (megatron.model.moe.stats)
+        for tag in sorted(tag for tag in (moe or {}) if tag.startswith("mtp_")):  # megatron.model.mtp
+            line += f" {tag}: {moe[tag]:.6E} |"
+        if moe and "moe/aux-loss" in moe:  # the last iteration's MoE statistics (megatron.model.moe.stats)
             loads = [v for tag, v in moe.items() if tag.endswith("/load-max-over-mean")]
             line += (f" moe aux loss: {moe['moe/aux-loss']:.4E} | moe z loss: {moe['moe/z-loss']:.4E} | "
                      f"moe load max/mean: {max(loads):.3f} | moe dropped fraction: {moe['moe/dropped-fraction']:.4f} |")

@@ -33,6 +33,7 @@ from megatron.engine.initialize import build_engine, init_deepspeed_comm
 from megatron.engine.load_checks import check_finite_after_load
 from megatron.engine.optimizer import sync_tp_duplicated
 from megatron.model.moe import update_expert_biases
+from megatron.model.mtp import iteration_losses as mtp_iteration_losses
 from megatron.model.moe.stats import iteration_stats as moe_iteration_stats
 from megatron.parallel.fp8_linear import update_fp8_scales
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
@@ -214,9 +215,7 @@ def _build_and_train(rc: RunConfig, start: float, info, point, logger: TrainingL
                       world_size=dist.get_world_size(), harness_fn=_live_harness(rc, engine, state),
                       token_count=StepTokenCount(engine.module.loss_fn, state.dp_group, state.dp_size)
                       if rc.counts_step_tokens else None,
-                      moe_stats_fn=None if rc.model.moe is None else (
-                          lambda: moe_iteration_stats(engine.module, rc.model.moe, rc.model.total_layers,
-                                                      state.routing_data_group, state.pp_group)))
+                      moe_stats_fn=_iteration_stats_fn(rc, engine, state))
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
                  f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "
                  f"PP={state.pp_size} DP={state.dp_size}"
@@ -238,6 +237,25 @@ def _build_and_train(rc: RunConfig, start: float, info, point, logger: TrainingL
         monitor.restore_signal_handlers()
         close_data_iterators()
     return PretrainResult(reason, progress, trainer.history, trainer.last_validation, test, engine)
+
+
+def _iteration_stats_fn(rc: RunConfig, engine, state: ParallelState):
+    """The collective the trainer calls after each trained iteration for the log and tensorboard: the MoE layers'
+    statistics (megatron.model.moe.stats) and the MTP depths' losses (megatron.model.mtp); None with neither."""
+    model = rc.model
+    if model.moe is None and not model.mtp_num_layers:
+        return None
+
+    def stats() -> dict[str, float]:
+        out = {}
+        if model.moe is not None:
+            out.update(moe_iteration_stats(engine.module, model.moe, model.total_layers, state.routing_data_group,
+                                           state.pp_group))
+        if model.mtp_num_layers:
+            out.update(mtp_iteration_losses(engine.module, model.mtp_num_layers, state.dp_group, state.pp_group))
+        return out
+
+    return stats
 
 
 def _live_harness(rc: RunConfig, engine, state: ParallelState):

@@ -128,3 +128,28 @@ def test_activations_count_gqa_and_swiglu():
     tp_region = 4 + 1 + 32 * 11008 / (4 * h)
     assert layer_activation_bytes(llama, layout, s) == pytest.approx(
         s * h * (10 + tp_region / 2 + 5 * a * s / (h * 2)), rel=F64, abs=0)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_mtp_depths_are_counted_as_built_and_on_the_last_stage(tied):
+    """--mtp-num-layers 2: the shape counts what GPTModel builds (each depth's layer, projection and three norms),
+    the last stage holds the depths and a copy of the word embedding (beside an untied head too), and the FLOPs
+    count each depth's layer, projection and logits (Megatron-LM's num_floating_point_operations)."""
+    config = ModelConfig(**{**LLAMA_TINY, "mtp_num_layers": 2, "untie_embeddings_and_output_weights": not tied}
+                         ).validate()
+    plain = ModelConfig(**{**LLAMA_TINY, "untie_embeddings_and_output_weights": not tied}).validate()
+    shape, plain_shape = model_shape_of(config), model_shape_of(plain)
+    built = sum(p.numel() for p in GPTModel(config).parameters())
+    assert shape.total_params() == built
+    mtp = sum(p.numel() for n, p in GPTModel(config).named_parameters() if n.startswith("mtp."))
+    assert shape.mtp_params() == mtp == built - plain_shape.total_params()
+    first, last = stage_param_counts(shape, Layout(tp=1, pp=2, dp=1, micro_batch_size=1))
+    plain_first, plain_last = stage_param_counts(plain_shape, Layout(tp=1, pp=2, dp=1, micro_batch_size=1))
+    V, h = 256, 64
+    assert first == plain_first and last == plain_last + mtp + (0 if tied else V * h)
+    s, b, L = 16, 8, 2
+    q, kv, f = 64, 2 * 16, 96
+    layer = h * (q + 2 * kv) + q * h + 3 * f * h
+    by_hand = 3 * b * s * ((L + 2) * (2 * layer + 4 * s * q) + 2 * 2 * (2 * h * h + 3 * h) + 1.5 * V * h * 3)
+    assert shape.flops_per_iteration(s, b, recompute=False) == pytest.approx(by_hand, rel=F64, abs=0)
+    assert config.flops_per_iteration(b, recompute=False) == shape.flops_per_iteration(s, b, recompute=False)

@@ -8,7 +8,7 @@ import pytest
 
 from megatron.arguments import run_config_from_argv
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.training import assert_same_run, layout, train
+from tests.helpers.training import assert_same_run, layout, tensorboard_scalars, train
 
 ITERS = 10
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
@@ -24,8 +24,13 @@ def base(tiny_corpus):
 
 
 @pytest.fixture(scope="module")
-def one_process(base):
-    runs = [base + MTP, base, base + MTP + MOE]
+def tensorboard_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("mtp_tensorboard"))
+
+
+@pytest.fixture(scope="module")
+def one_process(base, tensorboard_dir):
+    runs = [base + MTP + ["--tensorboard-dir", tensorboard_dir], base, base + MTP + MOE]
     return run_distributed(train, world_size=1, args=(runs,))[0]
 
 
@@ -45,6 +50,18 @@ def test_mtp_changes_training_but_not_what_the_lm_loss_means(one_process):
     # the depths' gradient reaches the shared weights: the runs part
     assert with_mtp["losses"][-1] != without["losses"][-1]
     assert with_mtp["grad_norms"][0] != without["grad_norms"][0]
+
+
+def test_each_depths_loss_is_logged_beside_the_lm_loss(one_process, tensorboard_dir):
+    """Megatron-LM's tags, one value per iteration: the depths' mean loss over the iteration's micro-batches."""
+    scalars = tensorboard_scalars(tensorboard_dir)
+    lm = [value for _, value in scalars["lm-loss-training/lm loss"]]
+    assert lm == pytest.approx(one_process[0]["losses"], rel=1e-6)
+    for depth in (1, 2):
+        series = scalars[f"mtp_{depth} loss"]
+        assert [step for step, _ in series] == list(range(1, ITERS + 1))
+        assert all(4.0 < value < 8.0 for _, value in series)  # cross-entropies over 512 rows (ln 512 = 6.2)
+        assert [value for _, value in series] != lm
 
 
 @pytest.mark.multiprocess
