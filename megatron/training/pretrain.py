@@ -33,8 +33,8 @@ from megatron.engine.initialize import build_engine, init_deepspeed_comm
 from megatron.engine.load_checks import check_finite_after_load
 from megatron.engine.optimizer import sync_tp_duplicated
 from megatron.model.moe import update_expert_biases
-from megatron.model.mtp import iteration_losses as mtp_iteration_losses
 from megatron.model.moe.stats import iteration_stats as moe_iteration_stats
+from megatron.model.mtp import iteration_losses as mtp_iteration_losses
 from megatron.parallel.fp8_linear import update_fp8_scales
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState
