@@ -234,11 +234,6 @@ REFUSED: tuple[Refused, ...] = (
     Refused("MTP", "context parallelism", "the shift of the targets and inputs crosses the ranks' load-balanced "
             "sequence chunks, which is not built (Megatron-LM exchanges the boundary tokens between CP ranks)",
             "drop --context-parallel-size", say="{a} does not work yet with {b}: {reason}; {fix}"),
-    Refused("MTP", "interleaved", "the depths run in the last chunk's loss function, which the interleaved module "
-            "has not been wired to (megatron.engine.pipeline._attach_mtp)", "drop the virtual stages (1F1B)",
-            say="{a} does not work yet with {b}: {reason}; {fix}"),
-    Refused("MTP", "ZB-H1", "the two have not been run together (the depths' weight gradients are not deferred)",
-            "drop --enable-zbh1-pipeline", say="{a} does not work yet with {b}: {reason}; {fix}"),
     Refused("MTP", "Ulysses", "the shift of the targets and inputs crosses the ranks' sequence shards, which is not "
             "built", "drop --ds-sequence-parallel-size", say="{a} does not work yet with {b}: {reason}; {fix}"),
     # the live evaluation harness (megatron/evaluation/live.py)

@@ -275,10 +275,11 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
 
 def _attach_mtp(module: PipelineModule, loss_fn: GPTLossFn) -> None:
     """On the stage holding the MTP depths (the last), hand them, the tied word embedding and the head to the loss."""
-    blocks = [f for f in module.forward_funcs if isinstance(f, MTPPipe)]
+    funcs = [f for chunk in getattr(module, "chunk_funcs", [module.forward_funcs]) for f in chunk]  # interleaved: v
+    blocks = [f for f in funcs if isinstance(f, MTPPipe)]
     if not blocks:
         return
     embedding = module.tied_modules["embed"]
-    heads = [f for f in module.forward_funcs if isinstance(f, OutputPipe)]
+    heads = [f for f in funcs if isinstance(f, OutputPipe)]
     head = (lambda hidden: OutputLayer.forward(heads[0], hidden)) if heads else embedding.lm_logits
     loss_fn.attach_mtp(blocks[0], embedding, head)

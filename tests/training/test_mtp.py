@@ -14,6 +14,8 @@ ITERS = 10
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
          "--position-embedding-type", "rope"]
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+ZBH1 = ["--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"]
+VIRTUAL = ["--num-virtual-stages-per-pipeline-rank", "2"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "0.01"]
 
 
@@ -30,7 +32,8 @@ def tensorboard_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(base, tensorboard_dir):
-    runs = [base + MTP + ["--tensorboard-dir", tensorboard_dir], base, base + MTP + MOE]
+    runs = [base + MTP + ["--tensorboard-dir", tensorboard_dir], base, base + MTP + MOE,
+            base + MTP + ["--num-layers", "4"]]
     return run_distributed(train, world_size=1, args=(runs,))[0]
 
 
@@ -38,12 +41,13 @@ def one_process(base, tensorboard_dir):
 def four_processes(base):
     runs = [layout(base + MTP, tp=2, pp=2), layout(base + MTP, "--sequence-parallel", tp=2, pp=2),
             layout(base + MTP, "--zero-stage", "2", tp=2),
-            layout(base + MTP + MOE, "--expert-model-parallel-size", "2", pp=2)]
+            layout(base + MTP + MOE, "--expert-model-parallel-size", "2", pp=2),
+            layout(base + MTP, *ZBH1, pp=2), layout(base + MTP, "--num-layers", "4", *VIRTUAL, pp=2)]
     return run_distributed(train, world_size=4, args=(runs,))
 
 
 def test_mtp_changes_training_but_not_what_the_lm_loss_means(one_process):
-    with_mtp, without, _ = one_process
+    with_mtp, without = one_process[:2]
     assert with_mtp["iterations"] == without["iterations"] == list(range(1, ITERS + 1))
     # iteration 1's reported loss is the LM loss of the same initial trunk: equal to the run without MTP
     assert with_mtp["losses"][0] == pytest.approx(without["losses"][0], rel=1e-6)
@@ -68,6 +72,12 @@ def test_each_depths_loss_is_logged_beside_the_lm_loss(one_process, tensorboard_
 @pytest.mark.parametrize("index, label", [(0, "PP=2 x TP=2"), (1, "PP=2 x TP=2 + SP"), (2, "TP=2 x DP=2, ZeRO-2")])
 def test_mtp_layouts_train_as_one_process(one_process, four_processes, index, label):
     assert_same_run(one_process[0], four_processes[0][index], label)
+
+
+@pytest.mark.multiprocess
+def test_mtp_with_zbh1_and_interleaved_stages_trains_as_one_process(one_process, four_processes):
+    assert_same_run(one_process[0], four_processes[0][4], "ZB-H1, PP=2 (x DP=2)")
+    assert_same_run(one_process[3], four_processes[0][5], "interleaved PP=2 x v=2 (x DP=2), 4 layers", num_layers=4)
 
 
 @pytest.mark.multiprocess
