@@ -147,11 +147,6 @@ UPSTREAM_FLAGS = (
              "--mtp-loss-scaling-factor to train without the MTP head", "N"),
     _refused("--mtp-loss-scaling-factor", f"multi-token prediction is {_LATER}; drop --mtp-num-layers and "
              "--mtp-loss-scaling-factor to train without the MTP head", "FACTOR"),
-    _refused("--rotary-scaling-factor", f"YaRN rotary scaling is {_LATER}; without it the positions are plain "
-             "RoPE (Llama 3.1's scaling is --use-rope-scaling)", "FACTOR"),
-    _refused("--mscale", f"YaRN rotary scaling is {_LATER}; without it the positions are plain RoPE", "MSCALE"),
-    _refused("--mscale-all-dim", f"YaRN rotary scaling is {_LATER}; without it the positions are plain RoPE",
-             "MSCALE"),
     _refused("--rotary-seq-len-interpolation-factor", "linear position interpolation is not implemented; drop it "
              "for plain positions", "FACTOR"),
     _refused("--pipeline-model-parallel-layout", f"explicit pipeline layouts are {_LATER}; drop it to split the "
