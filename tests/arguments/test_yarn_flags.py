@@ -64,3 +64,18 @@ def test_deepseek_v3_recipe_flags_select_yarn_for_mla(files):
 def test_bad_yarn_combinations_are_refused_with_the_fix(files, extra, message):
     with pytest.raises(ValueError, match=message):
         _yarn(files, extra)
+
+
+def test_dry_run_names_the_rope_scaling(files):
+    """YaRN costs nothing (the same products): --dry-run's model line says it is on, and nothing else changes."""
+    from megatron.dry_run.report import build_report
+    from megatron.dry_run.text import render
+
+    argv = tiny_config_argv(files) + LLAMA + ["--dry-run", "--world-size", "1"]
+    plain = build_report(argv + ["--position-embedding-type", "rope"])
+    yarn = build_report(argv + ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+                                "--yarn-original-max-position-embeddings", "16"])
+    assert yarn["model"]["rope_scaling"] == "YaRN x4 of 16 positions" and plain["model"]["rope_scaling"] is None
+    assert ", rotary (YaRN x4 of 16 positions), " in render(yarn) and "YaRN" not in render(plain)
+    assert {k: v for k, v in yarn["model"].items() if k != "rope_scaling"} == \
+        {k: v for k, v in plain["model"].items() if k != "rope_scaling"}
