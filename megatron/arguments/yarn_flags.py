@@ -72,10 +72,16 @@ def resolve_yarn(args) -> None:
         args.yarn = {}
         if given:
             flags = ", ".join(_NUMBERS[dest][0] for dest in given)
-            where = ("--multi-latent-attention with --rope-type rope" if mla else
-                     f"--position-embedding-type {args.position_embedding_type}")
-            raise ValueError(f"{flags}: YaRN's numbers, but {where} has no YaRN; select it with "
-                             f"{'--rope-type yarn' if mla else '--position-embedding-type yarn'} or drop them")
+            if mla and args.position_embedding_type == "rotary":
+                where, select = "--multi-latent-attention with --rope-type rope", "--rope-type yarn"
+            elif mla:
+                where = f"--multi-latent-attention with --position-embedding-type {args.position_embedding_type}"
+                select = "--position-embedding-type rope (MLA's rope type is yarn by default)"
+            else:
+                where = f"--position-embedding-type {args.position_embedding_type}"
+                select = "--position-embedding-type yarn"
+            raise ValueError(f"{flags}: YaRN's numbers, but {where} has no YaRN; select it with {select} or drop "
+                             f"them")
         return
     value = {dest: given.get(dest, default) for dest, (_, default) in _NUMBERS.items()}
     factor = value.pop("rotary_scaling_factor")

@@ -50,6 +50,9 @@ def test_deepseek_v3_recipe_flags_select_yarn_for_mla(files):
      "--yarn-beta-fast, --mscale: YaRN's numbers"),
     (DEEPSEEK + ["--rope-type", "rope", "--rotary-scaling-factor", "40"],
      "--multi-latent-attention with --rope-type rope has no YaRN; select it with --rope-type yarn"),
+    (DEEPSEEK[:4] + DEEPSEEK[6:] + ["--rotary-scaling-factor", "40"],
+     "--multi-latent-attention with --position-embedding-type absolute has no YaRN; select it with "
+     "--position-embedding-type rope \\(MLA's rope type is yarn by default\\)"),
     (LLAMA + ["--position-embedding-type", "rope", "--rope-type", "yarn"],
      "--rope-type yarn selects YaRN for --multi-latent-attention only .* use --position-embedding-type yarn"),
     (DEEPSEEK[:4] + DEEPSEEK[6:] + ["--position-embedding-type", "yarn"],
