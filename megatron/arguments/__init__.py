@@ -15,6 +15,7 @@ One module per feature's argument group and its step:
     moe_flags          the mixture-of-experts flags: Megatron-LM's names, and Megatron-DeepSpeed's where they agree
     fp8_flags          the FP8 training flags (``--fp8-format``, ``--fp8-recipe``, ..., Megatron-LM's names)
     mla_flags          the multi-head latent attention flags (``--multi-latent-attention``, ``--q-lora-rank``, ...)
+    yarn_flags         the YaRN long-context rotary flags (``--position-embedding-type yarn``, ``--rope-type``, ...)
     muon_flags         the Muon optimizer's flags (``--muon-*``, Megatron-LM's names) for ``--optimizer muon``
     interleaved_flags  Megatron-LM's interleaved-pipeline flags: either one names the virtual stages per rank
     zero_bubble_flags  the zero-bubble pipeline flags, Megatron-DeepSpeed's names (rules: megatron.config.zero_bubble)

@@ -53,7 +53,7 @@ def assemble_run_config(args) -> RunConfig:
         # with one TP rank there is no sequence to split (the startup warnings say so)
         sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1, moe=args.moe,
         mla=args.mla, fp8=args.fp8, mtp_num_layers=args.mtp_num_layers or 0,
-        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor, **args.yarn)
     rampup = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
     global_batch = args.global_batch_size
     if global_batch is None:  # Megatron's default: one micro-batch per data-parallel rank and step

@@ -74,7 +74,8 @@ def resolve_model_spellings(args) -> None:
     args.attention_backend_alias = args.attention_backend if args.attention_backend in ATTENTION_BACKEND_ALIASES else None
     args.attention_backend = ATTENTION_BACKEND_ALIASES.get(args.attention_backend, args.attention_backend)
     given = args.position_embedding_type
-    position = POSITION_EMBEDDING_ALIASES.get(given, given)
+    args.position_embedding_yarn = given == "yarn"  # rotary with YaRN scaling (megatron.arguments.yarn_flags)
+    position = "rotary" if given == "yarn" else POSITION_EMBEDDING_ALIASES.get(given, given)
     if args.use_rotary_position_embeddings:
         if position not in (None, "rotary"):
             raise ValueError(f"--use-rotary-position-embeddings contradicts --position-embedding-type {given}; "

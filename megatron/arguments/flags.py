@@ -15,6 +15,7 @@ from megatron.arguments.mla_flags import add_mla_arguments
 from megatron.arguments.moe_flags import add_moe_arguments
 from megatron.arguments.muon_flags import add_muon_arguments
 from megatron.arguments.upstream_flags import add_upstream_arguments
+from megatron.arguments.yarn_flags import add_yarn_arguments
 from megatron.arguments.zero_bubble_flags import add_zero_bubble_arguments
 from megatron.config import (
     ATTENTION_BACKENDS,
@@ -33,7 +34,8 @@ from megatron.config import (
 # (flag, dest) of the options that only --dry-run reads (a real run refuses them).
 # Megatron-LM's spellings of --position-embedding-type -> ours.
 POSITION_EMBEDDING_ALIASES = {"rope": "rotary", "learned_absolute": "absolute"}
-POSITION_EMBEDDING_FLAG_VALUES = POSITION_EMBEDDING_TYPES + tuple(POSITION_EMBEDDING_ALIASES)
+# 'yarn' (Megatron-LM's): rotary positions with YaRN scaling (megatron.arguments.yarn_flags)
+POSITION_EMBEDDING_FLAG_VALUES = POSITION_EMBEDDING_TYPES + tuple(POSITION_EMBEDDING_ALIASES) + ("yarn",)
 # Megatron-LM's --attention-backend names for kernels of the same math -> ours: fused (Transformer Engine's cuDNN
 # fused attention) runs as torch's SDPA, local (Megatron's own unfused core) as unfused.
 ATTENTION_BACKEND_ALIASES = {"fused": "sdpa", "local": "unfused"}
@@ -47,9 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pretrain_gpt.py", allow_abbrev=False,
         description="Pretrain a GPT/BLOOM model. Flag names and meanings follow Megatron-DeepSpeed.")
     for add in (_model, _parallelism, add_interleaved_arguments, add_zero_bubble_arguments, add_moe_arguments,
-                add_mla_arguments, add_fp8_arguments, _data, _tokenizer, _training, _learning_rate, _regularization,
-                _mixed_precision, _speed, _checkpointing, _logging, _exit, _deepspeed, _dry_run, add_muon_arguments,
-                add_upstream_arguments):
+                add_mla_arguments, add_yarn_arguments, add_fp8_arguments, _data, _tokenizer, _training, _learning_rate,
+                _regularization, _mixed_precision, _speed, _checkpointing, _logging, _exit, _deepspeed, _dry_run,
+                add_muon_arguments, add_upstream_arguments):
         add(parser)
     return parser
 
@@ -70,8 +72,9 @@ def _model(parser):
                         "--seq-length. Default: --seq-length. Has no effect with rotary or alibi (a warning says so).")
     g.add_argument("--position-embedding-type", default=None, choices=POSITION_EMBEDDING_FLAG_VALUES,
                    help="Position encoding: learned absolute positions ('absolute', Megatron-LM's "
-                        "'learned_absolute'), rotary ('rotary', Megatron-LM's 'rope'), ALiBi biases (BLOOM), or "
-                        "none. Default: absolute, or what --use-rotary-position-embeddings / "
+                        "'learned_absolute'), rotary ('rotary', Megatron-LM's 'rope'), rotary with YaRN scaling "
+                        "('yarn', Megatron-LM's; its numbers: --rotary-scaling-factor and the --yarn-* flags), "
+                        "ALiBi biases (BLOOM), or none. Default: absolute, or what --use-rotary-position-embeddings / "
                         "--no-position-embedding say.")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Rotary positions (Megatron-DeepSpeed's and Megatron-LM's older spelling of "

@@ -13,7 +13,15 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
-from megatron.arguments import flag_steps, fp8_flags, interleaved_flags, mla_flags, moe_flags, upstream_flags
+from megatron.arguments import (
+    flag_steps,
+    fp8_flags,
+    interleaved_flags,
+    mla_flags,
+    moe_flags,
+    upstream_flags,
+    yarn_flags,
+)
 from megatron.arguments.build import assemble_run_config, resolve_vocab_size
 from megatron.config import RunConfig
 from megatron.config.deepspeed import build_deepspeed_config
@@ -150,7 +158,8 @@ FLAG_STEPS = (
     Step("the required flags", flag_steps.check_required),
     Step("the Megatron flags refused here", upstream_flags.check_upstream_flags),
     Step("the model flags spelled two ways", flag_steps.resolve_model_spellings,
-         produces=("position_embedding_type", "num_key_value_heads", "attention_backend", "attention_backend_alias")),
+         produces=("position_embedding_type", "position_embedding_yarn", "num_key_value_heads", "attention_backend",
+                   "attention_backend_alias")),
     Step("the Megatron-LM values that must match this engine's", flag_steps.check_megatron_lm_values,
          needs=("the required flags",)),
     Step("the mixture-of-experts flags", moe_flags.resolve_moe, needs=("the required flags",), produces=("moe",)),
@@ -162,6 +171,7 @@ FLAG_STEPS = (
          produces=("num_virtual_stages_per_pipeline_rank",)),
     Step("the multi-head latent attention flags", mla_flags.resolve_mla,
          produces=("mla",)),
+    Step("the YaRN flags", yarn_flags.resolve_yarn, needs=("the model flags spelled two ways",), produces=("yarn",)),
     Step("the FP8 flags", fp8_flags.resolve_fp8, needs=("the required flags",), produces=("fp8",)),
     Step("the defaults", flag_steps.fill_defaults, produces=("distributed_backend", "profile_ranks")),
     Step("the skipped iteration ranges", flag_steps.merge_iteration_ranges, produces=("skip_train_iteration_range",)),
@@ -185,7 +195,7 @@ CONFIG_STEPS = (
     # every flag step that fills in a field the run configuration reads, in the order they run
     Step("the run configuration", _assemble, on="run", produces=("config",),
          needs=(WORLD, "the required flags", "the model flags spelled two ways", "the mixture-of-experts flags",
-                "the multi-head latent attention flags", "the FP8 flags",
+                "the multi-head latent attention flags", "the YaRN flags", "the FP8 flags",
                 "the recomputation flags",
                 "the parallel sizes against the world size", "the defaults", "the skipped iteration ranges",
                 "the data flags", "the DeepSpeed JSON", "the startup warnings")),

@@ -143,11 +143,6 @@ UPSTREAM_FLAGS = (
     _refused("--megatron-fsdp-main-grads-dtype", _FSDP, "DTYPE"),
     _refused("--megatron-fsdp-grad-comm-dtype", _FSDP, "DTYPE"),
     _refused("--fsdp-double-buffer", _FSDP),
-    _refused("--rotary-scaling-factor", f"YaRN rotary scaling is {_LATER}; without it the positions are plain "
-             "RoPE (Llama 3.1's scaling is --use-rope-scaling)", "FACTOR"),
-    _refused("--mscale", f"YaRN rotary scaling is {_LATER}; without it the positions are plain RoPE", "MSCALE"),
-    _refused("--mscale-all-dim", f"YaRN rotary scaling is {_LATER}; without it the positions are plain RoPE",
-             "MSCALE"),
     _refused("--rotary-seq-len-interpolation-factor", "linear position interpolation is not implemented; drop it "
              "for plain positions", "FACTOR"),
     _refused("--pipeline-model-parallel-layout", f"explicit pipeline layouts are {_LATER}; drop it to split the "

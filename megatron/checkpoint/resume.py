@@ -171,6 +171,9 @@ def restore(rc: RunConfig, engine, point: Point, lr_scheduler, tracker, *,
         return {}
     tag = point[0]
     tag_dir = os.path.join(ck.load, tag)
+    note = run_state.rotary_scaling_change(point[1]["model_config"], dataclasses.asdict(rc.model))
+    if note is not None:
+        _print_rank_0(note)
     with loading():
         client = training_io.load_checkpoint(engine, ck.load, tag,
                                              load_optimizer_states=not (ck.no_load_optim or ck.finetune))

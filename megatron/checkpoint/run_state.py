@@ -30,7 +30,8 @@ from megatron.model.layout import LAYOUT, LEGACY_LAYOUT
 
 __all__ = ["build_run_state", "checkpoint_layout", "record_from_megatron_args", "megatron_args",
            "MEGATRON_CHECKPOINT_VERSION", "load_run_state", "model_config_from_dict", "check_model_config",
-           "ARCHITECTURE_FIELDS", "converted_client_state", "converted_run_state", "UNIVERSAL_ENGINE", "reader_for",
+           "rotary_scaling_change", "YARN_FIELDS", "ARCHITECTURE_FIELDS", "converted_client_state",
+           "converted_run_state", "UNIVERSAL_ENGINE", "reader_for",
            "weight_files", "SAVING_ENGINE", "WEIGHT_FILES", "WEIGHT_FILE_KINDS"]
 
 
@@ -212,6 +213,31 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_
                        "position_embedding_type", "embed_layernorm", "layernorm_epsilon", "max_position_embeddings",
                        "num_key_value_heads", "normalization", "swiglu", "add_bias_linear", "add_qkv_bias",
                        "untie_embeddings_and_output_weights", "mla", "apply_layernorm_1p", "kv_channels")
+
+
+# YaRN (ModelConfig's yarn_* fields) is not an architecture field: a long-context phase resumes a checkpoint trained
+# without it (Megatron-LM's DeepSeek-V3 / Qwen3 recipes), so a change is a note, not an error
+YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
+
+
+def rotary_scaling_change(saved: dict[str, Any], current: dict[str, Any]) -> Optional[str]:
+    """A line saying how this run's YaRN differs from the checkpoint's, or None where they agree (a factor of 1,
+    or a checkpoint written before the fields, is plain rotary)."""
+    def yarn(fields: dict) -> Optional[tuple]:
+        return None if fields.get(YARN_FIELDS[0]) in (None, 1.0) else tuple(fields.get(name) for name in YARN_FIELDS)
+
+    def words(y: Optional[tuple]) -> str:
+        return "plain rotary positions" if y is None else (
+            f"YaRN x{y[0]:g} of {y[1]} positions (beta {y[2]:g} / {y[3]:g}, mscale {y[4]:g} / {y[5]:g}"
+            f"{'' if y[6] else ', unrounded'})")
+
+    before, now = yarn(saved), yarn(current)
+    if before == now:
+        return None
+    return (f"note: the checkpoint was trained with {words(before)}, this run uses {words(now)} (a long-context "
+            f"phase changes them on purpose; otherwise set --position-embedding-type / --rope-type and the YaRN flags "
+            f"as the checkpoint's)")
 
 
 def check_model_config(saved: dict[str, Any], current: dict[str, Any], universal: bool = False) -> None:

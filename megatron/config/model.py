@@ -102,6 +102,18 @@ class ModelConfig:
     rope_scaling_low_freq_factor: float = 1.0
     rope_scaling_high_freq_factor: float = 4.0
     rope_scaling_original_max_positions: int = 8192
+    # YaRN (Megatron-LM's --position-embedding-type yarn, MLA's --rope-type yarn): a model trained on
+    # yarn_original_max_position_embeddings positions extended yarn_rotary_scaling_factor times; the ramp between
+    # beta_fast and beta_slow turns per original context mixes kept and interpolated frequencies, and mscale /
+    # mscale_all_dim scale the attention (megatron.model.positional.Yarn). None (or 1): plain rotary. Not an
+    # architecture field: a long-context phase resumes a checkpoint trained without it.
+    yarn_rotary_scaling_factor: Optional[float] = None
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
     params_dtype: str = "fp32"             # fp32 | bf16 | fp16: dtype of the module parameters
     original_vocab_size: Optional[int] = None      # the tokenizer's vocabulary before padding
     seed: int = 1234                       # initialization seed (each layer's weights depend on it and its index only)
@@ -236,6 +248,7 @@ class ModelConfig:
                 raise ValueError(f"rope scaling needs factor >= 1 and high_freq_factor > low_freq_factor, got "
                                  f"{self.rope_scaling_factor}, {self.rope_scaling_high_freq_factor}, "
                                  f"{self.rope_scaling_low_freq_factor}")
+        self._validate_yarn()
         _one_of("--normalization", self.normalization, NORMALIZATIONS)
         _one_of("--attention-backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.attention_backend == "flex" and self.attention_dropout > 0:
@@ -249,6 +262,29 @@ class ModelConfig:
             raise ValueError(f"original vocabulary size {self.original_vocab_size} is larger than the padded "
                              f"size {self.padded_vocab_size}")
         return self
+
+    def _validate_yarn(self) -> None:
+        factor = self.yarn_rotary_scaling_factor
+        if factor is None:
+            return
+        if self.position_embedding_type != "rotary":
+            raise ValueError(f"YaRN (--rotary-scaling-factor {factor}) scales rotary frequencies, but "
+                             f"--position-embedding-type is {self.position_embedding_type}; use --position-embedding-"
+                             f"type yarn (or rope with --multi-latent-attention) or drop the YaRN flags")
+        if self.rope_scaling_factor is not None:
+            raise ValueError("YaRN (--position-embedding-type yarn / --rope-type yarn) and Llama 3.1's "
+                             "--use-rope-scaling are two scalings of the same frequencies; pick one")
+        if not factor >= 1.0:
+            raise ValueError(f"--rotary-scaling-factor {factor}: YaRN extends the context, the factor must be >= 1 "
+                             f"(1 is plain rotary)")
+        original = self.yarn_original_max_position_embeddings
+        if not isinstance(original, int) or original < 1:
+            raise ValueError(f"--yarn-original-max-position-embeddings must be a positive integer, got {original!r}")
+        if not self.yarn_beta_fast >= self.yarn_beta_slow > 0:
+            raise ValueError(f"--yarn-beta-fast {self.yarn_beta_fast} / --yarn-beta-slow {self.yarn_beta_slow}: YaRN "
+                             f"keeps the pairs turning more than beta_fast times over the original context and "
+                             f"interpolates those turning fewer than beta_slow times; it needs beta_fast >= "
+                             f"beta_slow > 0 (DeepSeek-V3, Qwen3: 32 and 1)")
 
     def _validate_moe(self, tp: int) -> None:
         if self.moe is None:

@@ -71,12 +71,22 @@ def build_report(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -
     return report
 
 
+def _rope_scaling(m) -> Optional[str]:
+    """The rotary scaling in words (it costs nothing: the same products), or None."""
+    if m.yarn_rotary_scaling_factor not in (None, 1.0):
+        return f"YaRN x{m.yarn_rotary_scaling_factor:g} of {m.yarn_original_max_position_embeddings} positions"
+    if m.rope_scaling_factor is not None:
+        return f"Llama 3.1 scaling x{m.rope_scaling_factor:g}"
+    return None
+
+
 def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
     rc = check.run_config
     m = rc.model
     report["model"] = {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
                        "num_attention_heads": m.num_attention_heads, "head_dim": m.head_dim, "ffn_hidden_size": m.ffn_size,
                        "seq_length": m.seq_length, "position_embedding_type": m.position_embedding_type,
+                       "rope_scaling": _rope_scaling(m),
                        "params_dtype": m.params_dtype, "original_vocab_size": m.original_vocab_size,
                        "padded_vocab_size": m.padded_vocab_size, "zero_stage": rc.precision.zero_stage,
                        "deepspeed_zero_stage": rc.deepspeed_zero_stage, "num_key_value_heads": m.num_kv_heads,

@@ -45,8 +45,9 @@ def _model(m: dict) -> list[str]:
                        "biases" if m["add_bias_linear"] else "q/k/v biases only" if m["add_qkv_bias"] else "no biases",
                        "tied head" if m["tied_embeddings"] else "untied head"])
     params = "" if m["num_parameters"] is None else f"{m['num_parameters'] / 1e9:.2f}B parameters; "
+    position = m["position_embedding_type"] + (f" ({m['rope_scaling']})" if m.get("rope_scaling") else "")
     return [f"model        {m['num_layers']} layers, hidden {m['hidden_size']}, {heads}, "
-            f"ffn {m['ffn_hidden_size']}, seq {m['seq_length']}, {m['position_embedding_type']}, {block}, "
+            f"ffn {m['ffn_hidden_size']}, seq {m['seq_length']}, {position}, {block}, "
             f"{m['params_dtype']}, {zero}; {params}{vocab}"]
 
 

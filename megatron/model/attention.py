@@ -51,7 +51,7 @@ from megatron.model.attention_core import (
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.kv_cache import BatchKVCache
 from megatron.model.norm import Norm
-from megatron.model.positional import alibi_bias, alibi_slopes_for_rank, apply_rotary, rotary_cos_sin
+from megatron.model.positional import alibi_bias, alibi_slopes_for_rank, apply_rotary, rotary_cos_sin, rotary_scaling
 from megatron.model.ring_attention import ring_attention
 from megatron.parallel.context_parallel import load_balanced_positions
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -190,10 +190,7 @@ class SelfAttention(nn.Module):
         # --qk-layernorm (Qwen3, OLMo 2's per-head form): each query / key head normalized before the rotary
         self.q_layernorm = Norm(config, tp_group, per_head_size=config.head_dim) if config.qk_layernorm else None
         self.k_layernorm = Norm(config, tp_group, per_head_size=config.head_dim) if config.qk_layernorm else None
-        self._rope_scaling = None
-        if config.rope_scaling_factor is not None:
-            self._rope_scaling = (config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
-                                  config.rope_scaling_high_freq_factor, config.rope_scaling_original_max_positions)
+        self._rope_scaling = rotary_scaling(config)  # Llama 3.1's, YaRN's, or None
         sp_rank, sp_size = (0, 1) if sequence_exchange is None else (sequence_exchange.sp_rank,
                                                                       sequence_exchange.sp_size)
         if self.num_heads_per_partition % sp_size or self.num_groups_per_partition % sp_size:

@@ -55,7 +55,7 @@ from megatron.model.attention_core import flex_core_attention, resolve_attention
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.kv_cache import BatchKVCache
 from megatron.model.norm import Norm
-from megatron.model.positional import apply_rotary, rotary_cos_sin
+from megatron.model.positional import Yarn, apply_rotary, rotary_cos_sin, rotary_scaling
 from megatron.model.ring_attention import ring_attention
 from megatron.parallel.context_parallel import load_balanced_positions
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -157,10 +157,7 @@ class MultiLatentAttention(nn.Module):
             heads * mla.v_head_dim, h, tp_group=tp_group, bias=False, input_is_parallel=True,
             sequence_parallel=sequence_parallel,
             init_method=normal_init(output_layer_std(config), seed, f"{prefix}.dense.weight"))
-        self._rope_scaling = None
-        if config.rope_scaling_factor is not None:
-            self._rope_scaling = (config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
-                                  config.rope_scaling_high_freq_factor, config.rope_scaling_original_max_positions)
+        self._rope_scaling = rotary_scaling(config)  # Llama 3.1's, YaRN's, or None
 
     def _query(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [sq, b, h] (SP: [sq/tp, b, h]) -> q [sq, b, np * (dn + dr)]."""
@@ -239,7 +236,11 @@ class MultiLatentAttention(nn.Module):
 
     @property
     def _scale(self) -> float:
-        return 1.0 / math.sqrt(self.mla.q_head_dim)
+        """1 / sqrt(dn + dr), times YaRN's mscale(factor, mscale_all_dim)^2 (Megatron-LM's and DeepSeek's MLA)."""
+        scale = 1.0 / math.sqrt(self.mla.q_head_dim)
+        if isinstance(self._rope_scaling, Yarn):
+            scale *= self._rope_scaling.softmax_factor
+        return scale
 
     def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: int,
                         decoding: bool) -> torch.Tensor:

@@ -212,7 +212,9 @@ def test_sliding_window_and_other_rope_types_are_refused():
 
     with pytest.raises(ValueError, match="sliding-window attention is not implemented"):
         model_config_from_llama(transformers.MistralConfig(**SIZES, sliding_window=16), seq_length=32)
-    yarn = transformers.LlamaConfig(**SIZES, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                                                              "original_max_position_embeddings": 32})
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not implemented"):
-        model_config_from_llama(yarn, seq_length=32)
+    # YaRN is mapped (tests/checkpoint/test_hf_yarn.py); dynamic NTK scaling is not
+    dynamic = transformers.LlamaConfig(**SIZES, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
+                                                                 "factor": 4.0})
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not implemented here; plain rotary positions, "
+                                         "Llama 3.1's scaling \\(llama3\\) and YaRN \\(yarn\\) are"):
+        model_config_from_llama(dynamic, seq_length=32)

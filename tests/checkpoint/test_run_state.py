@@ -59,3 +59,25 @@ def test_a_checkpoint_of_another_head_size_is_refused_and_one_written_before_kv_
     check_model_config(before, explicit)
     with pytest.raises(ValueError, match="kv_channels = None but this run has 32"):
         check_model_config(before, wider)
+
+
+def test_a_change_of_yarn_is_a_note_not_an_error():
+    """A long-context phase resumes a checkpoint trained without YaRN (DeepSeek-V3's, Qwen3's): the architecture
+    check passes, and the resume says what changed; a checkpoint written before the fields is plain rotary."""
+    import dataclasses
+
+    from megatron.checkpoint.run_state import YARN_FIELDS, check_model_config, rotary_scaling_change
+    from tests.helpers.config import tiny_model
+
+    plain = dataclasses.asdict(tiny_model(position_embedding_type="rotary"))
+    yarn = dataclasses.asdict(tiny_model(position_embedding_type="rotary", yarn_rotary_scaling_factor=4.0,
+                                         yarn_original_max_position_embeddings=16))
+    check_model_config(plain, yarn)
+    assert rotary_scaling_change(plain, yarn).startswith(
+        "note: the checkpoint was trained with plain rotary positions, this run uses YaRN x4 of 16 positions (beta "
+        "32 / 1, mscale 1 / 0)")
+    assert rotary_scaling_change(yarn, plain).startswith("note: the checkpoint was trained with YaRN x4 of 16")
+    assert rotary_scaling_change(yarn, yarn) is None and rotary_scaling_change(plain, plain) is None
+    before = {k: v for k, v in plain.items() if k not in YARN_FIELDS}  # written before the fields
+    assert rotary_scaling_change(before, plain) is None
+    assert rotary_scaling_change(yarn, dict(yarn, yarn_beta_fast=16.0)) is not None

@@ -13,7 +13,10 @@ POSITIONS = {"alibi": {}, "absolute": dict(position_embedding_type="absolute", e
              # Llama-style: rotary, RMSNorm, SwiGLU, grouped-query attention, untied head, no biases
              "llama": dict(position_embedding_type="rotary", embed_layernorm=False, normalization="rmsnorm",
                            swiglu=True, num_key_value_heads=2, add_bias_linear=False,
-                           untie_embeddings_and_output_weights=True)}
+                           untie_embeddings_and_output_weights=True),
+             # rotary with YaRN (an original context of 8, 4x extended; the attention factor 0.1 ln 4 + 1)
+             "yarn": dict(position_embedding_type="rotary", embed_layernorm=False, yarn_rotary_scaling_factor=4.0,
+                          yarn_original_max_position_embeddings=8)}
 
 
 def tokenizer_record(tiny_corpus: dict) -> dict:

@@ -48,14 +48,14 @@ def run_layers(config) -> int:
     return math.ceil((forward_depth(config) - OPS_AROUND_LAYERS) / OPS_PER_LAYER)
 
 
-def hf_logits_diff(hf_model, config, state, vocab=400):
-    """(the largest logit difference between transformers' model and ours holding ``state``, the tolerance
-    for it: ``logits_tolerance``)."""
+def hf_logits_diff(hf_model, config, state, vocab=400, seq=32):
+    """(the largest logit difference between transformers' model and ours holding ``state`` on 2 sequences of
+    ``seq`` tokens, the tolerance for it: ``logits_tolerance``)."""
     from megatron.model import GPTModel
 
     ours = GPTModel(config).eval()
     ours.load_state_dict(state)
-    ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         theirs = hf_model(ids).logits  # [b, s, v]
         mine = ours(ids).transpose(0, 1)[..., :vocab]  # [b, s, v]

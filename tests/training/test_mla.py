@@ -10,8 +10,11 @@ parallelism (CP=2 x DP=2, CP=2 x TP=2 + SP: ring attention with value heads narr
 and DeepSpeed-Ulysses on the model engine (SP=4, SP=2 x TP=2 + Megatron SP, SP=2 x DP=2 under ZeRO-2: heads
 exchanged by all-to-all, values with their own head size); bf16 (BF16_Optimizer) under ZB-H1 tracks fp32. The
 TP=2 + SP x PP=2 ZeRO-1 checkpoint of iteration 3 resumes loss for loss at its layout and, converted to a universal
-one, in one process. One 4-process launch trains every layout in turn. (MLA at TP=2 + SP x PP=2 interleaved, with
-MoE, is tests/training/test_moe_recipes.py's DeepSeek-V3 shape.)
+one, in one process. DeepSeek-V3's YaRN (its recipe's --rotary-scaling-factor, --mscale, --mscale-all-dim; here the
+32 tokens are 4x the original context of 8) trains at CP=2 x TP=2 + SP as one process does: the load-balanced chunks'
+global positions, the rotary's attention factor and the softmax scale in ring attention. One 4-process launch trains
+every layout in turn. (MLA at TP=2 + SP x PP=2 interleaved, with MoE, is tests/training/test_moe_recipes.py's
+DeepSeek-V3 shape.)
 """
 
 import os
@@ -20,7 +23,8 @@ import pytest
 import torch
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.training import assert_same_run, layout, to_universal, train
+from megatron.testing.tolerance import run_tolerance
+from tests.helpers.training import TINY_WIDTH, assert_same_run, layout, to_universal, train
 
 ITERS = 10
 LAYERS = 4  # two chunks of one layer on each of 2 pipeline ranks under v = 2
@@ -31,6 +35,12 @@ ZBH1 = ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics")
 VIRTUAL = ("--num-virtual-stages-per-pipeline-rank", 2)
 SP, CP2 = "--sequence-parallel", ("--context-parallel-size", 2)
 ULYSSES2, ULYSSES4 = ("--ds-sequence-parallel-size", 2), ("--ds-sequence-parallel-size", 4)
+# DeepSeek-V3's recipe flags (MLA's rope type is yarn by default), mscale != mscale_all_dim so that both the rotary's
+# attention factor and the softmax scale are not 1; an original context of 8 positions, 4x extended; init std 0.2 so
+# that the attention is not near-uniform (at 0.02 the positions barely move 10 iterations' losses: plain rotary's and
+# YaRN's would be within the tolerance of each other, and the check could not see YaRN)
+YARN = ("--rotary-scaling-factor", "4", "--mscale", "1.0", "--mscale-all-dim", "0.707",
+        "--yarn-original-max-position-embeddings", "8", "--init-method-std", "0.2")
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +50,16 @@ def mla_argv(tiny_corpus):
 
 
 @pytest.fixture(scope="module")
-def reference(mla_argv):
-    return run_distributed(train, world_size=1, args=([mla_argv],), timeout=300)[0][0]
+def references(mla_argv):
+    """(plain rotary, YaRN, plain rotary with YaRN's init): one process each, one launch."""
+    plain_sharp = layout(mla_argv, *YARN[-2:])
+    return tuple(run_distributed(train, world_size=1, args=([mla_argv, layout(mla_argv, *YARN), plain_sharp],),
+                                 timeout=300)[0])
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references[0]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +74,7 @@ def runs(mla_argv, tmp_path_factory):
         "tp2 sp pp2": layout(mla_argv, SP, "--zero-stage", 1, tp=2, pp=2),
         "cp2 dp2": layout(mla_argv, *CP2),
         "cp2 tp2 sp": layout(mla_argv, *CP2, SP, tp=2),
+        "cp2 tp2 sp yarn": layout(mla_argv, *CP2, SP, *YARN, tp=2),
         "ulysses sp4": layout(mla_argv, *ULYSSES4),
         "ulysses sp2 tp2 sp": layout(mla_argv, *ULYSSES2, SP, tp=2),
         "ulysses sp2 dp2 zero2": layout(mla_argv, *ULYSSES2, "--zero-stage", 2),
@@ -92,6 +111,18 @@ def test_mla_trains_as_one_process(reference, runs, label, engine):
         assert_same_run(reference, result, f"rank {rank}: {label}", num_layers=LAYERS)
     if label.endswith(" sp") or " sp " in label:
         assert all(result["model_sp"] for result in runs[label]), label
+
+
+@pytest.mark.multiprocess
+def test_mla_with_deepseek_v3_yarn_trains_as_one_process_at_cp2_tp2_sp(references, runs):
+    _, yarn, plain = references
+    # YaRN changes the run (the comparison below sees it): the last loss and grad norm differ from plain rotary's
+    # (the same init) by far more than the tolerance (measured: 150 and 240 times it)
+    for key in ("losses", "grad_norms"):
+        bound = run_tolerance(torch.float32, LAYERS, TINY_WIDTH, ITERS) * abs(plain[key][-1])
+        assert abs(yarn[key][-1] - plain[key][-1]) > 10 * bound, (key, yarn[key], plain[key])
+    for rank, result in enumerate(runs["cp2 tp2 sp yarn"]):
+        assert_same_run(yarn, result, f"rank {rank}: cp2 tp2 sp yarn", num_layers=LAYERS)
 
 
 @pytest.mark.multiprocess

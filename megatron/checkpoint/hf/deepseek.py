@@ -101,7 +101,8 @@ def check_deepseek(config: ModelConfig) -> None:
         (f"--moe-layer-freq {''.join(str(int(x)) for x in moe.layer_pattern)} (needs dense layers first, then MoE)",
          not all(moe.layer_pattern[first:])),
         ("capacity dropping (DeepSeek-V3 is dropless)", moe.expert_capacity_factor is not None),
-        ("--use-rope-scaling (only plain rotary is mapped for DeepSeek-V3)", config.rope_scaling_factor is not None),
+        ("--use-rope-scaling (plain rotary and YaRN are mapped for DeepSeek-V3)",
+         config.rope_scaling_factor is not None),
         (f"--layernorm-epsilon {config.layernorm_epsilon} (its latent norms use {_LATENT_NORM_EPS})",
          config.layernorm_epsilon != _LATENT_NORM_EPS)) if present]
     if mla is None:
@@ -306,8 +307,9 @@ def model_config_from_deepseek(hf_config: Any, seq_length: int, **overrides) -> 
     """
     _check_hf_deepseek(hf_config)
     rope = llama.rope_fields(hf_config)
-    if len(rope) > 1:
-        raise ValueError("rope_type llama3 with DeepSeek-V3 is not mapped; plain rotary (rope_type default) is")
+    if "rope_scaling_factor" in rope:
+        raise ValueError("rope_type llama3 with DeepSeek-V3 is not mapped; plain rotary (rope_type default) and "
+                         "YaRN (yarn, DeepSeek-V3's own) are")
     n, first = hf_config.num_hidden_layers, hf_config.first_k_dense_replace
     groups = hf_config.n_group if (hf_config.n_group or 1) > 1 else None
     moe = MoEConfig(num_experts=hf_config.n_routed_experts, layer_pattern=tuple(i >= first for i in range(n)),

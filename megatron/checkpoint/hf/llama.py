@@ -9,7 +9,8 @@ on q / k / v alone (our ``add_qkv_bias`` with ``add_bias_linear`` off), Mistral 
 RMS-normalizes each query / key head before the rotary (``q_norm`` / ``k_norm`` [hn]: our ``--qk-layernorm``).
 A ``head_dim`` other than hidden / heads (every Qwen3) is our ``kv_channels``. Mistral's
 sliding window is not implemented here and is refused; Llama 3.1's rope scaling (rope_type llama3) maps
-to ``rope_scaling_factor`` and its three companions.
+to ``rope_scaling_factor`` and its three companions, YaRN (rope_type yarn: factor, original_max_position_embeddings,
+beta_fast, beta_slow, mscale, mscale_all_dim, truncate) to the ``yarn_*`` fields, both ways.
 
 Two of our tensors are fused where theirs are separate, both interleaved so that TP slicing along dim 0
 hands out whole units (``megatron.model.attention``, ``megatron.model.transformer``):
@@ -34,7 +35,7 @@ from megatron.model.layout import parameter_layout
 
 __all__ = ["MODEL_TYPES", "llama_family_of", "dense_llama_family_of", "ours_to_llama_state_dict",
            "llama_state_dict_to_ours", "llama_config_kwargs", "model_config_from_llama", "check_llama_block", "split_fc1",
-           "fuse_fc1", "rope_fields", "llama_block_fields", "kv_heads_of"]
+           "fuse_fc1", "rope_fields", "yarn_rope_parameters", "llama_block_fields", "kv_heads_of"]
 
 MODEL_TYPES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),  # model_type -> (config class, model class)
                "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -215,6 +216,7 @@ def llama_config_kwargs(config: ModelConfig, vocab_size: Optional[int] = None) -
                     low_freq_factor=config.rope_scaling_low_freq_factor,
                     high_freq_factor=config.rope_scaling_high_freq_factor,
                     original_max_position_embeddings=config.rope_scaling_original_max_positions)
+    rope.update(yarn_rope_parameters(config))
     kwargs["rope_parameters"] = rope
     if family == "llama":
         kwargs.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
@@ -234,10 +236,61 @@ def rope_fields(hf_config: Any) -> dict[str, Any]:
                       rope_scaling_low_freq_factor=float(rope["low_freq_factor"]),
                       rope_scaling_high_freq_factor=float(rope["high_freq_factor"]),
                       rope_scaling_original_max_positions=int(rope["original_max_position_embeddings"]))
+    elif kind == "yarn":
+        fields.update(_yarn_fields(rope, hf_config))
     elif kind != "default":
-        raise ValueError(f"rope_type {kind!r} is not implemented here; plain rotary positions and Llama 3.1's "
-                         f"scaling (llama3) are")
+        raise ValueError(f"rope_type {kind!r} is not implemented here; plain rotary positions, Llama 3.1's "
+                         f"scaling (llama3) and YaRN (yarn) are")
     return fields
+
+
+def _yarn_fields(rope: dict, hf_config: Any) -> dict[str, Any]:
+    """ModelConfig's yarn_* fields of transformers' yarn rope parameters, read as transformers'
+    ``_compute_yarn_parameters`` and DeepSeek-V3's attention (``yarn_apply_mscale``) read them. ValueError for what
+    our (Megatron-LM's) YaRN does not compute the same way."""
+    original = rope.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("rope_type yarn without original_max_position_embeddings (transformers requires it)")
+    factor = rope.get("factor")
+    if factor is None:  # transformers: the ratio of the extended to the original context
+        factor = hf_config.max_position_embeddings / original
+    if rope.get("attention_factor") is not None:
+        raise ValueError(f"rope_type yarn with attention_factor {rope['attention_factor']}: an explicit attention "
+                         f"factor is not mapped; ours (Megatron-LM's) derives it from factor, mscale and "
+                         f"mscale_all_dim")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if bool(mscale) != bool(mscale_all_dim) and (mscale_all_dim or mscale != 1):
+        # transformers takes the ratio only when both are set (else 0.1 ln(factor) + 1, mscale ignored); Megatron-LM
+        # (and ours) always takes mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+        raise ValueError(f"rope_type yarn with mscale {mscale} and mscale_all_dim {mscale_all_dim}: transformers "
+                         f"ignores one without the other, Megatron-LM's YaRN does not; give both, or neither")
+    if not (mscale and mscale_all_dim):
+        mscale, mscale_all_dim = 1.0, 0.0  # transformers' 0.1 ln(factor) + 1, which these give
+    return dict(yarn_rotary_scaling_factor=float(factor), yarn_original_max_position_embeddings=int(original),
+                yarn_beta_fast=float(rope.get("beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                yarn_mscale=float(mscale), yarn_mscale_all_dim=float(mscale_all_dim),
+                yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
+
+
+def yarn_rope_parameters(config: ModelConfig) -> dict[str, Any]:
+    """transformers' yarn rope parameters for ``config``'s YaRN (an empty dict without it); ValueError for a
+    mscale / mscale_all_dim pair transformers would read otherwise (it ignores one without the other)."""
+    factor = config.yarn_rotary_scaling_factor
+    if factor is None or factor == 1.0:
+        return {}
+    rope = dict(rope_type="yarn", factor=factor,
+                original_max_position_embeddings=config.yarn_original_max_position_embeddings,
+                beta_fast=config.yarn_beta_fast, beta_slow=config.yarn_beta_slow)
+    mscale, mscale_all_dim = config.yarn_mscale, config.yarn_mscale_all_dim
+    if mscale and mscale_all_dim:
+        rope.update(mscale=mscale, mscale_all_dim=mscale_all_dim)
+    elif (mscale, mscale_all_dim) != (1.0, 0.0):
+        raise ValueError(f"--mscale {mscale} with --mscale-all-dim {mscale_all_dim}: transformers takes mscale "
+                         f"into account only with a nonzero mscale_all_dim (else it uses 0.1 ln(factor) + 1); this "
+                         f"YaRN has no transformers equivalent")
+    if not config.yarn_correction_range_round_to_int:
+        rope["truncate"] = False
+    return rope
 
 
 def check_llama_block(hf_config: Any, model_type: str) -> None:

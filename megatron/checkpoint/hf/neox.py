@@ -69,6 +69,9 @@ def neox_state_dict_to_ours(neox: dict[str, torch.Tensor], config: ModelConfig) 
 
 def neox_config_kwargs(config: ModelConfig, vocab_size: int) -> dict[str, Any]:
     """Keyword arguments for ``transformers.GPTNeoXConfig`` describing ``config``."""
+    if config.yarn_rotary_scaling_factor not in (None, 1.0):
+        raise ValueError("YaRN rotary scaling is exported with the Llama family (RMSNorm + SwiGLU); the GPT-NeoX "
+                         "mapping writes plain rotary only")
     return dict(vocab_size=vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
                 num_attention_heads=config.num_attention_heads, intermediate_size=config.ffn_size,
                 hidden_act="gelu_new", use_parallel_residual=False, tie_word_embeddings=True, attention_bias=True,
