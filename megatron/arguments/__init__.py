@@ -16,7 +16,7 @@ One module per feature's argument group and its step:
     fp8_flags          the FP8 training flags (``--fp8-format``, ``--fp8-recipe``, ..., Megatron-LM's names)
     mla_flags          the multi-head latent attention flags (``--multi-latent-attention``, ``--q-lora-rank``, ...)
     muon_flags         the Muon optimizer's flags (``--muon-*``, Megatron-LM's names) for ``--optimizer muon``
-    interleaved_flags  Megatron-LM's interleaved-pipeline flags: either one names the virtual stages per rank
+    interleaved_flags  Megatron-LM's interleaved-pipeline and pipeline-layout flags: one names the virtual stages
     zero_bubble_flags  the zero-bubble pipeline flags, Megatron-DeepSpeed's names (rules: megatron.config.zero_bubble)
     upstream_flags     the one table of Megatron-LM / Megatron-DeepSpeed flags accepted with no effect here, or refused
 """

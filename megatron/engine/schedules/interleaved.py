@@ -154,7 +154,30 @@ def _as_list(tensors) -> list:
     return [tensors] if torch.is_tensor(tensors) else list(tensors)
 
 
-class InterleavedPipelineModule(PipelineModule):
+class PartedPipelineModule(PipelineModule):
+    """A ``PipelineModule`` whose stages hold the given ``parts`` (DeepSpeed's: stage s holds layers parts[s] ..
+    parts[s+1] - 1; from the pipeline layout flags, ``megatron.config.pipeline_layout.item_bounds``) instead of
+    what its partition method computes; ``parts=None``: the partition method's, as DeepSpeed's own class."""
+
+    def __init__(self, *args, parts: Optional[Sequence[int]] = None, **kwargs):
+        require("pipeline_schedule")  # the private PipelineModule methods below (deepspeed_compat's list)
+        self.given_parts = None if parts is None else list(parts)
+        super().__init__(*args, **kwargs)
+
+    def _partition_layers(self, method="uniform"):
+        if self.given_parts is None:
+            super()._partition_layers(method)
+            return
+        parts = self.given_parts
+        if (len(parts) != self.num_stages + 1 or parts[0] != 0 or parts[-1] != len(self._layer_specs)
+                or any(b < a for a, b in zip(parts, parts[1:]))):
+            raise ValueError(f"pipeline parts {parts} do not cut the {len(self._layer_specs)} pipeline layers into "
+                             f"{self.num_stages} stages")
+        self.parts = list(parts)
+        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
+
+class InterleavedPipelineModule(PartedPipelineModule):
     """A ``PipelineModule`` cut into p * v stages; this rank builds stages r, r + p, ... as its v chunks."""
 
     def __init__(self, *args, num_virtual_stages: int, **kwargs):
