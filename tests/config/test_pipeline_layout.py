@@ -281,3 +281,27 @@ def test_dry_run_reports_the_layouts_stages_to_the_planner(tokenizer_files):
         assert one_four[section] == first_one[section], section
     ones, threes = one_four["schedule"]["activation_gib"], three_two["schedule"]["activation_gib"]
     assert ones[0] < threes[0] and ones[1] > threes[1], (ones, threes)
+
+
+def test_a_regular_checkpoint_resumes_only_under_its_own_layout(files):
+    """Which layers a rank's optimizer shard holds is the layout's: run_state.json records it, and a regular
+    checkpoint resumes with its optimizer state only under the same layout (else through a universal one)."""
+    from megatron.checkpoint.resume import _check_same_layout
+    from megatron.checkpoint.run_state import build_run_state
+
+    def run(**overrides):
+        return parse(files, num_layers=4, pipeline_model_parallel_size=2, zero_stage=1, **overrides)
+
+    three_one = run(pipeline_model_parallel_layout="Ettt|tL")
+    saved = build_run_state(three_one, dict(iteration=5, consumed_train_samples=40, consumed_valid_samples=0))
+    assert saved["parallel"]["pipeline_layout"] == "E,t*3|t,L"
+    assert "pipeline_layout" not in build_run_state(run(), dict(iteration=5, consumed_train_samples=40,
+                                                                consumed_valid_samples=0))["parallel"]
+    _check_same_layout(three_one, "ckpt", saved)  # its own layout
+    _check_same_layout(run(pipeline_model_parallel_layout="E,t*3|tL"), "ckpt", saved)  # spelled otherwise
+    _check_same_layout(run(pipeline_model_parallel_layout="Et|tttL", no_load_optim=True), "ckpt", saved)  # weights
+    for other, now in ((run(pipeline_model_parallel_layout="Et|tttL"), "E,t|t*3,L"),
+                       (run(), "--pp-partition-method's split")):
+        with pytest.raises(ValueError, match=_escaped(f"pipeline layout E,t*3|t,L (this run: {now})")) as refused:
+            _check_same_layout(other, "ckpt", saved)
+        assert "ds_to_universal.py" in str(refused.value)
