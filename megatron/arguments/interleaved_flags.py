@@ -36,7 +36,7 @@ def add_interleaved_arguments(parser) -> None:
                         "head), '|' between stages, X*N and (...)*N repeat, commas only for reading; e.g. "
                         "DeepSeek-V3's 'Et|(tt|)*30mL'. With interleaving it lists PP x v stages (rank 0's first "
                         "chunk, rank 1's, ..., then the second chunks) and gives v. E first, L last, --num-layers t's; "
-                        "every stage holds some layer. Replaces --pp-partition-method.")
+                        "every pipeline rank holds some layer. Replaces --pp-partition-method.")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N",
                    help="Transformer layers on the first pipeline rank (Megatron-LM's uneven pipeline); the ranks "
                         "between the first and the last share the others evenly. With interleaving, N / v per chunk.")

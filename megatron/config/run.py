@@ -503,11 +503,11 @@ class RunConfig:
             if method != ParallelConfig.pp_partition_method:
                 raise ValueError(f"{asked[0]} places the layers on the stages itself; --pp-partition-method {method} "
                                  f"would split them too: drop one of them")
-            for s, stage in enumerate(stages):
-                if stage.empty:  # DeepSpeed's engine: a part without layers has nothing to run or to optimize
-                    raise ValueError(f"{asked[0]}: stage {s} (chunk {s // pp} of pipeline rank {s % pp}) holds no "
-                                     f"layer; the pipeline engine runs every stage's layers and its optimizer "
-                                     f"needs parameters on every rank: give every stage at least one layer")
+            for rank in range(pp):  # an empty chunk passes its input on; a rank needs parameters to optimize
+                if all(stage.empty for stage in stages[rank::pp]):
+                    raise ValueError(f"{asked[0]}: pipeline rank {rank} holds no layer (its stages "
+                                     f"{list(range(rank, len(stages), pp))} are empty); DeepSpeed's pipeline engine "
+                                     f"needs parameters on every rank for its optimizer: give it at least one layer")
             return
         # type:transformer|embedding also balances the tied embedding (first and last stage) as layers
         items = self.model.num_layers + (2 if method == "type:transformer|embedding" else 0)

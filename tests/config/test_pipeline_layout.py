@@ -232,7 +232,7 @@ def test_the_flags_parse_and_give_the_virtual_stages(files):
      "drop --num-virtual-stages-per-pipeline-rank"),
     (dict(pipeline_model_parallel_layout="Ettt|tL", pp_partition_method="uniform"),
      "--pp-partition-method uniform would split them too"),
-    (dict(pipeline_model_parallel_layout="Etttt||L|"), "stage 1 (chunk 0 of pipeline rank 1) holds no layer"),
+    (dict(pipeline_model_parallel_layout="Etttt||L|"), "pipeline rank 1 holds no layer (its stages [1, 3] are empty)"),
     (dict(pipeline_model_parallel_layout="Ettt|tL", num_layers=5), "places 4 transformer layers"),
     (dict(decoder_first_pipeline_num_layers=1, num_layers_per_virtual_pipeline_stage=1),
      "give the virtual stages as --num-virtual-stages-per-pipeline-rank"),
@@ -249,6 +249,9 @@ def test_uneven_interleaving_needs_no_equal_chunks(files):
     rc = parse(files, num_layers=5, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tt|t|tL")
     assert rc.parallel.num_virtual_stages_per_pipeline_rank == 2
     assert rank_layers(rc.parallel.stage_contents(5), 2) == [2, 3]
+    # Megatron-LM's 'Empty stage' case runs too: rank 0's second chunk is empty, its first holds the embedding
+    rc = parse(files, num_layers=7, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="E|ttttttt||L")
+    assert rank_layers(rc.parallel.stage_contents(7), 2) == [0, 7]
 
 
 def test_dry_run_reports_the_layouts_stages_to_the_planner(tokenizer_files):

@@ -13,8 +13,9 @@ under 1F1B and under v = 2, 10 iterations each: the same losses and grad norms w
 Megatron-LM's pipeline layout flags (megatron.config.pipeline_layout) in the first 2-process launch: the 4 layers
 as 3 + 1 (--pipeline-model-parallel-layout 'Ettt|tL'), as 1 + 3 (--decoder-first-pipeline-num-layers 1), and
 interleaved unevenly ('E|tt|t|tL': rank 0 holds the embedding alone as its first chunk and one layer as its second,
-rank 1 two layers, then one with the loss). Each trains as one process does (a 1-process launch, the reference),
-and each rank builds the stages the layout names.
+rank 1 two layers, then one with the loss), and with an empty chunk ('E|tttt||L', Megatron-LM's "empty stage":
+rank 0 holds the embedding and nothing else, its second chunk passes the activations on). Each trains as one
+process does (a 1-process launch, the reference), and each rank builds the stages the layout names.
 """
 
 import os
@@ -35,8 +36,10 @@ LAYOUTS = {
     "layout 3+1": (["--pipeline-model-parallel-layout", "Ettt|tL"], [0, 6, 10]),
     "first 1": (["--decoder-first-pipeline-num-layers", "1"], [0, 4, 10]),
     "interleaved layout": (["--pipeline-model-parallel-layout", "E|tt|t|tL"], [0, 3, 5, 6, 10]),
+    "interleaved empty chunk": (["--pipeline-model-parallel-layout", "E|tttt||L"], [0, 3, 7, 7, 10]),
 }
-HELD_LAYERS = {"layout 3+1": [3, 1], "first 1": [1, 3], "interleaved layout": [1, 3]}  # per rank
+HELD_LAYERS = {"layout 3+1": [3, 1], "first 1": [1, 3], "interleaved layout": [1, 3],  # per rank
+               "interleaved empty chunk": [0, 4]}
 
 
 def _argv(corpus, *extra, **flags):
