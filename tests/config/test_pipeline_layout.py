@@ -308,3 +308,20 @@ def test_a_regular_checkpoint_resumes_only_under_its_own_layout(files):
         with pytest.raises(ValueError, match=_escaped(f"pipeline layout E,t*3|t,L (this run: {now})")) as refused:
             _check_same_layout(other, "ckpt", saved)
         assert "ds_to_universal.py" in str(refused.value)
+
+
+def test_dry_run_of_qwen3_235bs_split(tokenizer_files):
+    """Qwen3-235B's pipeline (94 layers, PP 8, 3 layers per virtual stage counting the embedding and the loss:
+    v = 96 / (8 x 3) = 4) on the tiny widths: each rank's chunks and layers, and a plan for each of the 8 ranks."""
+    argv = tiny_config_argv(tokenizer_files, num_layers=94, pipeline_model_parallel_size=8,
+                            num_layers_per_virtual_pipeline_stage=3, account_for_embedding_in_pipeline_split=True,
+                            account_for_loss_in_pipeline_split=True, global_batch_size=16)
+    report = build_report(argv + ["--dry-run", "--world-size", "8"])
+    assert report["ok"], report["problems"]
+    stages = report["layout"]["stages"]
+    assert [s["num_transformer_layers"] for s in stages] == [11] + [12] * 6 + [11]
+    assert [c["num_transformer_layers"] for c in stages[0]["chunks"]] == [2, 3, 3, 3]
+    assert [c["num_transformer_layers"] for c in stages[-1]["chunks"]] == [3, 3, 3, 2]
+    assert stages[0]["chunks"][0]["transformer_layers"] == [0, 1] and stages[1]["chunks"][0]["transformer_layers"] == [2, 4]
+    assert report["layout"]["pipeline_layout"] == ["E,t*2"] + ["t*3"] * 30 + ["t*2,L"]
+    assert report["schedule"]["label"] == "interleaved 1F1B v=4" and len(report["memory"]["per_stage_gib"]) == 8
