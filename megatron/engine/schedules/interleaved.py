@@ -3,7 +3,9 @@
     module = InterleavedPipelineModule(layers=..., topology=..., num_virtual_stages=v, ...)
     engine = InterleavedPipelineEngine(...)   # what deepspeed.initialize builds, with this class
 
-The layer list is cut into p * v parts (DeepSpeed's partition methods, over p * v stages); rank r builds
+The layer list is cut into p * v parts (DeepSpeed's partition methods over p * v stages, or the parts the
+pipeline layout flags give: ``PartedPipelineModule``, the base class, which 1F1B and ZB-H1 runs with those flags
+build too); rank r builds
 parts r, r + p, ..., r + (v-1) p as its chunks, and ``activate_chunk(c)`` exposes chunk c as the module's
 ``forward``. Everything else is the ordinary ``PipelineEngine``: the same optimizer (ZeRO-1,
 BF16_Optimizer), tied-embedding all-reduce (the first chunk of rank 0 and the last chunk of rank p-1
