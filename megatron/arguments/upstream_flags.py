@@ -145,16 +145,6 @@ UPSTREAM_FLAGS = (
     _refused("--fsdp-double-buffer", _FSDP),
     _refused("--rotary-seq-len-interpolation-factor", "linear position interpolation is not implemented; drop it "
              "for plain positions", "FACTOR"),
-    _refused("--pipeline-model-parallel-layout", f"explicit pipeline layouts are {_LATER}; drop it to split the "
-             "layers evenly over the stages (--partition-method)", "LAYOUT"),
-    _refused("--decoder-first-pipeline-num-layers", f"uneven first / last pipeline stages are {_LATER}; drop it to "
-             "split the layers evenly (--partition-method)", "N"),
-    _refused("--decoder-last-pipeline-num-layers", f"uneven first / last pipeline stages are {_LATER}; drop it to "
-             "split the layers evenly (--partition-method)", "N"),
-    _refused("--account-for-embedding-in-pipeline-split", f"counting the embedding as a layer of the pipeline split "
-             f"is {_LATER}; drop it to split the transformer layers evenly"),
-    _refused("--account-for-loss-in-pipeline-split", f"counting the loss as a layer of the pipeline split is "
-             f"{_LATER}; drop it to split the transformer layers evenly"),
     _refused("--recompute-modules", f"recomputing chosen modules is {_LATER}; use --recompute-granularity full or "
              "selective (the attention core)", "MODULES"),
     _refused("--moe-layer-recompute", f"recomputing the MoE layers alone is {_LATER}; use --recompute-granularity "

@@ -104,7 +104,13 @@ def _check_same_layout(rc: RunConfig, tag_dir: str, saved: dict) -> None:
                          f"--expert-tensor-parallel-size {etp[0]}")
     # TP / PP always (the weight files); with the optimizer state, the ZeRO shards (dp x sp x cp) and which
     # layers a shard holds (virtual stages): megatron.config.parallel_dims' on_resume
-    sizes = parallel_dims.resume_mismatches(recorded, p.sizes(), loads_optimizer=not (ck.no_load_optim or ck.finetune))
+    loads_optimizer = not (ck.no_load_optim or ck.finetune)
+    sizes = parallel_dims.resume_mismatches(recorded, p.sizes(), loads_optimizer=loads_optimizer)
+    # the pipeline layout flags: which layers a rank's optimizer shard (and an MoE rank's expert file) holds
+    layouts = (recorded.get("pipeline_layout"), run_state.pipeline_layout_of(rc))
+    if layouts[0] != layouts[1] and (loads_optimizer or rc.model.moe is not None):
+        split = "--pp-partition-method's split"
+        sizes["pipeline layout"] = tuple(split if layout is None else layout for layout in layouts)
     saved_stage = recorded.get("zero_stage")
     if saved_stage is not None and saved_stage != rc.deepspeed_zero_stage and max(saved_stage, rc.deepspeed_zero_stage) >= 2:
         # ZeRO-2 and ZeRO-3 write DeepSpeed's model engine's files, each its own way

@@ -25,6 +25,7 @@ from megatron.config import ModelConfig, RunConfig, parallel_dims
 from megatron.config.mla import MLAConfig
 from megatron.config.model import swiglu_default_ffn_size
 from megatron.config.moe import MoEConfig
+from megatron.config.pipeline_layout import describe
 from megatron.config.run import deepspeed_engine_for
 from megatron.model.layout import LAYOUT, LEGACY_LAYOUT
 
@@ -55,6 +56,9 @@ def build_run_state(rc: RunConfig, progress: dict[str, int]) -> dict:
     parallel["zero_stage"] = rc.deepspeed_zero_stage  # 2 and 3 write DeepSpeed's model-engine files
     if rc.parallel.expert_tp != rc.parallel.tensor_model_parallel_size:  # the expert files' "tp" (absent: TP)
         parallel["expert_tensor_parallel_size"] = rc.parallel.expert_tp
+    layout = pipeline_layout_of(rc)
+    if layout is not None:  # the pipeline layout flags' stages (absent: --pp-partition-method's split)
+        parallel["pipeline_layout"] = layout
     record = _record(dataclasses.asdict(rc.model), parallel, dataclasses.asdict(rc.data.tokenizer), progress,
                      rc.data.seq_length)
     # How the checkpoint was written, so that no reader re-derives it from the flags (weight_files).
@@ -64,6 +68,13 @@ def build_run_state(rc: RunConfig, progress: dict[str, int]) -> dict:
 
 
 MEGATRON_CHECKPOINT_VERSION = 3.0  # what Megatron-LM / Megatron-DeepSpeed write as 'checkpoint_version'
+
+
+def pipeline_layout_of(rc: RunConfig) -> Optional[str]:
+    """The run's (virtual) stages as the pipeline layout flags place them, in the layout's letters
+    (``E,t*3|t,L``); None without those flags. Which layers each rank's files and optimizer shards hold."""
+    stages = rc.parallel.stage_contents(rc.model.num_layers)
+    return None if stages is None else "|".join(describe(stage) for stage in stages)
 
 
 def _plain(value):

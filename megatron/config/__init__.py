@@ -23,6 +23,7 @@ The rules each feature adds across a ``RunConfig``, and their helpers:
     optimizer          OptimizerConfig and LRScheduleConfig: the client optimizer and its learning-rate schedule
     context_parallel   the rules of context parallelism (``--context-parallel-size``, ring attention)
     pipeline_schedule  which layouts interleaved virtual stages can run, each refused with the fix
+    pipeline_layout    Megatron-LM's pipeline layout flags: which layers each (virtual) pipeline stage holds
     zero_bubble        what the ZB-H1 pipeline schedule (``--enable-zbh1-pipeline``) needs of a run
     hardware           what this machine computes fast: bf16 hardware or not, from the CPU's flags (or CUDA)
     _checks            small validation helpers shared by the config modules

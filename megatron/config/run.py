@@ -15,6 +15,7 @@ from megatron.config.data import DataConfig, DatasetGroup, DatasetSplit  # noqa:
 from megatron.config.model import ModelConfig
 from megatron.config.moe import check_moe_run
 from megatron.config.optimizer import LR_DECAY_STYLES, OPTIMIZERS, LRScheduleConfig, OptimizerConfig  # noqa: F401
+from megatron.config.pipeline_layout import LAYOUT_FIELDS, LAYOUT_FLAGS, StageContents, stage_contents
 from megatron.config.pipeline_schedule import check_interleaved_run
 from megatron.config.zero_bubble import check_zero_bubble_run
 
@@ -48,6 +49,21 @@ class ParallelConfig:
                                            # and 2cp-1-i); gradients reduced over DP x CP; 1: off
     cp_comm_type: str = "p2p"              # how the key / value blocks travel: p2p (a ring), one of CP_COMM_TYPES
     num_virtual_stages_per_pipeline_rank: int = 1  # interleaved 1F1B: chunks of layers per pipeline rank; 1: off
+    # Megatron-LM's pipeline layout flags (megatron.config.pipeline_layout); all unset: --pp-partition-method splits
+    pipeline_model_parallel_layout: Optional[str] = None   # every virtual stage's layers, e.g. "Et|(tt|)*30mL"
+    decoder_first_pipeline_num_layers: Optional[int] = None  # the first pipeline rank's transformer layers
+    decoder_last_pipeline_num_layers: Optional[int] = None   # the last pipeline rank's
+    account_for_embedding_in_pipeline_split: bool = False  # the embedding weighs as a layer in the even split
+    account_for_loss_in_pipeline_split: bool = False       # the loss (final norm and head) weighs as one
+
+    def stage_contents(self, num_layers: int) -> Optional[tuple[StageContents, ...]]:
+        """Each virtual stage's layers under the layout flags (``megatron.config.pipeline_layout.stage_contents``);
+        None without them (``pp_partition_method`` splits)."""
+        return stage_contents(num_layers, self.pipeline_model_parallel_size, self.num_virtual_stages_per_pipeline_rank,
+                              layout=self.pipeline_model_parallel_layout, first=self.decoder_first_pipeline_num_layers,
+                              last=self.decoder_last_pipeline_num_layers,
+                              account_for_embedding=self.account_for_embedding_in_pipeline_split,
+                              account_for_loss=self.account_for_loss_in_pipeline_split)
 
     def sizes(self) -> dict[str, int]:
         """Every parallel dimension's size by its short name (``megatron.config.parallel_dims``: tp, pp, dp, ...)."""
@@ -482,6 +498,18 @@ class RunConfig:
 
     def _validate_pipeline(self, pp: int) -> None:
         method = self.parallel.pp_partition_method
+        stages = self.parallel.stage_contents(self.model.num_layers)
+        if stages is not None:
+            asked = [flag for flag, field in zip(LAYOUT_FLAGS, LAYOUT_FIELDS) if getattr(self.parallel, field)]
+            if method != ParallelConfig.pp_partition_method:
+                raise ValueError(f"{asked[0]} places the layers on the stages itself; --pp-partition-method {method} "
+                                 f"would split them too: drop one of them")
+            for rank in range(pp):  # an empty chunk passes its input on; a rank needs parameters to optimize
+                if all(stage.empty for stage in stages[rank::pp]):
+                    raise ValueError(f"{asked[0]}: pipeline rank {rank} holds no layer (its stages "
+                                     f"{list(range(rank, len(stages), pp))} are empty); DeepSpeed's pipeline engine "
+                                     f"needs parameters on every rank for its optimizer: give it at least one layer")
+            return
         # type:transformer|embedding also balances the tied embedding (first and last stage) as layers
         items = self.model.num_layers + (2 if method == "type:transformer|embedding" else 0)
         if items < pp:

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
-from typing import Callable, Mapping, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 __all__ = ["Schedule", "REGISTRY", "SCHEDULES", "LABELS", "DEFAULT", "get", "schedule_name", "virtual_stages_of",
            "check_layout", "ONE_F_ONE_B_COSTS", "ZERO_BUBBLE_COSTS", "Timeline", "timeline", "idle_slots",
@@ -152,9 +152,10 @@ def virtual_stages_of(rc) -> int:
     return get(schedule_name(rc)).chunks(rc.parallel.num_virtual_stages_per_pipeline_rank)
 
 
-def check_layout(schedule: str, pp: int, num_micro_batches: int, num_layers: int, virtual_stages: int = 1,
+def check_layout(schedule: str, pp: int, num_micro_batches: int, num_layers: Optional[int], virtual_stages: int = 1,
                  precision: str = "bf16", zero_stage: int = 1) -> None:
-    """ValueError naming the values and the fix when ``schedule`` cannot run this layout (its rules)."""
+    """ValueError naming the values and the fix when ``schedule`` cannot run this layout (its rules). num_layers
+    None: the layers per chunk are given (the pipeline layout flags), not split evenly."""
     s = get(schedule)
     if s.micro_batches_at_least_stages and num_micro_batches < pp:
         raise ValueError(f"{s.label} at PP {pp} needs at least {pp} micro-batches per step, got "
@@ -168,7 +169,7 @@ def check_layout(schedule: str, pp: int, num_micro_batches: int, num_layers: int
     if s.uses_virtual_stages:
         if pp < 2:
             raise ValueError(f"interleaved virtual stages need PP >= 2 (got {pp})")
-        if num_layers % (pp * virtual_stages):
+        if num_layers is not None and num_layers % (pp * virtual_stages):
             raise ValueError(f"{num_layers} layers do not split into PP {pp} x {virtual_stages} virtual stages = "
                              f"{pp * virtual_stages} equal chunks: use a layer count that is a multiple of "
                              f"{pp * virtual_stages}, or fewer virtual stages")

@@ -14,6 +14,7 @@ from typing import Optional
 from megatron.config import RunConfig
 from megatron.config.hardware import fp8_capability_problem
 from megatron.config.moe import routes_tp_shards
+from megatron.config.pipeline_layout import LAYOUT_FIELDS
 from megatron.config.schedules import get as get_schedule
 from megatron.config.schedules import schedule_name, virtual_stages_of
 from megatron.model.layout import EMBEDDING, FINAL_NORM, HEAD, TRANSFORMER, pipeline_items
@@ -101,6 +102,7 @@ def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
                   rc.batch.micro_batch_size, recompute=rc.training.checkpoint_activations,
                   zero_stage=rc.deepspeed_zero_stage, precision=rc.model.params_dtype,
                   partition_method=p.pp_partition_method, stage_layers=tuple(stage_layers),
+                  layout_flags=any(getattr(p, field) for field in LAYOUT_FIELDS),
                   hpz=p.zero_hpz_partition_size, sequence_parallel=p.sequence_parallel,
                   ulysses=p.ds_sequence_parallel_size,
                   store_attention_scores=stores_attention_scores(rc), ep=p.expert_model_parallel_size,

@@ -1,7 +1,7 @@
 """What a valid ``RunConfig`` will do, computed without starting it: the pipeline stages, the batch
 and its rampup, the run's length in iterations, samples and tokens, and the learning-rate schedule.
 
-Each comes from the code the run itself uses: DeepSpeed's partition rule (``megatron.engine.partition``),
+Each comes from the code the run itself uses: the engine's split of the layers (``megatron.engine.partition``),
 Megatron's rampup calculator (``megatron.training.microbatches``), the loop's stopping rule (a
 sample-based run stops once the consumed samples reach ``--train-samples``, the last step may pass
 it) and the run's ``LRScheduler``. Every section is a JSON-ready dict.
@@ -15,7 +15,8 @@ import math
 from typing import Optional, Sequence
 
 from megatron.config import RunConfig, parallel_dims
-from megatron.engine.partition import stage_bounds
+from megatron.config.pipeline_layout import describe
+from megatron.engine.partition import virtual_stage_bounds
 from megatron.model.layout import EMBEDDING, FINAL_NORM, HEAD, TRANSFORMER, pipeline_items
 from megatron.parallel.state import group_layout
 from megatron.training.lr_schedule import LRScheduler
@@ -23,7 +24,9 @@ from megatron.training.microbatches import build_num_microbatches_calculator
 
 
 def layout_section(rc: RunConfig, item_param_counts: Optional[Sequence[int]] = None) -> dict:
-    """TP / PP / DP, and each pipeline stage: its ranks, its pipeline items and its transformer layers.
+    """TP / PP / DP, and each pipeline stage: its ranks, its pipeline items and its transformer layers; with
+    virtual stages (interleaving) also each chunk's. The split is the engine's (``virtual_stage_bounds``: the
+    pipeline layout flags where given, else the partition method's), so the planner counts what the run builds.
 
     item_param_counts: parameters of each pipeline item on one TP rank (``--pp-partition-method parameters``).
     """
@@ -31,25 +34,37 @@ def layout_section(rc: RunConfig, item_param_counts: Optional[Sequence[int]] = N
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     sp = p.ds_sequence_parallel_size  # Ulysses: between data and model in the rank order
     cp = p.context_parallel_size  # context parallelism: the same place (never with Ulysses)
-    bounds = stage_bounds(m, pp, p.pp_partition_method, item_param_counts)
+    vp = p.num_virtual_stages_per_pipeline_rank
+    bounds = virtual_stage_bounds(m, p, item_param_counts)
     items = pipeline_items(m)
     layer_of = {item.index: n for n, item in enumerate(i for i in items if i.kind == TRANSFORMER)}
     ranks = group_layout(tp, pp, dp, sp, cp=cp)
+
+    def contents(first: int, stop: int) -> dict:
+        held = items[first:stop]
+        layers = [layer_of[item.index] for item in held if item.kind == TRANSFORMER]
+        return {"items": [first, stop - 1] if held else None, "num_transformer_layers": len(layers),
+                "transformer_layers": [layers[0], layers[-1]] if layers else None,
+                "holds": [item.kind for item in held if item.kind in (EMBEDDING, FINAL_NORM, HEAD)]}
+
     stages = []
     for stage in range(pp):
-        held = items[bounds[stage]:bounds[stage + 1]]
-        layers = [layer_of[item.index] for item in held if item.kind == TRANSFORMER]
-        stages.append({
-            "stage": stage,
-            "ranks": [ranks.rank_of(stage, 0, 0), ranks.rank_of(stage, dp - 1, tp - 1, sp * cp - 1)],
-            "items": [bounds[stage], bounds[stage + 1] - 1] if held else None,
-            "num_transformer_layers": len(layers),
-            "transformer_layers": [layers[0], layers[-1]] if layers else None,
-            "holds": [item.kind for item in held if item.kind in (EMBEDDING, FINAL_NORM, HEAD)],
-        })
+        chunks = [dict(contents(bounds[s], bounds[s + 1]), virtual_stage=s) for s in range(stage, pp * vp, pp)]
+        if vp == 1:
+            whole = contents(bounds[stage], bounds[stage + 1])
+        else:  # the rank's chunks together: not one run of items or layers (each chunk's are in "chunks")
+            whole = {"items": None, "num_transformer_layers": sum(c["num_transformer_layers"] for c in chunks),
+                     "transformer_layers": None, "holds": [kind for c in chunks for kind in c["holds"]]}
+        stages.append({"stage": stage,
+                       "ranks": [ranks.rank_of(stage, 0, 0), ranks.rank_of(stage, dp - 1, tp - 1, sp * cp - 1)],
+                       **whole, **({"chunks": chunks} if vp > 1 else {})})
     sizes = {d.field: getattr(p, d.field) for d in parallel_dims.WORLD}  # the world's factors
-    return {"world_size": rc.world_size, **sizes, "sequence_parallel": rc.model.sequence_parallel,
-            "pp_partition_method": p.pp_partition_method, "num_pipeline_items": len(items), "stages": stages}
+    out = {"world_size": rc.world_size, **sizes, "sequence_parallel": rc.model.sequence_parallel,
+           "pp_partition_method": p.pp_partition_method, "num_pipeline_items": len(items), "stages": stages}
+    contents_given = p.stage_contents(m.num_layers)
+    if contents_given is not None:  # the layout flags: each virtual stage in the layout's letters
+        out["pipeline_layout"] = [describe(stage) for stage in contents_given]
+    return out
 
 
 class RunSteps:

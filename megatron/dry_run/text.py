@@ -60,10 +60,18 @@ def _layout(lay: dict) -> list[str]:
     lines = ["", f"layout       TP {lay['tensor_model_parallel_size']}{sp} x PP {lay['pipeline_model_parallel_size']} x "
              f"DP {lay['data_parallel_size']}{ulysses} = {lay['world_size']} ranks; {lay['num_pipeline_items']} "
              f"pipeline items split by --pp-partition-method {lay['pp_partition_method']} (DeepSpeed's rule)"]
+    if lay.get("pipeline_layout"):
+        lines[-1] = lines[-1].replace("split by --pp-partition-method " + lay["pp_partition_method"] + " (DeepSpeed's rule)",
+                                      "placed by the pipeline layout flags")
+        lines.append(f"  layout     {' | '.join(lay['pipeline_layout'])}")
     for s in lay["stages"]:
         extra = f"  + {', '.join(s['holds'])}" if s["holds"] else ""
         lines.append(f"  stage {s['stage']:>2}  ranks {_span(s['ranks']):>9}  items {_span(s['items']):>7}  "
                      f"transformer layers {_span(s['transformer_layers']):>7} ({s['num_transformer_layers']}){extra}")
+        for c in s.get("chunks", ()):
+            extra = f"  + {', '.join(c['holds'])}" if c["holds"] else ""
+            lines.append(f"    virtual stage {c['virtual_stage']:>3}  items {_span(c['items']):>7}  transformer layers "
+                         f"{_span(c['transformer_layers']):>7} ({c['num_transformer_layers']}){extra}")
     return lines
 
 

@@ -40,6 +40,7 @@ from megatron.engine.expert_parallel import check_expert_parallel_engine, mark_e
 from megatron.engine.model_engine import DeepSpeedMPU, ModelEngine, build_model_module, set_hpz_group
 from megatron.engine.muon import attach_partitioned
 from megatron.engine.optimizer import GradNormClippingOptimizer, build_client_optimizer
+from megatron.engine.partition import virtual_stage_bounds
 from megatron.engine.pipeline import build_pipeline_module
 from megatron.engine.schedules import ENGINE_CLASSES
 from megatron.model.compile import compile_transformer_layers
@@ -83,7 +84,8 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
     module = build_pipeline_module(rc.model, state, partition_method=rc.parallel.pp_partition_method,
                                    activation_checkpoint_interval=t.checkpoint_num_layers if t.checkpoint_activations
                                    else 0, tracker=tracker,
-                                   num_virtual_stages=rc.parallel.num_virtual_stages_per_pipeline_rank)
+                                   num_virtual_stages=rc.parallel.num_virtual_stages_per_pipeline_rank,
+                                   parts=pipeline_layout_parts(rc))
     if t.torch_compile:
         _compile_layers(module)
     experts = mark_expert_parameters(module, rc.model, state)  # MoE with EP > 1 (megatron.engine.expert_parallel)
@@ -99,6 +101,14 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
         engine = set_up(engine)  # ZB-H1: megatron.engine.schedules.zero_bubble.enable_zero_bubble
     check_expert_parallel_engine(engine, experts, state)
     return engine
+
+
+def pipeline_layout_parts(rc: RunConfig) -> Optional[list[int]]:
+    """The pipeline stages' bounds the layout flags give (``megatron.engine.partition.virtual_stage_bounds``); None
+    without them (DeepSpeed's partition method splits, as the engine always did)."""
+    if rc.parallel.stage_contents(rc.model.num_layers) is None:
+        return None
+    return virtual_stage_bounds(rc.model, rc.parallel)
 
 
 def _client(module, rc: RunConfig, state: ParallelState):

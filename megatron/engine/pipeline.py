@@ -39,12 +39,14 @@ builds v of them (``megatron.engine.schedules.interleaved``); layer files keep t
 ``--pp-partition-method``: DeepSpeed's own methods. ``type:transformer`` balances the transformer
 layers (regex on class names, case-insensitive); ``type:transformer|embedding`` counts the two
 embeddings as layers too (BLOOM-176B's setting); ``parameters`` balances parameter counts;
-``uniform`` balances the number of specs.
+``uniform`` balances the number of specs. Megatron-LM's pipeline layout flags (--pipeline-model-parallel-layout,
+--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-pipeline-split) place the layers
+instead: ``parts`` (``megatron.engine.partition.virtual_stage_bounds``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,7 +54,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSp
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.config import PARTITION_METHODS, ModelConfig
-from megatron.engine.schedules.interleaved import InterleavedPipelineModule
+from megatron.engine.schedules.interleaved import InterleavedPipelineModule, PartedPipelineModule
 from megatron.engine.ulysses import sequence_parallel_loss
 from megatron.model import EmbeddingLayer, FinalLayerNorm, OutputLayer, TransformerLayer, gpt_loss, per_token_loss
 from megatron.model.layout import (
@@ -225,10 +227,13 @@ def layer_specs(config: ModelConfig, state: ParallelState, tracker: Optional[RNG
 
 def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partition_method: str = "type:transformer",
                           activation_checkpoint_interval: int = 0, tracker: Optional[RNGStatesTracker] = None,
-                          num_virtual_stages: int = 1) -> PipelineModule:
+                          num_virtual_stages: int = 1, parts: Optional[Sequence[int]] = None) -> PipelineModule:
     """The model's stage for this rank, on a topology identical to ``state``'s layout.
 
     num_virtual_stages: above 1, the rank's v chunks for the interleaved schedule (``megatron.engine.schedules.interleaved``).
+
+    parts: the PP x v stages' bounds over ``layer_specs`` from the pipeline layout flags
+    (``megatron.engine.partition.virtual_stage_bounds``), in place of ``partition_method``'s; None: the method's.
 
     activation_checkpoint_interval: recompute the activations of every run of this many layers in
     backward (``--checkpoint-num-layers`` with ``--checkpoint-activations``); 0 keeps them all.
@@ -238,7 +243,7 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
     if state.sp_size > 1:
         raise ValueError(f"the pipeline engine has no DeepSpeed-Ulysses (this layout has sequence-parallel size "
                          f"{state.sp_size}); build the model with megatron.engine.model_engine.build_model_module")
-    if partition_method == "type:transformer" and config.num_layers < state.pp_size:
+    if parts is None and partition_method == "type:transformer" and config.num_layers < state.pp_size:
         raise ValueError(f"--num-layers {config.num_layers} is smaller than --pipeline-model-parallel-size "
                          f"{state.pp_size}: every stage needs at least one transformer layer")
     # Context parallelism: DeepSpeed's data axis holds the dp x cp ranks (CP innermost, as in our layout), so
@@ -254,8 +259,10 @@ def build_pipeline_module(config: ModelConfig, state: ParallelState, *, partitio
     # were right (the fallback passes them through), but copying weights is not part of the model's function:
     # no grad is what is meant. checkpoint/training_io.load_checkpoint does the same for DeepSpeed's re-sync.
     module_class, chunks = PipelineModule, {}
+    if parts is not None:
+        module_class, chunks = PartedPipelineModule, dict(parts=parts)
     if num_virtual_stages > 1:
-        module_class, chunks = InterleavedPipelineModule, dict(num_virtual_stages=num_virtual_stages)
+        module_class, chunks = InterleavedPipelineModule, dict(chunks, num_virtual_stages=num_virtual_stages)
     loss_fn = GPTLossFn(state.tp_group, state.cp_group, state.cp_size)
     with torch.no_grad():
         module = module_class(

@@ -26,6 +26,9 @@ class Layout:
     # transformer layers on each stage when known from the real partition (pretrain_gpt.py --dry-run
     # takes the engine's); None: ``layers_per_stage``'s, the same rule on the planner's model shape
     stage_layers: Optional[tuple[int, ...]] = None
+    # stage_layers placed by the run's pipeline layout flags (megatron.config.pipeline_layout): interleaved chunks
+    # need not be equal (the run checked them); False: interleaving needs layers divisible into PP x v chunks
+    layout_flags: bool = False
     hpz: int = 1                        # ZeRO-3 only: ZeRO++ hpZ, a secondary weight shard per group of hpz DP ranks
     # Megatron sequence parallelism inside the TP group: norms, dropout and residuals on [s/t, b, h]
     # shards, each TP all-reduce a reduce-scatter + all-gather (a no-op at tp = 1)

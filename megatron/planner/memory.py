@@ -265,8 +265,9 @@ def activation_terms(model: ModelShape, layout: Layout, seq_length: int, global_
     s, b, h, t, p = seq_length, layout.micro_batch_size, model.hidden_size, layout.tp, layout.pp
     w = activation_bytes_per_element(layout)
     m = layout.num_micro_batches(global_batch_size)
-    check_schedule(layout.schedule, p, m, model.num_layers, layout.virtual_stages, layout.precision,
-                   layout.zero_stage)
+    # the layout flags' split: the run checked its chunks, which need not be equal
+    check_schedule(layout.schedule, p, m, None if layout.layout_flags else model.num_layers,
+                   layout.virtual_stages, layout.precision, layout.zero_stage)
     layers = stage_layer_counts(model, layout)
     if model.moe is not None:
         check_expert_layout(model.moe, layout.ep, t)

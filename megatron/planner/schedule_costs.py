@@ -31,13 +31,15 @@ schedules (megatron/engine) are checked against these counts in tests/planner.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megatron.config.schedules import LABELS, SCHEDULES, check_layout, get
 
 __all__ = ["SCHEDULES", "LABELS", "check_schedule", "bubble_slots", "bubble_fraction", "warmup_chunk_forwards",
            "in_flight", "first_chunk_in_flight", "peak_units", "p2p_bytes_per_step"]
 
 
-def check_schedule(schedule: str, pp: int, num_micro_batches: int, num_layers: int, virtual_stages: int = 1,
+def check_schedule(schedule: str, pp: int, num_micro_batches: int, num_layers: Optional[int], virtual_stages: int = 1,
                    precision: str = "bf16", zero_stage: int = 1) -> None:
     """ValueError naming the values and the fix when ``schedule`` cannot run this layout (the registry's rules:
     ``megatron.config.schedules.check_layout``). The name and ``virtual_stages`` themselves are checked by

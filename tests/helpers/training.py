@@ -80,6 +80,8 @@ def _engine_record(engine) -> dict:
                                for m in engine.module.modules()),  # --torch-compile's layers
         "executed_steps": getattr(engine, "executed_steps", None),  # ZB-H1's last step, instruction names
         "stage": getattr(engine, "stage_id", None),
+        "parts": [int(p) for p in getattr(engine.module, "parts", [])],  # the pipeline engine's stage bounds
+        "held_layers": sum(type(m).__name__ == "TransformerLayer" for m in engine.module.modules()),
     }
 
 

@@ -3,7 +3,9 @@
     module = InterleavedPipelineModule(layers=..., topology=..., num_virtual_stages=v, ...)
     engine = InterleavedPipelineEngine(...)   # what deepspeed.initialize builds, with this class
 
-The layer list is cut into p * v parts (DeepSpeed's partition methods, over p * v stages); rank r builds
+The layer list is cut into p * v parts (DeepSpeed's partition methods over p * v stages, or the parts the
+pipeline layout flags give: ``PartedPipelineModule``, the base class, which 1F1B and ZB-H1 runs with those flags
+build too); rank r builds
 parts r, r + p, ..., r + (v-1) p as its chunks, and ``activate_chunk(c)`` exposes chunk c as the module's
 ``forward``. Everything else is the ordinary ``PipelineEngine``: the same optimizer (ZeRO-1,
 BF16_Optimizer), tied-embedding all-reduce (the first chunk of rank 0 and the last chunk of rank p-1
@@ -154,7 +156,30 @@ def _as_list(tensors) -> list:
     return [tensors] if torch.is_tensor(tensors) else list(tensors)
 
 
-class InterleavedPipelineModule(PipelineModule):
+class PartedPipelineModule(PipelineModule):
+    """A ``PipelineModule`` whose stages hold the given ``parts`` (DeepSpeed's: stage s holds layers parts[s] ..
+    parts[s+1] - 1; from the pipeline layout flags, ``megatron.config.pipeline_layout.item_bounds``) instead of
+    what its partition method computes; ``parts=None``: the partition method's, as DeepSpeed's own class."""
+
+    def __init__(self, *args, parts: Optional[Sequence[int]] = None, **kwargs):
+        require("pipeline_schedule")  # the private PipelineModule methods below (deepspeed_compat's list)
+        self.given_parts = None if parts is None else list(parts)
+        super().__init__(*args, **kwargs)
+
+    def _partition_layers(self, method="uniform"):
+        if self.given_parts is None:
+            super()._partition_layers(method)
+            return
+        parts = self.given_parts
+        if (len(parts) != self.num_stages + 1 or parts[0] != 0 or parts[-1] != len(self._layer_specs)
+                or any(b < a for a, b in zip(parts, parts[1:]))):
+            raise ValueError(f"pipeline parts {parts} do not cut the {len(self._layer_specs)} pipeline layers into "
+                             f"{self.num_stages} stages")
+        self.parts = list(parts)
+        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
+
+class InterleavedPipelineModule(PartedPipelineModule):
     """A ``PipelineModule`` cut into p * v stages; this rank builds stages r, r + p, ... as its v chunks."""
 
     def __init__(self, *args, num_virtual_stages: int, **kwargs):
