@@ -73,7 +73,7 @@ MEGATRON_CHECKPOINT_VERSION = 3.0  # what Megatron-LM / Megatron-DeepSpeed write
 def pipeline_layout_of(rc: RunConfig) -> Optional[str]:
     """The run's (virtual) stages as the pipeline layout flags place them, in the layout's letters
     (``E,t*3|t,L``); None without those flags. Which layers each rank's files and optimizer shards hold."""
-    stages = rc.parallel.stage_contents(rc.model.num_layers)
+    stages = rc.parallel.stage_contents(rc.model.num_layers, rc.model.mtp_num_layers)
     return None if stages is None else "|".join(describe(stage) for stage in stages)
 
 

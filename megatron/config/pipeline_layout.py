@@ -137,14 +137,13 @@ def _contents_of_string(text: str, num_layers: int, pp: int, mtp_num_layers: int
                          f"{flat[-1:] or 'none'})")
     if flat.count("t") != num_layers:
         raise ValueError(f"{flag} places {flat.count('t')} transformer layers (t), but --num-layers is {num_layers}")
-    if "m" in flat:
-        if not mtp_num_layers:
-            raise ValueError(f"{flag} places multi-token-prediction layers (m), and this run has none: "
-                             f"--mtp-num-layers is not supported here yet; drop the m's from the layout")
-        if flat.count("m") != mtp_num_layers:  # pragma: no cover - until MTP lands
-            raise ValueError(f"{flag} places {flat.count('m')} MTP layers (m), --mtp-num-layers is {mtp_num_layers}")
-        if "t" in flat[flat.index("m"):]:  # pragma: no cover - until MTP lands
-            raise ValueError(f"{flag}: the MTP layers (m) come after every transformer layer (t)")
+    if flat.count("m") != mtp_num_layers:
+        raise ValueError(f"{flag} places {flat.count('m')} multi-token-prediction layers (m), but --mtp-num-layers is "
+                         f"{mtp_num_layers}: place one m per MTP depth, on the stage of the loss (L)")
+    if any("m" in stage and "L" not in stage for stage in stages):
+        raise ValueError(f"{flag}: the MTP layers (m) must share the last stage with the loss (L): the depths run in "
+                         f"the loss function here (megatron.model.mtp), on the stage that holds the labels; Megatron-LM "
+                         f"also lets them stand alone on a stage before it, which is not built")
     return tuple(StageContents(embedding="E" in s, layers=s.count("t"), mtp=s.count("m"), loss="L" in s)
                  for s in stages)
 
@@ -203,8 +202,6 @@ def stage_contents(num_layers: int, pp: int, vp: int = 1, *, layout: Optional[st
             raise ValueError(f"--pipeline-model-parallel-layout {layout!r} lists {len(stages)} stages; "
                              f"--pipeline-model-parallel-size {pp} x {vp} virtual stages per rank needs {pp * vp}")
         return stages
-    if mtp_num_layers:  # pragma: no cover - until MTP lands
-        raise ValueError("with MTP layers, place them with --pipeline-model-parallel-layout")
     if first is not None or last is not None:
         if account_for_embedding or account_for_loss:
             raise ValueError("--decoder-first/last-pipeline-num-layers cannot be combined with "
@@ -225,7 +222,9 @@ def stage_contents(num_layers: int, pp: int, vp: int = 1, *, layout: Optional[st
     if min(layers) < 0:
         raise ValueError(f"the first or last stage would hold fewer than no transformer layers ({layers[0]}, "
                          f"{layers[-1]}): use fewer stages")
-    return tuple(StageContents(embedding=s == 0, layers=n, loss=s == len(layers) - 1) for s, n in enumerate(layers))
+    return tuple(StageContents(embedding=s == 0, layers=n, loss=s == len(layers) - 1,
+                               mtp=mtp_num_layers if s == len(layers) - 1 else 0)  # the depths: with the loss
+                 for s, n in enumerate(layers))
 
 
 # ---- what the engine, the planner and the dry run read -------------------------------------------------------
@@ -239,11 +238,10 @@ def rank_layers(stages: Sequence[StageContents], pp: int) -> list[int]:
 def item_bounds(stages: Sequence[StageContents], lead_items: int, tail_items: int) -> list[int]:
     """The pipeline engine's ``parts`` (stage ``s`` holds items ``parts[s] .. parts[s+1] - 1``) for these contents,
     on an item list of ``lead_items`` items up to and around the embedding, then one item per transformer layer,
-    then ``tail_items`` for the loss (``megatron.model.layout.pipeline_items``: 3 and 3)."""
+    then ``tail_items`` for the loss (``megatron.model.layout.pipeline_items``: 3 and 3; with MTP the tail holds the
+    depths' two items too, always on the loss's stage)."""
     parts = [0]
     for stage in stages:
-        if stage.mtp:  # pragma: no cover - until MTP lands
-            raise ValueError("MTP layers have no pipeline items yet")
         parts.append(parts[-1] + lead_items * stage.embedding + stage.layers + tail_items * stage.loss)
     return parts
 

@@ -56,14 +56,14 @@ class ParallelConfig:
     account_for_embedding_in_pipeline_split: bool = False  # the embedding weighs as a layer in the even split
     account_for_loss_in_pipeline_split: bool = False       # the loss (final norm and head) weighs as one
 
-    def stage_contents(self, num_layers: int) -> Optional[tuple[StageContents, ...]]:
+    def stage_contents(self, num_layers: int, mtp_num_layers: int = 0) -> Optional[tuple[StageContents, ...]]:
         """Each virtual stage's layers under the layout flags (``megatron.config.pipeline_layout.stage_contents``);
         None without them (``pp_partition_method`` splits)."""
         return stage_contents(num_layers, self.pipeline_model_parallel_size, self.num_virtual_stages_per_pipeline_rank,
                               layout=self.pipeline_model_parallel_layout, first=self.decoder_first_pipeline_num_layers,
                               last=self.decoder_last_pipeline_num_layers,
                               account_for_embedding=self.account_for_embedding_in_pipeline_split,
-                              account_for_loss=self.account_for_loss_in_pipeline_split)
+                              account_for_loss=self.account_for_loss_in_pipeline_split, mtp_num_layers=mtp_num_layers)
 
     def sizes(self) -> dict[str, int]:
         """Every parallel dimension's size by its short name (``megatron.config.parallel_dims``: tp, pp, dp, ...)."""
@@ -498,7 +498,7 @@ class RunConfig:
 
     def _validate_pipeline(self, pp: int) -> None:
         method = self.parallel.pp_partition_method
-        stages = self.parallel.stage_contents(self.model.num_layers)
+        stages = self.parallel.stage_contents(self.model.num_layers, self.model.mtp_num_layers)
         if stages is not None:
             asked = [flag for flag, field in zip(LAYOUT_FLAGS, LAYOUT_FIELDS) if getattr(self.parallel, field)]
             if method != ParallelConfig.pp_partition_method:

@@ -61,7 +61,7 @@ def layout_section(rc: RunConfig, item_param_counts: Optional[Sequence[int]] = N
     sizes = {d.field: getattr(p, d.field) for d in parallel_dims.WORLD}  # the world's factors
     out = {"world_size": rc.world_size, **sizes, "sequence_parallel": rc.model.sequence_parallel,
            "pp_partition_method": p.pp_partition_method, "num_pipeline_items": len(items), "stages": stages}
-    contents_given = p.stage_contents(m.num_layers)
+    contents_given = p.stage_contents(m.num_layers, m.mtp_num_layers)
     if contents_given is not None:  # the layout flags: each virtual stage in the layout's letters
         out["pipeline_layout"] = [describe(stage) for stage in contents_given]
     return out

@@ -106,7 +106,7 @@ def build_engine(rc: RunConfig, state: ParallelState, *, tracker: Optional[RNGSt
 def pipeline_layout_parts(rc: RunConfig) -> Optional[list[int]]:
     """The pipeline stages' bounds the layout flags give (``megatron.engine.partition.virtual_stage_bounds``); None
     without them (DeepSpeed's partition method splits, as the engine always did)."""
-    if rc.parallel.stage_contents(rc.model.num_layers) is None:
+    if rc.parallel.stage_contents(rc.model.num_layers, rc.model.mtp_num_layers) is None:
         return None
     return virtual_stage_bounds(rc.model, rc.parallel)
 

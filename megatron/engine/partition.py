@@ -49,7 +49,7 @@ def virtual_stage_bounds(config: ModelConfig, parallel: ParallelConfig,
     """DeepSpeed's ``parts`` over the run's PP x v (virtual) stages, in Megatron-LM's order (virtual stage ``s`` is
     chunk ``s // PP`` of pipeline rank ``s % PP``): the layout flags' contents where given, else
     ``--pp-partition-method``'s split (param_counts: as for ``stage_bounds``)."""
-    stages = parallel.stage_contents(config.num_layers)
+    stages = parallel.stage_contents(config.num_layers, config.mtp_num_layers)
     num_stages = parallel.pipeline_model_parallel_size * parallel.num_virtual_stages_per_pipeline_rank
     if stages is None:
         return stage_bounds(config, num_stages, parallel.pp_partition_method, param_counts)

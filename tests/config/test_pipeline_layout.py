@@ -58,12 +58,12 @@ def test_layout_strings_unroll_as_megatron_documents(text, stages):
 def test_virtual_stages_follow_megatrons_order():
     """TransformerConfig's docstring: 'E|(tt|)*2,(t|)*4,mL' (8 stages: PP 4 x VPP 2): vpp rank 0 pp rank 0 holds the
     embedding, pp ranks 1-2 two layers each, pp rank 3 one; vpp rank 1 pp ranks 0-2 one layer each, pp rank 3 MTP and
-    loss. Stage s of the list is chunk s // PP of rank s % PP. (Without its 'm': MTP is refused for now.)"""
-    stages = stage_contents(8, 4, 2, layout="E|(tt|)*2,(t|)*4,L")
+    loss. Stage s of the list is chunk s // PP of rank s % PP."""
+    stages = stage_contents(8, 4, 2, layout="E|(tt|)*2,(t|)*4,mL", mtp_num_layers=1)
     chunk = {(s // 4, s % 4): stage for s, stage in enumerate(stages)}  # (vpp rank, pp rank)
     assert chunk[0, 0] == _stage("E")
     assert chunk[0, 1] == chunk[0, 2] == _stage("tt") and chunk[0, 3] == _stage("t")
-    assert chunk[1, 0] == chunk[1, 1] == chunk[1, 2] == _stage("t") and chunk[1, 3] == _stage("L")
+    assert chunk[1, 0] == chunk[1, 1] == chunk[1, 2] == _stage("t") and chunk[1, 3] == _stage("mL")
     assert rank_layers(stages, 4) == [1, 3, 3, 1]
 
 
@@ -104,7 +104,7 @@ def test_megatrons_valid_layouts_build_every_layer(num_layers, pp, vp, text, lay
     (4, 2, 1, "tEtt|tL", "the embedding E must come once, first"),
     (4, 2, 1, "Ettt|LtL", "the loss L must come once, last"),
     (4, 2, 1, "Ett|tLt", "the loss L must come once, last"),
-    (4, 2, 1, "Ettt|mtL", "multi-token-prediction layers (m), and this run has none: --mtp-num-layers is not supported"),
+    (4, 2, 1, "Ettt|mtL", "places 1 multi-token-prediction layers (m), but --mtp-num-layers is 0"),
     (4, 2, 1, "Ettx|tL", "'x' is not a layer"),
     (4, 2, 1, "E(tt|tL", "a '(' without its ')'"),
     (4, 2, 1, "Ett)|tL", "a ')' without its '('"),
@@ -114,6 +114,21 @@ def test_megatrons_valid_layouts_build_every_layer(num_layers, pp, vp, text, lay
 def test_bad_layouts_are_refused_naming_why(num_layers, pp, vp, text, message):
     with pytest.raises(ValueError, match=_escaped(message)):
         stage_contents(num_layers, pp, vp, layout=text)
+
+
+def test_mtp_layers_sit_with_the_loss():
+    """DeepSeek-V3's recipe layout 'Et|(tt|)*30mL' (61 layers, PP 16 x VPP 2): the MTP depth on the last stage, with
+    the loss; without a layout string the depths go with the loss too; an m elsewhere, or a count that is not
+    --mtp-num-layers, is refused."""
+    stages = stage_contents(61, 16, 2, layout="Et|(tt|)*30mL", mtp_num_layers=1)
+    assert stages[-1] == _stage("mL") and sum(stage.mtp for stage in stages) == 1
+    assert rank_layers(stages, 16) == [3] + [4] * 14 + [2]
+    even = stage_contents(4, 2, 1, first=1, mtp_num_layers=2)
+    assert [(stage.layers, stage.mtp, stage.loss) for stage in even] == [(1, 0, False), (3, 2, True)]
+    with pytest.raises(ValueError, match="must share the last stage with the loss"):
+        stage_contents(4, 3, 1, layout="Ettt|m|tL", mtp_num_layers=1)
+    with pytest.raises(ValueError, match="places 0 multi-token-prediction layers"):
+        stage_contents(4, 2, 1, layout="Ettt|tL", mtp_num_layers=1)
 
 
 def _escaped(message: str) -> str:

@@ -42,7 +42,8 @@ def four_processes(base):
     runs = [layout(base + MTP, tp=2, pp=2), layout(base + MTP, "--sequence-parallel", tp=2, pp=2),
             layout(base + MTP, "--zero-stage", "2", tp=2),
             layout(base + MTP + MOE, "--expert-model-parallel-size", "2", pp=2),
-            layout(base + MTP, *ZBH1, pp=2), layout(base + MTP, "--num-layers", "4", *VIRTUAL, pp=2)]
+            layout(base + MTP, *ZBH1, pp=2), layout(base + MTP, "--num-layers", "4", *VIRTUAL, pp=2),
+            layout(base + MTP, "--pipeline-model-parallel-layout", "E|ttmmL", pp=2)]
     return run_distributed(train, world_size=4, args=(runs,))
 
 
@@ -78,6 +79,14 @@ def test_mtp_layouts_train_as_one_process(one_process, four_processes, index, la
 def test_mtp_with_zbh1_and_interleaved_stages_trains_as_one_process(one_process, four_processes):
     assert_same_run(one_process[0], four_processes[0][4], "ZB-H1, PP=2 (x DP=2)")
     assert_same_run(one_process[3], four_processes[0][5], "interleaved PP=2 x v=2 (x DP=2), 4 layers", num_layers=4)
+
+
+@pytest.mark.multiprocess
+def test_mtp_in_a_pipeline_layout_string_trains_as_one_process(one_process, four_processes):
+    """Megatron-LM's layout letters: 'E|ttmmL' puts both decoder layers and the two depths on the last stage."""
+    run = four_processes[0][6]  # rank 0: the first stage, the embedding alone
+    assert run["parts"] == [0, 3, 10] and run["held_layers"] == 0  # items 3..9: the layers, the norm, MTP, the head
+    assert_same_run(one_process[0], run, "layout E|ttmmL, PP=2 (x DP=2)")
 
 
 @pytest.mark.multiprocess
