@@ -47,7 +47,8 @@ def check_interleaved_run(rc) -> None:
     # schedule does not support yet: the table in megatron.config.combinations
     check_combinations(rc, "interleaved")
     micro_batches = rc.batch.num_micro_batches(rc.parallel.data_parallel_size)
-    if rc.parallel.stage_contents(rc.model.num_layers, rc.model.mtp_num_layers) is not None:  # the layout flags place the chunks' layers
+    # the layout flags place the chunks' layers
+    if rc.parallel.stage_contents(rc.model.num_layers, rc.model.mtp_num_layers) is not None:
         check_interleaved_micro_batches(pp, v, micro_batches)
         return
     check_interleaved_layout(rc.model.num_layers, pp, v, micro_batches)
