@@ -27,6 +27,7 @@ The modules they live in, and the rest:
     norm               Norm: the LayerNorm or RMSNorm every block, the final norm and BLOOM's embedding norm use
     moe                the mixture-of-experts MLP (a subpackage: router, dispatch, experts, layer, stats)
     gpt                GPTModel: embedding -> transformer layers -> final norm -> output head, and the loss
+    mtp                multi-token prediction (DeepSeek-V3): depths after the final norm, their shifted losses
     kv_cache           BatchKVCache: one layer's keys and values for a batch of sequences of different lengths
     initialization     weight initialization that depends only on (seed, which parameter), never on build order
     compile            --torch-compile: each transformer layer compiled on its own
