@@ -231,11 +231,10 @@ REFUSED: tuple[Refused, ...] = (
             "train FP8 with --bf16 (every Megatron-LM FP8 recipe is a bf16 run)",
             say="--fp8-format with {b} is not supported: {reason}; {fix}"),
     # multi-token prediction (megatron/model/mtp.py): each depth shifts the targets one place left along the sequence
-    Refused("MTP", "context parallelism", "the shift of the targets and inputs crosses the ranks' load-balanced "
-            "sequence chunks, which is not built (Megatron-LM exchanges the boundary tokens between CP ranks)",
-            "drop --context-parallel-size", say="{a} does not work yet with {b}: {reason}; {fix}"),
-    Refused("MTP", "Ulysses", "the shift of the targets and inputs crosses the ranks' sequence shards, which is not "
-            "built", "drop --ds-sequence-parallel-size", say="{a} does not work yet with {b}: {reason}; {fix}"),
+    Refused("MTP", "Ulysses", "DeepSpeed's model engine takes each rank's per-token loss over its sequence shard, "
+            "and the depths' shifted losses are not built into that path (they are into the pipeline engine's, "
+            "context parallelism's included)", "drop --ds-sequence-parallel-size (context parallelism on the "
+            "pipeline engine splits the sequence with MTP)", say="{a} does not work yet with {b}: {reason}; {fix}"),
     # the live evaluation harness (megatron/evaluation/live.py)
     Refused("live evaluation harness", "model engine", "it runs on the pipeline engine's model",
             "Evaluate its saved checkpoints with tools/evaluate.py instead",

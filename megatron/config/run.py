@@ -465,6 +465,11 @@ class RunConfig:
         check_combinations(self, "FP8")  # with fp16 (megatron.config.combinations)
         model.validate(tp)
         check_combinations(self, "MTP")  # the sequence splits MTP's shift does not cross (megatron.config.combinations)
+        if model.mtp_num_layers and self.parallel.context_parallel_size > 1 and self.on_model_engine:
+            raise ValueError(f"--mtp-num-layers with --context-parallel-size on DeepSpeed's model engine (--zero-stage "
+                             f"{self.precision.zero_stage}) does not work yet: that engine takes each rank's per-token "
+                             f"loss, and the depths' shifted losses are built into the pipeline engine's loss only; use "
+                             f"--zero-stage 0 or 1 (the pipeline engine) with context parallelism")
         check_combinations(self, "MLA")  # the parallelisms MLA is not implemented with (megatron.config.combinations)
         self.batch.validate(self.parallel.data_parallel_size)
         self._validate_pipeline(pp)

@@ -71,6 +71,7 @@ from megatron.model.layout import (
     pipeline_items,
 )
 from megatron.model.mtp import MultiTokenPrediction, add_mtp_loss, mtp_depth_losses
+from megatron.parallel.context_parallel import gather_sequence, load_balanced_positions
 from megatron.parallel.random import RNGStatesTracker, tracked_checkpoint_func
 from megatron.parallel.state import ParallelState
 
@@ -178,9 +179,14 @@ class GPTLossFn:
         logits, hidden = output
         block, embedding, head = self.mtp
         target, loss_mask = labels
+        sequence = None
+        if self.cp_group is not None:  # this rank's load-balanced tokens: shift on the whole sequence
+            positions = load_balanced_positions(target.shape[1] * self.cp_size, self.cp_size,
+                                                dist.get_rank(self.cp_group), target.device)
+            sequence = (lambda x: gather_sequence(x, self.cp_group), positions)
         depth_losses = mtp_depth_losses(
             block, hidden, target, loss_mask, lambda ids: EmbeddingLayer.forward(embedding, ids),
-            lambda h, t, m: gpt_loss(head(h), t, m, self.tp_group))
+            lambda h, t, m: self._loss(head(h), (t, m)), sequence)
         return add_mtp_loss(self._loss(logits, labels), block, depth_losses)
 
     def _loss(self, logits: torch.Tensor, labels) -> torch.Tensor:

@@ -95,21 +95,31 @@ class MultiTokenPrediction(nn.Module):
 
 def mtp_depth_losses(block: MultiTokenPrediction, hidden: torch.Tensor, labels: torch.Tensor,
                      loss_mask: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
-                     depth_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                     depth_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                     sequence: Optional[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = None
+                     ) -> torch.Tensor:
     """Each depth's loss, [D] (see the module docstring).
 
     hidden: h_0 [s, b, h] (SP: this rank's shard); labels, loss_mask [b, s] (the full sequence);
     embed(ids [b, s]) -> [s, b, h] (SP: scattered) the shared word embedding; depth_loss(hidden_k, targets [b, s],
     mask [b, s]) -> scalar: the shared head and the loss the main term uses, applied to depth k.
+
+    sequence: with context parallelism, (gather, positions): labels and loss_mask are this rank's tokens [b, s/c],
+    gather(x) puts every rank's back into the whole [b, s] and positions [s/c] are this rank's places in it; the
+    shifts run on the whole sequence (a token's next one may live on another rank) and each rank keeps its places.
     """
+    if sequence is not None:
+        gather, positions = sequence
+        labels, loss_mask = gather(labels), gather(loss_mask)
     ids = labels.clone()
     ids[:, -1] = 0  # = the inputs shifted left once (the labels are t_{i+1}); position s-1 has no next input
     targets, mask = labels, loss_mask
+    mine = (lambda x: x) if sequence is None else (lambda x: x[:, positions])
     losses = []
     for layer in block.layers:
         targets, mask = shift_left(targets), shift_left(mask)
-        hidden = layer(hidden, embed(ids))
-        losses.append(depth_loss(hidden, targets, mask))
+        hidden = layer(hidden, embed(mine(ids)))
+        losses.append(depth_loss(hidden, mine(targets), mine(mask)))
         ids = shift_left(ids)
     return torch.stack(losses)
 

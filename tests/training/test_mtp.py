@@ -43,7 +43,9 @@ def four_processes(base):
             layout(base + MTP, "--zero-stage", "2", tp=2),
             layout(base + MTP + MOE, "--expert-model-parallel-size", "2", pp=2),
             layout(base + MTP, *ZBH1, pp=2), layout(base + MTP, "--num-layers", "4", *VIRTUAL, pp=2),
-            layout(base + MTP, "--pipeline-model-parallel-layout", "E|ttmmL", pp=2)]
+            layout(base + MTP, "--pipeline-model-parallel-layout", "E|ttmmL", pp=2),
+            layout(base + MTP, "--context-parallel-size", "2", pp=2),
+            layout(base + MTP, "--context-parallel-size", "2", "--sequence-parallel", tp=2)]
     return run_distributed(train, world_size=4, args=(runs,))
 
 
@@ -94,8 +96,16 @@ def test_moe_mtp_at_pp2_ep2_trains_as_one_process(one_process, four_processes):
     assert_same_run(one_process[2], four_processes[0][3], "MoE + MTP, PP=2 x EP=2")
 
 
+@pytest.mark.multiprocess
+def test_mtp_with_context_parallelism_trains_as_one_process(one_process, four_processes):
+    """The shifted targets cross the CP ranks' load-balanced chunks (gathered, shifted, re-sliced)."""
+    assert_same_run(one_process[0], four_processes[0][7], "CP=2 x PP=2")
+    assert_same_run(one_process[0], four_processes[0][8], "CP=2 x TP=2 + SP")
+
+
 @pytest.mark.parametrize("flags, needle", [
-    (["--context-parallel-size", "2"], "--mtp-num-layers 2 does not work yet with --context-parallel-size 2"),
+    (["--context-parallel-size", "2", "--zero-stage", "2", "--pipeline-model-parallel-size", "1"],
+     "--mtp-num-layers with --context-parallel-size on DeepSpeed's model engine"),
     (["--ds-sequence-parallel-size", "2", "--pipeline-model-parallel-size", "1"],
      "--mtp-num-layers 2 does not work yet with --ds-sequence-parallel-size 2"),
 ])
