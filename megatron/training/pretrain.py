@@ -252,7 +252,8 @@ def _iteration_stats_fn(rc: RunConfig, engine, state: ParallelState):
             out.update(moe_iteration_stats(engine.module, model.moe, model.total_layers, state.routing_data_group,
                                            state.pp_group))
         if model.mtp_num_layers:
-            out.update(mtp_iteration_losses(engine.module, model.mtp_num_layers, state.dp_group, state.pp_group))
+            # over dp x cp: a CP rank's depth loss is its part times cp (GPTLossFn), their mean the whole one
+            out.update(mtp_iteration_losses(engine.module, model.mtp_num_layers, state.sp_data_group, state.pp_group))
         return out
 
     return stats
