@@ -164,10 +164,6 @@ UPSTREAM_FLAGS = (
              f"is {_LATER}; drop it to split the transformer layers evenly"),
     _refused("--account-for-loss-in-pipeline-split", f"counting the loss as a layer of the pipeline split is "
              f"{_LATER}; drop it to split the transformer layers evenly"),
-    _refused("--recompute-modules", f"recomputing chosen modules is {_LATER}; use --recompute-granularity full or "
-             "selective (the attention core)", "MODULES"),
-    _refused("--moe-layer-recompute", f"recomputing the MoE layers alone is {_LATER}; use --recompute-granularity "
-             "full"),
 )
 BY_FLAG = {row.flag: row for row in UPSTREAM_FLAGS}
 

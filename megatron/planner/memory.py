@@ -181,10 +181,12 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     MLP column-parallel layers for their weight gradients (2w at full size) instead of gathering them again.
     A tiny CPU model in fp32: ``layer_activation_bytes(model_shape_of(config), Layout(...), seq, 4)``.
 
-    moe_layer: an MoE layer of ``model.moe`` (an estimate, dropless and balanced, not measured): the MLP term
-    for k x the expert width + the shared expert's (each token's rows through its k experts), plus the k
-    dispatched input rows and k returned output rows (2k w per h, not split by TP: each TP rank routes every
-    token) and the router's fp32 logits and scores (8E/h).
+    moe_layer: an MoE layer of ``model.moe`` (dropless and balanced; measured on CPU in fp32 within 1%,
+    tests/model/test_recompute_modules.py): the MLP term for k x the expert width + the shared expert's (each
+    token's rows through its k experts), plus four sets of k rows of h (4k w per h, not split by TP: each TP rank
+    routes every token): the dispatched input rows, the experts' output rows, those rows back in token order and
+    their products with the routing weights; and the router's fp32 scores (4E bytes) with the routing's int64
+    indices and fp32 weights (56k bytes) per token.
     """
     if layout.cp > 1:  # ring attention: everything for s/c tokens, no scores (megatron.planner.context_parallel)
         local = dataclasses.replace(layout, cp=1, store_attention_scores=False)
@@ -203,10 +205,73 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     mlp_width, routed = model.ffn, 0.0
     if moe_layer:
         mlp_width = model.moe.topk * model.moe.expert_ffn + model.moe.shared_expert_ffn
-        routed = 2 * model.moe.topk * w + 8 * model.moe.num_experts / h
+        routed = 4 * model.moe.topk * w + (4 * model.moe.num_experts + 56 * model.moe.topk) / h
     mlp = (4 if model.swiglu else 2) * mlp_width / h * w
     scores = (2 * w + 1) * a * s / h if layout.store_attention_scores else 0.0
-    return s / u * b * h * (outside + routed + (attention + mlp + scores) / t)
+    kept = s / u * b * h * (outside + routed + (attention + mlp + scores) / t)
+    if layout.recompute_modules:
+        kept -= sum(recompute_saved_bytes(model, layout, seq_length, w, moe_layer=moe_layer).values())
+    return kept
+
+
+def recompute_saved_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int = 2, *,
+                          moe_layer: bool = False) -> dict[str, float]:
+    """What each of ``layout.recompute_modules`` (--recompute-modules) frees in one layer (an MoE layer of
+    ``model.moe`` with ``moe_layer``), one micro-batch, on one rank: the tensors the part's consumers and its own
+    backward would keep, less its inputs (kept). Per token (s/u or s/c of them), with w bytes per element, t = TP:
+      core_attn       the stored scores, (2w + 1) a s / t (nothing with a fused kernel: store_attention_scores)
+      layernorm       both norms' outputs, 2 h w (/t with SP), and their fp32 statistics (mean and 1/rms: 8 bytes
+                      a LayerNorm, 4 an RMSNorm)
+      mlp             a dense layer's MLP: its h -> f output and activation, (4 SwiGLU | 2) f w / t
+      moe             an MoE layer's whole MLP term: the experts' and shared expert's activations, the dispatched
+                      rows and the router's scores (``layer_activation_bytes``' moe_layer terms); the rest inside it
+                      (moe_act, shared_experts) is then nothing more
+      moe_act         the experts' activation output (and SwiGLU's silu(gate)): (2 | 1) k f_e w / t
+      shared_experts  the shared expert's MLP: (4 | 2) f_s w / t
+      mla_up_proj     MLA's up-projected key / value, np (dn + dv) w, and RoPE's cos / sin (2 dr w per position);
+                      with a fused attention kernel (no stored scores) also the query and key it would keep,
+                      2 np (dn + dr) w (with stored scores the core keeps its own scaled copies of them)
+    Measured on CPU in fp32 (tests/model/test_recompute_modules.py), each within 1%."""
+    if layout.cp > 1:
+        local = dataclasses.replace(layout, cp=1, store_attention_scores=False)
+        return recompute_saved_bytes(model, local, seq_length / layout.cp, bytes_per_element, moe_layer=moe_layer)
+    s, b, h, t, w = seq_length, layout.micro_batch_size, model.hidden_size, layout.tp, bytes_per_element
+    tokens = s / layout.ulysses * b
+    modules = set(layout.recompute_modules)
+    moe = model.moe if moe_layer else None
+    out = {}
+    for name in layout.recompute_modules:
+        if name == "core_attn":
+            per_token = (2 * w + 1) * model.num_attention_heads * s / t if layout.store_attention_scores else 0.0
+        elif name == "layernorm":
+            stats = 8 if model.normalization == "layernorm" else 4
+            per_token = 2 * (h * w + stats) / (t if layout.sequence_parallel else 1)
+        elif name == "mlp":
+            per_token = 0.0 if moe else (4 if model.swiglu else 2) * model.ffn * w / t
+        elif name == "moe":
+            per_token = 0.0
+            if moe:
+                width = moe.topk * moe.expert_ffn + moe.shared_expert_ffn
+                per_token = ((4 if model.swiglu else 2) * width * w / t + 4 * moe.topk * h * w
+                             + 4 * moe.num_experts + 56 * moe.topk)
+        elif name == "moe_act":
+            per_token = (2 if model.swiglu else 1) * moe.topk * moe.expert_ffn * w / t if moe and "moe" not in modules \
+                else 0.0
+        elif name == "shared_experts":
+            per_token = (4 if model.swiglu else 2) * moe.shared_expert_ffn * w / t if moe and "moe" not in modules \
+                else 0.0
+        elif name == "mla_up_proj":
+            if model.mla_head_dims is None:
+                raise ValueError("mla_up_proj recomputes multi-latent attention's up-projections: the model has none")
+            dn, dr, dv = model.mla_head_dims
+            heads = model.num_attention_heads / t
+            per_token = heads * (dn + dv + (0 if layout.store_attention_scores else 2 * (dn + dr))) * w
+            out[name] = tokens * per_token + 2 * s / layout.ulysses * dr * w
+            continue
+        else:
+            raise ValueError(f"--recompute-modules {name!r} is not a module the planner knows")
+        out[name] = tokens * per_token
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,6 +98,7 @@ class ModelShape:
     normalization: str = "layernorm"     # layernorm (weight + bias) | rmsnorm (weight)
     moe: Optional[MoEShape] = None       # routed experts in the layers its pattern marks (None: dense)
     fp8: Optional[FP8Shape] = None       # FP8 GEMMs in the layers its pattern marks (None: none; megatron.planner.fp8)
+    mla_head_dims: Optional[tuple[int, int, int]] = None  # MLA's (dn, dr, dv) per head: what mla_up_proj recomputes
 
     @property
     def ffn(self) -> int:
@@ -190,7 +191,10 @@ def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> Mod
                       qk_layernorm=config.qk_layernorm and config.mla is None,
                       swiglu=config.swiglu, add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
                       normalization=config.normalization, moe=_moe_shape_of(config),
-                      fp8=fp8_shape_of(config.fp8, config.num_layers))
+                      fp8=fp8_shape_of(config.fp8, config.num_layers),
+                      mla_head_dims=None if config.mla is None else (config.mla.qk_head_dim,
+                                                                     config.mla.qk_pos_emb_head_dim,
+                                                                     config.mla.v_head_dim))
 
 
 def _moe_shape_of(config: ModelConfig) -> Optional[MoEShape]:
