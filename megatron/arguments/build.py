@@ -50,6 +50,7 @@ def assemble_run_config(args) -> RunConfig:
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
         attention_backend=args.attention_backend, recompute_core_attention=args.recompute_core_attention,
+        recompute_modules=args.recompute_module_parts,
         # with one TP rank there is no sequence to split (the startup warnings say so)
         sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1, moe=args.moe,
         mla=args.mla, fp8=args.fp8, mtp_num_layers=args.mtp_num_layers or 0,

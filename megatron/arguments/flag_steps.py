@@ -109,10 +109,20 @@ def resolve_recompute_spellings(args) -> None:
             raise ValueError("--recompute-activations (selective recomputation) contradicts --recompute-granularity "
                              "full; drop one of them")
         args.recompute_granularity = "selective"
+    if args.moe_layer_recompute:  # Megatron-LM's deprecated spelling of selective recomputation of "moe"
+        if args.recompute_granularity == "full":
+            raise ValueError("--moe-layer-recompute recomputes the MoE layers alone (selective recomputation); do not "
+                             "set it with --recompute-granularity full, which recomputes whole layers already")
+        args.recompute_granularity = "selective"
+        args.recompute_modules = list(args.recompute_modules if args.recompute_modules is not None else
+                                      ["core_attn"]) + ["moe"]
     granularity, method, num_layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
     # With --checkpoint-activations too, full recomputation wins: it already recomputes the attention core
     # (Megatron-DeepSpeed runs both, nesting a second recomputation of the core; a startup warning says so).
-    args.recompute_core_attention = granularity == "selective" and not args.checkpoint_activations
+    selective = granularity == "selective" and not args.checkpoint_activations
+    modules = args.recompute_modules if args.recompute_modules is not None else ["core_attn"]  # Megatron's default
+    args.recompute_core_attention = selective and "core_attn" in modules
+    args.recompute_module_parts = tuple(dict.fromkeys(m for m in modules if m != "core_attn")) if selective else ()
     if granularity != "full":
         if (method is not None or num_layers is not None) and not _uniform_beside_checkpoint_activations(args):
             raise ValueError(f"--recompute-method / --recompute-num-layers apply to --recompute-granularity full; "
@@ -337,6 +347,12 @@ def _no_effect_warnings(args) -> list[str]:
         out.append("--recompute-granularity selective has no effect with --checkpoint-activations: full "
                    "recomputation already recomputes the attention core, so only full layers are recomputed "
                    "(Megatron-DeepSpeed runs both, recomputing the core a second time inside each layer)")
+    if args.recompute_modules is not None and args.recompute_granularity != "selective":
+        out.append(f"--recompute-modules {' '.join(args.recompute_modules)} has no effect without "
+                   f"--recompute-granularity selective")
+    if args.moe_layer_recompute:
+        out.append("--moe-layer-recompute is deprecated (Megatron-LM): it runs as --recompute-granularity selective "
+                   "--recompute-modules ... moe")
     if _uniform_beside_checkpoint_activations(args):
         out.append("--recompute-method uniform changes nothing beside --checkpoint-activations, which already "
                    "recomputes uniform chunks of --checkpoint-num-layers layers")

@@ -564,6 +564,17 @@ def _speed(parser):
                         "attention core softmax(QK^T)V, whose [np, s, s] scores are the largest activations, "
                         "recomputed from the kept q, k, v. Selective with --checkpoint-activations runs as full "
                         "alone, which already recomputes the core (a startup warning says so).")
+    g.add_argument("--recompute-modules", nargs="*", default=None, metavar="MODULE",
+                   help="With --recompute-granularity selective (Megatron-LM's flag): the parts of every layer "
+                        "recomputed in backward, keeping only their inputs; default core_attn. core_attn: the "
+                        "attention core; layernorm: both norms' outputs (recomputed from their inputs); mlp: the "
+                        "dense MLP (not the MoE layers); moe: the whole MoE layer (router, token exchange, experts, "
+                        "shared expert; the all-to-all runs again in backward); moe_act: the experts' activation; "
+                        "shared_experts: the shared expert; mla_up_proj: multi-latent attention's up-projections "
+                        "and RoPE. The planner and --dry-run count what each one frees.")
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="Megatron-LM's deprecated spelling of --recompute-granularity selective --recompute-modules "
+                        "... moe (added to the modules; refused with --recompute-granularity full).")
     g.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
                    help="With --recompute-granularity full: uniform (chunks of --recompute-num-layers layers, "
                         "DeepSpeed's interval; the default). Megatron-LM's block (only the first N layers of a stage) "

@@ -214,6 +214,8 @@ def model_config_from_dict(fields: dict) -> ModelConfig:
     if isinstance(kept.get("mla"), dict):  # multi-head latent attention: its own dataclass
         mla_fields = {f.name for f in dataclasses.fields(MLAConfig)}
         kept["mla"] = MLAConfig(**{k: v for k, v in kept["mla"].items() if k in mla_fields})
+    if "recompute_modules" in kept:  # --recompute-modules (JSON made the tuple a list; the config is hashed)
+        kept["recompute_modules"] = tuple(kept["recompute_modules"])
     return ModelConfig(**kept)
 
 

@@ -15,6 +15,8 @@ POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi", "none")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 PARAMS_DTYPES = ("fp32", "bf16", "fp16")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash", "unfused")
+# --recompute-modules' choices (Megatron-LM's names; its gated-delta-net and mHC modules have no model here)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 
 def swiglu_default_ffn_size(hidden_size: int) -> int:
@@ -122,6 +124,12 @@ class ModelConfig:
     # --recompute-granularity selective: keep only the attention core's inputs (q, k, v) in forward and recompute
     # softmax(QK^T)V in backward (Korthikanti et al. 2022: the 5as/h part of the activations, for little compute).
     recompute_core_attention: bool = False
+    # --recompute-modules (with --recompute-granularity selective; Megatron-LM's names) other than core_attn, which
+    # is recompute_core_attention above: each named part of every layer keeps only its inputs for backward and is
+    # recomputed there (megatron.parallel.recompute). layernorm: both norms' outputs; mlp: the dense MLP; moe: the
+    # whole MoE layer (router, dispatch, experts, shared expert); moe_act: the experts' activation; shared_experts:
+    # the shared expert; mla_up_proj: MLA's up-projections and RoPE (the query, key and value).
+    recompute_modules: tuple[str, ...] = ()
     # --sequence-parallel (Korthikanti et al. 2022) with TP > 1: norms, dropout and residual adds run on this TP
     # rank's [s/tp, b, h] shard of the sequence; column-parallel inputs are all-gathered along s, row-parallel
     # outputs reduce-scattered. Changes no parameter; a model built for decoding leaves it False.
@@ -218,6 +226,7 @@ class ModelConfig:
         self._validate_mla()
         self._validate_fp8()
         self._validate_mtp()
+        self._validate_recompute_modules()
         if self.sequence_parallel and self.seq_length % tp:
             raise ValueError(f"--sequence-parallel splits the sequence over the {tp} tensor-parallel ranks, but "
                              f"--seq-length {self.seq_length} is not a multiple of --tensor-model-parallel-size {tp}; "
@@ -343,6 +352,22 @@ class ModelConfig:
             raise ValueError(f"--mtp-num-layers {self.mtp_num_layers} is not implemented with {', '.join(wrong)}: the "
                              f"MTP depths re-embed tokens with the word embedding alone (DeepSeek-V3, Qwen3 and "
                              f"Llama-style models have neither); drop --mtp-num-layers or the other flag")
+
+    def _validate_recompute_modules(self) -> None:
+        for name in self.recompute_modules:
+            _one_of("--recompute-modules", name, RECOMPUTE_MODULES[1:])  # core_attn is recompute_core_attention
+        need = [(name, flag) for name, flag, present in (
+            ("moe", "--num-experts", self.moe is not None), ("moe_act", "--num-experts", self.moe is not None),
+            ("shared_experts", "--moe-shared-expert-intermediate-size",
+             self.moe is not None and self.moe.shared_expert_intermediate_size is not None),
+            ("mla_up_proj", "--multi-latent-attention", self.mla is not None)) if name in self.recompute_modules
+            and not present]
+        if need:
+            raise ValueError(f"--recompute-modules {' '.join(n for n, _ in need)} recomputes a part this model does not "
+                             f"have: it needs {', '.join(f for _, f in need)}")
+        if "shared_experts" in self.recompute_modules and self.moe.shared_expert_overlap:
+            raise ValueError("--recompute-modules shared_experts cannot work with --moe-shared-expert-overlap (as in "
+                             "Megatron-LM): the overlapped shared expert runs inside the dispatch; drop one of them")
 
     def _validate_mla(self) -> None:
         if self.mla is None:

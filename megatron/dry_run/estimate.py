@@ -108,6 +108,7 @@ def planner_layout(rc: RunConfig, stage_layers: list[int]) -> Layout:
                   store_attention_scores=stores_attention_scores(rc), ep=p.expert_model_parallel_size,
                   etp=0 if p.expert_tp == p.tensor_model_parallel_size else p.expert_tp,
                   cp=p.context_parallel_size, schedule=schedule, virtual_stages=virtual_stages,
+                  recompute_modules=() if rc.training.checkpoint_activations else rc.model.recompute_modules,
                   adam_state_bytes=sum(STATE_BYTES[d] for d in (rc.optimizer.exp_avg_dtype,
                                                                 rc.optimizer.exp_avg_sq_dtype)))
 
@@ -119,6 +120,7 @@ def memory_section(rc: RunConfig, stage_layers: list[int], gpu) -> dict:
     limit = gpu.memory_bytes * MEMORY_HEADROOM
     return {"gpu": gpu.name, "gpu_memory_gib": round(gpu.memory_bytes / GiB, 1), "sequence": layout.sequence_label,
             "attention_scores_stored": layout.store_attention_scores,
+            "recompute_modules": list(layout.recompute_modules),
             "limit_gib": round(limit / GiB, 1), "headroom": MEMORY_HEADROOM,
             "peak_gib": round(memory.peak / GiB, 2), "peak_stage": memory.peak_stage, "fits": memory.peak <= limit,
             "per_stage_gib": [{k: round(v / GiB, 2) for k, v in stage.items()} for stage in memory.per_stage]}

@@ -110,6 +110,8 @@ def _memory(m: dict) -> list[str]:
     parts = ", ".join(f"{k} {v:g}" for k, v in peak.items())
     seq = f", sequence split {m['sequence']}" if m["sequence"] else ""
     scores = "attention scores kept" if m["attention_scores_stored"] else "fused attention (no scores kept)"
+    if m.get("recompute_modules"):
+        scores += f", recomputed: {' '.join(m['recompute_modules'])}"
     return ["", f"memory       planner estimate per GPU, {m['gpu']} assumed ({m['gpu_memory_gib']} GiB; "
             f"--dry-run-gpu), limit {m['limit_gib']} GiB ({m['headroom']:.0%}){seq}, {scores}",
             f"  busiest    stage {m['peak_stage']}: {m['peak_gib']} GiB ({parts} GiB) -> "

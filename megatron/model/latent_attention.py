@@ -61,6 +61,7 @@ from megatron.parallel.context_parallel import load_balanced_positions
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 from megatron.parallel.random import tracked_checkpoint_func
+from megatron.parallel.recompute import OutputDiscardingCheckpoint, recompute_enabled
 from megatron.parallel.state import LayerGroups, group_rank, group_size
 from megatron.parallel.weight_grad_store import linear
 
@@ -159,44 +160,33 @@ class MultiLatentAttention(nn.Module):
             init_method=normal_init(output_layer_std(config), seed, f"{prefix}.dense.weight"))
         self._rope_scaling = rotary_scaling(config)  # Llama 3.1's, YaRN's, or None
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [sq, b, h] (SP: [sq/tp, b, h]) -> q [sq, b, np * (dn + dr)]."""
+    def _query_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [sq, b, h] (SP: [sq/tp, b, h]) -> what the query's up-projection takes: the normed latent
+        [sq, b, dq] (SP: [sq/tp, b, dq]), or hidden itself without a query latent (--q-lora-rank unset)."""
         if self.mla.q_lora_rank is None:
-            return self.linear_q_proj(hidden)[0]
+            return hidden
         latent = self.linear_q_down_proj(hidden)  # [sq, b, dq] (SP: [sq/tp, b, dq])
-        if self.q_layernorm is not None:
-            latent = self.q_layernorm(latent)
-        return self.linear_q_up_proj(latent)[0]  # SP: the latent gathered along s first
+        return self.q_layernorm(latent) if self.q_layernorm is not None else latent
 
-    def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        """hidden [sq, b, h] (already normed) -> attention output [sq, b, h]; with sequence parallelism
-        [sq/tp, b, h] -> [sq/tp, b, h]. ``kv_cache``: a ``KVCache`` holding this layer's expanded keys
-        [sk, b, np, dn + dr] and values [sk, b, np, dv]."""
-        if isinstance(kv_cache, BatchKVCache):
-            raise ValueError("--multi-latent-attention has no batched KV cache (the inference server's); decode "
-                             "with tools/generate.py")
-        if (self.cp_group is not None or self._sequence_exchange is not None) and kv_cache is not None:
-            raise ValueError("decoding with a KV cache runs without sequence or context parallelism (SP = CP = 1 "
-                             "when serving)")
+    def _query_key_value(self, q_input: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, offset: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The up-projections and RoPE (--recompute-modules mla_up_proj recomputes exactly this): the query input
+        (``_query_input``), the normed key / value latent [sq, b, dc] and the rotary key part [sq, b, dr] (SP:
+        sq/tp tokens each) -> query, key [sq, b, np, dn + dr], value [sq, b, np, dv] (the whole sequence)."""
         mla, np_ = self.mla, self.num_heads_per_partition
         dn, dr, dv = mla.qk_head_dim, mla.qk_pos_emb_head_dim, mla.v_head_dim
-        query = self._query(hidden)  # [sq, b, np * (dn + dr)]
-        sq, b, _ = query.shape  # the whole sequence even where hidden is a sequence-parallel shard
+        up = self.linear_q_proj if mla.q_lora_rank is None else self.linear_q_up_proj
+        query = up(q_input)[0]  # [sq, b, np * (dn + dr)] (SP: the input gathered along s first)
+        sq, b, _ = query.shape  # the whole sequence even where the inputs are sequence-parallel shards
         query = query.view(sq, b, np_, dn + dr)  # [sq, b, np, dn + dr]
         q_nope, q_rope = query.split([dn, dr], dim=-1)
-        # [sq, b, dc], [sq, b, dr] (SP: this rank's sq/tp tokens)
-        latent, k_rope = self.linear_kv_down_proj(hidden).split([mla.kv_lora_rank, dr], dim=-1)
-        if self.kv_layernorm is not None:
-            latent = self.kv_layernorm(latent)
         kv, _ = self.linear_kv_up_proj(latent)  # [sq, b, np * (dn + dv)] (SP: the latent gathered along s first)
         k_nope, value = kv.view(sq, b, np_, dn + dv).split([dn, dv], dim=-1)  # [sq, b, np, dn], [sq, b, np, dv]
-
-        offset = self._sp_rank * sq if kv_cache is None else kv_cache.length  # Ulysses: this rank's first token
         if self.cp_group is not None:  # this rank's chunks i and 2cp-1-i of the sequence
             cp = group_size(self.cp_group)
-            positions = load_balanced_positions(sq * cp, cp, group_rank(self.cp_group), hidden.device)  # [sq]
+            positions = load_balanced_positions(sq * cp, cp, group_rank(self.cp_group), q_input.device)  # [sq]
         else:
-            positions = torch.arange(offset, offset + sq, device=hidden.device)  # [sq]
+            positions = torch.arange(offset, offset + sq, device=q_input.device)  # [sq]
         cos, sin = rotary_cos_sin(positions, dr, self.config.rotary_base, self._rope_scaling)  # 2 x [sq, dr]
         q_rope = apply_rotary(deinterleave(q_rope), cos, sin)  # [sq, b, np, dr]
         # every head's gradient summed over TP (SP: and the gathered tokens' gradients scattered back)
@@ -207,6 +197,43 @@ class MultiLatentAttention(nn.Module):
         k_rope = apply_rotary(deinterleave(k_rope)[:, :, None, :], cos, sin)  # [sq, b, 1, dr]
         query = torch.cat((q_nope, q_rope), dim=-1)  # [sq, b, np, dn + dr]
         key = torch.cat((k_nope, k_rope.expand(sq, b, np_, dr)), dim=-1)  # [sq, b, np, dn + dr]
+        return query, key, value
+
+    def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """hidden [sq, b, h] (already normed) -> attention output [sq, b, h]; with sequence parallelism
+        [sq/tp, b, h] -> [sq/tp, b, h]. ``kv_cache``: a ``KVCache`` holding this layer's expanded keys
+        [sk, b, np, dn + dr] and values [sk, b, np, dv].
+
+        --recompute-modules mla_up_proj: the query, key and value (``_query_key_value``'s outputs) are freed once
+        the attention core (or the ring, or Ulysses' exchange) has taken them, and rebuilt from the latents in
+        backward (megatron.parallel.recompute)."""
+        if isinstance(kv_cache, BatchKVCache):
+            raise ValueError("--multi-latent-attention has no batched KV cache (the inference server's); decode "
+                             "with tools/generate.py")
+        if (self.cp_group is not None or self._sequence_exchange is not None) and kv_cache is not None:
+            raise ValueError("decoding with a KV cache runs without sequence or context parallelism (SP = CP = 1 "
+                             "when serving)")
+        mla = self.mla
+        q_input = self._query_input(hidden)
+        # [sq, b, dc], [sq, b, dr] (SP: this rank's sq/tp tokens)
+        latent, k_rope = self.linear_kv_down_proj(hidden).split([mla.kv_lora_rank, mla.qk_pos_emb_head_dim], dim=-1)
+        if self.kv_layernorm is not None:
+            latent = self.kv_layernorm(latent)
+        sq = hidden.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
+        offset = self._sp_rank * sq if kv_cache is None else kv_cache.length  # Ulysses: this rank's first token
+        if "mla_up_proj" in self.config.recompute_modules and kv_cache is None and recompute_enabled(self):
+            part = OutputDiscardingCheckpoint()
+            query, key, value = part(lambda *x: self._query_key_value(*x, offset), q_input, latent, k_rope)
+            output = self._attend(query, key, value, offset, kv_cache)
+            part.discard(output)
+            return output
+        return self._attend(*self._query_key_value(q_input, latent, k_rope, offset), offset, kv_cache)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: int,
+                kv_cache: Optional[KVCache]) -> torch.Tensor:
+        """query, key [sq, b, np, dn + dr], value [sq, b, np, dv] -> the attention's output [sq, b, h] (SP:
+        [sq/tp, b, h]), through the KV cache, Ulysses' exchange, the ring, or the core attention."""
+        sq, b, np_, dv = value.shape
         if kv_cache is not None:
             key, value = kv_cache.append(key, value)  # [sk, b, np, dn + dr], [sk, b, np, dv]
 

@@ -36,7 +36,8 @@ from megatron.model.moe.layer import MoELayer
 from megatron.model.norm import Norm
 from megatron.parallel.fp8_linear import enable_fp8, match_fp8_state
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.parallel.random import sequence_parallel_dropout
+from megatron.parallel.random import sequence_parallel_dropout, tracked_checkpoint_func
+from megatron.parallel.recompute import OutputDiscardingCheckpoint, recompute_enabled
 from megatron.parallel.state import LayerGroups, group_size
 
 __all__ = ["ParallelMLP", "TransformerLayer", "FinalLayerNorm", "zero_biases", "sequence_parallel_dropout"]
@@ -141,6 +142,7 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
         self.rng_tracker = rng_tracker
+        self.recompute_modules = config.recompute_modules  # --recompute-modules (core_attn is the attention's)
         self.input_layernorm = Norm(config, tp_group)
         attention = SelfAttention if config.mla is None else MultiLatentAttention  # --multi-latent-attention
         self.self_attention = attention(config, groups, layer_number, rng_tracker)
@@ -162,10 +164,35 @@ class TransformerLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         """hidden [s, b, h] -> [s, b, h] (sequence parallel: [s/tp, b, h] -> [s/tp, b, h]).
         ``kv_cache``: this layer's cache when decoding incrementally (not with sequence parallelism)."""
+        if self.recompute_modules and recompute_enabled(self):
+            return self._recomputing_forward(hidden)
         attention = self.self_attention(self.input_layernorm(hidden), kv_cache)  # [s, b, h]
         hidden = hidden + self._dropout(attention)
         mlp = self.mlp(self.post_attention_layernorm(hidden))  # [s, b, h]
         return hidden + self._dropout(mlp)
+
+    def _recomputing_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The training forward with --recompute-modules: layernorm (both norms' outputs freed once their consumer
+        ran, rebuilt in backward: megatron.parallel.recompute), mlp (a dense MLP kept as its input only, through
+        the RNG-tracked checkpoint); moe, moe_act, shared_experts and mla_up_proj are the MoE layer's and the
+        attention's own."""
+        # Each norm's output is rebuilt when the gradient of the residual sum after its branch is complete: before
+        # the branch's backward, and before any rebuild inside the branch that reads it (mla_up_proj's).
+        norms = "layernorm" in self.recompute_modules
+        first = OutputDiscardingCheckpoint() if norms else None
+        normed = first(self.input_layernorm, hidden) if norms else self.input_layernorm(hidden)
+        hidden = hidden + self._dropout(self.self_attention(normed))  # [s, b, h]
+        second = OutputDiscardingCheckpoint() if norms else None
+        normed = second(self.post_attention_layernorm, hidden) if norms else self.post_attention_layernorm(hidden)
+        if "mlp" in self.recompute_modules and isinstance(self.mlp, ParallelMLP):
+            mlp = tracked_checkpoint_func(self.rng_tracker)(self.mlp, normed)  # [s, b, h]
+        else:
+            mlp = self.mlp(normed)  # [s, b, h]
+        output = hidden + self._dropout(mlp)
+        if norms:
+            first.discard(hidden)
+            second.discard(output)
+        return output
 
 
 class FinalLayerNorm(Norm):

@@ -9,6 +9,8 @@ What lives here:
     layers             ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     cross_entropy      vocab-parallel cross-entropy, without gathering the [s, b, v] logits
     random             the RNG states tracker: named generator states, so dropout differs across TP ranks where it must
+    recompute          recomputing a part of a layer in backward with its output freed once consumed
+                       (--recompute-modules: norms, activations, MLA's up-projections)
     replicated         keeping the parameters replicated across TP ranks equal (--sync-tp-duplicated-parameters)
     utils              small helpers shared by the layers: checked division, splitting, param tags
     pipeline_partition  which pipeline items each stage holds: DeepSpeed's rule, plain Python

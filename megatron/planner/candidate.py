@@ -51,6 +51,10 @@ class Layout:
     # bytes of Adam's two moments per parameter: 8 in fp32, 4 with both stored in bf16 / fp16 (Megatron-LM's
     # precision-aware optimizer, --exp-avg-dtype / --exp-avg-sq-dtype)
     adam_state_bytes: int = 8
+    # --recompute-modules (selective; Megatron-LM's names): the parts of each layer kept as their inputs only
+    # (megatron.planner.memory.recompute_saved_bytes); core_attn here drops the stored scores, as
+    # store_attention_scores=False does
+    recompute_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.ulysses < 1 or self.cp < 1:

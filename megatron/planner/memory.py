@@ -186,10 +186,14 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     MLP column-parallel layers for their weight gradients (2w at full size) instead of gathering them again.
     A tiny CPU model in fp32: ``layer_activation_bytes(model_shape_of(config), Layout(...), seq, 4)``.
 
-    moe_layer: an MoE layer of ``model.moe`` (an estimate, dropless and balanced, not measured): the MLP term
-    for k x the expert width + the shared expert's (each token's rows through its k experts), plus the k
-    dispatched input rows and k returned output rows (2k w per h, not split by TP: each TP rank routes every
-    token) and the router's fp32 logits and scores (8E/h).
+    moe_layer: an MoE layer of ``model.moe`` (an estimate, dropless and balanced): the MLP term for k x the
+    expert width + the shared expert's (each token's rows through its k experts), plus the k dispatched input rows
+    and k returned output rows (2k w per h, not split by TP: each TP rank routes every token) and the router's fp32
+    logits and scores (8E/h). Measured on CPU (tests/model/test_recompute_modules.py), the layer keeps about a fifth
+    more: four sets of k rows of h (the dispatched rows, the experts' output, those rows in token order and their
+    products with the routing weights) and the routing's int64 indices.
+
+    Without the parts ``layout.recompute_modules`` recomputes: ``layer_kept_bytes``.
     """
     if layout.cp > 1:  # ring attention: everything for s/c tokens, no scores (megatron.planner.context_parallel)
         local = dataclasses.replace(layout, cp=1, store_attention_scores=False)
@@ -212,6 +216,77 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     mlp = (4 if model.swiglu else 2) * mlp_width / h * w
     scores = (2 * w + 1) * a * s / h if layout.store_attention_scores else 0.0
     return s / u * b * h * (outside + routed + (attention + mlp + scores) / t)
+
+
+def layer_kept_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int = 2, *,
+                     moe_layer: bool = False) -> float:
+    """``layer_activation_bytes`` less what ``layout.recompute_modules`` frees (``recompute_saved_bytes``): what one
+    layer keeps for backward. (The step-time model reads ``layer_activation_bytes``: recomputing frees memory, not
+    elementwise passes.)"""
+    kept = layer_activation_bytes(model, layout, seq_length, bytes_per_element, moe_layer=moe_layer)
+    if layout.recompute_modules:
+        kept -= sum(recompute_saved_bytes(model, layout, seq_length, bytes_per_element, moe_layer=moe_layer).values())
+    return kept
+
+
+def recompute_saved_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int = 2, *,
+                          moe_layer: bool = False) -> dict[str, float]:
+    """What each of ``layout.recompute_modules`` (--recompute-modules) frees in one layer (an MoE layer of
+    ``model.moe`` with ``moe_layer``), one micro-batch, on one rank: the tensors the part's consumers and its own
+    backward would keep, less its inputs (kept). Per token (s/u or s/c of them), with w bytes per element, t = TP:
+      core_attn       the stored scores, (2w + 1) a s / t (nothing with a fused kernel: store_attention_scores)
+      layernorm       both norms' outputs, 2 h w (/t with SP), and their fp32 statistics (mean and 1/rms: 8 bytes
+                      a LayerNorm, 4 an RMSNorm)
+      mlp             a dense layer's MLP: its h -> f output and activation, (4 SwiGLU | 2) f w / t
+      moe             an MoE layer's whole MLP term as ``layer_activation_bytes`` estimates it: the experts' and
+                      shared expert's activations, the dispatched rows and the router's scores; the rest inside it
+                      (moe_act, shared_experts) is then nothing more
+      moe_act         the experts' activation output (and SwiGLU's silu(gate)): (2 | 1) k f_e w / t
+      shared_experts  the shared expert's MLP: (4 | 2) f_s w / t
+      mla_up_proj     MLA's up-projected key / value, np (dn + dv) w, and RoPE's cos / sin (2 dr w per position);
+                      with a fused attention kernel (no stored scores) also the query and key it would keep,
+                      2 np (dn + dr) w (with stored scores the core keeps its own scaled copies of them)
+    Measured on CPU in fp32 (tests/model/test_recompute_modules.py): each within 1%, but moe, which frees about a
+    fifth more than the MoE-layer estimate counts (see ``layer_activation_bytes``)."""
+    if layout.cp > 1:
+        local = dataclasses.replace(layout, cp=1, store_attention_scores=False)
+        return recompute_saved_bytes(model, local, seq_length / layout.cp, bytes_per_element, moe_layer=moe_layer)
+    s, b, h, t, w = seq_length, layout.micro_batch_size, model.hidden_size, layout.tp, bytes_per_element
+    tokens = s / layout.ulysses * b
+    modules = set(layout.recompute_modules)
+    moe = model.moe if moe_layer else None
+    out = {}
+    for name in layout.recompute_modules:
+        if name == "core_attn":
+            per_token = (2 * w + 1) * model.num_attention_heads * s / t if layout.store_attention_scores else 0.0
+        elif name == "layernorm":
+            stats = 8 if model.normalization == "layernorm" else 4
+            per_token = 2 * (h * w + stats) / (t if layout.sequence_parallel else 1)
+        elif name == "mlp":
+            per_token = 0.0 if moe else (4 if model.swiglu else 2) * model.ffn * w / t
+        elif name == "moe":
+            per_token = 0.0
+            if moe:
+                width = moe.topk * moe.expert_ffn + moe.shared_expert_ffn
+                per_token = (4 if model.swiglu else 2) * width * w / t + 2 * moe.topk * h * w + 8 * moe.num_experts
+        elif name == "moe_act":
+            per_token = (2 if model.swiglu else 1) * moe.topk * moe.expert_ffn * w / t if moe and "moe" not in modules \
+                else 0.0
+        elif name == "shared_experts":
+            per_token = (4 if model.swiglu else 2) * moe.shared_expert_ffn * w / t if moe and "moe" not in modules \
+                else 0.0
+        elif name == "mla_up_proj":
+            if model.mla_head_dims is None:
+                raise ValueError("mla_up_proj recomputes multi-latent attention's up-projections: the model has none")
+            dn, dr, dv = model.mla_head_dims
+            heads = model.num_attention_heads / t
+            per_token = heads * (dn + dv + (0 if layout.store_attention_scores else 2 * (dn + dr))) * w
+            out[name] = tokens * per_token + 2 * s / layout.ulysses * dr * w
+            continue
+        else:
+            raise ValueError(f"--recompute-modules {name!r} is not a module the planner knows")
+        out[name] = tokens * per_token
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +327,8 @@ def head_weight_pass_bytes(model: ModelShape, layout: Layout, seq_length: int, b
 
 def activation_terms(model: ModelShape, layout: Layout, seq_length: int, global_batch_size: int) -> list[dict]:
     """Activation bytes of each stage by term, at the stage's peak under ``layout.schedule``:
-      saved      the activations the layers keep for backward, of every micro-batch in flight
+      saved      the activations the layers keep for backward (less what --recompute-modules recomputes), of
+                 every micro-batch in flight
                  (``megatron.planner.schedule_costs.in_flight``), plus ZB-H1's waiting W passes (the head's too)
       embedding  the first stage's embedding dropout masks (1 byte per element), one per micro-batch in flight
       logits     the last stage's logits of one micro-batch: the logits, an fp32 copy and its fp32 gradient (the
@@ -276,6 +352,9 @@ def activation_terms(model: ModelShape, layout: Layout, seq_length: int, global_
         moe_layers = [0] * p
     full_layer = layer_activation_bytes(model, layout, seq_length, w)
     moe_layer = layer_activation_bytes(model, layout, seq_length, w, moe_layer=True) if model.moe else 0.0
+    # --recompute-modules: each layer in flight keeps less; the one in backward holds its recomputed parts again
+    kept_layer = layer_kept_bytes(model, layout, seq_length, w)
+    kept_moe_layer = layer_kept_bytes(model, layout, seq_length, w, moe_layer=True) if model.moe else 0.0
     local_tokens = s * b / layout.sequence_split  # a layer's input and the embedding output: this rank's shard
     schedule = get_schedule(layout.schedule)  # the registry entry (megatron.config.schedules)
     w_layer = weight_pass_bytes(model, layout, seq_length, w) if schedule.defers_weight_passes else 0.0
@@ -285,7 +364,7 @@ def activation_terms(model: ModelShape, layout: Layout, seq_length: int, global_
         if layout.recompute:
             one, working = layers[i] * w * local_tokens * h, 2 * biggest
         else:
-            one = (layers[i] - moe_layers[i]) * full_layer + moe_layers[i] * moe_layer
+            one = (layers[i] - moe_layers[i]) * kept_layer + moe_layers[i] * kept_moe_layer
             working = biggest
         weight_pass = layers[i] * w_layer
         if w_layer and i == p - 1:

@@ -100,6 +100,7 @@ class ModelShape:
     fp8: Optional[FP8Shape] = None       # FP8 GEMMs in the layers its pattern marks (None: none; megatron.planner.fp8)
     mtp_num_layers: int = 0              # multi-token-prediction depths on the last stage (each: a layer of the last
                                          # layer's kind, its projection 2h x h and 3 norms; the word embedding too)
+    mla_head_dims: Optional[tuple[int, int, int]] = None  # MLA's (dn, dr, dv) per head: what mla_up_proj recomputes
 
     @property
     def ffn(self) -> int:
@@ -202,7 +203,10 @@ def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> Mod
                       qk_layernorm=config.qk_layernorm and config.mla is None,
                       swiglu=config.swiglu, add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
                       normalization=config.normalization, moe=_moe_shape_of(config),
-                      fp8=fp8_shape_of(config.fp8, config.num_layers), mtp_num_layers=config.mtp_num_layers)
+                      fp8=fp8_shape_of(config.fp8, config.num_layers), mtp_num_layers=config.mtp_num_layers,
+                      mla_head_dims=None if config.mla is None else (config.mla.qk_head_dim,
+                                                                     config.mla.qk_pos_emb_head_dim,
+                                                                     config.mla.v_head_dim))
 
 
 def _moe_shape_of(config: ModelConfig) -> Optional[MoEShape]:

@@ -12,7 +12,7 @@ from megatron.parallel.state import ParallelState
 from megatron.testing import run_distributed
 from megatron.testing.tiny_corpus import tiny_argv
 from tests.helpers.model import tiny_config
-from tests.helpers.training import train
+from tests.helpers.training import assert_same_run, train
 
 SEQ = 64
 
@@ -50,10 +50,15 @@ def test_selective_recompute_gives_identical_loss_and_grads_and_keeps_less():
 @pytest.mark.multiprocess
 def test_a_training_run_with_selective_recompute_has_the_same_losses(tiny_corpus):
     flags = dict(train_iters=3, lr_warmup_iters=1, global_batch_size=4)
-    runs = [tiny_argv(tiny_corpus, **flags), tiny_argv(tiny_corpus, recompute_granularity="selective", **flags)]
-    (plain, selective), = run_distributed(train, world_size=1, args=(runs,), timeout=300)
+    modules = ("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "layernorm", "mlp")
+    runs = [tiny_argv(tiny_corpus, **flags), tiny_argv(tiny_corpus, recompute_granularity="selective", **flags),
+            tiny_argv(tiny_corpus, *modules, **flags)]
+    (plain, selective, recomputed), = run_distributed(train, world_size=1, args=(runs,), timeout=300)
     # Exact, as above: every step computes the same numbers in the same order, recomputed or kept.
     assert [h[1] for h in selective["history"]] == [h[1] for h in plain["history"]]
+    # --recompute-modules core_attn layernorm mlp: the same products, the norms' outputs rebuilt in backward
+    # (their input gradients summed before the residual's joins: within tolerance, tests/model/test_recompute_modules.py)
+    assert_same_run(plain, recomputed, "--recompute-modules core_attn layernorm mlp")
 
 
 def test_megatron_lm_recompute_flags_map_or_are_refused(tiny_corpus):

@@ -8,7 +8,8 @@ gradients like the parallel linears), Megatron's sequence parallelism (TP=2 + SP
 down-projections on each rank's s/tp tokens, the latents gathered before the up-projections) and context
 parallelism (CP=2 x DP=2, CP=2 x TP=2 + SP: ring attention with value heads narrower than the query / key heads)
 and DeepSpeed-Ulysses on the model engine (SP=4, SP=2 x TP=2 + Megatron SP, SP=2 x DP=2 under ZeRO-2: heads
-exchanged by all-to-all, values with their own head size); bf16 (BF16_Optimizer) under ZB-H1 tracks fp32. The
+exchanged by all-to-all, values with their own head size), and with --recompute-modules core_attn mla_up_proj
+layernorm mlp at TP=2 + SP and under ZB-H1; bf16 (BF16_Optimizer) under ZB-H1 tracks fp32. The
 TP=2 + SP x PP=2 ZeRO-1 checkpoint of iteration 3 resumes loss for loss at its layout and, converted to a universal
 one, in one process. DeepSeek-V3's YaRN (its recipe's --rotary-scaling-factor, --mscale, --mscale-all-dim; here the
 32 tokens are 4x the original context of 8) trains at CP=2 x TP=2 + SP as one process does: the load-balanced chunks'
@@ -41,6 +42,8 @@ ULYSSES2, ULYSSES4 = ("--ds-sequence-parallel-size", 2), ("--ds-sequence-paralle
 # YaRN's would be within the tolerance of each other, and the check could not see YaRN)
 YARN = ("--rotary-scaling-factor", "4", "--mscale", "1.0", "--mscale-all-dim", "0.707",
         "--yarn-original-max-position-embeddings", "8", "--init-method-std", "0.2")
+RECOMPUTE = ("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mla_up_proj", "layernorm",
+             "mlp")
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +83,10 @@ def runs(mla_argv, tmp_path_factory):
         "ulysses sp2 dp2 zero2": layout(mla_argv, *ULYSSES2, "--zero-stage", 2),
         # BLOOM's path (bf16, BF16_Optimizer): ZB-H1's deferred products into the bf16 gradients
         "pp2 zbh1 bf16": layout(mla_argv, *ZBH1, "--bf16", pp=2),
+        # --recompute-modules: the up-projections' outputs freed and rebuilt with their TP / SP collectives, the
+        # norms' outputs too (ZB-H1: the deferred weight gradients read the rebuilt storages)
+        "tp2 sp recompute": layout(mla_argv, SP, *RECOMPUTE, tp=2),
+        "pp2 zbh1 recompute": layout(mla_argv, *ZBH1, *RECOMPUTE, pp=2),
     }
     # TP=2 + SP x PP=2 saved after 3 iterations, resumed to 10 (against the straight run above, bit for bit)
     saved = str(tmp_path_factory.mktemp("mla_sp"))
@@ -104,7 +111,8 @@ def test_one_process_learns(reference):
     ("tp2 pp2", "PipelineEngine"), ("pp2 interleaved", None), ("pp2 zbh1", "ZeroBubblePipelineEngine"),
     ("tp2 sp", "PipelineEngine"), ("tp2 sp pp2", "PipelineEngine"),
     ("cp2 dp2", "PipelineEngine"), ("cp2 tp2 sp", "PipelineEngine"),
-    ("ulysses sp4", "ModelEngine"), ("ulysses sp2 tp2 sp", "ModelEngine"), ("ulysses sp2 dp2 zero2", "ModelEngine")])
+    ("ulysses sp4", "ModelEngine"), ("ulysses sp2 tp2 sp", "ModelEngine"), ("ulysses sp2 dp2 zero2", "ModelEngine"),
+    ("tp2 sp recompute", "PipelineEngine"), ("pp2 zbh1 recompute", "ZeroBubblePipelineEngine")])
 def test_mla_trains_as_one_process(reference, runs, label, engine):
     for rank, result in enumerate(runs[label]):
         assert engine is None or result["engine"] == engine, (label, rank, result["engine"])

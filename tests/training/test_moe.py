@@ -18,6 +18,9 @@ from tests.helpers.moe import MOE_FLAGS, VARIANT_FLAGS, assert_same_moe_run, tra
 from tests.helpers.training import TINY_WIDTH, assert_same_run, layout, tensorboard_scalars, to_universal
 
 ITERS = 10
+# --recompute-modules inside the MoE layer, one by one (moe: the whole layer, its exchanges run again in backward)
+RECOMPUTE_PARTS = ("--recompute-granularity", "selective", "--recompute-modules", "moe_act", "shared_experts",
+                   "layernorm", "mlp")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def reference_runs(moe_argv, tensorboard_dirs):
     first two write tensorboard events."""
     tensorboard = lambda name: ["--tensorboard-dir", tensorboard_dirs[name]]  # noqa: E731
     runs = [moe_argv + tensorboard("plain"), moe_argv + VARIANT_FLAGS + tensorboard("variant"),
-            moe_argv + ["--checkpoint-activations"]]
+            moe_argv + ["--checkpoint-activations"], moe_argv + VARIANT_FLAGS + list(RECOMPUTE_PARTS)]
     return run_distributed(train_moe, world_size=1, args=(runs,))[0]
 
 
@@ -91,9 +94,11 @@ def test_one_process_learns_and_moves_the_expert_bias(reference_run):
 def test_recomputed_activations_train_the_same(reference_runs):
     """The recomputed forward routes as the first did; it counts the choices twice, which leaves the sign of each
     expert's deviation from the mean load, hence the bias, unchanged."""
-    reference, _, recomputed = reference_runs
+    reference, variant, recomputed, parts = reference_runs
     assert_same_run(reference, recomputed, "--checkpoint-activations")
     assert recomputed["expert_bias"] == reference["expert_bias"]
+    # --recompute-modules moe_act shared_experts layernorm mlp: the same computations, rebuilt in backward
+    assert_same_moe_run(variant, parts, "--recompute-modules moe_act shared_experts layernorm mlp")
 
 
 @pytest.mark.parametrize("flags,world_size,match", [
@@ -135,13 +140,17 @@ def test_expert_parallel_trains_as_one_process(moe_argv, reference_runs, tensorb
     averaged over the expert-data-parallel group (one rank here) and the grad norm sums both ranks' experts.
     Then the variant: SwiGLU experts, sigmoid group-limited routing, a shared expert, capacity dropping."""
     runs = [layout(moe_argv, "--expert-model-parallel-size", 2, "--tensorboard-dir", tensorboard_dirs["ep2"]),
-            layout(moe_argv + VARIANT_FLAGS, "--expert-model-parallel-size", 2)]
+            layout(moe_argv + VARIANT_FLAGS, "--expert-model-parallel-size", 2),
+            layout(moe_argv + VARIANT_FLAGS, "--expert-model-parallel-size", 2, "--moe-layer-recompute")]
     results = run_distributed(train_moe, world_size=2, args=(runs,), timeout=600)
-    reference, variant, _ = reference_runs
+    reference, variant, *_ = reference_runs
     assert sorted(variant["expert_bias"]) == ["4.mlp"], "--moe-layer-freq [0,1]: layer 0 stays dense"
-    for rank, (run, variant_run) in enumerate(results):
+    for rank, (run, variant_run, recomputed) in enumerate(results):
         assert_same_moe_run(reference, run, f"rank {rank} of EP=2")
         assert_same_moe_run(variant, variant_run, f"rank {rank} of EP=2, variant")
+        # --moe-layer-recompute (= --recompute-modules core_attn moe): the backward replays each MoE layer, its
+        # all-to-alls included, and counts nothing twice (the expert bias moves as without recomputation)
+        assert_same_moe_run(variant, recomputed, f"rank {rank} of EP=2, variant, MoE layers recomputed")
         assert run["expert_numel"] * 2 == reference["expert_numel"], f"rank {rank}"
     # the MoE statistics, summed over both data-parallel ranks, are the one process's
     one, ep2 = tensorboard_scalars(tensorboard_dirs["plain"]), tensorboard_scalars(tensorboard_dirs["ep2"])

@@ -40,6 +40,7 @@ from megatron.model.moe.dispatch import local_expert_order
 from megatron.parallel.all_to_all import all_to_all
 from megatron.parallel.fp8_linear import fp8_linear
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+from megatron.parallel.recompute import OutputDiscardingCheckpoint
 from megatron.parallel.state import group_rank, group_size
 from megatron.parallel.utils import fp32_empty, set_tensor_model_parallel_attributes
 from megatron.parallel.weight_grad_store import grouped_linear, segment_linear
@@ -126,11 +127,31 @@ class GroupedExperts(nn.Module):
         self.fc1_bias = _bias(len(expert_ids), width // group_size(tp_group), True) if bias else None
         self.fc2_bias = _bias(len(expert_ids), hidden_size, False) if bias else None
         self.weight_grad_store = None  # ZB-H1: where W1's and W2's gradients are deferred (weight_grad_store.py)
+        self.recompute_activation = False  # --recompute-modules moe_act: the activation recomputed in backward
         # --fp8-format: a ModuleDict {"w1", "w2"} of FP8Scaling (fp8_linear.enable_fp8), one per matrix for all
         # local experts; W1 is split over TP by its rows (its output), W2 by its columns (its input)
         self.fp8 = None
         self.fp8_operand_sharding = {"w1": (False, True, True), "w2": (True, True, False)}
         self.path = "auto"  # "segments" (torch._grouped_mm), "padded" (bmm) or "auto": segments where they run
+
+    def _activation(self, hidden: torch.Tensor, pairs: str) -> torch.Tensor:
+        """GeLU (tanh), or SwiGLU silu(gate) * up of ``hidden``'s halves ("halves": [gate | up]) or interleaved
+        pairs ("interleaved": [fp, 2])."""
+        if not self.swiglu:
+            return F.gelu(hidden, approximate="tanh")
+        gate, up = hidden.chunk(2, -1) if pairs == "halves" else hidden.unflatten(-1, (-1, 2)).unbind(-1)
+        return F.silu(gate) * up
+
+    def _activation_then(self, hidden: torch.Tensor, pairs: str, second) -> torch.Tensor:
+        """``second(activation(hidden))``; with ``recompute_activation`` (--recompute-modules moe_act) the
+        activation's output and its intermediates are freed once ``second`` ran and recomputed in backward
+        (megatron.parallel.recompute)."""
+        if not (self.recompute_activation and torch.is_grad_enabled() and hidden.requires_grad):
+            return second(self._activation(hidden, pairs))
+        part = OutputDiscardingCheckpoint()
+        out = second(part(lambda x: self._activation(x, pairs), hidden))
+        part.discard(out)
+        return out
 
     def uses_segments(self, rows: torch.Tensor) -> bool:
         """Whether ``rows`` go through the unpadded segments (``path``, the kernel, 16-byte aligned strides)."""
@@ -154,24 +175,16 @@ class GroupedExperts(nn.Module):
                 bias = bias.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # [El, 2 fp] as [gate | up]
             expert = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts.to(rows.device))
             hidden = hidden + bias[expert]  # [M, 2 fp]
-        if self.swiglu:
-            gate, up = hidden.chunk(2, -1)  # 2 x [M, fp]
-            hidden = F.silu(gate) * up
-        else:
-            hidden = F.gelu(hidden, approximate="tanh")
-        return segment_linear(hidden, self.w2, offs, self.weight_grad_store)  # [M, h]
+        return self._activation_then(  # swiglu: [gate | up] -> [M, fp]
+            hidden, "halves", lambda act: segment_linear(act, self.w2, offs, self.weight_grad_store))  # [M, h]
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """x [El, C, h] -> partial output [El, C, h] (this TP rank's share of f)."""
         hidden = grouped_linear(x, self.w1, self.weight_grad_store)  # [El, C, fp] (swiglu: [El, C, 2 fp])
         if self.fc1_bias is not None:
             hidden = hidden + self.fc1_bias[:, None, :]
-        if self.swiglu:
-            gate, up = hidden.unflatten(-1, (-1, 2)).unbind(-1)  # 2 x [El, C, fp]
-            hidden = F.silu(gate) * up
-        else:
-            hidden = F.gelu(hidden, approximate="tanh")
-        return grouped_linear(hidden, self.w2, self.weight_grad_store)  # [El, C, h]
+        return self._activation_then(  # swiglu: interleaved pairs -> [El, C, fp]
+            hidden, "interleaved", lambda act: grouped_linear(act, self.w2, self.weight_grad_store))  # [El, C, h]
 
     def _fp8_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [M, h] grouped by local expert -> partial output [M, h]: each expert's two products with FP8
@@ -183,12 +196,8 @@ class GroupedExperts(nn.Module):
                 continue
             hidden = fp8_linear(part, self.w1[e], None if self.fc1_bias is None else self.fc1_bias[e],
                                 self.fp8["w1"])  # [M_e, fp] (swiglu: [M_e, 2 fp], interleaved pairs)
-            if self.swiglu:
-                gate, up = hidden.unflatten(-1, (-1, 2)).unbind(-1)  # 2 x [M_e, fp]
-                hidden = F.silu(gate) * up
-            else:
-                hidden = F.gelu(hidden, approximate="tanh")
-            outputs.append(fp8_linear(hidden, self.w2[e], None, self.fp8["w2"]))  # [M_e, h]
+            outputs.append(self._activation_then(hidden, "interleaved", lambda act, e=e: fp8_linear(
+                act, self.w2[e], None, self.fp8["w2"])))  # [M_e, h]
         return torch.cat(outputs)
 
     def _partial(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,8 @@ from megatron.model.moe.router import (
     z_loss,
 )
 from megatron.parallel.mappings import gather_replicated_sequence_region, scatter_to_sequence_parallel_region
+from megatron.parallel.random import tracked_checkpoint_func
+from megatron.parallel.recompute import recompute_enabled
 from megatron.parallel.state import LayerGroups, group_size
 
 __all__ = ["MoELayer", "AuxLossScaler", "set_aux_loss_scale", "update_expert_biases", "moe_layers", "STATS_FIELDS"]
@@ -133,6 +135,13 @@ class MoELayer(nn.Module):
             for param in self.experts.parameters():  # DeepSpeed's grad norms count them on every model-parallel rank
                 param.distinct_per_tp_rank = param.model_parallel = True
         self.shared_expert = shared_expert
+        # --recompute-modules: moe (the whole layer; then nothing inside is recomputed on its own), shared_experts,
+        # moe_act (the experts' activation, GroupedExperts.recompute_activation)
+        parts = config.recompute_modules
+        self.recompute_modules = ("moe",) if "moe" in parts else tuple(m for m in parts if m in ("shared_experts",
+                                                                                                 "moe_act"))
+        self.experts.recompute_activation = "moe_act" in self.recompute_modules
+        self.replaying = False  # inside the backward's replay of a recomputed layer: count nothing
         self.layer_number = layer_number
         self.aux_loss_scale = 1.0
         self.last_aux_loss: Optional[torch.Tensor] = None
@@ -141,7 +150,27 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [s, b, h] -> [s, b, h] (sequence parallel: [s/tp, b, h] -> [s/tp, b, h], with
-        ``experts_span_tp`` routed as they are)."""
+        ``experts_span_tp`` routed as they are).
+
+        --recompute-modules moe: the whole layer runs in a checkpoint (only its input kept); the backward runs it
+        again, exchanges included: the same routing (the router's random draws replayed from the saved generator
+        state), the same all-to-all sizes on every EP rank, each at the same point of its backward. The replay
+        counts nothing (statistics, the expert-bias counts)."""
+        if "moe" in self.recompute_modules and recompute_enabled(self):
+            forwards = []
+
+            def run(x):
+                self.replaying = self.router.replaying = bool(forwards)
+                forwards.append(1)
+                try:
+                    return self._forward(x)
+                finally:
+                    self.replaying = self.router.replaying = False
+
+            return tracked_checkpoint_func(None)(run, hidden)
+        return self._forward(hidden)
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = hidden
         if self.sequence_parallel:
             hidden = gather_replicated_sequence_region(hidden, self.tp_group)  # [s, b, h]
@@ -165,8 +194,13 @@ class MoELayer(nn.Module):
             output = output.view(s, b, h)
         if self.sequence_parallel:
             output = scatter_to_sequence_parallel_region(output, self.tp_group)  # [s/tp, b, h]
+        if self.shared_expert is not None and shared is None:
+            if "shared_experts" in self.recompute_modules and recompute_enabled(self):
+                shared = tracked_checkpoint_func(None)(self.shared_expert, local)  # [s, b, h]; no dropout inside
+            else:
+                shared = self.shared_expert(local)
         if self.shared_expert is not None:
-            output = output + (self.shared_expert(local) if shared is None else shared)
+            output = output + shared
         if not self.training:
             return output
         shards, num_experts = group_size(self.tokens_group), self.config.num_experts
@@ -184,10 +218,12 @@ class MoELayer(nn.Module):
             aux = aux + seq_aux_loss(routing, self.config, b, seq_counts, shards)
         if kept is None:
             kept = int(kept_choices(routing, self.config).sum())
-        self._count(routing, kept, aux, z, 1.0 / shards)
+        if not self.replaying:
+            self._count(routing, kept, aux, z, 1.0 / shards)
         if self.config.aux_loss_coeff > 0 or self.config.seq_aux_loss_coeff > 0 or self.config.z_loss_coeff > 0:
             loss = aux + z
-            self.last_aux_loss = loss.detach()
+            if not self.replaying:
+                self.last_aux_loss = loss.detach()
             output = AuxLossScaler.apply(output, loss, self.aux_loss_scale)
         return output
 

@@ -188,6 +188,7 @@ class TopKRouter(nn.Module):
         init_method(self.weight)
         self.weight.sequence_parallel = tp_group is not None
         self.weight_grad_store = None  # ZB-H1: where the weight gradient is deferred
+        self.replaying = False  # set by MoELayer while --recompute-modules moe replays the layer: nothing counted
         enabled = config.router_enable_expert_bias
         self.register_buffer("expert_bias", torch.zeros(config.num_experts) if enabled else None)
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.int64) if enabled
@@ -211,6 +212,6 @@ class TopKRouter(nn.Module):
             weight, store = copy_to_tensor_model_parallel_region(self.weight, self.tp_group), None
         logits = linear(tokens.to(router_dtype(self.config)), weight, None, store)  # [T, E]
         routing = route(logits, self.config, self.expert_bias)
-        if self.expert_bias is not None and self.training:
+        if self.expert_bias is not None and self.training and not self.replaying:
             self.tokens_per_expert += tokens_per_expert(routing.expert_index.detach(), self.config.num_experts)
         return routing
