@@ -46,7 +46,6 @@ _CKPT = ("checkpoints are written in DeepSpeed's layout (Megatron-DeepSpeed's, r
          "Face converters in tools/convert_checkpoint), whatever format is named")
 _FSDP = ("Megatron-FSDP is Megatron-LM's own sharded data-parallel engine; here DeepSpeed's ZeRO-3 shards the "
          "parameters, gradients and optimizer state over the data-parallel ranks: use --zero-stage 3 instead")
-_LATER = "not implemented yet (the DeepSeek-V3 / Qwen3 recipe work)"
 _FP8_PARAM_GATHER = ("Megatron-LM keeps FP8 copies of the weights and all-gathers those (1 byte per parameter); "
                      "here the FP8 GEMMs (--fp8-format) quantize the bf16 weights inside each product and ZeRO "
                      "gathers the bf16 parameters (2 bytes per parameter). The GEMMs get the same FP8 weights but "
@@ -145,10 +144,6 @@ UPSTREAM_FLAGS = (
     _refused("--fsdp-double-buffer", _FSDP),
     _refused("--rotary-seq-len-interpolation-factor", "linear position interpolation is not implemented; drop it "
              "for plain positions", "FACTOR"),
-    _refused("--recompute-modules", f"recomputing chosen modules is {_LATER}; use --recompute-granularity full or "
-             "selective (the attention core)", "MODULES"),
-    _refused("--moe-layer-recompute", f"recomputing the MoE layers alone is {_LATER}; use --recompute-granularity "
-             "full"),
 )
 BY_FLAG = {row.flag: row for row in UPSTREAM_FLAGS}
 
