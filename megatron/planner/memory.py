@@ -187,11 +187,11 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     A tiny CPU model in fp32: ``layer_activation_bytes(model_shape_of(config), Layout(...), seq, 4)``.
 
     moe_layer: an MoE layer of ``model.moe`` (an estimate, dropless and balanced): the MLP term for k x the
-    expert width + the shared expert's (each token's rows through its k experts), plus the k dispatched input rows
-    and k returned output rows (2k w per h, not split by TP: each TP rank routes every token) and the router's fp32
-    logits and scores (8E/h). Measured on CPU (tests/model/test_recompute_modules.py), the layer keeps about a fifth
-    more: four sets of k rows of h (the dispatched rows, the experts' output, those rows in token order and their
-    products with the routing weights) and the routing's int64 indices.
+    expert width + the shared expert's (each token's rows through its k experts), plus four sets of k rows of h (the
+    dispatched rows, the experts' output, those rows back in token order and their products with the routing
+    weights: 4k w per h, not split by TP: each TP rank routes every token), the routing's int64 indices (about six
+    per choice: 48k bytes per token) and the router's fp32 logits and scores (8E/h). Measured on CPU
+    (tests/model/test_recompute_modules.py) within 1% of what recomputing the MoE MLP frees.
 
     Without the parts ``layout.recompute_modules`` recomputes: ``layer_kept_bytes``.
     """
@@ -212,10 +212,17 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     mlp_width, routed = model.ffn, 0.0
     if moe_layer:
         mlp_width = model.moe.topk * model.moe.expert_ffn + model.moe.shared_expert_ffn
-        routed = 2 * model.moe.topk * w + 8 * model.moe.num_experts / h
+        routed = _routed_bytes_per_token(model, w) / h
     mlp = (4 if model.swiglu else 2) * mlp_width / h * w
     scores = (2 * w + 1) * a * s / h if layout.store_attention_scores else 0.0
     return s / u * b * h * (outside + routed + (attention + mlp + scores) / t)
+
+
+def _routed_bytes_per_token(model: ModelShape, w: int) -> float:
+    """An MoE layer's routing terms per token, on every TP rank (``layer_activation_bytes``' moe_layer): four sets
+    of k rows of h, about six int64 indices per choice, the router's fp32 logits and scores."""
+    k = model.moe.topk
+    return 4 * k * model.hidden_size * w + 48 * k + 8 * model.moe.num_experts
 
 
 def layer_kept_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int = 2, *,
@@ -246,8 +253,7 @@ def recompute_saved_bytes(model: ModelShape, layout: Layout, seq_length: int, by
       mla_up_proj     MLA's up-projected key / value, np (dn + dv) w, and RoPE's cos / sin (2 dr w per position);
                       with a fused attention kernel (no stored scores) also the query and key it would keep,
                       2 np (dn + dr) w (with stored scores the core keeps its own scaled copies of them)
-    Measured on CPU in fp32 (tests/model/test_recompute_modules.py): each within 1%, but moe, which frees about a
-    fifth more than the MoE-layer estimate counts (see ``layer_activation_bytes``)."""
+    Measured on CPU in fp32 (tests/model/test_recompute_modules.py): each within 1%."""
     if layout.cp > 1:
         local = dataclasses.replace(layout, cp=1, store_attention_scores=False)
         return recompute_saved_bytes(model, local, seq_length / layout.cp, bytes_per_element, moe_layer=moe_layer)
@@ -268,7 +274,7 @@ def recompute_saved_bytes(model: ModelShape, layout: Layout, seq_length: int, by
             per_token = 0.0
             if moe:
                 width = moe.topk * moe.expert_ffn + moe.shared_expert_ffn
-                per_token = (4 if model.swiglu else 2) * width * w / t + 2 * moe.topk * h * w + 8 * moe.num_experts
+                per_token = (4 if model.swiglu else 2) * width * w / t + _routed_bytes_per_token(model, w)
         elif name == "moe_act":
             per_token = (2 if model.swiglu else 1) * moe.topk * moe.expert_ffn * w / t if moe and "moe" not in modules \
                 else 0.0
