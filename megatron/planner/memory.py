@@ -190,6 +190,9 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     for k x the expert width + the shared expert's (each token's rows through its k experts), plus the k
     dispatched input rows and k returned output rows (2k w per h, not split by TP: each TP rank routes every
     token) and the router's fp32 logits and scores (8E/h).
+
+    Multi-head latent attention (``model.mla``): q, k, the key / value up-projection (v a view of it) and the context
+    at MLA's widths in the TP region, and its latents outside it (``ModelShape.mla_kept_widths``, measured).
     """
     if layout.cp > 1:  # ring attention: everything for s/c tokens, no scores (megatron.planner.context_parallel)
         local = dataclasses.replace(layout, cp=1, store_attention_scores=False)
@@ -205,10 +208,16 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
             outside += 2 * w * (1 - 1 / t)
     second_context = 1 if u > 1 and not layout.store_attention_scores else 0
     attention = (2 * model.q_hidden / h + 2 * model.kv_hidden / h + second_context * model.q_hidden / h) * w
+    if model.mla is not None:  # MLA: q, k, its k / v up-projection, the context; its latents beside the norms'
+        heads_part, latents = model.mla_kept_widths
+        attention = (heads_part + second_context * model.num_attention_heads * model.mla.v_head_dim) / h * w
+        outside += latents / h * w / (t if layout.sequence_parallel else 1)
     mlp_width, routed = model.ffn, 0.0
     if moe_layer:
         mlp_width = model.moe.topk * model.moe.expert_ffn + model.moe.shared_expert_ffn
         routed = 2 * model.moe.topk * w + 8 * model.moe.num_experts / h
+        if layout.sequence_parallel and layout.etp == 1 and t > 1:  # whole experts under SP: each TP rank routes
+            routed /= t  # its own s/t tokens (megatron.model.moe.layer, expert tensor parallelism 1)
     mlp = (4 if model.swiglu else 2) * mlp_width / h * w
     scores = (2 * w + 1) * a * s / h if layout.store_attention_scores else 0.0
     return s / u * b * h * (outside + routed + (attention + mlp + scores) / t)
