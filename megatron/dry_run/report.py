@@ -8,7 +8,6 @@ was found (all of them are listed, one line each).
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import sys
 from typing import Mapping, Optional, Sequence
