@@ -86,6 +86,11 @@ def _argv(name, tmp) -> tuple[list[str], list[str]]:
 
 
 @pytest.fixture(scope="module")
+def checks(recipe_files):
+    return {name: check_argv(_argv(name, recipe_files)[1]) for name in (DEEPSEEK, QWEN)}
+
+
+@pytest.fixture(scope="module")
 def reports(recipe_files):
     from megatron.dry_run.report import build_report
 
@@ -94,9 +99,9 @@ def reports(recipe_files):
 
 
 @pytest.mark.parametrize("name", [DEEPSEEK, QWEN])
-def test_recipe_passes_dry_run_at_its_world_size(recipe_files, name):
+def test_recipe_passes_dry_run_at_its_world_size(recipe_files, checks, name):
     full, argv = _argv(name, recipe_files)
-    check = check_argv(argv)
+    check = checks[name]
     assert check.ok, check.problems
     assert not check.not_checked, check.not_checked
     assert check.world_size == SCRIPTS[name]["world_size"]
@@ -112,11 +117,11 @@ def test_recipe_passes_dry_run_at_its_world_size(recipe_files, name):
     assert (refused.problems == []) == (expected == []), refused.problems
 
 
-def test_deepseek_v3_recipe_is_what_it_says(recipe_files):
+def test_deepseek_v3_recipe_is_what_it_says(checks):
     """TP 2 with SP, 8 stages of 4 virtual stages from the layout 'Et|(tt|)*30mL' (the embedding and layer 0, then
     two layers each, the MTP depth and the loss last), EP 64 of whole experts, MLA with its latent norms, one MTP
     depth weighted 0.1, YaRN x40, FP8 blockwise e4m3, Adam's moments in bf16, DeepSeek-V3's router."""
-    rc = check_argv(_argv(DEEPSEEK, recipe_files)[1]).run_config
+    rc = checks[DEEPSEEK].run_config
     p, m = rc.parallel, rc.model
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size,
             p.expert_tp, p.data_parallel_size) == (2, 8, 64, 1, 64) and m.sequence_parallel
@@ -131,10 +136,10 @@ def test_deepseek_v3_recipe_is_what_it_says(recipe_files):
     assert rc.batch.global_batch_size == 8192 and rc.training.train_samples == 585_937_500
 
 
-def test_qwen3_recipe_is_what_it_says(recipe_files):
+def test_qwen3_recipe_is_what_it_says(checks):
     """TP 2 with SP, 8 stages x 4 virtual of 3 'layers' where the embedding and the loss count as layers (94 + 2 = 96),
     EP 32 of whole experts, 64 query heads and 4 key / value heads of 128 (--kv-channels) with head norms."""
-    rc = check_argv(_argv(QWEN, recipe_files)[1]).run_config
+    rc = checks[QWEN].run_config
     p, m = rc.parallel, rc.model
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size,
             p.expert_tp, p.data_parallel_size) == (2, 8, 32, 1, 16) and m.sequence_parallel
