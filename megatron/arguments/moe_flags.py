@@ -2,9 +2,10 @@
 Megatron-DeepSpeed's spellings accepted where they mean the same thing (``--moe-expert-parallel-size``,
 ``--topk``, ``--moe-loss-coeff``, ``--moe-train-capacity-factor``) and refused by name where they do not
 (``--mlp-type residual``, several expert counts for ``--num-experts``). Megatron-LM's flags for what does not
-run here are refused with their cause (``REFUSED_VALUES``: the sinkhorn and global balancing losses, random
-routing); its flex dispatcher (DeepEP / HybridEP kernels) runs as alltoall, which moves the same tokens; its
-kernel choices (``--moe-grouped-gemm``, ``--moe-permute-fusion``) are in the one table of no-effect flags
+run here are refused with their cause (``REFUSED_VALUES``: the sinkhorn and global balancing losses); its flex
+dispatcher (DeepEP / HybridEP kernels) runs as alltoall, which moves the same tokens; its random routing for
+benchmarks (--moe-router-force-load-balancing) is ``moe.router.RandomLogits``; its kernel choices
+(``--moe-grouped-gemm``, ``--moe-permute-fusion``) are in the one table of no-effect flags
 (``megatron.arguments.upstream_flags``).
 """
 
@@ -117,7 +118,10 @@ def add_moe_arguments(parser) -> None:
                    help="Run the shared expert while the tokens travel to their experts (alltoall dispatcher), "
                         "instead of after the routed experts, as in Megatron-LM.")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
-                   help="Megatron-LM's benchmark knob (random routing logits); refused here.")
+                   help="Megatron-LM's benchmark knob: route by standard normal draws instead of the router's "
+                        "logits (balanced whatever the tokens; the gradient passes straight through to the logits), "
+                        "as its RandomSTE. For throughput and memory benchmarks only: the routing ignores the "
+                        "tokens.")
     g.add_argument("--mlp-type", default="standard", choices=("standard", "residual"),
                    help="Megatron-DeepSpeed's PR-MoE 'residual' is not supported (use "
                         "--moe-shared-expert-intermediate-size for an always-on dense MLP beside the experts).")
@@ -141,10 +145,6 @@ def resolve_moe(args) -> None:
     if given:
         raise ValueError("; ".join(f"{flag} is not supported: {REFUSED[flag]}" for flag in given))
     refused = [f"{flag} {value}: {why}" for (flag, value), why in REFUSED_VALUES.items() if value in _given(args, flag)]
-    if args.moe_router_force_load_balancing:
-        refused.append("--moe-router-force-load-balancing (Megatron-LM's benchmark knob: random routing logits) is "
-                       "not implemented: random routing needs one random stream shared by the tensor-parallel ranks "
-                       "that route the same tokens; drop the flag (routing follows the router's logits)")
     if refused:
         raise ValueError("; ".join(refused))
     coeffs = _balancing_coefficients(_given(args, "--moe-router-load-balancing-type"),
@@ -175,7 +175,8 @@ def resolve_moe(args) -> None:
         token_dispatcher_type=FLEX_RUNS_AS.get(args.moe_token_dispatcher_type, args.moe_token_dispatcher_type),
         router_dtype=args.moe_router_dtype,
         overlap_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
-        shared_expert_overlap=args.moe_shared_expert_overlap)
+        shared_expert_overlap=args.moe_shared_expert_overlap,
+        router_force_load_balancing=args.moe_router_force_load_balancing)
 
 
 def _given(args, flag: str) -> list:

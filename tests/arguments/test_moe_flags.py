@@ -75,11 +75,15 @@ def test_the_flex_dispatcher_runs_as_alltoall_with_one_line(files):
      "--moe-aux-loss-coeff gives 1 coefficient\\(s\\) for 2 --moe-router-load-balancing-type"),
     (["--moe-router-load-balancing-type", "aux_loss", "aux_loss", "--moe-aux-loss-coeff", "0.01", "0.01"],
      "names a type twice"),
-    (["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing .* is not implemented"),
 ])
 def test_what_does_not_run_here_is_refused_before_launch(files, extra, message):
     with pytest.raises(ValueError, match=message):
         _run(files, extra)
+
+
+def test_force_load_balancing_reaches_the_config(files):
+    assert _run(files, ["--moe-router-force-load-balancing"]).model.moe.router_force_load_balancing
+    assert not _run(files, []).model.moe.router_force_load_balancing
 
 
 def test_the_overlap_flags_reach_the_config(files):

@@ -22,12 +22,6 @@ from tests.helpers.upstream_scripts import SCRIPTS, script_argv
 DEEPSEEK, QWEN = "moe_zoo_deepseek_v3_h100", "moe_zoo_qwen3_235b_h100"
 GiB = 1024 ** 3
 
-# The recipes' flags refused here, with the start of the refusal: --moe-router-force-load-balancing is Megatron-LM's
-# benchmark knob (random routing logits, balanced by construction) and is not implemented.
-REFUSED_HERE = {QWEN: {"--moe-router-force-load-balancing": "--moe-router-force-load-balancing (Megatron-LM's "
-                                                             "benchmark knob: random routing logits) is not"}}
-
-
 def _recompute_modules_pending() -> bool:
     """Whether --recompute-modules is still a refused row of the upstream table (branch ``recompute`` not merged):
     then the recipes run here without it, and its refusal is the one problem it adds."""
@@ -74,12 +68,9 @@ def recipe_files(tmp_path_factory):
 
 
 def _argv(name, tmp) -> tuple[list[str], list[str]]:
-    """(the recipe's whole argv, the argv run here: without the flags refused here, and without --recompute-modules
-    while it is pending)."""
+    """(the recipe's whole argv, the argv run here: without --recompute-modules while it is pending)."""
     full = script_argv(name, tmp)
     run = full
-    for flag in REFUSED_HERE.get(name, {}):
-        run = _drop(run, flag)
     if _recompute_modules_pending():
         run = _drop(run, "--recompute-modules")
     return full, run + ["--dry-run", "--world-size", str(SCRIPTS[name]["world_size"])]
@@ -109,12 +100,13 @@ def test_recipe_passes_dry_run_at_its_world_size(recipe_files, checks, name):
     for flag in [token for token in argv if token in BY_FLAG]:
         assert BY_FLAG[flag].effect == NO_EFFECT, flag
         assert sum(w.startswith(flag + " ") for w in check.warnings) == 1, (flag, check.warnings)
-    # the flags left out are refused with their cause, and nothing else is
-    refused = check_argv(full + argv[-3:])  # --dry-run --world-size N
-    expected = list(REFUSED_HERE.get(name, {}).values()) + \
-        (["--recompute-modules"] if _recompute_modules_pending() else [])
-    assert all(any(expect in p for p in refused.problems) for expect in expected), refused.problems
-    assert (refused.problems == []) == (expected == []), refused.problems
+    # the whole recipe: the same, or (--recompute-modules pending) refused for that flag alone
+    whole = check_argv(full + argv[-3:])  # --dry-run --world-size N
+    if _recompute_modules_pending():
+        assert whole.problems and all("--recompute-modules" in p or "unrecognized arguments: " in p
+                                      for p in whole.problems), whole.problems
+    else:
+        assert whole.ok, whole.problems
 
 
 def test_deepseek_v3_recipe_is_what_it_says(checks):
@@ -146,6 +138,7 @@ def test_qwen3_recipe_is_what_it_says(checks):
     assert m.padded_vocab_size == 151_936 and (m.head_dim, m.num_kv_heads, m.qk_layernorm) == (128, 4, True)
     assert m.moe.num_experts == 128 and m.moe.router_topk == 8 and m.moe.aux_loss_coeff == 1e-3
     assert m.moe.router_dtype == "fp32" and not m.moe.router_pre_softmax
+    assert m.moe.router_force_load_balancing  # the benchmark's random routing (balanced whatever the tokens)
 
 
 def _stage_weights_by_hand(name) -> int:
