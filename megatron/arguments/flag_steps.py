@@ -49,6 +49,11 @@ def check_megatron_lm_values(args) -> None:
     if args.rotary_percent != 1.0:
         raise ValueError(f"--rotary-percent {args.rotary_percent}: partial rotary positions are not implemented "
                          "here (every head dimension is rotated); drop the flag or pass 1.0")
+    factor = args.rotary_seq_len_interpolation_factor
+    if factor is not None and factor != 1.0:
+        raise ValueError(f"--rotary-seq-len-interpolation-factor {factor}: linear position interpolation is not "
+                         "implemented here; drop the flag or pass 1 (positions unchanged), or extend the context "
+                         "with YaRN (--rotary-scaling-factor) or Llama 3.1's scaling")
     if args.no_pipeline_parallel and args.pipeline_model_parallel_size > 1:
         raise ValueError(f"--no-pipeline-parallel with --pipeline-model-parallel-size "
                          f"{args.pipeline_model_parallel_size}: drop one of them")

@@ -116,6 +116,10 @@ def _model(parser):
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="Megatron-LM's share of each head's dimensions that rotary positions rotate; 1.0 (every "
                         "dimension, Llama's) is what this engine does, another value is refused.")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
+                   help="Megatron-LM's linear position interpolation (positions divided by this before the rotary "
+                        "angles); 1 (positions unchanged) is accepted, another value is refused (not implemented: "
+                        "use YaRN, --rotary-scaling-factor, or Llama 3.1's scaling for longer contexts).")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Give the output head its own weight instead of reusing the word embedding (Llama).")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",

@@ -2,9 +2,11 @@
 Megatron-DeepSpeed's spellings accepted where they mean the same thing (``--moe-expert-parallel-size``,
 ``--topk``, ``--moe-loss-coeff``, ``--moe-train-capacity-factor``) and refused by name where they do not
 (``--mlp-type residual``, several expert counts for ``--num-experts``). Megatron-LM's flags for what does not
-run here are refused with their cause (``REFUSED_VALUES``: the sinkhorn and global balancing losses, the
-DeepEP dispatcher, random routing); its kernel choices (``--moe-grouped-gemm``,
-``--moe-permute-fusion``) are in the one table of no-effect flags (``megatron.arguments.upstream_flags``).
+run here are refused with their cause (``REFUSED_VALUES``: the sinkhorn and global balancing losses); its flex
+dispatcher (DeepEP / HybridEP kernels) runs as alltoall, which moves the same tokens; its random routing for
+benchmarks (--moe-router-force-load-balancing) is ``moe.router.RandomLogits``; its kernel choices
+(``--moe-grouped-gemm``, ``--moe-permute-fusion``) are in the one table of no-effect flags
+(``megatron.arguments.upstream_flags``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ REFUSED_VALUES = {
         "at every micro-batch and a running mean reset each step); use aux_loss (per micro-batch) or seq_aux_loss",
     ("--moe-router-load-balancing-type", "quantile_balancing"):
         "quantile balancing is not implemented; use --moe-router-enable-expert-bias (aux-loss-free balancing)",
-    ("--moe-token-dispatcher-type", "flex"):
-        "the flex dispatcher runs DeepEP / HybridEP, NVIDIA GPU kernels this build does not include; use alltoall",
 }
+# Megatron-LM's flex dispatcher exchanges tokens with DeepEP's or HybridEP's GPU kernels: the same tokens to the
+# same experts as alltoall, which runs it here (a startup line says so).
+FLEX_RUNS_AS = {"flex": "alltoall"}
 LOAD_BALANCING_FLAG_VALUES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # Pure kernel choices of Megatron-LM: accepted, with a startup warning that they change nothing here.
 
@@ -98,7 +101,8 @@ def add_moe_arguments(parser) -> None:
                    help="How tokens reach the experts' ranks (the same outputs): alltoall sends each token to the "
                         "ranks of its experts (the default here; Megatron-LM's default is allgather); allgather "
                         "gathers every token on every expert-parallel rank and reduce-scatters the outputs. flex "
-                        "(DeepEP, NVIDIA GPU kernels) is refused.")
+                        "(Megatron-LM's DeepEP / HybridEP kernels, NVIDIA GPU only) runs as alltoall: the same tokens "
+                        "reach the same experts.")
     g.add_argument("--moe-router-dtype", default=None, choices=("fp32", "fp64"),
                    help="The dtype of the routing (logits, scores, weights) and of the combine's weighted sum of the "
                         "experts' outputs, as in Megatron-LM. Unset: the router in fp32 all the same, the weighted "
@@ -114,7 +118,10 @@ def add_moe_arguments(parser) -> None:
                    help="Run the shared expert while the tokens travel to their experts (alltoall dispatcher), "
                         "instead of after the routed experts, as in Megatron-LM.")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
-                   help="Megatron-LM's benchmark knob (random routing logits); refused here.")
+                   help="Megatron-LM's benchmark knob: route by standard normal draws instead of the router's "
+                        "logits (balanced whatever the tokens; the gradient passes straight through to the logits), "
+                        "as its RandomSTE. For throughput and memory benchmarks only: the routing ignores the "
+                        "tokens.")
     g.add_argument("--mlp-type", default="standard", choices=("standard", "residual"),
                    help="Megatron-DeepSpeed's PR-MoE 'residual' is not supported (use "
                         "--moe-shared-expert-intermediate-size for an always-on dense MLP beside the experts).")
@@ -138,10 +145,6 @@ def resolve_moe(args) -> None:
     if given:
         raise ValueError("; ".join(f"{flag} is not supported: {REFUSED[flag]}" for flag in given))
     refused = [f"{flag} {value}: {why}" for (flag, value), why in REFUSED_VALUES.items() if value in _given(args, flag)]
-    if args.moe_router_force_load_balancing:
-        refused.append("--moe-router-force-load-balancing (Megatron-LM's benchmark knob: random routing logits) is "
-                       "not implemented: random routing needs one random stream shared by the tensor-parallel ranks "
-                       "that route the same tokens; drop the flag (routing follows the router's logits)")
     if refused:
         raise ValueError("; ".join(refused))
     coeffs = _balancing_coefficients(_given(args, "--moe-router-load-balancing-type"),
@@ -169,9 +172,11 @@ def resolve_moe(args) -> None:
         router_bias_update_rate=args.moe_router_bias_update_rate,
         shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         expert_capacity_factor=args.moe_expert_capacity_factor, token_drop_policy=args.moe_token_drop_policy,
-        token_dispatcher_type=args.moe_token_dispatcher_type, router_dtype=args.moe_router_dtype,
+        token_dispatcher_type=FLEX_RUNS_AS.get(args.moe_token_dispatcher_type, args.moe_token_dispatcher_type),
+        router_dtype=args.moe_router_dtype,
         overlap_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
-        shared_expert_overlap=args.moe_shared_expert_overlap)
+        shared_expert_overlap=args.moe_shared_expert_overlap,
+        router_force_load_balancing=args.moe_router_force_load_balancing)
 
 
 def _given(args, flag: str) -> list:
@@ -199,4 +204,8 @@ def moe_warnings(args) -> list[str]:
     if ignored:
         out.append(f"--moe-aux-loss-coeff {ignored[0]} has no effect with --moe-router-load-balancing-type none "
                    f"(no balancing loss)")
+    if args.moe_token_dispatcher_type in FLEX_RUNS_AS:
+        out.append(f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} (Megatron-LM's DeepEP / HybridEP "
+                   f"kernels) runs as {FLEX_RUNS_AS[args.moe_token_dispatcher_type]} here: the same tokens reach the "
+                   f"same experts, the outputs are the same")
     return out

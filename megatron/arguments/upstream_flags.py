@@ -28,13 +28,15 @@ class UpstreamFlag:
     effect: str                    # NO_EFFECT | REFUSED
     why: str                       # NO_EFFECT: why nothing changes; REFUSED: the cause and the fix
     metavar: Optional[str] = None  # the value it takes (None: a switch)
+    nargs: Optional[str] = None    # "+": several values, as Megatron-LM's flag takes them
 
     @property
     def dest(self) -> str:
         return "upstream_" + self.flag.lstrip("-").replace("-", "_")
 
     def message(self, value=None) -> str:
-        shown = self.flag if self.metavar is None else f"{self.flag} {value}"
+        shown = self.flag if self.metavar is None else \
+            f"{self.flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
         return f"{shown} has no effect here: {self.why}" if self.effect == NO_EFFECT else \
             f"{shown} is not supported: {self.why}"
 
@@ -52,8 +54,8 @@ _FP8_PARAM_GATHER = ("Megatron-LM keeps FP8 copies of the weights and all-gather
                      "for one extra rounding (fp32 -> bf16 -> fp8 instead of fp32 -> fp8)")
 
 
-def _no_effect(flag: str, why: str, metavar: Optional[str] = None) -> UpstreamFlag:
-    return UpstreamFlag(flag, NO_EFFECT, why, metavar)
+def _no_effect(flag: str, why: str, metavar: Optional[str] = None, nargs: Optional[str] = None) -> UpstreamFlag:
+    return UpstreamFlag(flag, NO_EFFECT, why, metavar, nargs)
 
 
 def _refused(flag: str, why: str, metavar: Optional[str] = None) -> UpstreamFlag:
@@ -90,6 +92,7 @@ UPSTREAM_FLAGS = (
                "kernels have no constraints to meet)"),
     _no_effect("--moe-grouped-gemm", "each rank's experts always run as one grouped GEMM per weight over their tokens "
                "(torch._grouped_mm; a padded batched matmul where shapes do not allow it)"),
+    _no_effect("--moe-router-fusion", _KERNEL),
     _no_effect("--moe-permute-fusion", "tokens are permuted by index_select / index_add (no fused Transformer Engine "
                "permute kernel here); the result is the same"),
     # communication overlap
@@ -98,6 +101,18 @@ UPSTREAM_FLAGS = (
     _no_effect("--overlap-param-gather-with-optimizer-step", _OVERLAP),
     _no_effect("--no-async-tensor-model-parallel-allreduce", "an overlap knob of Megatron's tensor-parallel linear "
                "layers; the reductions here are synchronous, the sums the same"),
+    _no_effect("--delay-wgrad-compute", "Megatron-LM computes the weight gradients of a layer later, to overlap "
+               "them with the expert-parallel exchanges; each weight gets the same gradient, computed at another "
+               "moment"),
+    _no_effect("--moe-flex-dispatcher-backend", "the flex dispatcher runs as alltoall here (see "
+               "--moe-token-dispatcher-type): DeepEP's and HybridEP's kernels move the same tokens to the same "
+               "experts", "BACKEND"),
+    _no_effect("--moe-router-padding-for-fp8", "Megatron-LM pads each expert's token count to a multiple of 16 for "
+               "Transformer Engine's FP8 GEMM shapes with tokens of routing weight 0, which add nothing to the "
+               "outputs or the gradients; the FP8 GEMMs here need no padding"),
+    _no_effect("--moe-router-padding-for-quantization", "Megatron-LM pads each expert's token count to the "
+               "quantized GEMM's multiple with tokens of routing weight 0, which add nothing to the outputs or the "
+               "gradients; the FP8 GEMMs here need no padding"),
     _no_effect("--tp-comm-overlap", "Transformer Engine's userbuffer overlap of tensor-parallel communication; the "
                "reductions here are torch.distributed's, the sums the same"),
     # memory and host knobs
@@ -108,7 +123,9 @@ UPSTREAM_FLAGS = (
                "STEPS"),
     _no_effect("--enable-cuda-graph", "CUDA graphs replay the same kernels; this engine launches them eagerly"),
     _no_effect("--cuda-graph-scope", "CUDA graphs replay the same kernels; this engine launches them eagerly",
-               "SCOPE"),
+               "SCOPE", "+"),
+    _no_effect("--cuda-graph-impl", "CUDA graphs replay the same kernels; this engine launches them eagerly",
+               "IMPL"),
     # data loading
     _no_effect("--no-mmap-bin-files", "the .bin files are memory-mapped; reading them whole gives the same tokens"),
     _no_effect("--no-create-attention-mask-in-dataloader", "the data loader never builds an attention mask here: "
@@ -134,6 +151,10 @@ UPSTREAM_FLAGS = (
                "learning rate and grad-norm series are"),
     _no_effect("--logging-level", "this engine logs at INFO on rank 0 (Python's logging; set LOGLEVEL-style "
                "filters with logging's own configuration)", "LEVEL"),
+    _no_effect("--enable-experimental", "Megatron-LM's gate for its experimental code paths (fused kernels such "
+               "as the routing-map padding's); nothing here is behind a gate: each feature has its own flag"),
+    _no_effect("--no-save-optim", "checkpoints keep the optimizer state (DeepSpeed writes it with the model); more "
+               "is written, the run is the same (--no-load-optim skips it on loading)"),
     _no_effect("--use-nccl-ub", "NCCL user-buffer registration speeds communication; the sums are the same"),
     # what would change the math: refused with the cause
     _no_effect("--fp8-param-gather", _FP8_PARAM_GATHER),
@@ -142,8 +163,6 @@ UPSTREAM_FLAGS = (
     _refused("--megatron-fsdp-main-grads-dtype", _FSDP, "DTYPE"),
     _refused("--megatron-fsdp-grad-comm-dtype", _FSDP, "DTYPE"),
     _refused("--fsdp-double-buffer", _FSDP),
-    _refused("--rotary-seq-len-interpolation-factor", "linear position interpolation is not implemented; drop it "
-             "for plain positions", "FACTOR"),
 )
 BY_FLAG = {row.flag: row for row in UPSTREAM_FLAGS}
 
@@ -159,7 +178,8 @@ def add_upstream_arguments(parser) -> None:
         if row.metavar is None:
             g.add_argument(row.flag, dest=row.dest, action="store_true", help=f"{kind}: {row.why}.")
         else:
-            g.add_argument(row.flag, dest=row.dest, default=None, metavar=row.metavar, help=f"{kind}: {row.why}.")
+            g.add_argument(row.flag, dest=row.dest, default=None, metavar=row.metavar, nargs=row.nargs,
+                           help=f"{kind}: {row.why}.")
 
 
 def _given(args):

@@ -28,7 +28,8 @@ def swiglu_default_ffn_size(hidden_size: int) -> int:
 
 def megatron_flops(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int, global_batch_size: int,
                    recompute: bool, *, ffn_hidden_size: Optional[int] = None, kv_hidden_size: Optional[int] = None,
-                   swiglu: bool = False, query_hidden_size: Optional[int] = None, mtp_num_layers: int = 0) -> float:
+                   swiglu: bool = False, query_hidden_size: Optional[int] = None, mtp_num_layers: int = 0,
+                   mla: Optional[MLAConfig] = None, num_attention_heads: Optional[int] = None) -> float:
     """Megatron's FLOPs per iteration (its "TFLOPs" formula), read by the training log and the planner alike.
 
     c B s (L (2 P + 4 s q) + 1.5 V h), with c = 4 (forward + recomputed forward + backward) when
@@ -41,13 +42,20 @@ def megatron_flops(num_layers: int, hidden_size: int, vocab_size: int, seq_lengt
     ``mtp_num_layers`` D (multi-token prediction; ``num_layers`` then counts the decoder's layers and the depths'
     alike, as Megatron-LM's count does): each depth adds its projection and norms, 2 (2 h^2 + 3 h) per token, and
     its own logits, 1.5 V h.
+
+    ``mla`` (multi-head latent attention, with ``num_attention_heads``): the attention's part of P is MLA's
+    projections (``MLAConfig.matmul_weights``) and 4 s q its scores and context (q = ``MLAConfig.score_width``),
+    as Megatron-LM counts MLA (without its causal halving, as this formula's attention term).
     """
     s, L, h, V = seq_length, num_layers, hidden_size, vocab_size
     f = ffn_hidden_size if ffn_hidden_size is not None else 4 * h
     kv = kv_hidden_size if kv_hidden_size is not None else h
     q = query_hidden_size if query_hidden_size is not None else h
     c = 4 if recompute else 3
-    layer_weights = h * (q + 2 * kv) + q * h + (3 if swiglu else 2) * f * h
+    attention = h * (q + 2 * kv) + q * h
+    if mla is not None:
+        attention, q = mla.matmul_weights(h, num_attention_heads), mla.score_width(num_attention_heads)
+    layer_weights = attention + (3 if swiglu else 2) * f * h
     mtp = mtp_num_layers * 2 * (2 * h * h + 3 * h)
     return c * global_batch_size * s * (L * (2 * layer_weights + 4 * s * q) + mtp + 1.5 * V * h * (1 + mtp_num_layers))
 
@@ -204,7 +212,8 @@ class ModelConfig:
         return megatron_flops(self.total_layers, self.hidden_size, self.padded_vocab_size, self.seq_length,
                               global_batch_size, recompute, ffn_hidden_size=self.mlp_flops_width,
                               kv_hidden_size=self.num_kv_heads * self.head_dim, swiglu=self.swiglu,
-                              query_hidden_size=self.query_hidden_size, mtp_num_layers=self.mtp_num_layers)
+                              query_hidden_size=self.query_hidden_size, mtp_num_layers=self.mtp_num_layers,
+                              mla=self.mla, num_attention_heads=self.num_attention_heads)
 
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
         """Raise ValueError for an impossible configuration; return self so calls can chain."""

@@ -86,6 +86,8 @@ class MoEConfig:
     overlap_expert_parallel_comm: bool = False  # alltoall: the tokens in two parts, one's exchanges in flight while
                                              # the other's experts compute (moe.dispatch.alltoall_experts)
     shared_expert_overlap: bool = False      # alltoall: the shared expert computes while the tokens travel
+    router_force_load_balancing: bool = False  # Megatron-LM's benchmark knob: random logits (straight-through
+                                             # gradient) instead of the router's (moe.router.RandomLogits)
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether layer ``layer_number`` routes; a multi-token-prediction layer (numbered after the decoder's) has

@@ -7,6 +7,7 @@ was found (all of them are listed, one line each).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Mapping, Optional, Sequence
@@ -92,7 +93,8 @@ def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
                        "deepspeed_zero_stage": rc.deepspeed_zero_stage, "num_key_value_heads": m.num_kv_heads,
                        "normalization": m.normalization, "swiglu": m.swiglu, "add_bias_linear": m.add_bias_linear,
                        "add_qkv_bias": m.qkv_bias, "tied_embeddings": m.tied_embeddings,
-                       "num_parameters": model_shape(rc).total_params() if vocabulary_rows(rc) else None}
+                       "num_parameters": model_shape(rc).total_params() if vocabulary_rows(rc) else None,
+                       "mla": None if m.mla is None else dataclasses.asdict(m.mla)}
     steps = RunSteps(rc)
     report["batch"], report["run"], report["lr_schedule"] = (batch_section(rc, steps), run_section(rc, steps),
                                                              lr_section(rc, steps))

@@ -37,7 +37,12 @@ def _model(m: dict) -> list[str]:
     zero = (f"ZeRO stage {m['zero_stage']}" if m["zero_stage"] == m["deepspeed_zero_stage"] else
             f"ZeRO stage {m['zero_stage']} (runs as {m['deepspeed_zero_stage']})")
     heads = f"{m['num_attention_heads']} heads"
-    if m.get("head_dim") not in (None, m["hidden_size"] // m["num_attention_heads"]):
+    mla = m.get("mla")
+    if mla is not None:  # multi-head latent attention: its own head sizes (--kv-channels does not apply)
+        query = "" if mla["q_lora_rank"] is None else f"query latent {mla['q_lora_rank']}, "
+        heads += (f" of latent attention ({query}key / value latent {mla['kv_lora_rank']}, query / key "
+                  f"{mla['qk_head_dim']} + {mla['qk_pos_emb_head_dim']} rotary, value {mla['v_head_dim']})")
+    elif m.get("head_dim") not in (None, m["hidden_size"] // m["num_attention_heads"]):
         heads += f" of {m['head_dim']} (--kv-channels)"
     if m["num_key_value_heads"] != m["num_attention_heads"]:
         heads += f" ({m['num_key_value_heads']} key / value)"

@@ -92,8 +92,12 @@ def layer_linears(model, tp: int, moe_layer: bool = False) -> list[tuple[float, 
     """(N, K) of each FP8 linear layer of one transformer layer on one TP rank, its weight [N, K]: QKV and fc1
     split by rows (column-parallel), the output projection and fc2 by columns (row-parallel); an MoE layer's MLP is
     its shared expert's (none without one)."""
-    h = model.hidden_size
+    h, mla = model.hidden_size, model.mla
     out = [((model.q_hidden + 2 * model.kv_hidden) / tp, h), (h, model.q_hidden / tp)]
+    if mla is not None:  # MLA: the up-projections by heads and the output projection (the replicated
+        heads = model.num_attention_heads  # down-projections run in bf16: megatron.model.latent_attention)
+        out = [(heads * mla.q_head_dim / tp, mla.q_lora_rank or h),
+               (heads * (mla.qk_head_dim + mla.v_head_dim) / tp, mla.kv_lora_rank), (h, heads * mla.v_head_dim / tp)]
     width = model.moe.shared_expert_ffn if moe_layer else model.ffn
     if width:
         out += [((2 if model.swiglu else 1) * width / tp, h), (h, width / tp)]
@@ -104,7 +108,8 @@ def fp8_forward_flops(model, rows: float, n_dense: int, n_moe: int) -> float:
     """The FP8 GEMMs' FLOPs of one forward of ``n_dense`` dense and ``n_moe`` MoE FP8 layers, over ``rows`` tokens,
     for the whole layer (not divided by TP), the same sum as the performance model's dense term."""
     h, mm = model.hidden_size, (3 if model.swiglu else 2)
-    attention = 2 * model.q_hidden + 2 * model.kv_hidden
+    attention = model.attention_gemm_width if model.mla is None else \
+        model.mla.split_weights(h, model.num_attention_heads) / h  # MLA's down-projections: bf16
     out = n_dense * 2 * rows * h * (attention + mm * model.ffn)
     if n_moe:  # the shared expert and the k routed experts each token goes through (not the router)
         moe = model.moe

@@ -193,6 +193,9 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     per choice: 48k bytes per token) and the router's fp32 logits and scores (8E/h). Measured on CPU
     (tests/model/test_recompute_modules.py) within 1% of what recomputing the MoE MLP frees.
 
+    Multi-head latent attention (``model.mla``): q, k, the key / value up-projection (v a view of it) and the context
+    at MLA's widths in the TP region, and its latents outside it (``ModelShape.mla_kept_widths``, measured).
+
     Without the parts ``layout.recompute_modules`` recomputes: ``layer_kept_bytes``.
     """
     if layout.cp > 1:  # ring attention: everything for s/c tokens, no scores (megatron.planner.context_parallel)
@@ -209,20 +212,29 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
             outside += 2 * w * (1 - 1 / t)
     second_context = 1 if u > 1 and not layout.store_attention_scores else 0
     attention = (2 * model.q_hidden / h + 2 * model.kv_hidden / h + second_context * model.q_hidden / h) * w
+    if model.mla is not None:  # MLA: q, k, its k / v up-projection, the context; its latents beside the norms'
+        heads_part, latents = model.mla_kept_widths
+        attention = (heads_part + second_context * model.num_attention_heads * model.mla.v_head_dim) / h * w
+        outside += latents / h * w / (t if layout.sequence_parallel else 1)
     mlp_width, routed = model.ffn, 0.0
     if moe_layer:
         mlp_width = model.moe.topk * model.moe.expert_ffn + model.moe.shared_expert_ffn
-        routed = _routed_bytes_per_token(model, w) / h
+        routed = _routed_bytes_per_token(model, layout, w) / h
     mlp = (4 if model.swiglu else 2) * mlp_width / h * w
     scores = (2 * w + 1) * a * s / h if layout.store_attention_scores else 0.0
     return s / u * b * h * (outside + routed + (attention + mlp + scores) / t)
 
 
-def _routed_bytes_per_token(model: ModelShape, w: int) -> float:
-    """An MoE layer's routing terms per token, on every TP rank (``layer_activation_bytes``' moe_layer): four sets
-    of k rows of h, about six int64 indices per choice, the router's fp32 logits and scores."""
+def _routed_bytes_per_token(model: ModelShape, layout: Layout, w: int) -> float:
+    """An MoE layer's routing terms per token (``layer_activation_bytes``' moe_layer): four sets of k rows of h,
+    about six int64 indices per choice, the router's fp32 logits and scores; on every TP rank, but with whole experts
+    under SP (expert tensor parallelism 1), where each TP rank routes its own s/t tokens
+    (megatron.model.moe.layer)."""
     k = model.moe.topk
-    return 4 * k * model.hidden_size * w + 48 * k + 8 * model.moe.num_experts
+    per_token = 4 * k * model.hidden_size * w + 48 * k + 8 * model.moe.num_experts
+    if layout.sequence_parallel and layout.etp == 1 and layout.tp > 1:
+        per_token /= layout.tp
+    return per_token
 
 
 def layer_kept_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int = 2, *,
@@ -274,7 +286,7 @@ def recompute_saved_bytes(model: ModelShape, layout: Layout, seq_length: int, by
             per_token = 0.0
             if moe:
                 width = moe.topk * moe.expert_ffn + moe.shared_expert_ffn
-                per_token = (4 if model.swiglu else 2) * width * w / t + _routed_bytes_per_token(model, w)
+                per_token = (4 if model.swiglu else 2) * width * w / t + _routed_bytes_per_token(model, layout, w)
         elif name == "moe_act":
             per_token = (2 if model.swiglu else 1) * moe.topk * moe.expert_ffn * w / t if moe and "moe" not in modules \
                 else 0.0

@@ -207,7 +207,7 @@ def _weight_gemm_forward_s(model: ModelShape, layout: Layout, gpu: GPUSpec, seq_
     rows = layout.micro_batch_size * seq_length / layout.token_split
     gemm_rate = gpu.peak_bf16_tflops * 1e12 * GEMM_EFFICIENCY * rows / (rows + GEMM_HALF_ROWS)
     mlp_matrices = 3 if model.swiglu else 2
-    dense = 2 * rows * h * (2 * model.q_hidden + 2 * model.kv_hidden + mlp_matrices * _mlp_width(model, n_layers, n_moe_layers))
+    dense = 2 * rows * h * (model.attention_gemm_width + mlp_matrices * _mlp_width(model, n_layers, n_moe_layers))
     fp8 = fp8_forward_flops(model, rows, *fp8_layers) if any(fp8_layers) else 0
     out = (n_layers * dense - fp8) / t / gemm_rate if n_layers else 0.0
     if fp8:
@@ -224,7 +224,8 @@ def _stage_slot(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Cluste
     s = seq_length
     passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
     attn_rate = gpu.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY
-    attn = 4 * b * s * s * model.q_hidden * passes / (t * layout.token_split)  # s/u (s/c) queries against s keys, or a/(tu) heads
+    # s/u (s/c) queries against s keys, or a/(tu) heads
+    attn = 4 * b * s * s * model.attention_score_width * passes / (t * layout.token_split)
     # the weight GEMMs: one forward's worth per pass (the head's logits: forward, input and weight gradients)
     forward = _weight_gemm_forward_s(model, layout, gpu, seq_length, n_layers, n_moe_layers, False, fp8_layers)
     if any(fp8_layers) and not model.fp8.wgrad:  # --no-fp8-wgrad: the weight-gradient pass at the bf16 rate

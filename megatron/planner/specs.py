@@ -12,6 +12,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.config.hardware import FP8_MIN_CAPABILITY, PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS
+from megatron.config.mla import MLAConfig
 from megatron.config.model import ModelConfig, megatron_flops, mlp_flops_width, swiglu_default_ffn_size
 from megatron.planner.fp8 import FP8Shape, fp8_shape_of
 from megatron.planner.moe import MoEShape, mlp_params, moe_layer_params
@@ -101,6 +102,8 @@ class ModelShape:
     mtp_num_layers: int = 0              # multi-token-prediction depths on the last stage (each: a layer of the last
                                          # layer's kind, its projection 2h x h and 3 norms; the word embedding too)
     mla_head_dims: Optional[tuple[int, int, int]] = None  # MLA's (dn, dr, dv) per head: what mla_up_proj recomputes
+    mla: Optional[MLAConfig] = None      # multi-head latent attention's sizes (megatron.config.mla): its projections
+                                         # replace QKV and the output projection (no biases, as the model builds it)
 
     @property
     def ffn(self) -> int:
@@ -129,11 +132,47 @@ class ModelShape:
     def norm_params(self) -> int:
         return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
 
+    @property
+    def attention_gemm_width(self) -> float:
+        """The attention's projection weights over h: what one token's attention GEMMs cost, 2 h x this FLOPs
+        forward (QKV and the output projection, 2 q + 2 kv; MLA's projections, ``MLAConfig.matmul_weights``)."""
+        if self.mla is not None:
+            return self.mla.matmul_weights(self.hidden_size, self.num_attention_heads) / self.hidden_size
+        return 2 * self.q_hidden + 2 * self.kv_hidden
+
+    @property
+    def attention_score_width(self) -> float:
+        """q in the core attention's 4 s q FLOPs per token (scores and context): the query width, or MLA's
+        np (dn + dr + dv) / 2 (``MLAConfig.score_width``)."""
+        if self.mla is not None:
+            return self.mla.score_width(self.num_attention_heads)
+        return self.q_hidden
+
+    @property
+    def mla_kept_widths(self) -> tuple[int, int]:
+        """MLA's tensors kept for backward, per token in elements: (the heads' part, split by TP: the query and
+        key np (dn + dr) each, the key / value up-projection's output np (dn + dv) (the value the core keeps is a
+        view of it) and the context np dv; the latents' part, whole on every TP rank (split with SP): the
+        down-projections' outputs dq + dc + dr, and with --qk-layernorm each latent twice more, the norm's output
+        and the up-projection's flattened input, 2 (dq + dc)). Measured on the module
+        (tests/planner/test_mla_shapes.py)."""
+        mla, heads = self.mla, self.num_attention_heads
+        dq = mla.q_lora_rank or 0
+        latents = dq + mla.kv_lora_rank + mla.qk_pos_emb_head_dim + (2 * (dq + mla.kv_lora_rank)
+                                                                      if self.qk_layernorm else 0)
+        return heads * (2 * mla.q_head_dim + mla.qk_head_dim + 2 * mla.v_head_dim), latents
+
     def layer_params(self, tp: int = 1) -> int:
         """Parameters of one transformer layer held by one TP rank (column/row-parallel split, norms
         and row-parallel biases replicated)."""
         h, f, qkv = self.hidden_size, self.ffn, self.q_hidden + 2 * self.kv_hidden
         fc1 = 2 * f if self.swiglu else f
+        if self.mla is not None:  # MLA's projections (no biases) and latent norms, then the MLP as below
+            norm = self.norm_params // self.hidden_size if self.qk_layernorm else 0
+            split = self.mla.split_weights(h, self.num_attention_heads) + fc1 * h + f * h + \
+                (fc1 if self.add_bias_linear else 0)
+            return split // tp + 2 * self.norm_params + (h if self.add_bias_linear else 0) + \
+                self.mla.replicated_weights(h, norm)
         split = qkv * h + h * self.q_hidden + fc1 * h + f * h  # qkv, dense, h -> ffn (gate and up), ffn -> h
         if self.add_bias_linear or self.add_qkv_bias:
             split += qkv
@@ -188,7 +227,8 @@ class ModelShape:
         return megatron_flops(self.num_layers + self.mtp_num_layers, self.hidden_size, self.vocab_size, seq_length,
                               global_batch_size, recompute, ffn_hidden_size=self.mlp_flops_width,
                               kv_hidden_size=self.kv_hidden, swiglu=self.swiglu, query_hidden_size=self.q_hidden,
-                              mtp_num_layers=self.mtp_num_layers)
+                              mtp_num_layers=self.mtp_num_layers, mla=self.mla,
+                              num_attention_heads=self.num_attention_heads)
 
 
 def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> ModelShape:
@@ -198,15 +238,17 @@ def model_shape_of(config: ModelConfig, vocab_size: Optional[int] = None) -> Mod
                       embed_layernorm=config.embed_layernorm,
                       learned_positions=config.max_positions if config.position_embedding_type == "absolute" else 0,
                       tied_embeddings=config.tied_embeddings, num_key_value_heads=config.num_kv_heads,
-                      # MLA has head sizes of its own (not modelled here): --kv-channels and its latent norms aside
+                      # MLA's head sizes are its own (``mla``): --kv-channels does not apply; --qk-layernorm is
+                      # its latent norms there
                       kv_channels=config.kv_channels if config.mla is None else None,
-                      qk_layernorm=config.qk_layernorm and config.mla is None,
+                      qk_layernorm=config.qk_layernorm,
                       swiglu=config.swiglu, add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
                       normalization=config.normalization, moe=_moe_shape_of(config),
                       fp8=fp8_shape_of(config.fp8, config.num_layers), mtp_num_layers=config.mtp_num_layers,
                       mla_head_dims=None if config.mla is None else (config.mla.qk_head_dim,
                                                                      config.mla.qk_pos_emb_head_dim,
-                                                                     config.mla.v_head_dim))
+                                                                     config.mla.v_head_dim),
+                      mla=config.mla)
 
 
 def _moe_shape_of(config: ModelConfig) -> Optional[MoEShape]:
@@ -256,13 +298,16 @@ def _moe(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: i
 
 
 # Mixture-of-experts shapes (their transformers configs). DeepSeek-V3's attention is multi-head latent attention
-# (MLA: low-rank compressed keys / values, 128 heads of 128 + 64 rotary dims); we have no MLA, so it is planned as
-# MHA of 128 heads over h = 7168 (head dim 56): about 4 h^2 = 206M attention parameters per layer where MLA has
-# about 187M, and MHA's larger K / V activations. Its first 3 layers are dense (width 18432), the other 58 hold
-# 256 routed experts (top-8) of width 2048 and one shared expert of the same width; vocabulary 129280, untied.
+# (MLA: a query latent of 1536, a key / value latent of 512, 128 heads of 128 + 64 rotary dims, values of 128, the
+# latents normed): 187.1M attention parameters per layer. Its first 3 layers are dense (width 18432), the other 58
+# hold 256 routed experts (top-8) of width 2048 and one shared expert of the same width; vocabulary 129280,
+# untied: 671.03B parameters (DeepSeek-V3's 671B; without its MTP module).
 MOE_SIZES = {
     "mixtral-8x7b": _moe(32, 4096, 32, 8, 14336, 32000, MoEShape(8, 2, 14336, (True,) * 32)),
-    "deepseek-v3": _moe(61, 7168, 128, 128, 18432, 129280,
-                        MoEShape(256, 8, 2048, (False,) * 3 + (True,) * 58, shared_expert_ffn=2048)),
+    "deepseek-v3": dataclasses.replace(
+        _moe(61, 7168, 128, 128, 18432, 129280,
+             MoEShape(256, 8, 2048, (False,) * 3 + (True,) * 58, shared_expert_ffn=2048)),
+        qk_layernorm=True, mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+                                         qk_pos_emb_head_dim=64, v_head_dim=128)),
 }
 MODEL_SIZES = {**BLOOM_SIZES, **LLAMA_SIZES, **MOE_SIZES}

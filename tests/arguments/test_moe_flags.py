@@ -56,6 +56,16 @@ def test_kernel_choices_are_accepted_with_one_warning_each(files):
     assert rc.model.moe == _run(files, []).model.moe
 
 
+def test_the_flex_dispatcher_runs_as_alltoall_with_one_line(files):
+    """Megatron-LM's flex dispatcher (DeepEP / HybridEP kernels) moves the same tokens as alltoall: the same MoE
+    config as --moe-token-dispatcher-type alltoall, with one startup line for it and one for its backend flag."""
+    rc = _run(files, ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"])
+    assert rc.model.moe == _run(files, ["--moe-token-dispatcher-type", "alltoall"]).model.moe
+    assert rc.model.moe.token_dispatcher_type == "alltoall"
+    assert [w.split(" (")[0].split(" has")[0] for w in rc.startup_warnings] == \
+        ["--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend deepep"], rc.startup_warnings
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--moe-router-load-balancing-type", "sinkhorn"], "sinkhorn: S-BASE's Sinkhorn routing is not implemented"),
     (["--moe-router-load-balancing-type", "aux_loss", "global_aux_loss", "--moe-aux-loss-coeff", "0.01", "0.01"],
@@ -65,12 +75,15 @@ def test_kernel_choices_are_accepted_with_one_warning_each(files):
      "--moe-aux-loss-coeff gives 1 coefficient\\(s\\) for 2 --moe-router-load-balancing-type"),
     (["--moe-router-load-balancing-type", "aux_loss", "aux_loss", "--moe-aux-loss-coeff", "0.01", "0.01"],
      "names a type twice"),
-    (["--moe-token-dispatcher-type", "flex"], "DeepEP / HybridEP, NVIDIA GPU kernels"),
-    (["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing .* is not implemented"),
 ])
 def test_what_does_not_run_here_is_refused_before_launch(files, extra, message):
     with pytest.raises(ValueError, match=message):
         _run(files, extra)
+
+
+def test_force_load_balancing_reaches_the_config(files):
+    assert _run(files, ["--moe-router-force-load-balancing"]).model.moe.router_force_load_balancing
+    assert not _run(files, []).model.moe.router_force_load_balancing
 
 
 def test_the_overlap_flags_reach_the_config(files):

@@ -103,6 +103,8 @@ def test_refused_and_value_rules(script_files):
                             (["--fp8-format", "hybrid", "--fp16"], "--fp8-format with --fp16 is not supported"),
                             (["--no-pipeline-parallel"], "--no-pipeline-parallel with --pipeline-model-parallel-size 2"),
                             (["--use-megatron-fsdp"], "--use-megatron-fsdp: not supported here: Megatron-FSDP"),
+                            (["--rotary-seq-len-interpolation-factor", "2"],
+                             "--rotary-seq-len-interpolation-factor 2.0: linear position interpolation is not"),
                             (["--use-distributed-optimizer", "--zero-stage", "0", "--fp16"],
                              "--use-distributed-optimizer shards the optimizer states")):
         check = check_argv([t for t in argv if t != "--bf16"] + extra + ["--dry-run", "--world-size", "8"]

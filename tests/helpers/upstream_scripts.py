@@ -11,6 +11,7 @@ from __future__ import annotations
 
 MEGATRON_LM = "NVIDIA/Megatron-LM@d98e8a64dd"
 MEGATRON_DS = "deepspeedai/Megatron-DeepSpeed@4efb479d"
+MOE_ZOO = "yanring/Megatron-MoE-ModelZoo@bff12290"
 
 SCRIPTS = {
     # examples_deepspeed/pretrain_llama2_distributed.sh: TP=2, PP=2, ZeRO 0, 8 GPUs, activation_checkpoint false,
@@ -121,6 +122,105 @@ SCRIPTS = {
         --use-distributed-optimizer --sequence-parallel
         --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --save {tmp}/ckpt
         --load {tmp}/ckpt --tensorboard-dir {tmp}/ckpt/tensorboard --no-load-optim --no-load-rng
+        """),
+    # Megatron-MoE-ModelZoo's DeepSeek-V3 H100 recipe (best_practice/deepseek-v3/run_deepseek_v3_h100.sh, the same
+    # lines as DeepSeekV3/run.sh at c1ad0b5c): its first command, "A2A_OVERLAP=1 PP=8 VPP=4 TP=2 EP=64 NNODES=128
+    # GBS=8192 PR=fp8 bash sbatch_benchmarking.sh <its flags>", expanded as that script does: the MODEL_ARGS of
+    # model_configs/benchmarking/DeepSeek-V3.yaml in order (envsubst, then yq: "true" -> the bare flag, "false"
+    # dropped: --finetune, --log-num-zeros-in-grad, --log-params-norm), then the recipe's own flags, then the
+    # script's: DISPATCHER unset -> deepep (flex), PR=fp8 -> blockwise FP8 and the precision-aware optimizer,
+    # A2A_OVERLAP=1 -> --delay-wgrad-compute --overlap-moe-expert-parallel-comm. The layout names the virtual stages,
+    # so no --num-virtual-stages-per-pipeline-rank and no --decoder-first/last (61 % 8 != 0 but a layout is given);
+    # SEQ_LEN 4096 = --max-position-embeddings adds nothing. MCORE_RELEASE_VERSION and COMMENT are empty, so
+    # common.conf's defaults name the wandb project and run. 128 nodes x 8 GPUs; the shell's word splitting
+    # drops the layout's quotes. DATA_PATH, LOAD_PATH, OUTPUT_PATH and WORKSPACE (cluster config) -> {tmp}.
+    "moe_zoo_deepseek_v3_h100": dict(
+        source=f"{MOE_ZOO}:best_practice/deepseek-v3/run_deepseek_v3_h100.sh", world_size=1024, ds_config=None,
+        argv="""
+        --distributed-timeout-minutes 60 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 8
+        --expert-model-parallel-size 64 --context-parallel-size 1 --expert-tensor-parallel-size 1
+        --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+        --use-mcore-models --sequence-parallel --use-flash-attn --disable-bias-linear --micro-batch-size 1
+        --global-batch-size 8192 --train-samples 585937500 --exit-duration-in-mins 220 --no-save-optim
+        --no-check-for-nan-in-loss-and-grad --cross-entropy-loss-fusion --cross-entropy-fusion-impl native
+        --manual-gc --manual-gc-interval 10 --transformer-impl transformer_engine
+        --seq-length 4096 --data-cache-path {tmp}/data_cache --tokenizer-type HuggingFaceTokenizer
+        --tokenizer-model {tmp}/deepseek_v3_tokenizer --data-path {tmp}/data/corpus_text_document --split 99,1,0
+        --no-mmap-bin-files --no-create-attention-mask-in-dataloader --num-workers 6
+        --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 --kv-channels 128
+        --max-position-embeddings 4096 --position-embedding-type rope --rotary-base 10000
+        --make-vocab-size-divisible-by 3232 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu
+        --untie-embeddings-and-output-weights --multi-latent-attention
+        --attention-dropout 0.0 --hidden-dropout 0.0 --clip-grad 1.0 --weight-decay 0.1 --qk-layernorm
+        --lr-decay-samples 584765624 --lr-warmup-samples 1536000 --lr-warmup-init 3.9e-7 --lr 3.9e-6
+        --min-lr 3.9e-7 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95
+        --num-experts 256 --moe-layer-freq ([0]*3+[1]*58) --moe-ffn-hidden-size 2048
+        --moe-shared-expert-intermediate-size 2048 --moe-router-load-balancing-type seq_aux_loss --moe-router-topk 8
+        --moe-grouped-gemm --moe-aux-loss-coeff 1e-4 --moe-router-group-topk 4 --moe-router-num-groups 8
+        --moe-router-topk-scaling-factor 2.5 --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+        --moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 --moe-permute-fusion --moe-router-fusion
+        --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128
+        --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0
+        --eval-iters 32 --eval-interval 200
+        --no-load-optim --no-load-rng --auto-detect-ckpt-format --load {tmp}/ckpt --save {tmp}/out/checkpoints
+        --save-interval 500 --dist-ckpt-strictness log_all --init-method-std 0.02
+        --log-timers-to-tensorboard --log-memory-to-tensorboard --log-validation-ppl-to-tensorboard
+        --log-throughput --log-interval 1 --logging-level 40 --tensorboard-dir {tmp}/out/tensorboard
+        --wandb-project moe-benchmarking-vyour_own_megatron_version
+        --wandb-exp-name DeepSeek-V3-TP2PP8EP64CP1VPP4-MBS1GBS8192-vyour_own_megatron_version
+        --bf16 --enable-experimental
+        --recompute-granularity selective --recompute-modules mla_up_proj mlp
+        --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1 --pipeline-model-parallel-layout Et|(tt|)*30mL
+        --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep
+        --fp8-recipe blockwise --fp8-format e4m3 --fp8-param-gather --use-precision-aware-optimizer
+        --main-grads-dtype fp32 --main-params-dtype fp32 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16
+        --moe-router-padding-for-fp8 --delay-wgrad-compute --overlap-moe-expert-parallel-comm
+        """),
+    # Megatron-MoE-ModelZoo's Qwen3-235B-A22B H100 recipe (best_practice/qwen3/run_h100_235b.sh): "DISPATCHER=deepep
+    # A2A_OVERLAP=1 TP=2 PP=8 VPP=4 EP=32 NNODES=32 GBS=2048 bash ./sbatch_benchmarking.sh <its flags>" with PR unset
+    # (bf16), expanded as that script does: the MODEL_ARGS of model_configs/benchmarking/Qwen3-235B-A22B.yaml in
+    # order (envsubst: LAYERS_PER_VP = 96 / PP / VPP = 3 from runtime.conf's 96 "layers" that count the embedding
+    # and the loss; yq: "true" -> the bare flag, "false" dropped: --moe-router-pre-softmax), then the recipe's own
+    # flags, then the script's: deepep (flex), PR=bf16 -> --tp-comm-overlap, A2A_OVERLAP=1 -> --delay-wgrad-compute
+    # --overlap-moe-expert-parallel-comm. --num-layers-per-virtual-pipeline-stage is given, so no
+    # --num-virtual-stages-per-pipeline-rank; 96 % 8 == 0, so no --decoder-first/last. MCORE_RELEASE_VERSION unset
+    # (sbatch's default names the wandb project), COMMENT=baseline. 32 nodes x 8 GPUs. DATA_PATH, LOAD_PATH,
+    # OUTPUT_PATH and WORKSPACE (cluster config) -> {tmp}.
+    "moe_zoo_qwen3_235b_h100": dict(
+        source=f"{MOE_ZOO}:best_practice/qwen3/run_h100_235b.sh", world_size=256, ds_config=None,
+        argv="""
+        --distributed-timeout-minutes 220 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 8
+        --num-layers-per-virtual-pipeline-stage 3 --expert-model-parallel-size 32 --context-parallel-size 1
+        --expert-tensor-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+        --no-create-attention-mask-in-dataloader --account-for-embedding-in-pipeline-split
+        --account-for-loss-in-pipeline-split
+        --use-mcore-models --sequence-parallel --use-flash-attn --disable-bias-linear --micro-batch-size 1
+        --global-batch-size 2048 --train-samples 268554688 --exit-duration-in-mins 230 --manual-gc
+        --manual-gc-interval 5 --cross-entropy-loss-fusion --cross-entropy-fusion-impl te --enable-experimental
+        --transformer-impl transformer_engine
+        --data-cache-path {tmp}/data_cache --tokenizer-type HuggingFaceTokenizer --tokenizer-model {tmp}/qwen3_tokenizer
+        --data-path {tmp}/data/corpus_text_document --split 99,1,0 --no-mmap-bin-files --num-workers 6
+        --untie-embeddings-and-output-weights --position-embedding-type rope --rotary-percent 1.0
+        --rotary-base 1000000 --rotary-seq-len-interpolation-factor 1 --normalization RMSNorm --swiglu
+        --norm-epsilon 1e-06 --num-layers 94 --hidden-size 4096 --ffn-hidden-size 12288 --num-attention-heads 64
+        --kv-channels 128 --group-query-attention --num-query-groups 4 --qk-layernorm --seq-length 4096
+        --max-position-embeddings 4096 --make-vocab-size-divisible-by 1187
+        --attention-dropout 0.0 --hidden-dropout 0.0 --clip-grad 1.0 --weight-decay 0.1
+        --lr-decay-samples 584765624 --lr-warmup-samples 1536000 --lr-warmup-init 3.9e-7 --lr 3.9e-6
+        --min-lr 3.9e-7 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95
+        --num-experts 128 --moe-ffn-hidden-size 1536 --moe-router-load-balancing-type aux_loss --moe-router-topk 8
+        --moe-grouped-gemm --moe-aux-loss-coeff 1e-3 --moe-permute-fusion --moe-router-fusion --moe-router-dtype fp32
+        --eval-iters 32 --eval-interval 500
+        --finetune --auto-detect-ckpt-format --load {tmp}/ckpt --no-load-rng --no-load-optim
+        --save {tmp}/out/checkpoints --save-interval 100 --dist-ckpt-strictness log_all --init-method-std 0.02
+        --log-timers-to-tensorboard --log-memory-to-tensorboard --log-validation-ppl-to-tensorboard
+        --log-throughput --log-interval 1 --logging-level 40 --tensorboard-dir {tmp}/out/tensorboard
+        --wandb-project moe-benchmarking-vyour_own_megatron_version
+        --wandb-exp-name Qwen3-235B-A22B-TP2PP8EP32CP1VPP4-MBS1GBS2048-baseline --bf16
+        --recompute-granularity selective --recompute-modules moe_act layernorm --moe-router-force-load-balancing
+        --cuda-graph-impl transformer_engine --cuda-graph-scope moe_router moe_preprocess
+        --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep --tp-comm-overlap
+        --delay-wgrad-compute --overlap-moe-expert-parallel-comm
         """),
 }
 

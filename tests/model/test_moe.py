@@ -228,6 +228,33 @@ def test_two_sequence_shards_add_up_to_the_whole_sequence_wise_aux_loss():
     assert abs(alone - expected) > tolerance(torch.float32, AUX_DEPTH, TOKENS, expected)
 
 
+def test_force_load_balancing_routes_by_random_logits_with_a_straight_through_gradient():
+    """--moe-router-force-load-balancing (Megatron-LM's RandomSTE): the router routes by standard normal draws of the
+    default generator (what torch.randn draws from the same state), whatever the tokens, and the loss's gradient
+    reaches the router weight as if the draws were its logits: dL/dW = (dL/d draws)^T x."""
+    cfg = moe_config(router_force_load_balancing=True, router_score_function="sigmoid", router_topk=3)
+    router = MoELayer(tiny_config(moe=cfg), layer_number=0).router
+    tokens = torch.randn(TOKENS, 64, generator=torch.Generator().manual_seed(3))
+    state = torch.get_rng_state()
+    routing = router(tokens)
+    torch.set_rng_state(state)
+    drawn = torch.randn(TOKENS, EXPERTS).requires_grad_()
+    reference = route(drawn, cfg)
+    assert routing.expert_index.tolist() == reference.expert_index.tolist()
+    assert torch.equal(routing.weight, reference.weight)  # the same function of the same numbers
+    torch.set_rng_state(state)
+    assert router(tokens * 3 + 1).expert_index.tolist() == reference.expert_index.tolist()  # the tokens play no part
+    scale = torch.linspace(0.5, 2.0, cfg.router_topk)
+    (routing.weight * scale).sum().backward()
+    (grad,) = torch.autograd.grad((reference.weight * scale).sum(), drawn)
+    expected = grad.t() @ tokens
+    bound = tolerance(torch.float32, 1, TOKENS, expected.abs().max().item())  # two [E, T] x [T, h] products
+    assert (router.weight.grad - expected).abs().max().item() <= bound
+    assert router.weight.grad.abs().max().item() > 0
+    plain = MoELayer(tiny_config(moe=moe_config(router_score_function="sigmoid", router_topk=3)), layer_number=0)
+    assert plain.router(tokens).expert_index.tolist() != reference.expert_index.tolist()  # the logits' own routing
+
+
 def test_fp64_router_dtype_routes_in_float64():
     """--moe-router-dtype fp64: the weights within float64's tolerance of the float64 formulas (fp32 routing is
     not), and the router's own logits in float64."""

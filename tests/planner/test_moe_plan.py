@@ -95,9 +95,10 @@ def test_all_to_all_formula():
 
 
 def test_deepseek_v3_shape_on_256_h100s():
-    """671B-class parameters (MHA in place of MLA); the plan docs/parallelism.md quotes fits and uses EP."""
+    """DeepSeek-V3's 671B parameters (with MLA: tests/planner/test_llama_shapes.py); the plan docs/parallelism.md
+    quotes fits and uses EP."""
     shape = MODEL_SIZES["deepseek-v3"]
-    assert round(shape.total_params() / 1e9) == 672
+    assert round(shape.total_params() / 1e9) == 671
     plans = plan_layouts(shape, GPUS["H100-80GB"], CLUSTERS["dgx-h100"], 256, 4096, 1024, zero_stages=(1,),
                          micro_batch_sizes=(1, 2), ep_sizes=(1, 2, 4, 8, 16, 32, 64))
     best = plans[0]

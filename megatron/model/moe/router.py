@@ -20,6 +20,12 @@ With the micro-batch's tokens split over n ranks (context parallelism, Ulysses),
 all three: f_e (f_je) from the choices counted over the n ranks, P_e and the z mean over its own tokens divided by n, so the
 parts sum to the losses of the whole micro-batch, and so do their gradients.
 
+``--moe-router-force-load-balancing`` (Megatron-LM's benchmark knob, its RandomSTE): the logits are replaced by
+standard normal draws, so the choices are balanced in expectation whatever the tokens, and the gradient passes
+straight through to the router's logits (``RandomLogits``). The draws come from the default generator, which every
+rank of a TP group seeds alike and advances alike: TP ranks routing the same tokens (without sequence parallelism)
+route them alike, and activation recomputation (torch's checkpoint restores the generator) replays them.
+
 The bias (aux-loss-free balancing, DeepSeek-V3) only steers the choice, never the weights; it is not a
 parameter: after each optimizer step it moves by ``rate * sign(mean load - load)`` (``update_expert_bias``).
 
@@ -37,8 +43,8 @@ from megatron.config.moe import MoEConfig
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.parallel.weight_grad_store import linear
 
-__all__ = ["Routing", "TopKRouter", "route", "balance_choices", "aux_loss", "seq_aux_loss", "sequence_counts", "z_loss",
-           "new_expert_bias", "router_dtype", "combine_dtype"]
+__all__ = ["Routing", "TopKRouter", "RandomLogits", "route", "balance_choices", "aux_loss", "seq_aux_loss",
+           "sequence_counts", "z_loss", "new_expert_bias", "router_dtype", "combine_dtype"]
 
 
 def router_dtype(config: MoEConfig) -> torch.dtype:
@@ -69,6 +75,19 @@ def _group_limited(routing_scores: torch.Tensor, config: MoEConfig) -> torch.Ten
     best = group_score.topk(group_topk, dim=-1).indices  # [T, group_topk]
     keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
     return per_group.masked_fill(~keep[..., None], float("-inf")).flatten(-2)  # [T, E]
+
+
+class RandomLogits(torch.autograd.Function):
+    """--moe-router-force-load-balancing: standard normal logits of the same shape (the default generator), the
+    gradient handed to the original logits unchanged (a straight-through estimator, Megatron-LM's RandomSTE)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        return torch.randn_like(logits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 def route(logits: torch.Tensor, config: MoEConfig, expert_bias: torch.Tensor | None = None) -> Routing:
@@ -211,6 +230,8 @@ class TopKRouter(nn.Module):
         else:
             weight, store = copy_to_tensor_model_parallel_region(self.weight, self.tp_group), None
         logits = linear(tokens.to(router_dtype(self.config)), weight, None, store)  # [T, E]
+        if self.config.router_force_load_balancing:
+            logits = RandomLogits.apply(logits)
         routing = route(logits, self.config, self.expert_bias)
         if self.expert_bias is not None and self.training and not self.replaying:
             self.tokens_per_expert += tokens_per_expert(routing.expert_index.detach(), self.config.num_experts)
