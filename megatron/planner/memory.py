@@ -187,10 +187,10 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     A tiny CPU model in fp32: ``layer_activation_bytes(model_shape_of(config), Layout(...), seq, 4)``.
 
     moe_layer: an MoE layer of ``model.moe`` (an estimate, dropless and balanced): the MLP term for k x the
-    expert width + the shared expert's (each token's rows through its k experts), plus four sets of k rows of h (the
-    dispatched rows, the experts' output, those rows back in token order and their products with the routing
-    weights: 4k w per h, not split by TP: each TP rank routes every token), the routing's int64 indices (about six
-    per choice: 48k bytes per token) and the router's fp32 logits and scores (8E/h). Measured on CPU
+    expert width + the shared expert's (each token's rows through its k experts), plus two sets of k rows of h (the
+    dispatched rows the experts' first GEMM keeps, the returned rows the routing weights' gradient needs: 2k w per h,
+    not split by TP: each TP rank routes every token, but with whole experts under SP), the routing's int64 indices
+    (about eight per choice: 64k bytes per token) and the router's fp32 logits and scores (8E/h). Measured on CPU
     (tests/model/test_recompute_modules.py) within 1% of what recomputing the MoE MLP frees.
 
     Multi-head latent attention (``model.mla``): q, k, the key / value up-projection (v a view of it) and the context
@@ -226,12 +226,12 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
 
 
 def _routed_bytes_per_token(model: ModelShape, layout: Layout, w: int) -> float:
-    """An MoE layer's routing terms per token (``layer_activation_bytes``' moe_layer): four sets of k rows of h,
-    about six int64 indices per choice, the router's fp32 logits and scores; on every TP rank, but with whole experts
-    under SP (expert tensor parallelism 1), where each TP rank routes its own s/t tokens
-    (megatron.model.moe.layer)."""
+    """An MoE layer's routing terms per token (``layer_activation_bytes``' moe_layer): two sets of k rows of h (the
+    dispatched rows, the returned rows: megatron.model.moe.dispatch), about eight int64 indices per choice, the
+    router's fp32 logits and scores; on every TP rank, but with whole experts under SP (expert tensor parallelism 1),
+    where each TP rank routes its own s/t tokens (megatron.model.moe.layer)."""
     k = model.moe.topk
-    per_token = 4 * k * model.hidden_size * w + 48 * k + 8 * model.moe.num_experts
+    per_token = 2 * k * model.hidden_size * w + 64 * k + 8 * model.moe.num_experts
     if layout.sequence_parallel and layout.etp == 1 and layout.tp > 1:
         per_token /= layout.tp
     return per_token

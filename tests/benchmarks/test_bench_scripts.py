@@ -36,6 +36,7 @@ def test_pipeline_names_map_to_gpt_model_names():
     class FakeConfig:
         num_layers = 2
         tied_embeddings = True
+        mtp_num_layers = 0
 
     ours = bench.Ours.__new__(bench.Ours)
     ours.engine = type("E", (), {"module": FakeModule()})()

@@ -24,6 +24,12 @@ micro-batches instead (its combined 1F1B schedule runs one's forward beside anot
 the layer needs no schedule of its own, so it runs under every pipeline schedule here. The outputs are the same
 sums; the experts' GEMMs run on two blocks of rows instead of one (their weight gradients sum in another order).
 
+Memory: the rows move with ``unpermute`` and ``scatter_add``, whose backward keeps only the index (torch's
+out-of-place ``index_copy`` and ``index_add`` keep a whole [rows, h] tensor each for backward: two more sets of the
+k rows of every token per MoE layer). What a layer keeps for backward is then the dispatched rows (the experts' first
+GEMM's input) and the returned rows (the routing weights' gradient), as in Megatron-LM
+(megatron.planner.memory counts them; tests/model/test_recompute_modules.py measures them).
+
 Shape letters: T tokens, k choices per token, E experts (El = E / ep on this rank), h hidden, N choices this
 rank sends (kept ones), M choices this rank's experts receive.
 """
@@ -43,7 +49,7 @@ from megatron.parallel.mappings import gather_from_sequence_parallel_region, red
 from megatron.parallel.state import group_rank, group_size
 
 __all__ = ["DispatchPlan", "expert_capacity", "kept_choices", "plan_dispatch", "local_expert_order", "dispatch", "combine",
-           "alltoall_experts", "ep_rank_experts", "allgather_experts"]
+           "alltoall_experts", "ep_rank_experts", "allgather_experts", "unpermute", "scatter_add"]
 
 
 def expert_capacity(num_tokens: int, config: MoEConfig) -> Optional[int]:
@@ -156,6 +162,33 @@ def alltoall_experts(tokens: torch.Tensor, routing: Routing, config: MoEConfig, 
     return _combined(back, plans, num_tokens, dtype), int(keep.sum()), side
 
 
+def unpermute(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The rows put back where ``rows.index_select(0, order)`` took them from: out[order[i]] = rows[i] (``order`` a
+    permutation). An index_select by the inverse permutation: its backward keeps the index only."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return rows.index_select(0, inverse)
+
+
+class _ScatterAdd(torch.autograd.Function):
+    """base.index_add(0, index, rows), whose backward keeps the index only (torch's keeps ``rows``)."""
+
+    @staticmethod
+    def forward(ctx, base: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        return base.index_add(0, index, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad, None, grad.index_select(0, index)
+
+
+def scatter_add(base: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """base [T, h] with rows [N, h] added at rows index [N] (each token's weighted choices summed)."""
+    return _ScatterAdd.apply(base, index, rows)
+
+
 def _dispatch_start(tokens: torch.Tensor, plan: DispatchPlan, ep_group, overlap: bool):
     """tokens [T, h] -> the exchange of this plan's rows to their experts' ranks (started, or done)."""
     sent = tokens.index_select(0, plan.token)  # [N, h], sorted by expert
@@ -170,7 +203,7 @@ def _arrived(exchange, plan: DispatchPlan) -> torch.Tensor:
 
 def _combine_start(expert_output: torch.Tensor, plan: DispatchPlan, ep_group, overlap: bool):
     """The experts' outputs [M, h] -> the exchange bringing them back to their tokens' ranks."""
-    received = torch.empty_like(expert_output).index_copy(0, plan.local_order, expert_output)  # by source
+    received = unpermute(expert_output, plan.local_order)  # by source
     return _send(received, ep_group, plan.send_splits, plan.recv_splits, overlap)
 
 
@@ -189,7 +222,7 @@ def _combined(exchanges, plans: list[DispatchPlan], num_tokens: int, dtype: Opti
         weighted = _weighted(back, plan.weight, dtype)  # [N, h]
         if summed is None:
             summed = weighted.new_zeros(num_tokens, back.shape[-1])
-        summed = summed.index_add(0, plan.token, weighted)  # [T, h]
+        summed = scatter_add(summed, plan.token, weighted)  # [T, h]
     return summed.to(back.dtype)
 
 
@@ -226,5 +259,5 @@ def allgather_experts(tokens: torch.Tensor, routing: Routing, config: MoEConfig,
     counts = torch.bincount(all_expert[order] - local.start, minlength=len(local))  # [El]
     out = experts(all_tokens.index_select(0, token), counts)  # [M, h]
     weighted = _weighted(out, all_weight[order], dtype)
-    partial = weighted.new_zeros(all_tokens.shape).index_add(0, token, weighted).to(out.dtype)  # [ep T, h]: ours
+    partial = scatter_add(weighted.new_zeros(all_tokens.shape), token, weighted).to(out.dtype)  # [ep T, h]: ours
     return reduce_scatter_to_sequence_parallel_region(partial, ep_group)  # [T, h]: summed over the group

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.model.moe.dispatch import local_expert_order
+from megatron.model.moe.dispatch import local_expert_order, unpermute
 from megatron.parallel.all_to_all import all_to_all
 from megatron.parallel.fp8_linear import fp8_linear
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
@@ -240,7 +240,7 @@ class GroupedExperts(nn.Module):
         gathered = all_to_all(rows.repeat(tp, 1), self.tp_group, sizes, [mine] * tp)  # [sum M_t, h] by source
         order = local_expert_order(every)  # by local expert, then source rank
         out = self._partial(gathered.index_select(0, order), every.sum(0))
-        by_source = torch.empty_like(out).index_copy(0, order, out)
+        by_source = unpermute(out, order)
         out = all_to_all(by_source, self.tp_group, [mine] * tp, sizes).view(tp, mine, -1).sum(0)  # [M, h]
         if self.fc2_bias is None:
             return out
