@@ -94,7 +94,8 @@ def _add_plan(report: dict, check: ArgvCheck, gpu, cluster) -> None:
                        "normalization": m.normalization, "swiglu": m.swiglu, "add_bias_linear": m.add_bias_linear,
                        "add_qkv_bias": m.qkv_bias, "tied_embeddings": m.tied_embeddings,
                        "num_parameters": model_shape(rc).total_params() if vocabulary_rows(rc) else None,
-                       "mla": None if m.mla is None else dataclasses.asdict(m.mla)}
+                       "mla": None if m.mla is None else dataclasses.asdict(m.mla),
+                       "mtp_num_layers": m.mtp_num_layers, "mtp_loss_scaling_factor": m.mtp_loss_scaling_factor}
     steps = RunSteps(rc)
     report["batch"], report["run"], report["lr_schedule"] = (batch_section(rc, steps), run_section(rc, steps),
                                                              lr_section(rc, steps))

@@ -51,6 +51,8 @@ def _model(m: dict) -> list[str]:
                        "tied head" if m["tied_embeddings"] else "untied head"])
     params = "" if m["num_parameters"] is None else f"{m['num_parameters'] / 1e9:.2f}B parameters; "
     position = m["position_embedding_type"] + (f" ({m['rope_scaling']})" if m.get("rope_scaling") else "")
+    if m.get("mtp_num_layers"):  # multi-token prediction: its depths after the decoder's layers
+        block += f", {m['mtp_num_layers']} MTP depth(s) weighted {m['mtp_loss_scaling_factor']:g}"
     return [f"model        {m['num_layers']} layers, hidden {m['hidden_size']}, {heads}, "
             f"ffn {m['ffn_hidden_size']}, seq {m['seq_length']}, {position}, {block}, "
             f"{m['params_dtype']}, {zero}; {params}{vocab}"]

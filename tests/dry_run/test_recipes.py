@@ -146,6 +146,15 @@ def test_recipe_memory_per_gpu(reports, name):
     assert reports[name]["schedule"]["in_flight_micro_batches"][1] == 9.25
 
 
+
+def test_deepseek_v3_dry_run_text_names_its_mtp_depth(reports):
+    from megatron.dry_run.text import render
+
+    model_line = next(line for line in render(reports[DEEPSEEK]).splitlines() if line.startswith("model "))
+    assert "1 MTP depth(s) weighted 0.1" in model_line, model_line
+    assert "MTP" not in next(line for line in render(reports[QWEN]).splitlines() if line.startswith("model "))
+
+
 def test_qwen3_recipe_fits_an_h100(reports):
     """Qwen3-235B's recipe with its recomputed expert activations and norms: the busiest stage's plan fits the 80 GiB
     of an H100 (75.1 GiB; above --dry-run's 90% headroom of 72 GiB, so the report warns; 88.9 GiB without its
