@@ -32,8 +32,8 @@ def add_interleaved_arguments(parser) -> None:
     g = parser.add_argument_group("pipeline layout")
     g.add_argument("--pipeline-model-parallel-layout", type=str, default=None, metavar="LAYOUT",
                    help="Megatron-LM's explicit pipeline layout: every stage's layers, E the embedding, t a "
-                        "transformer layer, m an MTP depth (--mtp-num-layers; on the loss's stage), L the loss (final norm and output "
-                        "head), '|' between stages, X*N and (...)*N repeat, commas only for reading; e.g. "
+                        "transformer layer, m an MTP depth (--mtp-num-layers; on the loss's stage), L the loss "
+                        "(final norm and output head), '|' between stages, X*N and (...)*N repeat, commas only for reading; e.g. "
                         "DeepSeek-V3's 'Et|(tt|)*30mL'. With interleaving it lists PP x v stages (rank 0's first "
                         "chunk, rank 1's, ..., then the second chunks) and gives v. E first, L last, --num-layers t's; "
                         "every pipeline rank holds some layer. Replaces --pp-partition-method.")
