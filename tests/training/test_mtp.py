@@ -4,11 +4,13 @@ the last stage, embedding with a copy of the word embedding tied to the first st
 sequence parallelism, TP=2 x DP=2 on ZeRO-2 (DeepSpeed's model engine: the depths inside GPTModel), and an MoE
 model whose MTP layer routes (an MoE layer, as the decoder's last) at PP=2 x EP=2."""
 
+import os
+
 import pytest
 
 from megatron.arguments import run_config_from_argv
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.training import assert_same_run, layout, tensorboard_scalars, train
+from tests.helpers.training import assert_continues, assert_same_run, layout, tensorboard_scalars, to_universal, train
 
 ITERS = 10
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
@@ -38,7 +40,12 @@ def one_process(base, tensorboard_dir):
 
 
 @pytest.fixture(scope="module")
-def four_processes(base):
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("mtp_checkpoints")
+
+
+@pytest.fixture(scope="module")
+def four_processes(base, checkpoints):
     runs = [layout(base + MTP, tp=2, pp=2), layout(base + MTP, "--sequence-parallel", tp=2, pp=2),
             layout(base + MTP, "--zero-stage", "2", tp=2),
             layout(base + MTP + MOE, "--expert-model-parallel-size", "2", pp=2),
@@ -46,6 +53,10 @@ def four_processes(base):
             layout(base + MTP, "--pipeline-model-parallel-layout", "E|ttmmL", pp=2),
             layout(base + MTP, "--context-parallel-size", "2", pp=2),
             layout(base + MTP, "--context-parallel-size", "2", "--sequence-parallel", tp=2)]
+    # PP=2 x TP=2 at ZeRO-1 (its optimizer partitions make the universal checkpoint): straight, saved at 5, resumed
+    zero1, save = ["--zero-stage", "1"], ["--save", str(checkpoints), "--save-interval", "100"]
+    runs += [layout(base + MTP, *zero1, tp=2, pp=2), layout(base + MTP, *zero1, *save, "--exit-interval", "5", tp=2, pp=2),
+             layout(base + MTP, *zero1, *save, "--load", str(checkpoints), tp=2, pp=2)]
     return run_distributed(train, world_size=4, args=(runs,))
 
 
@@ -101,6 +112,23 @@ def test_mtp_with_context_parallelism_trains_as_one_process(one_process, four_pr
     """The shifted targets cross the CP ranks' load-balanced chunks (gathered, shifted, re-sliced)."""
     assert_same_run(one_process[0], four_processes[0][7], "CP=2 x PP=2")
     assert_same_run(one_process[0], four_processes[0][8], "CP=2 x TP=2 + SP")
+
+
+@pytest.mark.multiprocess
+def test_mtp_checkpoints_resume_and_move_between_layouts(base, one_process, four_processes, checkpoints):
+    """Saved at iteration 5 at PP=2 x TP=2, ZeRO-1 (the depths, their tied embedding copy and the untied head on the
+    last stage): resumed at the same layout, iterations 6..10 are the straight run's bit for bit; converted by
+    ds_to_universal.py and resumed in one process, they continue the one-process run within ``run_tolerance``."""
+    straight, first, resumed = four_processes[0][9:12]
+    assert_same_run(one_process[0], straight, "PP=2 x TP=2, ZeRO-1")
+    assert first["iterations"] == [1, 2, 3, 4, 5] and resumed["iterations"] == [6, 7, 8, 9, 10]
+    assert_continues(straight["losses"], resumed["losses"], "PP=2 x TP=2 resumed")
+    to_universal(os.path.join(str(checkpoints), "global_step5"))
+    load = ["--load", str(checkpoints), "--universal-checkpoint", "--zero-stage", "1"]
+    (moved,) = run_distributed(train, world_size=1, args=([base + MTP + load],))[0]
+    tail = dict(one_process[0], losses=one_process[0]["losses"][5:], grad_norms=one_process[0]["grad_norms"][5:])
+    assert moved["iterations"] == [6, 7, 8, 9, 10]
+    assert_same_run(tail, moved, "PP=2 x TP=2 -> universal -> one process")
 
 
 @pytest.mark.parametrize("flags, needle", [

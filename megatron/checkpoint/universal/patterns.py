@@ -23,6 +23,7 @@ from megatron.model.layout import ParameterLayout, parameter_layout
 
 UNIVERSAL_CHECKPOINT_INFO = C.UNIVERSAL_CHECKPOINT_INFO
 _ANY_PREFIX = r"^(?:.*\.)?"
+_MTP_LAYER = ".transformer_layer."  # inside an MTP depth (megatron.model.mtp): its decoder-kind layer
 
 
 def _pattern(param: ParameterLayout, naming: str) -> str:
@@ -30,7 +31,9 @@ def _pattern(param: ParameterLayout, naming: str) -> str:
     staged directly as a pipeline layer (a bare ``weight``), that name under the layer's index (pipeline
     naming) or its GPTModel name (``final_layernorm.weight``; model naming)."""
     if "." in param.local_name:
-        return _ANY_PREFIX + re.escape(param.local_name) + "$"
+        # an MTP depth's transformer layer (mtp.layers.{k}.transformer_layer.X) is a layer of the decoder's kind: the
+        # decoder's pattern for X matches it too (two matching patterns are an error to DeepSpeed's converter)
+        return _ANY_PREFIX + re.escape(param.local_name.partition(_MTP_LAYER)[2] or param.local_name) + "$"
     if naming == "model":
         return _ANY_PREFIX + re.escape(param.name) + "$"
     return _ANY_PREFIX + rf"{param.pipeline_index}\." + re.escape(param.local_name) + "$"
