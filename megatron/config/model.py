@@ -180,6 +180,12 @@ class ModelConfig:
         return not self.untie_embeddings_and_output_weights
 
     @property
+    def embedding_on_last_stage(self) -> bool:
+        """Whether the last pipeline stage holds a copy of the word embedding, tied to the first stage's: for the tied
+        output head, or for the MTP depths (megatron.model.mtp), which embed tokens with it."""
+        return self.tied_embeddings or self.mtp_num_layers > 0
+
+    @property
     def max_positions(self) -> int:
         return self.max_position_embeddings if self.max_position_embeddings is not None else self.seq_length
 

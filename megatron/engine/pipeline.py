@@ -203,7 +203,7 @@ class GPTLossFn:
 def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker: Optional[RNGStatesTracker]):
     embed = dict(tied_weight_attr="word_embeddings.weight", tp_group=state.tp_group, rng_tracker=tracker)
     if item.kind == EMBEDDING:
-        if not config.tied_embeddings and not config.mtp_num_layers:  # MTP embeds on the last stage too
+        if not config.embedding_on_last_stage:
             return LayerSpec(EmbeddingPipe, config, tp_group=state.tp_group, rng_tracker=tracker)
         return TiedLayerSpec("embed", EmbeddingPipe, config, **embed)
     if item.kind == TRANSFORMER:

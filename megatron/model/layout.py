@@ -201,7 +201,7 @@ def parameter_layout(config: ModelConfig, layout: str = LAYOUT) -> dict[str, Par
 
     def add(item: PipelineItem, local: str, dim: Optional[int], vocab: bool, expert: bool) -> None:
         name = item.prefix + local
-        tied = (config.tied_embeddings or config.mtp_num_layers > 0) and item.kind == EMBEDDING
+        tied = config.embedding_on_last_stage and item.kind == EMBEDDING
         params[name] = ParameterLayout(name, item.index, local, dim, vocab, tied_to_head=vocab and tied,
                                        file_key=file_key(local, layout), in_tied_module=tied, expert_parallel=expert)
 

@@ -12,7 +12,7 @@ import pytest
 
 from megatron.arguments.check import check_argv
 from megatron.arguments.upstream_flags import BY_FLAG, NO_EFFECT, UPSTREAM_FLAGS
-from tests.helpers.upstream_scripts import SCRIPTS, script_argv
+from tests.helpers.upstream_scripts import SCRIPTS, script_argv, write_script_corpus
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine", "pack my box with five dozen",
          "liquor jugs and the sphinx of black quartz judge my vow"] * 20
@@ -22,7 +22,6 @@ TEXTS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves 
 def script_files(tmp_path_factory):
     """What the scripts' paths name, built small: a SentencePiece model (with BOS and EOS), GPT-2 BPE files, a Hugging
     Face tokenizer folder, and one indexed dataset whose ids fit every one of those vocabularies."""
-    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
     from megatron.data.tokenizers import train_bpe_tokenizer, train_sentencepiece_tokenizer
 
     tmp = tmp_path_factory.mktemp("scripts")
@@ -32,12 +31,7 @@ def script_files(tmp_path_factory):
     (tmp / "gpt2-vocab.json").write_bytes(open(bpe["vocab_file"], "rb").read())
     (tmp / "gpt2-merges.txt").write_bytes(open(bpe["merge_file"], "rb").read())
     (tmp / "hf_tokenizer" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    (tmp / "data").mkdir()
-    with MMapIndexedDatasetBuilder(str(tmp / "data" / "corpus_text_document"), dtype=np.uint16) as builder:
-        for doc in range(64):
-            builder.add_item((np.arange(300) * (doc + 1)) % 250)
-            builder.end_document()
-        builder.finalize()
+    write_script_corpus(tmp, 250, np.uint16)
     return tmp
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from megatron.arguments.check import check_argv
 from megatron.arguments.upstream_flags import BY_FLAG, NO_EFFECT
-from tests.helpers.upstream_scripts import SCRIPTS, script_argv
+from tests.helpers.upstream_scripts import SCRIPTS, script_argv, write_script_corpus
 
 DEEPSEEK, QWEN = "moe_zoo_deepseek_v3_h100", "moe_zoo_qwen3_235b_h100"
 GiB = 1024 ** 3
@@ -37,17 +37,11 @@ def _word_level_tokenizer(folder, size: int) -> None:
 
 @pytest.fixture(scope="module")
 def recipe_files(tmp_path_factory):
-    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 
     tmp = tmp_path_factory.mktemp("recipes")
     _word_level_tokenizer(tmp / "deepseek_v3_tokenizer", 128_815)
     _word_level_tokenizer(tmp / "qwen3_tokenizer", 151_669)
-    (tmp / "data").mkdir()
-    with MMapIndexedDatasetBuilder(str(tmp / "data" / "corpus_text_document"), dtype=np.int32) as builder:
-        for doc in range(64):
-            builder.add_item((np.arange(300) * (doc + 1)) % 128_000)
-            builder.end_document()
-        builder.finalize()
+    write_script_corpus(tmp, 128_000, np.int32)
     return tmp
 
 

@@ -229,3 +229,18 @@ def script_argv(name: str, tmp, ds_config=None) -> list[str]:
     """The argv of script ``name`` with its paths under ``tmp`` (and the DeepSpeed JSON at ``ds_config``), split
     on whitespace as the scripts' unquoted expansions split it (so ``'99,1,0'`` keeps its quotes)."""
     return SCRIPTS[name]["argv"].format(tmp=tmp, ds_config=ds_config).split()
+
+
+def write_script_corpus(tmp, vocab_size: int, dtype) -> None:
+    """The indexed dataset the scripts' ``{tmp}/data/corpus_text_document`` names: 64 documents of 300 ids below
+    ``vocab_size``, stored as ``dtype``."""
+    import numpy as np
+
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    (tmp / "data").mkdir()
+    with MMapIndexedDatasetBuilder(str(tmp / "data" / "corpus_text_document"), dtype=dtype) as builder:
+        for doc in range(64):
+            builder.add_item((np.arange(300) * (doc + 1)) % vocab_size)
+            builder.end_document()
+        builder.finalize()
