@@ -16,6 +16,7 @@ One module per feature's argument group and its step:
     fp8_flags          the FP8 training flags (``--fp8-format``, ``--fp8-recipe``, ..., Megatron-LM's names)
     mla_flags          the multi-head latent attention flags (``--multi-latent-attention``, ``--q-lora-rank``, ...)
     yarn_flags         the YaRN long-context rotary flags (``--position-embedding-type yarn``, ``--rope-type``, ...)
+    mtp_flags          the multi-token prediction flags (``--mtp-num-layers``, ``--mtp-loss-scaling-factor``)
     muon_flags         the Muon optimizer's flags (``--muon-*``, Megatron-LM's names) for ``--optimizer muon``
     interleaved_flags  Megatron-LM's interleaved-pipeline and pipeline-layout flags: one names the virtual stages
     zero_bubble_flags  the zero-bubble pipeline flags, Megatron-DeepSpeed's names (rules: megatron.config.zero_bubble)

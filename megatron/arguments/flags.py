@@ -13,6 +13,7 @@ from megatron.arguments.fp8_flags import add_fp8_arguments
 from megatron.arguments.interleaved_flags import add_interleaved_arguments
 from megatron.arguments.mla_flags import add_mla_arguments
 from megatron.arguments.moe_flags import add_moe_arguments
+from megatron.arguments.mtp_flags import add_mtp_arguments
 from megatron.arguments.muon_flags import add_muon_arguments
 from megatron.arguments.upstream_flags import add_upstream_arguments
 from megatron.arguments.yarn_flags import add_yarn_arguments
@@ -49,9 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pretrain_gpt.py", allow_abbrev=False,
         description="Pretrain a GPT/BLOOM model. Flag names and meanings follow Megatron-DeepSpeed.")
     for add in (_model, _parallelism, add_interleaved_arguments, add_zero_bubble_arguments, add_moe_arguments,
-                add_mla_arguments, add_yarn_arguments, add_fp8_arguments, _data, _tokenizer, _training, _learning_rate,
-                _regularization, _mixed_precision, _speed, _checkpointing, _logging, _exit, _deepspeed, _dry_run,
-                add_muon_arguments, add_upstream_arguments):
+                add_mla_arguments, add_yarn_arguments, add_mtp_arguments, add_fp8_arguments, _data, _tokenizer,
+                _training, _learning_rate, _regularization, _mixed_precision, _speed, _checkpointing, _logging, _exit,
+                _deepspeed, _dry_run, add_muon_arguments, add_upstream_arguments):
         add(parser)
     return parser
 
@@ -135,15 +136,6 @@ def _model(parser):
                    help="Megatron-LM's zero-centred norm weights: every norm (LayerNorm or RMSNorm, the q / k norms "
                         "too) stores w, starting at 0, and scales by 1 + w; the same function as the usual weight "
                         "1 + w, stored with more precision near 1. Exported to Hugging Face as 1 + w.")
-    g.add_argument("--mtp-num-layers", type=int, default=None,
-                   help="Multi-token prediction (DeepSeek-V3; Megatron-LM's flag): N extra depths after the final "
-                        "norm, depth k predicting token i+1+k from the previous depth's hidden state and the "
-                        "embedding of token i+k, through one transformer layer of the model's kind and the shared "
-                        "embedding and output head. Their loss is added to the training loss; the reported LM loss "
-                        "stays the next-token one (the MTP losses are logged as 'mtp_k loss'). Default: none.")
-    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
-                   help="The weight of the MTP losses: the training loss adds this x their mean over the depths "
-                        "(Megatron-LM's default 0.1; DeepSeek-V3 used 0.3, then 0.1).")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Standard deviation of the normal weight initialization; output projections use "
                         "std / sqrt(2 x num-layers).")
