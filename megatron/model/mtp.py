@@ -90,7 +90,8 @@ class MultiTokenPrediction(nn.Module):
         self.scaling_factor = config.mtp_loss_scaling_factor
         self.layers = nn.ModuleList(MTPLayer(config, groups, k, rng_tracker) for k in range(config.mtp_num_layers))
         self.last_losses: Optional[torch.Tensor] = None  # [D], detached: the latest micro-batch's depth losses
-        self.iteration_sums = torch.zeros(config.mtp_num_layers + 1, dtype=torch.float64)  # [D losses, forwards]
+        # [D losses, forwards] summed on the losses' device (no host sync per micro-batch); iteration_losses reads it
+        self.iteration_sums: Optional[torch.Tensor] = None
 
 
 def mtp_depth_losses(block: MultiTokenPrediction, hidden: torch.Tensor, labels: torch.Tensor,
@@ -128,7 +129,8 @@ def add_mtp_loss(main: torch.Tensor, block: MultiTokenPrediction, depth_losses: 
     """main + (lambda / D) * sum(depth_losses) for the gradient, with main's exact value (module docstring)."""
     block.last_losses = depth_losses.detach()
     if block.training:
-        block.iteration_sums += torch.cat([block.last_losses.double().cpu(), torch.ones(1, dtype=torch.float64)])
+        step = torch.cat([block.last_losses.double(), block.last_losses.new_ones(1, dtype=torch.float64)])
+        block.iteration_sums = step if block.iteration_sums is None else block.iteration_sums + step
     mtp = block.scaling_factor * depth_losses.mean()
     return main + (mtp - mtp.detach())
 
@@ -139,8 +141,9 @@ def iteration_losses(module: nn.Module, num_depths: int, data_group=None, pipeli
     it, the last stage's blocks hold the sums). {} when no depth ran."""
     sums = torch.zeros(num_depths + 1, dtype=torch.float64)
     for block in (m for m in module.modules() if isinstance(m, MultiTokenPrediction)):
-        sums += block.iteration_sums
-        block.iteration_sums.zero_()
+        if block.iteration_sums is not None:
+            sums += block.iteration_sums.cpu()
+            block.iteration_sums = None
     for group in (data_group, pipeline_group):
         if group_size(group) > 1:
             dist.all_reduce(sums, group=group)
