@@ -7,6 +7,10 @@ or in blocks (blockwise, mxfp8), which are quantized again from the high-precisi
 as Transformer Engine does (a transposed block-scaled tensor is not the same quantization). Output gradients
 are e5m2 under the hybrid format. ``--no-fp8-wgrad`` computes dW in the run's precision.
 
+Memory: the backward keeps the input only as dW's FP8 operand (X^T quantized along t, 1 byte per element and its
+scales: ``_kept_input``), not the high-precision X; per tensor that is the forward's quantized X itself, in blocks
+X^T is quantized in the forward. The products are the same as quantizing in backward, bit for bit.
+
 Scaling across ranks. Tensorwise: the amax of a tensor split over the tensor-parallel group (the weight shards;
 a row-parallel layer's input; a column-parallel layer's output gradient) is all-reduced (MAX) over that group,
 so every rank quantizes with the scale one process would use; the sequence-parallel input is gathered before it
@@ -103,18 +107,31 @@ class FP8Scaling(torch.nn.Module):
                 f"sharded(input, weight, grad)={self.sharded}")
 
 
-def _weight_grad(fp8: FP8Scaling, x: torch.Tensor, grad_output: torch.Tensor, x_scale, grad_scale) -> torch.Tensor:
-    """dW [o, h] = dY^T [o, t] @ X [t, h], both quantized along t (or in the run's precision: --no-fp8-wgrad)."""
+def _kept_input(fp8: FP8Scaling, x: torch.Tensor, q_x: Quantized):
+    """What the backward keeps of a layer's input X [t, h] for its weight gradient: the operand the product
+    dW = dY^T X uses, X^T [h, t] quantized along t (1 byte per element and its scales, as Transformer Engine keeps
+    the FP8 input instead of the high-precision one); X itself with --no-fp8-wgrad. Per tensor the quantizer is
+    elementwise, so that operand is the forward's own ``q_x`` transposed (kept as it is, transposed in backward:
+    the same bytes); in blocks X^T is quantized again along t (a transposed block-scaled tensor is not the same
+    quantization), here, so that X need not be kept."""
     if not fp8.config.fp8_wgrad:
+        return x
+    if q_x.per_tensor:
+        return Quantized(q_x.data, q_x.scale_inv, q_x.block[::-1])
+    return fp8.quantize(x.t(), INPUT, None)
+
+
+def _weight_grad(fp8: FP8Scaling, x, grad_output: torch.Tensor, grad_scale) -> torch.Tensor:
+    """dW [o, h] = dY^T [o, t] @ X [t, h], both quantized along t: ``x`` is X^T so quantized (``_kept_input``),
+    or X in the run's precision (--no-fp8-wgrad)."""
+    if not isinstance(x, Quantized):
         return grad_output.t().matmul(x.to(grad_output.dtype))
-    a = fp8.quantize(grad_output.t(), GRAD, grad_scale)
-    b = fp8.quantize(x.t(), INPUT, x_scale)
-    return scaled_mm(a, b, grad_output.dtype)
+    return scaled_mm(fp8.quantize(grad_output.t(), GRAD, grad_scale), x, grad_output.dtype)
 
 
 @torch.no_grad()
-def _accumulate_weight_grad(weight, fp8, x, grad_output, x_scale, grad_scale) -> None:
-    grad = _weight_grad(fp8, x, grad_output, x_scale, grad_scale).to(weight.dtype)
+def _accumulate_weight_grad(weight, fp8, x, grad_output, grad_scale) -> None:
+    grad = _weight_grad(fp8, x, grad_output, grad_scale).to(weight.dtype)
     if weight.grad is None:
         weight.grad = grad
     else:
@@ -129,19 +146,31 @@ class _FP8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # [t, h]
         x_scale = fp8.tensor_scale(x2, INPUT) if fp8.per_tensor else None
         w_scale = fp8.tensor_scale(weight, WEIGHT) if fp8.per_tensor else None
-        y = scaled_mm(fp8.quantize(x2, INPUT, x_scale), fp8.quantize(weight, WEIGHT, w_scale), x.dtype)  # [t, o]
+        q_x = fp8.quantize(x2, INPUT, x_scale)
+        y = scaled_mm(q_x, fp8.quantize(weight, WEIGHT, w_scale), x.dtype)  # [t, o]
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x2)
+        kept = _kept_input(fp8, x2, q_x) if ctx.needs_input_grad[1] else None
+        if isinstance(kept, Quantized):
+            ctx.save_for_backward(kept.data, kept.scale_inv)
+            ctx.kept_block = kept.block
+        else:
+            ctx.save_for_backward(kept)
         # the parameter itself, not a saved tensor (see weight_grad_store._LinearDeferredWeightGrad)
         ctx.weight, ctx.fp8, ctx.store, ctx.has_bias = weight, fp8, store, bias is not None
-        ctx.scales, ctx.input_shape = (x_scale, w_scale), x.shape
+        ctx.scales, ctx.input_shape = w_scale, x.shape
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_output):
-        (x2,), weight, fp8 = ctx.saved_tensors, ctx.weight, ctx.fp8
-        x_scale, w_scale = ctx.scales
+        weight, fp8 = ctx.weight, ctx.fp8
+        saved = ctx.saved_tensors  # read once (a checkpoint unpacks each saved tensor once)
+        if len(saved) == 2:  # X^T quantized along t (or X quantized along h: per tensor, transposed)
+            data, scale_inv = saved
+            x2 = Quantized(data.t().contiguous() if fp8.per_tensor else data, scale_inv, ctx.kept_block)
+        else:
+            (x2,) = saved
+        w_scale = ctx.scales
         dy = grad_output.reshape(-1, grad_output.shape[-1])  # [t, o]
         grad_scale = fp8.tensor_scale(dy, GRAD) if fp8.per_tensor else None
         grad_input = grad_weight = None
@@ -152,9 +181,9 @@ class _FP8Linear(torch.autograd.Function):
         grad_bias = dy.sum(0) if ctx.has_bias else None
         if ctx.needs_input_grad[1]:
             if ctx.store is None:
-                grad_weight = _weight_grad(fp8, x2, dy, x_scale, grad_scale).to(weight.dtype)
+                grad_weight = _weight_grad(fp8, x2, dy, grad_scale).to(weight.dtype)
             else:
-                ctx.store.defer(partial(_accumulate_weight_grad, weight, fp8, x2, dy, x_scale, grad_scale))
+                ctx.store.defer(partial(_accumulate_weight_grad, weight, fp8, x2, dy, grad_scale))
         return grad_input, grad_weight, grad_bias, None, None
 
 

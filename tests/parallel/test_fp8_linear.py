@@ -1,6 +1,7 @@
 """FP8 GEMMs in the tensor-parallel layers (megatron.parallel.fp8_linear).
 
-- One layer, one process: the output and the three gradients equal the products of the operands quantized by
+- One layer, one process: the backward keeps the input as 1-byte FP8 elements (and their scales), not in high
+  precision; the output and the three gradients equal the products of the operands quantized by
   the recipe's rules (a reference built here from ``fp8_quantize``'s quantizers and float64 products), within the
   fp32 accumulation; the per-tensor recipes' scales are max / amax of exactly the tensors the products take.
 - Delayed scaling: the history rolls newest first, ``max`` / ``most_recent`` and the margin give the scales of the
@@ -57,8 +58,13 @@ def test_the_three_products_take_the_recipes_quantized_operands(recipe):
         fp8_linear(x, weight, bias, fp8).backward(g)
         update_fp8_scales(fp8)
         x.grad = weight.grad = bias.grad = None
-    y = fp8_linear(x, weight, bias, fp8)
+    kept = []  # what the backward keeps: the input only as dW's FP8 operand (1 byte per element and its scales)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y = fp8_linear(x, weight, bias, fp8)
     y.backward(g)
+    assert [t.dtype for t in kept if t.numel() >= x.numel()] == [E4M3], [(t.dtype, t.shape) for t in kept]
+    # beside it fp32 scales only: at most one per feature and block of tokens (the 12 tokens are one block here)
+    assert all(t.dtype == torch.float32 and t.numel() <= x.numel() // 12 for t in kept if t.dtype != E4M3)
     grad_dtype = E5M2 if recipe in ("tensorwise", "delayed") else E4M3
     x2, dy = x.detach().reshape(-1, 160), g.reshape(-1, 48)
     expected_y = _reference_product(x2, weight.detach(), recipe, "input", "weight", grad_dtype) + bias.detach()
