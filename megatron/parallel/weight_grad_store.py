@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["WeightGradStore", "linear", "grouped_linear", "segment_linear", "defer_weight_grads"]
+__all__ = ["WeightGradStore", "linear", "grouped_linear", "segment_linear", "defer_weight_grads", "defer_weight_grad"]
 
 
 class WeightGradStore:
@@ -78,6 +78,12 @@ def _accumulate(weight: torch.nn.Parameter, grad_weight: torch.Tensor) -> None:
 def _accumulate_weight_grad(weight: torch.nn.Parameter, x: torch.Tensor, grad_output: torch.Tensor) -> None:
     # dA [o, h] = dY^T [o, t] @ X [t, h]
     _accumulate(weight, grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])))
+
+
+def defer_weight_grad(store: "WeightGradStore", weight: torch.nn.Parameter, x: torch.Tensor,
+                      grad_output: torch.Tensor) -> None:
+    """Defer a linear layer's dW = dY^T X (accumulated into ``weight.grad``) to ``store``'s weight pass."""
+    store.defer(partial(_accumulate_weight_grad, weight, x, grad_output))
 
 
 @torch.no_grad()

@@ -14,7 +14,8 @@ measured), the rest at the bf16 peak; MFU stays model FLOPs over the bf16 peak.
 Memory (``fp8_stage_bytes``): the implementation keeps no FP8 copy of the weights (each GEMM quantizes the bf16
 weight and drops it); the transient is counted as the stage's largest FP8 weight in one byte per element. Delayed
 scaling keeps, per FP8 linear layer, ``amax_history`` [len, 3] and ``scale`` [3] (checkpointed) and
-``pending_amax`` [3], all fp32. Activations saved for backward are unchanged (the high-precision input is saved).
+``pending_amax`` [3], all fp32. Activations: an FP8 layer keeps its input for backward in FP8
+(``megatron.planner.memory.fp8_kept_savings``).
 
 Quantizer traffic (``quantize_bytes``): ``fp8_quantize`` quantizes with eager torch ops over an fp32 copy of the
 operand, each a pass through HBM, counted per element of the operand with w its bytes (2 in bf16):

@@ -42,8 +42,8 @@ Recomputation in Large Transformer Models", eqs. 2 and 4), bf16, t = TP, u = Uly
   (/u with Ulysses). fp32 runs: 4-byte activations (``activation_bytes_per_element``).
 FP8 (``ModelShape.fp8``, ``megatron.planner.fp8``): no FP8 copy of the weights is kept (each GEMM quantizes the
 weight it uses): ``fp8_transient``, the stage's largest FP8 weight in 1 byte per element; ``fp8_scaling_state``,
-delayed scaling's fp32 history, scales and pending amaxes per FP8 linear layer; activations unchanged (the layers
-save their high-precision inputs).
+delayed scaling's fp32 history, scales and pending amaxes per FP8 linear layer; the FP8 layers' inputs kept for
+backward in 1 byte per element (``fp8_kept_savings``).
 Context parallelism (CP = c, ring attention): every term for s/c tokens, no scores, plus what the ring kernel
 keeps and its buffers (``megatron.planner.context_parallel``).
 The layer being back-propagated adds its activation gradients (~ one layer's set) and, with
@@ -55,6 +55,7 @@ caching allocator's fragmentation and short-lived buffers this model does not it
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from megatron.config.schedules import get as get_schedule
 from megatron.planner.candidate import Layout, stage_layer_counts
@@ -186,12 +187,13 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
     MLP column-parallel layers for their weight gradients (2w at full size) instead of gathering them again.
     A tiny CPU model in fp32: ``layer_activation_bytes(model_shape_of(config), Layout(...), seq, 4)``.
 
-    moe_layer: an MoE layer of ``model.moe`` (an estimate, dropless and balanced): the MLP term for k x the
-    expert width + the shared expert's (each token's rows through its k experts), plus two sets of k rows of h (the
-    dispatched rows the experts' first GEMM keeps, the returned rows the routing weights' gradient needs: 2k w per h,
-    not split by TP: each TP rank routes every token, but with whole experts under SP), the routing's int64 indices
-    (about eight per choice: 64k bytes per token) and the router's fp32 logits and scores (8E/h). Measured on CPU
-    (tests/model/test_recompute_modules.py) within 1% of what recomputing the MoE MLP frees.
+    moe_layer: an MoE layer of ``model.moe`` (an estimate, dropless and balanced): the shared expert's MLP term and
+    the k routed experts' (``_moe_mlp_width``), plus one set of k rows of h (the dispatched rows the experts' first
+    GEMM keeps: k w per h, not split by TP: each TP rank routes every token, but with whole experts under SP; the
+    returned rows are not kept, the routing weights being applied in the experts' activation), the routing's int64
+    indices and weights (about 68k bytes per token) and the router's fp32 logits and scores (8E/h). Measured on CPU
+    (tests/model/test_recompute_modules.py) within 1% of what recomputing the MoE MLP frees. FP8 layers keep less:
+    ``fp8_kept_savings``.
 
     Multi-head latent attention (``model.mla``): q, k, the key / value up-projection (v a view of it) and the context
     at MLA's widths in the TP region, and its latents outside it (``ModelShape.mla_kept_widths``, measured).
@@ -216,25 +218,80 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, seq_length: int, b
         heads_part, latents = model.mla_kept_widths
         attention = (heads_part + second_context * model.num_attention_heads * model.mla.v_head_dim) / h * w
         outside += latents / h * w / (t if layout.sequence_parallel else 1)
-    mlp_width, routed = model.ffn, 0.0
+    mlp = (4 if model.swiglu else 2) * model.ffn / h * w
+    routed = 0.0
     if moe_layer:
-        mlp_width = model.moe.topk * model.moe.expert_ffn + model.moe.shared_expert_ffn
+        mlp = _moe_mlp_width(model) / h * w
         routed = _routed_bytes_per_token(model, layout, w) / h
-    mlp = (4 if model.swiglu else 2) * mlp_width / h * w
     scores = (2 * w + 1) * a * s / h if layout.store_attention_scores else 0.0
     return s / u * b * h * (outside + routed + (attention + mlp + scores) / t)
 
 
+def _moe_mlp_width(model: ModelShape) -> float:
+    """An MoE layer's MLP activations per token, in elements: the shared expert's as a dense MLP's ((4 SwiGLU | 2)
+    f_s) and, for each of the k routed experts, its first GEMM's output (2 f_e SwiGLU | f_e), which the weighted
+    activation keeps (megatron.model.moe.experts._WeightedActivation), and the weighted activation (f_e), the second
+    GEMM's input: (3 | 2) k f_e."""
+    moe = model.moe
+    return ((4 if model.swiglu else 2) * moe.shared_expert_ffn
+            + (3 if model.swiglu else 2) * moe.topk * moe.expert_ffn)
+
+
 def _routed_bytes_per_token(model: ModelShape, layout: Layout, w: int) -> float:
-    """An MoE layer's routing terms per token (``layer_activation_bytes``' moe_layer): two sets of k rows of h (the
-    dispatched rows, the returned rows: megatron.model.moe.dispatch), about eight int64 indices per choice, the
-    router's fp32 logits and scores; on every TP rank, but with whole experts under SP (expert tensor parallelism 1),
-    where each TP rank routes its own s/t tokens (megatron.model.moe.layer)."""
+    """An MoE layer's routing terms per token (``layer_activation_bytes``' moe_layer): one set of k rows of h (the
+    dispatched rows, the experts' first GEMM's input; the returned rows are not kept: the routing weights are applied
+    in the experts' activation, megatron.model.moe.dispatch), about eight int64 indices and the fp32 routing weight
+    per choice, the router's fp32 logits and scores; on every TP rank, but with whole experts under SP (expert tensor
+    parallelism 1), where each TP rank routes its own s/t tokens (megatron.model.moe.layer)."""
     k = model.moe.topk
-    per_token = 2 * k * model.hidden_size * w + 64 * k + 8 * model.moe.num_experts
+    per_token = k * model.hidden_size * w + 68 * k + 8 * model.moe.num_experts
     if layout.sequence_parallel and layout.etp == 1 and layout.tp > 1:
         per_token /= layout.tp
     return per_token
+
+
+def fp8_kept_savings(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int = 2, *,
+                     moe_layer: bool = False) -> float:
+    """What one FP8 layer keeps less than ``layer_kept_bytes`` says, one micro-batch, one rank: an FP8 linear layer
+    keeps its input as dW's FP8 operand (1 byte per element and its fp32 scales: 4 / 128 bytes blockwise, 4 / 32
+    mxfp8; megatron.parallel.fp8_linear) instead of w bytes, where nothing else keeps that input: the QKV input (the
+    input norm's output; not MLA's, whose down-projections run in bf16), the output projection's input (the context)
+    with stored scores, the MLP's two GEMMs' inputs; in an MoE layer the dispatched rows, the routed experts' and the
+    shared expert's second GEMM's inputs. Where another op keeps the tensor anyway the FP8 copy adds its byte: the
+    context under a fused attention kernel (kept as its output), the shared expert's input (the MLP input, which the
+    router keeps). Nothing where ``layout.recompute_modules`` frees the tensor already. MLA's latents (its
+    up-projections' inputs) are left at w: an over-estimate. Measured on CPU within 1%
+    (tests/model/test_recompute_modules.py)."""
+    if layout.cp > 1:
+        local = dataclasses.replace(layout, cp=1, store_attention_scores=False)
+        return fp8_kept_savings(model, local, seq_length / layout.cp, bytes_per_element, moe_layer=moe_layer)
+    s, b, h, t, w = seq_length, layout.micro_batch_size, model.hidden_size, layout.tp, bytes_per_element
+    block = {"blockwise": 128, "mxfp8": 32}.get(model.fp8.recipe if model.fp8 else "", 0)
+    tokens = s / layout.ulysses * b
+    copy = 1 + (4 * math.ceil(tokens / block) / tokens if block else 0)  # an FP8 element and its share of the
+    saved = w - copy  # scales: one fp32 per feature and block of tokens (X^T quantized along t)
+    modules = set(layout.recompute_modules)
+    elements = 0.0  # per token
+    norm_output = h / (t if layout.sequence_parallel else 1)  # an input norm's output, per token
+    kept = 0.0  # per token: FP8 copies kept beside a tensor that stays
+    if model.mla is None and "layernorm" not in modules:
+        elements += norm_output  # the QKV input
+    heads_width = (model.q_hidden if model.mla is None else model.num_attention_heads * model.mla.v_head_dim) / t
+    if layout.store_attention_scores:
+        elements += heads_width  # the context: only the output projection keeps it
+    else:
+        kept += heads_width * copy  # the fused kernel keeps its output: the FP8 copy beside it
+    if not moe_layer:
+        elements += 0 if "layernorm" in modules else norm_output  # the MLP input
+        elements += 0 if "mlp" in modules else model.ffn / t
+    elif "moe" not in modules:
+        moe = model.moe
+        routed = moe.topk * h / (t if layout.sequence_parallel and layout.etp == 1 and t > 1 else 1)
+        elements += routed + (0 if "moe_act" in modules else moe.topk * moe.expert_ffn / t)
+        elements += 0 if "shared_experts" in modules else moe.shared_expert_ffn / t
+    if moe_layer and model.moe.shared_expert_ffn and not {"moe", "shared_experts"} & modules:
+        kept += norm_output * copy  # the shared expert's input: the router keeps it
+    return tokens * (elements * saved - kept)
 
 
 def layer_kept_bytes(model: ModelShape, layout: Layout, seq_length: int, bytes_per_element: int = 2, *,
@@ -260,7 +317,7 @@ def recompute_saved_bytes(model: ModelShape, layout: Layout, seq_length: int, by
       moe             an MoE layer's whole MLP term as ``layer_activation_bytes`` estimates it: the experts' and
                       shared expert's activations, the dispatched rows and the router's scores; the rest inside it
                       (moe_act, shared_experts) is then nothing more
-      moe_act         the experts' activation output (and SwiGLU's silu(gate)): (2 | 1) k f_e w / t
+      moe_act         the experts' weighted activation output (the second GEMM's input): k f_e w / t
       shared_experts  the shared expert's MLP: (4 | 2) f_s w / t
       mla_up_proj     MLA's up-projected key / value, np (dn + dv) w, and RoPE's cos / sin (2 dr w per position);
                       with a fused attention kernel (no stored scores) also the query and key it would keep,
@@ -285,11 +342,9 @@ def recompute_saved_bytes(model: ModelShape, layout: Layout, seq_length: int, by
         elif name == "moe":
             per_token = 0.0
             if moe:
-                width = moe.topk * moe.expert_ffn + moe.shared_expert_ffn
-                per_token = (4 if model.swiglu else 2) * width * w / t + _routed_bytes_per_token(model, layout, w)
+                per_token = _moe_mlp_width(model) * w / t + _routed_bytes_per_token(model, layout, w)
         elif name == "moe_act":
-            per_token = (2 if model.swiglu else 1) * moe.topk * moe.expert_ffn * w / t if moe and "moe" not in modules \
-                else 0.0
+            per_token = moe.topk * moe.expert_ffn * w / t if moe and "moe" not in modules else 0.0
         elif name == "shared_experts":
             per_token = (4 if model.swiglu else 2) * moe.shared_expert_ffn * w / t if moe and "moe" not in modules \
                 else 0.0
@@ -373,6 +428,9 @@ def activation_terms(model: ModelShape, layout: Layout, seq_length: int, global_
     # --recompute-modules: each layer in flight keeps less; the one in backward holds its recomputed parts again
     kept_layer = layer_kept_bytes(model, layout, seq_length, w)
     kept_moe_layer = layer_kept_bytes(model, layout, seq_length, w, moe_layer=True) if model.moe else 0.0
+    fp8_layers = stage_fp8_layers(model, layers)  # (dense, MoE) FP8 layers per stage: their inputs kept in FP8
+    fp8_saves = (fp8_kept_savings(model, layout, seq_length, w),
+                 fp8_kept_savings(model, layout, seq_length, w, moe_layer=True) if model.moe else 0.0)
     local_tokens = s * b / layout.sequence_split  # a layer's input and the embedding output: this rank's shard
     schedule = get_schedule(layout.schedule)  # the registry entry (megatron.config.schedules)
     w_layer = weight_pass_bytes(model, layout, seq_length, w) if schedule.defers_weight_passes else 0.0
@@ -383,6 +441,7 @@ def activation_terms(model: ModelShape, layout: Layout, seq_length: int, global_
             one, working = layers[i] * w * local_tokens * h, 2 * biggest
         else:
             one = (layers[i] - moe_layers[i]) * kept_layer + moe_layers[i] * kept_moe_layer
+            one -= fp8_layers[i][0] * fp8_saves[0] + fp8_layers[i][1] * fp8_saves[1]
             working = biggest
         weight_pass = layers[i] * w_layer
         if w_layer and i == p - 1:

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 __all__ = ["MoEShape", "expert_params_per_rank", "moe_layer_params", "exchange_bytes", "layer_bytes",
            "step_all_to_all_bytes", "check_expert_layout"]
 
-EXCHANGES_PER_PASS = 2  # dispatch and combine
+EXCHANGES_PER_PASS = 3  # dispatch (the rows and their routing weights) and combine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +101,14 @@ def exchange_bytes(sent_rows: int, received_rows: int, hidden: int, bytes_per_el
                    recompute: bool = False) -> int:
     """Bytes one rank hands ``all_to_all_single`` for ONE MoE layer and micro-batch, given its routing: it sent
     ``sent_rows`` choices and its experts received ``received_rows`` (forward dispatch N + combine M, the
-    backward the same, a recomputed forward again), plus the forward's count exchange (E int64)."""
+    backward the same, a recomputed forward again), the routing weights travelling with the rows (counted as the
+    calls' output buffers, as ``comm_count`` records them: M arrive with the experts' rows per forward, N gradients
+    come back in the backward; at the activations' width, 2 bytes short each under --moe-router-dtype fp32 in
+    bf16), plus the forward's count exchange (E int64)."""
     forwards = 2 if recompute else 1
     rows = (forwards + 1) * (sent_rows + received_rows)
-    return rows * hidden * bytes_per_element + forwards * 8 * num_experts
+    weights = forwards * received_rows + sent_rows
+    return (rows * hidden + weights) * bytes_per_element + forwards * 8 * num_experts
 
 
 def layer_bytes(moe: MoEShape, tokens: int, hidden: int, bytes_per_element: int, ep: int,

@@ -12,7 +12,7 @@ import torch
 
 from megatron.config.moe import MoEConfig, parse_layer_freq
 from megatron.model.moe import MoELayer, route, set_aux_loss_scale, update_expert_biases
-from megatron.model.moe.dispatch import combine, expert_capacity, kept_choices, plan_dispatch
+from megatron.model.moe.dispatch import combine, dispatch, expert_capacity, kept_choices, plan_dispatch
 from megatron.model.moe.router import aux_loss, balance_choices, seq_aux_loss, sequence_counts, z_loss
 from megatron.testing.tolerance import tolerance
 from tests.helpers.model import tiny_config
@@ -271,24 +271,53 @@ def test_fp64_router_dtype_routes_in_float64():
     assert layer.router(torch.randn(4, 64)).logits.dtype == torch.float64
 
 
-def test_router_dtype_sums_the_weighted_expert_outputs_in_it():
-    """--moe-router-dtype fp32 with bf16 activations: the combine's weighted sum in fp32, rounded to bf16 once (as
-    Megatron-LM's unpermute with probs in the router dtype); without it the sum runs in bf16 and lands further."""
+def test_the_router_keeps_its_bf16_input_not_an_fp32_copy():
+    """In a bf16 run the router computes in fp32 but keeps its input in bf16 for backward (as Megatron-LM's
+    RouterGatingLinearFunction): no fp32 copy of the tokens is saved, and the logits and both gradients are those
+    of the plain linear on the fp32 copy, bit for bit (the same products)."""
+    from megatron.model.moe import TopKRouter
+    from megatron.parallel.weight_grad_store import linear
+
+    router = TopKRouter(moe_config(), HIDDEN, lambda w: torch.nn.init.normal_(w, std=0.1,
+                                                                               generator=torch.Generator().manual_seed(3)))
+    tokens = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(4)).bfloat16().requires_grad_()
+    g = torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(5))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logits = router(tokens).logits
+    assert not [t for t in saved if t.dtype == torch.float32 and t.shape == tokens.shape]
+    assert logits.dtype == torch.float32
+    logits.backward(g)
+    grads = tokens.grad.clone(), router.weight.grad.clone()
+    tokens.grad = router.weight.grad = None
+    plain = linear(tokens.float(), router.weight, None, None)
+    plain.backward(g)
+    assert torch.equal(logits, plain)
+    assert torch.equal(grads[0], tokens.grad) and torch.equal(grads[1], router.weight.grad)
+
+
+def test_router_dtype_weights_and_sums_the_expert_outputs_in_it():
+    """--moe-router-dtype fp32 with bf16 activations: the routing weights travel to the experts in fp32 (the weighting
+    inside their activation runs in it) and the combine's sum runs in fp32, rounded to bf16 once (as Megatron-LM's
+    unpermute in the router dtype); without it the weights travel in bf16."""
     cfg = moe_config(router_topk=4)
     gen = torch.Generator().manual_seed(9)
     routing = route(torch.randn(TOKENS, EXPERTS, generator=gen), cfg)
     plan = plan_dispatch(routing, cfg)
-    rows = torch.randn(plan.order.numel(), HIDDEN, generator=gen).bfloat16()  # the experts' outputs
-    weights, token = plan.weight.double(), plan.token
+    tokens = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16()
+    rows, weight = dispatch(tokens, plan, dtype=torch.float32)
+    assert rows.dtype == torch.bfloat16 and weight.dtype == torch.float32
+    assert torch.equal(weight, plan.weight.float()[plan.local_order])  # one rank: the sorted order, regrouped
+    assert dispatch(tokens, plan)[1].dtype == torch.bfloat16
+    rows = torch.randn(plan.order.numel(), HIDDEN, generator=gen).bfloat16()  # the experts' weighted outputs
     received = rows.double()[torch.argsort(plan.local_order)]  # back in the sorted-by-expert order
-    exact = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64).index_add(0, token, received * weights[:, None])
+    exact = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64).index_add(0, plan.token, received)
     fp32 = combine(rows, plan, TOKENS, dtype=torch.float32)
     bf16 = combine(rows, plan, TOKENS)
     assert fp32.dtype == bf16.dtype == torch.bfloat16
-    # one rounding to bf16 of an fp32 sum of 4 products
+    # one rounding to bf16 of an fp32 sum of 4 rows
     fp32_err = (fp32.double() - exact).abs().max().item()
     assert fp32_err <= tolerance(torch.bfloat16, 1, cfg.router_topk, exact.abs().max().item()), fp32_err
-    assert (bf16.double() - exact).abs().max().item() > fp32_err
 
 
 def test_group_limited_routing_stays_in_the_chosen_groups():

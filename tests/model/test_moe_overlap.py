@@ -48,10 +48,10 @@ def _layer_runs(rank, world_size):
             seen = []
             experts = layer.experts
 
-            def logged(rows, counts, experts=experts, seen=seen):
+            def logged(rows, counts, weight, experts=experts, seen=seen):
                 seen.append(("forward", EXCHANGES.calls))
                 rows.register_hook(lambda grad: seen.append(("backward", EXCHANGES.calls)))
-                return experts(rows, counts)
+                return experts(rows, counts, weight)
 
             layer.__dict__["experts"] = logged  # the module stays registered (its parameters), called through this
             x = x_all[mine].clone().requires_grad_()
@@ -82,17 +82,19 @@ def test_overlapped_exchanges_compute_what_the_blocking_ones_do(runs, capacity):
             depth = DEPTH if name == "output" else GRAD_DEPTH
             diff = (overlapped[name] - expected).abs().max().item()
             assert diff <= tolerance(torch.float32, depth, HIDDEN, expected.abs().max().item()), (rank, name, diff)
-        # the same rows travel, in twice as many exchanges (two parts, each dispatched and combined, and back)
-        assert (blocking["calls"], overlapped["calls"]) == (4, 8), rank
+        # the same rows travel, in twice as many exchanges (two parts, each dispatched (the rows and their routing
+        # weights) and combined, and back)
+        assert (blocking["calls"], overlapped["calls"]) == (6, 12), rank
         assert overlapped["bytes"] == blocking["bytes"], rank
 
 
 def test_one_parts_exchange_travels_while_the_others_experts_compute(runs):
     for rank, out in enumerate(runs):
-        # blocking: the experts run once the dispatch (1 exchange) is done; their backward once the combine's
-        # gradient came back (3: dispatch, combine, combine's adjoint)
-        assert out[None, False]["seen"] == [("forward", 1), ("backward", 3)], rank
-        # overlapped, forward: part 1's experts run with both dispatches started (2), part 2's with part 1's
-        # combine started too (3). Backward (part 2 first): both combines' gradients started back (4 + 2 = 6)
-        # when part 2's experts' backward has run; part 2's dispatch gradient on its way (7) while part 1's ran
-        assert out[None, True]["seen"] == [("forward", 2), ("forward", 3), ("backward", 6), ("backward", 7)], rank
+        # blocking: the experts run once the dispatch (2 exchanges: the rows and their routing weights) is done;
+        # their backward once the combine's gradient came back (4: dispatch, combine, combine's adjoint)
+        assert out[None, False]["seen"] == [("forward", 2), ("backward", 4)], rank
+        # overlapped, forward: part 1's experts run with both dispatches started (4), part 2's with part 1's
+        # combine started too (5). Backward (part 2 first): both combines' gradients started back (6 + 2 = 8)
+        # when part 2's experts' backward has run; part 2's dispatch gradients (rows, weights) on their way (10)
+        # while part 1's ran
+        assert out[None, True]["seen"] == [("forward", 4), ("forward", 5), ("backward", 8), ("backward", 10)], rank

@@ -19,6 +19,7 @@ from megatron.config.hardware import (
 )
 from megatron.planner import CLUSTERS, GPUS, Layout, ModelShape, estimate_memory, estimate_step
 from megatron.planner.fp8 import fp8_shape_of, quantize_bytes
+from megatron.planner.memory import fp8_kept_savings
 from megatron.planner.performance import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, GEMM_HALF_ROWS
 from megatron.planner.specs import model_shape_of
 from tests.helpers.config import tiny_model
@@ -128,8 +129,12 @@ def test_memory_counts_one_transient_fp8_weight_and_delayed_scalings_buffers():
     # amax_history [16, 3] + scale [3] + pending_amax [3], fp32, per linear layer
     assert delayed["fp8_scaling_state"] == LAYERS * 4 * (16 * 3 + 3 + 3) * 4
     assert tensorwise["fp8_scaling_state"] == 0
-    for stage in (delayed, tensorwise):  # no FP8 weight copy, activations unchanged
-        assert {k: v for k, v in stage.items() if not k.startswith("fp8_")} == bf16
+    for stage, shape in ((delayed, _shape(fp8_amax_history_len=16)), (tensorwise, _shape(fp8_recipe="tensorwise"))):
+        # no FP8 weight copy; each layer (of the one micro-batch in flight) keeps its FP8 layers' inputs in FP8
+        assert {k: v for k, v in stage.items() if not k.startswith("fp8_") and k != "activations"} == \
+            {k: v for k, v in bf16.items() if k != "activations"}
+        kept_less = fp8_kept_savings(shape, _layout(), SEQ, 2)
+        assert kept_less > 0 and stage["activations"] == pytest.approx(bf16["activations"] - LAYERS * kept_less)
 
 
 def test_the_planner_counts_the_linear_layers_the_model_runs_in_fp8():

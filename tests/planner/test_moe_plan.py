@@ -81,14 +81,17 @@ def test_bad_expert_shapes_and_sizes_are_refused():
 
 
 def test_all_to_all_formula():
-    """One MoE layer, one micro-batch: 2 (N + M) rows of h values and the forward's E counts; the planner's
-    dropless figure is N = M = T k, of which (e - 1) / e crosses ranks."""
-    assert exchange_bytes(10, 14, 32, 4, num_experts=4) == 2 * 24 * 32 * 4 + 8 * 4
-    assert exchange_bytes(10, 14, 32, 4, num_experts=4, recompute=True) == 3 * 24 * 32 * 4 + 2 * 8 * 4
+    """One MoE layer, one micro-batch: 2 (N + M) rows of h values, the M routing weights received and the N
+    weights' gradients returned, and the forward's E counts; the planner's dropless figure is N = M = T k, of which
+    (e - 1) / e crosses ranks."""
+    # the rows both ways, the 14 received rows' routing weights (twice with recomputation) and the 10 sent rows'
+    # weight gradients, the counts
+    assert exchange_bytes(10, 14, 32, 4, num_experts=4) == 2 * 24 * 32 * 4 + 24 * 4 + 8 * 4
+    assert exchange_bytes(10, 14, 32, 4, num_experts=4, recompute=True) == 3 * 24 * 32 * 4 + 38 * 4 + 2 * 8 * 4
     moe = MoEShape(256, 8, 2048, (True,))
     one = layer_bytes(moe, 4096, 7168, 2, ep=8)
-    assert one["handed"] == 4 * 4096 * 8 * 7168 * 2 + 8 * 256 and one["calls"] == 5
-    assert one["cross_rank"] == 4 * 4096 * 8 * 7168 * 2 * 7 / 8
+    assert one["handed"] == (4 * 7168 + 2) * 4096 * 8 * 2 + 8 * 256 and one["calls"] == 7
+    assert one["cross_rank"] == (4 * 7168 + 2) * 4096 * 8 * 2 * 7 / 8
     assert layer_bytes(moe, 4096, 7168, 2, ep=1)["handed"] == 0
     capped = layer_bytes(dataclasses.replace(moe, capacity_factor=0.5), 4096, 7168, 2, ep=8)
     assert capped["handed"] < one["handed"]
@@ -188,7 +191,7 @@ def test_measured_all_to_all_bytes_equal_the_planners_count(ep_runs):
             layers = shape.moe.num_moe_layers
             figure = layer_bytes(shape.moe, TOKENS_PER_RANK, config.hidden_size, 4, 2, recompute)["handed"]
             assert sum(r["all_to_all_bytes"] for r in group) == 2 * layers * figure, f"TP rank {tp_rank}"
-    assert planner["handed"] == 4 * TOKENS_PER_RANK * 2 * config.hidden_size * 4 + 8 * 4
+    assert planner["handed"] == (4 * config.hidden_size + 2) * TOKENS_PER_RANK * 2 * 4 + 8 * 4
 
 
 @pytest.mark.multiprocess

@@ -3,8 +3,9 @@ those experts (expert parallelism: an all-to-all over the EP group), and the exp
 summed per token with the routing weights.
 
     dispatch:  tokens [T, h] -> per choice, sorted by expert [N, h] -> all-to-all -> this rank's experts'
-               tokens, grouped by local expert [M, h] (+ counts per local expert)
-    combine:   [M, h] -> all-to-all back -> [N, h] -> out[t] = sum over t's kept choices of weight * y
+               tokens, grouped by local expert [M, h] (+ counts per local expert), and their routing weights [M]
+    experts:   y = act(x W1^T) * weight, then W2 (the weight applied in the activation, Megatron-LM's order)
+    combine:   [M, h] -> all-to-all back -> [N, h] -> out[t] = sum over t's kept choices of y
 
 With a capacity factor, each expert keeps at most C = ceil(T * k / E * factor) of its choices per micro-batch
 (policy ``probs``: its C highest-weight ones; ``position``: the first C in token order, token-major then
@@ -26,9 +27,11 @@ sums; the experts' GEMMs run on two blocks of rows instead of one (their weight 
 
 Memory: the rows move with ``unpermute`` and ``scatter_add``, whose backward keeps only the index (torch's
 out-of-place ``index_copy`` and ``index_add`` keep a whole [rows, h] tensor each for backward: two more sets of the
-k rows of every token per MoE layer). What a layer keeps for backward is then the dispatched rows (the experts' first
-GEMM's input) and the returned rows (the routing weights' gradient), as in Megatron-LM
-(megatron.planner.memory counts them; tests/model/test_recompute_modules.py measures them).
+k rows of every token per MoE layer). The routing weights travel with the rows and are applied inside the experts'
+activation (``experts._WeightedActivation``, which keeps only its input), so their gradient needs no copy of the
+returned rows: what the routing keeps for backward is the dispatched rows (the experts' first GEMM's input; FP8
+under --fp8-format), as in Megatron-LM (megatron.planner.memory counts them; tests/model/test_recompute_modules.py
+measures them).
 
 Shape letters: T tokens, k choices per token, E experts (El = E / ep on this rank), h hidden, N choices this
 rank sends (kept ones), M choices this rank's experts receive.
@@ -125,14 +128,16 @@ def local_expert_order(counts: torch.Tensor) -> torch.Tensor:
     return torch.argsort(expert_of_row, stable=True)
 
 
-def dispatch(tokens: torch.Tensor, plan: DispatchPlan, ep_group=None) -> torch.Tensor:
-    """tokens [T, h] -> this rank's experts' inputs [M, h], grouped by local expert (``plan.local_counts``)."""
-    return _arrived(_dispatch_start(tokens, plan, ep_group, overlap=False), plan)
+def dispatch(tokens: torch.Tensor, plan: DispatchPlan, ep_group=None,
+             dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [T, h] -> this rank's experts' inputs [M, h], grouped by local expert (``plan.local_counts``), and
+    their routing weights [M] in ``dtype`` (None: the tokens')."""
+    return _arrived(_dispatch_start(tokens, plan, ep_group, overlap=False, dtype=dtype), plan)
 
 
 def combine(expert_output: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group=None,
             dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """The experts' outputs [M, h] (``dispatch``'s order) -> [T, h]: each token's weighted sum of its choices,
+    """The experts' weighted outputs [M, h] (``dispatch``'s order) -> [T, h]: each token's sum of its choices,
     computed in ``dtype`` (``--moe-router-dtype``; None: the outputs' own) and returned in the outputs' dtype."""
     back = _combine_start(expert_output, plan, ep_group, overlap=False)
     return _combined([back], [plan], num_tokens, dtype)
@@ -143,7 +148,8 @@ def alltoall_experts(tokens: torch.Tensor, routing: Routing, config: MoEConfig, 
                      meanwhile: Optional[Callable[[], torch.Tensor]] = None):
     """The all-to-all dispatcher: tokens [T, h] -> (each token's weighted sum of its kept choices' expert outputs
     [T, h], the number of kept choices, ``meanwhile()``'s result). ``experts(rows [M, h] grouped by local expert,
-    counts [El])`` runs this rank's experts; ``dtype`` is ``combine``'s.
+    counts [El], weights [M])`` runs this rank's experts, the routing weights applied (``GroupedExperts.forward``);
+    ``dtype`` is the weights' and ``combine``'s.
 
     ``chunks``: the tokens split in this many contiguous parts, each dispatched, run through the experts and
     combined on its own (the capacity is still the micro-batch's; a token's choices stay in its part, so its sum
@@ -155,10 +161,12 @@ def alltoall_experts(tokens: torch.Tensor, routing: Routing, config: MoEConfig, 
     keep = kept_choices(routing, config)
     bounds = [num_tokens * i // chunks for i in range(chunks + 1)]
     plans = [plan_dispatch(routing, config, ep_group, (first, stop), keep) for first, stop in zip(bounds, bounds[1:])]
-    sent = [_dispatch_start(tokens, plan, ep_group, overlap) for plan in plans]
+    sent = [_dispatch_start(tokens, plan, ep_group, overlap, dtype) for plan in plans]
     side = meanwhile() if meanwhile is not None else None
-    back = [_combine_start(experts(_arrived(rows, plan), plan.local_counts), plan, ep_group, overlap)
-            for plan, rows in zip(plans, sent)]
+    back = []
+    for plan, exchanges in zip(plans, sent):
+        rows, weight = _arrived(exchanges, plan)
+        back.append(_combine_start(experts(rows, plan.local_counts, weight), plan, ep_group, overlap))
     return _combined(back, plans, num_tokens, dtype), int(keep.sum()), side
 
 
@@ -189,16 +197,19 @@ def scatter_add(base: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> 
     return _ScatterAdd.apply(base, index, rows)
 
 
-def _dispatch_start(tokens: torch.Tensor, plan: DispatchPlan, ep_group, overlap: bool):
-    """tokens [T, h] -> the exchange of this plan's rows to their experts' ranks (started, or done)."""
+def _dispatch_start(tokens: torch.Tensor, plan: DispatchPlan, ep_group, overlap: bool,
+                    dtype: Optional[torch.dtype] = None):
+    """tokens [T, h] -> the exchanges of this plan's rows and their routing weights (in ``dtype``; None: the
+    tokens') to their experts' ranks (started, or done)."""
     sent = tokens.index_select(0, plan.token)  # [N, h], sorted by expert
-    return _send(sent, ep_group, plan.recv_splits, plan.send_splits, overlap)
+    weight = plan.weight.to(tokens.dtype if dtype is None else dtype)[:, None]  # [N, 1]
+    return tuple(_send(x, ep_group, plan.recv_splits, plan.send_splits, overlap) for x in (sent, weight))
 
 
-def _arrived(exchange, plan: DispatchPlan) -> torch.Tensor:
-    """The dispatched rows once there [M, h], regrouped by local expert."""
-    received = wait_all_to_all(*exchange)  # [M, h] by (source, local expert)
-    return received.index_select(0, plan.local_order)
+def _arrived(exchanges, plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatched rows [M, h] and their weights [M] once there, regrouped by local expert."""
+    rows, weight = (wait_all_to_all(*exchange) for exchange in exchanges)  # by (source, local expert)
+    return rows.index_select(0, plan.local_order), weight[:, 0].index_select(0, plan.local_order)
 
 
 def _combine_start(expert_output: torch.Tensor, plan: DispatchPlan, ep_group, overlap: bool):
@@ -215,21 +226,16 @@ def _send(rows: torch.Tensor, ep_group, output_splits: list[int], input_splits: 
 
 
 def _combined(exchanges, plans: list[DispatchPlan], num_tokens: int, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """The returned rows of every part ([N, h] each, sorted by expert) -> [T, h], each token's weighted sum."""
+    """The returned (weighted) rows of every part ([N, h] each, sorted by expert) -> [T, h], each token's sum, in
+    ``dtype`` (None: the rows')."""
     summed = None
     for exchange, plan in zip(exchanges, plans):
         back = wait_all_to_all(*exchange)
-        weighted = _weighted(back, plan.weight, dtype)  # [N, h]
+        rows = back.to(back.dtype if dtype is None else dtype)  # [N, h]
         if summed is None:
-            summed = weighted.new_zeros(num_tokens, back.shape[-1])
-        summed = scatter_add(summed, plan.token, weighted)  # [T, h]
+            summed = rows.new_zeros(num_tokens, back.shape[-1])
+        summed = scatter_add(summed, plan.token, rows)  # [T, h]
     return summed.to(back.dtype)
-
-
-def _weighted(rows: torch.Tensor, weight: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """rows [N, h] times their weights [N], in ``dtype`` (None: the rows')."""
-    dtype = rows.dtype if dtype is None else dtype
-    return rows.to(dtype) * weight.to(dtype)[:, None]
 
 
 def ep_rank_experts(config: MoEConfig, ep_group=None) -> range:
@@ -242,7 +248,7 @@ def ep_rank_experts(config: MoEConfig, ep_group=None) -> range:
 def allgather_experts(tokens: torch.Tensor, routing: Routing, config: MoEConfig, experts, ep_group,
                       dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The all-gather dispatcher (module docstring): tokens [T, h] -> [T, h], each token's weighted sum of its kept
-    choices' expert outputs. ``experts(rows [M, h] grouped by local expert, counts [El])`` runs this rank's experts;
+    choices' expert outputs. ``experts(rows [M, h] grouped by local expert, counts [El], weights [M])`` runs this rank's experts;
     every rank of ``ep_group`` holds the same number of tokens T. ``dtype``: that of the weighted sum of this
     rank's experts' outputs (``combine``'s)."""
     num_tokens, k = routing.expert_index.shape
@@ -257,7 +263,8 @@ def allgather_experts(tokens: torch.Tensor, routing: Routing, config: MoEConfig,
     order = torch.argsort(sort_key, stable=True)[:int(mine.sum())]  # [M]: this rank's choices by expert
     token = order // k
     counts = torch.bincount(all_expert[order] - local.start, minlength=len(local))  # [El]
-    out = experts(all_tokens.index_select(0, token), counts)  # [M, h]
-    weighted = _weighted(out, all_weight[order], dtype)
-    partial = scatter_add(weighted.new_zeros(all_tokens.shape), token, weighted).to(out.dtype)  # [ep T, h]: ours
+    weight = all_weight[order].to(tokens.dtype if dtype is None else dtype)  # [M]
+    out = experts(all_tokens.index_select(0, token), counts, weight)  # [M, h], weighted
+    rows = out.to(out.dtype if dtype is None else dtype)
+    partial = scatter_add(rows.new_zeros(all_tokens.shape), token, rows).to(out.dtype)  # [ep T, h]: ours
     return reduce_scatter_to_sequence_parallel_region(partial, ep_group)  # [T, h]: summed over the group

@@ -2,7 +2,12 @@
 
     W1 [El, fp, h] (SwiGLU: [El, 2 fp, h], rows interleaved [fp, 2]: gate, up; as ParallelMLP)
     W2 [El, h, fp]
-    y = act(x_e W1_e^T + b1_e) W2_e^T + b2_e     for the rows x_e of each local expert e
+    y = (act(x_e W1_e^T + b1_e) * p) W2_e^T + p b2_e     for the rows x_e of each local expert e, p each row's
+                                                         routing weight (None: p = 1)
+
+The routing weight is applied inside the activation, in its own dtype (--moe-router-dtype), as Megatron-LM's grouped
+experts do (``_WeightedActivation``: it keeps only the first GEMM's output and the weights, and runs the activation
+again in backward), so the combine needs no copy of the experts' outputs for the weights' gradient.
 
 The rows arrive sorted by local expert (``counts`` each), i.e. as sorted segments, and run unpadded through
 ``torch._grouped_mm`` once per matrix (``weight_grad_store.segment_linear``; CPU fp32 / bf16, CUDA bf16). For
@@ -88,6 +93,62 @@ def _padded_rows(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]
     return expert, slot, int(counts.max()) if counts.numel() else 0
 
 
+def _activation(hidden: torch.Tensor, swiglu: bool, pairs: str) -> torch.Tensor:
+    """GeLU (tanh), or SwiGLU silu(gate) * up of ``hidden``'s halves ("halves": [gate | up]) or interleaved
+    pairs ("interleaved": [fp, 2])."""
+    if not swiglu:
+        return F.gelu(hidden, approximate="tanh")
+    gate, up = hidden.chunk(2, -1) if pairs == "halves" else hidden.unflatten(-1, (-1, 2)).unbind(-1)
+    return F.silu(gate) * up
+
+
+def _weighted(hidden: torch.Tensor, weight: torch.Tensor, swiglu: bool, pairs: str) -> torch.Tensor:
+    """act(hidden) * weight per row, the product in the weight's dtype (--moe-router-dtype), in hidden's dtype."""
+    return (_activation(hidden, swiglu, pairs).to(weight.dtype) * weight[..., None]).to(hidden.dtype)
+
+
+class _WeightedActivation(torch.autograd.Function):
+    """act(hidden) * weight, keeping for backward only its inputs (the first GEMM's output and the routing weights)
+    and running the activation again there, as Megatron-LM's fused weighted SwiGLU does: the routing weights'
+    gradient comes from act(hidden), so the experts' outputs need not be kept for it at the combine."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, swiglu: bool, pairs: str):
+        ctx.save_for_backward(hidden, weight)
+        ctx.swiglu, ctx.pairs = swiglu, pairs
+        return _weighted(hidden, weight, swiglu, pairs)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden, weight = (t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = _weighted(hidden, weight, ctx.swiglu, ctx.pairs)
+        inputs = [t for t in (hidden, weight) if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, inputs, grad_output))
+        return (next(grads) if hidden.requires_grad else None, next(grads) if weight.requires_grad else None,
+                None, None)
+
+
+class _WeightedBias(torch.autograd.Function):
+    """bias[expert] * weight per row ([M, h]), in the weight's dtype; keeps the index and the weights for backward,
+    not the gathered [M, h] rows (the weights' gradient gathers them again)."""
+
+    @staticmethod
+    def forward(ctx, bias, expert, weight):
+        ctx.save_for_backward(bias, expert, weight)
+        return bias[expert].to(weight.dtype) * weight[:, None]
+
+    @staticmethod
+    def backward(ctx, grad):
+        bias, expert, weight = ctx.saved_tensors
+        grad_weight = (grad * bias[expert].to(grad.dtype)).sum(-1) if ctx.needs_input_grad[2] else None
+        grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_bias = torch.zeros_like(bias, dtype=grad.dtype).index_add(0, expert, grad * weight[:, None])
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_bias, None, grad_weight
+
+
 _GROUPED_MM: dict[tuple[str, torch.dtype], bool] = {}
 
 
@@ -134,22 +195,27 @@ class GroupedExperts(nn.Module):
         self.fp8_operand_sharding = {"w1": (False, True, True), "w2": (True, True, False)}
         self.path = "auto"  # "segments" (torch._grouped_mm), "padded" (bmm) or "auto": segments where they run
 
-    def _activation(self, hidden: torch.Tensor, pairs: str) -> torch.Tensor:
+    def _activation(self, hidden: torch.Tensor, pairs: str, weight=None) -> torch.Tensor:
         """GeLU (tanh), or SwiGLU silu(gate) * up of ``hidden``'s halves ("halves": [gate | up]) or interleaved
-        pairs ("interleaved": [fp, 2])."""
-        if not self.swiglu:
-            return F.gelu(hidden, approximate="tanh")
-        gate, up = hidden.chunk(2, -1) if pairs == "halves" else hidden.unflatten(-1, (-1, 2)).unbind(-1)
-        return F.silu(gate) * up
+        pairs ("interleaved": [fp, 2]); times the rows' routing ``weight`` (hidden's shape less its last dim) when
+        given (``_WeightedActivation``)."""
+        if weight is None:
+            return _activation(hidden, self.swiglu, pairs)
+        if not torch.is_grad_enabled():
+            return _weighted(hidden, weight, self.swiglu, pairs)
+        return _WeightedActivation.apply(hidden, weight, self.swiglu, pairs)
 
-    def _activation_then(self, hidden: torch.Tensor, pairs: str, second) -> torch.Tensor:
-        """``second(activation(hidden))``; with ``recompute_activation`` (--recompute-modules moe_act) the
-        activation's output and its intermediates are freed once ``second`` ran and recomputed in backward
+    def _activation_then(self, hidden: torch.Tensor, pairs: str, second, weight=None) -> torch.Tensor:
+        """``second(activation(hidden) [* weight])``; with ``recompute_activation`` (--recompute-modules moe_act)
+        the activation's output is freed once ``second`` ran and recomputed in backward
         (megatron.parallel.recompute)."""
         if not (self.recompute_activation and torch.is_grad_enabled() and hidden.requires_grad):
-            return second(self._activation(hidden, pairs))
+            return second(self._activation(hidden, pairs, weight))
         part = OutputDiscardingCheckpoint()
-        out = second(part(lambda x: self._activation(x, pairs), hidden))
+        if weight is None:
+            out = second(part(lambda x: self._activation(x, pairs), hidden))
+        else:
+            out = second(part(lambda x, w: self._activation(x, pairs, w), hidden, weight))
         part.discard(out)
         return out
 
@@ -165,7 +231,7 @@ class GroupedExperts(nn.Module):
                              f"{rows.shape[-1]}, W1 rows {self.w1.shape[1]}, fp {self.w2.shape[-1]})")
         return runs
 
-    def _segments(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _segments(self, rows: torch.Tensor, counts: torch.Tensor, weight=None) -> torch.Tensor:
         """rows [M, h] sorted by expert -> partial output [M, h], unpadded (this TP rank's share of f)."""
         offs = torch.cumsum(counts, 0).to(device=rows.device, dtype=torch.int32)  # [El] each segment's end
         hidden = segment_linear(rows.contiguous(), self.w1, offs, self.weight_grad_store, paired_rows=self.swiglu)
@@ -176,54 +242,68 @@ class GroupedExperts(nn.Module):
             expert = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts.to(rows.device))
             hidden = hidden + bias[expert]  # [M, 2 fp]
         return self._activation_then(  # swiglu: [gate | up] -> [M, fp]
-            hidden, "halves", lambda act: segment_linear(act, self.w2, offs, self.weight_grad_store))  # [M, h]
+            hidden, "halves", lambda act: segment_linear(act, self.w2, offs, self.weight_grad_store),
+            weight)  # [M, h]
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """x [El, C, h] -> partial output [El, C, h] (this TP rank's share of f)."""
+    def _mlp(self, x: torch.Tensor, weight=None) -> torch.Tensor:
+        """x [El, C, h] (and its rows' weights [El, C]) -> partial output [El, C, h] (this TP rank's share of f)."""
         hidden = grouped_linear(x, self.w1, self.weight_grad_store)  # [El, C, fp] (swiglu: [El, C, 2 fp])
         if self.fc1_bias is not None:
             hidden = hidden + self.fc1_bias[:, None, :]
         return self._activation_then(  # swiglu: interleaved pairs -> [El, C, fp]
-            hidden, "interleaved", lambda act: grouped_linear(act, self.w2, self.weight_grad_store))  # [El, C, h]
+            hidden, "interleaved", lambda act: grouped_linear(act, self.w2, self.weight_grad_store),
+            weight)  # [El, C, h]
 
-    def _fp8_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _fp8_experts(self, rows: torch.Tensor, counts: torch.Tensor, weight=None) -> torch.Tensor:
         """rows [M, h] grouped by local expert -> partial output [M, h]: each expert's two products with FP8
         operands (``fp8_linear`` on its slices of W1 and W2; the weight gradients through autograd, not deferred)."""
         outputs = []
-        for e, part in enumerate(rows.split(counts.tolist())):  # [M_e, h]
+        sizes = counts.tolist()
+        weights = weight.split(sizes) if weight is not None else [None] * len(sizes)
+        for e, (part, part_weight) in enumerate(zip(rows.split(sizes), weights)):  # [M_e, h], [M_e]
             if part.shape[0] == 0:
                 outputs.append(part)
                 continue
             hidden = fp8_linear(part, self.w1[e], None if self.fc1_bias is None else self.fc1_bias[e],
                                 self.fp8["w1"])  # [M_e, fp] (swiglu: [M_e, 2 fp], interleaved pairs)
             outputs.append(self._activation_then(hidden, "interleaved", lambda act, e=e: fp8_linear(
-                act, self.w2[e], None, self.fp8["w2"])))  # [M_e, h]
+                act, self.w2[e], None, self.fp8["w2"]), part_weight))  # [M_e, h]
         return torch.cat(outputs)
 
-    def _partial(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _partial(self, rows: torch.Tensor, counts: torch.Tensor, weight=None) -> torch.Tensor:
         """rows [M, h] grouped by local expert -> this TP rank's partial output [M, h] (no output bias)."""
         if self.fp8 is not None:
-            return self._fp8_experts(rows, counts)
+            return self._fp8_experts(rows, counts, weight)
         if self.w1.shape[0] == 1:
-            return self._mlp(rows[None])[0]  # [M, h]
+            return self._mlp(rows[None], None if weight is None else weight[None])[0]  # [M, h]
         if self.uses_segments(rows):
-            return self._segments(rows, counts)
+            return self._segments(rows, counts, weight)
         expert, slot, capacity = _padded_rows(counts)
         grid = rows.new_zeros(self.w1.shape[0], capacity, rows.shape[-1])  # [El, C, h]
         grid = grid.index_put((expert, slot), rows)
-        return self._mlp(grid)[expert, slot]  # [M, h]
+        if weight is not None:
+            weight = weight.new_zeros(self.w1.shape[0], capacity).index_put((expert, slot), weight)  # [El, C]
+        return self._mlp(grid, weight)[expert, slot]  # [M, h]
 
-    def _output_bias(self, out: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return out + bias[torch.repeat_interleave(torch.arange(counts.numel(), device=out.device), counts)]
+    def _output_bias(self, out: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor, weight=None) -> torch.Tensor:
+        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=out.device), counts)  # [M]
+        if weight is None:
+            return out + bias[expert]
+        return out + _WeightedBias.apply(bias, expert, weight).to(out.dtype)
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, weight=None) -> torch.Tensor:
         """rows [M, h] grouped by local expert, ``counts`` [El] rows each -> [M, h] (every TP rank holds the same
-        rows)."""
+        rows). ``weight`` [M]: the rows' routing weights (in the dtype the weighting runs in, --moe-router-dtype),
+        applied in the activation (act(x W1^T + b1) * w, then W2, + w b2: Megatron-LM's order): the outputs are
+        then summed per token as they are (None: unweighted outputs)."""
         rows = copy_to_tensor_model_parallel_region(rows, self.tp_group)
-        out = reduce_from_tensor_model_parallel_region(self._partial(rows, counts), self.tp_group)
-        return out if self.fc2_bias is None else self._output_bias(out, counts, self.fc2_bias)
+        # each TP rank's share of f gives a part of the weights' gradient: summed over TP (the output bias's part is
+        # whole on every rank: not summed)
+        shared = None if weight is None else copy_to_tensor_model_parallel_region(weight, self.tp_group)
+        out = reduce_from_tensor_model_parallel_region(self._partial(rows, counts, shared), self.tp_group)
+        return out if self.fc2_bias is None else self._output_bias(out, counts, self.fc2_bias, weight)
 
-    def forward_tp_shards(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward_tp_shards(self, rows: torch.Tensor, counts: torch.Tensor, weight=None) -> torch.Tensor:
         """rows [M, h] grouped by local expert, ``counts`` [El] rows each -> [M, h], where each TP rank holds other
         rows (Megatron-LM's all-to-all order under sequence parallelism: the TP ranks routed their own tokens):
         every TP rank's rows gathered (M_t each; backward: the partial input gradients summed back to their rank),
@@ -232,16 +312,21 @@ class GroupedExperts(nn.Module):
         from this rank's rows only, enters through copy-to-TP (summed over TP)."""
         tp = group_size(self.tp_group)
         if tp == 1:
-            return self.forward(rows, counts)
+            return self.forward(rows, counts, weight)
         every = [torch.empty_like(counts) for _ in range(tp)]
         torch.distributed.all_gather(every, counts, group=self.tp_group)
         every = torch.stack(every)  # [tp, El]
         sizes, mine = every.sum(1).tolist(), rows.shape[0]
         gathered = all_to_all(rows.repeat(tp, 1), self.tp_group, sizes, [mine] * tp)  # [sum M_t, h] by source
         order = local_expert_order(every)  # by local expert, then source rank
-        out = self._partial(gathered.index_select(0, order), every.sum(0))
+        every_weight = None
+        if weight is not None:  # [sum M_t], the same order
+            every_weight = all_to_all(weight[:, None].repeat(tp, 1), self.tp_group, sizes, [mine] * tp)[:, 0]
+            every_weight = every_weight.index_select(0, order)
+        out = self._partial(gathered.index_select(0, order), every.sum(0), every_weight)
         by_source = unpermute(out, order)
         out = all_to_all(by_source, self.tp_group, [mine] * tp, sizes).view(tp, mine, -1).sum(0)  # [M, h]
         if self.fc2_bias is None:
             return out
-        return self._output_bias(out, counts, copy_to_tensor_model_parallel_region(self.fc2_bias, self.tp_group))
+        return self._output_bias(out, counts, copy_to_tensor_model_parallel_region(self.fc2_bias, self.tp_group),
+                                 weight)

@@ -37,14 +37,41 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.moe import MoEConfig
 from megatron.parallel.mappings import copy_to_tensor_model_parallel_region
-from megatron.parallel.weight_grad_store import linear
+from megatron.parallel.weight_grad_store import defer_weight_grad, linear
 
 __all__ = ["Routing", "TopKRouter", "RandomLogits", "route", "balance_choices", "aux_loss", "seq_aux_loss",
            "sequence_counts", "z_loss", "new_expert_bias", "router_dtype", "combine_dtype"]
+
+
+class _RouterGatingLinear(torch.autograd.Function):
+    """logits = x W^T computed in ``dtype`` (the router's), keeping x in its own dtype for backward and casting it
+    again there (as Megatron-LM's RouterGatingLinearFunction): in a bf16 run the router's fp32 copy of its input (4
+    bytes per element, beside the input the shared expert keeps anyway) is not kept. The products are those of
+    ``linear(x.to(dtype), W)``. With a ZB-H1 ``store``, the weight gradient is deferred to it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dtype, store):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.dtype, ctx.store = weight, dtype, store  # the parameter itself (_LinearDeferredWeightGrad)
+        return F.linear(x.to(dtype), weight.to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,), weight = ctx.saved_tensors, ctx.weight
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.matmul(weight.to(grad_output.dtype)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            if ctx.store is not None:
+                defer_weight_grad(ctx.store, weight, x.to(ctx.dtype), grad_output)
+            else:
+                grad_weight = grad_output.t().matmul(x.to(ctx.dtype)).to(weight.dtype)  # [E, h]
+        return grad_input, grad_weight, None, None
 
 
 def router_dtype(config: MoEConfig) -> torch.dtype:
@@ -229,7 +256,11 @@ class TopKRouter(nn.Module):
             weight, store = self.weight, self.weight_grad_store
         else:
             weight, store = copy_to_tensor_model_parallel_region(self.weight, self.tp_group), None
-        logits = linear(tokens.to(router_dtype(self.config)), weight, None, store)  # [T, E]
+        dtype = router_dtype(self.config)
+        if torch.is_grad_enabled() and tokens.dtype != dtype:  # keeps the tokens, not their cast copy
+            logits = _RouterGatingLinear.apply(tokens, weight, dtype, store)  # [T, E]
+        else:
+            logits = linear(tokens.to(dtype), weight, None, store)  # [T, E]
         if self.config.router_force_load_balancing:
             logits = RandomLogits.apply(logits)
         routing = route(logits, self.config, self.expert_bias)
