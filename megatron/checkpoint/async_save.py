@@ -168,6 +168,7 @@ class AsyncSaver:
     def __init__(self, engine):
         deepspeed_engine = getattr(engine, "engine", engine)  # ZeRO-2/3: the DeepSpeedEngine inside a ModelEngine
         self.engine = engine
+        # the safe-loading torch engine (megatron.engine.deepspeed_compat.use_safe_loading refuses any other)
         self.writer = HostCopyWriter(deepspeed_engine.checkpoint_engine)
         deepspeed_engine.checkpoint_engine = self.writer
         self.pending: Optional[tuple] = None  # (save_dir, tag, iteration, run_state, keep_last_n)
