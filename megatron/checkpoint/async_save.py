@@ -38,6 +38,7 @@ from megatron.checkpoint.integrity import file_digest, record_checksums
 from megatron.checkpoint.tags import tag_for
 from megatron.checkpoint.training_io import (
     CLIENT_STATE_VERSION,
+    CheckpointSaveError,
     attempt_write,
     commit_tag,
     raise_if_any_failed,
@@ -139,7 +140,7 @@ class HostCopyWriter:
                 self.digests[path] = file_digest(path)
             for folder in sorted(folders):
                 _fsync(folder)
-        except (OSError, RuntimeError) as error:  # torch's writer reports a full disk as a RuntimeError
+        except Exception as error:  # noqa: BLE001 - any failure of the thread is the save's (a full disk, most often)
             self.error = error
         finally:
             self.finished.set()
@@ -182,9 +183,11 @@ class AsyncSaver:
         failure = attempt_write(lambda: self.engine.save_checkpoint(save_dir, tag=tag, client_state=state,
                                                                     save_latest=False),
                                 after_failure=dist.barrier)
-        if failure is not None:
-            self.writer.discard()
-        raise_if_any_failed(failure, save_dir, tag)
+        try:
+            raise_if_any_failed(failure, save_dir, tag)
+        except CheckpointSaveError:
+            self.writer.discard()  # another rank's copy failed: nothing of this save is written
+            raise
         self.writer.start()
         self.pending = (save_dir, tag, iteration, run_state, keep_last_n)
         return tag

@@ -375,3 +375,18 @@ def test_async_save_needs_save(tiny_corpus):
 
     with pytest.raises(ValueError, match="--async-save writes the --save checkpoints in the background"):
         run_config_from_argv(tiny_argv(tiny_corpus, "--async-save"), world_size=1)
+
+
+def test_any_failure_of_the_writer_thread_fails_the_save(tmp_path):
+    import torch
+
+    from megatron.checkpoint.async_save import HostCopyWriter
+
+    class Unpicklable:  # a writer that fails with something other than an OSError
+        def save(self, state_dict, path):
+            raise TypeError(f"cannot pickle {path}")
+
+    writer = HostCopyWriter(Unpicklable())
+    writer.save({"weight": torch.ones(2)}, str(tmp_path / "file.pt"))
+    writer.start()
+    assert isinstance(writer.join(), TypeError) and writer.done() and not writer.digests
