@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.arguments.async_save_flags import add_async_save_arguments
 from megatron.arguments.fp8_flags import add_fp8_arguments
 from megatron.arguments.interleaved_flags import add_interleaved_arguments
 from megatron.arguments.mla_flags import add_mla_arguments
@@ -51,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a GPT/BLOOM model. Flag names and meanings follow Megatron-DeepSpeed.")
     for add in (_model, _parallelism, add_interleaved_arguments, add_zero_bubble_arguments, add_moe_arguments,
                 add_mla_arguments, add_yarn_arguments, add_mtp_arguments, add_fp8_arguments, _data, _tokenizer,
-                _training, _learning_rate, _regularization, _mixed_precision, _speed, _checkpointing, _logging, _exit,
-                _deepspeed, _dry_run, add_muon_arguments, add_upstream_arguments):
+                _training, _learning_rate, _regularization, _mixed_precision, _speed, _checkpointing,
+                add_async_save_arguments, _logging, _exit, _deepspeed, _dry_run, add_muon_arguments,
+                add_upstream_arguments):
         add(parser)
     return parser
 

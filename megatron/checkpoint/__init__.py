@@ -2,6 +2,7 @@
 
     tags          folder names and markers: ``latest``, ``complete``, which tag is read, pruning (plain files)
     training_io   save / load through DeepSpeed's engine, crash-safe; RNG states
+    async_save    ``--async-save``: the state copied to host memory, written by a thread, then finished as training_io
     resume        which tag ``--load`` resumes from, whether it loads on this run's layout, the restore itself
     run_state     ``run_state.json``: the run's record (architecture, layout, tokenizer, progress), checks
     safe_load     reading a checkpoint file without running code

@@ -61,11 +61,15 @@ def _files(tag_dir: str) -> list[str]:
     return sorted(names)
 
 
-def record_checksums(tag_dir: str, distributed: bool = True) -> dict:
-    """Hash every file under ``tag_dir`` (shared out over the ranks); the last rank-0 write before the marker."""
-    names = _files(tag_dir)
+def record_checksums(tag_dir: str, distributed: bool = True, known: Optional[dict] = None) -> dict:
+    """Hash every file under ``tag_dir`` (shared out over the ranks); the last rank-0 write before the marker.
+    ``known``: this rank's digests of files it hashed as it wrote them (``--async-save``'s writer): gathered, and
+    only the other files are read."""
+    known = {} if known is None else _gather(dict(known), distributed)
+    names = [name for name in _files(tag_dir) if name not in known]
     sums = _gather({name: file_digest(os.path.join(tag_dir, name)) for name in _share(names, distributed)},
                    distributed)
+    sums.update(known)
     if not distributed or dist.get_rank() == 0:
         write_atomically(os.path.join(tag_dir, CHECKSUMS), json.dumps(sums, indent=1, sort_keys=True))
     return sums

@@ -14,6 +14,9 @@ previous complete checkpoint (``megatron.checkpoint.tags`` says which tag a resu
 that fails on any rank (a full disk) is agreed by an all-reduce: the half-written tag is removed and
 every rank raises the same ``CheckpointSaveError``, naming the folder, the space needed and ENOSPC.
 
+``--async-save`` (``megatron.checkpoint.async_save``) writes the files in a thread and then finishes the save
+with the same steps (``attempt_write``, ``raise_if_any_failed``, ``commit_tag``).
+
 The engine is duck-typed (its ``save_checkpoint`` / ``load_checkpoint``): nothing here imports deepspeed.
 """
 
@@ -43,7 +46,7 @@ from megatron.checkpoint.tags import (
 from megatron.parallel.random import RNGStatesTracker
 
 __all__ = ["CLIENT_STATE_VERSION", "CheckpointSaveError", "rng_state", "set_rng_state", "save_checkpoint",
-           "load_checkpoint"]
+           "load_checkpoint", "attempt_write", "commit_tag", "raise_if_any_failed"]
 
 CLIENT_STATE_VERSION = 1
 NEARLY_FULL_BYTES = 2**20  # a failed save with less than this free is taken for a full disk
@@ -87,19 +90,20 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict[st
     tag_dir = os.path.join(save_dir, tag)
     state = dict(client_state, client_state_version=CLIENT_STATE_VERSION, iteration=iteration)
     # DeepSpeed's save ends in a barrier: a rank whose writes failed joins it before the failure is agreed.
-    failure = _attempt(lambda: engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False),
-                       after_failure=dist.barrier)
-    _raise_if_any_failed(failure, save_dir, tag)
+    failure = attempt_write(lambda: engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False),
+                           after_failure=dist.barrier)
+    raise_if_any_failed(failure, save_dir, tag)
     dist.barrier()
     record_checksums(tag_dir)  # collective: each rank hashes its share of the files
     failure = None
     if dist.get_rank() == 0:
-        failure = _attempt(lambda: _commit(save_dir, tag, iteration, run_state, keep_last_n))
-    _raise_if_any_failed(failure, save_dir, tag)
+        failure = attempt_write(lambda: commit_tag(save_dir, tag, iteration, run_state, keep_last_n))
+    raise_if_any_failed(failure, save_dir, tag)
     return tag
 
 
-def _commit(save_dir: str, tag: str, iteration: int, run_state: dict[str, Any], keep_last_n: Optional[int]) -> None:
+def commit_tag(save_dir: str, tag: str, iteration: int, run_state: dict[str, Any],
+               keep_last_n: Optional[int]) -> None:
     """Rank 0, once every rank's files are there: check them, write run_state.json, the marker, then ``latest``."""
     tag_dir = os.path.join(save_dir, tag)
     files = os.listdir(tag_dir)
@@ -113,7 +117,7 @@ def _commit(save_dir: str, tag: str, iteration: int, run_state: dict[str, Any], 
         prune_checkpoints(save_dir, keep_last_n)
 
 
-def _attempt(write: Callable[[], Any], after_failure: Callable[[], Any] = lambda: None) -> Optional[Exception]:
+def attempt_write(write: Callable[[], Any], after_failure: Callable[[], Any] = lambda: None) -> Optional[Exception]:
     """Run ``write``; the exception it raised (after ``after_failure``), or None."""
     try:
         write()
@@ -123,7 +127,7 @@ def _attempt(write: Callable[[], Any], after_failure: Callable[[], Any] = lambda
     return None
 
 
-def _raise_if_any_failed(failure: Optional[Exception], save_dir: str, tag: str) -> None:
+def raise_if_any_failed(failure: Optional[Exception], save_dir: str, tag: str) -> None:
     """Collective: if ``failure`` happened on any rank, remove the half-written tag (rank 0, once every rank
     has stopped writing) and raise CheckpointSaveError on every rank, naming the folder, the space and ENOSPC."""
     flags = torch.tensor([failure is not None, getattr(failure, "errno", None) == errno.ENOSPC], dtype=torch.int64)

@@ -341,12 +341,15 @@ class CheckpointConfig:
     finetune: bool = False                 # load weights only; iteration and consumed samples restart at 0
     no_load_fallback: bool = False         # a damaged --load checkpoint is an error, not a fallback to an older one
     keep_last_n_checkpoints: Optional[int] = None  # delete older saved checkpoints; None: keep all
+    async_save: bool = False               # write checkpoints in a background thread (megatron.checkpoint.async_save)
 
     def validate(self) -> "CheckpointConfig":
         if self.save is not None and self.save_interval is None:
             raise ValueError(f"--save {self.save!r} needs --save-interval (iterations between checkpoints)")
         _positive("--save-interval", self.save_interval, allow_none=True)
         _positive("--keep-last-n-checkpoints", self.keep_last_n_checkpoints, allow_none=True)
+        if self.async_save and self.save is None:
+            raise ValueError("--async-save writes the --save checkpoints in the background: pass --save DIR")
         for flag, on in (("--universal-checkpoint", self.universal_checkpoint), ("--finetune", self.finetune),
                          ("--no-load-fallback", self.no_load_fallback)):
             if on and self.load is None:

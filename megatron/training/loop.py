@@ -68,6 +68,7 @@ class Trainer:
                  logger: TrainingLogger, exit_monitor: ExitMonitor, progress: Progress,
                  save_fn: Optional[Callable[[Progress], None]] = None,
                  sync_fn: Optional[Callable[[], None]] = None, world_size: int = 1,
+                 save_poll_fn: Optional[Callable[[], None]] = None, save_wait_fn: Optional[Callable[[], None]] = None,
                  harness_fn: Optional[Callable[[], dict]] = None,
                  moe_stats_fn: Optional[Callable[[], dict[str, float]]] = None, token_count=None):
         self.rc = rc
@@ -83,6 +84,10 @@ class Trainer:
         self.exit_monitor = exit_monitor
         self.progress = progress
         self.save_fn = save_fn
+        # --async-save (megatron.checkpoint.async_save): after each step, finish a background save whose writers are
+        # done (or stop the run if one failed); at the end of the loop, whatever the reason, wait for it.
+        self.save_poll_fn = save_poll_fn
+        self.save_wait_fn = save_wait_fn
         self.sync_fn = sync_fn
         self.world_size = world_size
         self.harness_fn = harness_fn  # --eval-harness-tasks on the live model: {"task/metric": value}
@@ -259,7 +264,10 @@ class Trainer:
         window_start = time.time()
         self.engine.train()
         try:
-            return self._train_loop(pending, window_start)
+            reason = self._train_loop(pending, window_start)
+            if self.save_wait_fn is not None:
+                self.save_wait_fn()
+            return reason
         finally:
             self.profiler.close()
 
@@ -271,6 +279,8 @@ class Trainer:
             self.profiler.before_step(self.progress.iteration)
             record = self.train_step()
             self.profiler.after_step(self.progress.iteration)
+            if self.save_poll_fn is not None:
+                self.save_poll_fn()
             if t.torch_compile and len(self.history) == 1:
                 self.logger.print_fn(f"torch.compile: iteration {record.iteration} took {time.time() - step_start:.1f} s, "
                              f"compiling the transformer layers' forward and backward included", flush=True)

@@ -12,6 +12,7 @@ Before anything reads --load or --save, rank 0 takes the --save folder's lock (m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 import time
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from megatron.checkpoint import lock as save_lock
 from megatron.checkpoint import run_state, training_io
+from megatron.checkpoint.async_save import AsyncSaver
 from megatron.checkpoint.resume import intact_resume_point, restore, resume_point
 from megatron.checkpoint.universal.patterns import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 from megatron.config import RunConfig
@@ -191,12 +193,20 @@ def _build_and_train(rc: RunConfig, start: float, info, point, logger: TrainingL
     valid_iters = {name: micro_batch_iterator(ds, rc, consumed_samples=0, num_workers=rc.data.valid_num_workers,
                                               **dp) for name, ds in datasets.valid.items()}
 
+    saver = AsyncSaver(engine) if rc.checkpoint.async_save else None  # --async-save: a writer thread per rank
+    save_with = saver.save if saver is not None else functools.partial(training_io.save_checkpoint, engine)
+
     def save(progress_now: Progress) -> None:
-        tag = training_io.save_checkpoint(engine, rc.checkpoint.save, progress_now.iteration,
-                                          _client_state(rc, progress_now, lr_scheduler, tracker),
-                                          run_state.build_run_state(rc, dataclasses.asdict(progress_now)),
-                                          rc.checkpoint.keep_last_n_checkpoints)
-        print_rank_0(f"saved checkpoint {os.path.join(rc.checkpoint.save, tag)}")
+        tag = save_with(rc.checkpoint.save, progress_now.iteration,
+                        _client_state(rc, progress_now, lr_scheduler, tracker),
+                        run_state.build_run_state(rc, dataclasses.asdict(progress_now)),
+                        rc.checkpoint.keep_last_n_checkpoints)
+        where = os.path.join(rc.checkpoint.save, tag)
+        print_rank_0(f"saved checkpoint {where}" if saver is None else f"saving checkpoint {where} in the background")
+
+    def saved(tag) -> None:  # --async-save: a background save finished (complete, 'latest' names it)
+        if tag is not None:
+            print_rank_0(f"saved checkpoint {os.path.join(rc.checkpoint.save, tag)}")
 
     def after_step() -> None:
         if t.sync_tp_duplicated_parameters:
@@ -212,6 +222,8 @@ def _build_and_train(rc: RunConfig, start: float, info, point, logger: TrainingL
                       microbatches=build_num_microbatches_calculator(rc.batch, state.dp_size),
                       train_iterator=train_iter, valid_iterators=valid_iters, logger=logger, exit_monitor=monitor,
                       progress=progress, save_fn=save if rc.checkpoint.save else None, sync_fn=after_step,
+                      save_poll_fn=(lambda: saved(saver.poll())) if saver is not None else None,
+                      save_wait_fn=(lambda: saved(saver.wait())) if saver is not None else None,
                       world_size=dist.get_world_size(), harness_fn=_live_harness(rc, engine, state),
                       token_count=StepTokenCount(engine.module.loss_fn, state.dp_group, state.dp_size)
                       if rc.counts_step_tokens else None,
@@ -236,6 +248,8 @@ def _build_and_train(rc: RunConfig, start: float, info, point, logger: TrainingL
     finally:
         monitor.restore_signal_handlers()
         close_data_iterators()
+        if saver is not None:  # a run that ends on an error: no thread of it writes into --save once it has left
+            saver.abandon()
     return PretrainResult(reason, progress, trainer.history, trainer.last_validation, test, engine)
 
 

@@ -10,6 +10,7 @@ Fixtures live in tests/conftest.py.
     reference_losses    the golden runs (tests/training/golden/) and their comparison
     inference           prompts, a fixed batch, train_and_evaluate (a training run that evaluates it)
     hf                  comparisons with transformers' models and tools/generate.py
+    full_disk           a save that fails with ENOSPC (one rank's or a real full tmpfs) and the checks of what it leaves
     checkpoint          tiny model configs (POSITIONS: every model kind), random weights, checkpoints of them
     megatron_deepspeed  a BLOOM checkpoint as bigscience's Megatron-DeepSpeed writes one
     server              a generation server in a thread, tools/serve.py in a process, a blocking client

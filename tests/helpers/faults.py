@@ -18,6 +18,13 @@ A test of how promptly a signal stops a run holds the run instead of racing it:
                                           ``tmp_path/held-rank<RANK>`` and waits until a signal reached it;
                                           the signal so arrives inside iteration 3 on every rank, whatever the
                                           machine's speed, and the run must stop and save at iteration 3
+
+A test of a kill during a checkpoint write holds the write instead of racing it:
+
+    held_write_env(tmp_path, "global_step4")  each rank of the subprocess, in its first ``torch.save`` of a file
+                                          of that tag, writes half the file, then ``tmp_path/writing-rank<RANK>``,
+                                          and waits for ever (for the kill); --async-save's writer thread is held
+                                          so while the step loop goes on
 """
 
 import os
@@ -28,6 +35,7 @@ from tests.helpers.paths import REPO_ROOT
 
 ENV = "MEGATRON_TEST_POISON_GRADIENTS"  # "3,4:nan": the iterations, then the value
 HOLD_ENV = "MEGATRON_TEST_HOLD_AFTER"  # "3:/folder": the iteration, then where to say "held"
+HOLD_WRITE_ENV = "MEGATRON_TEST_HOLD_WRITE"  # "global_step4:/folder": the tag, then where to say "writing"
 
 
 def poison_gradients(iterations, value: float):
@@ -76,6 +84,29 @@ def hold_after(iteration: int, folder) -> None:
     Trainer.train_step = held
 
 
+def hold_write(tag: str, folder) -> None:
+    """Patch ``torch.save`` in this process: the first file of ``tag`` gets half its bytes, then
+    ``folder/writing-rank<RANK>`` is written and the caller waits for ever (``held_write_env``)."""
+    import io
+
+    import torch
+
+    real_save = torch.save
+
+    def held(obj, f, *args, **kwargs):
+        if tag not in str(f):
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        with open(f, "wb") as out:
+            out.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        (pathlib.Path(folder) / f"writing-rank{os.environ.get('RANK', '0')}").touch()
+        while True:
+            time.sleep(1)
+
+    torch.save = held
+
+
 def poisoned_env(folder, iterations, value: str) -> dict:
     """``os.environ`` plus what makes a Python subprocess started with it call ``poison_gradients(iterations,
     float(value))`` at start-up: a ``sitecustomize.py`` written to ``folder``, first on PYTHONPATH."""
@@ -88,6 +119,12 @@ def held_env(folder, iteration: int) -> dict:
     return _installing_env(folder, {HOLD_ENV: f"{iteration}:{pathlib.Path(folder).resolve()}"})
 
 
+def held_write_env(folder, tag: str) -> dict:
+    """``os.environ`` plus what makes each rank of a subprocess started with it call ``hold_write(tag, folder)``
+    at start-up."""
+    return _installing_env(folder, {HOLD_WRITE_ENV: f"{tag}:{pathlib.Path(folder).resolve()}"})
+
+
 def _installing_env(folder, variables: dict) -> dict:
     """``os.environ`` with ``variables`` and a ``sitecustomize.py`` in ``folder``, first on PYTHONPATH, that
     installs what they ask for at a Python subprocess's start-up (``install_from_env``)."""
@@ -95,7 +132,7 @@ def _installing_env(folder, variables: dict) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(
         "import os\n"
-        f"if os.environ.get({ENV!r}) or os.environ.get({HOLD_ENV!r}):\n"
+        f"if os.environ.get({ENV!r}) or os.environ.get({HOLD_ENV!r}) or os.environ.get({HOLD_WRITE_ENV!r}):\n"
         "    from tests.helpers.faults import install_from_env\n"
         "    install_from_env()\n")
     path = os.pathsep.join([str(folder), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -103,11 +140,14 @@ def _installing_env(folder, variables: dict) -> dict:
 
 
 def install_from_env() -> None:
-    """What ``MEGATRON_TEST_POISON_GRADIENTS`` ("3,4:nan") and ``MEGATRON_TEST_HOLD_AFTER`` ("3:/folder") ask
-    for (the sitecustomize's call)."""
+    """What ``MEGATRON_TEST_POISON_GRADIENTS`` ("3,4:nan"), ``MEGATRON_TEST_HOLD_AFTER`` ("3:/folder") and
+    ``MEGATRON_TEST_HOLD_WRITE`` ("global_step4:/folder") ask for (the sitecustomize's call)."""
     if os.environ.get(ENV):
         iterations, value = os.environ[ENV].split(":")
         poison_gradients({int(i) for i in iterations.split(",")}, float(value))
     if os.environ.get(HOLD_ENV):
         iteration, folder = os.environ[HOLD_ENV].split(":", 1)
         hold_after(int(iteration), folder)
+    if os.environ.get(HOLD_WRITE_ENV):
+        tag, folder = os.environ[HOLD_WRITE_ENV].split(":", 1)
+        hold_write(tag, folder)
