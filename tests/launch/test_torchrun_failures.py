@@ -18,7 +18,7 @@ import pytest
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.faults import held_env, slow_forward_env
 from tests.helpers.paths import REPO_ROOT
-from tests.helpers.training import assert_continues, train
+from tests.helpers.training import assert_continues, tensorboard_scalars, train
 
 TIMEOUT_MINUTES = 0.2  # 12 s: well above any legitimate wait of this tiny job, even on a loaded machine
 
@@ -190,7 +190,8 @@ def test_a_slowed_rank_is_named_by_log_straggler_and_a_stopped_rank_is_reported_
     far under the collective timeout."""
     argv = tiny_argv(tiny_corpus, "--log-straggler", "--hang-watchdog-factor", "5", "--hang-watchdog-min-seconds",
                      str(WATCHDOG_MIN_S), "--hang-watchdog-warmup-iters", "2", "--distributed-timeout-minutes",
-                     str(WATCHDOG_TIMEOUT_MINUTES), train_iters=1000)
+                     str(WATCHDOG_TIMEOUT_MINUTES), train_iters=1000, tensorboard_dir=str(tmp_path / "tb"),
+                     tensorboard_queue_size=1)  # each scalar written at once: the job ends by os._exit
     job = _torchrun(argv, tmp_path, env=slow_forward_env(tmp_path / "faults", 1, SLEEP_S))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
@@ -225,6 +226,11 @@ def test_a_slowed_rank_is_named_by_log_straggler_and_a_stopped_rank_is_reported_
     for match in named:
         fastest_ms, fastest, slowest_ms, slowest = float(match[1]), int(match[2]), float(match[3]), int(match[4])
         assert (fastest, slowest) == (0, 1) and slowest_ms >= 2 * 1000 * SLEEP_S > fastest_ms, match[0]
+    scalars = tensorboard_scalars(tmp_path / "tb")  # and to TensorBoard, at least for the first 4 log lines
+    assert len(scalars["straggler/slowest-rank"]) >= 4, sorted(scalars)
+    assert {value for _, value in scalars["straggler/slowest-rank"]} == {1.0}
+    assert {value for _, value in scalars["straggler/fastest-rank"]} == {0.0}
+    assert min(value for _, value in scalars["straggler/slowest-rank-ms"]) >= 2 * 1000 * SLEEP_S
     # the watchdog: its own numbers; the step ran past its threshold, which is far under the collective timeout
     report = re.search(r"hang watchdog: rank 0: iteration (\d+) has run ([\d.]+) s, past the threshold ([\d.]+) s",
                        output)
