@@ -18,6 +18,7 @@ One module per feature's argument group and its step:
     yarn_flags         the YaRN long-context rotary flags (``--position-embedding-type yarn``, ``--rope-type``, ...)
     mtp_flags          the multi-token prediction flags (``--mtp-num-layers``, ``--mtp-loss-scaling-factor``)
     async_save_flags   ``--async-save`` (Megatron-LM's name): checkpoints written by a background thread
+    resilience_flags   ``--log-straggler``, ``--straggler-minmax-count`` (Megatron-LM's) and our ``--hang-watchdog-*``
     muon_flags         the Muon optimizer's flags (``--muon-*``, Megatron-LM's names) for ``--optimizer muon``
     interleaved_flags  Megatron-LM's interleaved-pipeline and pipeline-layout flags: one names the virtual stages
     zero_bubble_flags  the zero-bubble pipeline flags, Megatron-DeepSpeed's names (rules: megatron.config.zero_bubble)

@@ -16,6 +16,7 @@ from megatron.arguments.mla_flags import add_mla_arguments
 from megatron.arguments.moe_flags import add_moe_arguments
 from megatron.arguments.mtp_flags import add_mtp_arguments
 from megatron.arguments.muon_flags import add_muon_arguments
+from megatron.arguments.resilience_flags import add_resilience_arguments
 from megatron.arguments.upstream_flags import add_upstream_arguments
 from megatron.arguments.yarn_flags import add_yarn_arguments
 from megatron.arguments.zero_bubble_flags import add_zero_bubble_arguments
@@ -53,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_model, _parallelism, add_interleaved_arguments, add_zero_bubble_arguments, add_moe_arguments,
                 add_mla_arguments, add_yarn_arguments, add_mtp_arguments, add_fp8_arguments, _data, _tokenizer,
                 _training, _learning_rate, _regularization, _mixed_precision, _speed, _checkpointing,
-                add_async_save_arguments, _logging, _exit, _deepspeed, _dry_run, add_muon_arguments,
-                add_upstream_arguments):
+                add_async_save_arguments, _logging, _exit, add_resilience_arguments, _deepspeed, _dry_run,
+                add_muon_arguments, add_upstream_arguments):
         add(parser)
     return parser
 

@@ -298,9 +298,15 @@ class LoggingConfig:
     # Megatron-LM's --log-throughput: per GPU, model TFLOP/s (its "throughput"), tokens/s and, where the device's
     # peak is known (or --peak-tflops), MFU: on the log line and to TensorBoard / W&B.
     log_throughput: bool = False
+    # Megatron-LM's --log-straggler: every log interval, each rank's forward compute time per iteration gathered;
+    # the --straggler-minmax-count fastest and slowest ranks named on the log line and to TensorBoard / W&B
+    # (megatron.training.straggler).
+    log_straggler: bool = False
+    straggler_minmax_count: int = 1
 
     def validate(self) -> "LoggingConfig":
         _positive("--log-interval", self.log_interval)
+        _positive("--straggler-minmax-count", self.straggler_minmax_count)
         _positive("--tensorboard-queue-size", self.tensorboard_queue_size)
         _positive("--tensorboard-log-interval", self.tensorboard_log_interval)
         if self.peak_tflops is not None and not self.peak_tflops > 0:
@@ -364,9 +370,22 @@ class ExitConfig:
     exit_interval: Optional[int] = None           # exit after the iteration divisible by this
     exit_duration_in_mins: Optional[float] = None # exit once this many minutes have passed since start
     kill_switch_path: Optional[str] = None        # exit when this file appears
+    # The hang watchdog (megatron.training.watchdog; not a clean exit: stacks dumped, the job ends non-zero): a
+    # training step running longer than FACTOR x the median of the recent steps, and at least MIN_SECONDS, after
+    # the first WARMUP_ITERS steps of the launch. None: off.
+    hang_watchdog_factor: Optional[float] = None
+    hang_watchdog_min_seconds: float = 60.0
+    hang_watchdog_warmup_iters: int = 5
 
     def validate(self) -> "ExitConfig":
         _positive("--exit-interval", self.exit_interval, allow_none=True)
+        if self.hang_watchdog_factor is not None and not self.hang_watchdog_factor > 1:
+            raise ValueError(f"--hang-watchdog-factor must be above 1 (a multiple of the median step time), got "
+                             f"{self.hang_watchdog_factor}")
+        if not self.hang_watchdog_min_seconds > 0:
+            raise ValueError(f"--hang-watchdog-min-seconds must be positive, got {self.hang_watchdog_min_seconds}")
+        if self.hang_watchdog_warmup_iters < 0:
+            raise ValueError(f"--hang-watchdog-warmup-iters must be >= 0, got {self.hang_watchdog_warmup_iters}")
         if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
             raise ValueError(f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}")
         return self
@@ -461,6 +480,12 @@ class RunConfig:
         for part in (self.parallel, self.optimizer, self.lr_schedule, self.precision, self.data, self.training,
                      self.logging, self.checkpoint, self.exit):
             part.validate()
+        timeout_s = 60 * self.parallel.distributed_timeout_minutes
+        if self.exit.hang_watchdog_factor is not None and self.exit.hang_watchdog_min_seconds >= timeout_s:
+            raise ValueError(f"--hang-watchdog-min-seconds {self.exit.hang_watchdog_min_seconds:g} is not below "
+                             f"--distributed-timeout-minutes {self.parallel.distributed_timeout_minutes:g} "
+                             f"({timeout_s:g} s): a hung collective would end the job first, without the stacks; "
+                             f"give a smaller minimum or a longer timeout")
         tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
         model = self.model
         if model.padded_vocab_size is None:  # not known yet: check everything else with a stand-in

@@ -7,7 +7,9 @@ Per iteration: update the global batch (rampup; DeepSpeed is told), skip the dat
 in --skip-train-iteration-range, run ``engine.train_batch`` (forward, backward, gradient
 reductions and the optimizer step inside DeepSpeed), advance the learning rate by the samples
 consumed, average TP-duplicated parameters if asked, count skipped and non-finite steps, log,
-evaluate, save, and check the exit conditions (agreed across ranks).
+evaluate, save, and check the exit conditions (agreed across ranks). With --hang-watchdog-factor a thread watches
+each training step (megatron.training.watchdog); with --log-straggler each log line names the fastest and
+slowest ranks' forward time (megatron.training.straggler).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from megatron.training.exit import ExitMonitor
 from megatron.training.guards import LossGuard
 from megatron.training.metrics import TrainingLogger, current_device_name, peak_tflops_for_device, throughput_metrics
 from megatron.training.profiling import ProfilerWindow
+from megatron.training.straggler import ForwardTimer, gather_per_rank, straggler_report
 from megatron.training.timing import format_timers, gather_timers, memory_scalars, timer_scalars
+from megatron.training.watchdog import HangWatchdog, StepClock, default_store
 
 
 def loss_part_factor(rc: RunConfig) -> float:
@@ -117,6 +121,11 @@ class Trainer:
         if log.timing_log_level >= 2:
             self.train_iterator = _TimedIterator(self.train_iterator, self.timers)
         self.profiler = ProfilerWindow(log, dist.get_rank() if dist.is_initialized() else 0)
+        # --log-straggler: the model's forward calls timed (training steps only: paused around evaluations)
+        self.forward_timer = ForwardTimer(self.engine.module, cuda=on_cuda) if log.log_straggler else None
+        e = self.rc.exit
+        self.step_clock = None if e.hang_watchdog_factor is None else StepClock(
+            e.hang_watchdog_factor, e.hang_watchdog_min_seconds, e.hang_watchdog_warmup_iters)
 
     # ---- schedule ---------------------------------------------------------------------------
     def _done(self) -> bool:
@@ -205,6 +214,8 @@ class Trainer:
     # ---- evaluation -------------------------------------------------------------------------
     def evaluate(self, iterators: dict, test: bool = False) -> dict[str, float]:
         results = {}
+        if self.forward_timer is not None:
+            self.forward_timer.active = False
         self.engine.eval()
         for name, iterator in iterators.items():
             losses = [float(self.engine.eval_batch(iterator).item()) for _ in range(self.rc.training.eval_iters)]
@@ -213,6 +224,8 @@ class Trainer:
                                    consumed_samples=self.progress.consumed_samples,
                                    consumed_tokens=self.progress.consumed_tokens, test=test)
         self.engine.train()
+        if self.forward_timer is not None:
+            self.forward_timer.active = True
         if not test:
             self.last_validation = results
         return results
@@ -220,7 +233,11 @@ class Trainer:
     def evaluate_harness(self) -> dict[str, float]:
         """--eval-harness-tasks on the live model (every rank), logged as lm-eval/TASK/METRIC at this iteration."""
         start = time.time()
+        if self.forward_timer is not None:
+            self.forward_timer.active = False
         metrics = self.harness_fn()
+        if self.forward_timer is not None:
+            self.forward_timer.active = True
         self.logger.write_scalars({f"lm-eval/{name}": value for name, value in metrics.items()}, self.progress.iteration)
         self.logger.print_fn(f" lm-eval at iteration {self.progress.iteration} ({time.time() - start:.1f} s) | "
                              + " | ".join(f"{name}: {value:.6g}" for name, value in sorted(metrics.items())) + " |",
@@ -233,7 +250,8 @@ class Trainer:
         trained = [r for r in records if math.isfinite(r.loss)]
         loss = sum(r.loss for r in trained) / len(trained) if trained else float("nan")
         ms = 1000.0 * elapsed_s / len(records)
-        timers_text = self._report_instruments(last.iteration, len(records))
+        timers_text = self._report_instruments(last.iteration, len(records)) + self._report_straggler(
+            last.iteration, len(records))
         rates = throughput_metrics(self.rc.model, last.global_batch_size, self.rc.training.checkpoint_activations,
                                    max(ms, 1e-9) / 1000.0, self.world_size, self.peak_tflops)
         self.logger.training(tflops_per_gpu=rates["hardware_tflops_per_gpu"],
@@ -258,18 +276,41 @@ class Trainer:
             self.logger.write_scalars(timer_scalars(per_rank), iteration)
         return format_timers(per_rank, log.timing_log_option)
 
+    def _report_straggler(self, iteration: int, num_iterations: int) -> str:
+        """--log-straggler: every rank's forward time per iteration (a collective, every rank); the log line's part
+        and the scalars."""
+        if self.forward_timer is None:
+            return ""
+        per_rank = gather_per_rank(self.forward_timer.take_ms() / num_iterations)
+        text, scalars = straggler_report(per_rank, self.rc.logging.straggler_minmax_count)
+        self.logger.write_scalars(scalars, iteration)
+        return text
+
     def train(self) -> str:
         """Train until the end of the schedule or an exit condition; return the exit reason ('' at the end)."""
         pending: list[IterationRecord] = []
         window_start = time.time()
         self.engine.train()
+        watchdog = None
+        if self.step_clock is not None:  # --hang-watchdog-factor: one thread per rank
+            watchdog = HangWatchdog(self.step_clock, rank=dist.get_rank() if dist.is_initialized() else 0,
+                                    world_size=self.world_size, store=default_store(),
+                                    poll_s=min(1.0, self.rc.exit.hang_watchdog_min_seconds / 10))
+            watchdog.start()
         try:
             reason = self._train_loop(pending, window_start)
             if self.save_wait_fn is not None:
                 self.save_wait_fn()
             return reason
         finally:
+            if watchdog is not None:
+                watchdog.stop()
             self.profiler.close()
+
+    def _clock(self, what: str, *args, **kwargs) -> None:
+        """--hang-watchdog-factor: tell the step clock (megatron.training.watchdog) where the loop is."""
+        if self.step_clock is not None:
+            getattr(self.step_clock, what)(time.monotonic(), *args, **kwargs)
 
     def _train_loop(self, pending: list[IterationRecord], window_start: float) -> str:
         log_interval = self.rc.logging.log_interval
@@ -277,6 +318,7 @@ class Trainer:
         while not self._done():
             step_start = time.time()
             self.profiler.before_step(self.progress.iteration)
+            self._clock("start", self.progress.iteration + 1)
             record = self.train_step()
             self.profiler.after_step(self.progress.iteration)
             if self.save_poll_fn is not None:
@@ -294,6 +336,7 @@ class Trainer:
             if it % log_interval == 0:
                 self._log(pending, time.time() - window_start)
                 pending, window_start = [], time.time()
+            self._clock("pause")  # evaluations and saves are not watched, nor counted in the step's time
             if t.eval_interval and t.eval_iters and it % t.eval_interval == 0 and self.valid_iterators:
                 self.evaluate(self.valid_iterators)
                 window_start = time.time()
@@ -304,7 +347,9 @@ class Trainer:
             if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0 and self.save_fn is not None:
                 self.save_fn(self.progress)
                 saved = True
+            self._clock("resume")
             reason = self.exit_monitor.check(it)
+            self._clock("stop", timed=not self._in_skip_range(it))  # a step that skipped its data is no step's time
             if reason:
                 if ckpt.save and not saved and self.save_fn is not None:
                     self.save_fn(self.progress)

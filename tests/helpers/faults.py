@@ -25,6 +25,11 @@ A test of a kill during a checkpoint write holds the write instead of racing it:
                                           of that tag, writes half the file, then ``tmp_path/writing-rank<RANK>``,
                                           and waits for ever (for the kill); --async-save's writer thread is held
                                           so while the step loop goes on
+
+A test of --log-straggler slows one rank instead of racing the machine's load:
+
+    slow_forward_env(tmp_path, 1, 0.1)    rank 1 of the subprocess sleeps 0.1 s in each forward call of its model
+                                          (inside the forward that --log-straggler times)
 """
 
 import os
@@ -36,6 +41,7 @@ from tests.helpers.paths import REPO_ROOT
 ENV = "MEGATRON_TEST_POISON_GRADIENTS"  # "3,4:nan": the iterations, then the value
 HOLD_ENV = "MEGATRON_TEST_HOLD_AFTER"  # "3:/folder": the iteration, then where to say "held"
 HOLD_WRITE_ENV = "MEGATRON_TEST_HOLD_WRITE"  # "global_step4:/folder": the tag, then where to say "writing"
+SLOW_ENV = "MEGATRON_TEST_SLOW_FORWARD"  # "1:0.1": the rank, then the seconds slept in each forward call
 
 
 def poison_gradients(iterations, value: float):
@@ -107,6 +113,22 @@ def hold_write(tag: str, folder) -> None:
     torch.save = held
 
 
+def slow_forward(rank: int, seconds: float) -> None:
+    """Patch ``Trainer._setup_instruments`` in this process: on rank ``rank``, each forward call of the engine's
+    module sleeps ``seconds`` first (a hook registered after --log-straggler's timer, so inside its time)."""
+    from megatron.training.loop import Trainer
+
+    if int(os.environ.get("RANK", "0")) != rank:
+        return
+    setup = Trainer._setup_instruments
+
+    def slowed(self):
+        setup(self)
+        self.engine.module.register_forward_pre_hook(lambda module, inputs: time.sleep(seconds))
+
+    Trainer._setup_instruments = slowed
+
+
 def poisoned_env(folder, iterations, value: str) -> dict:
     """``os.environ`` plus what makes a Python subprocess started with it call ``poison_gradients(iterations,
     float(value))`` at start-up: a ``sitecustomize.py`` written to ``folder``, first on PYTHONPATH."""
@@ -125,6 +147,12 @@ def held_write_env(folder, tag: str) -> dict:
     return _installing_env(folder, {HOLD_WRITE_ENV: f"{tag}:{pathlib.Path(folder).resolve()}"})
 
 
+def slow_forward_env(folder, rank: int, seconds: float) -> dict:
+    """``os.environ`` plus what makes a subprocess started with it call ``slow_forward(rank, seconds)`` at
+    start-up."""
+    return _installing_env(folder, {SLOW_ENV: f"{rank}:{seconds}"})
+
+
 def _installing_env(folder, variables: dict) -> dict:
     """``os.environ`` with ``variables`` and a ``sitecustomize.py`` in ``folder``, first on PYTHONPATH, that
     installs what they ask for at a Python subprocess's start-up (``install_from_env``)."""
@@ -132,7 +160,7 @@ def _installing_env(folder, variables: dict) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(
         "import os\n"
-        f"if os.environ.get({ENV!r}) or os.environ.get({HOLD_ENV!r}) or os.environ.get({HOLD_WRITE_ENV!r}):\n"
+        f"if any(os.environ.get(name) for name in {(ENV, HOLD_ENV, HOLD_WRITE_ENV, SLOW_ENV)!r}):\n"
         "    from tests.helpers.faults import install_from_env\n"
         "    install_from_env()\n")
     path = os.pathsep.join([str(folder), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -140,8 +168,9 @@ def _installing_env(folder, variables: dict) -> dict:
 
 
 def install_from_env() -> None:
-    """What ``MEGATRON_TEST_POISON_GRADIENTS`` ("3,4:nan"), ``MEGATRON_TEST_HOLD_AFTER`` ("3:/folder") and
-    ``MEGATRON_TEST_HOLD_WRITE`` ("global_step4:/folder") ask for (the sitecustomize's call)."""
+    """What ``MEGATRON_TEST_POISON_GRADIENTS`` ("3,4:nan"), ``MEGATRON_TEST_HOLD_AFTER`` ("3:/folder"),
+    ``MEGATRON_TEST_HOLD_WRITE`` ("global_step4:/folder") and ``MEGATRON_TEST_SLOW_FORWARD`` ("1:0.1") ask for
+    (the sitecustomize's call)."""
     if os.environ.get(ENV):
         iterations, value = os.environ[ENV].split(":")
         poison_gradients({int(i) for i in iterations.split(",")}, float(value))
@@ -151,3 +180,6 @@ def install_from_env() -> None:
     if os.environ.get(HOLD_WRITE_ENV):
         tag, folder = os.environ[HOLD_WRITE_ENV].split(":", 1)
         hold_write(tag, folder)
+    if os.environ.get(SLOW_ENV):
+        rank, seconds = os.environ[SLOW_ENV].split(":")
+        slow_forward(int(rank), float(seconds))

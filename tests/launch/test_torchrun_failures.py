@@ -2,9 +2,11 @@
 killing torchrun (kill -9) leaves no worker behind; SIGTERM to torchrun, or to every process of the job as
 ``scancel`` sends it, ends in a complete checkpoint that resumes exactly, data-loader workers included; and
 with --distributed-timeout-minutes a rank that stops answering (SIGSTOP) ends the whole job, non-zero, naming
-the timeout, instead of hanging for the backend's 10-30 minutes."""
+the timeout, instead of hanging for the backend's 10-30 minutes; with --hang-watchdog-factor the watchdog ends
+it first, with the running ranks' stacks and the stopped rank named; --log-straggler names a slowed rank."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,9 +16,9 @@ import time
 import pytest
 
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.faults import held_env
+from tests.helpers.faults import held_env, slow_forward_env
 from tests.helpers.paths import REPO_ROOT
-from tests.helpers.training import assert_continues, train
+from tests.helpers.training import assert_continues, tensorboard_scalars, train
 
 TIMEOUT_MINUTES = 0.2  # 12 s: well above any legitimate wait of this tiny job, even on a loaded machine
 
@@ -178,6 +180,74 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tiny_corpus, tmp_path):
     # It ended (the wait above is the hang guard: 15 x the timeout), non-zero, and because of the timeout.
     assert returncode != 0
     assert any("timed out" in line.lower() or "timeout" in line.lower() for line in lines), "".join(lines[-40:])
+
+
+SLEEP_S = 0.1  # rank 1's sleep in each forward call (tests/helpers/faults.slow_forward_env)
+WATCHDOG_MIN_S = 4.0  # --hang-watchdog-min-seconds: far above this tiny job's steps
+WATCHDOG_TIMEOUT_MINUTES = 2  # --distributed-timeout-minutes: what the watchdog must beat
+
+
+@pytest.mark.multiprocess
+def test_a_slowed_rank_is_named_by_log_straggler_and_a_stopped_rank_is_reported_by_the_hang_watchdog(
+        tiny_corpus, tmp_path):
+    """One job: rank 1 sleeps in every forward call, so --log-straggler names it the slowest rank on each log
+    line, by at least its sleep; then rank 1 is stopped (SIGSTOP), and rank 0's watchdog reports the overdue step
+    with its numbers, dumps its stacks, names rank 1 as not answering, and ends the job non-zero, its threshold
+    far under the collective timeout."""
+    argv = tiny_argv(tiny_corpus, "--log-straggler", "--hang-watchdog-factor", "5", "--hang-watchdog-min-seconds",
+                     str(WATCHDOG_MIN_S), "--hang-watchdog-warmup-iters", "2", "--distributed-timeout-minutes",
+                     str(WATCHDOG_TIMEOUT_MINUTES), train_iters=1000, tensorboard_dir=str(tmp_path / "tb"),
+                     tensorboard_queue_size=1)  # each scalar written at once: the job ends by os._exit
+    job = _torchrun(argv, tmp_path, env=slow_forward_env(tmp_path / "faults", 1, SLEEP_S))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
+    reader.start()
+    stopped = None
+    try:
+        _wait_for_iteration(job, lines, 5)
+        stopped = {_rank_of(pid): pid for pid in _children(job.pid)}[1]
+        os.kill(stopped, signal.SIGSTOP)
+        while not any("hang watchdog: rank 0: ending the job" in line for line in lines):  # pytest's timeout: a hang
+            assert job.poll() is None, "".join(lines[-40:])
+            time.sleep(0.2)
+        # rank 0 has reported and is exiting; SIGCONT lets rank 1 take torchrun's SIGTERM now rather than after
+        # torchrun's 30 s wait for a stopped process
+        os.kill(stopped, signal.SIGCONT)
+        returncode = job.wait(timeout=180)
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL) if stopped else ():
+            try:
+                os.kill(stopped, sig)
+            except ProcessLookupError:
+                pass
+        if job.poll() is None:
+            job.kill()
+    reader.join(timeout=10)
+    output = "".join(lines)
+    # --log-straggler: every log line names rank 1 the slowest, its forward time at least its 2 sleeps per iteration
+    # (2 micro-batches a rank), and rank 0 the fastest
+    named = [re.search(r"fastest ([\d.]+) \(rank (\d)\) \| slowest ([\d.]+) \(rank (\d)\)", line)
+             for line in lines if " iteration " in line and "consumed samples" in line]
+    assert len(named) >= 5 and all(named), output[-3000:]
+    for match in named:
+        fastest_ms, fastest, slowest_ms, slowest = float(match[1]), int(match[2]), float(match[3]), int(match[4])
+        assert (fastest, slowest) == (0, 1) and slowest_ms >= 2 * 1000 * SLEEP_S > fastest_ms, match[0]
+    scalars = tensorboard_scalars(tmp_path / "tb")  # and to TensorBoard, at least for the first 4 log lines
+    assert len(scalars["straggler/slowest-rank"]) >= 4, sorted(scalars)
+    assert {value for _, value in scalars["straggler/slowest-rank"]} == {1.0}
+    assert {value for _, value in scalars["straggler/fastest-rank"]} == {0.0}
+    assert min(value for _, value in scalars["straggler/slowest-rank-ms"]) >= 2 * 1000 * SLEEP_S
+    # the watchdog: its own numbers; the step ran past its threshold, which is far under the collective timeout
+    report = re.search(r"hang watchdog: rank 0: iteration (\d+) has run ([\d.]+) s, past the threshold ([\d.]+) s",
+                       output)
+    assert report, output[-3000:]
+    elapsed_s, threshold_s = float(report[2]), float(report[3])
+    assert WATCHDOG_MIN_S <= threshold_s <= elapsed_s < 60 * WATCHDOG_TIMEOUT_MINUTES / 4, report[0]
+    assert "[rank 0] Thread MainThread (most recent call last):" in output
+    assert re.search(r"\[rank 0\] .*in train_step", output), output[-3000:]  # where the running rank waits
+    assert "hang watchdog: rank 0: rank(s) 1 did not answer" in output, output[-3000:]
+    assert returncode != 0
+    assert "timed out" not in output.lower(), output[-3000:]  # the watchdog ended it, not the collective timeout
 
 
 HELD_AT = 3  # the iteration inside which the SIGTERM tests signal the job
