@@ -47,12 +47,18 @@ from megatron.checkpoint.training_io import (
 __all__ = ["AsyncSaver", "HostCopyWriter", "host_copy"]
 
 
-def host_copy(obj: Any, memo: Optional[dict] = None) -> Any:
+def host_copy(obj: Any, memo: Optional[dict] = None, pool: Optional[dict] = None) -> Any:
     """``obj`` with every tensor's storage copied to host memory (pinned where CUDA exists) and every other object
     deep-copied. What ``obj`` shares stays shared in the copy (an object met twice is copied once; tensors viewing
     one storage view one copy, with their offsets and strides), so ``torch.save`` writes the same bytes. CUDA
-    copies are asynchronous: ``torch.cuda.synchronize()`` before reading them."""
+    copies are asynchronous: ``torch.cuda.synchronize()`` before reading them.
+
+    ``pool``: {(bytes, pinned): [free host buffers]}, the buffers of an earlier copy that has been written: a
+    storage of the same size is copied into one of them instead of into new memory (fresh host memory costs its
+    first touch, or a pinned allocation on CUDA: more than the copy). The buffers used are listed in
+    ``memo["buffers"]``, to be handed back to the pool once the copy is no longer needed."""
     memo = {"deepcopy": {}} if memo is None else memo
+    memo.setdefault("pool", pool)
     if id(obj) in memo:
         return memo[id(obj)]
     if isinstance(obj, torch.Tensor):
@@ -77,7 +83,9 @@ def _tensor_copy(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
     if storage.nbytes() == 0 or key not in memo:
         source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
         pinned = source.device.type == "cuda"
-        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
+        free = (memo.get("pool") or {}).get((storage.nbytes(), pinned))
+        host = free.pop() if free else torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
+        memo.setdefault("buffers", []).append((host, pinned))
         host.copy_(source.detach(), non_blocking=pinned)
         memo[key] = host.untyped_storage()
     out = torch.empty(0, dtype=tensor.dtype).set_(memo[key], tensor.storage_offset(), tensor.size(), tensor.stride())
@@ -89,11 +97,13 @@ def _tensor_copy(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
 class HostCopyWriter:
     """A DeepSpeed checkpoint engine (duck-typed; anything not here is the wrapped engine's: load, makedirs, ...):
     ``save`` keeps a host copy of the state dict, ``start`` writes the copies in a thread with the wrapped engine's
-    ``save`` (fsync and SHA-256 of each file), ``join`` waits for it."""
+    ``save`` (fsync and SHA-256 of each file), ``join`` waits for it. A written copy's host buffers go to ``pool``,
+    which the next save's copies reuse (``host_copy``): one checkpoint's share of host memory stays allocated."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.queued: list[tuple[str, Any]] = []
+        self.pool: dict[tuple[int, bool], list[torch.Tensor]] = {}  # touched by the thread only while it runs
+        self.queued: list[tuple[str, Any, list]] = []
         self.thread: Optional[threading.Thread] = None
         self.finished = threading.Event()  # set by the thread once it has written every file or failed
         self.finished.set()
@@ -114,7 +124,9 @@ class HostCopyWriter:
         return True
 
     def save(self, state_dict, path: str) -> None:
-        self.queued.append((path, host_copy(state_dict)))
+        memo = {"deepcopy": {}}
+        copied = host_copy(state_dict, memo, self.pool)
+        self.queued.append((path, copied, memo.get("buffers", [])))
 
     def start(self) -> None:
         if torch.cuda.is_available():
@@ -132,9 +144,11 @@ class HostCopyWriter:
         folders = set()
         try:
             while files:
-                path, state = files.pop(0)
+                path, state, buffers = files.pop(0)
                 self.inner.save(state, path)
-                del state  # its host memory goes as soon as the file is written
+                del state  # written: its host buffers are free for the next save's copies
+                for buffer, pinned in buffers:
+                    self.pool.setdefault((buffer.numel(), pinned), []).append(buffer)
                 _fsync(path)
                 folders.add(os.path.dirname(path))
                 self.digests[path] = file_digest(path)

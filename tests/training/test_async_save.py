@@ -368,6 +368,23 @@ def test_host_copy_keeps_what_is_shared_and_later_steps_do_not_change_it():
     buffer = io.BytesIO()
     torch.save(copied, buffer)
     assert buffer.getvalue() == saved.getvalue()  # the file a synchronous save would have written, byte for byte
+    # the next save's copy goes into the written copy's host buffers (a pool, as HostCopyWriter keeps), with the
+    # state as it is now, and saves to the same bytes as the state itself
+    memo, pool = {"deepcopy": {}}, {}
+    first = host_copy(state, memo, pool)
+    for host, pinned in memo["buffers"]:
+        pool.setdefault((host.numel(), pinned), []).append(host)
+    reused = {host.data_ptr() for host, _ in memo["buffers"]}
+    del first
+    base.sub_(50.0)
+    again_memo = {"deepcopy": {}}
+    again = host_copy(state, again_memo, pool)
+    assert {host.data_ptr() for host, _ in again_memo["buffers"]} == reused and not any(pool.values())
+    assert again["view"].tolist() == [52.0, 53.0, 54.0, 55.0] and again["weight"].tolist() == [5.0] * 3
+    expected, got = io.BytesIO(), io.BytesIO()
+    torch.save(state, expected)
+    torch.save(again, got)
+    assert got.getvalue() == expected.getvalue()
 
 
 def test_async_save_needs_save(tiny_corpus):
