@@ -45,7 +45,24 @@ def init_process_group(backend: str, timeout_minutes: float = 10.0) -> LaunchInf
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size,
-                                init_method=f"tcp://{info.master_addr}:{info.master_port}",
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        store = _restart_store(info, timeout)
+        if store is not None:
+            dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size, store=store,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size,
+                                    init_method=f"tcp://{info.master_addr}:{info.master_port}", timeout=timeout)
     return info
+
+
+def _restart_store(info: LaunchInfo, timeout: datetime.timedelta):
+    """Under torchrun (its agent's store, TORCHELASTIC_USE_AGENT_STORE): the agent's store seen through a prefix
+    of this attempt (TORCHELASTIC_RESTART_COUNT), else None. torchrun keeps one store for every attempt of the
+    job: without the prefix, workers restarted after a failure (--max-restarts) read the previous attempt's keys
+    (the dead ranks' gloo addresses: "Gloo connectFullMesh failed ... Connection refused", or a wait that never
+    ends) instead of their peers'."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/megatron/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)

@@ -34,6 +34,7 @@ A test of --log-straggler slows one rank instead of racing the machine's load:
 
 import os
 import pathlib
+import signal
 import time
 
 from tests.helpers.paths import REPO_ROOT
@@ -42,6 +43,7 @@ ENV = "MEGATRON_TEST_POISON_GRADIENTS"  # "3,4:nan": the iterations, then the va
 HOLD_ENV = "MEGATRON_TEST_HOLD_AFTER"  # "3:/folder": the iteration, then where to say "held"
 HOLD_WRITE_ENV = "MEGATRON_TEST_HOLD_WRITE"  # "global_step4:/folder": the tag, then where to say "writing"
 SLOW_ENV = "MEGATRON_TEST_SLOW_FORWARD"  # "1:0.1": the rank, then the seconds slept in each forward call
+KILL_ENV = "MEGATRON_TEST_KILL_AFTER"  # "1:5:0,1": the rank, the iteration, the torchrun attempts it dies in
 
 
 def poison_gradients(iterations, value: float):
@@ -141,6 +143,31 @@ def held_env(folder, iteration: int) -> dict:
     return _installing_env(folder, {HOLD_ENV: f"{iteration}:{pathlib.Path(folder).resolve()}"})
 
 
+def kill_after(rank: int, iteration: int, attempts: set) -> None:
+    """Patch ``Trainer.train_step`` in this process: on ``rank``, in the torchrun attempts ``attempts``
+    (TORCHELASTIC_RESTART_COUNT; 0 the first), the process kills itself (SIGKILL: a lost rank, nothing cleaned up)
+    once ``iteration``'s step is done (``kill_env``)."""
+    from megatron.training.loop import Trainer
+
+    if int(os.environ.get("RANK", "0")) != rank or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) not in attempts:
+        return
+    train_step = Trainer.train_step
+
+    def killed(self):
+        record = train_step(self)
+        if self.progress.iteration == iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return record
+
+    Trainer.train_step = killed
+
+
+def kill_env(folder, rank: int, iteration: int, attempts=(0,)) -> dict:
+    """``os.environ`` plus what makes ``rank`` of a subprocess (a torchrun job) started with it kill itself after
+    ``iteration``'s step in each of the torchrun ``attempts`` (``kill_after``)."""
+    return _installing_env(folder, {KILL_ENV: f"{rank}:{iteration}:{','.join(map(str, attempts))}"})
+
+
 def held_write_env(folder, tag: str) -> dict:
     """``os.environ`` plus what makes each rank of a subprocess started with it call ``hold_write(tag, folder)``
     at start-up."""
@@ -160,7 +187,7 @@ def _installing_env(folder, variables: dict) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(
         "import os\n"
-        f"if any(os.environ.get(name) for name in {(ENV, HOLD_ENV, HOLD_WRITE_ENV, SLOW_ENV)!r}):\n"
+        f"if any(os.environ.get(name) for name in {(ENV, HOLD_ENV, HOLD_WRITE_ENV, SLOW_ENV, KILL_ENV)!r}):\n"
         "    from tests.helpers.faults import install_from_env\n"
         "    install_from_env()\n")
     path = os.pathsep.join([str(folder), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -169,7 +196,8 @@ def _installing_env(folder, variables: dict) -> dict:
 
 def install_from_env() -> None:
     """What ``MEGATRON_TEST_POISON_GRADIENTS`` ("3,4:nan"), ``MEGATRON_TEST_HOLD_AFTER`` ("3:/folder"),
-    ``MEGATRON_TEST_HOLD_WRITE`` ("global_step4:/folder") and ``MEGATRON_TEST_SLOW_FORWARD`` ("1:0.1") ask for
+    ``MEGATRON_TEST_HOLD_WRITE`` ("global_step4:/folder"), ``MEGATRON_TEST_SLOW_FORWARD`` ("1:0.1") and
+    ``MEGATRON_TEST_KILL_AFTER`` ("1:5:0") ask for
     (the sitecustomize's call)."""
     if os.environ.get(ENV):
         iterations, value = os.environ[ENV].split(":")
@@ -183,3 +211,6 @@ def install_from_env() -> None:
     if os.environ.get(SLOW_ENV):
         rank, seconds = os.environ[SLOW_ENV].split(":")
         slow_forward(int(rank), float(seconds))
+    if os.environ.get(KILL_ENV):
+        rank, iteration, attempts = os.environ[KILL_ENV].split(":")
+        kill_after(int(rank), int(iteration), {int(a) for a in attempts.split(",")})
