@@ -320,7 +320,9 @@ class SelfAttention(nn.Module):
                                             dropout_p=dropout_p, decoding=decoding, documents=documents is not None)
         if backend == "flex":
             slopes = self._alibi_slope_values if self.alibi_slopes is not None else None
-            return flex_core_attention(query, key, value, slopes, scale, documents)
+            if documents is None:
+                return flex_core_attention(query, key, value, slopes, scale)
+            return flex_core_attention(query, key, value, slopes, scale, document_ids=documents)
         if documents is not None:  # a dense [b, 1, s, s] mask (ALiBi: [b, np, s, s] bias), no is_causal
             with self._dropout_rng(dropout_p):
                 if backend == "unfused":

@@ -295,7 +295,9 @@ class MultiLatentAttention(nn.Module):
         backend = resolve_attention_backend(self.config.attention_backend, query, alibi=False, dropout_p=dropout_p,
                                             decoding=decoding, documents=documents is not None)
         if backend == "flex":
-            return flex_core_attention(query, key, value, None, self._scale, documents)
+            if documents is None:
+                return flex_core_attention(query, key, value, None, self._scale)
+            return flex_core_attention(query, key, value, None, self._scale, document_ids=documents)
         mask = None  # is_causal (sq == sk), or one new token seeing every cached key
         if documents is not None:
             mask = document_causal_mask(documents, None, query.dtype)  # [b, 1, s, s]

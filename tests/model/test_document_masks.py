@@ -8,17 +8,25 @@ flash does not run on CPU) and each position type (ALiBi, rotary with GQA, learn
 import pytest
 import torch
 
+from megatron.config.mla import MLAConfig
 from megatron.model import GPTModel
 from megatron.testing.tolerance import model_tolerance, step_depth, tolerance
 from megatron.training.batches import document_ids, gpt_micro_batch
 from tests.helpers.model import tiny_config
-from tests.model.test_attention_backends import CONFIGS
 
 SEQ = 48
 EOD = 7
 # the input positions of the end-of-document tokens of each row: documents of 11, 1, 20, 16 and of 30, 18 tokens
 EODS = ((10, 11, 31), (29, 47))
 BACKENDS = ("sdpa", "unfused", "flex")
+# the position types and attentions (as tests/model/test_attention_backends.py's): ALiBi, learned positions, a
+# Llama-style rotary + GQA block, multi-head latent attention with value heads narrower than its query / key heads
+LLAMA = dict(position_embedding_type="rotary", normalization="rmsnorm", swiglu=True, num_key_value_heads=2,
+             add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=96)
+MLA = dict(LLAMA, num_key_value_heads=None, qk_layernorm=True,
+           mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12))
+CONFIGS = {"alibi": dict(position_embedding_type="alibi", embed_layernorm=True),
+           "absolute": dict(position_embedding_type="absolute"), "llama": LLAMA, "mla": MLA}
 
 
 def _packed_tokens() -> torch.Tensor:
