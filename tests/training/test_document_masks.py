@@ -110,9 +110,13 @@ MASKED = dict(seq_length=64, reset_attention_mask=True, eod_mask_loss=True, posi
               embed_layernorm=False, group_query_attention=True, num_query_groups=2)
 # the layouts that must train as one process does, on 4 processes: CP = 2 x TP = 2 with sequence parallelism (the
 # ring's document blocks), Ulysses = 2 (DP = 2; the whole sample's ids after the all-to-all), PP = 2 (DP = 2; the
-# ids travel between the stages with the hidden state)
+# ids travel between the stages with the hidden state) under 1F1B, ZB-H1 and the interleaved schedule (v = 2, on a
+# 4-layer model: its own one-process reference). CP with interleaved stages or ZB-H1 is refused (the table).
+PP2 = ("--pipeline-model-parallel-size", 2)
 LAYOUTS = {"CP=2 x TP=2 + SP": ("--context-parallel-size", 2, "--tensor-model-parallel-size", 2, "--sequence-parallel"),
-           "Ulysses=2": ("--ds-sequence-parallel-size", 2), "PP=2": ("--pipeline-model-parallel-size", 2)}
+           "Ulysses=2": ("--ds-sequence-parallel-size", 2), "PP=2": PP2,
+           "PP=2 ZB-H1": PP2 + ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"),
+           "PP=2 x v=2 interleaved": PP2 + ("--num-virtual-stages-per-pipeline-rank", 2, "--num-layers", 4)}
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +125,8 @@ def one_process(tiny_corpus):
     engine-loss check's numbers (test_the_engine_loss_uses_the_mask_and_positions)."""
     argv = tiny_argv(tiny_corpus, seq_length=128, micro_batch_size=4, global_batch_size=4, eod_mask_loss=True,
                      reset_position_ids=True, position_embedding_type="absolute", embed_layernorm=False)
-    runs = [tiny_argv(tiny_corpus, **MASKED), tiny_argv(tiny_corpus, **dict(MASKED, reset_attention_mask=False))]
+    runs = [tiny_argv(tiny_corpus, **MASKED), tiny_argv(tiny_corpus, **dict(MASKED, reset_attention_mask=False)),
+            tiny_argv(tiny_corpus, **dict(MASKED, num_layers=4))]
     return run_distributed(_one_process, world_size=1, args=(argv, runs))[0]
 
 
@@ -129,12 +134,15 @@ def one_process(tiny_corpus):
 def test_document_masks_train_equal_at_every_layout(tiny_corpus, one_process):
     from tests.helpers.training import TINY_LAYERS, TINY_WIDTH, assert_same_run, layout, train
 
-    (masked, unmasked), _ = one_process
+    (masked, unmasked, four_layers), _ = one_process
     runs = [layout(tiny_argv(tiny_corpus, **MASKED), *flags) for flags in LAYOUTS.values()]
     results = run_distributed(train, world_size=4, args=(runs,), timeout=600)
     assert len(masked["losses"]) == 10
     for label, record in zip(LAYOUTS, results[0]):
-        assert_same_run(masked, record, f"--reset-attention-mask at {label} vs one process")
+        reference = four_layers if "--num-layers" in LAYOUTS[label] else masked
+        assert_same_run(reference, record, f"--reset-attention-mask at {label} vs one process",
+                        num_layers=4 if reference is four_layers else TINY_LAYERS)
+    assert results[0][3]["executed_steps"] and results[0][4]["held_layers"] == 2  # ZB-H1's steps; 2 chunks x 1
     # the mask is what the runs agree on: the whole-sample causal run differs, by 10 tolerances at the first step
     first, other = masked["losses"][0], unmasked["losses"][0]
     assert abs(first - other) > 10 * run_tolerance(torch.float32, TINY_LAYERS, TINY_WIDTH, 1) * abs(first)
