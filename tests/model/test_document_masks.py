@@ -82,12 +82,17 @@ def test_document_ids_split_after_each_eod():
 
 # flex compiles a kernel per configuration (seconds each): not for learned positions, whose attention kernel
 # receives what the rotary one does less the rotation (the positions enter at the embedding)
-CASES = [(name, backend) for name in CONFIGS for backend in BACKENDS if (name, backend) != ("absolute", "flex")]
+CASES = [(name, backend, "") for name in CONFIGS for backend in BACKENDS if (name, backend) != ("absolute", "flex")]
+# the core attention recomputed in backward (--recompute-granularity selective: the ids are its checkpoint's input),
+# and MLA's up-projections recomputed (--recompute-modules mla_up_proj)
+RECOMPUTE = {"selective": dict(recompute_core_attention=True), "mla_up_proj": dict(recompute_modules=("mla_up_proj",))}
+CASES += [("alibi", "sdpa", "selective"), ("llama", "flex", "selective"), ("mla", "unfused", "selective"),
+          ("mla", "sdpa", "mla_up_proj")]
 
 
-@pytest.mark.parametrize(("name", "backend"), CASES)
-def test_packed_documents_equal_documents_alone(references, name, backend):
-    overrides = CONFIGS[name]
+@pytest.mark.parametrize(("name", "backend", "recompute"), CASES)
+def test_packed_documents_equal_documents_alone(references, name, backend, recompute):
+    overrides = dict(CONFIGS[name], **RECOMPUTE.get(recompute, {}))
     config = tiny_config(seq_length=SEQ, max_position_embeddings=SEQ, attention_backend=backend, **overrides)
     model = GPTModel(config)
     reset_positions = config.position_embedding_type == "absolute"  # learned positions read the position ids
