@@ -1,10 +1,12 @@
 """Megatron's --eod-mask-loss and --reset-position-ids: what the micro-batches hold, and what the engine's loss
-makes of them; --reset-attention-mask accepted (refused with MTP and the flash backend, by name)."""
+makes of them; --reset-attention-mask: the document mask equals Megatron-LM's loops, training with it equals one
+process at every layout and differs from the unmasked run; refused with MTP and the flash backend, by name."""
 
 import pytest
 import torch
 
 from megatron.arguments import run_config_from_argv
+from megatron.model.attention_core import document_causal_mask
 from megatron.testing import run_distributed, tiny_argv
 from megatron.testing.tolerance import run_tolerance, tolerance, transformer_depth
 from megatron.training.batches import gpt_micro_batch
@@ -27,6 +29,18 @@ def _megatron_loops(tokens, eod):
     return loss_mask, position_ids
 
 
+def _megatron_attention_mask(tokens, eod):
+    """Megatron-LM's --reset-attention-mask loop: causal, then for each eod at input position i the tokens after it
+    see nothing up to and including it. [b, 1, s, s], True = attend."""
+    data = tokens[:, :-1]
+    b, s = data.shape
+    mask = torch.ones(s, s).tril().repeat(b, 1, 1, 1).bool()
+    for row in range(b):
+        for i in (data[row] == eod).nonzero().flatten().tolist():
+            mask[row, 0, i + 1:, :i + 1] = False
+    return mask
+
+
 def test_masks_and_positions_equal_megatrons_loops():
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 12, (6, 41), generator=generator)  # about one token in 12 is the eod
@@ -40,6 +54,8 @@ def test_masks_and_positions_equal_megatrons_loops():
     assert torch.equal(input_ids, tokens[:, :-1]) and torch.equal(labels, tokens[:, 1:])
     assert mask[2].all() and not mask[1, 39] and not mask[0, 0]  # an eod as a label is a target
     assert positions[3, 5:10].tolist() == [5, 0, 0, 0, 0] and positions[4].tolist() == list(range(40))
+    (_, _, documents), _ = gpt_micro_batch(tokens, EOD, reset_attention_mask=True)
+    assert torch.equal(document_causal_mask(documents, None, torch.float32), _megatron_attention_mask(tokens, EOD))
 
     (_, plain_positions), (_, plain_mask) = gpt_micro_batch(tokens)
     assert plain_mask.all() and torch.equal(plain_positions, torch.arange(40).repeat(6, 1))
