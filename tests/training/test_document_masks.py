@@ -10,6 +10,7 @@ from megatron.model.attention_core import document_causal_mask
 from megatron.testing import run_distributed, tiny_argv
 from megatron.testing.tolerance import run_tolerance, tolerance, transformer_depth
 from megatron.training.batches import gpt_micro_batch
+from tests.helpers.paths import REPO_ROOT
 
 EOD = 7
 
@@ -129,8 +130,12 @@ MASKED = dict(seq_length=64, reset_attention_mask=True, eod_mask_loss=True, posi
 # ids travel between the stages with the hidden state) under 1F1B, ZB-H1 and the interleaved schedule (v = 2, on a
 # 4-layer model: its own one-process reference). CP with interleaved stages or ZB-H1 is refused (the table).
 PP2 = ("--pipeline-model-parallel-size", 2)
+# the live lm-eval harness during the PP=2 run (its batches must carry document ids too: the stages' activations keep
+# their recorded form); it leaves the training losses as they are (tests/evaluation/test_harness_parity.py)
+HARNESS = ("--eval-harness-tasks", "tiny_choice", "--eval-harness-include-path", REPO_ROOT / "examples" / "eval_tasks",
+           "--eval-harness-limit", 4, "--eval-harness-interval", 5)
 LAYOUTS = {"CP=2 x TP=2 + SP": ("--context-parallel-size", 2, "--tensor-model-parallel-size", 2, "--sequence-parallel"),
-           "Ulysses=2": ("--ds-sequence-parallel-size", 2), "PP=2": PP2,
+           "Ulysses=2": ("--ds-sequence-parallel-size", 2), "PP=2 + live lm-eval": PP2 + HARNESS,
            "PP=2 ZB-H1": PP2 + ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"),
            "PP=2 x v=2 interleaved": PP2 + ("--num-virtual-stages-per-pipeline-rank", 2, "--num-layers", 4)}
 
