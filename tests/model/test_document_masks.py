@@ -1,8 +1,8 @@
 """--reset-attention-mask in the model: a packed sample's per-token losses, and the gradients of their sum, equal
 those of its documents run one at a time at position 0 (an independent reference for the mask: no mask there at
 all, each document is its own causal sequence), for each attention backend that runs here (sdpa, unfused; flex, a
-compile each, with ALiBi; flash does not run on CPU) and each position type (ALiBi, rotary with GQA, learned positions with
---reset-position-ids, multi-head latent attention), within the tolerance of the model's depth in fp32
+compile each, with ALiBi; flash does not run on CPU) and each position type (ALiBi, rotary with GQA, learned
+positions with --reset-position-ids, multi-head latent attention), within the tolerance of the model's depth in fp32
 (megatron.testing.tolerance). Without the document ids the packed losses differ (the mask is what is tested)."""
 
 import pytest
