@@ -128,7 +128,8 @@ MASKED = dict(seq_length=64, reset_attention_mask=True, eod_mask_loss=True, posi
 # the layouts that must train as one process does, on 4 processes: CP = 2 x TP = 2 with sequence parallelism (the
 # ring's document blocks), Ulysses = 2 (DP = 2; the whole sample's ids after the all-to-all), PP = 2 (DP = 2; the
 # ids travel between the stages with the hidden state) under 1F1B, ZB-H1 and the interleaved schedule (v = 2, on a
-# 4-layer model: its own one-process reference). CP with interleaved stages or ZB-H1 is refused (the table).
+# 4-layer model: its own one-process reference), ZeRO-2 at DP = 4. CP with interleaved stages or ZB-H1 is refused
+# (the table).
 PP2 = ("--pipeline-model-parallel-size", 2)
 # the live lm-eval harness during the PP=2 run (its batches must carry document ids too: the stages' activations keep
 # their recorded form); it leaves the training losses as they are (tests/evaluation/test_harness_parity.py)
@@ -137,7 +138,9 @@ HARNESS = ("--eval-harness-tasks", "tiny_choice", "--eval-harness-include-path",
 LAYOUTS = {"CP=2 x TP=2 + SP": ("--context-parallel-size", 2, "--tensor-model-parallel-size", 2, "--sequence-parallel"),
            "Ulysses=2": ("--ds-sequence-parallel-size", 2), "PP=2 + live lm-eval": PP2 + HARNESS,
            "PP=2 ZB-H1": PP2 + ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"),
-           "PP=2 x v=2 interleaved": PP2 + ("--num-virtual-stages-per-pipeline-rank", 2, "--num-layers", 4)}
+           "PP=2 x v=2 interleaved": PP2 + ("--num-virtual-stages-per-pipeline-rank", 2, "--num-layers", 4),
+           # DeepSpeed's model engine without Ulysses (GPTModel's document_ids), its layers recomputed in backward
+           "ZeRO-2 DP=4 + recomputed layers": ("--zero-stage", 2, "--checkpoint-activations")}
 
 
 @pytest.fixture(scope="module")
