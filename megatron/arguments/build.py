@@ -92,6 +92,6 @@ def resolve_vocab_size(run_config: RunConfig, tokenizer=None) -> RunConfig:
     padded = pad_vocab_size(tokenizer.vocab_size, d.make_vocab_size_divisible_by,
                             run_config.parallel.tensor_model_parallel_size, d.pad_vocab_size_to)
     run_config = run_config.with_vocab_size(tokenizer.vocab_size, padded)
-    if d.eod_mask_loss or d.reset_position_ids:
+    if d.eod_mask_loss or d.reset_position_ids or d.reset_attention_mask:
         run_config = dataclasses.replace(run_config, data=dataclasses.replace(d, eod_token_id=tokenizer.eod))
     return run_config

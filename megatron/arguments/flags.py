@@ -238,8 +238,12 @@ def _data(parser):
                    help="Position ids restart at 0 after each end-of-document token. Only learned absolute "
                         "positions read position ids (as in Megatron-LM); with ALiBi or rotary it is refused.")
     g.add_argument("--reset-attention-mask", action="store_true",
-                   help="Megatron's per-document attention mask inside a sample: not supported, refused with an "
-                        "error (attention is causal over the whole sample).")
+                   help="Megatron's per-document attention mask: documents packed into one sample (split after "
+                        "each end-of-document token) do not attend to each other, in every attention backend "
+                        "(flash excepted) and under TP, SP, PP, CP and Ulysses. SDPA and unfused build a dense "
+                        "[b, 1, s, s] mask ([b, heads, s, s] with ALiBi); flex a block mask; the ring its blocks' "
+                        "(docs/parallelism.md). Rotary and ALiBi are relative, so a document then computes as "
+                        "alone at position 0; learned positions need --reset-position-ids for that.")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes for training.")
     g.add_argument("--valid-num-workers", type=int, default=2,
                    help="DataLoader worker processes for validation and test.")

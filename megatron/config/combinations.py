@@ -104,6 +104,8 @@ FEATURES: tuple[Feature, ...] = (
             lambda rc: f"--fp8-format {rc.model.fp8.fp8_format}"),
     Feature("MTP", "--mtp-num-layers N (N > 0)", lambda rc: rc.model.mtp_num_layers > 0,
             lambda rc: f"--mtp-num-layers {rc.model.mtp_num_layers}"),
+    Feature("document attention mask", "--reset-attention-mask", lambda rc: rc.data.reset_attention_mask,
+            lambda rc: "--reset-attention-mask"),
 )
 _BY_NAME = {f.name: f for f in FEATURES}
 
@@ -235,6 +237,14 @@ REFUSED: tuple[Refused, ...] = (
             "and the depths' shifted losses are not built into that path (they are into the pipeline engine's, "
             "context parallelism's included)", "drop --ds-sequence-parallel-size (context parallelism on the "
             "pipeline engine splits the sequence with MTP)", say="{a} does not work yet with {b}: {reason}; {fix}"),
+    # document masks (--reset-attention-mask: megatron/model/attention_core.py)
+    Refused("document attention mask", "MTP", "the MTP depths' transformer layers run on shifted tokens in the "
+            "loss function, which the document ids do not reach yet", "drop --mtp-num-layers",
+            say="{a} does not work yet with {b}: {reason}; {fix}"),
+    Refused("document attention mask", "flash attention backend", "FlashAttention-2's form for documents "
+            "(flash_attn_varlen_func with cu_seqlens) needs CUDA and the flash-attn package, so it cannot be run "
+            "here to test it", "use --attention-backend flex, sdpa or unfused",
+            say="{a} does not work with {b}: {reason}; {fix}"),
     # the live evaluation harness (megatron/evaluation/live.py)
     Refused("live evaluation harness", "model engine", "it runs on the pipeline engine's model",
             "Evaluate its saved checkpoints with tools/evaluate.py instead",

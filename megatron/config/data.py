@@ -94,7 +94,7 @@ class DataConfig:
     seed: int = 1234                                # sample-index shuffling seed
     eod_mask_loss: bool = False                     # no loss where the input token is end-of-document
     reset_position_ids: bool = False                # learned positions restart after each end-of-document
-    reset_attention_mask: bool = False              # Megatron's per-document attention mask: refused
+    reset_attention_mask: bool = False              # attention stays inside each document of a sample
     eod_token_id: Optional[int] = None              # the tokenizer's end-of-document id (resolve_vocab_size)
 
     @property
@@ -145,10 +145,6 @@ class DataConfig:
             raise ValueError(f"--num-workers {self.num_workers} and --valid-num-workers "
                              f"{self.valid_num_workers} must be >= 0")
         self._validate_tokenizer()
-        if self.reset_attention_mask:
-            raise ValueError("--reset-attention-mask is not supported: attention is causal over the whole sample "
-                             "(documents packed into one sample see the ones before them, as in BLOOM's run); "
-                             "drop the flag (--eod-mask-loss and --reset-position-ids are available)")
         return self
 
     def _validate_tokenizer(self) -> None:

@@ -515,6 +515,7 @@ class RunConfig:
                              "tokens on DeepSpeed's pipeline engine only; not implemented with ZeRO-2/3, Ulysses or "
                              "context parallelism (whose losses are split over the sequence ranks). Use --zero-stage 0 "
                              "or 1 without them, or drop one of the two flags")
+        check_combinations(self, "document attention mask")
         if self.data.reset_position_ids and self.model.position_embedding_type != "absolute":
             raise ValueError(f"--reset-position-ids changes the position ids, which only learned absolute positions "
                              f"read (as in Megatron-LM); --position-embedding-type "

@@ -197,11 +197,15 @@ class ModelEngine:
 
     def _loss(self, micro_batch) -> torch.Tensor:
         """The micro-batch loss (with Ulysses or CP this rank's part of it, megatron.engine.ulysses)."""
-        (input_ids, position_ids), (labels, loss_mask) = micro_batch
+        (input_ids, position_ids, *documents), (labels, loss_mask) = micro_batch
         device = self.engine.device
+        # --reset-attention-mask: the document ids [b, s] (Ulysses: the whole sample's; CP: this rank's tokens')
+        extra = {"document_ids": documents[0].to(device)} if documents else {}
         if self.state.seq_size == 1:
-            return self.engine(input_ids.to(device), position_ids.to(device), labels.to(device), loss_mask.to(device))
-        per_token = self.engine(input_ids.to(device), position_ids.to(device), labels.to(device))  # [b, s/sp]
+            return self.engine(input_ids.to(device), position_ids.to(device), labels.to(device), loss_mask.to(device),
+                               **extra)
+        per_token = self.engine(input_ids.to(device), position_ids.to(device), labels.to(device),
+                                **extra)  # [b, s/sp]
         return sequence_parallel_loss(per_token, loss_mask.to(device), self.state.seq_group)
 
     def _mean_over_data_parallel(self, total: torch.Tensor, count: int) -> torch.Tensor:

@@ -7,11 +7,16 @@ in the order ``megatron.model.layout.pipeline_items`` gives (the index checkpoin
     TiedLayerSpec("embed", EmbeddingPipe)        (input_ids, position_ids) -> hidden [s, b, h]
     pass_through                                 BLOOM's transpose (2): hidden unchanged
     LayerSpec(TransformerLayer) x num_layers     hidden -> hidden
-    pass_through                                 BLOOM's transpose back (L+3)
+    end_of_layers                                BLOOM's transpose back (L+3): hidden unchanged
     LayerSpec(FinalLayerNorm)                    hidden -> hidden
     TiedLayerSpec("embed", LMHeadPipe, forward_fn=lm_head_forward)
                                                  hidden -> vocab-parallel logits [s, b, vp]
     loss_fn = GPTLossFn                          (logits, (labels, loss_mask)) -> scalar
+
+With --reset-attention-mask the first stage reads (input_ids, position_ids, document_ids) and the activation
+between the embedding and slot L+3 is the tuple (hidden, document_ids): the document ids [b, s] (int64, no
+gradient; DeepSpeed's engine and the interleaved schedule send non-float tensors without one) travel with the
+hidden state to every stage's layers (``TransformerLayer.forward``); slot L+3 drops them.
 
 With --untie-embeddings-and-output-weights there is no tied module: the embedding is a plain
 ``LayerSpec(EmbeddingPipe)`` and the head ``LayerSpec(OutputLayer)`` with its own weight.
@@ -97,8 +102,9 @@ class EmbeddingPipe(EmbeddingLayer):
         self.register_load_state_dict_pre_hook(_from_file_keys)
 
     def forward(self, inputs):
-        input_ids, position_ids = inputs
-        return super().forward(input_ids, position_ids)  # [s, b, h]
+        input_ids, position_ids, *documents = inputs  # --reset-attention-mask: the document ids [b, s] too
+        hidden = super().forward(input_ids, position_ids)  # [s, b, h]
+        return (hidden, documents[0]) if documents else hidden
 
 
 class LMHeadPipe(EmbeddingLayer):
@@ -123,6 +129,12 @@ def lm_head_forward(embedding: EmbeddingLayer, hidden: torch.Tensor) -> torch.Te
 def pass_through(inputs):
     """A parameter-free slot of BLOOM's pipeline numbering (``megatron.model.layout.PASS_THROUGH``)."""
     return inputs
+
+
+def end_of_layers(inputs):
+    """The slot after the transformer layers (L+3, BLOOM's transpose back): the hidden state, without the document
+    ids that travel with it under --reset-attention-mask."""
+    return inputs[0] if isinstance(inputs, tuple) else inputs
 
 
 def pass_hidden(embedding: EmbeddingLayer, hidden: torch.Tensor) -> torch.Tensor:
@@ -222,7 +234,7 @@ def _spec(item: PipelineItem, config: ModelConfig, state: ParallelState, tracker
         return TiedLayerSpec("embed", LMHeadPipe, config,
                              forward_fn=lm_head_forward_with_hidden if mtp else lm_head_forward, **embed)
     if item.kind == PASS_THROUGH:
-        return pass_through
+        return end_of_layers if item.index == config.num_layers + 3 else pass_through
     raise AssertionError(f"no pipeline spec for layer kind {item.kind!r}")
 
 

@@ -24,6 +24,10 @@ Context parallelism (a CP group given at construction): each of cp ranks holds t
 of every sample (chunks i and 2cp-1-i of 2cp); rotary takes their global positions, and the core attention is
 ring attention (megatron.model.ring_attention), which passes the key / value blocks around the group.
 
+Packed documents (--reset-attention-mask): ``forward``'s ``document_ids`` [b, s] (this rank's load-balanced
+tokens' under CP; the whole sample's otherwise, Ulysses included) keep each query inside its document, in
+every kernel (``megatron.model.attention_core.document_causal_mask`` and its flex / ring forms).
+
 Shape letters: s sequence (sq queries, sk keys incl. cached ones), b micro-batch, h hidden,
 np heads per partition, ng query groups (key / value heads) per partition, hn head dim,
 hp = np * hn, v / vp vocabulary (per partition).
@@ -43,6 +47,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.attention_core import (
+    document_causal_mask,
     flash_core_attention,
     flex_core_attention,
     resolve_attention_backend,
@@ -214,16 +219,20 @@ class SelfAttention(nn.Module):
         """This rank's ALiBi slopes [np] (fp32), or None when ALiBi is not used."""
         return getattr(self, "_alibi_slopes", None)
 
-    def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache | BatchKVCache] = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache | BatchKVCache] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [sq, b, h] (already layer-normed) -> attention output [sq, b, h] (bias added);
         with sequence parallelism [sq/tp, b, h] -> [sq/tp, b, h].
 
         kv_cache: a ``KVCache`` (every row at the same position), or a ``BatchKVCache`` whose rows
-        are sequences of different lengths (each row's queries at its own positions, its own mask)."""
+        are sequences of different lengths (each row's queries at its own positions, its own mask).
+        document_ids: [b, s] the document of every token (--reset-attention-mask; the module docstring)."""
         np_, ng, hn = self.num_heads_per_partition, self.num_groups_per_partition, self.head_dim
         if (self._sequence_exchange is not None or self.cp_group is not None) and kv_cache is not None:
             raise ValueError("decoding with a KV cache runs without sequence or context parallelism (SP = CP = 1 "
                              "when serving)")
+        if document_ids is not None and kv_cache is not None:
+            raise ValueError("document masks (--reset-attention-mask) are for training; decode without them")
         mixed, _ = self.query_key_value(hidden)  # [sq, b, ng * (np/ng + 2) * hn]
         sq, b, _ = mixed.shape  # the whole sequence even where hidden is a sequence-parallel shard
         # Ulysses: this rank's tokens start at sp_rank * sq of the whole sequence
@@ -253,12 +262,14 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             key, value = kv_cache.append(key, value)  # 2 x [sk, b, ng, hn]
         if self._sequence_exchange is not None:
+            self._documents = document_ids  # the whole sample's, read by _ulysses_local_attention
             context = self._sequence_exchange(query, key, value, 1)  # [sq, b, np, hn]; batch is dim 1
             output, _ = self.dense(context.reshape(sq, b, np_ * hn))  # [sq, b, h]
             return output
         if self.cp_group is not None:
             context = ring_attention(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-                                     self.cp_group, 1.0 / math.sqrt(hn), self.alibi_slopes)  # [b, np, sq, hn]
+                                     self.cp_group, 1.0 / math.sqrt(hn), self.alibi_slopes,
+                                     document_ids)  # [b, np, sq, hn]
             output, _ = self.dense(context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn))  # [sq, b, h]
             return output
 
@@ -269,42 +280,58 @@ class SelfAttention(nn.Module):
         if self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
             # Recomputed in backward; the tracked checkpoint replays the attention dropout's TP-rank stream.
             context = tracked_checkpoint_func(self.rng_tracker)(
-                self._core_attention, query, key, value, positions, offset, False)  # [b, np, sq, hn]
+                self._core_attention, query, key, value, positions, offset, False, None, document_ids)  # [b, np, sq, hn]
         else:
-            context = self._core_attention(query, key, value, positions, offset, kv_cache is not None, row_lengths)
+            context = self._core_attention(query, key, value, positions, offset, kv_cache is not None, row_lengths,
+                                           document_ids)
         context = context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, hp]
         output, _ = self.dense(context)  # [sq, b, h]
         return output
 
     def _ulysses_local_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """The core attention on the whole sequence after the all-to-all: query [s, b, np/sp, hn], key / value
-        [s, b, ng/sp, hn] -> context [s, b, np/sp, hn]; causal over all s positions."""
+        [s, b, ng/sp, hn] -> context [s, b, np/sp, hn]; causal over all s positions (inside each document with the
+        document ids ``forward`` set)."""
         s = query.shape[0]
+        documents = getattr(self, "_documents", None)  # [b, s]
         positions = torch.arange(s, device=query.device)  # [s]
         query = query.permute(1, 2, 0, 3)  # [b, np/sp, s, hn]
         key = key.permute(1, 2, 0, 3)  # [b, ng/sp, s, hn]
         value = value.permute(1, 2, 0, 3)  # [b, ng/sp, s, hn]
         if self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
             context = tracked_checkpoint_func(self.rng_tracker)(
-                self._core_attention, query, key, value, positions, 0, False)  # [b, np/sp, s, hn]
+                self._core_attention, query, key, value, positions, 0, False, None, documents)  # [b, np/sp, s, hn]
         else:
-            context = self._core_attention(query, key, value, positions, 0, False)  # [b, np/sp, s, hn]
+            context = self._core_attention(query, key, value, positions, 0, False, None, documents)  # [b, np/sp, s, hn]
         return context.permute(2, 0, 1, 3).contiguous()  # [s, b, np/sp, hn]
 
     def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                        offset: int, decoding: bool, row_lengths: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+                        offset: int, decoding: bool, row_lengths: Optional[tuple[int, ...]] = None,
+                        documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         """softmax(Q K^T / sqrt(hn) + bias, causal) V by --attention-backend's kernel (attention_core.py).
 
         query [b, np, sq, hn], key / value [b, ng, sk, hn] -> context [b, np, sq, hn]. ``row_lengths``: the
         cached lengths of rows at different positions (``positions`` [b, sq] then starts at them).
+        ``documents``: [b, s] document ids (sq = sk = s): each query sees its own document only.
         """
         dropout_p = self.config.attention_dropout if self.training else 0.0
         scale = 1.0 / math.sqrt(self.head_dim)
         backend = resolve_attention_backend(self.config.attention_backend, query, alibi=self.alibi_slopes is not None,
-                                            dropout_p=dropout_p, decoding=decoding)
+                                            dropout_p=dropout_p, decoding=decoding, documents=documents is not None)
         if backend == "flex":
             slopes = self._alibi_slope_values if self.alibi_slopes is not None else None
-            return flex_core_attention(query, key, value, slopes, scale)
+            if documents is None:
+                return flex_core_attention(query, key, value, slopes, scale)
+            return flex_core_attention(query, key, value, slopes, scale, document_ids=documents)
+        if documents is not None:  # a dense [b, 1, s, s] mask (ALiBi: [b, np, s, s] bias), no is_causal
+            with self._dropout_rng(dropout_p):
+                if backend == "unfused":
+                    mask = document_causal_mask(documents, self.alibi_slopes, torch.float32)
+                    return unfused_core_attention(query, key, value, mask, dropout_p, scale)  # [b, np, sq, hn]
+                mask = document_causal_mask(documents, self.alibi_slopes, query.dtype)
+                gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+                return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
+                                                      scale=scale, **gqa)  # [b, np, sq, hn]
         if backend == "decode":  # no dropout while decoding
             mask = self._attention_mask(positions, offset, key.shape[2], query.dtype, row_lengths)
             return unfused_core_attention(query, key, value, mask, 0.0, scale)  # [b, np, 1, hn]

@@ -26,6 +26,20 @@ docs/performance.md); on CUDA flash where the package is importable and the dtyp
 (SDPA's bias rules out its flash kernels), else sdpa (is_causal reaches the flash kernels). Incremental
 decoding with a KV cache is decode for one fp32 token per row on CPU, else sdpa.
 
+Document masks (Megatron's --reset-attention-mask): ``document_ids`` [b, s], the document of every token of a
+packed sample; a query sees the keys before it in its own document only. What each kernel pays for it:
+
+    sdpa     a dense boolean mask [b, 1, s, s] (with ALiBi an additive bias [b, np, s, s]) built per layer call
+             and kept for the backward: O(b s^2) memory (O(b np s^2) with ALiBi). Torch's CPU SDPA has no
+             varlen / segment form, so a mask it must be; its fused kernels still run (no is_causal then).
+    unfused  the same mask, applied to the [b, np, s, s] scores it holds anyway: nothing of a new order.
+    flex     a document mask_mod in a block mask ([b, 1, s/128, s/128] block indices, no [s, s] tensor kept;
+             create_block_mask evaluates the mask_mod over the [b, s, s] grid once per call while building it);
+             the CPU backward's blocks build [b, 1, c, s] masks (c = FLEX_CPU_BACKWARD_BLOCK).
+    flash    refused with document masks (flash_attn_varlen_func with cu_seqlens is the kernel for it; this
+             package cannot be run here to test it); auto does not pick it then.
+    ring     (context parallelism, ring_attention.py) masks its [c, c] blocks from the gathered document ids.
+
 Shape letters: s sequence (sq queries, sk keys), b micro-batch, np heads per partition, ng key / value heads
 per partition, hn head dim (queries and keys), dv the value head dim (hn; multi-head latent attention's
 v-head-dim differs: sdpa, flex and unfused take it).
@@ -43,7 +57,7 @@ import torch.nn.functional as F
 from megatron.model.positional import alibi_bias
 
 __all__ = ["FLEX_CPU_BACKWARD_BLOCK", "UNFUSED_AUTO_MAX_SCORES", "flash_attn_available", "resolve_attention_backend",
-           "flex_core_attention", "flash_core_attention", "unfused_core_attention"]
+           "document_causal_mask", "flex_core_attention", "flash_core_attention", "unfused_core_attention"]
 
 FLEX_CPU_BACKWARD_BLOCK = 256  # queries per recomputed block in flex's CPU backward
 UNFUSED_AUTO_MAX_SCORES = 1024 * 1024  # auto's unfused path on CPU: sq x sk at most this (s <= 1024)
@@ -54,21 +68,25 @@ def flash_attn_available() -> bool:
 
 
 def resolve_attention_backend(requested: str, query: torch.Tensor, *, alibi: bool, dropout_p: float,
-                              decoding: bool) -> str:
+                              decoding: bool, documents: bool = False) -> str:
     """The kernel for one attention call: ``requested`` unless it is auto; ValueError where it cannot run.
-    (flex with attention dropout is refused by ModelConfig.validate.)"""
+    (flex with attention dropout is refused by ModelConfig.validate.) ``documents``: a document mask applies."""
+    if documents and requested == "flash":
+        raise ValueError("--attention-backend flash has no document mask here (--reset-attention-mask): "
+                         "flash_attn_varlen_func would take the documents as cu_seqlens, but it cannot be run "
+                         "here to test it; use sdpa, flex or unfused")
     if decoding:  # cached keys before the queries: an explicit mask handles any offset
         one_fp32_token_on_cpu = query.shape[2] == 1 and query.dtype == torch.float32 and query.device.type == "cpu"
         return "decode" if one_fp32_token_on_cpu else "sdpa"
     cuda = query.device.type == "cuda"
     half = query.dtype in (torch.bfloat16, torch.float16)
     if requested == "auto":
-        if cuda and half and flash_attn_available():
+        if cuda and half and flash_attn_available() and not documents:
             return "flash"
         if not cuda:
             compiling = torch.compiler.is_compiling()
             return "unfused" if compiling and query.shape[2] ** 2 <= UNFUSED_AUTO_MAX_SCORES else "sdpa"
-        return "flex" if alibi and dropout_p == 0.0 else "sdpa"
+        return "flex" if (alibi or documents) and dropout_p == 0.0 else "sdpa"
     if requested == "flash" and not (cuda and half and flash_attn_available()):
         raise ValueError(f"--attention-backend flash needs the flash-attn package, a CUDA device and bf16 / fp16 "
                          f"(here: flash-attn {'importable' if flash_attn_available() else 'not installed'}, "
@@ -107,9 +125,43 @@ def _alibi_score_mod(slopes: tuple[float, ...], device: torch.device):
     return alibi
 
 
-def _flex_forward(query, key, value, slopes, scale):
+def document_causal_mask(document_ids: torch.Tensor, slopes: Optional[torch.Tensor], dtype: torch.dtype,
+                         rows: slice = slice(None)) -> torch.Tensor:
+    """The mask of packed documents: query i sees key j <= i of its own document.
+
+    document_ids [b, s] -> a boolean mask [b, 1, sq, s] (True = attend) for the queries ``rows`` (sq of them;
+    all by default); with ALiBi ``slopes`` (fp32 [np]) the additive bias [b, np, sq, s] in ``dtype``
+    (slope * (j - i) where visible, -inf elsewhere).
+    """
+    s = document_ids.shape[1]
+    key_positions = torch.arange(s, device=document_ids.device)  # [s]
+    query_positions = key_positions[rows]  # [sq]
+    same = document_ids[:, rows, None] == document_ids[:, None, :]  # [b, sq, s]
+    visible = same & (key_positions[None, :] <= query_positions[:, None])  # [b, sq, s]
+    if slopes is None:
+        return visible[:, None]  # [b, 1, sq, s]
+    bias = alibi_bias(slopes.to(document_ids.device), query_positions, key_positions)[None]  # [1, np, sq, s] fp32
+    return bias.masked_fill(~visible[:, None], float("-inf")).to(dtype)  # [b, np, sq, s]
+
+
+def _document_block_mask(document_ids: torch.Tensor):
+    """flex's block mask of ``document_causal_mask`` (document_ids [b, s])."""
+    from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415 (flex attention: only when that backend runs)
+
+    def document_causal(batch, head, query_index, key_index):
+        same = document_ids[batch, query_index] == document_ids[batch, key_index]
+        return (query_index >= key_index) & same
+
+    b, s = document_ids.shape
+    return create_block_mask(document_causal, b, None, s, s, device=document_ids.device)
+
+
+def _flex_forward(query, key, value, slopes, scale, document_ids=None):
     score_mod = _alibi_score_mod(slopes, query.device) if slopes is not None else None
-    block_mask = _causal_block_mask(query.shape[2], key.shape[2], query.device)
+    if document_ids is None:
+        block_mask = _causal_block_mask(query.shape[2], key.shape[2], query.device)
+    else:
+        block_mask = _document_block_mask(document_ids)
     return _compiled_flex_attention()(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
                                       enable_gqa=query.shape[1] != key.shape[1])  # [b, np, sq, hn]
 
@@ -119,10 +171,10 @@ class _FlexWithBlockwiseBackward(torch.autograd.Function):
     own query row only, so the blocks' gradients are the full gradient, up to summation order in dK, dV)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, slopes, scale):
+    def forward(ctx, query, key, value, slopes, scale, document_ids):
         ctx.save_for_backward(query, key, value)
-        ctx.slopes, ctx.scale = slopes, scale
-        return _flex_forward(query.detach(), key.detach(), value.detach(), slopes, scale)
+        ctx.slopes, ctx.scale, ctx.document_ids = slopes, scale, document_ids
+        return _flex_forward(query.detach(), key.detach(), value.detach(), slopes, scale, document_ids)
 
     @staticmethod
     def backward(ctx, grad_context):
@@ -138,7 +190,9 @@ class _FlexWithBlockwiseBackward(torch.autograd.Function):
                 stop = min(start + FLEX_CPU_BACKWARD_BLOCK, sq)
                 query_block = query[:, :, start:stop].detach().requires_grad_()  # [b, np, c, hn]
                 query_positions = torch.arange(start, stop, device=query.device)  # [c]
-                if slopes is None:
+                if ctx.document_ids is not None:  # [b, 1, c, sk] boolean, or with ALiBi [b, np, c, sk] fp32
+                    mask = document_causal_mask(ctx.document_ids, slopes, torch.float32, slice(start, stop))
+                elif slopes is None:
                     mask = key_positions[None, :] <= query_positions[:, None]  # [c, sk]
                 else:
                     mask = alibi_bias(slopes, query_positions, key_positions)[None]  # [1, np, c, sk] fp32
@@ -147,26 +201,28 @@ class _FlexWithBlockwiseBackward(torch.autograd.Function):
                     scale=ctx.scale, enable_gqa=query.shape[1] != key.shape[1])  # [b, np, c, hn]
                 context.backward(grad_context[:, :, start:stop])
                 grad_query.append(query_block.grad)
-        return torch.cat(grad_query, dim=2), key_.grad, value_.grad, None, None
+        return torch.cat(grad_query, dim=2), key_.grad, value_.grad, None, None, None
 
 
 @torch.compiler.disable  # the blockwise backward calls autograd itself; dynamo runs it as it is
-def _flex_cpu_training(query, key, value, slopes, scale):
-    return _FlexWithBlockwiseBackward.apply(query, key, value, slopes, scale)
+def _flex_cpu_training(query, key, value, slopes, scale, document_ids=None):
+    return _FlexWithBlockwiseBackward.apply(query, key, value, slopes, scale, document_ids)
 
 
 def flex_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        slopes: Optional[tuple[float, ...]], scale: float) -> torch.Tensor:
-    """Causal attention, ALiBi when ``slopes`` (this rank's, one per query head) are given.
+                        slopes: Optional[tuple[float, ...]], scale: float,
+                        document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention, ALiBi when ``slopes`` (this rank's, one per query head) are given; inside each
+    document when ``document_ids`` [b, s] are given.
 
     query [b, np, sq, hn], key / value [b, ng, sk, hn] with sq = sk (no cache) -> context [b, np, sq, hn].
     """
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if needs_grad and query.device.type == "cpu":
-        return _flex_cpu_training(query, key, value, slopes, scale)
+        return _flex_cpu_training(query, key, value, slopes, scale, document_ids)
     if not needs_grad:  # torch's CPU check looks at requires_grad, even under no_grad
         query, key, value = query.detach(), key.detach(), value.detach()
-    return _flex_forward(query, key, value, slopes, scale)
+    return _flex_forward(query, key, value, slopes, scale, document_ids)
 
 
 def flash_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -110,10 +110,12 @@ class GPTModel(nn.Module):
             raise ValueError(f"--checkpoint-num-layers must be >= 1, got {num_layers}")
         self._recompute = (checkpoint_fn, num_layers)
 
-    def _run_layers(self, hidden: torch.Tensor, kv_caches) -> torch.Tensor:
+    def _run_layers(self, hidden: torch.Tensor, kv_caches, document_ids: Optional[torch.Tensor] = None
+                    ) -> torch.Tensor:
+        extra = () if document_ids is None else (document_ids,)  # the layers' call as before without documents
         if self._recompute is None or not self.training or kv_caches is not None:
             for i, layer in enumerate(self.layers):
-                hidden = layer(hidden, None if kv_caches is None else kv_caches[i])  # [s, b, h]
+                hidden = layer(hidden, None if kv_caches is None else kv_caches[i], *extra)  # [s, b, h]
             return hidden
         checkpoint_fn, size = self._recompute
         for start in range(0, len(self.layers), size):
@@ -121,7 +123,7 @@ class GPTModel(nn.Module):
 
             def run(x, chunk=chunk):
                 for layer in chunk:
-                    x = layer(x)
+                    x = layer(x, None, *extra)
                 return x
 
             hidden = checkpoint_fn(run, hidden)  # [s, b, h]
@@ -133,7 +135,8 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
-                kv_caches: Optional[Sequence[KVCache]] = None) -> torch.Tensor:
+                kv_caches: Optional[Sequence[KVCache]] = None, document_ids: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
         """input_ids [b, s] -> logits [s, b, vp] (vocab-parallel) when ``labels`` is None;
         with labels [b, s]: the per-token loss [b, s], or with loss_mask [b, s] too, gpt_loss (scalar).
 
@@ -141,6 +144,9 @@ class GPTModel(nn.Module):
         positions of the new tokens then continue after the cached ones (position_ids, if None,
         too). ``BatchKVCache`` s (one per layer) decode rows of different lengths together, each
         continuing after its own cached positions.
+
+        document_ids: [b, s] the document of every token of packed samples (Megatron's --reset-attention-mask,
+        ``megatron.training.batches.document_ids``): attention stays inside each document.
         """
         if kv_caches is not None and self.embedding.sequence_parallel:
             raise ValueError("decoding with KV caches needs a model built without sequence parallelism (it splits "
@@ -154,7 +160,7 @@ class GPTModel(nn.Module):
             start = kv_caches[0].length
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None, :]
         hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
-        hidden = self._run_layers(hidden, kv_caches)  # [s, b, h]
+        hidden = self._run_layers(hidden, kv_caches, document_ids)  # [s, b, h]
         hidden = self.final_layernorm(hidden)  # [s, b, h]
         logits = self._head(hidden)  # [s, b, vp]
         if labels is None:

@@ -51,7 +51,12 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.attention import KVCache
-from megatron.model.attention_core import flex_core_attention, resolve_attention_backend, unfused_core_attention
+from megatron.model.attention_core import (
+    document_causal_mask,
+    flex_core_attention,
+    resolve_attention_backend,
+    unfused_core_attention,
+)
 from megatron.model.initialization import normal_init, output_layer_std
 from megatron.model.kv_cache import BatchKVCache
 from megatron.model.norm import Norm
@@ -199,10 +204,12 @@ class MultiLatentAttention(nn.Module):
         key = torch.cat((k_nope, k_rope.expand(sq, b, np_, dr)), dim=-1)  # [sq, b, np, dn + dr]
         return query, key, value
 
-    def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [sq, b, h] (already normed) -> attention output [sq, b, h]; with sequence parallelism
         [sq/tp, b, h] -> [sq/tp, b, h]. ``kv_cache``: a ``KVCache`` holding this layer's expanded keys
-        [sk, b, np, dn + dr] and values [sk, b, np, dv].
+        [sk, b, np, dn + dr] and values [sk, b, np, dv]. ``document_ids``: [b, s] the document of every token
+        (--reset-attention-mask; as ``SelfAttention``'s: this rank's load-balanced tokens' under CP).
 
         --recompute-modules mla_up_proj: the query, key and value (``_query_key_value``'s outputs) are freed once
         the attention core (or the ring, or Ulysses' exchange) has taken them, and rebuilt from the latents in
@@ -213,6 +220,8 @@ class MultiLatentAttention(nn.Module):
         if (self.cp_group is not None or self._sequence_exchange is not None) and kv_cache is not None:
             raise ValueError("decoding with a KV cache runs without sequence or context parallelism (SP = CP = 1 "
                              "when serving)")
+        if document_ids is not None and kv_cache is not None:
+            raise ValueError("document masks (--reset-attention-mask) are for training; decode without them")
         mla = self.mla
         q_input = self._query_input(hidden)
         # [sq, b, dc], [sq, b, dr] (SP: this rank's sq/tp tokens)
@@ -224,13 +233,13 @@ class MultiLatentAttention(nn.Module):
         if "mla_up_proj" in self.config.recompute_modules and kv_cache is None and recompute_enabled(self):
             part = OutputDiscardingCheckpoint()
             query, key, value = part(lambda *x: self._query_key_value(*x, offset), q_input, latent, k_rope)
-            output = self._attend(query, key, value, offset, kv_cache)
+            output = self._attend(query, key, value, offset, kv_cache, document_ids)
             part.discard(output)
             return output
-        return self._attend(*self._query_key_value(q_input, latent, k_rope, offset), offset, kv_cache)
+        return self._attend(*self._query_key_value(q_input, latent, k_rope, offset), offset, kv_cache, document_ids)
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: int,
-                kv_cache: Optional[KVCache]) -> torch.Tensor:
+                kv_cache: Optional[KVCache], document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """query, key [sq, b, np, dn + dr], value [sq, b, np, dv] -> the attention's output [sq, b, h] (SP:
         [sq/tp, b, h]), through the KV cache, Ulysses' exchange, the ring, or the core attention."""
         sq, b, np_, dv = value.shape
@@ -238,16 +247,20 @@ class MultiLatentAttention(nn.Module):
             key, value = kv_cache.append(key, value)  # [sk, b, np, dn + dr], [sk, b, np, dv]
 
         if self._sequence_exchange is not None:  # all-to-all: the whole sequence for np/sp heads, and back
+            self._documents = document_ids  # the whole sample's, read by _ulysses_local_attention
             context = self._sequence_exchange(query, key, value, 1)  # [sq, b, np, dv]; batch is dim 1
             output, _ = self.dense(context.reshape(sq, b, np_ * dv))  # [sq, b, h]
             return output
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, d]
         if self.cp_group is not None:
-            context = ring_attention(query, key, value, self.cp_group, self._scale)  # [b, np, sq, dv]
+            context = ring_attention(query, key, value, self.cp_group, self._scale,
+                                     doc_ids=document_ids)  # [b, np, sq, dv]
         elif self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
-            context = tracked_checkpoint_func(self.rng_tracker)(self._core_attention, query, key, value, offset, False)
+            context = tracked_checkpoint_func(self.rng_tracker)(self._core_attention, query, key, value, offset, False,
+                                                                document_ids)
         else:
-            context = self._core_attention(query, key, value, offset, kv_cache is not None)  # [b, np, sq, dv]
+            context = self._core_attention(query, key, value, offset, kv_cache is not None,
+                                           document_ids)  # [b, np, sq, dv]
         output, _ = self.dense(context.permute(2, 0, 1, 3).reshape(sq, b, np_ * dv))  # [sq, b, h] (SP: [sq/tp, ..])
         return output
 
@@ -255,10 +268,12 @@ class MultiLatentAttention(nn.Module):
         """The core attention on the whole sequence after Ulysses' all-to-all: query / key [s, b, np/sp, dn + dr],
         value [s, b, np/sp, dv] -> context [s, b, np/sp, dv]; causal over all s positions."""
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np/sp, s, d]
+        documents = getattr(self, "_documents", None)  # [b, s], set by _attend
         if self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
-            context = tracked_checkpoint_func(self.rng_tracker)(self._core_attention, query, key, value, 0, False)
+            context = tracked_checkpoint_func(self.rng_tracker)(self._core_attention, query, key, value, 0, False,
+                                                                documents)
         else:
-            context = self._core_attention(query, key, value, 0, False)  # [b, np/sp, s, dv]
+            context = self._core_attention(query, key, value, 0, False, documents)  # [b, np/sp, s, dv]
         return context.permute(2, 0, 1, 3).contiguous()  # [s, b, np/sp, dv]
 
     @property
@@ -270,18 +285,23 @@ class MultiLatentAttention(nn.Module):
         return scale
 
     def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: int,
-                        decoding: bool) -> torch.Tensor:
+                        decoding: bool, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         """softmax(Q K^T / sqrt(dn + dr), causal) V by --attention-backend's kernel (attention_core.py): query
         [b, np, sq, dn + dr], key [b, np, sk, dn + dr], value [b, np, sk, dv] -> [b, np, sq, dv]; queries at
-        offset .. offset + sq - 1 (``decoding``: after the keys a KV cache holds)."""
+        offset .. offset + sq - 1 (``decoding``: after the keys a KV cache holds); ``documents`` [b, s]: each
+        query inside its own document (a [b, 1, s, s] boolean mask for sdpa and unfused)."""
         sq, sk = query.shape[2], key.shape[2]
         dropout_p = self.config.attention_dropout if self.training else 0.0
         backend = resolve_attention_backend(self.config.attention_backend, query, alibi=False, dropout_p=dropout_p,
-                                            decoding=decoding)
+                                            decoding=decoding, documents=documents is not None)
         if backend == "flex":
-            return flex_core_attention(query, key, value, None, self._scale)
+            if documents is None:
+                return flex_core_attention(query, key, value, None, self._scale)
+            return flex_core_attention(query, key, value, None, self._scale, document_ids=documents)
         mask = None  # is_causal (sq == sk), or one new token seeing every cached key
-        if sq != sk and sq > 1:
+        if documents is not None:
+            mask = document_causal_mask(documents, None, query.dtype)  # [b, 1, s, s]
+        elif sq != sk and sq > 1:
             positions = torch.arange(offset, offset + sq, device=query.device)  # [sq]
             mask = torch.arange(sk, device=query.device)[None, :] <= positions[:, None]  # [sq, sk], True = attend
         if backend == "decode":  # no dropout while decoding

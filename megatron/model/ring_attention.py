@@ -43,8 +43,11 @@ class _Block:
         self.scale, self.slopes, self.groups = scale, slopes, groups
 
     def scores(self, query, key, q_pos, k_pos, q_doc, k_doc) -> Optional[torch.Tensor]:
-        """fp32 scores [b, np, sq, sk] with -inf where masked, or None when every key lies after every query."""
+        """fp32 scores [b, np, sq, sk] with -inf where masked, or None when every key lies after every query, or
+        (document ids, which ascend with the positions) every key's document ends before every query's begins."""
         if k_pos[0] > q_pos[-1]:  # positions ascend within a half
+            return None
+        if q_doc is not None and bool((k_doc[:, -1] < q_doc[:, 0]).all()):  # no shared document in any row
             return None
         key = key.float().repeat_interleave(self.groups, dim=1)  # [b, np, sk, hn]
         scores = torch.matmul(query.float(), key.transpose(-1, -2)) * self.scale  # [b, np, sq, sk]

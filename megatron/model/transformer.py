@@ -161,17 +161,28 @@ class TransformerLayer(nn.Module):
             return sequence_parallel_dropout(x, self.hidden_dropout, self.training, self.rng_tracker)
         return F.dropout(x, p=self.hidden_dropout, training=self.training)
 
-    def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, kv_cache: Optional[KVCache] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [s, b, h] -> [s, b, h] (sequence parallel: [s/tp, b, h] -> [s/tp, b, h]).
-        ``kv_cache``: this layer's cache when decoding incrementally (not with sequence parallelism)."""
+        ``kv_cache``: this layer's cache when decoding incrementally (not with sequence parallelism).
+        ``document_ids``: [b, s] the document of every token (--reset-attention-mask), for the attention.
+
+        As a pipeline layer (``megatron.engine.pipeline``) with document masks, ``hidden`` is the stage activation
+        (hidden, document_ids) and the output (output, document_ids): the ids travel between stages with it."""
+        if isinstance(hidden, tuple):  # the pipeline's (hidden, document_ids)
+            hidden, document_ids = hidden
+            return self.forward(hidden, kv_cache, document_ids), document_ids
         if self.recompute_modules and recompute_enabled(self):
-            return self._recomputing_forward(hidden)
-        attention = self.self_attention(self.input_layernorm(hidden), kv_cache)  # [s, b, h]
+            return self._recomputing_forward(hidden, document_ids)
+        if document_ids is None:
+            attention = self.self_attention(self.input_layernorm(hidden), kv_cache)  # [s, b, h]
+        else:
+            attention = self.self_attention(self.input_layernorm(hidden), kv_cache, document_ids)  # [s, b, h]
         hidden = hidden + self._dropout(attention)
         mlp = self.mlp(self.post_attention_layernorm(hidden))  # [s, b, h]
         return hidden + self._dropout(mlp)
 
-    def _recomputing_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _recomputing_forward(self, hidden: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The training forward with --recompute-modules: layernorm (both norms' outputs freed once their consumer
         ran, rebuilt in backward: megatron.parallel.recompute), mlp (a dense MLP kept as its input only, through
         the RNG-tracked checkpoint); moe, moe_act, shared_experts and mla_up_proj are the MoE layer's and the
@@ -181,7 +192,9 @@ class TransformerLayer(nn.Module):
         norms = "layernorm" in self.recompute_modules
         first = OutputDiscardingCheckpoint() if norms else None
         normed = first(self.input_layernorm, hidden) if norms else self.input_layernorm(hidden)
-        hidden = hidden + self._dropout(self.self_attention(normed))  # [s, b, h]
+        attention = self.self_attention(normed) if document_ids is None else self.self_attention(normed, None,
+                                                                                                 document_ids)
+        hidden = hidden + self._dropout(attention)  # [s, b, h]
         second = OutputDiscardingCheckpoint() if norms else None
         normed = second(self.post_attention_layernorm, hidden) if norms else self.post_attention_layernorm(hidden)
         if "mlp" in self.recompute_modules and isinstance(self.mlp, ParallelMLP):

@@ -81,6 +81,7 @@ def micro_batch_iterator(dataset, rc: RunConfig, *, consumed_samples: int, dp_ra
                                            num_workers=num_workers, worker_init_fn=data_loader_worker_init)
     d = rc.data
     iterator = MicroBatchIterator(loader, sp_rank, sp_size, eod=d.eod_token_id, eod_mask_loss=d.eod_mask_loss,
-                                  reset_position_ids=d.reset_position_ids, cp_rank=cp_rank, cp_size=cp_size)
+                                  reset_position_ids=d.reset_position_ids, cp_rank=cp_rank, cp_size=cp_size,
+                                  reset_attention_mask=d.reset_attention_mask)
     _open_iterators.add(iterator)
     return iterator

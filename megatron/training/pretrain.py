@@ -281,10 +281,19 @@ def _live_harness(rc: RunConfig, engine, state: ParallelState):
         return None
     from megatron.evaluation.live import LiveHarness  # noqa: PLC0415 (lm_eval, seconds to import: only when asked for)
 
+    # --reset-attention-mask: the harness's batches carry document ids too (one document a row), so that the
+    # pipeline stages exchange the (hidden, ids) activations whose shapes DeepSpeed's engine recorded in training
+    make_batch = _one_document_a_row if rc.data.reset_attention_mask else gpt_micro_batch
     return LiveHarness(engine, build_tokenizer(rc.data.tokenizer), rc.model, tasks=t.eval_harness_tasks,
                        include_path=t.eval_harness_include_path, limit=t.eval_harness_limit,
-                       micro_batch_size=rc.batch.micro_batch_size, tp_group=state.tp_group, make_batch=gpt_micro_batch,
+                       micro_batch_size=rc.batch.micro_batch_size, tp_group=state.tp_group, make_batch=make_batch,
                        seed=t.seed)
+
+
+def _one_document_a_row(tokens: torch.Tensor):
+    """``gpt_micro_batch(tokens)`` with document ids 0 for every token: each row of the harness is one request."""
+    (input_ids, position_ids), labels = gpt_micro_batch(tokens)
+    return (input_ids, position_ids, torch.zeros_like(input_ids)), labels
 
 
 def _sharding_summary(rc: RunConfig) -> str:

@@ -423,7 +423,10 @@ class InterleavedPipelineEngine(PipelineEngine):
         grads = [torch.empty_like(t) for t in outputs if t.is_floating_point()]
         receiver = self._virtual_stage(chunk)
         self._recvs[(_GRADIENT, buffer_id)] = self._irecv(grads, receiver + 1, receiver, _GRADIENT)
-        self.pipe_buffers["grads"][buffer_id] = grads[0] if len(grads) == 1 else grads
+        # DeepSpeed's backward pairs a tuple of outputs (e.g. (hidden, document_ids)) with a list of gradients of
+        # its floating-point members, one output with one tensor
+        single = not isinstance(self.pipe_buffers["outputs"][buffer_id], tuple)
+        self.pipe_buffers["grads"][buffer_id] = grads[0] if single else grads
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
