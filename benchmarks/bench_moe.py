@@ -54,11 +54,14 @@ class LoopExperts(nn.Module):
         super().__init__()
         self.w1, self.w2 = grouped.w1, grouped.w2  # [E, 2f, h] interleaved gate / up rows, [E, h, f]
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """rows [M, h], counts [E], the rows' routing weights [M] (applied in the activation, as GroupedExperts
+        does) -> [M, h]."""
         outputs, start = [], 0
         for e, n in enumerate(counts.tolist()):
             gate, up = (rows[start:start + n] @ self.w1[e].t()).unflatten(-1, (-1, 2)).unbind(-1)  # 2 x [n, f]
-            outputs.append((F.silu(gate) * up) @ self.w2[e].t())  # [n, h]
+            act = (F.silu(gate) * up).to(weight.dtype) * weight[start:start + n, None]  # [n, f]
+            outputs.append(act.to(rows.dtype) @ self.w2[e].t())  # [n, h]
             start += n
         return torch.cat(outputs)
 

@@ -75,12 +75,15 @@ def shared_alibi_bias(slopes: tuple[float, ...], offset: int, sq: int, sk: int, 
     One tensor for every layer and micro-batch of a stage (all layers of a TP rank share the slopes):
     SDPA keeps its mask for the backward pass, so a bias rebuilt per layer would be held once per
     layer and per micro-batch in flight (128 MiB per layer at s = 2048 with 16 heads in bf16). Nothing
-    writes to it. 4-D, because with a 3-D bias torch's CPU SDPA falls back to its unfused path.
+    writes to it. 4-D, because with a 3-D bias torch's CPU SDPA falls back to its unfused path. Built outside
+    inference mode even when first asked for inside it (generation, an evaluation), so that training can save it for
+    backward later in the same process.
     """
-    query_positions = torch.arange(offset, offset + sq, device=device)  # [sq]
-    key_positions = torch.arange(sk, device=device)  # [sk]
-    slopes_t = torch.tensor(slopes, dtype=torch.float32, device=device)  # [np]
-    return alibi_bias(slopes_t, query_positions, key_positions).to(dtype)[None]  # [1, np, sq, sk]
+    with torch.inference_mode(False):
+        query_positions = torch.arange(offset, offset + sq, device=device)  # [sq]
+        key_positions = torch.arange(sk, device=device)  # [sk]
+        slopes_t = torch.tensor(slopes, dtype=torch.float32, device=device)  # [np]
+        return alibi_bias(slopes_t, query_positions, key_positions).to(dtype)[None]  # [1, np, sq, sk]
 
 
 @torch.compiler.disable

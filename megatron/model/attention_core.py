@@ -110,14 +110,16 @@ def _causal(batch, head, query_index, key_index):
 def _causal_block_mask(sq: int, sk: int, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415 (flex attention: only when that backend runs)
 
-    return create_block_mask(_causal, None, None, sq, sk, device=device)
+    with torch.inference_mode(False):  # cached: usable by training after an inference-mode first use
+        return create_block_mask(_causal, None, None, sq, sk, device=device)
 
 
 @functools.lru_cache(maxsize=8)
 def _alibi_score_mod(slopes: tuple[float, ...], device: torch.device):
     """score + slope[head] * (key - query): one function per slope set, so every layer of a rank shares it
     (and torch.compile's cache entry)."""
-    slopes_t = torch.tensor(slopes, dtype=torch.float32, device=device)  # [np]
+    with torch.inference_mode(False):  # cached: usable by training after an inference-mode first use
+        slopes_t = torch.tensor(slopes, dtype=torch.float32, device=device)  # [np]
 
     def alibi(score, batch, head, query_index, key_index):
         return score + slopes_t[head] * (key_index - query_index)

@@ -155,7 +155,7 @@ def pipeline_item_names(model: ModelShape) -> list[str]:
     ``type:REGEX`` partition matches; tests/planner/test_planner.py checks them against the engine's."""
     head = "LMHeadPipe" if model.tied_embeddings else "OutputLayer"
     return (["pass_through", "EmbeddingPipe", "pass_through"] + ["TransformerLayer"] * model.num_layers
-            + ["pass_through", "FinalLayerNorm", head])
+            + ["end_of_layers", "FinalLayerNorm", head])
 
 
 def pipeline_item_params(model: ModelShape, tp: int = 1) -> list[int]:

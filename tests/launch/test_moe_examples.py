@@ -44,8 +44,9 @@ def test_mixtral_dry_run_plan(mixtral_files, tmp_path):
     assert (experts["experts_per_rank"], experts["expert_data_parallel_size"]) == (1, 4)
     # 16 MoE layers per stage, one expert each: 3 x 4096 x 14336 parameters per layer
     assert [s["expert_params_per_rank"] for s in experts["stages"]] == [16 * 3 * 4096 * 14336] * 2
-    # per stage and step: 32 micro-batches x 16 layers x (3 passes x 2 exchanges) x 4096 x 2 choices x 4096 x 2 B
-    handed = 32 * 16 * (6 * 4096 * 2 * 4096 * 2 + 2 * 8 * 8)
+    # per stage and step: 32 micro-batches x 16 layers x (3 passes x 2 exchanges) x 4096 x 2 choices x 4096 x 2 B,
+    # plus a routing weight per row (2 B): the two forwards' received and the backward's returned, and the counts
+    handed = 32 * 16 * (6 * 4096 * 2 * 4096 * 2 + 3 * 4096 * 2 * 2 + 2 * 8 * 8)
     assert [s["all_to_all_gib"] for s in experts["stages"]] == [round(handed / 2 ** 30, 4)] * 2
     # EP not dividing the experts is refused before anything starts, naming both
     _, bad = script_argv(SCRIPT, tmp_path, dict(mixtral_files, EP_SIZE="16"))

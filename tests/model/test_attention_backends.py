@@ -219,3 +219,19 @@ def test_mla_decoding_with_a_kv_cache_equals_its_full_forward():
     # One MLA layer: its depth (tests/model/test_latent_attention.py), summing over the hidden size (64) at most.
     diff = (torch.cat(steps) - full).abs().max().item()
     assert diff <= tolerance(torch.float32, 11, 64, full.abs().max().item()), diff
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_a_model_trains_after_generating_in_inference_mode(backend):
+    """The cached attention tensors (ALiBi's shared bias, flex's block mask and slopes) are built outside inference
+    mode even when a generation (torch.inference_mode) asks for them first: training in the same process, at the
+    same shapes, can save them for backward (with an inference tensor cached: "Inference tensors cannot be saved for
+    backward"). A sequence length no other test uses, so the caches start empty for it."""
+    model = GPTModel(tiny_config(seq_length=37, max_position_embeddings=37, position_embedding_type="alibi",
+                                 attention_backend=backend))
+    tokens = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(tokens)
+    loss = model(tokens, labels=tokens).sum()
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
