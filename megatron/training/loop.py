@@ -14,6 +14,7 @@ slowest ranks' forward time (megatron.training.straggler).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -213,9 +214,14 @@ class Trainer:
 
     # ---- evaluation -------------------------------------------------------------------------
     def evaluate(self, iterators: dict, test: bool = False) -> dict[str, float]:
+        with self._forward_untimed():
+            results = self._evaluate(iterators, test)
+        if not test:
+            self.last_validation = results
+        return results
+
+    def _evaluate(self, iterators: dict, test: bool) -> dict[str, float]:
         results = {}
-        if self.forward_timer is not None:
-            self.forward_timer.active = False
         self.engine.eval()
         for name, iterator in iterators.items():
             losses = [float(self.engine.eval_batch(iterator).item()) for _ in range(self.rc.training.eval_iters)]
@@ -224,20 +230,24 @@ class Trainer:
                                    consumed_samples=self.progress.consumed_samples,
                                    consumed_tokens=self.progress.consumed_tokens, test=test)
         self.engine.train()
-        if self.forward_timer is not None:
-            self.forward_timer.active = True
-        if not test:
-            self.last_validation = results
         return results
+
+    @contextlib.contextmanager
+    def _forward_untimed(self):
+        """--log-straggler: the forward calls inside (evaluations) are not timed."""
+        if self.forward_timer is not None:
+            self.forward_timer.active = False
+        try:
+            yield
+        finally:
+            if self.forward_timer is not None:
+                self.forward_timer.active = True
 
     def evaluate_harness(self) -> dict[str, float]:
         """--eval-harness-tasks on the live model (every rank), logged as lm-eval/TASK/METRIC at this iteration."""
         start = time.time()
-        if self.forward_timer is not None:
-            self.forward_timer.active = False
-        metrics = self.harness_fn()
-        if self.forward_timer is not None:
-            self.forward_timer.active = True
+        with self._forward_untimed():
+            metrics = self.harness_fn()
         self.logger.write_scalars({f"lm-eval/{name}": value for name, value in metrics.items()}, self.progress.iteration)
         self.logger.print_fn(f" lm-eval at iteration {self.progress.iteration} ({time.time() - start:.1f} s) | "
                              + " | ".join(f"{name}: {value:.6g}" for name, value in sorted(metrics.items())) + " |",
