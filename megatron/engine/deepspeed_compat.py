@@ -18,10 +18,12 @@ they differ (an upgrade then fails at the first workaround it reaches, not silen
                               and loader call torch.load(weights_only=       that loads weights-only; ``safe_loading``:
                               False): a crafted pickle would run             every torch.load weights-only while the
                                                                              converter and universal loaders run
-    muon_import               its ZeRO support check and optimizers         ``skip_unused_muon_import``: a stand-in
-                              import its Muon optimizer module (whose       module with a class no optimizer here is
-                              @torch.compile decorators import inductor:    (its Muon is never used: the JSON's
-                              2-3 s of CPU per rank, every launch)          optimizer section is refused)
+    muon_import               its ZeRO support check and optimizers         ``skip_unused_muon_import``: stand-in
+                              import its Muon optimizer module, its ZeRO    modules, a class no optimizer here is
+                              stages and BF16_Optimizer its Muon math       and math never called (its Muon is never
+                              (whose @torch.compile decorators import       used: the JSON's optimizer section is
+                              inductor: 1.6-3 s of CPU per rank, every      refused, no parameter is ``use_muon``)
+                              launch)
     shm_comm_build            builds its shared-memory comm op (~35 s of     ``avoid_cpu_jit_builds`` marks it
                               JIT C++) on the CPU accelerator, used by       incompatible: gloo carries every
                               inference all-reduce only                      collective
@@ -129,8 +131,9 @@ WORKAROUNDS = {
     "unsafe_torch_load": "the torch.load calls of DeepSpeed's checkpoint engine, ds_to_universal and universal loaders "
                          "(tests/checkpoint/test_safe_load.py, tests/training/test_corrupt_checkpoints.py)",
     "muon_import": "where DeepSpeed imports deepspeed.runtime.zero.muon.muon_optimizer (is_zero_supported_optimizer, "
-                   "BF16_Optimizer, the ZeRO stages: isinstance checks of MuonWithAuxAdam only) and whether anything "
-                   "else of that module is used",
+                   "BF16_Optimizer, the ZeRO stages: isinstance checks of MuonWithAuxAdam only) and "
+                   "deepspeed.runtime.zero.muon.original_muon (muon_update: only for use_muon parameters), and "
+                   "whether anything else of those modules is used",
     "shm_comm_build": "deepspeed.ops.__compatible_ops__ and the CPU accelerator's ShareMemCommBuilder (a fresh "
                       "machine's first launch must not spend ~35 s compiling)",
     "hpz_group": "deepspeed.utils.groups._ZERO_PARAM_INTRA_PARALLEL_GROUP and how zero_hpz_partition_size builds "
@@ -221,29 +224,37 @@ def avoid_cpu_jit_builds() -> None:
 
 
 _DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+_DEEPSPEED_MUON_MATH = "deepspeed.runtime.zero.muon.original_muon"
 
 
 def skip_unused_muon_import() -> None:
     """Before any engine is built: DeepSpeed's ZeRO support check and its optimizers import its Muon optimizer module
-    only to test ``isinstance(optimizer, MuonWithAuxAdam)``, and that import pulls in inductor (the module's
-    @torch.compile decorators): 2-3 s of CPU per rank at every launch. This engine never hands DeepSpeed its Muon
-    (the JSON's optimizer section is refused; ``--optimizer muon`` is ``megatron.engine.muon``), so a stand-in
-    module, whose class no optimizer is an instance of, answers those checks as the real one would. Nothing is done
-    where the module is already imported."""
+    only to test ``isinstance(optimizer, MuonWithAuxAdam)``, and ZeRO-1/2's gradient partitioning, ZeRO-3 and
+    BF16_Optimizer import its Muon math (``muon_update``) on every step, called only for parameters marked
+    ``use_muon`` under its Muon optimizer. Both imports pull in inductor (the math's @torch.compile decorators):
+    1.6-3 s of CPU per rank at every launch. This engine never hands DeepSpeed its Muon (the JSON's optimizer section
+    is refused; ``--optimizer muon`` is ``megatron.engine.muon``, which marks no parameter ``use_muon``), so stand-in
+    modules answer as the real ones would: a class no optimizer is an instance of, and math that says it is not
+    available if ever called. Nothing is done for a module already imported."""
     require("muon_import")
-    if _DEEPSPEED_MUON in sys.modules:
-        return
-    stand_in = types.ModuleType(_DEEPSPEED_MUON, "a stand-in: megatron.engine.deepspeed_compat.skip_unused_muon_import")
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("DeepSpeed's own Muon optimizer is not available in this engine: use --optimizer muon "
+                           "(megatron.engine.muon)")
 
     class MuonWithAuxAdam:
         """DeepSpeed's Muon optimizer, never used by this engine (no optimizer is an instance of this)."""
 
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError("DeepSpeed's own Muon optimizer is not available in this engine: use --optimizer muon "
-                               "(megatron.engine.muon)")
+        __init__ = unavailable
 
-    stand_in.MuonWithAuxAdam = MuonWithAuxAdam
-    sys.modules[_DEEPSPEED_MUON] = stand_in
+    doc = "a stand-in: megatron.engine.deepspeed_compat.skip_unused_muon_import"
+    for name, attributes in ((_DEEPSPEED_MUON, {"MuonWithAuxAdam": MuonWithAuxAdam}),
+                             (_DEEPSPEED_MUON_MATH, {"MuonWithAuxAdam": MuonWithAuxAdam, "muon_update": unavailable,
+                                                     "adam_update": unavailable})):
+        if name not in sys.modules:
+            stand_in = types.ModuleType(name, doc)
+            stand_in.__dict__.update(attributes)
+            sys.modules[name] = stand_in
 
 
 def mend_universal_optimizer(optimizer, own_groups: list[dict]) -> None:

@@ -66,7 +66,10 @@ from megatron.parallel.state import LayerGroups, group_rank, group_size
 __all__ = ["KVCache", "SelfAttention", "SequenceExchange"]
 
 
-@torch.compiler.disable  # under --torch-compile: a cached tensor, not something to trace
+# torch.compiler.disable in torch's lazy form (torch._disable_dynamo, which torch uses for the same reason): it
+# imports torch's compiler stack at the first call, not when this module is imported (~1.2 s of every process's
+# start, which runs without --torch-compile never use).
+@torch._disable_dynamo  # under --torch-compile: a cached tensor, not something to trace
 @functools.lru_cache(maxsize=8)
 def shared_alibi_bias(slopes: tuple[float, ...], offset: int, sq: int, sk: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
@@ -86,7 +89,7 @@ def shared_alibi_bias(slopes: tuple[float, ...], offset: int, sq: int, sk: int, 
         return alibi_bias(slopes_t, query_positions, key_positions).to(dtype)[None]  # [1, np, sq, sk]
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # (lazy: see shared_alibi_bias)
 @functools.lru_cache(maxsize=8)
 def rows_attention_mask(slopes: Optional[tuple[float, ...]], row_lengths: tuple[int, ...], sq: int, sk: int,
                         dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -206,7 +206,9 @@ class _FlexWithBlockwiseBackward(torch.autograd.Function):
         return torch.cat(grad_query, dim=2), key_.grad, value_.grad, None, None, None
 
 
-@torch.compiler.disable  # the blockwise backward calls autograd itself; dynamo runs it as it is
+# the blockwise backward calls autograd itself; dynamo runs it as it is (torch.compiler.disable in its lazy form,
+# which imports torch's compiler stack at the first call: attention.shared_alibi_bias says why)
+@torch._disable_dynamo
 def _flex_cpu_training(query, key, value, slopes, scale, document_ids=None):
     return _FlexWithBlockwiseBackward.apply(query, key, value, slopes, scale, document_ids)
 

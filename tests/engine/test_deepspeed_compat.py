@@ -141,3 +141,26 @@ def test_an_engine_without_the_moe_paths_is_refused_naming_what_to_recheck():
             deepspeed_compat.check_moe_engine(engine, name)
     finally:
         del groups._EXPERT_DATA_PARALLEL_GROUP[name]
+
+
+def test_deepspeeds_muon_modules_are_stand_ins_that_refuse_to_run(monkeypatch):
+    """What DeepSpeed's ZeRO stages and BF16_Optimizer import of its Muon (an isinstance check and ``muon_update``,
+    imported on every gradient partitioning step) resolves to the stand-ins, plain modules that import nothing (the
+    real modules' @torch.compile decorators do: 1.6-3 s per rank) and fail loudly if this engine ever called them."""
+    import sys
+
+    names = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon")
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    deepspeed_compat.skip_unused_muon_import()
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam  # noqa: PLC0415 (what DeepSpeed imports)
+    from deepspeed.runtime.zero.muon.original_muon import muon_update  # noqa: PLC0415 (what DeepSpeed imports)
+
+    assert all("stand-in" in sys.modules[name].__doc__ for name in names)
+    assert not isinstance(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))]), MuonWithAuxAdam)
+    for call in (lambda: muon_update(torch.ones(2, 2), torch.ones(2, 2), 0.9), MuonWithAuxAdam):
+        with pytest.raises(RuntimeError, match="use --optimizer muon"):
+            call()
+    before = {name: sys.modules[name] for name in names}
+    deepspeed_compat.skip_unused_muon_import()  # a second call keeps what is there
+    assert {name: sys.modules[name] for name in names} == before
