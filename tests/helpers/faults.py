@@ -26,6 +26,13 @@ A test of a kill during a checkpoint write holds the write instead of racing it:
                                           and waits for ever (for the kill); --async-save's writer thread is held
                                           so while the step loop goes on
 
+A test of in-job restart loses a rank at a chosen point instead of racing it:
+
+    kill_env(tmp_path, 1, 5)              rank 1 of a torchrun job kills itself (SIGKILL) once iteration 5's step
+                                          is done, in the first attempt (``attempts``); ``moment="save"``: once the
+                                          save of iteration 5 has returned (marker and ``latest`` written);
+                                          ``more``: further kills, e.g. one in the restarted attempt
+
 A test of --log-straggler slows one rank instead of racing the machine's load:
 
     slow_forward_env(tmp_path, 1, 0.1)    rank 1 of the subprocess sleeps 0.1 s in each forward call of its model
@@ -43,7 +50,7 @@ ENV = "MEGATRON_TEST_POISON_GRADIENTS"  # "3,4:nan": the iterations, then the va
 HOLD_ENV = "MEGATRON_TEST_HOLD_AFTER"  # "3:/folder": the iteration, then where to say "held"
 HOLD_WRITE_ENV = "MEGATRON_TEST_HOLD_WRITE"  # "global_step4:/folder": the tag, then where to say "writing"
 SLOW_ENV = "MEGATRON_TEST_SLOW_FORWARD"  # "1:0.1": the rank, then the seconds slept in each forward call
-KILL_ENV = "MEGATRON_TEST_KILL_AFTER"  # "1:5:0,1": the rank, the iteration, the torchrun attempts it dies in
+KILL_ENV = "MEGATRON_TEST_KILL_AFTER"  # "1:5:0,1:step;...": the rank, iteration, attempts it dies in, when
 
 
 def poison_gradients(iterations, value: float):
@@ -143,13 +150,27 @@ def held_env(folder, iteration: int) -> dict:
     return _installing_env(folder, {HOLD_ENV: f"{iteration}:{pathlib.Path(folder).resolve()}"})
 
 
-def kill_after(rank: int, iteration: int, attempts: set) -> None:
-    """Patch ``Trainer.train_step`` in this process: on ``rank``, in the torchrun attempts ``attempts``
-    (TORCHELASTIC_RESTART_COUNT; 0 the first), the process kills itself (SIGKILL: a lost rank, nothing cleaned up)
-    once ``iteration``'s step is done (``kill_env``)."""
+def kill_after(rank: int, iteration: int, attempts: set, moment: str = "step") -> None:
+    """On ``rank``, in the torchrun attempts ``attempts`` (TORCHELASTIC_RESTART_COUNT; 0 the first), the process
+    kills itself (SIGKILL: a lost rank, nothing cleaned up) once ``iteration``'s step is done (``moment`` "step":
+    ``Trainer.train_step`` patched), or once the synchronous save of ``iteration`` has returned (``moment`` "save":
+    ``training_io.save_checkpoint`` patched; every rank's files, the marker and ``latest`` are then written)
+    (``kill_env``)."""
+    import megatron.checkpoint.training_io as training_io
     from megatron.training.loop import Trainer
 
     if int(os.environ.get("RANK", "0")) != rank or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) not in attempts:
+        return
+    if moment == "save":
+        save_checkpoint = training_io.save_checkpoint
+
+        def killed_after_save(engine, save_dir, at, *args, **kwargs):
+            tag = save_checkpoint(engine, save_dir, at, *args, **kwargs)
+            if at == iteration:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return tag
+
+        training_io.save_checkpoint = killed_after_save
         return
     train_step = Trainer.train_step
 
@@ -162,10 +183,12 @@ def kill_after(rank: int, iteration: int, attempts: set) -> None:
     Trainer.train_step = killed
 
 
-def kill_env(folder, rank: int, iteration: int, attempts=(0,)) -> dict:
+def kill_env(folder, rank: int, iteration: int, attempts=(0,), moment: str = "step", more=()) -> dict:
     """``os.environ`` plus what makes ``rank`` of a subprocess (a torchrun job) started with it kill itself after
-    ``iteration``'s step in each of the torchrun ``attempts`` (``kill_after``)."""
-    return _installing_env(folder, {KILL_ENV: f"{rank}:{iteration}:{','.join(map(str, attempts))}"})
+    ``iteration``'s step (``moment`` "step") or save ("save") in each of the torchrun ``attempts``
+    (``kill_after``); ``more``: further kills, each (rank, iteration, attempts, moment)."""
+    kills = [(rank, iteration, attempts, moment), *more]
+    return _installing_env(folder, {KILL_ENV: ";".join(f"{r}:{i}:{','.join(map(str, a))}:{m}" for r, i, a, m in kills)})
 
 
 def held_write_env(folder, tag: str) -> dict:
@@ -197,7 +220,7 @@ def _installing_env(folder, variables: dict) -> dict:
 def install_from_env() -> None:
     """What ``MEGATRON_TEST_POISON_GRADIENTS`` ("3,4:nan"), ``MEGATRON_TEST_HOLD_AFTER`` ("3:/folder"),
     ``MEGATRON_TEST_HOLD_WRITE`` ("global_step4:/folder"), ``MEGATRON_TEST_SLOW_FORWARD`` ("1:0.1") and
-    ``MEGATRON_TEST_KILL_AFTER`` ("1:5:0") ask for
+    ``MEGATRON_TEST_KILL_AFTER`` ("1:5:0:step") ask for
     (the sitecustomize's call)."""
     if os.environ.get(ENV):
         iterations, value = os.environ[ENV].split(":")
@@ -212,5 +235,6 @@ def install_from_env() -> None:
         rank, seconds = os.environ[SLOW_ENV].split(":")
         slow_forward(int(rank), float(seconds))
     if os.environ.get(KILL_ENV):
-        rank, iteration, attempts = os.environ[KILL_ENV].split(":")
-        kill_after(int(rank), int(iteration), {int(a) for a in attempts.split(",")})
+        for kill in os.environ[KILL_ENV].split(";"):
+            rank, iteration, attempts, moment = kill.split(":")
+            kill_after(int(rank), int(iteration), {int(a) for a in attempts.split(",")}, moment)
