@@ -40,7 +40,7 @@ def _resume_copy(save_dir, tag, to) -> str:
     return str(to)
 
 
-def _one_process_runs(rank, world_size, argv, folder, killed):
+def _one_process_runs(rank, world_size, argv, folder, killed, copies):
     """Every one-process run of the module, in one launch (see each test for what it checks)."""
     import threading
 
@@ -128,6 +128,8 @@ def _one_process_runs(rank, world_size, argv, folder, killed):
         run("resumed", argv + ["--async-save", "--save", os.path.join(folder, "resumed"),
                                "--load", _resume_copy(async_dir, "global_step2", os.path.join(folder, "from2"))])
         run("after_kill", argv + ["--async-save", "--save", killed, "--load", killed])
+        for moment, copy in copies.items():
+            run(f"after_kill_{moment}", argv + ["--async-save", "--save", copy, "--load", copy])
         zero2 = os.path.join(folder, "zero2")  # the model engine (ZeRO-2): its DeepSpeedEngine's checkpoint engine
         run("zero2", argv + ["--zero-stage", "2", "--save", zero2, "--async-save"])
         run("zero2_resumed", argv + ["--zero-stage", "2", "--async-save", "--save", os.path.join(folder, "zero2b"),
@@ -160,40 +162,59 @@ def tiny_argv_with(argv, **flags) -> list:
     return argv
 
 
-def _kill_during_the_write(argv, folder) -> str:
-    """``pretrain_gpt.py argv --async-save``, its writer held half-way through global_step4's first file, then
-    killed with SIGKILL; the --save folder."""
-    save = os.path.join(folder, "killed")
-    env = dict(held_write_env(os.path.join(folder, "faults"), "global_step4"), DS_ACCELERATOR="cpu",
-               OMP_NUM_THREADS="1")
-    held = os.path.join(folder, "faults", "writing-rank0")
+# Moments of global_step4's background write at which the writer is held and the --save folder copied: a kill -9
+# there leaves exactly these files (SIGKILL ends the process; what it wrote is on the disk, nothing more is), so a
+# copy taken while the write is held at that moment is what the kill leaves, and one process serves every moment.
+# The last moment, half-way through global_step6's first file, is a real kill -9.
+COPIED_AT = ("before-write", "before-complete", "before-latest")
+
+
+def _kill_during_the_write(argv, folder) -> tuple[str, dict]:
+    """``pretrain_gpt.py argv --async-save``: its write of global_step4 held at each of ``COPIED_AT`` in turn (the
+    --save folder copied there, then released), its writer then held half-way through global_step6's first file
+    and the process killed with SIGKILL; (the --save folder, {moment: its copy})."""
+    save, faults = os.path.join(folder, "killed"), os.path.join(folder, "faults")
+    holds = [("global_step4", moment) for moment in COPIED_AT] + [("global_step6", "half-file")]
+    env = dict(held_write_env(faults, holds), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *argv, "--save", save, "--async-save"],
                             cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    copies = {}
     try:
-        deadline = time.time() + 240
-        while not os.path.exists(held):
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            assert time.time() < deadline, "the writer never reached global_step4"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
+        for tag, moment in holds:
+            held, deadline = os.path.join(faults, f"{moment}-{tag}-rank0"), time.time() + 240
+            while not os.path.exists(held):
+                assert proc.poll() is None, proc.communicate()[0][-3000:]
+                assert time.time() < deadline, f"the write of {tag} never reached {moment}"
+                time.sleep(0.1)
+            if moment == "half-file":
+                proc.send_signal(signal.SIGKILL)
+                proc.communicate(timeout=60)
+                break
+            copies[moment] = os.path.join(folder, f"killed-{moment}")
+            shutil.copytree(save, copies[moment])
+            open(os.path.join(faults, f"release-{moment}-{tag}-rank0"), "w").close()
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
-    return save
+    return save, copies
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_corpus, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("async_save"))
     argv = tiny_argv(tiny_corpus, train_iters=ITERS, save_interval=INTERVAL)
-    killed = _kill_during_the_write(argv, folder)
-    killed_entries = {name: sorted(os.listdir(os.path.join(killed, name))) for name in os.listdir(killed)
-                      if os.path.isdir(os.path.join(killed, name))}
-    killed_latest = _latest(killed)
-    (out,) = run_distributed(_one_process_runs, world_size=1, args=(argv, folder, killed), timeout=300)
-    return dict(out, folder=folder, killed_entries=killed_entries, killed_latest=killed_latest)
+    killed, copies = _kill_during_the_write(argv, folder)
+    left = {moment: _entries(path) for moment, path in dict(copies, killed=killed).items()}  # before the resumes
+    (out,) = run_distributed(_one_process_runs, world_size=1, args=(argv, folder, killed, copies), timeout=300)
+    return dict(out, folder=folder, left=left)
+
+
+def _entries(save_dir) -> dict:
+    """{"latest": what it names, tag: [the tag folder's files]} of a --save folder."""
+    tags = {name: sorted(os.listdir(os.path.join(save_dir, name))) for name in os.listdir(save_dir)
+            if os.path.isdir(os.path.join(save_dir, name))}
+    return dict(tags, latest=_latest(save_dir))
 
 
 def _same(a, b, where="") -> None:
@@ -280,12 +301,31 @@ def test_the_step_loop_goes_on_and_the_next_save_and_the_end_wait_for_the_writer
 
 @pytest.mark.multiprocess
 def test_a_kill_during_the_background_write_leaves_latest_on_the_previous_checkpoint(runs):
-    entries = runs["killed_entries"]
-    assert runs["killed_latest"] == "global_step2" and "complete" in entries["global_step2"]
-    assert "global_step4" in entries and "complete" not in entries["global_step4"], entries  # held half-way
+    left = runs["left"]["killed"]
+    assert left["latest"] == "global_step4" and "complete" in left["global_step4"]
+    assert "global_step6" in left and "complete" not in left["global_step6"], left  # held half-way
     after = runs["after_kill"]
-    assert after["iterations"] == [3, 4, 5, 6]  # --load = --save: resumed from global_step2 ...
+    assert after["iterations"] == [5, 6]  # --load = --save: resumed from global_step4 ...
     assert_continues(runs["sync"]["losses"], after["losses"], "resumed after a kill -9 during the write")  # exactly
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("moment", COPIED_AT)
+def test_a_kill_at_any_moment_of_the_background_write_leaves_latest_on_a_complete_checkpoint(runs, moment):
+    """Killed (the folder as the kill leaves it, see COPIED_AT) with global_step4's state copied to host memory but
+    no file written, with every file written and fsynced but no marker, or with the marker but ``latest`` not
+    moved: ``latest`` names global_step2, complete, and the run resumes from it loss for loss."""
+    left = runs["left"][moment]
+    assert left["latest"] == "global_step2" and "complete" in left["global_step2"], left
+    written = left.get("global_step4", [])
+    if moment == "before-write":
+        assert not [name for name in written if name.endswith(".pt")], written
+    else:  # every file the finished global_step4 of the killed run holds; the marker only before-latest
+        finished = runs["left"]["killed"]["global_step4"]
+        assert written == [name for name in finished if name != "complete" or moment == "before-latest"], written
+    after = runs[f"after_kill_{moment}"]
+    assert after["iterations"] == [3, 4, 5, 6], after["iterations"]  # from global_step2 ...
+    assert_continues(runs["sync"]["losses"], after["losses"], f"resumed after a kill -9 {moment}")  # exactly
 
 
 @pytest.mark.multiprocess
