@@ -1,11 +1,13 @@
 """``--async-save`` (megatron.checkpoint.async_save): the checkpoints a background writer makes resume as the
 synchronous ones do (their files the same but for the flags' record), the step loop goes on while the writer works,
-the next save, the end of training and SIGTERM wait for it, a kill -9 during its write leaves ``latest`` on the
-previous complete tag, a failed write (ENOSPC) stops the run at the next step with the synchronous save's error,
-and over two ranks ``complete`` is written only once every rank's writer is done.
+the next save, the end of training and SIGTERM wait for it, a kill -9 at any moment of its write (state copied but
+nothing written; half a file written; every file written and fsynced but no marker; the marker but not ``latest``)
+leaves ``latest`` on a complete tag that resumes exactly, a failed write (ENOSPC) stops the run at the next step with
+the synchronous save's error, over two ranks ``complete`` is written only once every rank's writer is done, and
+ZeRO-3 (DP=2) and MoE experts over EP=2 save in the background and resume exactly.
 
 The one-process runs share one launch (``runs`` below, module-scoped); the killed run is a ``pretrain_gpt.py``
-process of its own; the two-rank case is one launch of 2 processes (ZeRO-1, DP=2)."""
+process of its own; the two-rank cases are one launch of 2 processes (``two_ranks``)."""
 
 import os
 import re
@@ -343,12 +345,17 @@ def test_a_failed_background_write_stops_the_run_at_the_next_step_with_the_synch
     assert _latest(full) == "global_step2" and not os.path.exists(os.path.join(full, "global_step4"))
 
 
-def _two_ranks(rank, world_size, argv, log):
+def _two_ranks(rank, world_size, argv, log, layouts, folder):
     """The ENOSPC of rank 1's writer agreed by both ranks (tests.helpers.full_disk's run and resume, with
-    --async-save); in the resumed run rank 1's writer is slow, and the order of the writes and the marker logged."""
+    --async-save); in the resumed run rank 1's writer is slow, and the order of the writes and the marker logged.
+    Then each of ``layouts`` ({name: argv}) trains with --async-save, saving every 2 iterations, and resumes from
+    its global_step2: (the failure's record, {name: (the run's record, the resumed run's record)})."""
     import torch
+    import torch.distributed as dist
 
     import megatron.checkpoint.training_io as training_io
+    from tests.helpers.training import train
+
     real_save, real_marker = torch.save, training_io.write_complete_marker
 
     def save(obj, f, *args, **kwargs):
@@ -365,22 +372,62 @@ def _two_ranks(rank, world_size, argv, log):
 
     torch.save, training_io.write_complete_marker = save, marker
     try:
-        return fail_to_save_then_resume(rank, world_size, argv, 1)
+        failed = fail_to_save_then_resume(rank, world_size, argv, 1)
     finally:
         torch.save, training_io.write_complete_marker = real_save, real_marker
+    resumed = {}
+    for name, layout_argv in layouts.items():
+        save_dir = os.path.join(folder, name)
+        (straight,) = train(rank, world_size, [layout_argv + ["--async-save", "--save", save_dir]])
+        if rank == 0:
+            _resume_copy(save_dir, "global_step2", os.path.join(folder, f"{name}-from2"))
+        dist.barrier()
+        (tail,) = train(rank, world_size, [layout_argv + ["--async-save", "--save", os.path.join(folder, f"{name}-b"),
+                                                          "--load", os.path.join(folder, f"{name}-from2")]])
+        resumed[name] = (straight, tail, _latest(save_dir), sorted(os.listdir(os.path.join(save_dir, "global_step2"))))
+    return failed, resumed
+
+
+TWO_RANK_LAYOUTS = {  # --async-save over two ranks: ZeRO-3's partitioned parameters, MoE experts split over EP=2
+    "zero3": ["--zero-stage", "3"],
+    "ep2": ["--num-experts", "4", "--expert-model-parallel-size", "2"],  # ZeRO-0 (ZeRO-3 refuses EP > 1)
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_corpus, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("async_two_ranks")
+    save, log = folder / "ckpt", folder / "order.log"
+    argv = tiny_argv(tiny_corpus, "--zero-stage", "1", "--async-save", train_iters=4, save=str(save), save_interval=2)
+    layouts = {name: tiny_argv(tiny_corpus, *flags, train_iters=4, save_interval=2)
+               for name, flags in TWO_RANK_LAYOUTS.items()}
+    (failed, resumed), (failed_1, _) = run_distributed(_two_ranks, world_size=2,
+                                                       args=(argv, str(log), layouts, str(folder)), timeout=300)
+    return dict(save=save, log=log, failed=[failed, failed_1], resumed=resumed)
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_agree_on_a_failed_write_and_mark_complete_after_every_ranks_files(tiny_corpus, tmp_path):
-    save, log = tmp_path / "ckpt", tmp_path / "order.log"
-    argv = tiny_argv(tiny_corpus, "--zero-stage", "1", "--async-save", train_iters=4, save=str(save), save_interval=2)
-    failed = run_distributed(_two_ranks, world_size=2, args=(argv, str(log)), timeout=300)
-    check_failed_save_and_resume(str(save), failed)  # the synchronous save's checks, message and resume
-    lines = log.read_text().splitlines()
+def test_two_ranks_agree_on_a_failed_write_and_mark_complete_after_every_ranks_files(two_ranks):
+    save = two_ranks["save"]
+    check_failed_save_and_resume(str(save), two_ranks["failed"])  # the synchronous save's checks, message and resume
+    lines = two_ranks["log"].read_text().splitlines()
     complete = lines.index(f"complete {save / 'global_step4'}")  # the resumed run's save of 4
     rank_1 = [i for i, line in enumerate(lines) if line.startswith("written 1 ") and "global_step4" in line]
     assert rank_1 and max(rank_1) < complete, lines  # rank 1's optimizer shard was durable before the marker
     assert _latest(save) == "global_step4"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
+def test_zero3_and_expert_parallel_async_checkpoints_resume_exactly(two_ranks, layout):
+    straight, tail, latest, files = two_ranks["resumed"][layout]
+    if layout == "zero3":  # each rank's parameter and optimizer partitions, by the writer threads
+        assert straight["engine_stage"] == 3, straight["engine"]
+        assert {"zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(files)
+    else:  # each EP rank's experts, written beside the engine's files
+        assert {"expert_states_ep_00_tp_00_pp_00.pt", "expert_states_ep_01_tp_00_pp_00.pt"} <= set(files), files
+    assert latest == "global_step4" and tail["iterations"] == [3, 4]
+    assert_continues(straight["losses"], tail["losses"], f"{layout}: resumed from an async-saved global_step2")
 
 
 def test_host_copy_keeps_what_is_shared_and_later_steps_do_not_change_it():
