@@ -79,6 +79,12 @@ class RestartTracker:
         return report
 
     def reached(self, iteration: int) -> None:
-        """Rank 0: the job has finished ``iteration`` (one request to torchrun's agent)."""
-        if self.rank == 0:
-            self.store.set(KEY, json.dumps({"iteration": iteration, "lost_total": self.lost_total}))
+        """Rank 0: the job has finished ``iteration`` (one request to torchrun's agent). Where the agent no longer
+        answers (it is going down with the job), the count stops there rather than the run, which may be saving."""
+        if self.rank == 0 and self.store is not None:
+            try:
+                self.store.set(KEY, json.dumps({"iteration": iteration, "lost_total": self.lost_total}))
+            except RuntimeError as error:  # torch's DistStoreError is one
+                print(f"in-job restart count: torchrun's store did not answer ({error}); no longer recorded",
+                      flush=True)
+                self.store = None

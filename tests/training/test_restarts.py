@@ -43,3 +43,14 @@ def test_each_attempt_counts_the_iterations_since_its_checkpoint_and_the_job_kee
 def test_only_rank_0_records_progress(one_rank_group):
     RestartTracker(one_rank_group, attempt=0, rank=1).reached(5)
     assert not one_rank_group.check(["/megatron/progress"])
+
+
+def test_a_store_that_no_longer_answers_stops_the_count_not_the_run(one_rank_group, capsys):
+    class Gone:
+        def set(self, key, value):
+            raise RuntimeError("Connection reset by peer")
+
+    tracker = RestartTracker(Gone(), attempt=0, rank=0)
+    tracker.reached(1)
+    tracker.reached(2)  # asked no more
+    assert tracker.store is None and capsys.readouterr().out.count("did not answer") == 1
