@@ -17,5 +17,6 @@ exit signals. Uses ``megatron.engine``, ``megatron.checkpoint`` (saves and resum
     timing        per-phase timers across ranks and memory for the log line, Megatron-LM's names
     profiling     the profiling window of --profile: nsys ranges or torch.profiler
     watchdog      --hang-watchdog-factor: a thread per rank that dumps the stacks of a hung step and ends the job
+    restarts      in-job restarts under torchrun --max-restarts: how many, and the iterations each one lost
     straggler     --log-straggler: each rank's forward time gathered, the fastest and slowest ranks named
 """

@@ -75,7 +75,8 @@ class Trainer:
                  sync_fn: Optional[Callable[[], None]] = None, world_size: int = 1,
                  save_poll_fn: Optional[Callable[[], None]] = None, save_wait_fn: Optional[Callable[[], None]] = None,
                  harness_fn: Optional[Callable[[], dict]] = None,
-                 moe_stats_fn: Optional[Callable[[], dict[str, float]]] = None, token_count=None):
+                 moe_stats_fn: Optional[Callable[[], dict[str, float]]] = None, token_count=None,
+                 reached_fn: Optional[Callable[[int], None]] = None):
         self.rc = rc
         self.engine = engine
         self.moe_stats_fn = moe_stats_fn  # collective, after every trained iteration (megatron.model.moe.stats)
@@ -94,6 +95,7 @@ class Trainer:
         self.save_poll_fn = save_poll_fn
         self.save_wait_fn = save_wait_fn
         self.sync_fn = sync_fn
+        self.reached_fn = reached_fn  # after every iteration: the job's progress, for in-job restarts (restarts.py)
         self.world_size = world_size
         self.harness_fn = harness_fn  # --eval-harness-tasks on the live model: {"task/metric": value}
         self.history: list[IterationRecord] = []
@@ -330,6 +332,8 @@ class Trainer:
             self.profiler.before_step(self.progress.iteration)
             self._clock("start", self.progress.iteration + 1)
             record = self.train_step()
+            if self.reached_fn is not None:
+                self.reached_fn(self.progress.iteration)
             self.profiler.after_step(self.progress.iteration)
             if self.save_poll_fn is not None:
                 self.save_poll_fn()

@@ -50,6 +50,7 @@ from megatron.training.lr_schedule import LRScheduler
 from megatron.training.metrics import TrainingLogger
 from megatron.training.microbatches import build_num_microbatches_calculator
 from megatron.training.profiling import check_profiler_device
+from megatron.training.restarts import RestartTracker
 from megatron.training.token_count import StepTokenCount
 
 
@@ -186,6 +187,12 @@ def _build_and_train(rc: RunConfig, start: float, info, point, logger: TrainingL
                                   loading=lambda: checkpoint_loading(engine, rc.checkpoint.universal_checkpoint),
                                   after_load=lambda where: check_finite_after_load(engine, rc.model, where)))
 
+    restarts = RestartTracker.from_launch()  # torchrun: the job's progress, kept across its attempts
+    restart = restarts.resumed(progress.iteration) if restarts is not None else None
+    if restart is not None:
+        logger.print_fn(restart.message(), flush=True)
+        logger.write_scalars(restart.scalars(), progress.iteration)
+
     dp = dict(dp_rank=state.dp_rank, dp_size=state.dp_size, sp_rank=state.sp_rank, sp_size=state.sp_size,
               cp_rank=state.cp_rank, cp_size=state.cp_size)
     train_iter = micro_batch_iterator(datasets.train, rc, consumed_samples=progress.consumed_samples,
@@ -227,7 +234,8 @@ def _build_and_train(rc: RunConfig, start: float, info, point, logger: TrainingL
                       world_size=dist.get_world_size(), harness_fn=_live_harness(rc, engine, state),
                       token_count=StepTokenCount(engine.module.loss_fn, state.dp_group, state.dp_size)
                       if rc.counts_step_tokens else None,
-                      moe_stats_fn=_iteration_stats_fn(rc, engine, state))
+                      moe_stats_fn=_iteration_stats_fn(rc, engine, state),
+                      reached_fn=restarts.reached if restarts is not None else None)
     print_rank_0(f"setup done in {time.time() - start:.1f} s ({info.launcher} launch, {dist.get_world_size()} ranks, "
                  f"TP={state.tp_size}{' (sequence parallel)' if rc.model.sequence_parallel else ''} "
                  f"PP={state.pp_size} DP={state.dp_size}"

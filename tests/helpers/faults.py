@@ -21,10 +21,19 @@ A test of how promptly a signal stops a run holds the run instead of racing it:
 
 A test of a kill during a checkpoint write holds the write instead of racing it:
 
-    held_write_env(tmp_path, "global_step4")  each rank of the subprocess, in its first ``torch.save`` of a file
-                                          of that tag, writes half the file, then ``tmp_path/writing-rank<RANK>``,
-                                          and waits for ever (for the kill); --async-save's writer thread is held
-                                          so while the step loop goes on
+    held_write_env(tmp_path, [("global_step4", "half-file")])  each rank of the subprocess, in its first
+                                          ``torch.save`` of a file of that tag, writes half the file, then
+                                          ``tmp_path/half-file-global_step4-rank<RANK>``, and waits for ever (for
+                                          the kill); --async-save's writer thread is held so while the step loop
+                                          goes on. Other moments ("before-write", "before-complete",
+                                          "before-latest") wait for a release file instead (``hold_write``)
+
+A test of in-job restart loses a rank at a chosen point instead of racing it:
+
+    kill_env(tmp_path, 1, 5)              rank 1 of a torchrun job kills itself (SIGKILL) once iteration 5's step
+                                          is done, in the first attempt (``attempts``); ``moment="save"``: once the
+                                          save of iteration 5 has returned (marker and ``latest`` written);
+                                          ``more``: further kills, e.g. one in the restarted attempt
 
 A test of --log-straggler slows one rank instead of racing the machine's load:
 
@@ -41,9 +50,9 @@ from tests.helpers.paths import REPO_ROOT
 
 ENV = "MEGATRON_TEST_POISON_GRADIENTS"  # "3,4:nan": the iterations, then the value
 HOLD_ENV = "MEGATRON_TEST_HOLD_AFTER"  # "3:/folder": the iteration, then where to say "held"
-HOLD_WRITE_ENV = "MEGATRON_TEST_HOLD_WRITE"  # "global_step4:/folder": the tag, then where to say "writing"
+HOLD_WRITE_ENV = "MEGATRON_TEST_HOLD_WRITE"  # "global_step4/half-file,...:/folder": what to hold, where to say it
 SLOW_ENV = "MEGATRON_TEST_SLOW_FORWARD"  # "1:0.1": the rank, then the seconds slept in each forward call
-KILL_ENV = "MEGATRON_TEST_KILL_AFTER"  # "1:5:0,1": the rank, the iteration, the torchrun attempts it dies in
+KILL_ENV = "MEGATRON_TEST_KILL_AFTER"  # "1:5:0,1:step;...": the rank, iteration, attempts it dies in, when
 
 
 def poison_gradients(iterations, value: float):
@@ -92,27 +101,55 @@ def hold_after(iteration: int, folder) -> None:
     Trainer.train_step = held
 
 
-def hold_write(tag: str, folder) -> None:
-    """Patch ``torch.save`` in this process: the first file of ``tag`` gets half its bytes, then
-    ``folder/writing-rank<RANK>`` is written and the caller waits for ever (``held_write_env``)."""
+WRITE_MOMENTS = ("before-write", "half-file", "before-complete", "before-latest")
+
+
+def hold_write(holds, folder) -> None:
+    """Hold this process's checkpoint writes of ``holds`` ([(tag, moment)], moments in ``WRITE_MOMENTS``), once
+    each: "before-write", the first ``torch.save`` of the tag, before it writes anything (the state is copied to
+    host memory by then); "half-file", the same call once half its bytes are written, held for ever (for the kill);
+    "before-complete", every file of the tag written and fsynced, ``checksums.json`` and ``run_state.json`` too,
+    before the ``complete`` marker; "before-latest", after the marker, before ``latest`` moves. At each, writes
+    ``folder/<moment>-<tag>-rank<RANK>`` and waits until ``folder/release-<moment>-<tag>-rank<RANK>`` exists
+    (``held_write_env``). --async-save's writer thread is held so while the step loop goes on (the first two)."""
     import io
 
     import torch
 
-    real_save = torch.save
+    import megatron.checkpoint.training_io as training_io
 
-    def held(obj, f, *args, **kwargs):
-        if tag not in str(f):
+    folder, rank, wanted = pathlib.Path(folder), os.environ.get("RANK", "0"), set(holds)
+    assert all(moment in WRITE_MOMENTS for _, moment in wanted), holds
+
+    def hold(tag, moment):
+        if (tag, moment) in wanted:
+            wanted.discard((tag, moment))
+            (folder / f"{moment}-{tag}-rank{rank}").touch()
+            while not (folder / f"release-{moment}-{tag}-rank{rank}").exists():
+                time.sleep(0.05)
+
+    real_save, real_marker = torch.save, training_io.write_complete_marker
+
+    def save(obj, f, *args, **kwargs):
+        tag = os.path.basename(os.path.dirname(str(f)))
+        hold(tag, "before-write")
+        if (tag, "half-file") not in wanted:
             return real_save(obj, f, *args, **kwargs)
         buffer = io.BytesIO()
         real_save(obj, buffer, *args, **kwargs)
         with open(f, "wb") as out:
             out.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-        (pathlib.Path(folder) / f"writing-rank{os.environ.get('RANK', '0')}").touch()
+        (folder / f"half-file-{tag}-rank{rank}").touch()
         while True:
             time.sleep(1)
 
-    torch.save = held
+    def marker(tag_dir, text):
+        tag = os.path.basename(tag_dir)
+        hold(tag, "before-complete")
+        real_marker(tag_dir, text)
+        hold(tag, "before-latest")
+
+    torch.save, training_io.write_complete_marker = save, marker
 
 
 def slow_forward(rank: int, seconds: float) -> None:
@@ -143,13 +180,27 @@ def held_env(folder, iteration: int) -> dict:
     return _installing_env(folder, {HOLD_ENV: f"{iteration}:{pathlib.Path(folder).resolve()}"})
 
 
-def kill_after(rank: int, iteration: int, attempts: set) -> None:
-    """Patch ``Trainer.train_step`` in this process: on ``rank``, in the torchrun attempts ``attempts``
-    (TORCHELASTIC_RESTART_COUNT; 0 the first), the process kills itself (SIGKILL: a lost rank, nothing cleaned up)
-    once ``iteration``'s step is done (``kill_env``)."""
+def kill_after(rank: int, iteration: int, attempts: set, moment: str = "step") -> None:
+    """On ``rank``, in the torchrun attempts ``attempts`` (TORCHELASTIC_RESTART_COUNT; 0 the first), the process
+    kills itself (SIGKILL: a lost rank, nothing cleaned up) once ``iteration``'s step is done (``moment`` "step":
+    ``Trainer.train_step`` patched), or once the synchronous save of ``iteration`` has returned (``moment`` "save":
+    ``training_io.save_checkpoint`` patched; every rank's files, the marker and ``latest`` are then written)
+    (``kill_env``)."""
+    import megatron.checkpoint.training_io as training_io
     from megatron.training.loop import Trainer
 
     if int(os.environ.get("RANK", "0")) != rank or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) not in attempts:
+        return
+    if moment == "save":
+        save_checkpoint = training_io.save_checkpoint
+
+        def killed_after_save(engine, save_dir, at, *args, **kwargs):
+            tag = save_checkpoint(engine, save_dir, at, *args, **kwargs)
+            if at == iteration:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return tag
+
+        training_io.save_checkpoint = killed_after_save
         return
     train_step = Trainer.train_step
 
@@ -162,16 +213,19 @@ def kill_after(rank: int, iteration: int, attempts: set) -> None:
     Trainer.train_step = killed
 
 
-def kill_env(folder, rank: int, iteration: int, attempts=(0,)) -> dict:
+def kill_env(folder, rank: int, iteration: int, attempts=(0,), moment: str = "step", more=()) -> dict:
     """``os.environ`` plus what makes ``rank`` of a subprocess (a torchrun job) started with it kill itself after
-    ``iteration``'s step in each of the torchrun ``attempts`` (``kill_after``)."""
-    return _installing_env(folder, {KILL_ENV: f"{rank}:{iteration}:{','.join(map(str, attempts))}"})
+    ``iteration``'s step (``moment`` "step") or save ("save") in each of the torchrun ``attempts``
+    (``kill_after``); ``more``: further kills, each (rank, iteration, attempts, moment)."""
+    kills = [(rank, iteration, attempts, moment), *more]
+    return _installing_env(folder, {KILL_ENV: ";".join(f"{r}:{i}:{','.join(map(str, a))}:{m}" for r, i, a, m in kills)})
 
 
-def held_write_env(folder, tag: str) -> dict:
-    """``os.environ`` plus what makes each rank of a subprocess started with it call ``hold_write(tag, folder)``
-    at start-up."""
-    return _installing_env(folder, {HOLD_WRITE_ENV: f"{tag}:{pathlib.Path(folder).resolve()}"})
+def held_write_env(folder, holds) -> dict:
+    """``os.environ`` plus what makes each rank of a subprocess started with it call ``hold_write(holds, folder)``
+    at start-up (``holds``: [(tag, moment)])."""
+    spec = ",".join(f"{tag}/{moment}" for tag, moment in holds)
+    return _installing_env(folder, {HOLD_WRITE_ENV: f"{spec}:{pathlib.Path(folder).resolve()}"})
 
 
 def slow_forward_env(folder, rank: int, seconds: float) -> dict:
@@ -196,8 +250,8 @@ def _installing_env(folder, variables: dict) -> dict:
 
 def install_from_env() -> None:
     """What ``MEGATRON_TEST_POISON_GRADIENTS`` ("3,4:nan"), ``MEGATRON_TEST_HOLD_AFTER`` ("3:/folder"),
-    ``MEGATRON_TEST_HOLD_WRITE`` ("global_step4:/folder"), ``MEGATRON_TEST_SLOW_FORWARD`` ("1:0.1") and
-    ``MEGATRON_TEST_KILL_AFTER`` ("1:5:0") ask for
+    ``MEGATRON_TEST_HOLD_WRITE`` ("global_step4/half-file:/folder"), ``MEGATRON_TEST_SLOW_FORWARD`` ("1:0.1") and
+    ``MEGATRON_TEST_KILL_AFTER`` ("1:5:0:step") ask for
     (the sitecustomize's call)."""
     if os.environ.get(ENV):
         iterations, value = os.environ[ENV].split(":")
@@ -206,11 +260,12 @@ def install_from_env() -> None:
         iteration, folder = os.environ[HOLD_ENV].split(":", 1)
         hold_after(int(iteration), folder)
     if os.environ.get(HOLD_WRITE_ENV):
-        tag, folder = os.environ[HOLD_WRITE_ENV].split(":", 1)
-        hold_write(tag, folder)
+        spec, folder = os.environ[HOLD_WRITE_ENV].split(":", 1)
+        hold_write([tuple(hold.split("/")) for hold in spec.split(",")], folder)
     if os.environ.get(SLOW_ENV):
         rank, seconds = os.environ[SLOW_ENV].split(":")
         slow_forward(int(rank), float(seconds))
     if os.environ.get(KILL_ENV):
-        rank, iteration, attempts = os.environ[KILL_ENV].split(":")
-        kill_after(int(rank), int(iteration), {int(a) for a in attempts.split(",")})
+        for kill in os.environ[KILL_ENV].split(";"):
+            rank, iteration, attempts, moment = kill.split(":")
+            kill_after(int(rank), int(iteration), {int(a) for a in attempts.split(",")}, moment)

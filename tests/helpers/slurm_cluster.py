@@ -146,7 +146,8 @@ class SlurmCluster:
             "SrunPortRange=60001-63000",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire: also how long a requeued job waits before it may start again (default 120 s)
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             # every port on 127.0.0.1: nothing listens on the machine's other interfaces
             "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny",
             # no cgroups and no systemd: track processes by their parent links, bind nothing
@@ -157,6 +158,7 @@ class SlurmCluster:
             "JobCompType=jobcomp/none",
             "MpiDefault=none",
             "SchedulerType=sched/builtin",
+            "SchedulerParameters=sched_interval=2",  # pending jobs (a requeued one) looked at every 2 s, not 60
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             f"SlurmUser={user}",

@@ -8,6 +8,10 @@ One chain of three jobs on the same experiment folder, as a long run crosses tim
      by --exit-duration-in-mins.
 Every job must end COMPLETED with exit code 0:0; where each one started and stopped is read from the
 tensorboard record (steps of `lm-loss-training/lm loss`) and the checkpoints, not from stdout.
+
+And a job submitted with --requeue, requeued (`scontrol requeue`) once it has saved a checkpoint: SLURM stops it
+(SIGTERM: it saves and leaves), starts its script again, and it resumes and ends with the losses of an uninterrupted
+job, bit for bit.
 When SLURM is absent, Debian's slurm-wlm is installed (root and apt-get needed, else the test skips).
 """
 
@@ -76,13 +80,17 @@ def _tail(path, n=4000) -> str:
         return f"(no output file: {e})"
 
 
-def test_chained_jobs_resume_and_survive_preemption_in_both_launch_styles(cluster, tmp_path):
+def _job_env(tmp_path, experiment, **extra) -> dict:
     corpus = make_tiny_corpus(str(tmp_path / "corpus"))
-    env = {"PY": sys.executable, "RUN_ROOT": str(tmp_path / "runs"), "EXPERIMENT": "chain",
-           "TRAIN_ITERS": "100000", "SAVE_INTERVAL": "100000", "GPUS_PER_NODE": "2", "TP": "1", "PP": "2",
-           "DATA_PREFIX": corpus["data_prefix"], "VOCAB_FILE": corpus["vocab_file"],
-           "MERGE_FILE": corpus["merge_file"], "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1", "SRUN_ARGS": "--overlap"}
+    return {"PY": sys.executable, "RUN_ROOT": str(tmp_path / "runs"), "EXPERIMENT": experiment,
+            "TRAIN_ITERS": "100000", "SAVE_INTERVAL": "100000", "GPUS_PER_NODE": "2", "TP": "1", "PP": "2",
+            "DATA_PREFIX": corpus["data_prefix"], "VOCAB_FILE": corpus["vocab_file"],
+            "MERGE_FILE": corpus["merge_file"], "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", "SRUN_ARGS": "--overlap", **extra}
+
+
+def test_chained_jobs_resume_and_survive_preemption_in_both_launch_styles(cluster, tmp_path):
+    env = _job_env(tmp_path, "chain")
     run_dir = tmp_path / "runs" / "chain"
     checkpoints, tensorboard = run_dir / "checkpoints", run_dir / "tensorboard"
     out = str(tmp_path / "job-%j.out")
@@ -134,3 +142,53 @@ def test_chained_jobs_resume_and_survive_preemption_in_both_launch_styles(cluste
     assert _loss_steps(tensorboard) == list(range(1, stopped_c + 1))
     print(f"SLURM chain: A 1-4, B 5-{stopped_b} (preempted), C {stopped_b + 1}-{stopped_c}; "
           f"{time.time() - t0:.0f} s")
+
+
+def _losses_by_start(tensorboard_dir) -> list[dict[int, float]]:
+    """{iteration: loss} of each start of the job (one event file each, oldest first)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = []
+    for path in sorted(tensorboard_dir.glob("events.out.tfevents.*")):  # named by their start time
+        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        acc.Reload()
+        out.append({e.step: e.value for e in acc.Scalars("lm-loss-training/lm loss")})
+    return out
+
+
+REQUEUE_ITERS = 12
+
+
+def test_a_requeued_job_resumes_and_ends_with_the_uninterrupted_jobs_losses(cluster, tmp_path):
+    """Two jobs of the same run side by side: one straight, one submitted with --requeue and requeued once its
+    checkpoint of iteration 4 (or a later one) is complete. The requeued one restarts (SLURM_RESTART_COUNT 1), resumes
+    from its newest checkpoint, and both end at iteration 12 with the same loss at every iteration, bit for bit."""
+    out = str(tmp_path / "job-%j.out")
+    args = ["--ntasks-per-node=2", f"--output={out}"]
+    jobs = {name: cluster.sbatch([*args, *(["--requeue"] if name == "requeued" else []), SCRIPT],
+                                 env=_job_env(tmp_path, name, TRAIN_ITERS=str(REQUEUE_ITERS), SAVE_INTERVAL="2",
+                                              LAUNCH_STYLE="srun"), cwd=str(REPO_ROOT))
+            for name in ("straight", "requeued")}
+    checkpoints = tmp_path / "runs" / "requeued" / "checkpoints"
+    deadline = time.time() + JOB_TIMEOUT_S
+    while not ((checkpoints / "latest").is_file() and _latest_iteration(checkpoints) >= 4):
+        state = cluster.job(jobs["requeued"]).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"{state}\n{cluster.logs()}"
+        assert time.time() < deadline, f"no checkpoint of iteration 4\n{cluster.logs()}"
+        time.sleep(0.5)
+    requeued_at = _latest_iteration(checkpoints)
+    cluster.run(["scontrol", "requeue", str(jobs["requeued"])])
+    for name, job_id in jobs.items():
+        info = cluster.wait(job_id, 2 * JOB_TIMEOUT_S)
+        context = f"job {name} {job_id}: {info}\n--- job output ---\n{_tail(info.get('StdOut', ''))}\n{cluster.logs()}"
+        assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), context
+        assert info.get("Restarts") == ("1" if name == "requeued" else "0"), context
+    (straight,), (first, second) = (_losses_by_start(tmp_path / "runs" / name / "tensorboard") for name in jobs)
+    assert sorted(straight) == list(range(1, REQUEUE_ITERS + 1)), sorted(straight)
+    # the second start resumed from a checkpoint (requeued_at or a later one), not from scratch, and ran to the end
+    resumed_at = min(second) - 1
+    assert requeued_at <= resumed_at <= max(first) and sorted(second) == list(range(resumed_at + 1, REQUEUE_ITERS + 1))
+    assert {**first, **second} == straight  # every iteration's loss, bit for bit
+    assert _latest_iteration(checkpoints) == REQUEUE_ITERS
+    print(f"requeued after the checkpoint of iteration {requeued_at}: the first start trained 1-{max(first)}, the "
+          f"second {resumed_at + 1}-{REQUEUE_ITERS}, the straight job's losses")

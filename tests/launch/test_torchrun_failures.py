@@ -344,17 +344,30 @@ def _model_states(tag_dir) -> dict:
 
 @pytest.mark.multiprocess
 def test_a_killed_rank_restarts_the_job_in_place_and_it_resumes_exactly(tiny_corpus, tmp_path):
-    """Under torchrun --max-restarts 1, rank 1 of a PP=2 run killed (-9) after iteration 5 (saving every 2, --load =
-    --save): torchrun restarts both workers, which resume from the newest complete checkpoint (4), train to the end
-    and the job exits 0, its last checkpoint's weights those of an uninterrupted run, bit for bit. Killed again in
-    the restarted attempt, beyond the budget: the job ends non-zero, torchrun naming the failed rank."""
+    """Under torchrun --max-restarts 2, rank 1 of a PP=2 run killed (-9) after iteration 5 (saving every 2, --load =
+    --save): torchrun restarts both workers, which resume from the newest complete checkpoint (4); killed again in
+    that attempt right after the last save (8, the end of the run: the issue's hang), the job restarts once more,
+    resumes at 8 with nothing left to train and exits 0, its last checkpoint's weights those of an uninterrupted run,
+    bit for bit. The log and TensorBoard count the restarts and the iterations lost (5 - 4, then 8 - 8). Killed
+    again in the restarted attempt, beyond the budget: the job ends non-zero, torchrun naming the failed rank."""
     common = tiny_argv(tiny_corpus, "--pipeline-model-parallel-size", "2", train_iters=8, save_interval=2)
-    save = tmp_path / "restarted"
-    job = _torchrun(common + ["--save", str(save), "--load", str(save)], tmp_path,
-                    env=kill_env(tmp_path / "faults", rank=1, iteration=5), max_restarts=1)
+    save, tensorboard = tmp_path / "restarted", tmp_path / "tb"
+    job = _torchrun(common + ["--save", str(save), "--load", str(save), "--tensorboard-dir", str(tensorboard)],
+                    tmp_path, env=kill_env(tmp_path / "faults", rank=1, iteration=5, more=[(1, 8, (1,), "save")]),
+                    max_restarts=2)
     output, _ = job.communicate(timeout=300)
     assert job.returncode == 0, output[-3000:]
     assert "resumed from" in output and "global_step4 at iteration 4" in output, output[-3000:]
+    assert "global_step8 at iteration 8" in output, output[-3000:]
+    # rank 0 had finished iteration 5 when rank 1 died (its step waits for rank 1's), and 8 at the second kill
+    assert ("in-job restart 1 (torchrun attempt 1): the previous attempt had reached iteration 5, this one resumes "
+            "from iteration 4: 1 iteration(s) lost, 1 in all") in output, output[-3000:]
+    assert ("in-job restart 2 (torchrun attempt 2): the previous attempt had reached iteration 8, this one resumes "
+            "from iteration 8: 0 iteration(s) lost, 1 in all") in output, output[-3000:]
+    scalars = tensorboard_scalars(tensorboard)  # written by the last rank of each restarted attempt, at its resume
+    assert scalars["restarts/restarts"] == [(4, 1.0), (8, 2.0)], sorted(scalars)
+    assert scalars["restarts/iterations-lost"] == [(4, 1.0), (8, 0.0)]
+    assert scalars["restarts/iterations-lost-total"] == [(4, 1.0), (8, 1.0)]
     assert (save / "latest").read_text().strip() == "global_step8"
     reference = tmp_path / "reference"
     run_distributed(train, world_size=2, args=([common + ["--save", str(reference)]],), timeout=300)

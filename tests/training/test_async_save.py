@@ -1,11 +1,13 @@
 """``--async-save`` (megatron.checkpoint.async_save): the checkpoints a background writer makes resume as the
 synchronous ones do (their files the same but for the flags' record), the step loop goes on while the writer works,
-the next save, the end of training and SIGTERM wait for it, a kill -9 during its write leaves ``latest`` on the
-previous complete tag, a failed write (ENOSPC) stops the run at the next step with the synchronous save's error,
-and over two ranks ``complete`` is written only once every rank's writer is done.
+the next save, the end of training and SIGTERM wait for it, a kill -9 at any moment of its write (state copied but
+nothing written; half a file written; every file written and fsynced but no marker; the marker but not ``latest``)
+leaves ``latest`` on a complete tag that resumes exactly, a failed write (ENOSPC) stops the run at the next step with
+the synchronous save's error, over two ranks ``complete`` is written only once every rank's writer is done, and
+ZeRO-3 (DP=2) and MoE experts over EP=2 save in the background and resume exactly.
 
 The one-process runs share one launch (``runs`` below, module-scoped); the killed run is a ``pretrain_gpt.py``
-process of its own; the two-rank case is one launch of 2 processes (ZeRO-1, DP=2)."""
+process of its own; the two-rank cases are one launch of 2 processes (``two_ranks``)."""
 
 import os
 import re
@@ -40,7 +42,7 @@ def _resume_copy(save_dir, tag, to) -> str:
     return str(to)
 
 
-def _one_process_runs(rank, world_size, argv, folder, killed):
+def _one_process_runs(rank, world_size, argv, folder, killed, copies):
     """Every one-process run of the module, in one launch (see each test for what it checks)."""
     import threading
 
@@ -128,6 +130,8 @@ def _one_process_runs(rank, world_size, argv, folder, killed):
         run("resumed", argv + ["--async-save", "--save", os.path.join(folder, "resumed"),
                                "--load", _resume_copy(async_dir, "global_step2", os.path.join(folder, "from2"))])
         run("after_kill", argv + ["--async-save", "--save", killed, "--load", killed])
+        for moment, copy in copies.items():
+            run(f"after_kill_{moment}", argv + ["--async-save", "--save", copy, "--load", copy])
         zero2 = os.path.join(folder, "zero2")  # the model engine (ZeRO-2): its DeepSpeedEngine's checkpoint engine
         run("zero2", argv + ["--zero-stage", "2", "--save", zero2, "--async-save"])
         run("zero2_resumed", argv + ["--zero-stage", "2", "--async-save", "--save", os.path.join(folder, "zero2b"),
@@ -160,40 +164,59 @@ def tiny_argv_with(argv, **flags) -> list:
     return argv
 
 
-def _kill_during_the_write(argv, folder) -> str:
-    """``pretrain_gpt.py argv --async-save``, its writer held half-way through global_step4's first file, then
-    killed with SIGKILL; the --save folder."""
-    save = os.path.join(folder, "killed")
-    env = dict(held_write_env(os.path.join(folder, "faults"), "global_step4"), DS_ACCELERATOR="cpu",
-               OMP_NUM_THREADS="1")
-    held = os.path.join(folder, "faults", "writing-rank0")
+# Moments of global_step4's background write at which the writer is held and the --save folder copied: a kill -9
+# there leaves exactly these files (SIGKILL ends the process; what it wrote is on the disk, nothing more is), so a
+# copy taken while the write is held at that moment is what the kill leaves, and one process serves every moment.
+# The last moment, half-way through global_step6's first file, is a real kill -9.
+COPIED_AT = ("before-write", "before-complete", "before-latest")
+
+
+def _kill_during_the_write(argv, folder) -> tuple[str, dict]:
+    """``pretrain_gpt.py argv --async-save``: its write of global_step4 held at each of ``COPIED_AT`` in turn (the
+    --save folder copied there, then released), its writer then held half-way through global_step6's first file
+    and the process killed with SIGKILL; (the --save folder, {moment: its copy})."""
+    save, faults = os.path.join(folder, "killed"), os.path.join(folder, "faults")
+    holds = [("global_step4", moment) for moment in COPIED_AT] + [("global_step6", "half-file")]
+    env = dict(held_write_env(faults, holds), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *argv, "--save", save, "--async-save"],
                             cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    copies = {}
     try:
-        deadline = time.time() + 240
-        while not os.path.exists(held):
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            assert time.time() < deadline, "the writer never reached global_step4"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
+        for tag, moment in holds:
+            held, deadline = os.path.join(faults, f"{moment}-{tag}-rank0"), time.time() + 240
+            while not os.path.exists(held):
+                assert proc.poll() is None, proc.communicate()[0][-3000:]
+                assert time.time() < deadline, f"the write of {tag} never reached {moment}"
+                time.sleep(0.1)
+            if moment == "half-file":
+                proc.send_signal(signal.SIGKILL)
+                proc.communicate(timeout=60)
+                break
+            copies[moment] = os.path.join(folder, f"killed-{moment}")
+            shutil.copytree(save, copies[moment])
+            open(os.path.join(faults, f"release-{moment}-{tag}-rank0"), "w").close()
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
-    return save
+    return save, copies
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_corpus, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("async_save"))
     argv = tiny_argv(tiny_corpus, train_iters=ITERS, save_interval=INTERVAL)
-    killed = _kill_during_the_write(argv, folder)
-    killed_entries = {name: sorted(os.listdir(os.path.join(killed, name))) for name in os.listdir(killed)
-                      if os.path.isdir(os.path.join(killed, name))}
-    killed_latest = _latest(killed)
-    (out,) = run_distributed(_one_process_runs, world_size=1, args=(argv, folder, killed), timeout=300)
-    return dict(out, folder=folder, killed_entries=killed_entries, killed_latest=killed_latest)
+    killed, copies = _kill_during_the_write(argv, folder)
+    left = {moment: _entries(path) for moment, path in dict(copies, killed=killed).items()}  # before the resumes
+    (out,) = run_distributed(_one_process_runs, world_size=1, args=(argv, folder, killed, copies), timeout=300)
+    return dict(out, folder=folder, left=left)
+
+
+def _entries(save_dir) -> dict:
+    """{"latest": what it names, tag: [the tag folder's files]} of a --save folder."""
+    tags = {name: sorted(os.listdir(os.path.join(save_dir, name))) for name in os.listdir(save_dir)
+            if os.path.isdir(os.path.join(save_dir, name))}
+    return dict(tags, latest=_latest(save_dir))
 
 
 def _same(a, b, where="") -> None:
@@ -280,12 +303,31 @@ def test_the_step_loop_goes_on_and_the_next_save_and_the_end_wait_for_the_writer
 
 @pytest.mark.multiprocess
 def test_a_kill_during_the_background_write_leaves_latest_on_the_previous_checkpoint(runs):
-    entries = runs["killed_entries"]
-    assert runs["killed_latest"] == "global_step2" and "complete" in entries["global_step2"]
-    assert "global_step4" in entries and "complete" not in entries["global_step4"], entries  # held half-way
+    left = runs["left"]["killed"]
+    assert left["latest"] == "global_step4" and "complete" in left["global_step4"]
+    assert "global_step6" in left and "complete" not in left["global_step6"], left  # held half-way
     after = runs["after_kill"]
-    assert after["iterations"] == [3, 4, 5, 6]  # --load = --save: resumed from global_step2 ...
+    assert after["iterations"] == [5, 6]  # --load = --save: resumed from global_step4 ...
     assert_continues(runs["sync"]["losses"], after["losses"], "resumed after a kill -9 during the write")  # exactly
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("moment", COPIED_AT)
+def test_a_kill_at_any_moment_of_the_background_write_leaves_latest_on_a_complete_checkpoint(runs, moment):
+    """Killed (the folder as the kill leaves it, see COPIED_AT) with global_step4's state copied to host memory but
+    no file written, with every file written and fsynced but no marker, or with the marker but ``latest`` not
+    moved: ``latest`` names global_step2, complete, and the run resumes from it loss for loss."""
+    left = runs["left"][moment]
+    assert left["latest"] == "global_step2" and "complete" in left["global_step2"], left
+    written = left.get("global_step4", [])
+    if moment == "before-write":
+        assert not [name for name in written if name.endswith(".pt")], written
+    else:  # every file the finished global_step4 of the killed run holds; the marker only before-latest
+        finished = runs["left"]["killed"]["global_step4"]
+        assert written == [name for name in finished if name != "complete" or moment == "before-latest"], written
+    after = runs[f"after_kill_{moment}"]
+    assert after["iterations"] == [3, 4, 5, 6], after["iterations"]  # from global_step2 ...
+    assert_continues(runs["sync"]["losses"], after["losses"], f"resumed after a kill -9 {moment}")  # exactly
 
 
 @pytest.mark.multiprocess
@@ -303,12 +345,17 @@ def test_a_failed_background_write_stops_the_run_at_the_next_step_with_the_synch
     assert _latest(full) == "global_step2" and not os.path.exists(os.path.join(full, "global_step4"))
 
 
-def _two_ranks(rank, world_size, argv, log):
+def _two_ranks(rank, world_size, argv, log, layouts, folder):
     """The ENOSPC of rank 1's writer agreed by both ranks (tests.helpers.full_disk's run and resume, with
-    --async-save); in the resumed run rank 1's writer is slow, and the order of the writes and the marker logged."""
+    --async-save); in the resumed run rank 1's writer is slow, and the order of the writes and the marker logged.
+    Then each of ``layouts`` ({name: argv}) trains with --async-save, saving every 2 iterations, and resumes from
+    its global_step2: (the failure's record, {name: (the run's record, the resumed run's record)})."""
     import torch
+    import torch.distributed as dist
 
     import megatron.checkpoint.training_io as training_io
+    from tests.helpers.training import train
+
     real_save, real_marker = torch.save, training_io.write_complete_marker
 
     def save(obj, f, *args, **kwargs):
@@ -325,22 +372,62 @@ def _two_ranks(rank, world_size, argv, log):
 
     torch.save, training_io.write_complete_marker = save, marker
     try:
-        return fail_to_save_then_resume(rank, world_size, argv, 1)
+        failed = fail_to_save_then_resume(rank, world_size, argv, 1)
     finally:
         torch.save, training_io.write_complete_marker = real_save, real_marker
+    resumed = {}
+    for name, layout_argv in layouts.items():
+        save_dir = os.path.join(folder, name)
+        (straight,) = train(rank, world_size, [layout_argv + ["--async-save", "--save", save_dir]])
+        if rank == 0:
+            _resume_copy(save_dir, "global_step2", os.path.join(folder, f"{name}-from2"))
+        dist.barrier()
+        (tail,) = train(rank, world_size, [layout_argv + ["--async-save", "--save", os.path.join(folder, f"{name}-b"),
+                                                          "--load", os.path.join(folder, f"{name}-from2")]])
+        resumed[name] = (straight, tail, _latest(save_dir), sorted(os.listdir(os.path.join(save_dir, "global_step2"))))
+    return failed, resumed
+
+
+TWO_RANK_LAYOUTS = {  # --async-save over two ranks: ZeRO-3's partitioned parameters, MoE experts split over EP=2
+    "zero3": ["--zero-stage", "3"],
+    "ep2": ["--num-experts", "4", "--expert-model-parallel-size", "2"],  # ZeRO-0 (ZeRO-3 refuses EP > 1)
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_corpus, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("async_two_ranks")
+    save, log = folder / "ckpt", folder / "order.log"
+    argv = tiny_argv(tiny_corpus, "--zero-stage", "1", "--async-save", train_iters=4, save=str(save), save_interval=2)
+    layouts = {name: tiny_argv(tiny_corpus, *flags, train_iters=4, save_interval=2)
+               for name, flags in TWO_RANK_LAYOUTS.items()}
+    (failed, resumed), (failed_1, _) = run_distributed(_two_ranks, world_size=2,
+                                                       args=(argv, str(log), layouts, str(folder)), timeout=300)
+    return dict(save=save, log=log, failed=[failed, failed_1], resumed=resumed)
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_agree_on_a_failed_write_and_mark_complete_after_every_ranks_files(tiny_corpus, tmp_path):
-    save, log = tmp_path / "ckpt", tmp_path / "order.log"
-    argv = tiny_argv(tiny_corpus, "--zero-stage", "1", "--async-save", train_iters=4, save=str(save), save_interval=2)
-    failed = run_distributed(_two_ranks, world_size=2, args=(argv, str(log)), timeout=300)
-    check_failed_save_and_resume(str(save), failed)  # the synchronous save's checks, message and resume
-    lines = log.read_text().splitlines()
+def test_two_ranks_agree_on_a_failed_write_and_mark_complete_after_every_ranks_files(two_ranks):
+    save = two_ranks["save"]
+    check_failed_save_and_resume(str(save), two_ranks["failed"])  # the synchronous save's checks, message and resume
+    lines = two_ranks["log"].read_text().splitlines()
     complete = lines.index(f"complete {save / 'global_step4'}")  # the resumed run's save of 4
     rank_1 = [i for i, line in enumerate(lines) if line.startswith("written 1 ") and "global_step4" in line]
     assert rank_1 and max(rank_1) < complete, lines  # rank 1's optimizer shard was durable before the marker
     assert _latest(save) == "global_step4"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
+def test_zero3_and_expert_parallel_async_checkpoints_resume_exactly(two_ranks, layout):
+    straight, tail, latest, files = two_ranks["resumed"][layout]
+    if layout == "zero3":  # each rank's parameter and optimizer partitions, by the writer threads
+        assert straight["engine_stage"] == 3, straight["engine"]
+        assert {"zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(files)
+    else:  # each EP rank's experts, written beside the engine's files
+        assert {"expert_states_ep_00_tp_00_pp_00.pt", "expert_states_ep_01_tp_00_pp_00.pt"} <= set(files), files
+    assert latest == "global_step4" and tail["iterations"] == [3, 4]
+    assert_continues(straight["losses"], tail["losses"], f"{layout}: resumed from an async-saved global_step2")
 
 
 def test_host_copy_keeps_what_is_shared_and_later_steps_do_not_change_it():
