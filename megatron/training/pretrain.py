@@ -187,7 +187,7 @@ def _build_and_train(rc: RunConfig, start: float, info, point, logger: TrainingL
                                   loading=lambda: checkpoint_loading(engine, rc.checkpoint.universal_checkpoint),
                                   after_load=lambda where: check_finite_after_load(engine, rc.model, where)))
 
-    restarts = RestartTracker.from_launch()  # torchrun: the job's progress, kept across its attempts
+    restarts = RestartTracker.from_launch(rc.checkpoint.save)  # the job's progress, kept across its restarts
     restart = restarts.resumed(progress.iteration) if restarts is not None else None
     if restart is not None:
         logger.print_fn(restart.message(), flush=True)

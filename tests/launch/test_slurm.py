@@ -29,6 +29,7 @@ import pytest
 from megatron.testing.tiny_corpus import make_tiny_corpus
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.slurm_cluster import SlurmCluster, ensure_slurm_installed
+from tests.helpers.training import tensorboard_scalars
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -162,7 +163,8 @@ REQUEUE_ITERS = 12
 def test_a_requeued_job_resumes_and_ends_with_the_uninterrupted_jobs_losses(cluster, tmp_path):
     """Two jobs of the same run side by side: one straight, one submitted with --requeue and requeued once its
     checkpoint of iteration 4 (or a later one) is complete. The requeued one restarts (SLURM_RESTART_COUNT 1), resumes
-    from its newest checkpoint, and both end at iteration 12 with the same loss at every iteration, bit for bit."""
+    from its newest checkpoint, and both end at iteration 12 with the same loss at every iteration, bit for bit; the
+    requeued one's log and TensorBoard count the restart and the iterations lost."""
     out = str(tmp_path / "job-%j.out")
     args = ["--ntasks-per-node=2", f"--output={out}"]
     jobs = {name: cluster.sbatch([*args, *(["--requeue"] if name == "requeued" else []), SCRIPT],
@@ -190,5 +192,16 @@ def test_a_requeued_job_resumes_and_ends_with_the_uninterrupted_jobs_losses(clus
     assert requeued_at <= resumed_at <= max(first) and sorted(second) == list(range(resumed_at + 1, REQUEUE_ITERS + 1))
     assert {**first, **second} == straight  # every iteration's loss, bit for bit
     assert _latest_iteration(checkpoints) == REQUEUE_ITERS
+    # the second start counts the restart and the iterations it trains again, in its log and in TensorBoard (the
+    # job's progress file under --save, named by the job id, which the requeued job keeps)
+    lost = max(first) - resumed_at
+    counted = tensorboard_scalars(tmp_path / "runs" / "requeued" / "tensorboard")
+    assert counted["restarts/restarts"] == [(resumed_at, 1.0)], sorted(counted)
+    assert counted["restarts/iterations-lost"] == [(resumed_at, float(lost))]
+    output = (tmp_path / f"job-{jobs['requeued']}.out").read_text()
+    assert (f"job restart 1 (SLURM requeue: the same job, started again): the previous attempt had reached iteration "
+            f"{max(first)}, this one resumes from iteration {resumed_at}: {lost} iteration(s) lost, {lost} in all"
+            ) in output, _tail(output)
+    assert "restarts/restarts" not in tensorboard_scalars(tmp_path / "runs" / "straight" / "tensorboard")
     print(f"requeued after the checkpoint of iteration {requeued_at}: the first start trained 1-{max(first)}, the "
           f"second {resumed_at + 1}-{REQUEUE_ITERS}, the straight job's losses")
