@@ -152,7 +152,9 @@ def _lose_node1(cluster, corpus, name, how, extra=()):
         else:
             cluster.cut(1)
         open(f"{folder}/pause/go", "w").close()
+        start = time.time()
         returncode = job.wait(0, GUARD_S)
+        print(f"node1 {how}: node0's job ended with {returncode} {time.time() - start:.1f} s after the release")
     except BaseException:
         job.kill()
         raise
@@ -178,6 +180,49 @@ def _relaunch(cluster, corpus, name, one_node, lost_losses, extra=()):
     assert set(lost_losses) | set(resumed) == set(range(1, ITERS + 1))
 
 
+def test_the_simulated_nodes_are_separate_hosts_and_leave_nothing_behind(cluster, tmp_path):
+    """Each node: its hostname, every node's name resolving to its address, its own /tmp, the shared folder at the
+    same path; a TCP connection from node0 to node1 by name; tc's tbf on node1's link; a cut link refuses the
+    connection's packets. A second cluster, torn down with a process still running in a node, leaves no namespace
+    and no process."""
+    probe = ("import os, socket, sys; open(f'/tmp/i-am-{socket.gethostname()}', 'w').close(); "
+             "print(socket.gethostname(), [socket.gethostbyname(n) for n in sys.argv[1:]], os.environ['TMPDIR'], "
+             "sorted(n for n in os.listdir('/tmp') if n.startswith('i-am')), os.path.isdir(os.environ['SHARED']))")
+    env = dict(os.environ, SHARED=cluster.shared)
+    addresses = [cluster.address(j) for j in range(cluster.nodes)]
+    for i in range(cluster.nodes):
+        out = cluster.run(i, [sys.executable, "-c", probe, *cluster.hostnames], env=env).stdout.strip()
+        assert out == f"node{i} {addresses} /tmp ['i-am-node{i}'] True", out  # not the other node's file
+        assert os.path.exists(os.path.join(cluster.scratch(i), f"i-am-node{i}"))
+    listener = cluster.popen(1, [sys.executable, "-c", "import socket; s = socket.create_server(('', 5000)); "
+                                 "c, _ = s.accept(); print(c.recv(5).decode())"], stdout=subprocess.PIPE, text=True)
+    connect = [sys.executable, "-c", "import socket, time\nfor _ in range(100):\n    try:\n"
+               "        socket.create_connection(('node1', 5000), timeout=5).send(b'hello'); break\n"
+               "    except ConnectionRefusedError: time.sleep(0.1)"]
+    assert cluster.run(0, connect).returncode == 0
+    assert listener.communicate(timeout=30)[0].strip() == "hello"
+    cluster.shape(1, rate_mbit=100)  # tbf (this machine's kernel has no netem for delay_ms)
+    qdiscs = subprocess.run(["ip", "netns", "exec", cluster.namespaces[1], "tc", "qdisc", "show", "dev", "eth0"],
+                            capture_output=True, text=True).stdout
+    cluster.unshape(1)
+    assert "tbf" in qdiscs and "rate 100Mbit" in qdiscs, qdiscs
+    cluster.cut(1)
+    try:
+        unreachable = cluster.run(0, [sys.executable, "-c", "import socket; socket.create_connection(('node1', 5000), "
+                                      "timeout=2)"])
+    finally:
+        cluster.restore(1)
+    assert unreachable.returncode != 0, unreachable.stdout  # no route, or no answer: never "refused"
+    assert any(why in unreachable.stdout for why in ("timed out", "unreachable", "No route")), unreachable.stdout
+    with NetnsCluster(tmp_path, nodes=2) as other:
+        sleeper = other.popen(1, ["sleep", "600"])
+        names = other.namespaces + [other.switch]
+        assert other.pids(1)
+    assert sleeper.wait(timeout=30) != 0
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [name for name in names if name in left], left
+
+
 def test_two_nodes_train_the_one_node_losses(cluster, corpus, one_node_losses):
     folder = os.path.join(cluster.shared, "straight")
     job = Job(cluster, _argv(corpus, cluster, "straight", "tb"))
@@ -196,7 +241,6 @@ def test_two_nodes_train_the_one_node_losses(cluster, corpus, one_node_losses):
 def test_a_killed_node_ends_the_job_naming_it_and_a_relaunch_resumes_exactly(cluster, corpus, one_node_losses):
     job, returncode, lost = _lose_node1(cluster, corpus, "killed", "kill")
     output = job.output(0)
-    print(f"node0's job ended with {returncode}")
     assert returncode != 0, output[-3000:]
     assert cluster.address(1) in output, output[-3000:]  # gloo's "Connection closed by peer [node1's address]"
     assert not cluster.pids(0) and not cluster.pids(1)
@@ -214,6 +258,7 @@ def test_a_cut_link_ends_the_job_naming_the_lost_node_and_a_relaunch_resumes_exa
         assert not cluster.pids(0)
     finally:
         cluster.restore(1)  # node1's processes are stuck on connections to node0; back up, they end
-    print(f"node0's job ended with {returncode}; node1's ended {job.wait(1, GUARD_S)} once its link was back")
+    start = time.time()
+    print(f"node1's job ended with {job.wait(1, GUARD_S)} {time.time() - start:.1f} s after its link was back")
     assert not cluster.pids(1)
     _relaunch(cluster, corpus, "cut", one_node_losses, lost, WATCHDOG)
