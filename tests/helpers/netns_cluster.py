@@ -4,7 +4,7 @@
     with NetnsCluster(root, nodes=2) as cluster:      # root: a folder of the test's
         proc = cluster.popen(0, ["hostname"], stdout=subprocess.PIPE)   # a command on node 0 (a Popen)
         cluster.cut(1); cluster.restore(1)            # node 1's link down (no process dies, nothing is reset) / up
-        cluster.shape(1, rate_mbit=100)               # tc on node 1's link (tbf rate; delay_ms: netem, where the
+        cluster.shape(1, rate_mbit=100)               # tc on node 1's outgoing link (tbf rate; delay_ms: netem, where the
                                                       # kernel has it: not here); unshape(1)
         cluster.kill_node(1)                          # SIGKILL every process on node 1
         cluster.pids(1)                               # the processes living on node 1
@@ -25,6 +25,7 @@ node's namespace (``ip netns pids``), then deletes the namespaces, which removes
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -194,6 +195,12 @@ class NetnsCluster:
         if rate_mbit:
             _run(*dev, *parent, "handle", "10:", "tbf", "rate", f"{rate_mbit}mbit", "burst", "32kbit",
                  "latency", "400ms")
+
+    def shaped_bytes(self, i: int) -> int:
+        """Bytes that went out through node ``i``'s shaping (its root qdisc's "Sent N bytes")."""
+        out = _run("ip", "netns", "exec", self.namespaces[i], "tc", "-s", "qdisc", "show", "dev", "eth0")
+        sent = re.search(r"Sent (\d+) bytes", out)
+        return int(sent[1]) if sent else 0
 
     def unshape(self, i: int) -> None:
         subprocess.run(["ip", "netns", "exec", self.namespaces[i], "tc", "qdisc", "del", "dev", "eth0", "root"],

@@ -7,8 +7,9 @@ node1 stage 1: c10d's rendezvous orders the nodes by host name, so the pipeline'
 - Two nodes train the one-node run's fp32 losses bit for bit (the same operations in the same order; only the
   transport differs).
 - Every process of node1 killed mid-run (inside iteration 6, ``faults.paused_env``): node0's job ends non-zero, its
-  output naming node1's address, and nothing is left on either node; relaunched, the job resumes from the newest
-  complete checkpoint (4) and ends with the uninterrupted run's losses.
+  output naming node1's address, and nothing is left on either node; relaunched (node1's link slowed to 10 Mbit/s
+  by tc's tbf), the job resumes from the newest complete checkpoint (4) and ends with the uninterrupted run's
+  losses.
 - node1's link cut (``ip link set eth0 down`` inside it: no process dies, no connection is reset): with
   --hang-watchdog-factor node0's rank 0 reports the overdue step and names ranks 2, 3 and their host node1 as not
   answering, and the job ends non-zero; the link back up, node1's processes end too; relaunched, it resumes exactly.
@@ -161,16 +162,24 @@ def _lose_node1(cluster, corpus, name, how, extra=()):
     return job, returncode, _losses(f"{folder}/tb-lost")
 
 
-def _relaunch(cluster, corpus, name, one_node, lost_losses, extra=()):
-    """The same job relaunched on both nodes: it resumes from the newest complete checkpoint and, with the losses
-    the lost launch logged before, ends with the one-node run's losses."""
+def _relaunch(cluster, corpus, name, one_node, lost_losses, extra=(), rate_mbit=0):
+    """The same job relaunched on both nodes (node1's link shaped to ``rate_mbit`` by tbf where given): it resumes
+    from the newest complete checkpoint and, with the losses the lost launch logged before, ends with the one-node
+    run's losses."""
     folder = os.path.join(cluster.shared, name)
     argv = _argv(corpus, cluster, name, "tb-relaunch", *extra)
-    job = Job(cluster, argv)
+    if rate_mbit:
+        cluster.shape(1, rate_mbit=rate_mbit)
     try:
-        returncodes = [job.wait(i, 300) for i in range(cluster.nodes)]
+        job = Job(cluster, argv)
+        try:
+            returncodes = [job.wait(i, 300) for i in range(cluster.nodes)]
+        finally:
+            job.kill()
+        # the pipeline's traffic went through the shaper: 4 iterations of 4 micro-batches' gradients, 16 KiB each
+        assert not rate_mbit or cluster.shaped_bytes(1) > 4 * 4 * 16 * 1024, cluster.shaped_bytes(1)
     finally:
-        job.kill()
+        cluster.unshape(1)
     assert returncodes == [0, 0], job.output(1)[-3000:]
     assert f"global_step{LOST_AT - 2} at iteration {LOST_AT - 2}" in job.output(0) + job.output(1), job.output(0)
     resumed = _losses(f"{folder}/tb-relaunch")
@@ -244,7 +253,8 @@ def test_a_killed_node_ends_the_job_naming_it_and_a_relaunch_resumes_exactly(clu
     assert returncode != 0, output[-3000:]
     assert cluster.address(1) in output, output[-3000:]  # gloo's "Connection closed by peer [node1's address]"
     assert not cluster.pids(0) and not cluster.pids(1)
-    _relaunch(cluster, corpus, "killed", one_node_losses, lost)
+    # relaunched over a slowed link: node1 sends at 10 Mbit/s (the pipeline's activations and gradients cross it)
+    _relaunch(cluster, corpus, "killed", one_node_losses, lost, rate_mbit=10)
 
 
 def test_a_cut_link_ends_the_job_naming_the_lost_node_and_a_relaunch_resumes_exactly(cluster, corpus,
