@@ -20,6 +20,8 @@ cluster filesystem, and the cluster's root) are bound through into that /tmp at 
 Names carry the pid and a random tag (``mn<pid>x<tag>-n0``), so parallel pytest workers and leftovers of a killed
 run cannot collide. ``stop()`` (also on ``__exit__`` and when ``start`` fails) kills every process still inside a
 node's namespace (``ip netns pids``), then deletes the namespaces, which removes the veths and the bridge with them.
+What a run killed with -9 left behind, the next cluster's ``start`` removes (``remove_stale_namespaces``: the
+names of a pid no longer running).
 """
 
 from __future__ import annotations
@@ -49,6 +51,26 @@ def netns_unavailable() -> str:
         return f"`ip netns add` is refused here: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return ""
+
+
+NAME = re.compile(r"^mn(\d+)x[0-9a-f]{4}-(?:sw|n\d+)$")
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Delete the namespaces (and kill the processes in them) that a cluster of a process no longer running left
+    behind (a pytest run killed with -9 could not tear down); returns their names."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split("\n")
+    stale = [line.split()[0] for line in listed if line.split() and NAME.match(line.split()[0])
+             and not os.path.exists(f"/proc/{NAME.match(line.split()[0])[1]}")]
+    for ns in stale:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    return stale
 
 
 def _run(*cmd: str) -> str:
@@ -93,6 +115,7 @@ class NetnsCluster:
         self.stop()
 
     def start(self) -> None:
+        remove_stale_namespaces()
         os.makedirs(self.shared, exist_ok=True)
         hosts = os.path.join(self.root, "hosts")
         with open(hosts, "w") as f:

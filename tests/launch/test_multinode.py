@@ -193,7 +193,7 @@ def test_the_simulated_nodes_are_separate_hosts_and_leave_nothing_behind(cluster
     """Each node: its hostname, every node's name resolving to its address, its own /tmp, the shared folder at the
     same path; a TCP connection from node0 to node1 by name; tc's tbf on node1's link; a cut link refuses the
     connection's packets. A second cluster, torn down with a process still running in a node, leaves no namespace
-    and no process."""
+    and no process, and its start removed what a killed run had left."""
     probe = ("import os, socket, sys; open(f'/tmp/i-am-{socket.gethostname()}', 'w').close(); "
              "print(socket.gethostname(), [socket.gethostbyname(n) for n in sys.argv[1:]], os.environ['TMPDIR'], "
              "sorted(n for n in os.listdir('/tmp') if n.startswith('i-am')), os.path.isdir(os.environ['SHARED']))")
@@ -223,13 +223,18 @@ def test_the_simulated_nodes_are_separate_hosts_and_leave_nothing_behind(cluster
         cluster.restore(1)
     assert unreachable.returncode != 0, unreachable.stdout  # no route, or no answer: never "refused"
     assert any(why in unreachable.stdout for why in ("timed out", "unreachable", "No route")), unreachable.stdout
-    with NetnsCluster(tmp_path, nodes=2) as other:
+    # what a pytest killed with -9 leaves: a namespace named for a pid that no longer runs, a process inside
+    with open("/proc/sys/kernel/pid_max") as f:
+        stale = f"mn{int(f.read())}x0000-n0"  # pid_max itself is never a pid
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    orphan = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "600"])
+    with NetnsCluster(tmp_path, nodes=2) as other:  # its start removes the stale namespace
         sleeper = other.popen(1, ["sleep", "600"])
         names = other.namespaces + [other.switch]
         assert other.pids(1)
-    assert sleeper.wait(timeout=30) != 0
+    assert sleeper.wait(timeout=30) != 0 and orphan.wait(timeout=30) != 0
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert not [name for name in names if name in left], left
+    assert not [name for name in [*names, stale] if name in left], left
 
 
 def test_two_nodes_train_the_one_node_losses(cluster, corpus, one_node_losses):
