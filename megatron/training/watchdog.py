@@ -16,7 +16,8 @@ Each rank dumps its own stacks: a hung rank cannot answer a collective, so none 
 overdue its watchdog writes every thread's Python stack to stderr (each line prefixed ``[rank R]``), asks the other
 ranks' watchdogs through the job's key-value store (torch.distributed's, a TCP server outside the collectives) to do
 the same, waits ``grace_s`` for them, names the ranks whose watchdog did not answer (its heartbeat in the store did
-not move: the process is stopped, or hung in native code holding the GIL), and ends the process with exit status 1
+not move: the process is stopped, hung in native code holding the GIL, or on a node cut off from the store's host;
+each rank's host name, published at start, is given with it), and ends the process with exit status 1
 (``os._exit``: the main thread is stuck in the step). The launcher (torchrun, srun) then ends the job.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import statistics
 import sys
 import threading
@@ -42,6 +44,10 @@ def _beat_key(rank: int) -> str:
 
 def _dumped_key(rank: int) -> str:
     return f"hang-watchdog/dumped/{rank}"
+
+
+def _host_key(rank: int) -> str:
+    return f"hang-watchdog/host/{rank}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +157,7 @@ class HangWatchdog:
         self.fired: Optional[Overdue] = None
 
     def start(self) -> None:
+        self._store_call("set", _host_key(self.rank), socket.gethostname())  # named when this rank goes silent
         self._thread.start()
 
     def stop(self) -> None:
@@ -195,13 +202,25 @@ class HangWatchdog:
             if silent:
                 self.write(f"hang watchdog: rank {self.rank}: rank(s) {', '.join(map(str, silent))} did not answer "
                            f"(their watchdog's heartbeat stopped {self.grace_s:.0f} s ago or more: stopped, or hung "
-                           f"in native code holding the GIL); no stacks from them\n")
+                           f"in native code holding the GIL, or cut off); no stacks from them{self._hosts(silent)}\n")
             late = [r for r in others if r not in dumped and r not in silent]
             if late:
                 self.write(f"hang watchdog: rank {self.rank}: rank(s) {', '.join(map(str, late))} still run but did "
                            f"not dump within {self.grace_s:.0f} s\n")
         self.write(f"hang watchdog: rank {self.rank}: ending the job (exit status {EXIT_STATUS})\n")
         self.exit_fn(EXIT_STATUS)
+
+    def _hosts(self, ranks: list[int]) -> str:
+        """'; host(s): node1 (ranks 2, 3)' from the names the ranks published at start ('' when none did)."""
+        by_host: dict[str, list[int]] = {}
+        for r in ranks:
+            host = self._store_call("get_if_set", _host_key(r))
+            if host is not None:
+                by_host.setdefault(host.decode(errors="replace"), []).append(r)
+        if not by_host:
+            return ""
+        return "; host(s): " + ", ".join(f"{host} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
+                                          for host, rs in by_host.items())
 
     def _dump(self, why: str) -> None:
         self.write(f"hang watchdog: rank {self.rank}'s Python stacks ({why}):\n" + format_stacks(self.rank))

@@ -21,4 +21,7 @@ Fixtures live in tests/conftest.py.
     data                a Hugging Face cache laid out by hand
     examples, tr11_jobs, slurm_cluster   the launch scripts' dry runs; BigScience's tr11 commands; a
                         single-node SLURM cluster on loopback
+    netns_cluster       simulated nodes: a network namespace, address, hostname, /etc/hosts and /tmp each, one
+                        bridge, a shared folder; run a command on a node, kill a node, cut or shape its link
+    faults              faults injected on purpose (poisoned gradients, held or paused runs, killed ranks, ...)
 """

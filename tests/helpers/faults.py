@@ -35,6 +35,13 @@ A test of in-job restart loses a rank at a chosen point instead of racing it:
                                           save of iteration 5 has returned (marker and ``latest`` written);
                                           ``more``: further kills, e.g. one in the restarted attempt
 
+A test of a node lost mid-run (tests/launch/test_multinode.py) pauses the run where the node is lost:
+
+    paused_env(tmp_path, 5)               each rank of the subprocess, once iteration 5's step is done, writes
+                                          ``tmp_path/paused-rank<RANK>`` and waits until ``tmp_path/go`` exists;
+                                          a node killed or cut off meanwhile is lost inside iteration 6 on every
+                                          rank, whatever the machine's speed
+
 A test of --log-straggler slows one rank instead of racing the machine's load:
 
     slow_forward_env(tmp_path, 1, 0.1)    rank 1 of the subprocess sleeps 0.1 s in each forward call of its model
@@ -53,6 +60,7 @@ HOLD_ENV = "MEGATRON_TEST_HOLD_AFTER"  # "3:/folder": the iteration, then where 
 HOLD_WRITE_ENV = "MEGATRON_TEST_HOLD_WRITE"  # "global_step4/half-file,...:/folder": what to hold, where to say it
 SLOW_ENV = "MEGATRON_TEST_SLOW_FORWARD"  # "1:0.1": the rank, then the seconds slept in each forward call
 KILL_ENV = "MEGATRON_TEST_KILL_AFTER"  # "1:5:0,1:step;...": the rank, iteration, attempts it dies in, when
+PAUSE_ENV = "MEGATRON_TEST_PAUSE_AFTER"  # "5:/folder": the iteration, then where to say "paused" and wait for "go"
 
 
 def poison_gradients(iterations, value: float):
@@ -168,6 +176,25 @@ def slow_forward(rank: int, seconds: float) -> None:
     Trainer._setup_instruments = slowed
 
 
+def pause_after(iteration: int, folder) -> None:
+    """Patch ``Trainer.train_step`` in this process: once ``iteration``'s step is done, write
+    ``folder/paused-rank<RANK>`` and wait until ``folder/go`` exists (``paused_env``)."""
+    from megatron.training.loop import Trainer
+
+    train_step = Trainer.train_step
+    folder = pathlib.Path(folder)
+
+    def paused(self):
+        record = train_step(self)
+        if self.progress.iteration == iteration:
+            (folder / f"paused-rank{os.environ.get('RANK', '0')}").touch()
+            while not (folder / "go").exists():
+                time.sleep(0.05)
+        return record
+
+    Trainer.train_step = paused
+
+
 def poisoned_env(folder, iterations, value: str) -> dict:
     """``os.environ`` plus what makes a Python subprocess started with it call ``poison_gradients(iterations,
     float(value))`` at start-up: a ``sitecustomize.py`` written to ``folder``, first on PYTHONPATH."""
@@ -221,6 +248,12 @@ def kill_env(folder, rank: int, iteration: int, attempts=(0,), moment: str = "st
     return _installing_env(folder, {KILL_ENV: ";".join(f"{r}:{i}:{','.join(map(str, a))}:{m}" for r, i, a, m in kills)})
 
 
+def paused_env(folder, iteration: int) -> dict:
+    """``os.environ`` plus what makes each rank of a subprocess started with it call ``pause_after(iteration,
+    folder)`` at start-up (``folder`` must be seen by every node: the shared folder)."""
+    return _installing_env(folder, {PAUSE_ENV: f"{iteration}:{pathlib.Path(folder).resolve()}"})
+
+
 def held_write_env(folder, holds) -> dict:
     """``os.environ`` plus what makes each rank of a subprocess started with it call ``hold_write(holds, folder)``
     at start-up (``holds``: [(tag, moment)])."""
@@ -241,7 +274,7 @@ def _installing_env(folder, variables: dict) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(
         "import os\n"
-        f"if any(os.environ.get(name) for name in {(ENV, HOLD_ENV, HOLD_WRITE_ENV, SLOW_ENV, KILL_ENV)!r}):\n"
+        f"if any(os.environ.get(name) for name in {(ENV, HOLD_ENV, HOLD_WRITE_ENV, SLOW_ENV, KILL_ENV, PAUSE_ENV)!r}):\n"
         "    from tests.helpers.faults import install_from_env\n"
         "    install_from_env()\n")
     path = os.pathsep.join([str(folder), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -250,8 +283,8 @@ def _installing_env(folder, variables: dict) -> dict:
 
 def install_from_env() -> None:
     """What ``MEGATRON_TEST_POISON_GRADIENTS`` ("3,4:nan"), ``MEGATRON_TEST_HOLD_AFTER`` ("3:/folder"),
-    ``MEGATRON_TEST_HOLD_WRITE`` ("global_step4/half-file:/folder"), ``MEGATRON_TEST_SLOW_FORWARD`` ("1:0.1") and
-    ``MEGATRON_TEST_KILL_AFTER`` ("1:5:0:step") ask for
+    ``MEGATRON_TEST_HOLD_WRITE`` ("global_step4/half-file:/folder"), ``MEGATRON_TEST_SLOW_FORWARD`` ("1:0.1"),
+    ``MEGATRON_TEST_KILL_AFTER`` ("1:5:0:step") and ``MEGATRON_TEST_PAUSE_AFTER`` ("5:/folder") ask for
     (the sitecustomize's call)."""
     if os.environ.get(ENV):
         iterations, value = os.environ[ENV].split(":")
@@ -269,3 +302,6 @@ def install_from_env() -> None:
         for kill in os.environ[KILL_ENV].split(";"):
             rank, iteration, attempts, moment = kill.split(":")
             kill_after(int(rank), int(iteration), {int(a) for a in attempts.split(",")}, moment)
+    if os.environ.get(PAUSE_ENV):
+        iteration, folder = os.environ[PAUSE_ENV].split(":", 1)
+        pause_after(int(iteration), folder)

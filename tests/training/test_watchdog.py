@@ -133,6 +133,23 @@ def test_the_firing_rank_dumps_its_stacks_names_a_silent_rank_and_exits_1():
     assert store.data[FIRED_KEY] == b"0"
 
 
+def test_the_silent_ranks_are_named_with_the_hosts_they_published_at_start():
+    """Ranks 2 and 3 started on node1 (each watchdog's start publishes its host) and went silent, as when node1's
+    link is cut: rank 0's report names them and their host; rank 1 answered."""
+    store = FakeStore()
+    for rank, host in ((1, "node0"), (2, "node1"), (3, "node1")):
+        store.set(f"hang-watchdog/host/{rank}", host)
+    store.set("hang-watchdog/dumped/1", "1")
+    clock, now = _overdue_clock()
+    out = []
+    watchdog = HangWatchdog(clock, rank=0, world_size=4, store=store, grace_s=0.05, time_fn=FakeTime(now + 11.0),
+                            exit_fn=lambda status: None, write=out.append)
+    assert watchdog.poll()
+    lines = [line for line in "".join(out).splitlines() if "did not answer" in line]
+    assert len(lines) == 1 and lines[0].startswith("hang watchdog: rank 0: rank(s) 2, 3 did not answer"), out
+    assert lines[0].endswith("; host(s): node1 (ranks 2, 3)"), lines
+
+
 def test_before_the_threshold_nothing_fires():
     clock, now = _overdue_clock()
     exits = []
