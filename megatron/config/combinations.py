@@ -186,8 +186,6 @@ REFUSED: tuple[Refused, ...] = (
             "Use --zero-stage 0 or 1 without Ulysses, or drop --enable-zbh1-pipeline",
             say="{a} is a schedule of the pipeline engine; this run (" + _NON_PIPELINE_RUN.format(stage="--zero-stage")
             + ". {fix}"),
-    Refused("ZB-H1", "context parallelism", "ring attention and the deferred weight passes have not been run together",
-            "drop one of them", say="{a} is not tested with {b} ({reason}); {fix}"),
     Refused("ZB-H1", "torch.compile", "a compiled layer cannot hand its weight gradient to the schedule",
             "drop one of them", say="{a} does not combine with {b} ({reason}); {fix}"),
     # context parallelism (ring attention, megatron/model/ring_attention.py)
@@ -210,7 +208,6 @@ REFUSED: tuple[Refused, ...] = (
             "drop --rampup-batch-size"),
     Refused("interleaved", "torch.compile", "not supported by the interleaved schedule yet", "drop --torch-compile"),
     Refused("interleaved", "ZB-H1", "a schedule of its own", "drop --enable-zbh1-pipeline"),
-    Refused("interleaved", "context parallelism", "the two have not been run together", "drop --context-parallel-size"),
     Refused("interleaved", "partition method other than type:transformer", "chunks must hold equal layer counts",
             "use --pp-partition-method type:transformer"),
     # Muon (megatron/engine/muon.py): it orthogonalises whole matrices, gathered from ZeRO-1/2's and BF16_Optimizer's
