@@ -252,10 +252,14 @@ class MultiLatentAttention(nn.Module):
             output, _ = self.dense(context.reshape(sq, b, np_ * dv))  # [sq, b, h]
             return output
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, d]
-        if self.cp_group is not None:
+        recompute = self.config.recompute_core_attention and self.training and torch.is_grad_enabled()
+        if self.cp_group is not None and recompute:  # the ring's forward runs again in backward (attention.py)
+            context = tracked_checkpoint_func(self.rng_tracker)(ring_attention, query, key, value, self.cp_group,
+                                                                self._scale, None, document_ids)  # [b, np, sq, dv]
+        elif self.cp_group is not None:
             context = ring_attention(query, key, value, self.cp_group, self._scale,
                                      doc_ids=document_ids)  # [b, np, sq, dv]
-        elif self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
+        elif recompute:
             context = tracked_checkpoint_func(self.rng_tracker)(self._core_attention, query, key, value, offset, False,
                                                                 document_ids)
         else:

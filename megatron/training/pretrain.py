@@ -26,7 +26,7 @@ from megatron.checkpoint import run_state, training_io
 from megatron.checkpoint.async_save import AsyncSaver
 from megatron.checkpoint.resume import intact_resume_point, restore, resume_point
 from megatron.checkpoint.universal.patterns import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
-from megatron.config import RunConfig
+from megatron.config import RunConfig, parallel_dims
 from megatron.config.hardware import check_fp8_device
 from megatron.config.moe import routes_tp_shards
 from megatron.data.tokenizers import build_tokenizer
@@ -297,12 +297,15 @@ def _one_document_a_row(tokens: torch.Tensor):
 
 
 def _sharding_summary(rc: RunConfig) -> str:
-    stage, dp = rc.deepspeed_zero_stage, rc.parallel.data_parallel_size
+    stage = rc.deepspeed_zero_stage
     sharded = {0: "nothing sharded", 1: "optimizer state", 2: "optimizer state and gradients",
                3: "optimizer state, gradients and parameters"}[stage]
-    hpz, sp = rc.parallel.zero_hpz_partition_size, rc.parallel.ds_sequence_parallel_size
-    secondary = f", a secondary parameter shard in {dp * sp // hpz} groups of {hpz} (hpZ)" if hpz > 1 else ""
-    over = f" over DP={dp}" if sp == 1 else f" over DP x SP={dp * sp}"
+    # ZeRO shards over the ranks holding the same weights: DP, and Ulysses' or CP's ranks
+    hpz, sizes = rc.parallel.zero_hpz_partition_size, rc.parallel.sizes()
+    shards = parallel_dims.zero_shards(sizes)
+    secondary = f", a secondary parameter shard in {shards // hpz} groups of {hpz} (hpZ)" if hpz > 1 else ""
+    names = [d.name.upper() for d in parallel_dims.ZERO_SHARDED if d.name == "dp" or sizes[d.name] > 1]
+    over = f" over {' x '.join(names)}={shards}"
     return f"ZeRO-{stage}: {sharded}" + (over if stage else "") + secondary
 
 
