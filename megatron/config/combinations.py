@@ -195,8 +195,6 @@ REFUSED: tuple[Refused, ...] = (
     Refused("context parallelism", "attention backend other than auto / sdpa", "ring attention is its own kernel",
             "use --attention-backend auto"),
     Refused("context parallelism", "torch.compile", "not implemented with ring attention yet", "drop --torch-compile"),
-    Refused("context parallelism", "live evaluation harness", "not implemented with ring attention yet",
-            "evaluate saved checkpoints instead (tools/evaluate.py)"),
     # interleaved virtual stages (megatron/engine/schedules/interleaved.py)
     Refused("interleaved", "batch-size rampup", "the micro-batch count changes during the ramp",
             "drop --rampup-batch-size"),
