@@ -194,7 +194,6 @@ REFUSED: tuple[Refused, ...] = (
             "use --attention-dropout 0"),
     Refused("context parallelism", "attention backend other than auto / sdpa", "ring attention is its own kernel",
             "use --attention-backend auto"),
-    Refused("context parallelism", "torch.compile", "not implemented with ring attention yet", "drop --torch-compile"),
     # interleaved virtual stages (megatron/engine/schedules/interleaved.py)
     Refused("interleaved", "batch-size rampup", "the micro-batch count changes during the ramp",
             "drop --rampup-batch-size"),
