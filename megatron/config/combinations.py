@@ -190,10 +190,10 @@ REFUSED: tuple[Refused, ...] = (
             "drop one of them", say="{a} does not combine with {b} ({reason}); {fix}"),
     # context parallelism (ring attention, megatron/model/ring_attention.py)
     Refused("context parallelism", "Ulysses", "both split the sequence", "drop --ds-sequence-parallel-size"),
-    Refused("context parallelism", "attention dropout", "the ring kernel has no dropout",
-            "use --attention-dropout 0"),
-    Refused("context parallelism", "attention backend other than auto / sdpa", "ring attention is its own kernel",
-            "use --attention-backend auto"),
+    Refused("context parallelism", "attention backend other than auto / sdpa", "the ring computes each block with "
+            "its own fp32 kernel and merges the blocks by their log-sum-exp; the flex and unfused kernels are not "
+            "built into it (flex_attention's return_lse would be the form), and flash's ring form needs CUDA and "
+            "flash-attn, so it cannot run here", "use --attention-backend auto"),
     # interleaved virtual stages (megatron/engine/schedules/interleaved.py)
     Refused("interleaved", "batch-size rampup", "the micro-batch count changes during the ramp",
             "drop --rampup-batch-size"),

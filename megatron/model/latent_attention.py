@@ -253,12 +253,15 @@ class MultiLatentAttention(nn.Module):
             return output
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, d]
         recompute = self.config.recompute_core_attention and self.training and torch.is_grad_enabled()
-        if self.cp_group is not None and recompute:  # the ring's forward runs again in backward (attention.py)
-            context = tracked_checkpoint_func(self.rng_tracker)(ring_attention, query, key, value, self.cp_group,
-                                                                self._scale, None, document_ids)  # [b, np, sq, dv]
-        elif self.cp_group is not None:
-            context = ring_attention(query, key, value, self.cp_group, self._scale,
-                                     doc_ids=document_ids)  # [b, np, sq, dv]
+        if self.cp_group is not None:  # attention.py's ring, dropout and recomputation alike
+            dropout_p = self.config.attention_dropout if self.training else 0.0
+            ring = (query, key, value, self.cp_group, self._scale, None, document_ids, dropout_p)
+            fork = self.rng_tracker.fork() if dropout_p > 0 and self.rng_tracker is not None else contextlib.nullcontext()
+            with fork:
+                if recompute:
+                    context = tracked_checkpoint_func(self.rng_tracker)(ring_attention, *ring)  # [b, np, sq, dv]
+                else:
+                    context = ring_attention(*ring)  # [b, np, sq, dv]
         elif recompute:
             context = tracked_checkpoint_func(self.rng_tracker)(self._core_attention, query, key, value, offset, False,
                                                                 document_ids)

@@ -5,7 +5,8 @@ fp32, no dropout, 10 iterations of pretrain_gpt's path: losses and grad norms wi
 (ALiBi), a Llama-style model (rotary, GQA) and, at CP=2, a GPT-2-style one (learned absolute positions) with
 --reset-position-ids and --eod-mask-loss. On the pipeline engine with ZeRO-1 (DeepSpeed's data axis then holds
 the dp x cp ranks): CP=2, CP=4, CP=2 x PP=2, CP=2 x TP=2 (also with --sequence-parallel), CP=2 x DP=2 and
-CP=2 x PP=2 x DP=2 (8 processes), CP=2 with selective recomputation (the ring recomputed in backward); on
+CP=2 x PP=2 x DP=2 (8 processes), CP=2 with selective recomputation (the ring recomputed in backward), also with
+attention dropout (one process's mask); on
 DeepSpeed's model engine: CP=2 under ZeRO-2 and ZeRO-3, and CP=2 x DP=2 under ZeRO-3 with hpZ groups of 2. A checkpoint
 saved at CP=2 continues at CP=1 x DP=2 as a straight CP=1 x DP=2 run does (and CP=1 x DP=2 -> CP=2,
 CP=2 x DP=2 -> CP=4), within the same tolerance, and converted to a universal checkpoint it resumes at CP=4 and
@@ -23,8 +24,17 @@ from megatron.arguments import run_config_from_argv
 from megatron.config import ParallelConfig
 from megatron.parallel.context_parallel import load_balanced_positions
 from megatron.testing import run_distributed, tiny_argv
+from megatron.testing.tolerance import run_tolerance
 from megatron.training.data_iterators import build_datasets, micro_batch_iterator
-from tests.helpers.training import assert_continues, assert_same_run, layout, to_universal, train
+from tests.helpers.training import (
+    TINY_LAYERS,
+    TINY_WIDTH,
+    assert_continues,
+    assert_same_run,
+    layout,
+    to_universal,
+    train,
+)
 
 ITERS = 10
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
@@ -39,7 +49,9 @@ def _models(corpus):
     # learned positions restarting at each document, no loss on the eod inputs (Megatron's document flags)
     documents = tiny_argv(corpus, train_iters=ITERS, zero_stage=1, position_embedding_type="absolute",
                           embed_layernorm=False, reset_position_ids=True, eod_mask_loss=True)
-    return {"bloom": bloom, "llama": llama, "documents": documents}
+    # attention dropout (Megatron's default 0.1): the ring draws the mask one process draws
+    dropout = layout(llama, "--attention-dropout", 0.1)
+    return {"bloom": bloom, "llama": llama, "documents": documents, "llama dropout": dropout}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +76,10 @@ def runs(tiny_corpus, tmp_path_factory):
            "bloom cp2 zero2": (layout(bloom, *CP2, "--zero-stage", 2), "bloom"),
            "llama cp2 zero3": (layout(llama, *CP2, "--zero-stage", 3), "llama"),
            # the ring recomputed in backward (--recompute-granularity selective), with ALiBi's slopes
-           "bloom cp2 selective": (layout(bloom, *CP2, "--recompute-granularity", "selective"), "bloom")}
+           "bloom cp2 selective": (layout(bloom, *CP2, "--recompute-granularity", "selective"), "bloom"),
+           # dropout inside the ring, its mask drawn again when the ring is recomputed in backward
+           "llama cp2 dropout selective": (layout(models["llama dropout"], *CP2, "--recompute-granularity",
+                                                  "selective"), "llama dropout")}
     four = {"bloom cp2 pp2": (layout(bloom, *CP2, pp=2), "bloom"), "llama cp2 pp2": (layout(llama, *CP2, pp=2), "llama"),
             "bloom cp4": (layout(bloom, *CP4), "bloom"), "llama cp2 tp2": (layout(llama, *CP2, tp=2), "llama"),
             "bloom cp2 dp2": (layout(bloom, *CP2), "bloom"),
@@ -97,7 +112,7 @@ def runs(tiny_corpus, tmp_path_factory):
 
 EXACT = ["bloom cp2", "llama cp2", "documents cp2", "bloom cp2 pp2", "llama cp2 pp2", "bloom cp4", "llama cp2 tp2",
          "bloom cp2 dp2", "bloom cp2 tp2 megatron sp", "bloom cp2 zero2", "llama cp2 zero3", "bloom cp2 pp2 dp2",
-         "bloom cp2 selective", "llama cp2 dp2 zero3 hpz2"]
+         "bloom cp2 selective", "llama cp2 dp2 zero3 hpz2", "llama cp2 dropout selective"]
 
 
 @pytest.mark.multiprocess
@@ -199,6 +214,19 @@ def test_resume_across_cp_sizes_continues_the_straight_run(runs, saved, resumed,
 
 
 @pytest.mark.multiprocess
+def test_attention_dropout_is_what_the_runs_agree_on(runs):
+    """The CP=2 run with --attention-dropout 0.1 equals one process's (test_context_parallel_matches_single_process_
+    in_fp32); the run without dropout differs from it by more than 10 tolerances in its grad norms: the ring drew
+    and applied one process's mask, not none. (Its first loss moves by only about 0.6 tolerances: at initialization
+    the tiny model's attention is nearly uniform, so dropping 10% of it changes the mean little.)"""
+    references, _ = runs
+    dropped, plain = references["llama dropout"]["grad_norms"], references["llama"]["grad_norms"]
+    apart = [abs(a - b) / (run_tolerance(torch.float32, TINY_LAYERS, TINY_WIDTH, it) * abs(a))
+             for it, (a, b) in enumerate(zip(dropped, plain, strict=True), start=1)]
+    assert max(apart) > 10, apart
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("label", ["universal cp4", "universal cp1 dp2 pp2"])
 def test_universal_checkpoint_of_cp2_continues_the_one_process_run(runs, label):
     """The CP=2 run's iteration-5 checkpoint, converted by ds_to_universal.py (the ZeRO-1 state of its dp x cp = 2
@@ -215,7 +243,6 @@ def test_universal_checkpoint_of_cp2_continues_the_one_process_run(runs, label):
     (("--seq-length", 36, "--max-position-embeddings", 64), 4,
      r"--seq-length 36 is not divisible by 2 x --context-parallel-size 4 = 8"),
     (("--ds-sequence-parallel-size", 2), 8, "both split the sequence"),
-    (("--attention-dropout", 0.1), 4, r"--attention-dropout 0.1 \(the ring kernel has no dropout"),
 ])
 def test_impossible_context_parallel_layouts_are_refused_before_launch(tiny_corpus, flags, world, message):
     argv = layout(tiny_argv(tiny_corpus, zero_stage=1), *CP4, *flags)
