@@ -186,31 +186,19 @@ REFUSED: tuple[Refused, ...] = (
             "Use --zero-stage 0 or 1 without Ulysses, or drop --enable-zbh1-pipeline",
             say="{a} is a schedule of the pipeline engine; this run (" + _NON_PIPELINE_RUN.format(stage="--zero-stage")
             + ". {fix}"),
-    Refused("ZB-H1", "context parallelism", "ring attention and the deferred weight passes have not been run together",
-            "drop one of them", say="{a} is not tested with {b} ({reason}); {fix}"),
     Refused("ZB-H1", "torch.compile", "a compiled layer cannot hand its weight gradient to the schedule",
             "drop one of them", say="{a} does not combine with {b} ({reason}); {fix}"),
     # context parallelism (ring attention, megatron/model/ring_attention.py)
     Refused("context parallelism", "Ulysses", "both split the sequence", "drop --ds-sequence-parallel-size"),
-    Refused("context parallelism", "ZeRO++ hpZ", "not implemented with ring attention yet",
-            "drop --zero-hpz-partition-size"),
-    Refused("context parallelism", "attention dropout", "the ring kernel has no dropout",
-            "use --attention-dropout 0"),
-    Refused("context parallelism", "attention backend other than auto / sdpa", "ring attention is its own kernel",
-            "use --attention-backend auto"),
-    Refused("context parallelism", "selective recomputation", "not implemented with ring attention yet",
-            "drop --recompute-granularity selective"),
-    Refused("context parallelism", "torch.compile", "not implemented with ring attention yet", "drop --torch-compile"),
-    Refused("context parallelism", "live evaluation harness", "not implemented with ring attention yet",
-            "evaluate saved checkpoints instead (tools/evaluate.py)"),
-    Refused("context parallelism", "universal checkpoint", "not implemented with ring attention yet",
-            "drop --universal-checkpoint"),
+    Refused("context parallelism", "attention backend other than auto / sdpa", "the ring computes each block with "
+            "its own fp32 kernel and merges the blocks by their log-sum-exp; the flex and unfused kernels are not "
+            "built into it (flex_attention's return_lse would be the form), and flash's ring form needs CUDA and "
+            "flash-attn, so it cannot run here", "use --attention-backend auto"),
     # interleaved virtual stages (megatron/engine/schedules/interleaved.py)
     Refused("interleaved", "batch-size rampup", "the micro-batch count changes during the ramp",
             "drop --rampup-batch-size"),
     Refused("interleaved", "torch.compile", "not supported by the interleaved schedule yet", "drop --torch-compile"),
     Refused("interleaved", "ZB-H1", "a schedule of its own", "drop --enable-zbh1-pipeline"),
-    Refused("interleaved", "context parallelism", "the two have not been run together", "drop --context-parallel-size"),
     Refused("interleaved", "partition method other than type:transformer", "chunks must hold equal layer counts",
             "use --pp-partition-method type:transformer"),
     # Muon (megatron/engine/muon.py): it orthogonalises whole matrices, gathered from ZeRO-1/2's and BF16_Optimizer's

@@ -7,7 +7,9 @@
 The model is the pipeline engine's, read through ``engine.eval_batch`` (DeepSpeed's inference schedule) on
 micro-batches laid out by the training loop's ``make_batch`` (tokens [b, s + 1] -> the pipeline's tuple):
 every batch of requests is right-padded to the training shape [micro_batch_size, seq_length], so the
-pipeline sends the activation shapes it always sends; the last stage gathers the logits over its TP group,
+pipeline sends the activation shapes it always sends (with context parallelism each rank's ``make_batch`` keeps
+its load-balanced tokens, as in training); the last stage gathers the logits over its TP group (and its CP group's
+log-probabilities back into sequence order),
 takes the log-softmax over the tokenizer's rows (the padded vocabulary is never scored) and broadcasts it
 over the pipeline group, so every rank runs the harness on the same numbers and the same number of
 forwards. Every data-parallel replica evaluates every request (simple; the tasks are meant to be small).
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 
 from megatron.evaluation import harness
 from megatron.evaluation.harness_model import MegatronLM
+from megatron.parallel.context_parallel import gather_sequence
 from megatron.parallel.mappings import gather_from_tensor_model_parallel_region
 
 __all__ = ["LiveHarness", "PipelineEngineLM"]
@@ -44,9 +47,9 @@ __all__ = ["LiveHarness", "PipelineEngineLM"]
 class PipelineEngineLM(MegatronLM):
     """MegatronLM scoring with a DeepSpeed pipeline engine's model (any TP / PP), on every rank alike."""
 
-    def __init__(self, engine, tokenizer, config, *, tp_group, micro_batch_size: int, make_batch):
+    def __init__(self, engine, tokenizer, config, *, tp_group, micro_batch_size: int, make_batch, cp_group=None):
         self.engine = engine
-        self.tp_group = tp_group
+        self.tp_group, self.cp_group = tp_group, cp_group
         self._micro_batch_size = micro_batch_size
         self._make_batch = make_batch
         super().__init__(engine.module, tokenizer, config, batch_size=micro_batch_size, max_length=config.seq_length)
@@ -62,8 +65,9 @@ class PipelineEngineLM(MegatronLM):
         grid = self.engine.grid
         out = torch.empty(self._micro_batch_size, seq, self.vocab_size, dtype=torch.float32)  # [b, s, v]
         if self.engine.is_last_stage():
-            logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)  # [s, b, vp]
-            out.copy_(F.log_softmax(logits[..., :self.vocab_size].float(), dim=-1).transpose(0, 1))
+            logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)  # [s/cp, b, vp]
+            log_probs = F.log_softmax(logits[..., :self.vocab_size].float(), dim=-1).transpose(0, 1)  # [b, s/cp, v]
+            out.copy_(gather_sequence(log_probs.contiguous(), self.cp_group))  # CP: every rank's tokens, in order
         if grid.pipe_parallel_size > 1:
             dist.broadcast(out, src=grid.stage_to_global(grid.pipe_parallel_size - 1),
                            group=grid.get_pipe_parallel_group())
@@ -78,12 +82,13 @@ class LiveHarness:
     """The run's harness tasks, scored on the live model when called (on every rank at once)."""
 
     def __init__(self, engine, tokenizer, config, *, tasks: Sequence[str], include_path: Optional[str],
-                 limit: Optional[float], micro_batch_size: int, tp_group, make_batch, seed: int = 1234):
+                 limit: Optional[float], micro_batch_size: int, tp_group, make_batch, seed: int = 1234,
+                 cp_group=None):
         self.tasks = list(tasks)
         self.manager = harness.task_manager(self.tasks, include_path)
         self.settings = harness.HarnessSettings(limit=limit, seed=seed)
         self.lm = PipelineEngineLM(engine, tokenizer, config, tp_group=tp_group, micro_batch_size=micro_batch_size,
-                                   make_batch=make_batch)
+                                   make_batch=make_batch, cp_group=cp_group)
 
     def __call__(self) -> dict[str, float]:
         states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),

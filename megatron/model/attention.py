@@ -273,9 +273,16 @@ class SelfAttention(nn.Module):
             output, _ = self.dense(context.reshape(sq, b, np_ * hn))  # [sq, b, h]
             return output
         if self.cp_group is not None:
-            context = ring_attention(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-                                     self.cp_group, 1.0 / math.sqrt(hn), self.alibi_slopes,
-                                     document_ids)  # [b, np, sq, hn]
+            dropout_p = self.config.attention_dropout if self.training else 0.0
+            ring = (query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), self.cp_group,
+                    1.0 / math.sqrt(hn), self.alibi_slopes, document_ids, dropout_p)
+            with self._dropout_rng(dropout_p):  # the mask drawn from the stream one process's kernel draws from
+                if self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
+                    # the ring's forward (its K / V sends included) runs again in backward, on every CP rank in the
+                    # same order; only q, k, v are kept (not its output and log-sum-exp)
+                    context = tracked_checkpoint_func(self.rng_tracker)(ring_attention, *ring)  # [b, np, sq, hn]
+                else:
+                    context = ring_attention(*ring)  # [b, np, sq, hn]
             output, _ = self.dense(context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn))  # [sq, b, h]
             return output
 

@@ -252,10 +252,17 @@ class MultiLatentAttention(nn.Module):
             output, _ = self.dense(context.reshape(sq, b, np_ * dv))  # [sq, b, h]
             return output
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, d]
-        if self.cp_group is not None:
-            context = ring_attention(query, key, value, self.cp_group, self._scale,
-                                     doc_ids=document_ids)  # [b, np, sq, dv]
-        elif self.config.recompute_core_attention and self.training and torch.is_grad_enabled():
+        recompute = self.config.recompute_core_attention and self.training and torch.is_grad_enabled()
+        if self.cp_group is not None:  # attention.py's ring, dropout and recomputation alike
+            dropout_p = self.config.attention_dropout if self.training else 0.0
+            ring = (query, key, value, self.cp_group, self._scale, None, document_ids, dropout_p)
+            fork = self.rng_tracker.fork() if dropout_p > 0 and self.rng_tracker is not None else contextlib.nullcontext()
+            with fork:
+                if recompute:
+                    context = tracked_checkpoint_func(self.rng_tracker)(ring_attention, *ring)  # [b, np, sq, dv]
+                else:
+                    context = ring_attention(*ring)  # [b, np, sq, dv]
+        elif recompute:
             context = tracked_checkpoint_func(self.rng_tracker)(self._core_attention, query, key, value, offset, False,
                                                                 document_ids)
         else:

@@ -59,23 +59,30 @@ class _Block:
             visible = visible & (q_doc[:, :, None] == k_doc[:, None, :])[:, None]  # [b, 1, sq, sk]
         return scores.masked_fill(~visible, float("-inf"))
 
-    def forward(self, scores, value):
-        """(o [b, np, sq, hn], lse [b, np, sq]) of one block; rows that see no key get lse = -inf, o = 0."""
+    def forward(self, scores, value, drop=None):
+        """(o [b, np, sq, hn], lse [b, np, sq]) of one block; rows that see no key get lse = -inf, o = 0. ``drop``:
+        attention dropout's kept / (1 - p) factors [b, np, sq, sk] on the probabilities (not on their sum, lse)."""
         row_max = scores.amax(dim=-1, keepdim=True)  # [b, np, sq, 1]
         row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
         probs = torch.exp(scores - row_max)  # [b, np, sq, sk], unnormalized
         total = probs.sum(dim=-1, keepdim=True)  # [b, np, sq, 1]
         value = value.float().repeat_interleave(self.groups, dim=1)  # [b, np, sk, hn]
-        out = torch.matmul(probs, value) / total.clamp_min(torch.finfo(torch.float32).tiny)
+        kept = probs if drop is None else probs * drop
+        out = torch.matmul(kept, value) / total.clamp_min(torch.finfo(torch.float32).tiny)
         return out, (row_max + torch.log(total)).squeeze(-1)
 
-    def backward(self, scores, query, key, value, grad_out, lse, delta):
-        """(dq, dk, dv) of one block from the final lse and delta = rowsum(dO * O); dk, dv summed per kv head."""
+    def backward(self, scores, query, key, value, grad_out, lse, delta, drop=None):
+        """(dq, dk, dv) of one block from the final lse and delta = rowsum(dO * O); dk, dv summed per kv head.
+        With dropout's factors Z: dV = (P Z)^T dO, dP = (dO V^T) Z, dS = P (dP - delta)."""
         probs = torch.exp(scores - lse[..., None])  # [b, np, sq, sk], the final softmax's entries
         key = key.float().repeat_interleave(self.groups, dim=1)  # [b, np, sk, hn]
         value = value.float().repeat_interleave(self.groups, dim=1)  # [b, np, sk, hn]
-        grad_value = torch.matmul(probs.transpose(-1, -2), grad_out)  # [b, np, sk, hn]
-        grad_scores = probs * (torch.matmul(grad_out, value.transpose(-1, -2)) - delta[..., None])
+        kept = probs if drop is None else probs * drop
+        grad_value = torch.matmul(kept.transpose(-1, -2), grad_out)  # [b, np, sk, hn]
+        grad_probs = torch.matmul(grad_out, value.transpose(-1, -2))  # [b, np, sq, sk]
+        if drop is not None:
+            grad_probs = grad_probs * drop
+        grad_scores = probs * (grad_probs - delta[..., None])
         grad_query = torch.matmul(grad_scores, key) * self.scale  # [b, np, sq, hn]
         grad_key = torch.matmul(grad_scores.transpose(-1, -2), query.float()) * self.scale  # [b, np, sk, hn]
         return grad_query, self._per_kv_head(grad_key), self._per_kv_head(grad_value)
@@ -116,10 +123,11 @@ class RingAttention(torch.autograd.Function):
     Backward: c steps again, K/V passed on (c - 1 sends), their gradients passed with them (c sends)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, group, scale, slopes, doc_ids):
+    def forward(ctx, query, key, value, group, scale, slopes, doc_ids, dropout_p):
         ring = RingExchange(group)
         c, r, sl = ring.size, ring.rank, query.shape[2]
         positions = [load_balanced_positions(sl * c, c, j, query.device) for j in range(c)]
+        drop = _dropout_factors(query, sl * c, dropout_p, positions[r])  # [b, np, sl, s] or None
         docs = [None] * c
         if doc_ids is not None and c == 1:
             docs = [doc_ids]
@@ -135,12 +143,13 @@ class RingAttention(torch.autograd.Function):
             if step < c - 1:
                 ring.start(kv)  # the next block travels while this one is computed
             for q_rows, k_rows, scores in _visible_pairs(block, query, kv[0], positions, docs, r, source):
-                _merge(out, lse, q_rows, *block.forward(scores, kv[1][:, :, k_rows]))
+                factors = _block_factors(drop, q_rows, positions[source][k_rows])
+                _merge(out, lse, q_rows, *block.forward(scores, kv[1][:, :, k_rows], factors))
             if step < c - 1:
                 kv = tuple(ring.wait())
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.group, ctx.block, ctx.positions, ctx.docs = group, block, positions, docs
+        ctx.group, ctx.block, ctx.positions, ctx.docs, ctx.drop = group, block, positions, docs, drop
         return out
 
     @staticmethod
@@ -160,7 +169,8 @@ class RingAttention(torch.autograd.Function):
                 kv_ring.start(kv)
             for q_rows, k_rows, scores in _visible_pairs(block, query, kv[0], positions, docs, r, source):
                 dq, dk, dv = block.backward(scores, query[:, :, q_rows], kv[0][:, :, k_rows], kv[1][:, :, k_rows],
-                                            grad_out[:, :, q_rows], lse[:, :, q_rows], delta[:, :, q_rows])
+                                            grad_out[:, :, q_rows], lse[:, :, q_rows], delta[:, :, q_rows],
+                                            _block_factors(ctx.drop, q_rows, positions[source][k_rows]))
                 grad_query[:, :, q_rows] += dq
                 grad_kv[0][:, :, k_rows] += dk
                 grad_kv[1][:, :, k_rows] += dv
@@ -170,19 +180,38 @@ class RingAttention(torch.autograd.Function):
             if step < c - 1:
                 kv = tuple(kv_ring.wait())
         return (grad_query.to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def _rows(doc_ids: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
     return None if doc_ids is None else doc_ids[:, rows]
 
 
+def _dropout_factors(query: torch.Tensor, s: int, dropout_p: float, mine: torch.Tensor) -> Optional[torch.Tensor]:
+    """Attention dropout's kept / (1 - p) factors of this rank's query rows [b, np, sl, s] (global key order), or
+    None. The whole [b, np, s, s] draw is one process's: SDPA's dropout on CPU is ``bernoulli_(1 - p)`` over the
+    probabilities' shape from the current generator (the caller's RNG-tracker fork), so every CP rank draws the
+    same mask and keeps its rows. It costs O(s^2) memory for the draw (a fused kernel's counter-based RNG would not:
+    FlashAttention's Philox offsets, CUDA only)."""
+    if dropout_p == 0.0:
+        return None
+    b, np_ = query.shape[:2]
+    keep = torch.empty(b, np_, s, s, dtype=query.dtype, device=query.device).bernoulli_(1 - dropout_p)
+    return keep[:, :, mine].float() / (1 - dropout_p)  # [b, np, sl, s]
+
+
+def _block_factors(drop: Optional[torch.Tensor], q_rows: slice, key_positions: torch.Tensor):
+    return None if drop is None else drop[:, :, q_rows][..., key_positions]  # [b, np, sq, sk]
+
+
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cp_group, scale: float,
-                   slopes: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   slopes: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
+                   dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of this rank's load-balanced slice against the whole sequence of the CP group.
 
     query [b, np, sl, hn], key [b, ng, sl, hn], value [b, ng, sl, dv] (this rank's tokens, in load-balanced
     order); slopes: ALiBi's fp32 [np] for these query heads, or None; doc_ids: [b, sl] document index of each token
-    (attention stays inside a document), or None -> context [b, np, sl, dv].
+    (attention stays inside a document), or None; dropout_p: attention dropout on the probabilities, the mask one
+    process draws from the current generator (``_dropout_factors``) -> context [b, np, sl, dv].
     """
-    return RingAttention.apply(query, key, value, cp_group, scale, slopes, doc_ids)
+    return RingAttention.apply(query, key, value, cp_group, scale, slopes, doc_ids, dropout_p)

@@ -5,7 +5,8 @@ equal chunks and rank i keeps chunks i and 2c-1-i: under a causal mask the late 
 early ones, and pairing the i-th earliest with the i-th latest gives every rank the same attention work.
 
     load_balanced_positions(s, c, i)  the global token indices rank i holds, [s/c], ascending
-    gather_sequence(x, group)         every rank's [b, s/c] slice (ids, labels, masks) back into [b, s] order
+    gather_sequence(x, group)         every rank's [b, s/c, ...] slice (ids, labels, masks, log-probabilities) back
+                                      into [b, s, ...] order
     RingExchange                      send a list of tensors to the next rank of the group, receive the previous
                                       rank's (asynchronously: the caller computes on the current block meanwhile)
 
@@ -45,16 +46,16 @@ def load_balanced_positions(seq_length: int, cp_size: int, cp_rank: int,
 
 
 def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
-    """[b, s/c] (this rank's load-balanced tokens, along dim 1) -> [b, s], the whole sequence in order: every rank's
-    slice all-gathered and put back at its ``load_balanced_positions``. No gradient (for token ids, labels and
-    masks, e.g. the shifted targets of multi-token prediction)."""
+    """[b, s/c, ...] (this rank's load-balanced tokens, along dim 1) -> [b, s, ...], the whole sequence in order:
+    every rank's slice all-gathered and put back at its ``load_balanced_positions``. No gradient (for token ids,
+    labels and masks, e.g. the shifted targets of multi-token prediction, and the live harness's log-probabilities)."""
     c = group_size(group)
     if c == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(c)]
     dist.all_gather(parts, local.contiguous(), group=group)
     seq_length = local.shape[1] * c
-    whole = torch.empty(local.shape[0], seq_length, dtype=local.dtype, device=local.device)
+    whole = torch.empty((local.shape[0], seq_length) + local.shape[2:], dtype=local.dtype, device=local.device)
     for rank, part in enumerate(parts):
         whole[:, load_balanced_positions(seq_length, c, rank, local.device)] = part
     return whole

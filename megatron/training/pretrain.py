@@ -26,7 +26,7 @@ from megatron.checkpoint import run_state, training_io
 from megatron.checkpoint.async_save import AsyncSaver
 from megatron.checkpoint.resume import intact_resume_point, restore, resume_point
 from megatron.checkpoint.universal.patterns import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
-from megatron.config import RunConfig
+from megatron.config import RunConfig, parallel_dims
 from megatron.config.hardware import check_fp8_device
 from megatron.config.moe import routes_tp_shards
 from megatron.data.tokenizers import build_tokenizer
@@ -40,7 +40,7 @@ from megatron.model.mtp import iteration_losses as mtp_iteration_losses
 from megatron.parallel.fp8_linear import update_fp8_scales
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState
-from megatron.training.batches import gpt_micro_batch
+from megatron.training.batches import context_slice, gpt_micro_batch
 from megatron.training.data_iterators import build_datasets, close_data_iterators, micro_batch_iterator
 from megatron.training.distributed import init_process_group
 from megatron.training.exit import ExitMonitor
@@ -291,26 +291,32 @@ def _live_harness(rc: RunConfig, engine, state: ParallelState):
 
     # --reset-attention-mask: the harness's batches carry document ids too (one document a row), so that the
     # pipeline stages exchange the (hidden, ids) activations whose shapes DeepSpeed's engine recorded in training
-    make_batch = _one_document_a_row if rc.data.reset_attention_mask else gpt_micro_batch
+    make_batch = functools.partial(_harness_batch, documents=rc.data.reset_attention_mask, cp_rank=state.cp_rank,
+                                   cp_size=state.cp_size)
     return LiveHarness(engine, build_tokenizer(rc.data.tokenizer), rc.model, tasks=t.eval_harness_tasks,
                        include_path=t.eval_harness_include_path, limit=t.eval_harness_limit,
                        micro_batch_size=rc.batch.micro_batch_size, tp_group=state.tp_group, make_batch=make_batch,
-                       seed=t.seed)
+                       seed=t.seed, cp_group=state.cp_group)
 
 
-def _one_document_a_row(tokens: torch.Tensor):
-    """``gpt_micro_batch(tokens)`` with document ids 0 for every token: each row of the harness is one request."""
+def _harness_batch(tokens: torch.Tensor, *, documents: bool, cp_rank: int, cp_size: int):
+    """``gpt_micro_batch(tokens)`` (with ``documents``, document ids 0 for every token: each row of the harness is
+    one request), this context-parallel rank's load-balanced tokens of it."""
     (input_ids, position_ids), labels = gpt_micro_batch(tokens)
-    return (input_ids, position_ids, torch.zeros_like(input_ids)), labels
+    inputs = (input_ids, position_ids, torch.zeros_like(input_ids)) if documents else (input_ids, position_ids)
+    return context_slice((inputs, labels), cp_rank, cp_size)
 
 
 def _sharding_summary(rc: RunConfig) -> str:
-    stage, dp = rc.deepspeed_zero_stage, rc.parallel.data_parallel_size
+    stage = rc.deepspeed_zero_stage
     sharded = {0: "nothing sharded", 1: "optimizer state", 2: "optimizer state and gradients",
                3: "optimizer state, gradients and parameters"}[stage]
-    hpz, sp = rc.parallel.zero_hpz_partition_size, rc.parallel.ds_sequence_parallel_size
-    secondary = f", a secondary parameter shard in {dp * sp // hpz} groups of {hpz} (hpZ)" if hpz > 1 else ""
-    over = f" over DP={dp}" if sp == 1 else f" over DP x SP={dp * sp}"
+    # ZeRO shards over the ranks holding the same weights: DP, and Ulysses' or CP's ranks
+    hpz, sizes = rc.parallel.zero_hpz_partition_size, rc.parallel.sizes()
+    shards = parallel_dims.zero_shards(sizes)
+    secondary = f", a secondary parameter shard in {shards // hpz} groups of {hpz} (hpZ)" if hpz > 1 else ""
+    names = [d.name.upper() for d in parallel_dims.ZERO_SHARDED if d.name == "dp" or sizes[d.name] > 1]
+    over = f" over {' x '.join(names)}={shards}"
     return f"ZeRO-{stage}: {sharded}" + (over if stage else "") + secondary
 
 

@@ -125,13 +125,14 @@ def test_every_refused_pair_is_refused_with_its_reason_or_fix(entry):
 
 
 def test_the_grouped_message_names_every_partner_present():
-    rc = _with("context parallelism", "torch.compile", "attention dropout", "universal checkpoint")
+    rc = _with("context parallelism", "Ulysses", "attention backend other than auto / sdpa")
     with pytest.raises(ValueError) as info:
         check_combinations(rc, "context parallelism")
     message = str(info.value)
-    assert message.startswith("--context-parallel-size 2 does not work yet with --attention-dropout 0.1 (the ring "
-                              "kernel has no dropout); --torch-compile (")
-    assert "--universal-checkpoint (" in message and message.endswith("or train with --context-parallel-size 1")
+    assert message.startswith("--context-parallel-size 2 does not work yet with --ds-sequence-parallel-size 2 "
+                              "(DeepSpeed-Ulysses) (both split the sequence); --attention-backend flex (")
+    assert message.endswith("drop --ds-sequence-parallel-size, use --attention-backend auto, or train with "
+                            "--context-parallel-size 1")
 
 
 def test_exactly_the_pairs_of_the_table_are_refused():
@@ -152,8 +153,8 @@ def test_exactly_the_pairs_of_the_table_are_refused():
     assert refused == expected
     assert table <= refused
     n = len(NAMES)
-    assert (n, n * (n - 1) // 2, len(REFUSED)) == (29, 406, 32)
-    assert len(refused) == 52  # the table's 32, and 20 more through the features a pair brings along
+    assert (n, n * (n - 1) // 2, len(REFUSED)) == (29, 406, 24)
+    assert len(refused) == 44  # the table's 24, and 20 more through the features a pair brings along
 
 
 def test_docs_flags_md_has_the_section_rendered_from_the_table():

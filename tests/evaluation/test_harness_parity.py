@@ -2,8 +2,9 @@
 training.
 
 One 4-rank launch trains at TP=2, PP=2 a tiny BLOOM four times (without the harness; with it every 2
-iterations, saved; the same stopped after 2 and resumed) and a tiny Llama-style model, then runs
-tools/evaluate.py on the BLOOM checkpoint over the 4 processes (TP=4); to_hf.py exports both models. Then:
+iterations, saved; the same stopped after 2 and resumed), a tiny Llama-style model, and BLOOM with the harness at
+CP=2, PP=2, then runs tools/evaluate.py on the BLOOM checkpoint over the 4 processes (TP=4); to_hf.py exports both
+models. Then:
 - on the local tasks of examples/eval_tasks/ (multiple choice, LAMBADA-style last word, generation) the
   harness's results through ``MegatronLM`` equal its results through ``HFLM`` on the export: every per-sample
   log-likelihood within the tolerance of the tokens it scores (each a log-softmax entry of logits that two
@@ -12,7 +13,7 @@ tools/evaluate.py on the BLOOM checkpoint over the 4 processes (TP=4); to_hf.py 
 - ``loglikelihood_rolling`` on held-out text is exp of our own loss on the same tokens;
 - tools/evaluate.py writes the harness's JSON and tensorboard scalars, at TP=1 and TP=4 alike;
 - training with --eval-harness-tasks gives bit-identical losses, resumes exactly, and logs the metrics of the
-  model it saves;
+  model it saves (at CP=2 x PP=2 too);
 - bad task files, unknown tasks and a checkpoint whose tokenizer files are gone are one ValueError each.
 Everything runs offline (HF_DATASETS_OFFLINE=1, HF_HUB_OFFLINE=1; the export is a local folder).
 """
@@ -78,11 +79,16 @@ def trained(tmp_path_factory, tiny_corpus, offline):
             tiny_argv(tiny_corpus, *live, save=str(root / "first"), save_interval=100, exit_interval=2, **bloom),
             tiny_argv(tiny_corpus, *live, load=str(root / "first"), **bloom),
             tiny_argv(tiny_corpus, *LLAMA, save=str(root / "llama"), save_interval=4, init_method_std=0.15,
-                      position_embedding_type="rope", embed_layernorm=False, **common)]
+                      position_embedding_type="rope", embed_layernorm=False, **common),
+            # context parallelism: each rank scores its load-balanced tokens, the log-probabilities gathered
+            tiny_argv(tiny_corpus, *live, context_parallel_size=2, save=str(root / "bloom cp2"), save_interval=4,
+                      tensorboard_dir=str(root / "tb cp2"), init_method_std=0.3, train_iters=4,
+                      pipeline_model_parallel_size=2)]
     evaluate_argv = ["--load", str(root / "bloom"), *TOOL_FLAGS, "--output_path", str(root / "tp4_results")]
     results = run_distributed(_train_then_evaluate, world_size=4, args=(runs, evaluate_argv),
                               env={"OMP_NUM_THREADS": "1"}, timeout=600)
-    out = {"tp4_results": root / "tp4_results", "tensorboard": root / "tb", "records": results[-1]}
+    out = {"tp4_results": root / "tp4_results", "tensorboard": root / "tb", "records": results[-1],
+           "bloom cp2": str(root / "bloom cp2"), "tensorboard cp2": root / "tb cp2"}
     for name in ("bloom", "llama"):
         assert to_hf.main(["--load", str(root / name), "--output-dir", str(root / f"{name}_hf")]) == 0
         out[name] = (str(root / name), str(root / f"{name}_hf"))
@@ -309,7 +315,7 @@ def test_the_harness_registry_builds_our_model_from_its_argument_string(trained)
 
 @pytest.mark.multiprocess
 def test_training_losses_are_bit_identical_with_the_harness_and_after_resume(trained):
-    plain, with_harness, first, resumed, _ = trained["records"]
+    plain, with_harness, first, resumed, *_ = trained["records"]
     assert plain["iterations"] == with_harness["iterations"] == [1, 2, 3, 4]
     assert with_harness["losses"] == plain["losses"] and with_harness["grad_norms"] == plain["grad_norms"]
     assert first["iterations"] == [1, 2] and first["reason"] == "exit-interval" and resumed["iterations"] == [3, 4]
@@ -317,23 +323,25 @@ def test_training_losses_are_bit_identical_with_the_harness_and_after_resume(tra
 
 
 @pytest.mark.multiprocess
-def test_the_metrics_logged_during_training_are_the_saved_models(trained):
+@pytest.mark.parametrize("run", ["TP=2 x PP=2", "CP=2 x PP=2"])
+def test_the_metrics_logged_during_training_are_the_saved_models(trained, run):
     from megatron.evaluation import harness
     from megatron.evaluation.harness_model import MegatronLM
 
-    scalars = tensorboard_scalars(trained["tensorboard"])
+    cp = run.startswith("CP")
+    scalars = tensorboard_scalars(trained["tensorboard cp2" if cp else "tensorboard"])
     logged = {tag.removeprefix("lm-eval/"): values for tag, values in scalars.items() if tag.startswith("lm-eval/")}
     assert sorted(logged) == ["tiny_choice/acc", "tiny_choice/acc_norm", "tiny_last_word/acc",
                               "tiny_last_word/perplexity"]
     assert all([step for step, _ in values] == [2, 4] for values in logged.values())
     assert "lm-loss-training/lm loss" in scalars  # beside the loss, in the same event files
-    lm = MegatronLM.from_checkpoint(trained["bloom"][0], batch_size=2)
+    lm = MegatronLM.from_checkpoint(trained["bloom cp2"] if cp else trained["bloom"][0], batch_size=2)
     results, logit_scale = _largest_logit(lm.model, lambda: harness.score_tasks(
         lm, LIVE_TASKS, harness.task_manager(LIVE_TASKS, TASKS_DIR, builtin=False),
         harness.HarnessSettings(limit=8, log_samples=True)))
     saved = harness.headline_metrics(results)
     assert set(saved) == set(logged)
-    # Logged at TP=2, PP=2 during training, scored here at TP=1 in other batches: the perplexity within its
+    # Logged at TP=2, PP=2 (or CP=2, PP=2) during training, scored here at TP=1 in other batches: the perplexity within its
     # tolerance, and the float32 rounding of the logged value (tensorboard holds float32).
     rtols = {"tiny_last_word": _log_metric_rtol(lm, _per_token_bound(lm, logit_scale),
                                                 results["samples"]["tiny_last_word"])}

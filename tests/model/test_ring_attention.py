@@ -2,7 +2,8 @@
 the whole sequence: outputs and the gradients of queries, keys and values within the tolerance of the online
 softmax's depth (fp32, megatron.testing.tolerance), for causal, ALiBi, document masks, grouped-query heads and
 value heads of another size than the query / key heads (multi-head latent attention's);
-the bytes each rank sends equal the analytic count.
+the bytes each rank sends equal the analytic count; recomputed in backward (selective recomputation's activation
+checkpoint), the same numbers bit for bit and one more forward's bytes.
 
 One launch per CP size runs every case; each rank holds the load-balanced slice (chunks i and 2c-1-i of 2c)
 and must return exactly that slice of the reference output and gradients.
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from megatron.model.positional import alibi_bias, alibi_slopes
 from megatron.model.ring_attention import document_ids, ring_attention
 from megatron.parallel.context_parallel import check_context_parallel_length, load_balanced_positions
+from megatron.parallel.random import tracked_checkpoint_func
 from megatron.testing import run_distributed
 from megatron.testing.tolerance import tolerance
 
@@ -93,6 +95,14 @@ def _worker(rank, world_size):
         (out * weight).sum().backward()
         results[name] = {"out": out.detach(), "grads": [query.grad, key.grad, value.grad],
                          "bytes": [forward_bytes, sum(sent) - forward_bytes]}
+        if name == "alibi gqa documents":  # selective recomputation's form (megatron/model/attention.py)
+            inputs = [t.detach().requires_grad_() for t in (query, key, value)]
+            sent.clear()
+            out = tracked_checkpoint_func(None)(ring_attention, *inputs, group, 1 / math.sqrt(HN), slopes, docs)
+            forward_bytes = sum(sent)
+            (out * weight).sum().backward()
+            results["recomputed"] = {"out": out.detach(), "grads": [t.grad for t in inputs],
+                                     "bytes": [forward_bytes, sum(sent) - forward_bytes]}
     dist.destroy_process_group(group)
     return {"positions": mine, "cases": results}
 
@@ -129,6 +139,19 @@ def test_ring_p2p_bytes_match_the_analytic_count(ring_results):
         for rank, result in enumerate(results):
             assert result["cases"][name]["bytes"] == [(cp - 1) * block, (cp - 1) * block + cp * block], \
                 f"CP={cp} rank {rank} {name}"
+
+
+@pytest.mark.multiprocess
+def test_recomputed_ring_repeats_its_forward_in_backward(ring_results):
+    """Under the activation checkpoint of --recompute-granularity selective the ring's output and gradients are the
+    plain ring's bit for bit (the same operations), and its backward sends the forward's K / V hops once more."""
+    cp, results = ring_results
+    block = B * 2 * (S // cp) * 2 * HN * 4  # "alibi gqa documents": 2 key / value heads, fp32
+    for rank, result in enumerate(results):
+        plain, recomputed = result["cases"]["alibi gqa documents"], result["cases"]["recomputed"]
+        assert plain["out"] == recomputed["out"] and plain["grads"] == recomputed["grads"], rank  # as lists
+        forward = (cp - 1) * block
+        assert recomputed["bytes"] == [forward, forward + forward + cp * block], (cp, rank, recomputed["bytes"])
 
 
 def test_sequence_not_divisible_by_twice_cp_is_refused():

@@ -5,12 +5,16 @@ fp32, no dropout, 10 iterations of pretrain_gpt's path: losses and grad norms wi
 (ALiBi), a Llama-style model (rotary, GQA) and, at CP=2, a GPT-2-style one (learned absolute positions) with
 --reset-position-ids and --eod-mask-loss. On the pipeline engine with ZeRO-1 (DeepSpeed's data axis then holds
 the dp x cp ranks): CP=2, CP=4, CP=2 x PP=2, CP=2 x TP=2 (also with --sequence-parallel), CP=2 x DP=2 and
-CP=2 x PP=2 x DP=2 (8 processes); on DeepSpeed's model engine: CP=2 under ZeRO-2 and ZeRO-3. A checkpoint
+CP=2 x PP=2 x DP=2 (8 processes), CP=2 with selective recomputation (the ring recomputed in backward), also with
+attention dropout (one process's mask); on
+DeepSpeed's model engine: CP=2 under ZeRO-2 and ZeRO-3, and CP=2 x DP=2 under ZeRO-3 with hpZ groups of 2. A checkpoint
 saved at CP=2 continues at CP=1 x DP=2 as a straight CP=1 x DP=2 run does (and CP=1 x DP=2 -> CP=2,
-CP=2 x DP=2 -> CP=4), within the same tolerance; bf16 (BF16_Optimizer) tracks fp32. One launch per world size
+CP=2 x DP=2 -> CP=4), within the same tolerance, and converted to a universal checkpoint it resumes at CP=4 and
+at CP=1 x DP=2 x PP=2, continuing the one-process run; bf16 (BF16_Optimizer) tracks fp32. One launch per world size
 trains every layout of that size in turn. Layouts that cannot work yet are refused before launch, naming the fix.
 """
 
+import os
 from itertools import islice
 
 import pytest
@@ -20,8 +24,17 @@ from megatron.arguments import run_config_from_argv
 from megatron.config import ParallelConfig
 from megatron.parallel.context_parallel import load_balanced_positions
 from megatron.testing import run_distributed, tiny_argv
+from megatron.testing.tolerance import run_tolerance
 from megatron.training.data_iterators import build_datasets, micro_batch_iterator
-from tests.helpers.training import assert_continues, assert_same_run, layout, train
+from tests.helpers.training import (
+    TINY_LAYERS,
+    TINY_WIDTH,
+    assert_continues,
+    assert_same_run,
+    layout,
+    to_universal,
+    train,
+)
 
 ITERS = 10
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
@@ -36,7 +49,9 @@ def _models(corpus):
     # learned positions restarting at each document, no loss on the eod inputs (Megatron's document flags)
     documents = tiny_argv(corpus, train_iters=ITERS, zero_stage=1, position_embedding_type="absolute",
                           embed_layernorm=False, reset_position_ids=True, eod_mask_loss=True)
-    return {"bloom": bloom, "llama": llama, "documents": documents}
+    # attention dropout (Megatron's default 0.1): the ring draws the mask one process draws
+    dropout = layout(llama, "--attention-dropout", 0.1)
+    return {"bloom": bloom, "llama": llama, "documents": documents, "llama dropout": dropout}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +74,12 @@ def runs(tiny_corpus, tmp_path_factory):
            "resumed cp2": (layout(bloom, *CP2, "--load", save_dp2), "bloom"),
            # DeepSpeed's model engine: ZeRO-2 and ZeRO-3 shard over dp x cp
            "bloom cp2 zero2": (layout(bloom, *CP2, "--zero-stage", 2), "bloom"),
-           "llama cp2 zero3": (layout(llama, *CP2, "--zero-stage", 3), "llama")}
+           "llama cp2 zero3": (layout(llama, *CP2, "--zero-stage", 3), "llama"),
+           # the ring recomputed in backward (--recompute-granularity selective), with ALiBi's slopes
+           "bloom cp2 selective": (layout(bloom, *CP2, "--recompute-granularity", "selective"), "bloom"),
+           # dropout inside the ring, its mask drawn again when the ring is recomputed in backward
+           "llama cp2 dropout selective": (layout(models["llama dropout"], *CP2, "--recompute-granularity",
+                                                  "selective"), "llama dropout")}
     four = {"bloom cp2 pp2": (layout(bloom, *CP2, pp=2), "bloom"), "llama cp2 pp2": (layout(llama, *CP2, pp=2), "llama"),
             "bloom cp4": (layout(bloom, *CP4), "bloom"), "llama cp2 tp2": (layout(llama, *CP2, tp=2), "llama"),
             "bloom cp2 dp2": (layout(bloom, *CP2), "bloom"),
@@ -67,11 +87,21 @@ def runs(tiny_corpus, tmp_path_factory):
             "first half cp2 dp2": (layout(bloom, *CP2, "--save", save_cp2dp2, *half), "bloom"),
             "resumed cp4": (layout(bloom, *CP4, "--load", save_cp2dp2), "bloom"),
             # Megatron's --sequence-parallel inside each TP group, on this rank's s / cp tokens
-            "bloom cp2 tp2 megatron sp": (layout(bloom, *CP2, "--sequence-parallel", tp=2), "bloom")}
+            "bloom cp2 tp2 megatron sp": (layout(bloom, *CP2, "--sequence-parallel", tp=2), "bloom"),
+            # ZeRO-3 over dp x cp = 4 with hpZ's secondary weight shard within pairs of ranks (a CP pair)
+            "llama cp2 dp2 zero3 hpz2": (layout(llama, *CP2, "--zero-stage", 3, "--zero-hpz-partition-size", 2),
+                                         "llama")}
     # every axis at once on 8 processes (measured alone: about 10 s)
     eight = {"bloom cp2 pp2 dp2": (layout(bloom, *CP2, pp=2), "bloom")}
+    # the CP=2 checkpoint of "first half", converted by ds_to_universal.py after the 2-process launch, resumed by
+    # the 4-process one at CP=4 and at CP=1 x DP=2 (x PP=2)
+    universal = {"universal cp4": (layout(bloom, *CP4, "--load", save, "--universal-checkpoint"), "bloom"),
+                 "universal cp1 dp2 pp2": (layout(bloom, "--load", save, "--universal-checkpoint", pp=2), "bloom")}
     out = {}
     for world, layouts in ((2, two), (4, four), (8, eight)):
+        if world == 4:
+            to_universal(os.path.join(save, "global_step5"))  # and points latest_universal at it
+            layouts = dict(layouts, **universal)
         results = run_distributed(train, world_size=world, args=([argv for argv, _ in layouts.values()],),
                                   timeout=600)
         for rank, per_rank in enumerate(results):
@@ -81,7 +111,8 @@ def runs(tiny_corpus, tmp_path_factory):
 
 
 EXACT = ["bloom cp2", "llama cp2", "documents cp2", "bloom cp2 pp2", "llama cp2 pp2", "bloom cp4", "llama cp2 tp2",
-         "bloom cp2 dp2", "bloom cp2 tp2 megatron sp", "bloom cp2 zero2", "llama cp2 zero3", "bloom cp2 pp2 dp2"]
+         "bloom cp2 dp2", "bloom cp2 tp2 megatron sp", "bloom cp2 zero2", "llama cp2 zero3", "bloom cp2 pp2 dp2",
+         "bloom cp2 selective", "llama cp2 dp2 zero3 hpz2", "llama cp2 dropout selective"]
 
 
 @pytest.mark.multiprocess
@@ -135,9 +166,12 @@ def test_context_parallel_engine_and_optimizers(runs):
             assert result["engine"] == "PipelineEngine", (label, rank, result["engine"])
             assert (result["dp_size"], result["optimizer"]) == (dp_cp, optimizer), (label, rank, result)
     for label, optimizer in {"bloom cp2 zero2": "DeepSpeedZeroOptimizer",
-                             "llama cp2 zero3": "DeepSpeedZeroOptimizer_Stage3"}.items():
+                             "llama cp2 zero3": "DeepSpeedZeroOptimizer_Stage3",
+                             "llama cp2 dp2 zero3 hpz2": "DeepSpeedZeroOptimizer_Stage3"}.items():
         for rank, (_, result) in out[label].items():
             assert (result["engine"], result["optimizer"]) == ("ModelEngine", optimizer), (label, rank, result)
+            hpz = [rank - rank % 2, rank - rank % 2 + 1] if "hpz2" in label else None  # hpZ's groups of 2 ranks
+            assert result["hpz_ranks"] == hpz, (label, rank, result["hpz_ranks"])
 
 
 @pytest.mark.multiprocess
@@ -179,12 +213,36 @@ def test_resume_across_cp_sizes_continues_the_straight_run(runs, saved, resumed,
                         f"rank {rank}: {resumed} vs {straight}")
 
 
+@pytest.mark.multiprocess
+def test_attention_dropout_is_what_the_runs_agree_on(runs):
+    """The CP=2 run with --attention-dropout 0.1 equals one process's (test_context_parallel_matches_single_process_
+    in_fp32); the run without dropout differs from it by more than 10 tolerances in its grad norms: the ring drew
+    and applied one process's mask, not none. (Its first loss moves by only about 0.6 tolerances: at initialization
+    the tiny model's attention is nearly uniform, so dropping 10% of it changes the mean little.)"""
+    references, _ = runs
+    dropped, plain = references["llama dropout"]["grad_norms"], references["llama"]["grad_norms"]
+    apart = [abs(a - b) / (run_tolerance(torch.float32, TINY_LAYERS, TINY_WIDTH, it) * abs(a))
+             for it, (a, b) in enumerate(zip(dropped, plain, strict=True), start=1)]
+    assert max(apart) > 10, apart
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("label", ["universal cp4", "universal cp1 dp2 pp2"])
+def test_universal_checkpoint_of_cp2_continues_the_one_process_run(runs, label):
+    """The CP=2 run's iteration-5 checkpoint, converted by ds_to_universal.py (the ZeRO-1 state of its dp x cp = 2
+    ranks merged per parameter), resumes at CP=4 and at CP=1 x DP=2 x PP=2 with --universal-checkpoint: iterations
+    6-10's losses and grad norms within ``run_tolerance`` of the one-process run's."""
+    references, out = runs
+    tail = {key: references["bloom"][key][5:] for key in ("losses", "grad_norms")}
+    for rank, (_, result) in out[label].items():
+        assert result["iterations"] == [6, 7, 8, 9, 10], (label, rank)
+        assert_same_run(tail, result, f"rank {rank}: {label} vs one process")
+
+
 @pytest.mark.parametrize("flags,world,message", [
     (("--seq-length", 36, "--max-position-embeddings", 64), 4,
      r"--seq-length 36 is not divisible by 2 x --context-parallel-size 4 = 8"),
     (("--ds-sequence-parallel-size", 2), 8, "both split the sequence"),
-    (("--zero-stage", 3, "--zero-hpz-partition-size", 2), 8, r"does not work yet with --zero-hpz-partition-size 2"),
-    (("--attention-dropout", 0.1), 4, r"--attention-dropout 0.1 \(the ring kernel has no dropout"),
 ])
 def test_impossible_context_parallel_layouts_are_refused_before_launch(tiny_corpus, flags, world, message):
     argv = layout(tiny_argv(tiny_corpus, zero_stage=1), *CP4, *flags)

@@ -1,6 +1,7 @@
 """Megatron's --eod-mask-loss and --reset-position-ids: what the micro-batches hold, and what the engine's loss
 makes of them; --reset-attention-mask: the document mask equals Megatron-LM's loops, training with it equals one
-process at every layout and differs from the unmasked run; refused with MTP and the flash backend, by name."""
+process at every layout (context parallelism under ZB-H1 and the interleaved schedule included) and differs from the
+unmasked run; refused with MTP and the flash backend, by name."""
 
 import pytest
 import torch
@@ -128,19 +129,23 @@ MASKED = dict(seq_length=64, reset_attention_mask=True, eod_mask_loss=True, posi
 # the layouts that must train as one process does, on 4 processes: CP = 2 x TP = 2 with sequence parallelism (the
 # ring's document blocks), Ulysses = 2 (DP = 2; the whole sample's ids after the all-to-all), PP = 2 (DP = 2; the
 # ids travel between the stages with the hidden state) under 1F1B, ZB-H1 and the interleaved schedule (v = 2, on a
-# 4-layer model: its own one-process reference), ZeRO-2 at DP = 4. CP with interleaved stages or ZB-H1 is refused
-# (the table).
+# 4-layer model: its own one-process reference), ZeRO-2 at DP = 4; and CP = 2 x PP = 2 under ZB-H1 (the ring's
+# backward in the B passes, the weight passes deferred) and the interleaved schedule (each chunk's ring on its own
+# micro-batch order, the same on both CP ranks of a stage).
 PP2 = ("--pipeline-model-parallel-size", 2)
+CP2 = ("--context-parallel-size", 2)
+ZBH1 = ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics")
+INTERLEAVED = ("--num-virtual-stages-per-pipeline-rank", 2, "--num-layers", 4)
 # the live lm-eval harness during the PP=2 run (its batches must carry document ids too: the stages' activations keep
 # their recorded form); it leaves the training losses as they are (tests/evaluation/test_harness_parity.py)
 HARNESS = ("--eval-harness-tasks", "tiny_choice", "--eval-harness-include-path", REPO_ROOT / "examples" / "eval_tasks",
            "--eval-harness-limit", 4, "--eval-harness-interval", 5)
 LAYOUTS = {"CP=2 x TP=2 + SP": ("--context-parallel-size", 2, "--tensor-model-parallel-size", 2, "--sequence-parallel"),
            "Ulysses=2": ("--ds-sequence-parallel-size", 2), "PP=2 + live lm-eval": PP2 + HARNESS,
-           "PP=2 ZB-H1": PP2 + ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"),
-           "PP=2 x v=2 interleaved": PP2 + ("--num-virtual-stages-per-pipeline-rank", 2, "--num-layers", 4),
+           "PP=2 ZB-H1": PP2 + ZBH1, "PP=2 x v=2 interleaved": PP2 + INTERLEAVED,
            # DeepSpeed's model engine without Ulysses (GPTModel's document_ids), its layers recomputed in backward
-           "ZeRO-2 DP=4 + recomputed layers": ("--zero-stage", 2, "--checkpoint-activations")}
+           "ZeRO-2 DP=4 + recomputed layers": ("--zero-stage", 2, "--checkpoint-activations"),
+           "CP=2 x PP=2 ZB-H1": CP2 + PP2 + ZBH1, "CP=2 x PP=2 x v=2 interleaved": CP2 + PP2 + INTERLEAVED}
 
 
 @pytest.fixture(scope="module")
@@ -166,10 +171,22 @@ def test_document_masks_train_equal_at_every_layout(tiny_corpus, one_process):
         reference = four_layers if "--num-layers" in LAYOUTS[label] else masked
         assert_same_run(reference, record, f"--reset-attention-mask at {label} vs one process",
                         num_layers=4 if reference is four_layers else TINY_LAYERS)
-    assert results[0][3]["executed_steps"] and results[0][4]["held_layers"] == 2  # ZB-H1's steps; 2 chunks x 1
+    labels = list(LAYOUTS)
+    for rank in range(4):  # ZB-H1's steps; the interleaved runs hold 2 chunks x 1 layer
+        records = dict(zip(labels, results[rank]))
+        assert records["PP=2 ZB-H1"]["executed_steps"] and records["CP=2 x PP=2 ZB-H1"]["executed_steps"], rank
+        assert records["PP=2 x v=2 interleaved"]["held_layers"] == 2, rank
+        assert records["CP=2 x PP=2 x v=2 interleaved"]["held_layers"] == 2, rank
+        for label in ("CP=2 x PP=2 ZB-H1", "CP=2 x PP=2 x v=2 interleaved"):  # every rank: each CP rank's ring
+            assert_same_run(four_layers if "--num-layers" in LAYOUTS[label] else masked, records[label],
+                            f"rank {rank}: --reset-attention-mask at {label} vs one process",
+                            num_layers=4 if "--num-layers" in LAYOUTS[label] else TINY_LAYERS)
     # the mask is what the runs agree on: the whole-sample causal run differs, by 10 tolerances at the first step
     first, other = masked["losses"][0], unmasked["losses"][0]
-    assert abs(first - other) > 10 * run_tolerance(torch.float32, TINY_LAYERS, TINY_WIDTH, 1) * abs(first)
+    bound = run_tolerance(torch.float32, TINY_LAYERS, TINY_WIDTH, 1)
+    assert abs(first - other) > 10 * bound * abs(first)
+    # and so do the masked CP x ZB-H1 run's (the same 2-layer model): the ring applied the documents
+    assert abs(results[0][labels.index("CP=2 x PP=2 ZB-H1")]["losses"][0] - other) > 9 * bound * abs(first)
 
 
 @pytest.mark.multiprocess

@@ -1,7 +1,8 @@
-"""--torch-compile (each transformer layer compiled) trains to the eager losses at TP=2 x PP=2 with activation
-checkpointing, in fp32. One launch, eager then compiled on the same ranks. Mixture-of-experts layers are compiled by
-region (norms, attention, shared expert; router, dispatch and experts eager): at EP=2 they train to the eager losses,
-grad norms and expert biases, and nothing compiles after the first iteration."""
+"""--torch-compile (each transformer layer compiled) trains to the eager losses at TP=2 x PP=2 and at CP=2 x PP=2
+(ring attention) with activation checkpointing, in fp32. One launch, eager then compiled on the same ranks.
+Mixture-of-experts layers are compiled by region (norms, attention, shared expert; router, dispatch and experts
+eager): at EP=2 they train to the eager losses, grad norms and expert biases, and nothing compiles after the first
+iteration."""
 
 import pytest
 
@@ -19,10 +20,15 @@ def test_compiled_layers_train_to_the_eager_losses_with_tp_pp_and_recompute(tiny
                  global_batch_size=4, checkpoint_activations=True)
     eager = tiny_argv(tiny_corpus, **flags)
     compiled = tiny_argv(tiny_corpus, "--torch-compile", **flags)
-    results = run_distributed(train, world_size=4, args=([eager, compiled],), timeout=600)
-    eager_run, compiled_run = results[0]
-    assert len(compiled_run["losses"]) == 3
-    assert_same_run(eager_run, compiled_run, "compiled vs eager")  # inductor's fused kernels sum in other orders
+    # context parallelism: the ring kernel (its p2p sends) inside the compiled layers, CP=2 x PP=2
+    ring = tiny_argv(tiny_corpus, "--torch-compile", **dict(flags, tensor_model_parallel_size=1, context_parallel_size=2))
+    results = run_distributed(train, world_size=4, args=([eager, compiled, ring],), timeout=600)
+    for rank, (eager_run, compiled_run, ring_run) in enumerate(results):
+        assert len(compiled_run["losses"]) == 3 and compiled_run["compiled_layers"] == 1, rank
+        assert ring_run["compiled_layers"] == 1, rank  # one layer a stage
+        # inductor's fused kernels sum in other orders; the ring in others again (one process's computation)
+        assert_same_run(eager_run, compiled_run, f"rank {rank}: compiled vs eager")
+        assert_same_run(eager_run, ring_run, f"rank {rank}: compiled CP=2 x PP=2 vs eager TP=2 x PP=2")
 
 
 def train_counting_compilations(rank, world_size, runs):
