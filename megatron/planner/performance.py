@@ -26,7 +26,7 @@ Per micro-batch, on the slowest pipeline stage (everything below is per GPU):
   CP          (context parallelism, ring attention) every layer on s/c tokens: GEMM rows b*s/c, attention
               s/c queries against s keys (compute / c); the ring's K / V (and dK / dV) sends, less what the
               block computation hides (``megatron.planner.context_parallel.ring_exposed_s``): ``cp_comm``.
-  PP          one activation forward and one gradient backward of s*b*h bf16 per micro-batch; with
+  PP          one activation forward and one gradient backward of s*b*h bf16 (fp32: 4 bytes) per micro-batch; with
               TP > 1 DeepSpeed sends 1/t of it and all-gathers it over the TP group (3 per slot).
   MoE         (``ModelShape.moe``) an MoE layer's MLP FLOPs are k experts' + the shared expert's + the router's;
               its token all-to-alls (``megatron.planner.moe.layer_bytes`` for the s / (u x cp) tokens a rank
@@ -309,8 +309,10 @@ def estimate_step(model: ModelShape, layout: Layout, gpu: GPUSpec, cluster: Clus
     slowest = max(range(layout.pp), key=lambda i: sum(slots[i].values()))
     slot = dict(slots[slowest])
     if layout.pp > 1:
-        # DeepSpeed sends 1/t of the activation (pipe_partitioned) and all-gathers it over the TP group
-        act_bytes = 2 * seq_length / layout.token_split * layout.micro_batch_size * model.hidden_size
+        # DeepSpeed sends 1/t of the activation (pipe_partitioned) and all-gathers it over the TP group; an fp32
+        # run's activations are fp32 (4 bytes), as schedule_costs.p2p_bytes_per_step counts them
+        width = 4 if layout.precision == "fp32" else 2
+        act_bytes = width * seq_length / layout.token_split * layout.micro_batch_size * model.hidden_size
         slot["pp_comm"] = 2 * (act_bytes / layout.tp / (pp_bw * 1e9) + cluster.p2p_latency_us * 1e-6)
         slot["pp_comm"] += 3 * _allgather_s(act_bytes, layout.tp, tp_bw, cluster.collective_latency_us)
         slot["pp_comm"] *= layout.virtual_stages  # interleaved: a send and a receive per chunk boundary

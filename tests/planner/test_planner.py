@@ -150,3 +150,25 @@ def test_zero2_and_zero3_bytes_and_communication_by_hand():
     zero3 = {(lay.tp, lay.dp, lay.ulysses) for lay in ulysses if lay.zero_stage == 3 and lay.hpz == 1}
     assert {(lay.tp, lay.dp, lay.ulysses, lay.hpz) for lay in ulysses if lay.hpz > 1} == \
         {(t, d, u, 8 // t) for t, d, u in zero3 if 1 < 8 // t < d * u and d * u % (8 // t) == 0} != set()
+
+
+def test_pipeline_sends_cross_nodes_at_the_activations_width_by_hand():
+    """PP across nodes (4 GPUs a node, TP=2 x DP=2 a stage): each micro-batch's activation and gradient, 1/t of
+    [s, b, h] per rank at 4 bytes in fp32 and 2 in bf16, over the per-GPU inter-node bandwidth, plus the TP
+    all-gathers, charged in every slot of the 1F1B pipeline (m + p - 1 of them); the tied embedding's fp32 gradient
+    all-reduced between the first and the last stage (benchmarks/bench_multinode.py measures this layout)."""
+    from megatron.planner.performance import _allgather_s, _allreduce_s
+    from megatron.planner.specs import ClusterSpec
+
+    model = ModelShape(2, 64, 4, 512)
+    gpu, cluster = GPUS["A100-80GB"], ClusterSpec("two-nodes", 4, 0.01)
+    s, b, t, m = 32, 2, 2, 4
+    for precision, width in (("fp32", 4), ("bf16", 2)):
+        step = estimate_step(model, Layout(t, 2, 2, b, recompute=False, zero_stage=0, precision=precision), gpu,
+                             cluster, s, 16)
+        activation = width * s * b * 64
+        slot = 2 * (activation / t / (cluster.inter_node_gbps * 1e9) + cluster.p2p_latency_us * 1e-6)
+        slot += 3 * _allgather_s(activation, t, gpu.nvlink_busbw_gbps, cluster.collective_latency_us)
+        assert step.components_s["pp_comm"] == pytest.approx((m + 1) * slot, rel=F64, abs=0), precision
+        tied = _allreduce_s(4 * 512 * 64 / t, 2, cluster.inter_node_gbps, cluster.collective_latency_us)
+        assert step.components_s["tied_embedding"] == pytest.approx(tied, rel=F64, abs=0), precision
