@@ -29,9 +29,11 @@ decoding with a KV cache is decode for one fp32 token per row on CPU, else sdpa.
 Document masks (Megatron's --reset-attention-mask): ``document_ids`` [b, s], the document of every token of a
 packed sample; a query sees the keys before it in its own document only. What each kernel pays for it:
 
-    sdpa     a dense boolean mask [b, 1, s, s] (with ALiBi an additive bias [b, np, s, s]) built per layer call
-             and kept for the backward: O(b s^2) memory (O(b np s^2) with ALiBi). Torch's CPU SDPA has no
-             varlen / segment form, so a mask it must be; its fused kernels still run (no is_causal then).
+    sdpa     one SDPA call per document on its own queries and keys (``sdpa_per_document``: is_causal, with ALiBi
+             the document's own bias): the work and memory of the visible pairs, sum d^2, and no [s, s] tensor.
+             With dropout, or traced by torch.compile, a dense boolean mask [b, 1, s, s] (with ALiBi an additive
+             bias [b, np, s, s]) built per layer call and kept for the backward: O(b s^2) memory, all s^2 pairs
+             computed (torch's CPU SDPA has no varlen form; the whole sample's dropout draw needs the one call).
     unfused  the same mask, applied to the [b, np, s, s] scores it holds anyway: nothing of a new order.
     flex     a document mask_mod in a block mask ([b, 1, s/128, s/128] block indices, no [s, s] tensor kept;
              create_block_mask evaluates the mask_mod over the [b, s, s] grid once per call while building it);
@@ -57,7 +59,8 @@ import torch.nn.functional as F
 from megatron.model.positional import alibi_bias
 
 __all__ = ["FLEX_CPU_BACKWARD_BLOCK", "UNFUSED_AUTO_MAX_SCORES", "flash_attn_available", "resolve_attention_backend",
-           "document_causal_mask", "flex_core_attention", "flash_core_attention", "unfused_core_attention"]
+           "document_causal_mask", "document_runs", "sdpa_per_document", "flex_core_attention", "flash_core_attention",
+           "unfused_core_attention"]
 
 FLEX_CPU_BACKWARD_BLOCK = 256  # queries per recomputed block in flex's CPU backward
 UNFUSED_AUTO_MAX_SCORES = 1024 * 1024  # auto's unfused path on CPU: sq x sk at most this (s <= 1024)
@@ -144,6 +147,45 @@ def document_causal_mask(document_ids: torch.Tensor, slopes: Optional[torch.Tens
         return visible[:, None]  # [b, 1, sq, s]
     bias = alibi_bias(slopes.to(document_ids.device), query_positions, key_positions)[None]  # [1, np, sq, s] fp32
     return bias.masked_fill(~visible[:, None], float("-inf")).to(dtype)  # [b, np, sq, s]
+
+
+def document_runs(document_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Each row's documents as (start, stop) runs of equal ids (document_ids [b, s], whose ids run in blocks, as
+    packed samples' are: ``megatron.training.batches``, ``ring_attention.document_ids``). One host read."""
+    ids = document_ids.cpu()
+    b, s = ids.shape
+    starts = (ids[:, 1:] != ids[:, :-1]).nonzero().tolist()  # [(row, position before a new document)]
+    bounds = [[0] for _ in range(b)]
+    for row, before in starts:
+        bounds[row].append(before + 1)
+    return [list(zip(row, row[1:] + [s])) for row in bounds]
+
+
+def sdpa_per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, document_ids: torch.Tensor,
+                      slopes: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """Per-document causal attention by SDPA on each document's own queries and keys: is_causal (the fused kernel
+    skips the future), with ALiBi (``slopes``, fp32 [np]) the document's own [1, np, d, d] bias. The work and the
+    memory of the pairs a document mask leaves visible (sum d^2 over the documents) instead of a dense
+    [b, 1, s, s] mask over all s^2 pairs, which SDPA's CPU kernel computes in full and keeps for backward (16k tokens
+    in 8 documents: 2.6x the causal time, 1 GiB kept; benchmarks/bench_document_attention.py). The same function as
+    ``document_causal_mask``'s; no dropout (the dense path draws the whole sample's mask).
+
+    query [b, np, s, hn], key [b, ng, s, hn], value [b, ng, s, dv], document_ids [b, s] -> context [b, np, s, dv].
+    """
+    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+    rows = []
+    for row, runs in enumerate(document_runs(document_ids)):
+        parts = []
+        for start, stop in runs:
+            q, k, v = (t[row:row + 1, :, start:stop] for t in (query, key, value))  # [1, heads, d, .]
+            bias = None
+            if slopes is not None:
+                positions = torch.arange(stop - start, device=query.device)
+                bias = alibi_bias(slopes.to(query.device), positions, positions).to(query.dtype)[None]  # [1, np, d, d]
+            parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None, scale=scale,
+                                                        **gqa))  # [1, np, d, dv]
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0)  # [b, np, s, dv]
 
 
 def _document_block_mask(document_ids: torch.Tensor):

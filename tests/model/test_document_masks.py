@@ -112,3 +112,32 @@ def test_packed_documents_equal_documents_alone(references, name, backend, recom
     with torch.no_grad():  # the mask is what makes them equal: the whole-sample causal run differs
         unmasked = model(input_ids, position_ids, labels=labels)
     assert (unmasked - reference_losses).abs().max().item() > 10 * bound
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["no bias", "alibi"])
+def test_sdpa_runs_each_document_alone_as_the_dense_mask_does_without_an_s_by_s_tensor(alibi):
+    """sdpa's document path (one SDPA call per document, attention_core.sdpa_per_document) against the dense
+    [b, 1, s, s] mask it replaces (kept where dropout draws the whole sample's mask): the same context and gradients
+    in float64 (GQA, value heads narrower than the query / key heads, rows of different documents), and nothing of
+    s x s kept for backward."""
+    from megatron.model.attention_core import document_causal_mask, document_runs, sdpa_per_document
+
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2], [4, 4, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6]])
+    assert document_runs(ids) == [[(0, 3), (3, 5), (5, 12)], [(0, 2), (2, 9), (9, 12)]]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 12, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+               for heads, dim in ((4, 8), (2, 8), (2, 6)))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.shape[-2:]) or t, lambda t: t):
+        ours = sdpa_per_document(q, k, v, ids, slopes, 0.3)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=document_causal_mask(ids, slopes, torch.float64), scale=0.3, enable_gqa=True)
+    grad = torch.randn(dense.shape, generator=gen, dtype=torch.float64)
+    ours_grads = torch.autograd.grad(ours, (q, k, v), grad)
+    dense_grads = torch.autograd.grad(dense, (q, k, v), grad)
+    bound = tolerance(torch.float64, 6, 12, 1.0)
+    assert (ours - dense).abs().max() <= bound
+    for a, b in zip(ours_grads, dense_grads):
+        assert (a - b).abs().max() <= bound * max(1.0, b.abs().max().item())
+    assert all(tuple(size) != (12, 12) for size in sizes), sizes  # the longest document is 7: no [s, s] tensor
