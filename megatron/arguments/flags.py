@@ -240,10 +240,11 @@ def _data(parser):
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="Megatron's per-document attention mask: documents packed into one sample (split after "
                         "each end-of-document token) do not attend to each other, in every attention backend "
-                        "(flash excepted) and under TP, SP, PP, CP and Ulysses. SDPA and unfused build a dense "
-                        "[b, 1, s, s] mask ([b, heads, s, s] with ALiBi); flex a block mask; the ring its blocks' "
-                        "(docs/parallelism.md). Rotary and ALiBi are relative, so a document then computes as "
-                        "alone at position 0; learned positions need --reset-position-ids for that.")
+                        "(flash excepted) and under TP, SP, PP, CP and Ulysses. SDPA runs each document alone (a dense "
+                        "[b, 1, s, s] mask with attention dropout or under --torch-compile), unfused a dense mask "
+                        "([b, heads, s, s] with ALiBi), flex a block mask, the ring its blocks' "
+                        "(docs/performance.md). Rotary and ALiBi are relative, so a document then computes as alone "
+                        "at position 0; learned positions need --reset-position-ids for that.")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes for training.")
     g.add_argument("--valid-num-workers", type=int, default=2,
                    help="DataLoader worker processes for validation and test.")
