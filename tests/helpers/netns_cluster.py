@@ -34,8 +34,6 @@ import signal
 import subprocess
 import time
 
-SWITCH_ADDRESS_HOST = 254  # unused: the bridge has no address; nodes are .1, .2, ...
-
 
 def netns_unavailable() -> str:
     """'' when this process can build a cluster (root, `ip` and `unshare` present, namespaces allowed), else why
