@@ -13,6 +13,9 @@ def test_both_spellings_give_the_virtual_stages(files):
     assert parse(files, **PP2, num_virtual_stages_per_pipeline_rank=2).parallel.num_virtual_stages_per_pipeline_rank == 2
     assert parse(files, **PP2, num_layers_per_virtual_pipeline_stage=1).parallel.num_virtual_stages_per_pipeline_rank == 2
     assert parse(files, **PP2, num_virtual_stages_per_pipeline_rank=2, num_experts=4).model.moe.num_experts == 4
+    # with context parallelism too (trained as one process: tests/training/test_document_masks.py)
+    cp = parse(files, **dict(PP2, world_size=4), num_virtual_stages_per_pipeline_rank=2, context_parallel_size=2)
+    assert (cp.parallel.num_virtual_stages_per_pipeline_rank, cp.parallel.context_parallel_size) == (2, 2)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -25,8 +28,6 @@ def test_both_spellings_give_the_virtual_stages(files):
     (dict(num_virtual_stages_per_pipeline_rank=2, zero_stage=2), "--zero-stage 2 does not combine with --pipeline"),
     (dict(num_virtual_stages_per_pipeline_rank=2, enable_zbh1_pipeline=True, enable_zbh1_exact_semantics=True),
      "does not support --enable-zbh1-pipeline"),
-    (dict(num_virtual_stages_per_pipeline_rank=2, context_parallel_size=2, attention_dropout=0.0, world_size=4),
-     "does not support --context-parallel-size 2"),
     (dict(num_virtual_stages_per_pipeline_rank=2, train_iters=None, train_samples=800, rampup_batch_size=[4, 4, 64]),
      "does not support --rampup-batch-size"),
 ])

@@ -13,6 +13,9 @@ def test_zbh1_flags_reach_the_parallel_config(files):
     assert rc.parallel.enable_zbh1_pipeline and rc.parallel.enable_zbh1_exact_semantics
     assert parse(files, world_size=2, pipeline_model_parallel_size=2, bf16=True, **ZBH1).deepspeed_zero_stage == 1
     assert not parse(files, world_size=2, pipeline_model_parallel_size=2).parallel.enable_zbh1_pipeline
+    # with context parallelism too (trained as one process: tests/training/test_document_masks.py)
+    cp = parse(files, world_size=4, pipeline_model_parallel_size=2, context_parallel_size=2, **ZBH1)
+    assert cp.parallel.enable_zbh1_pipeline and cp.parallel.context_parallel_size == 2
 
 
 @pytest.mark.parametrize("world, flags, words", [
@@ -23,8 +26,6 @@ def test_zbh1_flags_reach_the_parallel_config(files):
     (2, dict(zero_stage=2, **ZBH1), "model engine"),
     (2, dict(pipeline_model_parallel_size=2, zero_stage=1, **ZBH1), "--zero-stage 0"),
     (2, dict(pipeline_model_parallel_size=2, torch_compile=True, **ZBH1), "--torch-compile"),
-    (4, dict(pipeline_model_parallel_size=2, context_parallel_size=2, attention_dropout=0.0, **ZBH1),
-     "--context-parallel-size 2"),
 ])
 def test_layouts_zbh1_cannot_run_are_refused(files, world, flags, words):
     with pytest.raises(ValueError, match=words):
