@@ -51,6 +51,7 @@ from megatron.model.attention_core import (
     flash_core_attention,
     flex_core_attention,
     resolve_attention_backend,
+    runs_per_document,
     sdpa_per_document,
     unfused_core_attention,
 )
@@ -338,10 +339,9 @@ class SelfAttention(nn.Module):
                 return flex_core_attention(query, key, value, slopes, scale)
             return flex_core_attention(query, key, value, slopes, scale, document_ids=documents)
         if documents is not None:
-            if backend == "sdpa" and dropout_p == 0.0 and not torch.compiler.is_compiling():
+            if runs_per_document(backend, dropout_p):
                 return sdpa_per_document(query, key, value, documents, self.alibi_slopes, scale)  # [b, np, sq, hn]
-            # a dense [b, 1, s, s] mask (ALiBi: [b, np, s, s] bias), no is_causal: with dropout (the whole sample's
-            # draw, as one process makes it) or traced by torch.compile (the documents' bounds are a host read)
+            # else a dense [b, 1, s, s] mask (ALiBi: [b, np, s, s] bias), no is_causal
             with self._dropout_rng(dropout_p):
                 if backend == "unfused":
                     mask = document_causal_mask(documents, self.alibi_slopes, torch.float32)

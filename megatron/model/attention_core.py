@@ -59,8 +59,8 @@ import torch.nn.functional as F
 from megatron.model.positional import alibi_bias
 
 __all__ = ["FLEX_CPU_BACKWARD_BLOCK", "UNFUSED_AUTO_MAX_SCORES", "flash_attn_available", "resolve_attention_backend",
-           "document_causal_mask", "document_runs", "sdpa_per_document", "flex_core_attention", "flash_core_attention",
-           "unfused_core_attention"]
+           "document_causal_mask", "document_runs", "runs_per_document", "sdpa_per_document", "flex_core_attention",
+           "flash_core_attention", "unfused_core_attention"]
 
 FLEX_CPU_BACKWARD_BLOCK = 256  # queries per recomputed block in flex's CPU backward
 UNFUSED_AUTO_MAX_SCORES = 1024 * 1024  # auto's unfused path on CPU: sq x sk at most this (s <= 1024)
@@ -159,6 +159,12 @@ def document_runs(document_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     for row, before in starts:
         bounds[row].append(before + 1)
     return [list(zip(row, row[1:] + [s])) for row in bounds]
+
+
+def runs_per_document(backend: str, dropout_p: float) -> bool:
+    """Whether a call with document ids takes ``sdpa_per_document``: sdpa without dropout (the dense mask's one call
+    draws the whole sample's dropout mask) and not traced by torch.compile (the documents' bounds are a host read)."""
+    return backend == "sdpa" and dropout_p == 0.0 and not torch.compiler.is_compiling()
 
 
 def sdpa_per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, document_ids: torch.Tensor,

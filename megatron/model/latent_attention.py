@@ -55,6 +55,7 @@ from megatron.model.attention_core import (
     document_causal_mask,
     flex_core_attention,
     resolve_attention_backend,
+    runs_per_document,
     sdpa_per_document,
     unfused_core_attention,
 )
@@ -306,7 +307,7 @@ class MultiLatentAttention(nn.Module):
             if documents is None:
                 return flex_core_attention(query, key, value, None, self._scale)
             return flex_core_attention(query, key, value, None, self._scale, document_ids=documents)
-        if documents is not None and backend == "sdpa" and dropout_p == 0.0 and not torch.compiler.is_compiling():
+        if documents is not None and runs_per_document(backend, dropout_p):
             return sdpa_per_document(query, key, value, documents, None, self._scale)  # as attention.py's
         mask = None  # is_causal (sq == sk), or one new token seeing every cached key
         if documents is not None:
