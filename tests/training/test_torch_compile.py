@@ -22,7 +22,9 @@ def test_compiled_layers_train_to_the_eager_losses_with_tp_pp_and_recompute(tiny
     compiled = tiny_argv(tiny_corpus, "--torch-compile", **flags)
     # context parallelism: the ring kernel (its p2p sends) inside the compiled layers, CP=2 x PP=2
     ring = tiny_argv(tiny_corpus, "--torch-compile", **dict(flags, tensor_model_parallel_size=1, context_parallel_size=2))
-    results = run_distributed(train, world_size=4, args=([eager, compiled, ring],), timeout=600)
+    # A stage waits in recv while its neighbour's inductor compiles (first forward, first backward): on 2 busy
+    # cores that took over the default 60 s group timeout once in CI, so the groups wait as long as the run may.
+    results = run_distributed(train, world_size=4, args=([eager, compiled, ring],), timeout=600, init_timeout_s=600)
     for rank, (eager_run, compiled_run, ring_run) in enumerate(results):
         assert len(compiled_run["losses"]) == 3 and compiled_run["compiled_layers"] == 1, rank
         assert ring_run["compiled_layers"] == 1, rank  # one layer a stage
@@ -65,7 +67,7 @@ def test_moe_layers_compile_by_region_and_train_to_the_eager_run(tiny_corpus):
     argv = tiny_argv(tiny_corpus, *MOE_FLAGS, *VARIANT_FLAGS, "--expert-model-parallel-size", "2",
                      train_iters=MOE_ITERS, hidden_size=32, seq_length=16, lr=3e-3)
     results = run_distributed(train_counting_compilations, world_size=2, args=([argv, layout(argv, "--torch-compile")],),
-                              timeout=600)
+                              timeout=600, init_timeout_s=600)
     for rank, (eager, compiled) in enumerate(results):
         # the dense layer, and the MoE layer's 4 regions with its shared expert
         assert (eager["compiled_layers"], compiled["compiled_layers"]) == (0, 5)
