@@ -43,6 +43,7 @@ from megatron.checkpoint.training_io import (
     commit_tag,
     raise_if_any_failed,
 )
+from megatron.parallel.state import collective_device
 
 __all__ = ["AsyncSaver", "HostCopyWriter", "host_copy"]
 
@@ -212,7 +213,7 @@ class AsyncSaver:
         if self.pending is None:
             return None
         flags = torch.tensor([not self.writer.done(), self.writer.done() and self.writer.error is not None],
-                             dtype=torch.int64)
+                             dtype=torch.int64, device=collective_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0].item() and not flags[1].item():
             return None

@@ -44,6 +44,7 @@ from megatron.checkpoint.tags import (
     write_complete_marker,
 )
 from megatron.parallel.random import RNGStatesTracker
+from megatron.parallel.state import collective_device
 
 __all__ = ["CLIENT_STATE_VERSION", "CheckpointSaveError", "rng_state", "set_rng_state", "save_checkpoint",
            "load_checkpoint", "attempt_write", "commit_tag", "raise_if_any_failed"]
@@ -130,12 +131,17 @@ def attempt_write(write: Callable[[], Any], after_failure: Callable[[], Any] = l
 def raise_if_any_failed(failure: Optional[Exception], save_dir: str, tag: str) -> None:
     """Collective: if ``failure`` happened on any rank, remove the half-written tag (rank 0, once every rank
     has stopped writing) and raise CheckpointSaveError on every rank, naming the folder, the space and ENOSPC."""
-    flags = torch.tensor([failure is not None, getattr(failure, "errno", None) == errno.ENOSPC], dtype=torch.int64)
+    flags = torch.tensor([failure is not None, getattr(failure, "errno", None) == errno.ENOSPC], dtype=torch.int64,
+                         device=collective_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if not flags[0].item():
         return
     tag_dir = os.path.join(save_dir, tag)
-    written, free = folder_bytes(tag_dir), shutil.disk_usage(save_dir).free
+    # every rank's message the same: the free space as the rank that saw the least (other writers to the same disk
+    # change it between the ranks' looks); the folders measured are no longer written (every rank has stopped)
+    free = torch.tensor([shutil.disk_usage(save_dir).free], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(free, op=dist.ReduceOp.MIN)
+    written, free = folder_bytes(tag_dir), int(free.item())
     latest = read_latest(save_dir)
     previous = folder_bytes(os.path.join(save_dir, latest)) if latest and latest != tag else 0
     needed = f"about {previous} bytes (the size of {latest})" if previous else f"more than the {written} bytes written"

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron.model import GPTModel
 from megatron.model.layout import model_name
+from megatron.parallel.state import collective_device
 
 
 def _finite(tensor) -> bool:
@@ -52,7 +53,7 @@ def nonfinite_tensors(engine, config) -> list[str]:
 def check_finite_after_load(engine, config, where: str) -> None:
     """ValueError on every rank if any rank holds a non-finite value (collective over the world)."""
     bad = nonfinite_tensors(engine, config)
-    count = torch.tensor([len(bad)], dtype=torch.int64)
+    count = torch.tensor([len(bad)], dtype=torch.int64, device=collective_device())
     dist.all_reduce(count)
     if count.item():
         mine = f" here: {', '.join(bad[:5])}" + (f" and {len(bad) - 5} more" if len(bad) > 5 else "") if bad else ""

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.optim.adam import adam
 
 from megatron.config.muon import ns_coefficients
-from megatron.parallel.state import group_size
+from megatron.parallel.state import collective_device, group_size
 from megatron.parallel.utils import param_is_tensor_parallel
 
 __all__ = ["Muon", "attach_partitioned", "is_muon_parameter", "muon_scale", "newton_schulz", "qkv_split_rows"]
@@ -257,7 +257,9 @@ def attach_partitioned(client, ds_optimizer) -> None:
             mapping = getattr(param, "_hp_mapping", None)
             if mapping is not None:
                 offsets[i] = start + mapping.hp_fragment_address.start - mapping.lp_fragment_address.start
+        offsets = offsets.to(collective_device())
         dist.all_reduce(offsets, op=dist.ReduceOp.MAX, group=dp_group)
+        offsets = offsets.cpu()
         if (offsets < 0).any():
             raise RuntimeError("--optimizer muon: a Muon matrix has no piece on any data-parallel rank")
         client._partitions[id(flat)] = (dp_group, list(zip(params, (int(o) for o in offsets), strict=True)))

@@ -40,6 +40,7 @@ from megatron.evaluation import harness
 from megatron.evaluation.harness_model import MegatronLM
 from megatron.parallel.context_parallel import gather_sequence
 from megatron.parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.parallel.state import collective_device
 
 __all__ = ["LiveHarness", "PipelineEngineLM"]
 
@@ -63,7 +64,8 @@ class PipelineEngineLM(MegatronLM):
             tokens[i, :len(row)] = torch.tensor(row, dtype=torch.long)
         _, logits = self.engine.eval_batch(iter([self._make_batch(tokens)]), return_logits=True, num_micro_batches=1)
         grid = self.engine.grid
-        out = torch.empty(self._micro_batch_size, seq, self.vocab_size, dtype=torch.float32)  # [b, s, v]
+        out = torch.empty(self._micro_batch_size, seq, self.vocab_size, dtype=torch.float32,
+                          device=collective_device())  # [b, s, v]
         if self.engine.is_last_stage():
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)  # [s/cp, b, vp]
             log_probs = F.log_softmax(logits[..., :self.vocab_size].float(), dim=-1).transpose(0, 1)  # [b, s/cp, v]
@@ -71,7 +73,7 @@ class PipelineEngineLM(MegatronLM):
         if grid.pipe_parallel_size > 1:
             dist.broadcast(out, src=grid.stage_to_global(grid.pipe_parallel_size - 1),
                            group=grid.get_pipe_parallel_group())
-        return out[:len(rows)]
+        return out[:len(rows)].cpu()
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         raise ValueError("generation tasks (generate_until) are not run during training; drop them from "

@@ -47,11 +47,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron.config import parallel_dims
 
-__all__ = ["ParallelState", "LayerGroups", "GroupLayout", "group_layout", "group_size", "group_rank"]
+__all__ = ["ParallelState", "LayerGroups", "GroupLayout", "group_layout", "group_size", "group_rank",
+           "collective_device"]
+
+
+def collective_device() -> torch.device:
+    """Where a tensor made for a collective must live: this rank's GPU under NCCL (which has no CPU collectives:
+    a CPU tensor there raises), else the CPU. For the host-side bookkeeping collectives (exit reasons, statistics,
+    timers), whose tensors are made on the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def group_size(group) -> int:

@@ -104,9 +104,10 @@ class ExitMonitor:
         import torch  # noqa: PLC0415 (pretrain_gpt.py installs the signal handler before torch is imported)
         import torch.distributed as dist  # noqa: PLC0415 (pretrain_gpt.py installs the signal handler before torch is imported)
 
+        from megatron.parallel.state import collective_device  # noqa: PLC0415 (imports torch: see above)
+
         code = torch.tensor([self.local_reason(iteration)], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            if dist.get_backend() == "nccl":
-                code = code.cuda()
+            code = code.to(collective_device())
             dist.all_reduce(code, op=dist.ReduceOp.MAX)
         return REASONS[int(code.item())]

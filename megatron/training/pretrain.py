@@ -39,7 +39,7 @@ from megatron.model.moe.stats import iteration_stats as moe_iteration_stats
 from megatron.model.mtp import iteration_losses as mtp_iteration_losses
 from megatron.parallel.fp8_linear import update_fp8_scales
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
-from megatron.parallel.state import ParallelState
+from megatron.parallel.state import ParallelState, collective_device
 from megatron.training.batches import context_slice, gpt_micro_batch
 from megatron.training.data_iterators import build_datasets, close_data_iterators, micro_batch_iterator
 from megatron.training.distributed import init_process_group
@@ -120,8 +120,7 @@ def _wandb_config(rc: RunConfig) -> dict:
 
 def _any_rank(flag: bool) -> bool:
     """Collective: whether ``flag`` is set on any rank (a device tensor under NCCL, which has no CPU collectives)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    flags = torch.tensor([int(flag)], device=device)
+    flags = torch.tensor([int(flag)], device=collective_device())
     dist.all_reduce(flags)
     return bool(flags.item())
 
@@ -330,9 +329,7 @@ def _lock_save_folder(rc: RunConfig):
             lock = save_lock.acquire(rc.checkpoint.save)
         except ValueError as error:
             problem = str(error)
-    refused = torch.tensor([1 if problem else 0])
-    dist.all_reduce(refused)
-    if refused.item():
+    if _any_rank(bool(problem)):
         raise on_every_rank(ValueError(problem or f"--save {rc.checkpoint.save} is in use by another run (rank 0 "
                                                   f"names it)"))
     return lock

@@ -19,6 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron.parallel.state import collective_device
+
 
 class ForwardTimer:
     """The wall time (CUDA: event time) of ``module``'s forward calls, summed until ``take_ms``."""
@@ -68,10 +70,7 @@ class ForwardTimer:
 
 def gather_per_rank(ms_per_iteration: float) -> list[float]:
     """Every rank's number, by rank (a collective: every rank calls it)."""
-    device = torch.device("cpu")
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    mine = torch.tensor([ms_per_iteration], dtype=torch.float64, device=device)
+    mine = torch.tensor([ms_per_iteration], dtype=torch.float64, device=collective_device())
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [ms_per_iteration]
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]

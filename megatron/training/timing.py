@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.parallel.state import collective_device
+
 # Every timer name this project measures, by the level that turns it on. Megatron-LM's names; only
 # 'train-batch' is ours: DeepSpeed's pipeline engine runs forward, backward, the pipeline's sends,
 # the gradient reductions and the optimizer in one call that cannot be split from outside.
@@ -31,10 +33,8 @@ def gather_timers(elapsed_ms: dict[str, float], num_iterations: int) -> dict[str
     read no batches). A collective: every rank calls it with its own sums."""
     unknown = set(elapsed_ms) - set(TIMER_NAMES)
     assert not unknown, f"timers without a level in TIMER_LEVELS: {sorted(unknown)}"
-    device = torch.device("cpu")
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    mine = torch.tensor([elapsed_ms.get(name, -1.0) for name in TIMER_NAMES], dtype=torch.float64, device=device)
+    mine = torch.tensor([elapsed_ms.get(name, -1.0) for name in TIMER_NAMES], dtype=torch.float64,
+                        device=collective_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine)

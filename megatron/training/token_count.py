@@ -17,6 +17,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron.parallel.state import collective_device
+
 
 class StepTokenCount:
     """Sets ``loss_fn.tokens_per_micro_batch`` for each step from the global batch's loss masks."""
@@ -28,8 +30,7 @@ class StepTokenCount:
         """This step's ``micro_batches`` micro-batches of ``iterator`` (read now), the loss function set for them."""
         batches = [next(iterator) for _ in range(micro_batches)]
         local = sum(float(loss_mask.sum()) for (_, (_, loss_mask)) in batches)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        count = torch.tensor([local], dtype=torch.float64, device=device)
+        count = torch.tensor([local], dtype=torch.float64, device=collective_device())
         if self.dp_size > 1:
             dist.all_reduce(count, group=self.dp_group)
         # clamp: a global batch with nothing to count gives loss 0, as a micro-batch's masked mean does

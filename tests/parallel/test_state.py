@@ -146,3 +146,16 @@ def test_ulysses_groups_on_four_processes():
     assert [o["sp_rank"] for o in out] == [0, 0, 1, 1]
     assert [o["sp_data"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert {o["dp_size"] for o in out} == {1}
+
+
+def test_bookkeeping_collectives_use_the_gpu_under_nccl_and_the_cpu_otherwise(monkeypatch):
+    """NCCL has no CPU collectives: the exit check, the save lock's refusal, the MoE and MTP statistics, the timers
+    and the token count make their tensors on ``collective_device()``, which must be this rank's GPU there."""
+    from megatron.parallel.state import collective_device
+
+    assert collective_device() == torch.device("cpu")  # no process group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for backend, device in (("gloo", torch.device("cpu")), ("nccl", torch.device("cuda", 3))):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, name=backend: name)
+        assert collective_device() == device, backend

@@ -21,7 +21,7 @@ from torch import nn
 
 from megatron.config.moe import MoEConfig
 from megatron.model.moe.layer import STATS_FIELDS, moe_layers
-from megatron.parallel.state import group_size
+from megatron.parallel.state import collective_device, group_size
 
 __all__ = ["iteration_stats"]
 
@@ -33,9 +33,12 @@ def iteration_stats(module: nn.Module, config: MoEConfig, num_layers: int, data_
     table = torch.zeros(num_layers, STATS_FIELDS + config.num_experts, dtype=torch.float64)  # [L, 5 + E]
     for layer in moe_layers(module):
         table[layer.layer_number] = layer.take_stats()
-    for group in (data_group, pipeline_group):
-        if group_size(group) > 1:
-            dist.all_reduce(table, group=group)
+    if group_size(data_group) > 1 or group_size(pipeline_group) > 1:
+        table = table.to(collective_device())
+        for group in (data_group, pipeline_group):
+            if group_size(group) > 1:
+                dist.all_reduce(table, group=group)
+        table = table.cpu()
     ran = table[:, 0] > 0
     if not ran.any():
         return {}
