@@ -4,15 +4,17 @@ TensorBoard), launched as examples/slurm/launch_lib.sh's torchrun style does: on
 --rdzv_backend c10d --rdzv_endpoint node0:PORT`` per node. TP=2 x PP=2, two ranks a node (node0 holds stage 0,
 node1 stage 1: c10d's rendezvous orders the nodes by host name, so the pipeline's sends cross the link).
 
-- Two nodes train the one-node run's fp32 losses bit for bit (the same operations in the same order; only the
-  transport differs).
-- Every process of node1 killed mid-run (inside iteration 6, ``faults.paused_env``): node0's job ends non-zero, its
-  output naming node1's address, and nothing is left on either node; relaunched (node1's link slowed to 10 Mbit/s
-  by tc's tbf), the job resumes from the newest complete checkpoint (4) and ends with the uninterrupted run's
-  losses.
-- node1's link cut (``ip link set eth0 down`` inside it: no process dies, no connection is reset): with
-  --hang-watchdog-factor a rank of node0 reports the overdue step and names ranks 2, 3 and their host node1 as not
-  answering, and the job ends non-zero; the link back up, node1's processes end too; relaunched, it resumes exactly.
+One job, launched three times on the same checkpoints (saved every 2 iterations), as a user relaunches after losing
+a node:
+1. node1's every process killed inside iteration 6 (``faults.paused_env``): node0's job ends non-zero, its output
+   naming node1's address, and nothing is left on either node.
+2. Relaunched with node1's link slowed to 10 Mbit/s (tc's tbf), it resumes from the newest complete checkpoint (4);
+   inside iteration 10 node1's link is cut (``ip link set eth0 down`` inside it: no process dies, no connection is
+   reset): with --hang-watchdog-factor a rank of node0 reports the overdue step and names ranks 2, 3 and their host
+   node1 as not answering, and the job ends non-zero; the link back up, node1's processes end too.
+3. Relaunched, it resumes from 8, ends 0 on both nodes, and leaves nothing running.
+Every loss the three launches logged on two nodes is the one-node run's, bit for bit (the same operations in the
+same order; only the transport differs): the launches together cover iterations 1 to 12.
 
 Skipped (with the reason) where namespaces cannot be made: not root, no iproute2.
 """
@@ -40,8 +42,11 @@ from tests.helpers.training import tensorboard_scalars, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-ITERS = 8
-LOST_AT = 6  # node1 is lost inside this iteration; checkpoints every 2: the newest complete one is 4
+ITERS = 12
+# node1 is lost inside these iterations; checkpoints every 2: the relaunches resume at 4 and 8. The relaunch that is
+# cut first trains 5 to 9: 2 warm-up steps the watchdog leaves out, then 3 it times (the last holds the pause), whose
+# median sets its threshold
+KILLED_AT, CUT_AT = 6, 10
 RDZV_PORT = 29400  # inside the cluster's namespaces: no other process can hold it
 LAYOUT = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
 # --hang-watchdog-*: a step of this job takes well under a second; 10 s is far above it and far under the
@@ -119,75 +124,54 @@ class Job:
                 proc.wait(timeout=30)
 
 
-def _argv(corpus, cluster, name, tensorboard, *extra):
-    """The job's flags: checkpoints every 2 iterations in the shared folder (--load = --save, so a relaunch
-    resumes), TensorBoard in ``name/tensorboard``, a folder per launch (each scalar written at once: node1 may
-    die)."""
-    folder = os.path.join(cluster.shared, name)
-    return tiny_argv(corpus, *LAYOUT, *extra, train_iters=ITERS, save=f"{folder}/ckpt", load=f"{folder}/ckpt",
-                     save_interval=2, tensorboard_dir=f"{folder}/{tensorboard}", tensorboard_queue_size=1)
-
-
-def _losses(tensorboard_dir) -> dict[int, float]:
-    return dict(tensorboard_scalars(tensorboard_dir)["lm-loss-training/lm loss"])
-
-
 def _assert_losses(got: dict[int, float], one_node, label):
     """Bit for bit: TensorBoard keeps each loss as a float32 (the loss itself is an fp32 scalar)."""
     expected = {it: np.float32(loss) for it, loss in enumerate(one_node, start=1) if it in got}
     assert {it: np.float32(v) for it, v in got.items()} == expected, label
 
 
-def _lose_node1(cluster, corpus, name, how, extra=()):
-    """A job paused after iteration LOST_AT - 1 on every rank; node1 lost (``how``: kill or cut) while it waits;
-    then released. Returns the job, node0's exit status, and the losses it logged."""
-    folder = os.path.join(cluster.shared, name)
-    argv = _argv(corpus, cluster, name, "tb-lost", *extra)
-    job = Job(cluster, argv, env=paused_env(f"{folder}/pause", LOST_AT - 1))
+class Launch:
+    """One launch of the job (``name``: its TensorBoard folder and its pause folder), started on both nodes."""
+
+    def __init__(self, cluster, corpus, name, pause_after=None):
+        self.folder = os.path.join(cluster.shared, "job")
+        self.pause = os.path.join(self.folder, f"pause-{name}")
+        self.tensorboard = os.path.join(self.folder, f"tb-{name}")
+        argv = tiny_argv(corpus, *LAYOUT, *WATCHDOG, train_iters=ITERS, save=f"{self.folder}/ckpt",
+                         load=f"{self.folder}/ckpt", save_interval=2, tensorboard_dir=self.tensorboard,
+                         tensorboard_queue_size=1)  # each scalar written at once: node1 may die
+        self.job = Job(cluster, argv, env=paused_env(self.pause, pause_after) if pause_after else None)
+
+    def losses(self) -> dict[int, float]:
+        return dict(tensorboard_scalars(self.tensorboard)["lm-loss-training/lm loss"])
+
+
+def _lose_node1(cluster, launch, how):
+    """``launch`` paused on every rank (``pause_after``), node1 lost (``how``: kill or cut) while it waits, then
+    released; returns node0's exit status."""
+    job = launch.job
     try:
         deadline = time.time() + GUARD_S
-        while len([f for f in os.listdir(f"{folder}/pause") if f.startswith("paused-rank")]) < 4:
+        while len([f for f in os.listdir(launch.pause) if f.startswith("paused-rank")]) < 4:
             assert time.time() < deadline and all(p.poll() is None for p in job.procs), job.output(0)[-3000:]
             time.sleep(0.2)
         if how == "kill":
             cluster.kill_node(1)
         else:
             cluster.cut(1)
-        open(f"{folder}/pause/go", "w").close()
+        open(f"{launch.pause}/go", "w").close()
         start = time.time()
         returncode = job.wait(0, GUARD_S)
         print(f"node1 {how}: node0's job ended with {returncode} {time.time() - start:.1f} s after the release")
     except BaseException:
         job.kill()
         raise
-    return job, returncode, _losses(f"{folder}/tb-lost")
+    return returncode
 
 
-def _relaunch(cluster, corpus, name, one_node, lost_losses, extra=(), rate_mbit=0):
-    """The same job relaunched on both nodes (node1's link shaped to ``rate_mbit`` by tbf where given): it resumes
-    from the newest complete checkpoint and, with the losses the lost launch logged before, ends with the one-node
-    run's losses."""
-    folder = os.path.join(cluster.shared, name)
-    argv = _argv(corpus, cluster, name, "tb-relaunch", *extra)
-    if rate_mbit:
-        cluster.shape(1, rate_mbit=rate_mbit)
-    try:
-        job = Job(cluster, argv)
-        try:
-            returncodes = [job.wait(i, 300) for i in range(cluster.nodes)]
-        finally:
-            job.kill()
-        # the pipeline's traffic went through the shaper: 4 iterations of 4 micro-batches' gradients, 16 KiB each
-        assert not rate_mbit or cluster.shaped_bytes(1) > 4 * 4 * 16 * 1024, cluster.shaped_bytes(1)
-    finally:
-        cluster.unshape(1)
-    assert returncodes == [0, 0], job.output(1)[-3000:]
-    assert f"global_step{LOST_AT - 2} at iteration {LOST_AT - 2}" in job.output(0) + job.output(1), job.output(0)
-    resumed = _losses(f"{folder}/tb-relaunch")
-    assert sorted(resumed) == list(range(LOST_AT - 1, ITERS + 1)), sorted(resumed)
-    _assert_losses(resumed, one_node, f"{name}: the relaunch")
-    _assert_losses(lost_losses, one_node, f"{name}: the lost launch")
-    assert set(lost_losses) | set(resumed) == set(range(1, ITERS + 1))
+def _assert_resumed_at(launch, iteration):
+    output = launch.job.output(0) + launch.job.output(1)
+    assert f"global_step{iteration} at iteration {iteration}" in output, launch.job.output(0)[-3000:]
 
 
 def test_the_simulated_nodes_are_separate_hosts_and_leave_nothing_behind(cluster, tmp_path):
@@ -238,44 +222,53 @@ def test_the_simulated_nodes_are_separate_hosts_and_leave_nothing_behind(cluster
     assert not [name for name in [*names, stale] if name in left], left
 
 
-def test_two_nodes_train_the_one_node_losses(cluster, corpus, one_node_losses):
-    folder = os.path.join(cluster.shared, "straight")
-    job = Job(cluster, _argv(corpus, cluster, "straight", "tb"))
-    try:
-        returncodes = [job.wait(i, 300) for i in range(cluster.nodes)]
-    finally:
-        job.kill()
-    assert returncodes == [0, 0], job.output(0)[-3000:] + job.output(1)[-3000:]
-    assert "host      : node" not in job.output(0)  # no failure report
-    losses = _losses(f"{folder}/tb")
-    assert sorted(losses) == list(range(1, ITERS + 1))
-    _assert_losses(losses, one_node_losses, "two nodes")
+def test_a_lost_node_ends_the_job_naming_it_and_each_relaunch_resumes_the_one_node_losses(cluster, corpus,
+                                                                                           one_node_losses):
+    # 1. node1 killed: node0's job fails naming node1 (gloo's "Connection closed by peer [node1's address]")
+    killed = Launch(cluster, corpus, "killed", pause_after=KILLED_AT - 1)
+    returncode = _lose_node1(cluster, killed, "kill")
+    assert returncode != 0 and cluster.address(1) in killed.job.output(0), killed.job.output(0)[-3000:]
     assert not cluster.pids(0) and not cluster.pids(1)
 
-
-def test_a_killed_node_ends_the_job_naming_it_and_a_relaunch_resumes_exactly(cluster, corpus, one_node_losses):
-    job, returncode, lost = _lose_node1(cluster, corpus, "killed", "kill")
-    output = job.output(0)
-    assert returncode != 0, output[-3000:]
-    assert cluster.address(1) in output, output[-3000:]  # gloo's "Connection closed by peer [node1's address]"
-    assert not cluster.pids(0) and not cluster.pids(1)
-    # relaunched over a slowed link: node1 sends at 10 Mbit/s (the pipeline's activations and gradients cross it)
-    _relaunch(cluster, corpus, "killed", one_node_losses, lost, rate_mbit=10)
-
-
-def test_a_cut_link_ends_the_job_naming_the_lost_node_and_a_relaunch_resumes_exactly(cluster, corpus,
-                                                                                       one_node_losses):
-    job, returncode, lost = _lose_node1(cluster, corpus, "cut", "cut", WATCHDOG)
-    output = job.output(0)
+    # 2. relaunched over a slowed link (node1 sends at 10 Mbit/s: the pipeline's activations and gradients cross
+    # it), then node1's link cut
+    cluster.shape(1, rate_mbit=10)
     try:
-        assert returncode != 0, output[-3000:]
-        # the first of node0's ranks whose step is overdue reports (rank 0 or 1: the other dumps its stacks on request)
-        reports = re.findall(r"hang watchdog: rank [01]: rank\(s\) (.*) did not answer .*; host\(s\): (.*)", output)
-        assert reports and set(reports) == {("2, 3", "node1 (ranks 2, 3)")}, output[-3000:]
-        assert not cluster.pids(0)
+        cut = Launch(cluster, corpus, "cut", pause_after=CUT_AT - 1)
+        returncode = _lose_node1(cluster, cut, "cut")
+        # 5 iterations (5 to 9) of 4 micro-batches' gradients went through the shaper, 16 KiB each
+        shaped = cluster.shaped_bytes(1)
     finally:
         cluster.restore(1)  # node1's processes are stuck on connections to node0; back up, they end
+        cluster.unshape(1)
+    output = cut.job.output(0)
+    assert returncode != 0, output[-3000:]
+    # the first of node0's ranks whose step is overdue reports (rank 0 or 1: the other dumps its stacks on request)
+    reports = re.findall(r"hang watchdog: rank [01]: rank\(s\) (.*) did not answer .*; host\(s\): (.*)", output)
+    assert reports and set(reports) == {("2, 3", "node1 (ranks 2, 3)")}, output[-3000:]
+    assert not cluster.pids(0)
     start = time.time()
-    print(f"node1's job ended with {job.wait(1, GUARD_S)} {time.time() - start:.1f} s after its link was back")
+    print(f"node1's job ended with {cut.job.wait(1, GUARD_S)} {time.time() - start:.1f} s after its link was back")
     assert not cluster.pids(1)
-    _relaunch(cluster, corpus, "cut", one_node_losses, lost, WATCHDOG)
+    _assert_resumed_at(cut, KILLED_AT - 2)
+    assert shaped > 3 * 4 * 16 * 1024, shaped
+
+    # 3. relaunched: it runs to the end
+    last = Launch(cluster, corpus, "last")
+    try:
+        returncodes = [last.job.wait(i, 300) for i in range(cluster.nodes)]
+    finally:
+        last.job.kill()
+    assert returncodes == [0, 0], last.job.output(0)[-3000:] + last.job.output(1)[-3000:]
+    assert "host      : node" not in last.job.output(0)  # no failure report
+    assert not cluster.pids(0) and not cluster.pids(1)
+    _assert_resumed_at(last, CUT_AT - 2)
+
+    # each launch logged from where it resumed to where it was stopped (a killed node's last scalar may be lost
+    # with it: its TensorBoard writer was on the last stage), and together every iteration
+    logged = [launch.losses() for launch in (killed, cut, last)]
+    spans = [range(1, KILLED_AT), range(KILLED_AT - 1, CUT_AT), range(CUT_AT - 1, ITERS + 1)]
+    assert all(set(losses) <= set(span) and min(losses) == span[0] for losses, span in zip(logged, spans)), logged
+    assert sorted(logged[2]) == list(spans[2]) and set().union(*logged) == set(range(1, ITERS + 1)), logged
+    for launch, losses in zip(("killed", "cut", "last"), logged):
+        _assert_losses(losses, one_node_losses, f"two nodes, the {launch} launch")
