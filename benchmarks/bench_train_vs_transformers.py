@@ -25,7 +25,11 @@ median step time per variant -> tokens/s. Memory: each variant again in a fresh 
 RSS (VmHWM; ru_maxrss would carry the parent's RSS across fork + exec) minus the RSS once torch,
 deepspeed, transformers and megatron are imported = what the model, optimizer, activations, data
 and runtime buffers add (tracemalloc cannot see torch's allocations). Profile: cProfile over our bf16 step and
-the autocast step, self time grouped by where the code lives. Prints ONE JSON line.
+the autocast step, self time grouped by where the code lives. Roofline: per precision, the step's matrix products
+(each layer's QKV, projection and two MLP GEMMs, the attention's score and context batched products, the LM head;
+each with its two backward products) timed alone at the model's own shapes on this CPU: their sum is the step a
+perfect engine would take if nothing but GEMMs cost time; ``fraction_of_roofline`` is that over each variant's
+measured step. Prints ONE JSON line.
 
     python -m benchmarks.bench_train_vs_transformers --output benchmarks/results/train_vs_transformers_2026-11-29.json
 """
@@ -219,6 +223,45 @@ def best_ratios(speed: dict) -> dict:
     return out
 
 
+def gemm_shapes(vocab_rows: int) -> dict:
+    """{name: (count per step, batch, m, k, n)}: every matrix product of one forward of the model (``MODEL``) as a
+    [batch] x [m, k] x [k, n] product; each also runs twice in backward (the input and the weight gradient, the same
+    FLOPs). The attention's products are causal in effect but computed whole by every CPU path here."""
+    h, layers, s = MODEL["hidden_size"], MODEL["num_layers"], MODEL["seq_length"]
+    tokens, heads = MODEL["micro_batch_size"] * s, MODEL["num_attention_heads"]
+    return {"qkv": (layers, 1, tokens, h, 3 * h), "attention_projection": (layers, 1, tokens, h, h),
+            "mlp_fc1": (layers, 1, tokens, h, 4 * h), "mlp_fc2": (layers, 1, tokens, 4 * h, h),
+            "attention_scores": (layers, MODEL["micro_batch_size"] * heads, s, h // heads, s),
+            "attention_context": (layers, MODEL["micro_batch_size"] * heads, s, s, h // heads),
+            "lm_head": (1, 1, tokens, h, vocab_rows)}
+
+
+def layer_gemm_roofline(dtype: torch.dtype, vocab_rows: int, reps: int = 20) -> dict:
+    """The step's GEMM FLOPs over this CPU's measured rate at the model's own shapes: per shape, the median time of
+    its forward product and its two backward products (dX = dY W^T, dW = X^T dY), each alone."""
+    shapes, total_s, total_flop = {}, 0.0, 0.0
+    for name, (count, batch, m, k, n) in gemm_shapes(vocab_rows).items():
+        x, w, dy = (torch.randn(batch, *shape, dtype=dtype) for shape in ((m, k), (k, n), (m, n)))
+        products = (lambda: torch.bmm(x, w), lambda: torch.bmm(dy, w.transpose(1, 2)),
+                    lambda: torch.bmm(x.transpose(1, 2), dy))
+        seconds = 0.0
+        for product in products:
+            for _ in range(3):
+                product()
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                product()
+                times.append(time.perf_counter() - t)
+            seconds += statistics.median(times)
+        flop = 3 * 2 * batch * m * k * n
+        shapes[name] = {"per_step": count, "shape": [batch, m, k, n], "fwd_bwd_s": seconds,
+                        "gflops": flop / seconds / 1e9}
+        total_s, total_flop = total_s + count * seconds, total_flop + count * flop
+    return {"gemm_step_s": total_s, "step_gflop": total_flop / 1e9, "gflops_at_layer_shapes": total_flop / total_s / 1e9,
+            "shapes": shapes}
+
+
 def take_batches(runner, n: int) -> list:
     it = runner.iterator_factory()
     return [[next(it)] for _ in range(n)]
@@ -356,6 +399,10 @@ def main() -> None:
                  "step_s_all_reps": ts} for v, ts in times.items()}
     ratios = {f"{o}_vs_{v}": speed[v]["median_step_s"] / speed[o]["median_step_s"] for o, v in PAIRS}
     ratios.update(best_ratios(speed))
+    vocab_rows = runners["ours_bf16"].rc.model.padded_vocab_size
+    roofline = {precision: layer_gemm_roofline(dtype, vocab_rows)
+                for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    fraction_of_roofline = {v: roofline[precision_of(v)]["gemm_step_s"] / speed[v]["median_step_s"] for v in speed}
 
     profiles = {v: profile_step(runners[v], batches, args.profile_steps)
                 for v in ("ours_bf16", "hf_autocast_bf16", "ours_model_autocast_bf16", "ours_bf16_unfused",
@@ -382,7 +429,8 @@ def main() -> None:
           "compared_with": "transformers BloomForCausalLM, plain loop (AdamW foreach, clip_grad_norm_), same weights "
                            "and batches, alternating repetitions in the same process",
           "goal": "ours >= 1.3x hf tokens/s in bf16 and fp32 at equal loss curve, also against torch.compile'd hf",
-          "speedup_ours_over_hf": ratios, "speed": speed, "losses": losses, "loss_curves": curves,
+          "speedup_ours_over_hf": ratios, "speed": speed, "roofline": roofline,
+          "fraction_of_roofline": fraction_of_roofline, "losses": losses, "loss_curves": curves,
           "profile": profiles, "memory": memory, "machine": before}, args.output)
 
 

@@ -45,6 +45,19 @@ def test_pipeline_names_map_to_gpt_model_names():
                                      "layers.1.mlp.dense_4h_to_h.bias": 2, "final_layernorm.weight": 3}
 
 
+def test_train_benchmark_roofline_counts_the_step_flops_of_the_megatron_paper():
+    """The roofline's GEMMs are the step's: 3 x the forward's 24 B s l h^2 (1 + s / 6h) + 2 B s h V (Narayanan et
+    al. 2021, eq. 3, without recomputation's fourth pass)."""
+    from benchmarks import bench_train_vs_transformers as bench
+
+    m = bench.MODEL
+    b, s, layers, h, vocab = m["micro_batch_size"], m["seq_length"], m["num_layers"], m["hidden_size"], 512
+    forward = 24 * b * s * layers * h * h * (1 + s / (6 * h)) + 2 * b * s * h * vocab
+    out = bench.layer_gemm_roofline(torch.float32, vocab, reps=1)
+    assert out["step_gflop"] == pytest.approx(3 * forward / 1e9, rel=1e-12)
+    assert out["gemm_step_s"] > 0 and set(out["shapes"]) == set(bench.gemm_shapes(vocab))
+
+
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT",
                     reason="flex attention compiled for the CPU needs a vectorized ATen (AVX2 or better)")
 def test_bench_attention_runs_every_path_and_reports_time_and_memory():
