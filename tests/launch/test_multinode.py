@@ -213,6 +213,11 @@ def test_the_simulated_nodes_are_separate_hosts_and_leave_nothing_behind(cluster
         stale = f"mn{int(f.read())}x0000-n0"  # pid_max itself is never a pid
     subprocess.run(["ip", "netns", "add", stale], check=True)
     orphan = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "600"])
+    # inside the namespace before the next cluster looks (a loaded machine once ran the cluster's clean-up first: the
+    # orphan then entered the namespace after its processes were listed, and outlived it)
+    while not subprocess.run(["ip", "netns", "pids", stale], capture_output=True, text=True).stdout.split():
+        assert orphan.poll() is None, orphan.returncode  # pytest's timeout ends a hang
+        time.sleep(0.05)
     with NetnsCluster(tmp_path, nodes=2) as other:  # its start removes the stale namespace
         sleeper = other.popen(1, ["sleep", "600"])
         names = other.namespaces + [other.switch]
