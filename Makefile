@@ -54,10 +54,12 @@ pretrain: $(STAMP) $(EXT)
 # are built once): on 2 cores one worker's multi-process run leaves the other core idle much of the time (a
 # pipeline stage waits for its neighbour, a launcher starts its ranks), and the other worker's tests use it.
 # The modules go out longest first (tests/conftest.py, from tests/module_seconds.json), not in xdist's order.
+# TEST_ARGS: more pytest arguments (.ci/run's second pass leaves out the modules that test processes, not numbers).
 TEST_WORKERS ?= 2
+TEST_ARGS ?=
 test: $(STAMP) $(EXT) $(BLOOM_CONVERTER)
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(TEST_ARGS)
 
 test-quick: $(STAMP) $(EXT)
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not multiprocess"
