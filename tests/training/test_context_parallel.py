@@ -36,6 +36,10 @@ from tests.helpers.training import (
     train,
 )
 
+# Fixtures here train many layouts in one launch: on two loaded cores a set-up took 205-305 s, against
+# pytest-timeout's 300 s default. The hang guard is the launches' own limit instead (run_distributed's timeout).
+pytestmark = pytest.mark.timeout(900)
+
 ITERS = 10
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
          "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96")

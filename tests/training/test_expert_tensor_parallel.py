@@ -29,6 +29,10 @@ from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.moe import MOE_FLAGS, assert_resumed_bit_for_bit, assert_same_moe_run, train_moe
 from tests.helpers.training import assert_same_run, layout, to_universal
 
+# Fixtures here train many layouts in one launch: on two loaded cores a set-up took 205-305 s, against
+# pytest-timeout's 300 s default. The hang guard is the launches' own limit instead (run_distributed's timeout).
+pytestmark = pytest.mark.timeout(900)
+
 ITERS = 10
 ETP1 = ("--sequence-parallel", "--expert-tensor-parallel-size", 1)
 SAVE_AT_3 = ("--save-interval", 100, "--exit-interval", 3)

@@ -47,6 +47,10 @@ from tests.helpers.moe import (
 )
 from tests.helpers.training import TINY_WIDTH, assert_same_run, layout, tensorboard_scalars, to_universal
 
+# Fixtures here train many layouts in one launch: on two loaded cores a set-up took 205-305 s, against
+# pytest-timeout's 300 s default. The hang guard is the launches' own limit instead (run_distributed's timeout).
+pytestmark = pytest.mark.timeout(900)
+
 ITERS = 10
 EP2, CP2, SP2 = ("--expert-model-parallel-size", 2), ("--context-parallel-size", 2), ("--ds-sequence-parallel-size", 2)
 SAVE_AT_3 = ("--save-interval", 100, "--exit-interval", 3)
