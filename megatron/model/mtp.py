@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron.config import ModelConfig
@@ -40,7 +39,7 @@ from megatron.model.norm import Norm
 from megatron.model.transformer import FinalLayerNorm, TransformerLayer
 from megatron.parallel.layers import ColumnParallelLinear
 from megatron.parallel.mappings import scatter_to_sequence_parallel_region
-from megatron.parallel.state import LayerGroups, collective_device, group_size
+from megatron.parallel.state import LayerGroups, all_reduce_on_host, group_size
 
 __all__ = ["MTPLayer", "MultiTokenPrediction", "shift_left", "mtp_depth_losses", "add_mtp_loss", "iteration_losses"]
 
@@ -144,12 +143,7 @@ def iteration_losses(module: nn.Module, num_depths: int, data_group=None, pipeli
         if block.iteration_sums is not None:
             sums += block.iteration_sums.cpu()
             block.iteration_sums = None
-    if group_size(data_group) > 1 or group_size(pipeline_group) > 1:
-        sums = sums.to(collective_device())
-        for group in (data_group, pipeline_group):
-            if group_size(group) > 1:
-                dist.all_reduce(sums, group=group)
-        sums = sums.cpu()
+    sums = all_reduce_on_host(sums, data_group, pipeline_group)
     if sums[-1] == 0:
         return {}
     return {f"mtp_{k + 1} loss": float(sums[k] / sums[-1]) for k in range(num_depths)}

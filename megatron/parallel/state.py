@@ -53,7 +53,7 @@ import torch.distributed as dist
 from megatron.config import parallel_dims
 
 __all__ = ["ParallelState", "LayerGroups", "GroupLayout", "group_layout", "group_size", "group_rank",
-           "collective_device"]
+           "collective_device", "all_reduce_on_host"]
 
 
 def collective_device() -> torch.device:
@@ -63,6 +63,18 @@ def collective_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def all_reduce_on_host(tensor: torch.Tensor, *groups, op=None) -> torch.Tensor:
+    """``tensor`` (on the CPU) all-reduced over each of ``groups`` in turn (``op``: SUM by default), skipping groups
+    of one; the result on the CPU. The reductions run on ``collective_device()``."""
+    groups = [group for group in groups if group_size(group) > 1]
+    if not groups:
+        return tensor
+    tensor = tensor.to(collective_device())
+    for group in groups:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return tensor.cpu()
 
 
 def group_size(group) -> int:

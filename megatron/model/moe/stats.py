@@ -16,12 +16,11 @@ Shape letters: L layers, E experts.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron.config.moe import MoEConfig
 from megatron.model.moe.layer import STATS_FIELDS, moe_layers
-from megatron.parallel.state import collective_device, group_size
+from megatron.parallel.state import all_reduce_on_host
 
 __all__ = ["iteration_stats"]
 
@@ -33,12 +32,7 @@ def iteration_stats(module: nn.Module, config: MoEConfig, num_layers: int, data_
     table = torch.zeros(num_layers, STATS_FIELDS + config.num_experts, dtype=torch.float64)  # [L, 5 + E]
     for layer in moe_layers(module):
         table[layer.layer_number] = layer.take_stats()
-    if group_size(data_group) > 1 or group_size(pipeline_group) > 1:
-        table = table.to(collective_device())
-        for group in (data_group, pipeline_group):
-            if group_size(group) > 1:
-                dist.all_reduce(table, group=group)
-        table = table.cpu()
+    table = all_reduce_on_host(table, data_group, pipeline_group)
     ran = table[:, 0] > 0
     if not ran.any():
         return {}
