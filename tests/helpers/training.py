@@ -11,6 +11,7 @@
     tensorboard_scalars(logdir)           {tag: [(step, value)]} of a run's tensorboard events
     to_universal(tag_dir, output_dir=None, *flags)  ds_to_universal.py, asserted to succeed
     convert_to_universal(tag_dir, output_dir=None, *flags)  the same, returning the finished process
+    MANY_LAYOUTS                          the pytest-timeout mark of a module whose launches train many layouts
 """
 
 import multiprocessing
@@ -19,10 +20,16 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 import torch
 
 from megatron.testing.tolerance import run_tolerance
 from tests.helpers.paths import REPO_ROOT
+
+# For a module whose launches train many layouts (``pytestmark = MANY_LAYOUTS``): on two loaded cores such a set-up
+# took 205-305 s, against pytest-timeout's 300 s default; the hang guard is the launches' own limit instead
+# (run_distributed's timeout).
+MANY_LAYOUTS = pytest.mark.timeout(900)
 
 DS_TO_UNIVERSAL = REPO_ROOT / "tools" / "convert_checkpoint" / "ds_to_universal.py"
 

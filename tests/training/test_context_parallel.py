@@ -27,6 +27,7 @@ from megatron.testing import run_distributed, tiny_argv
 from megatron.testing.tolerance import run_tolerance
 from megatron.training.data_iterators import build_datasets, micro_batch_iterator
 from tests.helpers.training import (
+    MANY_LAYOUTS,
     TINY_LAYERS,
     TINY_WIDTH,
     assert_continues,
@@ -36,9 +37,7 @@ from tests.helpers.training import (
     train,
 )
 
-# Fixtures here train many layouts in one launch: on two loaded cores a set-up took 205-305 s, against
-# pytest-timeout's 300 s default. The hang guard is the launches' own limit instead (run_distributed's timeout).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = MANY_LAYOUTS
 
 ITERS = 10
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",

@@ -27,11 +27,9 @@ from megatron.checkpoint.single_process import load_full_state_dict
 from megatron.parallel.state import group_layout
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.moe import MOE_FLAGS, assert_resumed_bit_for_bit, assert_same_moe_run, train_moe
-from tests.helpers.training import assert_same_run, layout, to_universal
+from tests.helpers.training import MANY_LAYOUTS, assert_same_run, layout, to_universal
 
-# Fixtures here train many layouts in one launch: on two loaded cores a set-up took 205-305 s, against
-# pytest-timeout's 300 s default. The hang guard is the launches' own limit instead (run_distributed's timeout).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = MANY_LAYOUTS
 
 ITERS = 10
 ETP1 = ("--sequence-parallel", "--expert-tensor-parallel-size", 1)

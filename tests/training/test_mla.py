@@ -25,11 +25,9 @@ import torch
 
 from megatron.testing import run_distributed, tiny_argv
 from megatron.testing.tolerance import run_tolerance
-from tests.helpers.training import TINY_WIDTH, assert_same_run, layout, to_universal, train
+from tests.helpers.training import MANY_LAYOUTS, TINY_WIDTH, assert_same_run, layout, to_universal, train
 
-# Fixtures here train many layouts in one launch: on two loaded cores a set-up took 205-305 s, against
-# pytest-timeout's 300 s default. The hang guard is the launches' own limit instead (run_distributed's timeout).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = MANY_LAYOUTS
 
 ITERS = 10
 LAYERS = 4  # two chunks of one layer on each of 2 pipeline ranks under v = 2

@@ -15,11 +15,9 @@ from megatron.checkpoint.resume import resume_point
 from megatron.testing import run_distributed, tiny_argv
 from megatron.testing.tolerance import run_tolerance
 from tests.helpers.moe import MOE_FLAGS, VARIANT_FLAGS, assert_same_moe_run, train_moe
-from tests.helpers.training import TINY_WIDTH, assert_same_run, layout, tensorboard_scalars, to_universal
+from tests.helpers.training import MANY_LAYOUTS, TINY_WIDTH, assert_same_run, layout, tensorboard_scalars, to_universal
 
-# Fixtures here train many layouts in one launch: on two loaded cores a set-up took 205-305 s, against
-# pytest-timeout's 300 s default. The hang guard is the launches' own limit instead (run_distributed's timeout).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = MANY_LAYOUTS
 
 ITERS = 10
 # --recompute-modules inside the MoE layer, one by one (moe: the whole layer, its exchanges run again in backward)

@@ -45,11 +45,9 @@ from tests.helpers.moe import (
     assert_same_moe_run,
     train_moe,
 )
-from tests.helpers.training import TINY_WIDTH, assert_same_run, layout, tensorboard_scalars, to_universal
+from tests.helpers.training import MANY_LAYOUTS, TINY_WIDTH, assert_same_run, layout, tensorboard_scalars, to_universal
 
-# Fixtures here train many layouts in one launch: on two loaded cores a set-up took 205-305 s, against
-# pytest-timeout's 300 s default. The hang guard is the launches' own limit instead (run_distributed's timeout).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = MANY_LAYOUTS
 
 ITERS = 10
 EP2, CP2, SP2 = ("--expert-model-parallel-size", 2), ("--context-parallel-size", 2), ("--ds-sequence-parallel-size", 2)

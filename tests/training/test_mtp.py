@@ -10,11 +10,17 @@ import pytest
 
 from megatron.arguments import run_config_from_argv
 from megatron.testing import run_distributed, tiny_argv
-from tests.helpers.training import assert_continues, assert_same_run, layout, tensorboard_scalars, to_universal, train
+from tests.helpers.training import (
+    MANY_LAYOUTS,
+    assert_continues,
+    assert_same_run,
+    layout,
+    tensorboard_scalars,
+    to_universal,
+    train,
+)
 
-# Fixtures here train many layouts in one launch: on two loaded cores a set-up took 205-305 s, against
-# pytest-timeout's 300 s default. The hang guard is the launches' own limit instead (run_distributed's timeout).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = MANY_LAYOUTS
 
 ITERS = 10
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",

@@ -9,11 +9,9 @@ import pytest
 from megatron.testing import run_distributed
 from megatron.testing.tiny_corpus import tiny_argv
 from tests.helpers.moe import MOE_FLAGS, VARIANT_FLAGS
-from tests.helpers.training import assert_same_run, layout, train
+from tests.helpers.training import MANY_LAYOUTS, assert_same_run, layout, train
 
-# Each test trains eager and compiled layouts in one launch, inductor compiling in every rank: on two loaded cores
-# one took 194 s, near pytest-timeout's 300 s default. The hang guard is the launch's own limit instead.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = MANY_LAYOUTS
 
 MOE_ITERS = 6
 

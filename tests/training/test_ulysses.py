@@ -14,6 +14,7 @@ import torch
 
 from megatron.testing import run_distributed, tiny_argv
 from tests.helpers.training import (
+    MANY_LAYOUTS,
     assert_continues,
     assert_same_run,
     layout,
@@ -23,9 +24,7 @@ from tests.helpers.training import (
     weights_tolerance,
 )
 
-# Fixtures here train many layouts in one launch: on two loaded cores a set-up took 205-305 s, against
-# pytest-timeout's 300 s default. The hang guard is the launches' own limit instead (run_distributed's timeout).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = MANY_LAYOUTS
 
 ITERS = 10
 LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-attention-heads", "8", "--num-key-value-heads", "4",
