@@ -6,6 +6,8 @@
            each score), causality as a block mask; no [np, s, s] tensor exists. No dropout. torch 2.13 has no
            flex backward on CPU: there the forward is flex and the backward recomputes the attention per block
            of FLEX_CPU_BACKWARD_BLOCK queries with SDPA autograd ([np, block, sk] at a time, never [np, s, s]).
+           Where inductor cannot compile flex for the CPU (its template needs AVX2 kernels: a CPU without AVX2,
+           or ATEN_CPU_CAPABILITY=default), the forward runs by the same blocks too (one warning says so).
     unfused  Megatron-LM's name: Q K^T, the bias or mask added, softmax in fp32, dropout, times V, as plain
            matmuls. It keeps the [b, np, sq, sk] probabilities for backward (s^2 memory, like transformers'
            eager Bloom attention), but under --torch-compile inductor fuses the scale, bias, mask and softmax
@@ -51,6 +53,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
+import os
 from typing import Optional
 
 import torch
@@ -58,9 +62,11 @@ import torch.nn.functional as F
 
 from megatron.model.positional import alibi_bias
 
-__all__ = ["FLEX_CPU_BACKWARD_BLOCK", "UNFUSED_AUTO_MAX_SCORES", "flash_attn_available", "resolve_attention_backend",
-           "document_causal_mask", "document_runs", "runs_per_document", "sdpa_per_document", "flex_core_attention",
-           "flash_core_attention", "unfused_core_attention"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["FLEX_CPU_BACKWARD_BLOCK", "UNFUSED_AUTO_MAX_SCORES", "flash_attn_available", "flex_compiles_on_this_cpu",
+           "resolve_attention_backend", "document_causal_mask", "document_runs", "runs_per_document",
+           "sdpa_per_document", "flex_core_attention", "flash_core_attention", "unfused_core_attention"]
 
 FLEX_CPU_BACKWARD_BLOCK = 256  # queries per recomputed block in flex's CPU backward
 UNFUSED_AUTO_MAX_SCORES = 1024 * 1024  # auto's unfused path on CPU: sq x sk at most this (s <= 1024)
@@ -206,7 +212,50 @@ def _document_block_mask(document_ids: torch.Tensor):
     return create_block_mask(document_causal, b, None, s, s, device=document_ids.device)
 
 
+def flex_compiles_on_this_cpu() -> bool:
+    """Whether inductor lowers flex attention for the CPU in this process: its C++ template needs AVX2 kernels
+    (torch._inductor.kernel.flex.flex_cpu.check_cpu_supported: an AVX2 CPU and ATEN_CPU_CAPABILITY other than
+    ``default``; elsewhere it raises "torch.compile on current platform is not supported for CPU")."""
+    return torch.cpu._is_avx2_supported() and os.environ.get("ATEN_CPU_CAPABILITY", "").lower() != "default"
+
+
+def _blockwise_mask(query, sk, start, stop, slopes, document_ids):
+    """The mask of queries start..stop against all sk keys: with documents a boolean [b, 1, c, sk] (with ALiBi an
+    fp32 bias [b, np, c, sk]); else causal [c, sk], with ALiBi the fp32 bias [1, np, c, sk]."""
+    if document_ids is not None:
+        return document_causal_mask(document_ids, slopes, torch.float32, slice(start, stop))
+    key_positions = torch.arange(sk, device=query.device)  # [sk]
+    query_positions = torch.arange(start, stop, device=query.device)  # [c]
+    if slopes is None:
+        return key_positions[None, :] <= query_positions[:, None]  # [c, sk]
+    return alibi_bias(slopes, query_positions, key_positions)[None]  # [1, np, c, sk] fp32
+
+
+def _blockwise_sdpa(query_block, key, value, start, slopes, scale, document_ids):
+    """SDPA of one block of queries (query_block [b, np, c, hn], its first row ``start``) over all keys, masked as
+    flex masks them: [b, np, c, hn]. ``slopes``: fp32 [np] or None."""
+    mask = _blockwise_mask(query_block, key.shape[2], start, start + query_block.shape[2], slopes, document_ids)
+    return F.scaled_dot_product_attention(
+        query_block, key, value, attn_mask=mask.to(query_block.dtype) if slopes is not None else mask,
+        scale=scale, enable_gqa=query_block.shape[1] != key.shape[1])
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_flex_by_blocks():
+    logger.warning("--attention-backend flex: torch compiles flex attention for the CPU only with AVX2 kernels "
+                   "(this process: %s); its forward runs by blocks of %d queries with SDPA, as its CPU backward "
+                   "does: the same attention, [np, block, s] at a time",
+                   "ATEN_CPU_CAPABILITY=default" if torch.cpu._is_avx2_supported() else "a CPU without AVX2",
+                   FLEX_CPU_BACKWARD_BLOCK)
+
+
 def _flex_forward(query, key, value, slopes, scale, document_ids=None):
+    if query.device.type == "cpu" and not flex_compiles_on_this_cpu():
+        _warn_flex_by_blocks()
+        slopes_t = None if slopes is None else torch.tensor(slopes, dtype=torch.float32, device=query.device)
+        return torch.cat([_blockwise_sdpa(query[:, :, start:start + FLEX_CPU_BACKWARD_BLOCK], key, value, start,
+                                          slopes_t, scale, document_ids)
+                          for start in range(0, query.shape[2], FLEX_CPU_BACKWARD_BLOCK)], dim=2)  # [b, np, sq, hn]
     score_mod = _alibi_score_mod(slopes, query.device) if slopes is not None else None
     if document_ids is None:
         block_mask = _causal_block_mask(query.shape[2], key.shape[2], query.device)
@@ -229,26 +278,16 @@ class _FlexWithBlockwiseBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_context):
         query, key, value = ctx.saved_tensors
-        sq, sk = query.shape[2], key.shape[2]
-        key_positions = torch.arange(sk, device=query.device)  # [sk]
         slopes = None if ctx.slopes is None else torch.tensor(ctx.slopes, dtype=torch.float32, device=query.device)
         with torch.enable_grad():
             key_ = key.detach().requires_grad_()
             value_ = value.detach().requires_grad_()
             grad_query = []
-            for start in range(0, sq, FLEX_CPU_BACKWARD_BLOCK):
-                stop = min(start + FLEX_CPU_BACKWARD_BLOCK, sq)
+            for start in range(0, query.shape[2], FLEX_CPU_BACKWARD_BLOCK):
+                stop = min(start + FLEX_CPU_BACKWARD_BLOCK, query.shape[2])
                 query_block = query[:, :, start:stop].detach().requires_grad_()  # [b, np, c, hn]
-                query_positions = torch.arange(start, stop, device=query.device)  # [c]
-                if ctx.document_ids is not None:  # [b, 1, c, sk] boolean, or with ALiBi [b, np, c, sk] fp32
-                    mask = document_causal_mask(ctx.document_ids, slopes, torch.float32, slice(start, stop))
-                elif slopes is None:
-                    mask = key_positions[None, :] <= query_positions[:, None]  # [c, sk]
-                else:
-                    mask = alibi_bias(slopes, query_positions, key_positions)[None]  # [1, np, c, sk] fp32
-                context = F.scaled_dot_product_attention(
-                    query_block, key_, value_, attn_mask=mask.to(query.dtype) if slopes is not None else mask,
-                    scale=ctx.scale, enable_gqa=query.shape[1] != key.shape[1])  # [b, np, c, hn]
+                context = _blockwise_sdpa(query_block, key_, value_, start, slopes, ctx.scale,
+                                          ctx.document_ids)  # [b, np, c, hn]
                 context.backward(grad_context[:, :, start:stop])
                 grad_query.append(query_block.grad)
         return torch.cat(grad_query, dim=2), key_.grad, value_.grad, None, None, None

@@ -61,18 +61,11 @@ def _max_diffs(position, params_dtype, state, backend="flex"):
             model_tolerance(config, dtype, sdpa_logits), grad_bound)
 
 
-# torch compiles flex attention for the CPU only with vector instructions: under ATEN_CPU_CAPABILITY=default
-# inductor refuses it ("torch.compile on current platform is not supported for CPU").
-needs_vector_cpu = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT",
-                                      reason="flex attention on CPU needs a vectorized ATen (AVX2 or better)")
-
-
 @pytest.fixture
 def small_backward_blocks(monkeypatch):
     monkeypatch.setattr(attention_core, "FLEX_CPU_BACKWARD_BLOCK", 16)
 
 
-@needs_vector_cpu
 @pytest.mark.parametrize("position, params_dtype", [("alibi", "fp32"), ("absolute", "fp32"), ("llama", "fp32"),
                                                     ("alibi", "bf16"), ("mla", "fp32")])
 def test_flex_equals_sdpa_at_tp1(small_backward_blocks, position, params_dtype):
@@ -100,7 +93,6 @@ def _tp2_diffs(rank, world_size):
     return _max_diffs("alibi", "fp32", state), layer.alibi_slopes.tolist()
 
 
-@needs_vector_cpu
 @pytest.mark.multiprocess
 def test_flex_equals_sdpa_at_tp2_with_each_ranks_slopes():
     (diffs0, slopes0), (diffs1, slopes1) = run_distributed(_tp2_diffs, world_size=2, timeout=240)
@@ -110,7 +102,6 @@ def test_flex_equals_sdpa_at_tp2_with_each_ranks_slopes():
         assert grad_diff <= grad_bound, f"rank {rank}: {logits_diff}, {grad_diff}"
 
 
-@needs_vector_cpu
 def test_decoding_with_a_kv_cache_under_flex_equals_its_full_forward():
     layer = SelfAttention(tiny_config(position_embedding_type="alibi", seq_length=SEQ, attention_backend="flex"))
     hidden = torch.randn(SEQ, 2, 64, generator=torch.Generator().manual_seed(3))
@@ -122,6 +113,45 @@ def test_decoding_with_a_kv_cache_under_flex_equals_its_full_forward():
     # (depth 6), summing over the hidden size (64) at most.
     diff = (torch.cat(steps) - full).abs().max().item()
     assert diff <= tolerance(torch.float32, 6, 64, full.abs().max().item()), diff
+
+
+def test_flex_compiles_on_this_cpu_is_inductors_own_check(monkeypatch):
+    """The condition under which the forward runs by blocks is the one inductor's CPU flex template refuses on
+    (a torch upgrade that changes it fails here, not in a user's run)."""
+    from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+
+    for capability in (None, "default", "avx2"):
+        if capability is None:
+            monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+        else:
+            monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+        assert attention_core.flex_compiles_on_this_cpu() == check_cpu_supported(), capability
+
+
+@pytest.mark.parametrize("alibi, documents", [(True, False), (False, False), (True, True), (False, True)])
+def test_flex_by_blocks_where_it_does_not_compile_equals_sdpas_dense_attention(monkeypatch, alibi, documents):
+    """Where inductor cannot compile flex for the CPU (no AVX2 kernels), its forward is SDPA over blocks of queries
+    (three blocks of 16 here, the last one short), each masked as flex masks it: the same as one dense SDPA call
+    with the whole [b, np, s, s] mask (causal, ALiBi, packed documents)."""
+    monkeypatch.setattr(attention_core, "flex_compiles_on_this_cpu", lambda: False)
+    monkeypatch.setattr(attention_core, "FLEX_CPU_BACKWARD_BLOCK", 16)
+    generator = torch.Generator().manual_seed(11)
+    b, np_, ng, s, hn = 2, 4, 2, 40, 8
+    query = torch.randn(b, np_, s, hn, generator=generator)
+    key, value = (torch.randn(b, ng, s, hn, generator=generator) for _ in range(2))
+    slopes = (0.5, 0.25, 0.125, 0.0625) if alibi else None
+    document_ids = torch.tensor([[0] * 10 + [1] * 25 + [2] * 5, [0] * 40]) if documents else None
+    got = attention_core.flex_core_attention(query, key, value, slopes, 0.3, document_ids)  # [b, np, s, hn]
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]  # query, key positions
+    visible = (j <= i)[None, None] & (True if document_ids is None else
+                                      (document_ids[:, :, None] == document_ids[:, None, :])[:, None])  # [b?, 1, s, s]
+    bias = torch.zeros(1, np_, s, s) if slopes is None else torch.tensor(slopes)[:, None, None] * (j - i)[None]
+    mask = bias.masked_fill(~visible, float("-inf"))  # [b or 1, np, s, s]
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3,
+                                                                enable_gqa=True)
+    # Q.K^T scaled, the bias, the softmax's exp and normalization, probabilities x V: depth 6, sums over s keys.
+    diff = (got - expected).abs().max().item()
+    assert diff <= tolerance(torch.float32, 6, s, value.abs().max().item()), diff
 
 
 def test_auto_keeps_sdpa_on_cpu_and_the_kv_cache_path_is_sdpa(monkeypatch):
