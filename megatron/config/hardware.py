@@ -21,7 +21,7 @@ import os
 import re
 from typing import Mapping, Optional
 
-__all__ = ["cpu_bf16_flags", "fast_bf16", "default_precision", "PEAK_BF16_TFLOPS", "PEAK_FP8_TFLOPS",
+__all__ = ["cpu_bf16_flags", "fast_bf16", "flex_compiles_on_this_cpu", "default_precision", "PEAK_BF16_TFLOPS", "PEAK_FP8_TFLOPS",
            "FP8_MIN_CAPABILITY", "fp8_capability_problem", "check_fp8_device"]
 
 # Dense bf16 tensor-core peak per GPU, TFLOP/s (datasheet values, SXM parts; sparsity not counted): what MFU
@@ -75,6 +75,16 @@ def fast_bf16(env: Optional[Mapping[str, str]] = None, cpuinfo: str = "/proc/cpu
     if onednn and onednn not in _ONEDNN_BF16_ISAS:
         return False, f"ONEDNN_MAX_CPU_ISA={onednn} limits oneDNN below its bf16 instructions (the CPU has {', '.join(have)})"
     return True, f"this CPU has {', '.join(have)}"
+
+
+def flex_compiles_on_this_cpu(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether inductor compiles flex attention for the CPU in this process: its C++ template needs AVX2 kernels
+    (torch._inductor.kernel.flex.flex_cpu.check_cpu_supported: a CPU with AVX2 and ATEN_CPU_CAPABILITY other than
+    ``default``; elsewhere it raises "torch.compile on current platform is not supported for CPU")."""
+    import torch  # noqa: PLC0415 (config/ loads without torch; only the CPU query needs it)
+
+    env = os.environ if env is None else env
+    return torch.cpu._is_avx2_supported() and env.get("ATEN_CPU_CAPABILITY") != "default"
 
 
 def default_precision(env: Optional[Mapping[str, str]] = None, cpuinfo: str = "/proc/cpuinfo",

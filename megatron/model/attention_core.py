@@ -54,19 +54,19 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from megatron.config.hardware import flex_compiles_on_this_cpu
 from megatron.model.positional import alibi_bias
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FLEX_CPU_BACKWARD_BLOCK", "UNFUSED_AUTO_MAX_SCORES", "flash_attn_available", "flex_compiles_on_this_cpu",
-           "resolve_attention_backend", "document_causal_mask", "document_runs", "runs_per_document",
-           "sdpa_per_document", "flex_core_attention", "flash_core_attention", "unfused_core_attention"]
+__all__ = ["FLEX_CPU_BACKWARD_BLOCK", "UNFUSED_AUTO_MAX_SCORES", "flash_attn_available", "resolve_attention_backend",
+           "document_causal_mask", "document_runs", "runs_per_document", "sdpa_per_document", "flex_core_attention",
+           "flash_core_attention", "unfused_core_attention"]
 
 FLEX_CPU_BACKWARD_BLOCK = 256  # queries per recomputed block in flex's CPU backward
 UNFUSED_AUTO_MAX_SCORES = 1024 * 1024  # auto's unfused path on CPU: sq x sk at most this (s <= 1024)
@@ -210,13 +210,6 @@ def _document_block_mask(document_ids: torch.Tensor):
 
     b, s = document_ids.shape
     return create_block_mask(document_causal, b, None, s, s, device=document_ids.device)
-
-
-def flex_compiles_on_this_cpu() -> bool:
-    """Whether inductor lowers flex attention for the CPU in this process: its C++ template needs AVX2 kernels
-    (torch._inductor.kernel.flex.flex_cpu.check_cpu_supported: an AVX2 CPU and ATEN_CPU_CAPABILITY other than
-    ``default``; elsewhere it raises "torch.compile on current platform is not supported for CPU")."""
-    return torch.cpu._is_avx2_supported() and os.environ.get("ATEN_CPU_CAPABILITY", "").lower() != "default"
 
 
 def _blockwise_mask(query, sk, start, stop, slopes, document_ids):

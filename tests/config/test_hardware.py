@@ -1,6 +1,6 @@
 """Which precision the main job picks: bf16 only where the CPU (or GPU) has bf16 instructions."""
 
-from megatron.config.hardware import cpu_bf16_flags, default_precision, fast_bf16
+from megatron.config.hardware import cpu_bf16_flags, default_precision, fast_bf16, flex_compiles_on_this_cpu
 
 AMX = "processor : 0\nflags : fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
 EPYC_AVX2 = "processor : 0\nflags : fpu sse avx avx2 fma\n"
@@ -28,3 +28,16 @@ def test_limits_on_the_instruction_set_are_honoured(tmp_path):
     assert not fast_bf16({"ATEN_CPU_CAPABILITY": "avx2"}, amx, cuda=False)[0]
     assert not fast_bf16({"ONEDNN_MAX_CPU_ISA": "AVX2"}, amx, cuda=False)[0]
     assert fast_bf16({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX", "ATEN_CPU_CAPABILITY": "avx512"}, amx, cuda=False)[0]
+
+
+def test_flex_compiles_on_this_cpu_is_inductors_own_check(monkeypatch):
+    """Where flex attention's forward runs by blocks of SDPA (megatron.model.attention_core) is where inductor's
+    CPU flex template refuses (a torch upgrade that changes its rule fails here, not in a user's run)."""
+    from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+
+    for capability in (None, "default", "DEFAULT", "avx2"):
+        if capability is None:
+            monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+        else:
+            monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+        assert flex_compiles_on_this_cpu() == check_cpu_supported(), capability

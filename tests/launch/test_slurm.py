@@ -27,6 +27,7 @@ import time
 import pytest
 
 from megatron.testing.tiny_corpus import make_tiny_corpus
+from tests.helpers import faults
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.slurm_cluster import SlurmCluster, ensure_slurm_installed
 from tests.helpers.training import tensorboard_scalars
@@ -157,19 +158,26 @@ def _losses_by_start(tensorboard_dir) -> list[dict[int, float]]:
     return out
 
 
-REQUEUE_ITERS = 12
+REQUEUE_ITERS, HELD_AFTER = 12, 5
 
 
 def test_a_requeued_job_resumes_and_ends_with_the_uninterrupted_jobs_losses(cluster, tmp_path):
     """Two jobs of the same run side by side: one straight, one submitted with --requeue and requeued once its
     checkpoint of iteration 4 (or a later one) is complete. The requeued one restarts (SLURM_RESTART_COUNT 1), resumes
     from its newest checkpoint, and both end at iteration 12 with the same loss at every iteration, bit for bit; the
-    requeued one's log and TensorBoard count the restart and the iterations lost."""
+    requeued one's log and TensorBoard count the restart and the iterations lost.
+
+    The requeued job's ranks hold after iteration 5 until a signal reaches them (``faults.held_env``; iteration 4's
+    checkpoint is written by then): on a fast machine the tiny job had otherwise finished all 12 iterations before
+    the requeue landed, and its second start had nothing left to train (seen: no loss in its event file)."""
     out = str(tmp_path / "job-%j.out")
     args = ["--ntasks-per-node=2", f"--output={out}"]
+    held = faults.held_env(tmp_path / "faults", HELD_AFTER)
+    hold = {name: held[name] for name in ("PYTHONPATH", faults.HOLD_ENV)}
     jobs = {name: cluster.sbatch([*args, *(["--requeue"] if name == "requeued" else []), SCRIPT],
                                  env=_job_env(tmp_path, name, TRAIN_ITERS=str(REQUEUE_ITERS), SAVE_INTERVAL="2",
-                                              LAUNCH_STYLE="srun"), cwd=str(REPO_ROOT))
+                                              LAUNCH_STYLE="srun", **(hold if name == "requeued" else {})),
+                                 cwd=str(REPO_ROOT))
             for name in ("straight", "requeued")}
     checkpoints = tmp_path / "runs" / "requeued" / "checkpoints"
     deadline = time.time() + JOB_TIMEOUT_S

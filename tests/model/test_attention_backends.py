@@ -115,19 +115,6 @@ def test_decoding_with_a_kv_cache_under_flex_equals_its_full_forward():
     assert diff <= tolerance(torch.float32, 6, 64, full.abs().max().item()), diff
 
 
-def test_flex_compiles_on_this_cpu_is_inductors_own_check(monkeypatch):
-    """The condition under which the forward runs by blocks is the one inductor's CPU flex template refuses on
-    (a torch upgrade that changes it fails here, not in a user's run)."""
-    from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
-
-    for capability in (None, "default", "avx2"):
-        if capability is None:
-            monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-        else:
-            monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
-        assert attention_core.flex_compiles_on_this_cpu() == check_cpu_supported(), capability
-
-
 @pytest.mark.parametrize("alibi, documents", [(True, False), (False, False), (True, True), (False, True)])
 def test_flex_by_blocks_where_it_does_not_compile_equals_sdpas_dense_attention(monkeypatch, alibi, documents):
     """Where inductor cannot compile flex for the CPU (no AVX2 kernels), its forward is SDPA over blocks of queries
