@@ -233,11 +233,6 @@ REFUSED: tuple[Refused, ...] = (
             "(flash_attn_varlen_func with cu_seqlens) needs CUDA and the flash-attn package, so it cannot be run "
             "here to test it", "use --attention-backend flex, sdpa or unfused",
             say="{a} does not work with {b}: {reason}; {fix}"),
-    # the live evaluation harness (megatron/evaluation/live.py)
-    Refused("live evaluation harness", "model engine", "it runs on the pipeline engine's model",
-            "Evaluate its saved checkpoints with tools/evaluate.py instead",
-            say="{a} runs on the pipeline engine's model; this run (" + _NON_PIPELINE_RUN.format(stage="ZeRO stage")
-            + ". {fix}"),
 )
 
 

@@ -526,7 +526,6 @@ class RunConfig:
                              f"{self.training.eval_interval} iterations, but there is no validation data (no "
                              f"--valid-weighted-split-paths, or a --split without a validation part); pass "
                              f"validation data or --eval-iters 0")
-        check_combinations(self, "live evaluation harness")  # on the pipeline engine's model only
         check_combinations(self, "Muon")  # the ZeRO stages, precisions and checkpoint formats Muon runs with
         return self
 

@@ -208,6 +208,16 @@ class ModelEngine:
                                 **extra)  # [b, s/sp]
         return sequence_parallel_loss(per_token, loss_mask.to(device), self.state.seq_group)
 
+    @torch.no_grad()
+    def logits(self, inputs) -> torch.Tensor:
+        """The model's logits [s', b, vp/tp] for one micro-batch's inputs (input ids, positions and, with
+        --reset-attention-mask, document ids; s' this rank's tokens under Ulysses or CP); no gradient. Every rank of
+        the run calls it together (ZeRO-3 gathers each module's parameters for its forward; the live harness)."""
+        input_ids, position_ids, *documents = inputs
+        device = self.engine.device
+        extra = {"document_ids": documents[0].to(device)} if documents else {}
+        return self.engine(input_ids.to(device), position_ids.to(device), **extra)
+
     def _mean_over_data_parallel(self, total: torch.Tensor, count: int) -> torch.Tensor:
         """Mean over micro-batches and data-parallel ranks; with Ulysses the SP ranks' parts are summed first."""
         loss = total.detach().float() / count

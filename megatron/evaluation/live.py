@@ -1,18 +1,22 @@
 """lm-evaluation-harness tasks on the live model of a training run (--eval-harness-tasks, --eval-harness-interval).
 
     harness_eval = LiveHarness(engine, tokenizer, model_config, tasks=("tiny_choice",), include_path=...,
-                               limit=None, micro_batch_size=2, tp_group=state.tp_group, make_batch=gpt_micro_batch)
+                               limit=None, micro_batch_size=2, tp_group=state.tp_group, make_batch=gpt_micro_batch,
+                               model_engine=False)
     metrics = harness_eval()          # every rank calls it at the same iteration; {"task/metric": value}
 
-The model is the pipeline engine's, read through ``engine.eval_batch`` (DeepSpeed's inference schedule) on
-micro-batches laid out by the training loop's ``make_batch`` (tokens [b, s + 1] -> the pipeline's tuple):
-every batch of requests is right-padded to the training shape [micro_batch_size, seq_length], so the
-pipeline sends the activation shapes it always sends (with context parallelism each rank's ``make_batch`` keeps
+On the pipeline engine (``PipelineEngineLM``) the model is read through ``engine.eval_batch`` (DeepSpeed's
+inference schedule) on micro-batches laid out by the training loop's ``make_batch`` (tokens [b, s + 1] -> the
+pipeline's tuple): every batch of requests is right-padded to the training shape [micro_batch_size, seq_length], so
+the pipeline sends the activation shapes it always sends (with context parallelism each rank's ``make_batch`` keeps
 its load-balanced tokens, as in training); the last stage gathers the logits over its TP group (and its CP group's
-log-probabilities back into sequence order),
-takes the log-softmax over the tokenizer's rows (the padded vocabulary is never scored) and broadcasts it
-over the pipeline group, so every rank runs the harness on the same numbers and the same number of
-forwards. Every data-parallel replica evaluates every request (simple; the tasks are meant to be small).
+log-probabilities back into sequence order), takes the log-softmax over the tokenizer's rows (the padded vocabulary
+is never scored) and broadcasts it over the pipeline group, so every rank runs the harness on the same numbers and
+the same number of forwards. On the model engine (``ModelEngineLM``: ZeRO-2 / 3, hpZ, Ulysses; one stage) every
+rank calls the engine's forward on its ``make_batch`` (Ulysses: its s / sp contiguous tokens; ZeRO-3 gathers each
+module's parameters as in training, so every rank of a data-parallel group must run the same forwards, as it does
+here) and gathers the log-probabilities over TP and the sequence group itself. Every data-parallel replica
+evaluates every request (simple; the tasks are meant to be small).
 Generation tasks (generate_until) are not run here (tools/evaluate.py runs them on a saved checkpoint).
 
 What the training run must not notice: the harness seeds python's, numpy's and torch's generators, so
@@ -42,7 +46,7 @@ from megatron.parallel.context_parallel import gather_sequence
 from megatron.parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.parallel.state import collective_device
 
-__all__ = ["LiveHarness", "PipelineEngineLM"]
+__all__ = ["LiveHarness", "ModelEngineLM", "PipelineEngineLM"]
 
 
 class PipelineEngineLM(MegatronLM):
@@ -62,18 +66,48 @@ class PipelineEngineLM(MegatronLM):
         tokens = torch.zeros(self._micro_batch_size, seq + 1, dtype=torch.long)  # [b, s + 1]
         for i, row in enumerate(rows):
             tokens[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        out = self._scored(tokens)  # [b, s, v]
+        return out[:len(rows)].cpu()
+
+    def _scored(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The log-probabilities [b, s, v] of the padded batch ``tokens`` [b, s + 1], on every rank."""
         _, logits = self.engine.eval_batch(iter([self._make_batch(tokens)]), return_logits=True, num_micro_batches=1)
         grid = self.engine.grid
-        out = torch.empty(self._micro_batch_size, seq, self.vocab_size, dtype=torch.float32,
+        out = torch.empty(self._micro_batch_size, self.config.seq_length, self.vocab_size, dtype=torch.float32,
                           device=collective_device())  # [b, s, v]
         if self.engine.is_last_stage():
-            logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)  # [s/cp, b, vp]
-            log_probs = F.log_softmax(logits[..., :self.vocab_size].float(), dim=-1).transpose(0, 1)  # [b, s/cp, v]
-            out.copy_(gather_sequence(log_probs.contiguous(), self.cp_group))  # CP: every rank's tokens, in order
+            out.copy_(gather_sequence(self._local_log_probs(logits), self.cp_group))  # CP: every rank's, in order
         if grid.pipe_parallel_size > 1:
             dist.broadcast(out, src=grid.stage_to_global(grid.pipe_parallel_size - 1),
                            group=grid.get_pipe_parallel_group())
-        return out[:len(rows)].cpu()
+        return out
+
+    def _local_log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [s', b, vp/tp] (this rank's tokens, its vocabulary part) -> fp32 log-probabilities [b, s', v]
+        over the tokenizer's rows."""
+        logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)  # [s', b, vp]
+        return F.log_softmax(logits[..., :self.vocab_size].float(), dim=-1).transpose(0, 1).contiguous()
+
+
+class ModelEngineLM(PipelineEngineLM):
+    """MegatronLM scoring with the model engine's model (``megatron.engine.model_engine``: ZeRO-2 / 3, hpZ, Ulysses,
+    context parallelism on one stage), on every rank alike."""
+
+    def __init__(self, engine, tokenizer, config, *, tp_group, micro_batch_size: int, make_batch, cp_group=None,
+                 sp_group=None):
+        super().__init__(engine, tokenizer, config, tp_group=tp_group, micro_batch_size=micro_batch_size,
+                         make_batch=make_batch, cp_group=cp_group)
+        self.sp_group = sp_group  # Ulysses: each rank's s / sp contiguous tokens
+
+    def _scored(self, tokens: torch.Tensor) -> torch.Tensor:
+        inputs, _ = self._make_batch(tokens)
+        local = self._local_log_probs(self.engine.logits(inputs))  # [b, s', v]
+        if self.sp_group is not None and dist.get_world_size(self.sp_group) > 1:
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.sp_group))]
+            dist.all_gather(parts, local, group=self.sp_group)
+            return torch.cat(parts, dim=1)  # [b, s, v]: the ranks' slices in rank order
+        return gather_sequence(local, self.cp_group)  # [b, s, v]
+
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         raise ValueError("generation tasks (generate_until) are not run during training; drop them from "
@@ -85,12 +119,13 @@ class LiveHarness:
 
     def __init__(self, engine, tokenizer, config, *, tasks: Sequence[str], include_path: Optional[str],
                  limit: Optional[float], micro_batch_size: int, tp_group, make_batch, seed: int = 1234,
-                 cp_group=None):
+                 cp_group=None, sp_group=None, model_engine: bool = False):
         self.tasks = list(tasks)
         self.manager = harness.task_manager(self.tasks, include_path)
         self.settings = harness.HarnessSettings(limit=limit, seed=seed)
-        self.lm = PipelineEngineLM(engine, tokenizer, config, tp_group=tp_group, micro_batch_size=micro_batch_size,
-                                   make_batch=make_batch, cp_group=cp_group)
+        common = dict(tp_group=tp_group, micro_batch_size=micro_batch_size, make_batch=make_batch, cp_group=cp_group)
+        self.lm = (ModelEngineLM(engine, tokenizer, config, sp_group=sp_group, **common) if model_engine
+                   else PipelineEngineLM(engine, tokenizer, config, **common))
 
     def __call__(self) -> dict[str, float]:
         states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),

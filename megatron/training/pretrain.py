@@ -40,7 +40,7 @@ from megatron.model.mtp import iteration_losses as mtp_iteration_losses
 from megatron.parallel.fp8_linear import update_fp8_scales
 from megatron.parallel.random import RNGStatesTracker, model_parallel_rng_seed
 from megatron.parallel.state import ParallelState, collective_device
-from megatron.training.batches import context_slice, gpt_micro_batch
+from megatron.training.batches import context_slice, gpt_micro_batch, sequence_slice
 from megatron.training.data_iterators import build_datasets, close_data_iterators, micro_batch_iterator
 from megatron.training.distributed import init_process_group
 from megatron.training.exit import ExitMonitor
@@ -290,20 +290,23 @@ def _live_harness(rc: RunConfig, engine, state: ParallelState):
 
     # --reset-attention-mask: the harness's batches carry document ids too (one document a row), so that the
     # pipeline stages exchange the (hidden, ids) activations whose shapes DeepSpeed's engine recorded in training
-    make_batch = functools.partial(_harness_batch, documents=rc.data.reset_attention_mask, cp_rank=state.cp_rank,
-                                   cp_size=state.cp_size)
+    make_batch = functools.partial(_harness_batch, documents=rc.data.reset_attention_mask, sp_rank=state.sp_rank,
+                                   sp_size=state.sp_size, cp_rank=state.cp_rank, cp_size=state.cp_size)
     return LiveHarness(engine, build_tokenizer(rc.data.tokenizer), rc.model, tasks=t.eval_harness_tasks,
                        include_path=t.eval_harness_include_path, limit=t.eval_harness_limit,
                        micro_batch_size=rc.batch.micro_batch_size, tp_group=state.tp_group, make_batch=make_batch,
-                       seed=t.seed, cp_group=state.cp_group)
+                       seed=t.seed, cp_group=state.cp_group, sp_group=state.sp_group,
+                       model_engine=rc.on_model_engine)
 
 
-def _harness_batch(tokens: torch.Tensor, *, documents: bool, cp_rank: int, cp_size: int):
+def _harness_batch(tokens: torch.Tensor, *, documents: bool, sp_rank: int, sp_size: int, cp_rank: int,
+                   cp_size: int):
     """``gpt_micro_batch(tokens)`` (with ``documents``, document ids 0 for every token: each row of the harness is
-    one request), this context-parallel rank's load-balanced tokens of it."""
+    one request), this rank's tokens of it as training lays them out (``MicroBatchIterator``): Ulysses' contiguous
+    s / sp, context parallelism's load-balanced s / cp."""
     (input_ids, position_ids), labels = gpt_micro_batch(tokens)
     inputs = (input_ids, position_ids, torch.zeros_like(input_ids)) if documents else (input_ids, position_ids)
-    return context_slice((inputs, labels), cp_rank, cp_size)
+    return context_slice(sequence_slice((inputs, labels), sp_rank, sp_size), cp_rank, cp_size)
 
 
 def _sharding_summary(rc: RunConfig) -> str:

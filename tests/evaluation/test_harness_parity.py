@@ -3,7 +3,7 @@ training.
 
 One 4-rank launch trains at TP=2, PP=2 a tiny BLOOM four times (without the harness; with it every 2
 iterations, saved; the same stopped after 2 and resumed), a tiny Llama-style model, and BLOOM with the harness at
-CP=2, PP=2, then runs tools/evaluate.py on the BLOOM checkpoint over the 4 processes (TP=4); to_hf.py exports both
+CP=2, PP=2 and on the model engine (ZeRO-3 and Ulysses, at TP=2), then runs tools/evaluate.py on the BLOOM checkpoint over the 4 processes (TP=4); to_hf.py exports both
 models. Then:
 - on the local tasks of examples/eval_tasks/ (multiple choice, LAMBADA-style last word, generation) the
   harness's results through ``MegatronLM`` equal its results through ``HFLM`` on the export: every per-sample
@@ -13,7 +13,7 @@ models. Then:
 - ``loglikelihood_rolling`` on held-out text is exp of our own loss on the same tokens;
 - tools/evaluate.py writes the harness's JSON and tensorboard scalars, at TP=1 and TP=4 alike;
 - training with --eval-harness-tasks gives bit-identical losses, resumes exactly, and logs the metrics of the
-  model it saves (at CP=2 x PP=2 too);
+  model it saves (at CP=2 x PP=2 too, and on the model engine: ZeRO-3 x DP=2 x TP=2, Ulysses=2 x TP=2);
 - bad task files, unknown tasks and a checkpoint whose tokenizer files are gone are one ValueError each.
 Everything runs offline (HF_DATASETS_OFFLINE=1, HF_HUB_OFFLINE=1; the export is a local folder).
 """
@@ -39,6 +39,8 @@ LLAMA = ("--normalization", "rmsnorm", "--swiglu", "--num-key-value-heads", "2",
          "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96")
 HARNESS = ("--eval-harness-tasks", ",".join(LIVE_TASKS), "--eval-harness-include-path", TASKS_DIR,
            "--eval-harness-limit", "8")
+# the live harness on the model engine (runs of the launch below, at TP=2): name -> flags
+MODEL_ENGINE_RUNS = {"ZeRO-3 x DP=2 x TP=2": ("--zero-stage", "3"), "Ulysses=2 x TP=2": ("--ds-sequence-parallel-size", "2")}
 TOOL_FLAGS = ["--tasks", "tiny_choice,tiny_last_word", "--include-path", TASKS_DIR, "--batch-size", "4",
               "--no-builtin-tasks"]
 
@@ -84,11 +86,18 @@ def trained(tmp_path_factory, tiny_corpus, offline):
             tiny_argv(tiny_corpus, *live, context_parallel_size=2, save=str(root / "bloom cp2"), save_interval=4,
                       tensorboard_dir=str(root / "tb cp2"), init_method_std=0.3, train_iters=4,
                       pipeline_model_parallel_size=2)]
+    # the model engine (one stage): ZeRO-3 gathers each module's parameters for the harness's forwards on both
+    # data-parallel replicas; under Ulysses each rank scores its contiguous half of the tokens
+    runs += [tiny_argv(tiny_corpus, *live, *flags, save=str(root / f"bloom {name}"), save_interval=4,
+                       tensorboard_dir=str(root / f"tb {name}"), init_method_std=0.3, train_iters=4,
+                       tensor_model_parallel_size=2)
+             for name, flags in MODEL_ENGINE_RUNS.items()]
     evaluate_argv = ["--load", str(root / "bloom"), *TOOL_FLAGS, "--output_path", str(root / "tp4_results")]
     results = run_distributed(_train_then_evaluate, world_size=4, args=(runs, evaluate_argv),
                               env={"OMP_NUM_THREADS": "1"}, timeout=600)
     out = {"tp4_results": root / "tp4_results", "tensorboard": root / "tb", "records": results[-1],
-           "bloom cp2": str(root / "bloom cp2"), "tensorboard cp2": root / "tb cp2"}
+           "live": {"TP=2 x PP=2": (root / "bloom", root / "tb"), "CP=2 x PP=2": (root / "bloom cp2", root / "tb cp2"),
+                    **{name: (root / f"bloom {name}", root / f"tb {name}") for name in MODEL_ENGINE_RUNS}}}
     for name in ("bloom", "llama"):
         assert to_hf.main(["--load", str(root / name), "--output-dir", str(root / f"{name}_hf")]) == 0
         out[name] = (str(root / name), str(root / f"{name}_hf"))
@@ -323,25 +332,25 @@ def test_training_losses_are_bit_identical_with_the_harness_and_after_resume(tra
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("run", ["TP=2 x PP=2", "CP=2 x PP=2"])
+@pytest.mark.parametrize("run", ["TP=2 x PP=2", "CP=2 x PP=2", *MODEL_ENGINE_RUNS])
 def test_the_metrics_logged_during_training_are_the_saved_models(trained, run):
     from megatron.evaluation import harness
     from megatron.evaluation.harness_model import MegatronLM
 
-    cp = run.startswith("CP")
-    scalars = tensorboard_scalars(trained["tensorboard cp2" if cp else "tensorboard"])
+    checkpoint, tensorboard = trained["live"][run]
+    scalars = tensorboard_scalars(tensorboard)
     logged = {tag.removeprefix("lm-eval/"): values for tag, values in scalars.items() if tag.startswith("lm-eval/")}
     assert sorted(logged) == ["tiny_choice/acc", "tiny_choice/acc_norm", "tiny_last_word/acc",
                               "tiny_last_word/perplexity"]
     assert all([step for step, _ in values] == [2, 4] for values in logged.values())
     assert "lm-loss-training/lm loss" in scalars  # beside the loss, in the same event files
-    lm = MegatronLM.from_checkpoint(trained["bloom cp2"] if cp else trained["bloom"][0], batch_size=2)
+    lm = MegatronLM.from_checkpoint(str(checkpoint), batch_size=2)
     results, logit_scale = _largest_logit(lm.model, lambda: harness.score_tasks(
         lm, LIVE_TASKS, harness.task_manager(LIVE_TASKS, TASKS_DIR, builtin=False),
         harness.HarnessSettings(limit=8, log_samples=True)))
     saved = harness.headline_metrics(results)
     assert set(saved) == set(logged)
-    # Logged at TP=2, PP=2 (or CP=2, PP=2) during training, scored here at TP=1 in other batches: the perplexity within its
+    # Logged at the run's layout during training, scored here at TP=1 in other batches: the perplexity within its
     # tolerance, and the float32 rounding of the logged value (tensorboard holds float32).
     rtols = {"tiny_last_word": _log_metric_rtol(lm, _per_token_bound(lm, logit_scale),
                                                 results["samples"]["tiny_last_word"])}
@@ -386,7 +395,7 @@ def test_a_checkpoint_without_its_tokenizer_files_is_one_clear_error(trained, tm
         evaluate.main(["--load", str(ckpt), "--tasks", "tiny_choice", "--include_path", TASKS_DIR])
 
 
-def test_the_training_flags_go_together_and_need_the_pipeline_engine():
+def test_the_training_flags_go_together():
     from megatron.config import PrecisionConfig, TrainingConfig
     from tests.helpers.config import run_config
 
@@ -400,6 +409,5 @@ def test_the_training_flags_go_together_and_need_the_pipeline_engine():
                        eval_harness_limit=0).validate()
     live = TrainingConfig(train_iters=10, eval_iters=0, eval_harness_tasks=("tiny_choice",), eval_harness_interval=2)
     assert run_config(training=live).validate().training.eval_harness_interval == 2
-    with pytest.raises(ValueError, match=r"runs on the pipeline engine's model; this run \(ZeRO stage 2.*"
-                                         r"tools/evaluate\.py"):
-        run_config(training=live, precision=PrecisionConfig(zero_stage=2)).validate()
+    # the model engine's runs too (test_the_metrics_logged_during_training_are_the_saved_models trains them)
+    assert run_config(training=live, precision=PrecisionConfig(zero_stage=2)).validate().on_model_engine
