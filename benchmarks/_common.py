@@ -28,8 +28,17 @@ def cpu_model() -> str:
 
 
 def machine() -> dict:
-    return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "loadavg": list(os.getloadavg()),
-            "platform": platform.platform(), "python": platform.python_version()}
+    """The machine a result was measured on: the CPU, the instruction-set flags that decide its CPU kind (AMX,
+    AVX-512 BF16, AVX-512, AVX2: ``megatron.config.hardware.cpu_bf16_flags``), the kernels torch runs (its
+    capability, and ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA where they hold it below the CPU's), and the load."""
+    import torch  # noqa: PLC0415 (the scripts import it anyway; this module stays light for its other helpers)
+
+    from megatron.config.hardware import cpu_bf16_flags  # noqa: PLC0415
+
+    limits = {name: os.environ[name] for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if name in os.environ}
+    return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cpu_flags": cpu_bf16_flags(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "kernel_limits": limits,
+            "loadavg": list(os.getloadavg()), "platform": platform.platform(), "python": platform.python_version()}
 
 
 def versions() -> dict:
