@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Megatron sequence parallelism (layouts with TP > 1): try both, or fix it")
     p.add_argument("--ulysses-sizes", type=int, nargs="+", default=[1],
                    help="DeepSpeed-Ulysses degrees to consider (heads divisible by TP x u, TP x u within a node, PP 1)")
+    p.add_argument("--cp-sizes", type=int, nargs="+", default=[1],
+                   help="context-parallel (ring attention, --context-parallel-size) degrees to consider: any PP, "
+                        "across nodes too, not with Ulysses; the sequence divisible by 2 x the degree")
     p.add_argument("--ep-sizes", type=int, nargs="+",
                    help="expert-parallel sizes to consider on an MoE model (--model mixtral-8x7b, deepseek-v3); "
                         "default: every power of two dividing its experts, up to --num-gpus")
@@ -208,6 +211,8 @@ def main(argv=None) -> int:
     gpu, cluster = hardware_from_args(args)
     if any(u < 1 for u in args.ulysses_sizes):
         raise SystemExit(f"--ulysses-sizes must be positive (got {args.ulysses_sizes})")
+    if any(c < 1 for c in args.cp_sizes):
+        raise SystemExit(f"--cp-sizes must be positive (got {args.cp_sizes})")
     if args.longest_sequence:
         return main_longest(args, model, gpu, cluster)
     plans = plan_layouts(model, gpu, cluster, args.num_gpus, args.seq_length, args.global_batch_size,
@@ -219,7 +224,7 @@ def main(argv=None) -> int:
                          ulysses_sizes=tuple(args.ulysses_sizes),
                          store_attention_scores=args.attention == "materialized",
                          ep_sizes=ep_sizes_from_args(args, model), schedules=tuple(args.schedules),
-                         virtual_stages=tuple(args.virtual_stages))
+                         virtual_stages=tuple(args.virtual_stages), cp_sizes=tuple(args.cp_sizes))
     rows = [p.row() for p in plans[:args.top]]
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(model), "gpu": dataclasses.asdict(gpu),

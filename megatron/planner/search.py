@@ -2,11 +2,13 @@
 
 Candidates: TP a divisor of the GPUs per node that divides the heads and the vocabulary, a Ulysses
 degree u from ``ulysses_sizes`` with the query and key / value heads divisible by TP x u and TP x u
-within a node (Ulysses runs on DeepSpeed's model engine: PP 1), PP a divisor of
-num_gpus / (TP x u) no larger than the layer count, DP the rest, sequence parallelism off and (at
+within a node (Ulysses runs on DeepSpeed's model engine: PP 1), a context-parallel degree c from ``cp_sizes``
+(the ring: any PP, across nodes too; not with Ulysses), PP a divisor of num_gpus / (TP x u x c) no larger than the
+layer count, DP the rest, sequence parallelism off and (at
 TP > 1) on, every micro-batch size in ``micro_batch_sizes`` that divides global_batch / DP,
 recomputation on and off, ZeRO stages 0 and 1 (any PP) and 2 and 3 (PP 1; ZeRO-3 also with hpZ
-groups of one node, cut from the DP x u ranks). A layout runs a sequence length divisible by u (x TP with SP).
+groups of one node, cut from the DP x u x c ranks). A layout runs a sequence length divisible by u (x TP with SP),
+by 2c under CP (its load-balanced chunks).
 Each layout with PP > 1 is tried under every pipeline schedule asked for that runs it (1F1B, ZB-H1, interleaved
 with v virtual stages: ``schedule_variants``). A layout fits when its busiest stage's predicted memory is at most
 MEMORY_HEADROOM of the GPU's memory.
@@ -42,7 +44,8 @@ class Plan:
         """A flat, JSON-ready summary (memory in GiB)."""
         lay, st = self.layout, self.step
         return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "sequence_parallel": lay.sequence_parallel,
-                "ulysses": lay.ulysses, "sequence": lay.sequence_label, "micro_batch_size": lay.micro_batch_size,
+                "ulysses": lay.ulysses, "cp": lay.cp, "sequence": lay.sequence_label,
+                "micro_batch_size": lay.micro_batch_size,
                 "num_micro_batches": self.num_micro_batches,
                 "recompute": lay.recompute, "zero_stage": lay.zero_stage, "hpz": lay.hpz, "zero": lay.zero_label,
                 "memory_gib": round(self.memory.peak / 2 ** 30, 2), "peak_stage": self.memory.peak_stage,
@@ -63,11 +66,12 @@ def candidate_layouts(model: ModelShape, num_gpus: int, gpus_per_node: int, glob
                       zero_stages: Iterable[int] = (1, 0, 2, 3), precision: str = "bf16",
                       partition_method: str = "type:transformer", sequence_parallel: Iterable[bool] = (False,),
                       ulysses_sizes: Iterable[int] = (1,), store_attention_scores: bool = True,
-                      ulysses_across_nodes: bool = False, ep_sizes: Iterable[int] = (1,)) -> list[Layout]:
+                      ulysses_across_nodes: bool = False, ep_sizes: Iterable[int] = (1,),
+                      cp_sizes: Iterable[int] = (1,)) -> list[Layout]:
     """Every layout of the module docstring's rules; ``ulysses_across_nodes`` lets TP x u exceed a node."""
     out = _dense_candidates(model, num_gpus, gpus_per_node, global_batch_size, micro_batch_sizes, recompute,
                             zero_stages, precision, partition_method, sequence_parallel, ulysses_sizes,
-                            store_attention_scores, ulysses_across_nodes)
+                            store_attention_scores, ulysses_across_nodes, tuple(cp_sizes))
     return [dataclasses.replace(layout, ep=ep) if ep > 1 else layout for layout in out for ep in ep_sizes
             if ep == 1 or (model.moe is not None and _runs_experts(model, layout, ep))]
 
@@ -83,26 +87,26 @@ def _runs_experts(model: ModelShape, layout: Layout, ep: int) -> bool:
 
 def _dense_candidates(model, num_gpus, gpus_per_node, global_batch_size, micro_batch_sizes, recompute, zero_stages,
                       precision, partition_method, sequence_parallel, ulysses_sizes, store_attention_scores,
-                      ulysses_across_nodes) -> list[Layout]:
+                      ulysses_across_nodes, cp_sizes=(1,)) -> list[Layout]:
     out = []
     kv_heads = model.num_key_value_heads or model.num_attention_heads
     for tp in _divisors(min(num_gpus, gpus_per_node)):
         if model.num_attention_heads % tp or model.vocab_size % tp:
             continue
-        for u in ulysses_sizes:
-            if num_gpus % (tp * u) or model.num_attention_heads % (tp * u) or kv_heads % (tp * u):
+        for u, c in ((u, c) for u in ulysses_sizes for c in cp_sizes if u == 1 or c == 1):  # one splits the sequence
+            if num_gpus % (tp * u * c) or model.num_attention_heads % (tp * u) or kv_heads % (tp * u):
                 continue
             if tp * u > gpus_per_node and not ulysses_across_nodes and u > 1:
                 continue
-            for pp in _divisors(num_gpus // (tp * u)):
+            for pp in _divisors(num_gpus // (tp * u * c)):
                 min_layers = model.num_layers + (2 if partition_method == "type:transformer|embedding" else 0)
                 if pp > model.num_layers or min_layers // pp < 1 or (u > 1 and pp > 1):
                     continue
-                dp = num_gpus // (tp * pp * u)
+                dp = num_gpus // (tp * pp * u * c)
                 for sp in sequence_parallel:
                     if sp and tp == 1:
                         continue  # nothing to split the sequence over
-                    common = dict(sequence_parallel=sp, ulysses=u, store_attention_scores=store_attention_scores)
+                    common = dict(sequence_parallel=sp, ulysses=u, cp=c, store_attention_scores=store_attention_scores)
                     out.extend(_batch_variants(tp, pp, dp, global_batch_size, micro_batch_sizes, recompute,
                                                zero_stages, precision, partition_method, gpus_per_node, common))
     return out
@@ -111,7 +115,7 @@ def _dense_candidates(model, num_gpus, gpus_per_node, global_batch_size, micro_b
 def _batch_variants(tp, pp, dp, global_batch_size, micro_batch_sizes, recompute, zero_stages, precision,
                     partition_method, gpus_per_node, common) -> list[Layout]:
     out = []
-    replicas = dp * common["ulysses"]
+    replicas = dp * common["ulysses"] * common["cp"]  # ZeRO shards over the data-parallel x sequence ranks
     zero_stages = tuple(zero_stages)
     for mbs in micro_batch_sizes:
         if global_batch_size % (mbs * dp):
@@ -125,7 +129,7 @@ def _batch_variants(tp, pp, dp, global_batch_size, micro_batch_sizes, recompute,
                 if zero >= 2 and pp > 1:
                     continue  # ZeRO-2/3 run on DeepSpeed's model engine: one stage
                 out.append(Layout(tp, pp, dp, mbs, rc, zero, precision, partition_method, **common))
-                # hpZ: one group per node, of the dp x u ranks ZeRO-3 shards over (consecutive ranks of one TP rank)
+                # hpZ: one group per node, of the dp x u x c ranks ZeRO-3 shards over (consecutive ranks of one TP rank)
                 node_group = gpus_per_node // tp
                 if zero == 3 and 1 < node_group < replicas and replicas % node_group == 0:
                     out.append(Layout(tp, pp, dp, mbs, rc, zero, precision, partition_method, hpz=node_group,
@@ -145,9 +149,10 @@ def plan_layouts(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus
                  include_infeasible: bool = False, sequence_parallel: Iterable[bool] = (False,),
                  ulysses_sizes: Iterable[int] = (1,), store_attention_scores: bool = True,
                  ep_sizes: Iterable[int] = (1,), schedules: Iterable[str] = ("1f1b",),
-                 virtual_stages: Iterable[int] = (2,)) -> list[Plan]:
+                 virtual_stages: Iterable[int] = (2,), cp_sizes: Iterable[int] = (1,)) -> list[Plan]:
     """Every candidate layout with its memory and step estimates; fitting ones first, fastest first.
     ``ep_sizes``: the expert-parallel sizes to try on an MoE model (each must divide its experts).
+    ``cp_sizes``: the context-parallel (ring attention) sizes to try.
     ``schedules``: the pipeline schedules to try on every layout with PP > 1 where they run (``schedule_variants``;
     "interleaved" with each of ``virtual_stages``)."""
     schedules, virtual_stages = tuple(schedules), tuple(virtual_stages)
@@ -162,7 +167,8 @@ def plan_layouts(model: ModelShape, gpu: GPUSpec, cluster: ClusterSpec, num_gpus
     plans = []
     for layout in candidate_layouts(model, num_gpus, cluster.gpus_per_node, global_batch_size, micro_batch_sizes,
                                     recompute, zero_stages, "bf16", partition_method, sequence_parallel,
-                                    ulysses_sizes, store_attention_scores, ep_sizes=ep_sizes):
+                                    ulysses_sizes, store_attention_scores, ep_sizes=ep_sizes,
+                                    cp_sizes=cp_sizes):
         if not runs_sequence(layout, seq_length):
             continue
         for variant in schedule_variants(model, layout, global_batch_size, schedules, virtual_stages):

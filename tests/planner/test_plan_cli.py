@@ -61,6 +61,45 @@ def test_ranking_with_sp_and_ulysses_counts_every_gpu(capsys):
     assert not any(r["sequence_parallel"] for r in json.loads(capsys.readouterr().out)["layouts"])
 
 
+LLAMA3_70B_128K = ["--model", "llama-3-70b", "--num-gpus", "64", "--gpu", "H100-80GB", "--cluster", "dgx-h100",
+                   "--seq-length", "131072", "--global-batch-size", "32", "--micro-batch-sizes", "1",
+                   "--sequence-parallel", "both", "--json", "--top", "500"]
+
+
+def test_context_parallel_sizes_are_searched_and_count_every_gpu(capsys):
+    """--cp-sizes: ring layouts at any PP, never beside Ulysses, TP x PP x DP x CP the GPUs, ZeRO sharding over
+    DP x CP (hpZ groups cut from those ranks), the sequence divisible by 2 x CP."""
+    argv = ["--model", "llama-2-7b", "--num-gpus", "16", "--gpu", "H100-80GB", "--global-batch-size", "64",
+            "--seq-length", "16384", "--cp-sizes", "1", "2", "4", "--ulysses-sizes", "1", "2", "--json", "--top", "500"]
+    assert plan_parallelism.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert all(r["tp"] * r["pp"] * r["dp"] * r["ulysses"] * r["cp"] == 16 for r in rows)
+    assert {r["cp"] for r in rows} == {1, 2, 4} and not any(r["cp"] > 1 and r["ulysses"] > 1 for r in rows)
+    assert any(r["cp"] > 1 and r["pp"] > 1 for r in rows)  # the ring runs on the pipeline engine too
+    assert all(r["sequence"].endswith(f"CP{r['cp']}") for r in rows if r["cp"] > 1)
+    # ZeRO over one rank has nothing to shard; at DP 1 x CP 2 it shards over the CP pair
+    assert any(r["cp"] == 2 and r["dp"] == 1 and r["zero_stage"] == 3 for r in rows)
+
+
+def test_llama_3_70b_at_128k_on_64_h100s_needs_a_split_sequence_and_the_ring_when_scores_are_kept(capsys):
+    """docs/parallelism.md's answer: with the [heads, s, s] scores kept for backward (--attention materialized),
+    nothing fits at 128k on 64 H100s without context parallelism (Ulysses keeps its heads' scores over the whole
+    sequence; the ring keeps none); with the ring, layouts fit; with a fused attention kernel the best Ulysses and CP
+    layouts come within 2% of each other."""
+    assert plan_parallelism.main(LLAMA3_70B_128K + ["--ulysses-sizes", "1", "2", "4", "8"]) == 1
+    assert json.loads(capsys.readouterr().out)["num_feasible"] == 0
+    assert plan_parallelism.main(LLAMA3_70B_128K + ["--cp-sizes", "1", "2", "4", "8", "16"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert rows[0]["fits"] and all(r["cp"] > 1 for r in rows if r["fits"])
+    fused = LLAMA3_70B_128K + ["--attention", "fused", "--cp-sizes", "1", "2", "4", "8", "16",
+                               "--ulysses-sizes", "1", "2", "4", "8"]
+    assert plan_parallelism.main(fused) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out)["layouts"] if r["fits"]]
+    best_ulysses = min(r["step_s"] for r in rows if r["ulysses"] > 1)
+    best_cp = min(r["step_s"] for r in rows if r["cp"] > 1)
+    assert abs(best_cp - best_ulysses) <= 0.02 * min(best_cp, best_ulysses), (best_cp, best_ulysses)
+
+
 def test_an_moe_model_is_searched_over_expert_parallel_sizes(capsys):
     """Mixtral-8x7B: by default EP 1, 2, 4 and 8 (the powers of two dividing its 8 experts), each a divisor of DP
     (EP ranks are carved from the data-parallel ones); --ep-sizes narrows the search; a dense model refuses it."""
