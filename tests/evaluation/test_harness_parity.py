@@ -3,8 +3,8 @@ training.
 
 One 4-rank launch trains at TP=2, PP=2 a tiny BLOOM four times (without the harness; with it every 2
 iterations, saved; the same stopped after 2 and resumed), a tiny Llama-style model, and BLOOM with the harness at
-CP=2, PP=2 and on the model engine (ZeRO-3 and Ulysses, at TP=2), then runs tools/evaluate.py on the BLOOM checkpoint over the 4 processes (TP=4); to_hf.py exports both
-models. Then:
+CP=2, PP=2 and on the model engine (ZeRO-3 and Ulysses, at TP=2), then runs tools/evaluate.py on the BLOOM
+checkpoint over the 4 processes (TP=4); to_hf.py exports both models. Then:
 - on the local tasks of examples/eval_tasks/ (multiple choice, LAMBADA-style last word, generation) the
   harness's results through ``MegatronLM`` equal its results through ``HFLM`` on the export: every per-sample
   log-likelihood within the tolerance of the tokens it scores (each a log-softmax entry of logits that two
