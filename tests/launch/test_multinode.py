@@ -215,16 +215,23 @@ def test_the_simulated_nodes_are_separate_hosts_and_leave_nothing_behind(cluster
     orphan = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "600"])
     # inside the namespace before the next cluster looks (a loaded machine once ran the cluster's clean-up first: the
     # orphan then entered the namespace after its processes were listed, and outlived it)
-    while not subprocess.run(["ip", "netns", "pids", stale], capture_output=True, text=True).stdout.split():
-        assert orphan.poll() is None, orphan.returncode  # pytest's timeout ends a hang
-        time.sleep(0.05)
+    _wait_inside(lambda: subprocess.run(["ip", "netns", "pids", stale], capture_output=True, text=True).stdout.split(),
+                 orphan)
     with NetnsCluster(tmp_path, nodes=2) as other:  # its start removes the stale namespace
         sleeper = other.popen(1, ["sleep", "600"])
         names = other.namespaces + [other.switch]
-        assert other.pids(1)
+        _wait_inside(lambda: other.pids(1), sleeper)  # `ip netns exec` enters the namespace a moment after it starts
     assert sleeper.wait(timeout=30) != 0 and orphan.wait(timeout=30) != 0
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [name for name in [*names, stale] if name in left], left
+
+
+def _wait_inside(pids_inside, process) -> None:
+    """Until ``pids_inside()`` lists a process: ``process`` (an ``ip netns exec`` command) has entered its namespace.
+    pytest's timeout ends a hang; a command that died instead fails here."""
+    while not pids_inside():
+        assert process.poll() is None, process.returncode
+        time.sleep(0.05)
 
 
 def test_a_lost_node_ends_the_job_naming_it_and_each_relaunch_resumes_the_one_node_losses(cluster, corpus,
