@@ -21,8 +21,8 @@ import os
 import re
 from typing import Mapping, Optional
 
-__all__ = ["cpu_bf16_flags", "fast_bf16", "flex_compiles_on_this_cpu", "default_precision", "PEAK_BF16_TFLOPS", "PEAK_FP8_TFLOPS",
-           "FP8_MIN_CAPABILITY", "fp8_capability_problem", "check_fp8_device"]
+__all__ = ["cpu_bf16_flags", "fast_bf16", "flex_compiles_on_this_cpu", "default_precision", "PEAK_BF16_TFLOPS",
+           "PEAK_FP8_TFLOPS", "FP8_MIN_CAPABILITY", "fp8_capability_problem", "check_fp8_device"]
 
 # Dense bf16 tensor-core peak per GPU, TFLOP/s (datasheet values, SXM parts; sparsity not counted): what MFU
 # divides by (megatron.training.metrics) and what the planner's GPUs compute at (megatron.planner.specs).

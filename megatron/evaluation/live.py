@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from megatron.evaluation import harness
 from megatron.evaluation.harness_model import MegatronLM
 from megatron.parallel.context_parallel import gather_sequence
-from megatron.parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.parallel.mappings import gather_from_tensor_model_parallel_region, gather_replicated_sequence_region
 from megatron.parallel.state import collective_device
 
 __all__ = ["LiveHarness", "ModelEngineLM", "PipelineEngineLM"]
@@ -101,12 +101,9 @@ class ModelEngineLM(PipelineEngineLM):
 
     def _scored(self, tokens: torch.Tensor) -> torch.Tensor:
         inputs, _ = self._make_batch(tokens)
-        local = self._local_log_probs(self.engine.logits(inputs))  # [b, s', v]
-        if self.sp_group is not None and dist.get_world_size(self.sp_group) > 1:
-            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.sp_group))]
-            dist.all_gather(parts, local, group=self.sp_group)
-            return torch.cat(parts, dim=1)  # [b, s, v]: the ranks' slices in rank order
-        return gather_sequence(local, self.cp_group)  # [b, s, v]
+        # Ulysses: the ranks' contiguous slices in rank order (CP's load-balanced ones: gather_sequence below)
+        logits = gather_replicated_sequence_region(self.engine.logits(inputs), self.sp_group)  # [s/cp, b, vp/tp]
+        return gather_sequence(self._local_log_probs(logits), self.cp_group)  # [b, s, v]
 
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
